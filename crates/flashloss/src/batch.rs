@@ -1,0 +1,254 @@
+//! The inputs of a GRPO step, their shapes and their validation.
+//!
+//! A batch is B sequences of T completion positions, flattened to N = B·T rows with
+//! `row = b·T + t`. Rule for every `[B, T]` input: only positions with `mask = true`
+//! are read, so padding may hold anything (e.g. `-100` ids).
+
+use crate::config::GrpoLoss;
+use crate::error::{Error, Result};
+
+/// Where row `(b, t)` of a `[B, T, V]` logits buffer starts: `b·seq_stride + t·row_stride`.
+/// Strides larger than `T·V` and `V` let a slice of a `[B, T+1, V]` model output be
+/// passed without a copy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LogitsLayout {
+    /// B, the number of sequences.
+    pub batch: usize,
+    /// T, completion positions per sequence.
+    pub seq_len: usize,
+    /// V, the vocabulary size (elements read per row).
+    pub vocab: usize,
+    /// Elements between positions t and t+1 of a sequence (≥ V).
+    pub row_stride: usize,
+    /// Elements between sequences b and b+1 (≥ (T-1)·row_stride + V).
+    pub seq_stride: usize,
+}
+
+impl LogitsLayout {
+    /// A dense `[B, T, V]` layout.
+    pub fn contiguous(batch: usize, seq_len: usize, vocab: usize) -> Self {
+        LogitsLayout {
+            batch,
+            seq_len,
+            vocab,
+            row_stride: vocab,
+            seq_stride: seq_len * vocab,
+        }
+    }
+
+    /// N = B·T.
+    pub fn rows(&self) -> usize {
+        self.batch * self.seq_len
+    }
+
+    /// Offset of row `row = b·T + t`.
+    pub fn offset(&self, row: usize) -> usize {
+        (row / self.seq_len) * self.seq_stride + (row % self.seq_len) * self.row_stride
+    }
+
+    /// Smallest buffer length that holds every row.
+    pub fn required_len(&self) -> usize {
+        if self.rows() == 0 {
+            0
+        } else {
+            self.offset(self.rows() - 1) + self.vocab
+        }
+    }
+
+    /// Checks sizes, that rows do not overlap, and that `len` elements hold them all.
+    pub fn validate(&self, arg: &'static str, len: usize) -> Result<()> {
+        let bad = |reason: String| Err(Error::InvalidArgument { arg, reason });
+        if self.batch == 0 || self.seq_len == 0 || self.vocab == 0 {
+            return bad(format!(
+                "batch, seq_len and vocab must be >= 1, got [B={}, T={}, V={}]",
+                self.batch, self.seq_len, self.vocab
+            ));
+        }
+        if self.row_stride < self.vocab {
+            return bad(format!(
+                "row_stride {} is smaller than vocab {}",
+                self.row_stride, self.vocab
+            ));
+        }
+        if self.batch > 1 && self.seq_stride < (self.seq_len - 1) * self.row_stride + self.vocab {
+            return bad(format!(
+                "seq_stride {} makes sequences overlap (need >= {})",
+                self.seq_stride,
+                (self.seq_len - 1) * self.row_stride + self.vocab
+            ));
+        }
+        if len < self.required_len() {
+            return Err(Error::ShapeMismatch {
+                arg,
+                shape: format!(
+                    "[B={}, T={}, V={}] with strides ({}, {})",
+                    self.batch, self.seq_len, self.vocab, self.seq_stride, self.row_stride
+                ),
+                expected: self.required_len(),
+                actual: len,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// A value given either once per sequence (`[B]`) or once per token (`[B, T]`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum PerSeqOrToken<'a> {
+    /// One value per sequence, `[B]`.
+    Sequence(&'a [f32]),
+    /// One value per token, `[B, T]`.
+    Token(&'a [f32]),
+}
+
+impl PerSeqOrToken<'_> {
+    /// The value for row `row = b·T + t`.
+    #[inline]
+    pub fn at(&self, row: usize, seq_len: usize) -> f32 {
+        match self {
+            PerSeqOrToken::Sequence(v) => v[row / seq_len],
+            PerSeqOrToken::Token(v) => v[row],
+        }
+    }
+}
+
+/// The per-token inputs of a GRPO step (everything but the logits or hidden states).
+#[derive(Debug, Clone, Copy)]
+pub struct GrpoBatch<'a> {
+    /// B.
+    pub batch: usize,
+    /// T.
+    pub seq_len: usize,
+    /// Sampled token ids `[B, T]`, in `[0, V)` where the mask is set.
+    pub target_ids: &'a [i64],
+    /// Completion mask `[B, T]`.
+    pub mask: &'a [bool],
+    /// Advantages `[B]` or `[B, T]`, finite.
+    pub advantages: PerSeqOrToken<'a>,
+    /// Old-policy logp `[B, T]`; absent means on-policy (ratio 1).
+    pub old_logp: Option<&'a [f32]>,
+    /// Reference-policy logp `[B, T]`; required when β > 0.
+    pub ref_logp: Option<&'a [f32]>,
+    /// Detached sampler importance ratio ρ `[B]` or `[B, T]` (vLLM-style correction).
+    pub sampler_ratio: Option<PerSeqOrToken<'a>>,
+}
+
+fn check_len(arg: &'static str, len: usize, expected: usize, shape: String) -> Result<()> {
+    if len == expected {
+        Ok(())
+    } else {
+        Err(Error::ShapeMismatch {
+            arg,
+            shape,
+            expected,
+            actual: len,
+        })
+    }
+}
+
+impl GrpoBatch<'_> {
+    /// N = B·T.
+    pub fn rows(&self) -> usize {
+        self.batch * self.seq_len
+    }
+
+    fn bt(&self) -> String {
+        format!("[B={}, T={}]", self.batch, self.seq_len)
+    }
+
+    /// Checks every shape, every id (in `[0, vocab)`) and every value (finite; ρ ≥ 0)
+    /// that the loss will read, naming the argument and index of the first bad one.
+    pub fn validate(&self, vocab: usize, loss: &GrpoLoss) -> Result<()> {
+        if self.batch == 0 || self.seq_len == 0 {
+            return Err(Error::InvalidArgument {
+                arg: "batch",
+                reason: format!(
+                    "batch and seq_len must be >= 1, got [B={}, T={}]",
+                    self.batch, self.seq_len
+                ),
+            });
+        }
+        let n = self.rows();
+        check_len("target_ids", self.target_ids.len(), n, self.bt())?;
+        check_len("mask", self.mask.len(), n, self.bt())?;
+        self.check_per_seq_or_token("advantages", &self.advantages, false)?;
+        if let Some(rho) = &self.sampler_ratio {
+            self.check_per_seq_or_token("sampler_ratio", rho, true)?;
+        }
+        for (arg, values) in [("old_logp", self.old_logp), ("ref_logp", self.ref_logp)] {
+            if let Some(v) = values {
+                check_len(arg, v.len(), n, self.bt())?;
+                self.check_masked_finite(arg, v)?;
+            }
+        }
+        if loss.config().beta > 0.0 && self.ref_logp.is_none() {
+            return Err(Error::InvalidArgument {
+                arg: "ref_logp",
+                reason: format!("required when beta > 0 (beta = {})", loss.config().beta),
+            });
+        }
+        for (i, (&id, &m)) in self.target_ids.iter().zip(self.mask).enumerate() {
+            if m && (id < 0 || id as u64 >= vocab as u64) {
+                return Err(Error::TokenOutOfRange {
+                    arg: "target_ids",
+                    index: i,
+                    seq: i / self.seq_len,
+                    pos: i % self.seq_len,
+                    id,
+                    vocab,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn check_per_seq_or_token(
+        &self,
+        arg: &'static str,
+        values: &PerSeqOrToken,
+        non_negative: bool,
+    ) -> Result<()> {
+        let bad = |index: usize, value: f32| {
+            if non_negative && value.is_finite() {
+                Err(Error::InvalidArgument {
+                    arg,
+                    reason: format!("value {value} at index {index} is negative"),
+                })
+            } else {
+                Err(Error::NonFinite {
+                    arg,
+                    index,
+                    value: value as f64,
+                })
+            }
+        };
+        let ok = |v: f32| v.is_finite() && (!non_negative || v >= 0.0);
+        match values {
+            PerSeqOrToken::Sequence(v) => {
+                check_len(arg, v.len(), self.batch, format!("[B={}]", self.batch))?;
+                match v.iter().position(|&x| !ok(x)) {
+                    Some(i) => bad(i, v[i]),
+                    None => Ok(()),
+                }
+            }
+            PerSeqOrToken::Token(v) => {
+                check_len(arg, v.len(), self.rows(), self.bt())?;
+                match (0..v.len()).find(|&i| self.mask[i] && !ok(v[i])) {
+                    Some(i) => bad(i, v[i]),
+                    None => Ok(()),
+                }
+            }
+        }
+    }
+
+    fn check_masked_finite(&self, arg: &'static str, v: &[f32]) -> Result<()> {
+        match (0..v.len()).find(|&i| self.mask[i] && !v[i].is_finite()) {
+            Some(index) => Err(Error::NonFinite {
+                arg,
+                index,
+                value: v[index] as f64,
+            }),
+            None => Ok(()),
+        }
+    }
+}

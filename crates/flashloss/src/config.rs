@@ -1,0 +1,248 @@
+//! The GRPO loss configuration of `shared/spec/losses.md`, with its defaults and the
+//! rules on which combinations are valid. [`GrpoLoss::new`] is the one place a config is
+//! checked; kernels take a [`GrpoLoss`], so they never see an invalid one.
+
+use crate::error::{Error, Result};
+use serde::{Deserialize, Serialize};
+
+/// Which GRPO-family objective (spec: "GRPO per-token policy loss").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LossType {
+    /// Clipped surrogate, per-sequence token mean, then batch mean.
+    Grpo,
+    /// Clipped surrogate, mean over all unmasked tokens of the batch.
+    Bnpo,
+    /// Clipped surrogate, normalized by `B · max_completion_length`.
+    DrGrpo,
+    /// Clipped surrogate, normalized by `num_items_in_batch`.
+    Dapo,
+    /// `-stopgrad(min(r, ε_high))·A·logp`, normalized by `num_items_in_batch`.
+    Cispo,
+    /// Soft gate `-A·(4/τ)·σ(τ(r-1))`, reduced like grpo.
+    Sapo,
+    /// Clipped surrogate at sequence level, weighted by sequence length.
+    Luspo,
+    /// `-stopgrad(φ_b)·A·logp` with a sequence-level weight φ_b.
+    Vespo,
+}
+
+impl LossType {
+    /// All loss types, in spec order.
+    pub const ALL: [LossType; 8] = [
+        LossType::Grpo,
+        LossType::Bnpo,
+        LossType::DrGrpo,
+        LossType::Dapo,
+        LossType::Cispo,
+        LossType::Sapo,
+        LossType::Luspo,
+        LossType::Vespo,
+    ];
+
+    /// True for the PPO-style clipped family (grpo, bnpo, dr_grpo, dapo, luspo).
+    pub fn is_clipped(self) -> bool {
+        matches!(
+            self,
+            LossType::Grpo | LossType::Bnpo | LossType::DrGrpo | LossType::Dapo | LossType::Luspo
+        )
+    }
+
+    /// Whether this loss type may run at the given importance-sampling level.
+    pub fn allows_level(self, level: ImportanceSamplingLevel) -> bool {
+        match (self, level) {
+            (LossType::Luspo, ImportanceSamplingLevel::Token) => false,
+            (LossType::Cispo | LossType::Sapo | LossType::Vespo, ImportanceSamplingLevel::Sequence) => {
+                false
+            }
+            _ => true,
+        }
+    }
+}
+
+/// Where the importance ratio lives: per token, or one per sequence (GSPO).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ImportanceSamplingLevel {
+    /// `r_i = exp(logp_i - o_i)`.
+    Token,
+    /// `R_b = exp(Σ_t m_bt (logp_bt - o_bt) / L_b)`.
+    Sequence,
+}
+
+/// Every field of the spec's loss configuration. Field names are TRL's; defaults are
+/// the spec's. Construct a [`GrpoLoss`] from it to use it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LossConfig {
+    /// The objective.
+    pub loss_type: LossType,
+    /// Token-level or sequence-level (GSPO) ratios.
+    pub importance_sampling_level: ImportanceSamplingLevel,
+    /// Lower clip: `c ≥ 1 - epsilon_low`.
+    pub epsilon_low: f64,
+    /// Upper clip `c ≤ 1 + epsilon_high`; for cispo the absolute cap on `r`.
+    pub epsilon_high: f64,
+    /// Two-sided clipping: `r̃ = min(r, delta)` (clipped family only).
+    pub delta: Option<f64>,
+    /// KL coefficient β (k3 estimator against the reference policy).
+    pub beta: f64,
+    /// Multiply the KL by the (non-detached) importance ratio.
+    pub use_bias_correction_kl: bool,
+    /// Logits are divided by this before the softmax.
+    pub temperature: f64,
+    /// sapo τ for positive advantages.
+    pub sapo_temperature_pos: f64,
+    /// sapo τ for non-positive advantages.
+    pub sapo_temperature_neg: f64,
+    /// vespo k for A ≥ 0.
+    pub vespo_k_pos: f64,
+    /// vespo λ for A ≥ 0.
+    pub vespo_lambda_pos: f64,
+    /// vespo k for A < 0.
+    pub vespo_k_neg: f64,
+    /// vespo λ for A < 0.
+    pub vespo_lambda_neg: f64,
+    /// dr_grpo's constant normalizer (required for dr_grpo).
+    pub max_completion_length: Option<usize>,
+    /// dapo/cispo/vespo normalizer; when unset, the (global) number of unmasked tokens.
+    pub num_items_in_batch: Option<f64>,
+    /// Entropy bonus: adds `-entropy_coef · H_i` to each token's loss.
+    pub entropy_coef: f64,
+}
+
+impl Default for LossConfig {
+    fn default() -> Self {
+        LossConfig {
+            loss_type: LossType::Grpo,
+            importance_sampling_level: ImportanceSamplingLevel::Token,
+            epsilon_low: 0.2,
+            epsilon_high: 0.2,
+            delta: None,
+            beta: 0.0,
+            use_bias_correction_kl: false,
+            temperature: 1.0,
+            sapo_temperature_pos: 1.0,
+            sapo_temperature_neg: 1.05,
+            vespo_k_pos: 2.0,
+            vespo_lambda_pos: 3.0,
+            vespo_k_neg: 3.0,
+            vespo_lambda_neg: 2.0,
+            max_completion_length: None,
+            num_items_in_batch: None,
+            entropy_coef: 0.0,
+        }
+    }
+}
+
+/// A validated [`LossConfig`]: the only form the kernels accept.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GrpoLoss {
+    config: LossConfig,
+}
+
+fn check(ok: bool, field: &'static str, reason: impl FnOnce() -> String) -> Result<()> {
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::InvalidConfig {
+            field,
+            reason: reason(),
+        })
+    }
+}
+
+fn check_finite(x: f64, field: &'static str) -> Result<()> {
+    check(x.is_finite(), field, || format!("must be finite, got {x}"))
+}
+
+impl GrpoLoss {
+    /// Validates `config`: finite parameters in range, and the spec's rules (δ only for
+    /// the clipped family; sequence level not for cispo, sapo, vespo; luspo only at
+    /// sequence level; dr_grpo needs `max_completion_length`).
+    pub fn new(config: LossConfig) -> Result<Self> {
+        let c = &config;
+        for (x, field) in [
+            (c.epsilon_low, "epsilon_low"),
+            (c.epsilon_high, "epsilon_high"),
+            (c.beta, "beta"),
+            (c.temperature, "temperature"),
+            (c.sapo_temperature_pos, "sapo_temperature_pos"),
+            (c.sapo_temperature_neg, "sapo_temperature_neg"),
+            (c.vespo_k_pos, "vespo_k_pos"),
+            (c.vespo_lambda_pos, "vespo_lambda_pos"),
+            (c.vespo_k_neg, "vespo_k_neg"),
+            (c.vespo_lambda_neg, "vespo_lambda_neg"),
+            (c.entropy_coef, "entropy_coef"),
+        ] {
+            check_finite(x, field)?;
+        }
+        check(
+            (0.0..1.0).contains(&c.epsilon_low),
+            "epsilon_low",
+            || format!("must be in [0, 1), got {}", c.epsilon_low),
+        )?;
+        check(c.epsilon_high >= 0.0, "epsilon_high", || {
+            format!("must be >= 0, got {}", c.epsilon_high)
+        })?;
+        if c.loss_type == LossType::Cispo {
+            check(c.epsilon_high > 0.0, "epsilon_high", || {
+                "cispo caps the ratio at epsilon_high, which must be > 0".into()
+            })?;
+        }
+        check(c.beta >= 0.0, "beta", || format!("must be >= 0, got {}", c.beta))?;
+        check(c.temperature > 0.0, "temperature", || {
+            format!("must be > 0, got {}", c.temperature)
+        })?;
+        check(
+            c.sapo_temperature_pos > 0.0 && c.sapo_temperature_neg > 0.0,
+            "sapo_temperature_pos",
+            || "sapo temperatures must be > 0".into(),
+        )?;
+        if let Some(delta) = c.delta {
+            check(c.loss_type.is_clipped(), "delta", || {
+                format!(
+                    "delta is valid only for the clipped family (grpo, bnpo, dr_grpo, dapo, luspo), not {:?}",
+                    c.loss_type
+                )
+            })?;
+            check(delta.is_finite() && delta > 1.0, "delta", || {
+                format!("must be finite and > 1, got {delta}")
+            })?;
+        }
+        check(
+            c.loss_type.allows_level(c.importance_sampling_level),
+            "importance_sampling_level",
+            || match c.loss_type {
+                LossType::Luspo => "luspo requires importance_sampling_level = sequence".into(),
+                t => format!("{t:?} supports only importance_sampling_level = token"),
+            },
+        )?;
+        if c.loss_type == LossType::DrGrpo {
+            check(
+                c.max_completion_length.is_some_and(|l| l > 0),
+                "max_completion_length",
+                || "dr_grpo requires max_completion_length >= 1".into(),
+            )?;
+        }
+        if let Some(n) = c.num_items_in_batch {
+            check(n.is_finite() && n > 0.0, "num_items_in_batch", || {
+                format!("must be finite and > 0, got {n}")
+            })?;
+        }
+        Ok(GrpoLoss { config })
+    }
+
+    /// The validated configuration.
+    pub fn config(&self) -> &LossConfig {
+        &self.config
+    }
+
+    /// True when the ratio is one per sequence (GSPO) or the loss needs a
+    /// per-sequence reduction of ratios before any gradient (vespo): such losses need
+    /// every token's logp before the backward can start.
+    pub fn needs_sequence_reduction(&self) -> bool {
+        self.config.importance_sampling_level == ImportanceSamplingLevel::Sequence
+            || self.config.loss_type == LossType::Vespo
+    }
+}

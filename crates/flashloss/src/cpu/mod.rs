@@ -1,0 +1,14 @@
+//! The CPU backend: multithreaded (rayon, over rows) and vectorized kernels, one file
+//! per kernel. Results are bitwise identical for any thread count: every row is
+//! computed by one thread in a fixed order, and reductions across rows are serial.
+
+mod grpo_logits;
+mod online_softmax;
+mod selective_log_softmax;
+pub mod simd;
+mod unfused_logits;
+
+pub use grpo_logits::{GrpoLogitsForward, grpo_logits_forward, grpo_logits_forward_with};
+pub use online_softmax::{OnlineSoftmax, RowStats, VOCAB_TILE};
+pub use selective_log_softmax::selective_log_softmax;
+pub use unfused_logits::grpo_logits_unfused;

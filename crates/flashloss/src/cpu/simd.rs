@@ -1,0 +1,160 @@
+//! Tile primitives of the CPU kernels: a branch-free `exp` that the compiler
+//! vectorizes, and reductions over 16 independent lanes (a fixed order, so results do
+//! not depend on threads). Each public function is compiled for AVX-512, AVX2+FMA and
+//! baseline x86-64 and picks the best at run time.
+
+use crate::element::Element;
+use multiversion::multiversion;
+
+/// Lanes of every reduction: one AVX-512 register of f32.
+const LANES: usize = 16;
+
+/// `exp(x)` in f32, within 2 ulp; 0 below -87 (no denormals), NaN stays NaN.
+/// Range reduction `x = n·ln2 + r`, `|r| ≤ ln2/2`, then a degree-7 polynomial
+/// (Cephes `expf` coefficients) and `2^n` built from the exponent bits.
+#[inline(always)]
+pub fn exp(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    // 1.5·2^23: adding it rounds to an integer held in the low mantissa bits.
+    const ROUND: f32 = 12_582_912.0;
+    let xc = if x < -87.0 {
+        -87.0
+    } else if x > 88.0 {
+        88.0
+    } else {
+        x
+    };
+    let t = xc * LOG2E + ROUND;
+    let n = t - ROUND;
+    let r = (xc - n * LN2_HI) - n * LN2_LO;
+    let k = t.to_bits().wrapping_sub(ROUND.to_bits()) as i32;
+    let two_n = f32::from_bits(((k + 127) as u32) << 23);
+    let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2)
+        * r
+        + 1.666_666_5e-1)
+        * r
+        + 5.000_000_1e-1;
+    let y = (p * (r * r) + r) + 1.0;
+    if x < -87.0 { 0.0 } else { y * two_n }
+}
+
+/// Widens `src` to f32 and multiplies by `scale` (`1/T_temp`) into `dst`.
+#[inline]
+pub fn load_scaled<E: Element>(src: &[E], scale: f32, dst: &mut [f32]) {
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d = s.to_f32() * scale;
+    }
+}
+
+/// Rounds `src` into `dst`'s element type.
+#[inline]
+pub fn store<E: Element>(src: &[f32], dst: &mut [E]) {
+    for (d, &s) in dst.iter_mut().zip(src) {
+        *d = E::from_f32(s);
+    }
+}
+
+/// `max_j x_j` (`-inf` for an empty or all `-inf` slice; NaN entries are skipped).
+#[multiversion(targets("x86_64+avx512f+avx512vl+avx2+fma", "x86_64+avx2+fma"))]
+pub fn max(x: &[f32]) -> f32 {
+    let mut acc = [f32::NEG_INFINITY; LANES];
+    let chunks = x.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for k in 0..LANES {
+            acc[k] = if c[k] > acc[k] { c[k] } else { acc[k] };
+        }
+    }
+    acc.iter()
+        .chain(tail)
+        .fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m })
+}
+
+/// `(Σ_j e_j, Σ_j e_j·(x_j - shift))` with `e_j = exp(x_j - shift)`; `-inf` entries
+/// contribute 0 to both.
+#[multiversion(targets("x86_64+avx512f+avx512vl+avx2+fma", "x86_64+avx2+fma"))]
+pub fn exp_sums(x: &[f32], shift: f32) -> (f32, f32) {
+    let mut sum = [0.0f32; LANES];
+    let mut weighted = [0.0f32; LANES];
+    let chunks = x.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for k in 0..LANES {
+            let d = c[k] - shift;
+            let e = exp(d);
+            sum[k] += e;
+            weighted[k] += if e > 0.0 { e * d } else { 0.0 };
+        }
+    }
+    for (k, &v) in tail.iter().enumerate() {
+        let d = v - shift;
+        let e = exp(d);
+        sum[k] += e;
+        weighted[k] += if e > 0.0 { e * d } else { 0.0 };
+    }
+    (sum.iter().sum(), weighted.iter().sum())
+}
+
+/// The softmax-gradient tile: with `log p_j = (x_j - max) - log_sum` and
+/// `p_j = exp(log p_j)`, writes `x_j ← coef_p·p_j + coef_h·p_j·(log p_j + entropy)`
+/// (the entropy term is 0 where `p_j = 0`).
+#[multiversion(targets("x86_64+avx512f+avx512vl+avx2+fma", "x86_64+avx2+fma"))]
+pub fn softmax_grad(x: &mut [f32], max: f32, log_sum: f32, coef_p: f32, coef_h: f32, entropy: f32) {
+    if coef_h == 0.0 {
+        for v in x.iter_mut() {
+            *v = coef_p * exp((*v - max) - log_sum);
+        }
+    } else {
+        for v in x.iter_mut() {
+            let log_p = (*v - max) - log_sum;
+            let p = exp(log_p);
+            let h = if p > 0.0 { p * (log_p + entropy) } else { 0.0 };
+            *v = coef_p * p + coef_h * h;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exp_matches_f64_within_two_ulp() {
+        let mut worst = 0.0f64;
+        let mut x = -87.0f32;
+        while x < 88.0 {
+            let got = exp(x) as f64;
+            let want = (x as f64).exp();
+            worst = worst.max(((got - want) / want).abs());
+            x += 0.000_37;
+        }
+        assert!(worst < 2.5e-7, "worst relative error {worst}");
+        assert_eq!(exp(f32::NEG_INFINITY), 0.0);
+        assert_eq!(exp(-100.0), 0.0);
+        assert!(exp(f32::NAN).is_nan());
+        assert_eq!(exp(0.0), 1.0);
+    }
+
+    #[test]
+    fn reductions_handle_tails_and_neg_inf() {
+        let x: Vec<f32> = (0..37).map(|i| (i as f32 * 0.37).sin() * 5.0).collect();
+        let want_max = x.iter().cloned().fold(f32::MIN, f32::max);
+        assert_eq!(max(&x), want_max);
+        let (s, w) = exp_sums(&x, want_max);
+        let s_ref: f64 = x.iter().map(|&v| ((v - want_max) as f64).exp()).sum();
+        let w_ref: f64 = x
+            .iter()
+            .map(|&v| ((v - want_max) as f64).exp() * (v - want_max) as f64)
+            .sum();
+        assert!(((s as f64 - s_ref) / s_ref).abs() < 1e-6);
+        assert!(((w as f64 - w_ref) / w_ref).abs() < 1e-5);
+        let neg = [f32::NEG_INFINITY; 20];
+        assert_eq!(max(&neg), f32::NEG_INFINITY);
+        let mut with_inf = x.clone();
+        with_inf[3] = f32::NEG_INFINITY;
+        let (s2, w2) = exp_sums(&with_inf, want_max);
+        assert!(s2.is_finite() && w2.is_finite());
+    }
+}

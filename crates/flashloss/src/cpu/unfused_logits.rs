@@ -1,0 +1,75 @@
+//! The unfused logits-level GRPO path, as a framework runs it: materialized f32
+//! `log_softmax` `[N, V]` and `softmax` `[N, V]`, gather, entropy, loss, then `dlogits`.
+//! The A of the logits-level A/B. It uses the same vectorized `exp` and the same
+//! policy stage as the fused kernel, so the difference measured is the memory passes.
+
+use super::simd;
+use crate::batch::{GrpoBatch, LogitsLayout};
+use crate::config::GrpoLoss;
+use crate::element::Element;
+use crate::error::Result;
+use crate::policy::{Normalizers, policy_stage};
+use rayon::prelude::*;
+
+/// Loss and `grad_output · ∂L/∂z` (dense `[N, V]` f32) by the unfused path.
+pub fn grpo_logits_unfused<E: Element>(
+    loss: &GrpoLoss,
+    batch: &GrpoBatch,
+    logits: &[E],
+    layout: &LogitsLayout,
+    grad_output: f32,
+) -> Result<(f64, Vec<f32>)> {
+    layout.validate("logits", logits.len())?;
+    batch.validate(layout.vocab, loss)?;
+    let (n, v) = (layout.rows(), layout.vocab);
+    let temperature = loss.config().temperature;
+    let inv_temp = (1.0 / temperature) as f32;
+
+    // log_softmax(z / T), materialized.
+    let mut log_probs = vec![0.0f32; n * v];
+    log_probs.par_chunks_mut(v).enumerate().for_each(|(i, lp)| {
+        let start = layout.offset(i);
+        simd::load_scaled(&logits[start..start + v], inv_temp, lp);
+        let max = simd::max(lp);
+        let (sum, _) = simd::exp_sums(lp, max);
+        let lse = max + sum.ln();
+        lp.iter_mut().for_each(|x| *x -= lse);
+    });
+    // softmax, materialized.
+    let mut probs = vec![0.0f32; n * v];
+    probs
+        .par_chunks_mut(v)
+        .zip(log_probs.par_chunks(v))
+        .for_each(|(p, lp)| p.iter_mut().zip(lp).for_each(|(p, &l)| *p = simd::exp(l)));
+    // Gather and entropy H = -Σ p·log p.
+    let (logp, entropy): (Vec<f32>, Vec<f32>) = (0..n)
+        .into_par_iter()
+        .map(|i| {
+            let (p, lp) = (&probs[i * v..(i + 1) * v], &log_probs[i * v..(i + 1) * v]);
+            let h: f32 = -p
+                .iter()
+                .zip(lp)
+                .map(|(&p, &l)| if p > 0.0 { p * l } else { 0.0 })
+                .sum::<f32>();
+            let y = if batch.mask[i] { batch.target_ids[i] as usize } else { 0 };
+            (lp[y], h)
+        })
+        .unzip();
+    let policy = policy_stage(loss, batch, Normalizers::local(batch), &logp, &entropy);
+
+    // dlogits = (g/T)·[dlogp·(onehot - p) - dentropy·p·(log p + H)], materialized.
+    let scale = grad_output * inv_temp;
+    let mut dlogits = vec![0.0f32; n * v];
+    dlogits.par_chunks_mut(v).enumerate().for_each(|(i, dz)| {
+        let (p, lp) = (&probs[i * v..(i + 1) * v], &log_probs[i * v..(i + 1) * v]);
+        let (dlogp, dent, h) = (policy.dlogp[i], policy.dentropy[i], entropy[i]);
+        for j in 0..v {
+            let ent = if p[j] > 0.0 { p[j] * (lp[j] + h) } else { 0.0 };
+            dz[j] = scale * (-dlogp * p[j] - dent * ent);
+        }
+        if batch.mask[i] {
+            dz[batch.target_ids[i] as usize] += scale * dlogp;
+        }
+    });
+    Ok((policy.loss, dlogits))
+}

@@ -1,0 +1,90 @@
+//! Typed errors: every one names the argument (or config key), and where it applies
+//! the shape or index that is wrong.
+
+use thiserror::Error;
+
+/// Everything that can go wrong in flashloss. Bad input is always reported through
+/// this type, never through a panic or a NaN.
+#[derive(Debug, Clone, PartialEq, Error)]
+pub enum Error {
+    /// A loss-configuration field has a bad value or conflicts with another field.
+    #[error("invalid loss config: `{field}`: {reason}")]
+    InvalidConfig {
+        /// The offending field, e.g. `delta`.
+        field: &'static str,
+        /// Why it is invalid.
+        reason: String,
+    },
+    /// A buffer has the wrong number of elements for its declared shape.
+    #[error("argument `{arg}`: expected {expected} elements for shape {shape}, got {actual}")]
+    ShapeMismatch {
+        /// The argument name, e.g. `target_ids`.
+        arg: &'static str,
+        /// The shape it must have, e.g. `[B=3, T=17]`.
+        shape: String,
+        /// Elements required.
+        expected: usize,
+        /// Elements given.
+        actual: usize,
+    },
+    /// A size or stride is impossible (zero, or rows that would overlap).
+    #[error("argument `{arg}`: {reason}")]
+    InvalidArgument {
+        /// The argument name.
+        arg: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A token id lies outside `[0, vocab)`.
+    #[error(
+        "argument `{arg}`: id {id} at index {index} (sequence {seq}, position {pos}) is outside [0, {vocab})"
+    )]
+    TokenOutOfRange {
+        /// The argument name (`target_ids`).
+        arg: &'static str,
+        /// Flat index into the `[B, T]` buffer.
+        index: usize,
+        /// Sequence b.
+        seq: usize,
+        /// Position t.
+        pos: usize,
+        /// The bad id.
+        id: i64,
+        /// The vocabulary size.
+        vocab: usize,
+    },
+    /// A value that must be finite is NaN or infinite.
+    #[error("argument `{arg}`: value {value} at index {index} is not finite")]
+    NonFinite {
+        /// The argument name, e.g. `advantages`.
+        arg: &'static str,
+        /// Flat index of the bad value.
+        index: usize,
+        /// The value found.
+        value: f64,
+    },
+    /// The target token of a row has probability zero (its logit is `-inf` or the row
+    /// is all `-inf`), so its log-probability and the loss are infinite.
+    #[error("row {row} (sequence {seq}, position {pos}): target id {id} has a -inf logit")]
+    ImpossibleTarget {
+        /// Flat row index.
+        row: usize,
+        /// Sequence b.
+        seq: usize,
+        /// Position t.
+        pos: usize,
+        /// The target id.
+        id: i64,
+    },
+    /// A config file could not be read or parsed; `key` is the dotted path.
+    #[error("config {key}: {reason}")]
+    ConfigFile {
+        /// Dotted path of the offending key (`<file>` when the whole file is bad).
+        key: String,
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+/// The crate's result type.
+pub type Result<T> = std::result::Result<T, Error>;

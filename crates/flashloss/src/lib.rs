@@ -1,0 +1,23 @@
+//! flashloss: fused GRPO and cross-entropy losses for LLM training that never hold the
+//! `[tokens × vocab]` logits or their gradient.
+//!
+//! Layers: the spec layer knows no backend ([`config`], [`batch`], [`error`],
+//! [`element`], [`policy`], [`reference`]); backends live in folders ([`cpu`]); the
+//! [`tools`] drive them for the command-line tool (gradcheck, bench).
+//! The math is `shared/spec/losses.md`.
+
+#![warn(missing_docs)]
+
+pub mod batch;
+pub mod config;
+pub mod cpu;
+pub mod element;
+pub mod error;
+pub mod policy;
+pub mod reference;
+pub mod tools;
+
+pub use batch::{GrpoBatch, LogitsLayout, PerSeqOrToken};
+pub use config::{GrpoLoss, ImportanceSamplingLevel, LossConfig, LossType};
+pub use element::{DType, Element};
+pub use error::{Error, Result};

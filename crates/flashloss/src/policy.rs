@@ -1,0 +1,283 @@
+//! The O(N) middle of every GRPO kernel, shared by all backends: from per-token `logp`
+//! and entropy `H` to the loss, the metrics and the two per-row coefficients the
+//! backward needs, `dlogp_i = ∂L/∂logp_i` and `dentropy_i = ∂L/∂H_i`. Then
+//! `∂L/∂s_ij = dlogp_i·(1[j=y_i] - p_ij) - dentropy_i·p_ij·(log p_ij + H_i)`.
+//! Computed in f64, serially in row order, so it is deterministic.
+
+use crate::batch::GrpoBatch;
+use crate::config::{GrpoLoss, ImportanceSamplingLevel, LossConfig, LossType};
+use serde::Serialize;
+
+/// Bit of [`PolicyOutput::clip`]: ratio below `1-ε_low` with `A < 0`.
+pub const CLIP_LOW: u8 = 1;
+/// Bit of [`PolicyOutput::clip`]: ratio above `1+ε_high` (cispo: above `ε_high`) with `A > 0`.
+pub const CLIP_HIGH: u8 = 2;
+
+/// The global normalizers of the reduction weights (spec: "Reduction weights").
+/// One rank computes them from its batch; a sharded run all-reduces them.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Normalizers {
+    /// B of grpo, sapo, dr_grpo and luspo: sequences in the (global) batch.
+    pub batch_size: f64,
+    /// Unmasked tokens in the (global) batch: bnpo's count, and dapo/cispo/vespo's
+    /// `num_items_in_batch` when the config leaves it unset.
+    pub token_count: f64,
+}
+
+impl Normalizers {
+    /// The normalizers of a batch seen whole by one rank.
+    pub fn local(batch: &GrpoBatch) -> Self {
+        Normalizers {
+            batch_size: batch.batch as f64,
+            token_count: batch.mask.iter().filter(|&&m| m).count() as f64,
+        }
+    }
+}
+
+/// Masked means over the batch's unmasked tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize)]
+pub struct GrpoMetrics {
+    /// Mean KL (as it enters the loss: times the ratio with bias correction).
+    pub kl_mean: f64,
+    /// Fraction of tokens with [`CLIP_LOW`].
+    pub clip_ratio_low: f64,
+    /// Fraction of tokens with [`CLIP_HIGH`].
+    pub clip_ratio_high: f64,
+    /// Fraction of tokens clipped either way.
+    pub clip_ratio_region: f64,
+    /// Mean entropy.
+    pub entropy_mean: f64,
+}
+
+/// Loss, metrics, per-token KL and clip flags, and the backward's coefficients.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PolicyOutput {
+    /// `L = Σ_i w_i · ℓ_tot,i`.
+    pub loss: f64,
+    /// Batch metrics.
+    pub metrics: GrpoMetrics,
+    /// Per-token KL `[N]` as it enters the loss (0 where masked or without `ref_logp`).
+    pub kl: Vec<f32>,
+    /// Per-token clip flags `[N]` ([`CLIP_LOW`] | [`CLIP_HIGH`]).
+    pub clip: Vec<u8>,
+    /// `∂L/∂logp_i` `[N]` (0 where masked).
+    pub dlogp: Vec<f32>,
+    /// `∂L/∂H_i = -entropy_coef · w_i` `[N]`.
+    pub dentropy: Vec<f32>,
+}
+
+/// Policy term of one token: `ℓ` and `∂ℓ/∂r` (ratio-based losses) or `∂ℓ/∂logp`
+/// (losses linear in logp: cispo, vespo).
+struct PolicyTerm {
+    loss: f64,
+    /// `∂ℓ/∂r` for clipped and sapo, `∂ℓ/∂logp` for cispo and vespo.
+    grad: f64,
+}
+
+fn policy_term(c: &LossConfig, r: f64, adv: f64, logp: f64, vespo_phi: f64) -> PolicyTerm {
+    match c.loss_type {
+        LossType::Cispo => {
+            let w = r.min(c.epsilon_high);
+            PolicyTerm {
+                loss: -w * adv * logp,
+                grad: -w * adv,
+            }
+        }
+        LossType::Sapo => {
+            let tau = if adv > 0.0 {
+                c.sapo_temperature_pos
+            } else {
+                c.sapo_temperature_neg
+            };
+            let sig = 1.0 / (1.0 + (-tau * (r - 1.0)).exp());
+            PolicyTerm {
+                loss: -adv * (4.0 / tau) * sig,
+                grad: -adv * 4.0 * sig * (1.0 - sig),
+            }
+        }
+        LossType::Vespo => PolicyTerm {
+            loss: -vespo_phi * adv * logp,
+            grad: -vespo_phi * adv,
+        },
+        _ => {
+            // Clipped family: ℓ = -min(r̃·A, c·A); the gradient follows the branch the
+            // min takes (ties to r̃), as autograd does.
+            let (lo, hi) = (1.0 - c.epsilon_low, 1.0 + c.epsilon_high);
+            let clipped = r.clamp(lo, hi);
+            let capped = c.delta.map_or(r, |d| r.min(d));
+            if capped * adv <= clipped * adv {
+                let pass = c.delta.is_none_or(|d| r <= d);
+                PolicyTerm {
+                    loss: -capped * adv,
+                    grad: if pass { -adv } else { 0.0 },
+                }
+            } else {
+                let pass = (lo..=hi).contains(&r);
+                PolicyTerm {
+                    loss: -clipped * adv,
+                    grad: if pass { -adv } else { 0.0 },
+                }
+            }
+        }
+    }
+}
+
+fn clip_flags(c: &LossConfig, r: f64, adv: f64) -> u8 {
+    match c.loss_type {
+        LossType::Cispo => {
+            if r > c.epsilon_high && adv > 0.0 {
+                CLIP_HIGH
+            } else {
+                0
+            }
+        }
+        LossType::Sapo | LossType::Vespo => 0,
+        _ => {
+            let low = r < 1.0 - c.epsilon_low && adv < 0.0;
+            let high = r > 1.0 + c.epsilon_high && adv > 0.0;
+            (low as u8 * CLIP_LOW) | (high as u8 * CLIP_HIGH)
+        }
+    }
+}
+
+/// vespo's sequence weight `φ_b = exp(λ + k·log w_b - λ·w_b)` given `log w_b`.
+fn vespo_phi(c: &LossConfig, log_w: f64, adv: f64) -> f64 {
+    let (k, lambda) = if adv >= 0.0 {
+        (c.vespo_k_pos, c.vespo_lambda_pos)
+    } else {
+        (c.vespo_k_neg, c.vespo_lambda_neg)
+    };
+    (lambda + k * log_w - lambda * log_w.exp()).exp()
+}
+
+/// Computes the loss, metrics and backward coefficients from per-token `logp` and
+/// `entropy` (`[N]`, f32 statistics of the kernel's forward). `batch` must have been
+/// validated.
+pub fn policy_stage(
+    loss: &GrpoLoss,
+    batch: &GrpoBatch,
+    norm: Normalizers,
+    logp: &[f32],
+    entropy: &[f32],
+) -> PolicyOutput {
+    let c = loss.config();
+    let (b_count, t_len) = (batch.batch, batch.seq_len);
+    let n = b_count * t_len;
+    let sequence_level = c.importance_sampling_level == ImportanceSamplingLevel::Sequence;
+    let lp = |i: usize| logp[i] as f64;
+    let old = |i: usize| batch.old_logp.map_or(lp(i), |o| o[i] as f64);
+
+    let mut out = PolicyOutput {
+        loss: 0.0,
+        metrics: GrpoMetrics::default(),
+        kl: vec![0.0; n],
+        clip: vec![0; n],
+        dlogp: vec![0.0; n],
+        dentropy: vec![0.0; n],
+    };
+    let (mut kl_sum, mut ent_sum, mut tokens) = (0.0f64, 0.0f64, 0.0f64);
+    let (mut n_low, mut n_high, mut n_region) = (0.0f64, 0.0f64, 0.0f64);
+
+    for b in 0..b_count {
+        let rows = b * t_len..(b + 1) * t_len;
+        let seq_tokens = rows.clone().filter(|&i| batch.mask[i]).count();
+        let len_b = seq_tokens.max(1) as f64;
+        // Sequence-level ratio R_b, and vespo's log w_b.
+        let log_ratio_sum: f64 = rows
+            .clone()
+            .filter(|&i| batch.mask[i])
+            .map(|i| lp(i) - old(i))
+            .sum();
+        let seq_ratio = (log_ratio_sum / len_b).exp();
+        let vespo_log_w = rows
+            .clone()
+            .filter(|&i| batch.mask[i])
+            .map(|i| (lp(i) - old(i)).clamp(-20.0, 20.0))
+            .sum::<f64>()
+            .clamp(1e-8f64.ln(), 20.0);
+        // Σ_s w_bs · ∂ℓ_tot,bs/∂R_b, the cross-token part of a sequence-level gradient.
+        let mut seq_grad = 0.0f64;
+
+        for i in rows.clone() {
+            if !batch.mask[i] {
+                continue;
+            }
+            let adv = batch.advantages.at(i, t_len) as f64;
+            let rho = batch.sampler_ratio.map_or(1.0, |s| s.at(i, t_len) as f64);
+            let w = match c.loss_type {
+                LossType::Grpo | LossType::Sapo => 1.0 / (norm.batch_size * len_b),
+                LossType::Bnpo => 1.0 / norm.token_count.max(1.0),
+                LossType::DrGrpo => {
+                    1.0 / (norm.batch_size * c.max_completion_length.unwrap_or(1) as f64)
+                }
+                LossType::Dapo | LossType::Cispo | LossType::Vespo => {
+                    1.0 / c.num_items_in_batch.unwrap_or(norm.token_count.max(1.0))
+                }
+                LossType::Luspo => len_b / (norm.batch_size * t_len as f64),
+            };
+            let r = if sequence_level {
+                seq_ratio
+            } else {
+                (lp(i) - old(i)).exp()
+            };
+            let phi = vespo_phi(c, vespo_log_w, adv);
+            let term = policy_term(c, r, adv, lp(i), phi);
+            let flags = clip_flags(c, r, adv);
+
+            // KL (k3) and its derivative w.r.t. this token's logp (direct part).
+            let (mut kl, mut dkl) = (0.0, 0.0);
+            if let Some(q) = batch.ref_logp {
+                let d = q[i] as f64 - lp(i);
+                kl = d.exp() - d - 1.0;
+                dkl = 1.0 - d.exp();
+                if c.use_bias_correction_kl {
+                    if sequence_level {
+                        seq_grad += w * c.beta * kl;
+                        dkl *= r;
+                    } else {
+                        dkl = r * (lp(i) - q[i] as f64);
+                    }
+                    kl *= r;
+                }
+            }
+
+            let h = entropy[i] as f64;
+            out.loss += w * (term.loss * rho + c.beta * kl - c.entropy_coef * h);
+            let ratio_based = !matches!(c.loss_type, LossType::Cispo | LossType::Vespo);
+            let mut dlogp = w * c.beta * dkl;
+            if sequence_level {
+                seq_grad += w * rho * term.grad;
+            } else if ratio_based {
+                dlogp += w * rho * term.grad * r;
+            } else {
+                dlogp += w * rho * term.grad;
+            }
+            out.dlogp[i] = dlogp as f32;
+            out.dentropy[i] = (-c.entropy_coef * w) as f32;
+            out.kl[i] = kl as f32;
+            out.clip[i] = flags;
+
+            tokens += 1.0;
+            kl_sum += kl;
+            ent_sum += h;
+            n_low += (flags & CLIP_LOW != 0) as u8 as f64;
+            n_high += (flags & CLIP_HIGH != 0) as u8 as f64;
+            n_region += (flags != 0) as u8 as f64;
+        }
+        if sequence_level {
+            // ∂R_b/∂logp_bt = R_b · m_bt / L_b.
+            for i in rows.filter(|&i| batch.mask[i]) {
+                out.dlogp[i] = (out.dlogp[i] as f64 + seq_grad * seq_ratio / len_b) as f32;
+            }
+        }
+    }
+    let denom = tokens.max(1.0);
+    out.metrics = GrpoMetrics {
+        kl_mean: kl_sum / denom,
+        clip_ratio_low: n_low / denom,
+        clip_ratio_high: n_high / denom,
+        clip_ratio_region: n_region / denom,
+        entropy_mean: ent_sum / denom,
+    };
+    out
+}

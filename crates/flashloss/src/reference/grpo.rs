@@ -1,0 +1,270 @@
+//! The GRPO loss of the spec, literally, and its reference gradients.
+
+use super::dual::{Dual, Num};
+use super::softmax::row_softmax;
+use crate::batch::GrpoBatch;
+use crate::config::{GrpoLoss, ImportanceSamplingLevel, LossConfig, LossType};
+use crate::policy::{GrpoMetrics, Normalizers};
+
+/// Everything the reference computes; per-token vectors are `[N]` (0 where masked).
+#[derive(Debug, Clone)]
+pub struct GrpoReference {
+    /// The loss `L`.
+    pub loss: f64,
+    /// Batch metrics.
+    pub metrics: GrpoMetrics,
+    /// Per-token `logp_i`.
+    pub logp: Vec<f64>,
+    /// Per-token `lse_i`.
+    pub lse: Vec<f64>,
+    /// Per-token entropy `H_i`.
+    pub entropy: Vec<f64>,
+    /// Per-token KL as it enters the loss.
+    pub kl: Vec<f64>,
+    /// `∂L/∂logp_i`.
+    pub dlogp: Vec<f64>,
+    /// `∂L/∂H_i`.
+    pub dentropy: Vec<f64>,
+    /// `grad_output · ∂L/∂z` `[N, V]`, dense.
+    pub dlogits: Vec<f64>,
+}
+
+/// One token's share of the loss: `L = Σ weight · total`.
+struct TokenTerm<N> {
+    row: usize,
+    weight: f64,
+    ratio: N,
+    advantage: f64,
+    kl: N,
+    total: N,
+}
+
+/// The terms of sequence `b`, given its T logp and entropy values.
+fn sequence_terms<N: Num>(
+    c: &LossConfig,
+    batch: &GrpoBatch,
+    norm: Normalizers,
+    b: usize,
+    logp: &[N],
+    entropy: &[N],
+) -> Vec<TokenTerm<N>> {
+    let t_len = batch.seq_len;
+    let row = |t: usize| b * t_len + t;
+    let live: Vec<usize> = (0..t_len).filter(|&t| batch.mask[row(t)]).collect();
+    let len_b = live.len().max(1) as f64;
+    // o = stopgrad(logp) when there is no old policy.
+    let old = |t: usize| match batch.old_logp {
+        Some(o) => N::c(o[row(t)] as f64),
+        None => logp[t].stopgrad(),
+    };
+    let mut log_ratio_sum = N::c(0.0);
+    let mut vespo_log_w = N::c(0.0);
+    for &t in &live {
+        log_ratio_sum = log_ratio_sum + (logp[t] - old(t));
+        vespo_log_w = vespo_log_w + (logp[t] - old(t)).clamp_v(-20.0, 20.0);
+    }
+    let seq_ratio = (log_ratio_sum * N::c(1.0 / len_b)).exp();
+    let vespo_log_w = vespo_log_w.clamp_v(1e-8f64.ln(), 20.0);
+
+    let mut terms = Vec::new();
+    for &t in &live {
+        let i = row(t);
+        let adv = batch.advantages.at(i, t_len) as f64;
+        let a = N::c(adv);
+        let r = match c.importance_sampling_level {
+            ImportanceSamplingLevel::Token => (logp[t] - old(t)).exp(),
+            ImportanceSamplingLevel::Sequence => seq_ratio,
+        };
+        let policy = match c.loss_type {
+            LossType::Cispo => -(r.min_v(N::c(c.epsilon_high)).stopgrad() * a * logp[t]),
+            LossType::Sapo => {
+                let tau = if adv > 0.0 {
+                    c.sapo_temperature_pos
+                } else {
+                    c.sapo_temperature_neg
+                };
+                let sigmoid = (N::c(1.0) + (-(N::c(tau) * (r - N::c(1.0)))).exp()).recip();
+                -(a * N::c(4.0 / tau) * sigmoid)
+            }
+            LossType::Vespo => {
+                let (k, lambda) = if adv >= 0.0 {
+                    (c.vespo_k_pos, c.vespo_lambda_pos)
+                } else {
+                    (c.vespo_k_neg, c.vespo_lambda_neg)
+                };
+                let w = vespo_log_w.exp();
+                let phi = (N::c(lambda) + N::c(k) * vespo_log_w - N::c(lambda) * w).exp();
+                -(phi.stopgrad() * a * logp[t])
+            }
+            _ => {
+                let capped = match c.delta {
+                    Some(d) => r.min_v(N::c(d)),
+                    None => r,
+                };
+                let clipped = r.clamp_v(1.0 - c.epsilon_low, 1.0 + c.epsilon_high);
+                -((capped * a).min_v(clipped * a))
+            }
+        };
+        let rho = batch.sampler_ratio.map_or(1.0, |s| s.at(i, t_len) as f64);
+        let kl = match batch.ref_logp {
+            Some(q) => {
+                let d = N::c(q[i] as f64) - logp[t];
+                let k3 = d.exp() - d - N::c(1.0);
+                if c.use_bias_correction_kl { k3 * r } else { k3 }
+            }
+            None => N::c(0.0),
+        };
+        let weight = match c.loss_type {
+            LossType::Grpo | LossType::Sapo => 1.0 / (norm.batch_size * len_b),
+            LossType::Bnpo => 1.0 / norm.token_count.max(1.0),
+            LossType::DrGrpo => {
+                1.0 / (norm.batch_size * c.max_completion_length.unwrap_or(1) as f64)
+            }
+            LossType::Dapo | LossType::Cispo | LossType::Vespo => {
+                1.0 / c.num_items_in_batch.unwrap_or(norm.token_count.max(1.0))
+            }
+            LossType::Luspo => len_b / (norm.batch_size * t_len as f64),
+        };
+        let total =
+            policy * N::c(rho) + N::c(c.beta) * kl - N::c(c.entropy_coef) * entropy[t];
+        terms.push(TokenTerm {
+            row: i,
+            weight,
+            ratio: r,
+            advantage: adv,
+            kl,
+            total,
+        });
+    }
+    terms
+}
+
+fn sequence_loss<N: Num>(terms: &[TokenTerm<N>]) -> N {
+    terms
+        .iter()
+        .fold(N::c(0.0), |acc, t| acc + N::c(t.weight) * t.total)
+}
+
+/// Runs the reference on dense f64 logits `[N, V]` (N = B·T). `batch` must be valid;
+/// `grad_output` scales `dlogits`.
+pub fn grpo_reference(
+    loss: &GrpoLoss,
+    batch: &GrpoBatch,
+    norm: Normalizers,
+    logits: &[f64],
+    vocab: usize,
+    grad_output: f64,
+) -> GrpoReference {
+    let c = loss.config();
+    let (b_count, t_len) = (batch.batch, batch.seq_len);
+    let n = b_count * t_len;
+    let mut out = GrpoReference {
+        loss: 0.0,
+        metrics: GrpoMetrics::default(),
+        logp: vec![0.0; n],
+        lse: vec![0.0; n],
+        entropy: vec![0.0; n],
+        kl: vec![0.0; n],
+        dlogp: vec![0.0; n],
+        dentropy: vec![0.0; n],
+        dlogits: vec![0.0; n * vocab],
+    };
+    let mut softmax = Vec::with_capacity(n);
+    for i in 0..n {
+        if !batch.mask[i] {
+            softmax.push(None);
+            continue;
+        }
+        let row = row_softmax(&logits[i * vocab..(i + 1) * vocab], c.temperature);
+        out.lse[i] = row.lse;
+        out.entropy[i] = row.entropy;
+        out.logp[i] = row.log_probs[batch.target_ids[i] as usize];
+        softmax.push(Some(row));
+    }
+
+    let (mut tokens, mut kl_sum, mut ent_sum) = (0.0, 0.0, 0.0);
+    let (mut low, mut high, mut region) = (0.0, 0.0, 0.0);
+    for b in 0..b_count {
+        let rows = b * t_len..(b + 1) * t_len;
+        let lp = &out.logp[rows.clone()];
+        let ent = &out.entropy[rows.clone()];
+        let terms = sequence_terms::<f64>(c, batch, norm, b, lp, ent);
+        out.loss += sequence_loss(&terms);
+        for term in &terms {
+            let i = term.row;
+            out.kl[i] = term.kl;
+            let (r, a) = (term.ratio, term.advantage);
+            let (is_low, is_high) = match c.loss_type {
+                LossType::Cispo => (false, r > c.epsilon_high && a > 0.0),
+                LossType::Sapo | LossType::Vespo => (false, false),
+                _ => (
+                    r < 1.0 - c.epsilon_low && a < 0.0,
+                    r > 1.0 + c.epsilon_high && a > 0.0,
+                ),
+            };
+            tokens += 1.0;
+            kl_sum += term.kl;
+            ent_sum += out.entropy[i];
+            low += is_low as u8 as f64;
+            high += is_high as u8 as f64;
+            region += (is_low || is_high) as u8 as f64;
+        }
+        // Exact derivatives: one dual evaluation per seeded input.
+        for seed in 0..2 * t_len {
+            let (t, seed_entropy) = (seed % t_len, seed >= t_len);
+            if !batch.mask[b * t_len + t] {
+                continue;
+            }
+            let dual = |values: &[f64], seeded: bool| -> Vec<Dual> {
+                values
+                    .iter()
+                    .enumerate()
+                    .map(|(k, &v)| Dual {
+                        v,
+                        d: (seeded && k == t) as u8 as f64,
+                    })
+                    .collect()
+            };
+            let terms = sequence_terms(
+                c,
+                batch,
+                norm,
+                b,
+                &dual(lp, !seed_entropy),
+                &dual(ent, seed_entropy),
+            );
+            let d = sequence_loss(&terms).d;
+            if seed_entropy {
+                out.dentropy[b * t_len + t] = d;
+            } else {
+                out.dlogp[b * t_len + t] = d;
+            }
+        }
+    }
+    let denom = f64::max(tokens, 1.0);
+    out.metrics = GrpoMetrics {
+        kl_mean: kl_sum / denom,
+        clip_ratio_low: low / denom,
+        clip_ratio_high: high / denom,
+        clip_ratio_region: region / denom,
+        entropy_mean: ent_sum / denom,
+    };
+
+    // ∂L/∂z_ij = (1/T)·[dlogp·(1[j=y] - p_j) - dentropy·p_j·(log p_j + H)].
+    for (i, row) in softmax.iter().enumerate() {
+        let Some(row) = row else { continue };
+        let scale = grad_output / c.temperature;
+        let dz = &mut out.dlogits[i * vocab..(i + 1) * vocab];
+        for (j, &log_p) in row.log_probs.iter().enumerate() {
+            let p = log_p.exp();
+            let entropy_term = if p > 0.0 {
+                p * (log_p + out.entropy[i])
+            } else {
+                0.0
+            };
+            dz[j] = scale * (-out.dlogp[i] * p - out.dentropy[i] * entropy_term);
+        }
+        dz[batch.target_ids[i] as usize] += scale * out.dlogp[i];
+    }
+    out
+}
