@@ -40,6 +40,20 @@ impl LossType {
         LossType::Vespo,
     ];
 
+    /// The name used in configs (`dr_grpo`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            LossType::Grpo => "grpo",
+            LossType::Bnpo => "bnpo",
+            LossType::DrGrpo => "dr_grpo",
+            LossType::Dapo => "dapo",
+            LossType::Cispo => "cispo",
+            LossType::Sapo => "sapo",
+            LossType::Luspo => "luspo",
+            LossType::Vespo => "vespo",
+        }
+    }
+
     /// True for the PPO-style clipped family (grpo, bnpo, dr_grpo, dapo, luspo).
     pub fn is_clipped(self) -> bool {
         matches!(
@@ -202,8 +216,8 @@ impl GrpoLoss {
         if let Some(delta) = c.delta {
             check(c.loss_type.is_clipped(), "delta", || {
                 format!(
-                    "delta is valid only for the clipped family (grpo, bnpo, dr_grpo, dapo, luspo), not {:?}",
-                    c.loss_type
+                    "delta is valid only for the clipped family (grpo, bnpo, dr_grpo, dapo, luspo), not {}",
+                    c.loss_type.name()
                 )
             })?;
             check(delta.is_finite() && delta > 1.0, "delta", || {
@@ -215,7 +229,7 @@ impl GrpoLoss {
             "importance_sampling_level",
             || match c.loss_type {
                 LossType::Luspo => "luspo requires importance_sampling_level = sequence".into(),
-                t => format!("{t:?} supports only importance_sampling_level = token"),
+                t => format!("{} supports only importance_sampling_level = token", t.name()),
             },
         )?;
         if c.loss_type == LossType::DrGrpo {

@@ -1,1 +1,7 @@
-//! Drivers of the command-line tool.
+//! Drivers of the command-line tool, in the library so that they are tested and the
+//! CLI only parses, calls and prints: YAML configs with `--set` overrides, random
+//! inputs, and gradcheck.
+
+pub mod config_file;
+pub mod gradcheck;
+pub mod inputs;

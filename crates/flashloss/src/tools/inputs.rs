@@ -1,0 +1,157 @@
+//! Random GRPO inputs with realistic statistics, for gradcheck, bench and tests:
+//! Gaussian logits (never zeros) with the sampled token lifted above the rest,
+//! right-padded masks, old and reference logp near the current policy's.
+
+use crate::batch::{GrpoBatch, PerSeqOrToken};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use rand_distr::{Distribution, Normal};
+
+/// What to draw.
+#[derive(Debug, Clone, PartialEq)]
+pub struct InputSpec {
+    /// B.
+    pub batch: usize,
+    /// T.
+    pub seq_len: usize,
+    /// V.
+    pub vocab: usize,
+    /// Expected fraction of masked (padding) positions.
+    pub masked_fraction: f64,
+    /// Standard deviation of the logits.
+    pub logit_std: f64,
+    /// Draw old-policy logp (else on-policy, ratio 1).
+    pub old_logp: bool,
+    /// Draw reference-policy logp.
+    pub ref_logp: bool,
+    /// Draw a sampler importance ratio per token.
+    pub sampler_ratio: bool,
+    /// Advantages per token `[B, T]` instead of per sequence `[B]`.
+    pub per_token_advantages: bool,
+}
+
+impl Default for InputSpec {
+    fn default() -> Self {
+        InputSpec {
+            batch: 3,
+            seq_len: 17,
+            vocab: 1000,
+            masked_fraction: 0.2,
+            logit_std: 2.0,
+            old_logp: true,
+            ref_logp: true,
+            sampler_ratio: false,
+            per_token_advantages: false,
+        }
+    }
+}
+
+/// Owned random inputs; [`GrpoInputs::batch`] borrows them as a [`GrpoBatch`].
+#[derive(Debug, Clone)]
+pub struct GrpoInputs {
+    /// B.
+    pub batch: usize,
+    /// T.
+    pub seq_len: usize,
+    /// V.
+    pub vocab: usize,
+    /// Dense logits `[B, T, V]` in f32.
+    pub logits: Vec<f32>,
+    /// `[B, T]`.
+    pub target_ids: Vec<i64>,
+    /// `[B, T]`.
+    pub mask: Vec<bool>,
+    /// `[B]` or `[B, T]`.
+    pub advantages: Vec<f32>,
+    /// Whether `advantages` is per token.
+    pub per_token_advantages: bool,
+    /// `[B, T]`.
+    pub old_logp: Option<Vec<f32>>,
+    /// `[B, T]`.
+    pub ref_logp: Option<Vec<f32>>,
+    /// `[B, T]`.
+    pub sampler_ratio: Option<Vec<f32>>,
+}
+
+/// The exact log-softmax of row `row` at `id`, in f64.
+fn logp_of(row: &[f32], id: usize) -> f64 {
+    let max = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let sum: f64 = row.iter().map(|&z| (z as f64 - max).exp()).sum();
+    row[id] as f64 - max - sum.ln()
+}
+
+impl GrpoInputs {
+    /// Draws inputs from `spec` with a seeded ChaCha8 generator.
+    pub fn random(spec: &InputSpec, seed: u64) -> Self {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let (b, t, v) = (spec.batch, spec.seq_len, spec.vocab);
+        let normal = Normal::new(0.0f64, spec.logit_std.max(1e-3)).expect("std > 0");
+        let mut logits: Vec<f32> = (0..b * t * v)
+            .map(|_| normal.sample(&mut rng) as f32)
+            .collect();
+        let mut target_ids = vec![0i64; b * t];
+        for (i, id) in target_ids.iter_mut().enumerate() {
+            *id = rng.random_range(0..v) as i64;
+            logits[i * v + *id as usize] += rng.random_range(1.0..5.0f32);
+        }
+        let mut mask = vec![false; b * t];
+        for seq in 0..b {
+            let pad = (spec.masked_fraction * t as f64 * rng.random_range(0.0..2.0)).round();
+            let len = t.saturating_sub(pad as usize);
+            mask[seq * t..seq * t + len].fill(true);
+        }
+        let n_adv = if spec.per_token_advantages { b * t } else { b };
+        let advantages: Vec<f32> = (0..n_adv)
+            .map(|_| Normal::new(0.0, 1.0).unwrap().sample(&mut rng))
+            .collect();
+        let logp: Vec<f64> = (0..b * t)
+            .map(|i| logp_of(&logits[i * v..(i + 1) * v], target_ids[i] as usize))
+            .collect();
+        let mut near = |on: bool, std: f64| {
+            on.then(|| {
+                let noise = Normal::new(0.0, std).unwrap();
+                logp.iter()
+                    .map(|&lp| (lp + noise.sample(&mut rng)) as f32)
+                    .collect::<Vec<f32>>()
+            })
+        };
+        let old_logp = near(spec.old_logp, 0.15);
+        let ref_logp = near(spec.ref_logp, 0.3);
+        let sampler_ratio = spec.sampler_ratio.then(|| {
+            (0..b * t)
+                .map(|_| rng.random_range(0.5..1.5f32))
+                .collect()
+        });
+        GrpoInputs {
+            batch: b,
+            seq_len: t,
+            vocab: v,
+            logits,
+            target_ids,
+            mask,
+            advantages,
+            per_token_advantages: spec.per_token_advantages,
+            old_logp,
+            ref_logp,
+            sampler_ratio,
+        }
+    }
+
+    /// Borrows the per-token inputs as a [`GrpoBatch`].
+    pub fn batch(&self) -> GrpoBatch<'_> {
+        GrpoBatch {
+            batch: self.batch,
+            seq_len: self.seq_len,
+            target_ids: &self.target_ids,
+            mask: &self.mask,
+            advantages: if self.per_token_advantages {
+                PerSeqOrToken::Token(&self.advantages)
+            } else {
+                PerSeqOrToken::Sequence(&self.advantages)
+            },
+            old_logp: self.old_logp.as_deref(),
+            ref_logp: self.ref_logp.as_deref(),
+            sampler_ratio: self.sampler_ratio.as_deref().map(PerSeqOrToken::Token),
+        }
+    }
+}
