@@ -168,18 +168,19 @@ impl GrpoLogitsForward {
         let scale = (grad_output as f64 / self.temperature) as f32;
         let inv_temp = (1.0 / self.temperature) as f32;
         let target = self.targets[i] as usize;
+        let grad = simd::SoftmaxGrad {
+            max: st.max,
+            scale: inv_temp,
+            log_sum: st.log_sum,
+            coef_p: -scale * dlogp,
+            coef_h: -scale * dentropy,
+            entropy: st.entropy,
+        };
         for j0 in (0..dst.len()).step_by(VOCAB_TILE) {
             let j1 = (j0 + VOCAB_TILE).min(dst.len());
             let buf = &mut tile[..j1 - j0];
-            simd::load_scaled(src.map_or(&dst[j0..j1], |s| &s[j0..j1]), inv_temp, buf);
-            simd::softmax_grad(
-                buf,
-                st.max,
-                st.log_sum,
-                -scale * dlogp,
-                -scale * dentropy,
-                st.entropy,
-            );
+            simd::load(src.map_or(&dst[j0..j1], |s| &s[j0..j1]), buf);
+            simd::softmax_grad(buf, &grad);
             if (j0..j1).contains(&target) {
                 buf[target - j0] += scale * dlogp;
             }

@@ -92,7 +92,7 @@ pub fn selective_log_softmax<E: Element>(
                 let start = layout.offset(i);
                 let row = &logits[start..start + layout.vocab];
                 let state = row_state(row, inv_temp, tile);
-                let target = row[target_ids[i] as usize].to_f32() * inv_temp;
+                let target = row[target_ids[i] as usize].to_f32();
                 RowStats::finish(&state, target)
             },
         )

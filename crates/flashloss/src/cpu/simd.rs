@@ -40,6 +40,14 @@ pub fn exp(x: f32) -> f32 {
     if x < -87.0 { 0.0 } else { y * two_n }
 }
 
+/// Widens `src` to f32 into `dst`.
+#[inline]
+pub fn load<E: Element>(src: &[E], dst: &mut [f32]) {
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d = s.to_f32();
+    }
+}
+
 /// Widens `src` to f32 and multiplies by `scale` (`1/T_temp`) into `dst`.
 #[inline]
 pub fn load_scaled<E: Element>(src: &[E], scale: f32, dst: &mut [f32]) {
@@ -72,43 +80,69 @@ pub fn max(x: &[f32]) -> f32 {
         .fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m })
 }
 
-/// `(Σ_j e_j, Σ_j e_j·(x_j - shift))` with `e_j = exp(x_j - shift)`; `-inf` entries
-/// contribute 0 to both.
+/// `(Σ_j e_j, Σ_j e_j·d_j)` with `d_j = (x_j - shift)·scale`, `e_j = exp(d_j)`;
+/// `-inf` entries contribute 0 to both. Subtracting before scaling keeps `d_j` exact
+/// when `x` is large and `scale = 1/T_temp` is large too; the sums are kept in f64
+/// lanes, so many small terms beside a large one are not lost.
 #[multiversion(targets("x86_64+avx512f+avx512vl+avx2+fma", "x86_64+avx2+fma"))]
-pub fn exp_sums(x: &[f32], shift: f32) -> (f32, f32) {
-    let mut sum = [0.0f32; LANES];
-    let mut weighted = [0.0f32; LANES];
+pub fn exp_sums(x: &[f32], shift: f32, scale: f32) -> (f64, f64) {
+    let mut sum = [0.0f64; LANES];
+    let mut weighted = [0.0f64; LANES];
     let chunks = x.chunks_exact(LANES);
     let tail = chunks.remainder();
     for c in chunks {
         for k in 0..LANES {
-            let d = c[k] - shift;
+            let d = (c[k] - shift) * scale;
             let e = exp(d);
-            sum[k] += e;
-            weighted[k] += if e > 0.0 { e * d } else { 0.0 };
+            sum[k] += e as f64;
+            weighted[k] += if e > 0.0 { (e * d) as f64 } else { 0.0 };
         }
     }
     for (k, &v) in tail.iter().enumerate() {
-        let d = v - shift;
+        let d = (v - shift) * scale;
         let e = exp(d);
-        sum[k] += e;
-        weighted[k] += if e > 0.0 { e * d } else { 0.0 };
+        sum[k] += e as f64;
+        weighted[k] += if e > 0.0 { (e * d) as f64 } else { 0.0 };
     }
     (sum.iter().sum(), weighted.iter().sum())
 }
 
-/// The softmax-gradient tile: with `log p_j = (x_j - max) - log_sum` and
-/// `p_j = exp(log p_j)`, writes `x_j ← coef_p·p_j + coef_h·p_j·(log p_j + entropy)`
-/// (the entropy term is 0 where `p_j = 0`).
+/// Coefficients of [`softmax_grad`]: `log p_j = (x_j - max)·scale - log_sum`.
+#[derive(Debug, Clone, Copy)]
+pub struct SoftmaxGrad {
+    /// Row max of the raw logits.
+    pub max: f32,
+    /// `1 / T_temp`.
+    pub scale: f32,
+    /// `log Σ exp((x - max)·scale)`.
+    pub log_sum: f32,
+    /// Multiplies `p_j`.
+    pub coef_p: f32,
+    /// Multiplies `p_j·(log p_j + entropy)`.
+    pub coef_h: f32,
+    /// Row entropy `H`.
+    pub entropy: f32,
+}
+
+/// The softmax-gradient tile over raw logits `x`: with `p_j = exp(log p_j)`, writes
+/// `x_j ← coef_p·p_j + coef_h·p_j·(log p_j + entropy)` (entropy term 0 where `p_j = 0`).
 #[multiversion(targets("x86_64+avx512f+avx512vl+avx2+fma", "x86_64+avx2+fma"))]
-pub fn softmax_grad(x: &mut [f32], max: f32, log_sum: f32, coef_p: f32, coef_h: f32, entropy: f32) {
+pub fn softmax_grad(x: &mut [f32], g: &SoftmaxGrad) {
+    let SoftmaxGrad {
+        max,
+        scale,
+        log_sum,
+        coef_p,
+        coef_h,
+        entropy,
+    } = *g;
     if coef_h == 0.0 {
         for v in x.iter_mut() {
-            *v = coef_p * exp((*v - max) - log_sum);
+            *v = coef_p * exp((*v - max) * scale - log_sum);
         }
     } else {
         for v in x.iter_mut() {
-            let log_p = (*v - max) - log_sum;
+            let log_p = (*v - max) * scale - log_sum;
             let p = exp(log_p);
             let h = if p > 0.0 { p * (log_p + entropy) } else { 0.0 };
             *v = coef_p * p + coef_h * h;
@@ -142,19 +176,19 @@ mod tests {
         let x: Vec<f32> = (0..37).map(|i| (i as f32 * 0.37).sin() * 5.0).collect();
         let want_max = x.iter().cloned().fold(f32::MIN, f32::max);
         assert_eq!(max(&x), want_max);
-        let (s, w) = exp_sums(&x, want_max);
+        let (s, w) = exp_sums(&x, want_max, 1.0);
         let s_ref: f64 = x.iter().map(|&v| ((v - want_max) as f64).exp()).sum();
         let w_ref: f64 = x
             .iter()
             .map(|&v| ((v - want_max) as f64).exp() * (v - want_max) as f64)
             .sum();
-        assert!(((s as f64 - s_ref) / s_ref).abs() < 1e-6);
-        assert!(((w as f64 - w_ref) / w_ref).abs() < 1e-5);
+        assert!(((s - s_ref) / s_ref).abs() < 1e-6);
+        assert!(((w - w_ref) / w_ref).abs() < 1e-5);
         let neg = [f32::NEG_INFINITY; 20];
         assert_eq!(max(&neg), f32::NEG_INFINITY);
         let mut with_inf = x.clone();
         with_inf[3] = f32::NEG_INFINITY;
-        let (s2, w2) = exp_sums(&with_inf, want_max);
+        let (s2, w2) = exp_sums(&with_inf, want_max, 1.0);
         assert!(s2.is_finite() && w2.is_finite());
     }
 }

@@ -31,8 +31,8 @@ pub fn grpo_logits_unfused<E: Element>(
         let start = layout.offset(i);
         simd::load_scaled(&logits[start..start + v], inv_temp, lp);
         let max = simd::max(lp);
-        let (sum, _) = simd::exp_sums(lp, max);
-        let lse = max + sum.ln();
+        let (sum, _) = simd::exp_sums(lp, max, 1.0);
+        let lse = max + sum.ln() as f32;
         lp.iter_mut().for_each(|x| *x -= lse);
     });
     // softmax, materialized.

@@ -177,10 +177,10 @@ pub fn run(cfg: &GradcheckConfig) -> Result<GradcheckReport> {
     let loss = GrpoLoss::new(cfg.loss.clone())?;
     let inputs = GrpoInputs::random(&cfg.input_spec(), cfg.seed);
     match cfg.dtype {
-        DType::F32 => run_typed(cfg, &loss, &inputs, inputs.logits.clone()),
+        DType::F32 => check_inputs(cfg, &loss, &inputs, inputs.logits.clone()),
         DType::Bf16 => {
             let data = inputs.logits.iter().map(|&x| bf16::from_f32(x)).collect();
-            run_typed(cfg, &loss, &inputs, data)
+            check_inputs(cfg, &loss, &inputs, data)
         }
     }
 }
@@ -192,7 +192,9 @@ fn max_abs_diff(a: impl Iterator<Item = f64>, b: impl Iterator<Item = f64>) -> f
         .fold(0.0, |m, d| if d.is_nan() || d > m { d } else { m })
 }
 
-fn run_typed<E: Element>(
+/// Compares kernel and reference on given inputs (`logits` in the storage dtype,
+/// dense `[B, T, V]`); `cfg` gives `grad_output`, `in_place` and the gates.
+pub fn check_inputs<E: Element>(
     cfg: &GradcheckConfig,
     loss: &GrpoLoss,
     inputs: &GrpoInputs,
@@ -223,7 +225,7 @@ fn run_typed<E: Element>(
     let kernel_seconds = start.elapsed().as_secs_f64();
 
     let live: Vec<usize> = (0..layout.rows()).filter(|&i| batch.mask[i]).collect();
-    let tol = cfg.tolerance.resolved(cfg.dtype);
+    let tol = cfg.tolerance.resolved(E::DTYPE);
     let rel_err = |got: f32, want: f64| (got as f64 - want).abs() / want.abs().max(1.0);
     let worst_rel = |f: &dyn Fn(usize) -> f64| {
         live.iter()

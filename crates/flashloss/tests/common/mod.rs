@@ -1,0 +1,62 @@
+//! Helpers shared by the integration tests.
+#![allow(dead_code)]
+
+use flashloss::tools::gradcheck::{self, GradcheckConfig};
+use flashloss::{DType, ImportanceSamplingLevel, LossConfig, LossType};
+
+/// A small gradcheck config at an odd shape (V not a multiple of the vocab tile).
+pub fn small(batch: usize, seq_len: usize, vocab: usize, loss: LossConfig) -> GradcheckConfig {
+    GradcheckConfig {
+        batch,
+        seq_len,
+        vocab,
+        loss,
+        ..GradcheckConfig::default()
+    }
+}
+
+/// Runs gradcheck and asserts every gate passed, naming the case on failure.
+pub fn assert_passes(cfg: &GradcheckConfig, case: &str) {
+    let report = gradcheck::run(cfg).unwrap_or_else(|e| panic!("{case}: {e}"));
+    let failed: Vec<String> = report
+        .gates
+        .iter()
+        .filter(|g| !g.passed)
+        .map(|g| format!("{} {:.3e} > {:.3e}", g.name, g.value, g.limit))
+        .collect();
+    assert!(report.passed, "{case}: failed gates {failed:?}");
+    assert!(report.loss_kernel.is_finite(), "{case}: loss not finite");
+}
+
+/// Every valid (loss type, level) pair with the loss's other knobs at defaults.
+pub fn valid_types() -> Vec<(LossType, ImportanceSamplingLevel)> {
+    let mut out = Vec::new();
+    for t in LossType::ALL {
+        for level in [
+            ImportanceSamplingLevel::Token,
+            ImportanceSamplingLevel::Sequence,
+        ] {
+            if t.allows_level(level) {
+                out.push((t, level));
+            }
+        }
+    }
+    out
+}
+
+/// A loss config of type `t` at `level` with what that type requires set.
+pub fn base_config(t: LossType, level: ImportanceSamplingLevel) -> LossConfig {
+    LossConfig {
+        loss_type: t,
+        importance_sampling_level: level,
+        max_completion_length: (t == LossType::DrGrpo).then_some(24),
+        epsilon_high: if t == LossType::Cispo { 5.0 } else { 0.2 },
+        ..LossConfig::default()
+    }
+}
+
+/// The dtype-agnostic default config with bf16 logits.
+pub fn bf16(mut cfg: GradcheckConfig) -> GradcheckConfig {
+    cfg.dtype = DType::Bf16;
+    cfg
+}

@@ -1,0 +1,92 @@
+//! Every loss type × level × δ × β × bias correction × temperature × entropy bonus,
+//! f32 kernel vs the f64 reference at spec tolerances, on odd shapes.
+
+mod common;
+use common::*;
+use flashloss::tools::gradcheck::GradcheckConfig;
+
+fn matrix_cases() -> Vec<(String, GradcheckConfig)> {
+    let mut cases = Vec::new();
+    for (t, level) in valid_types() {
+        let deltas: &[Option<f64>] = if t.is_clipped() {
+            &[None, Some(1.5)]
+        } else {
+            &[None]
+        };
+        for &delta in deltas {
+            for beta in [0.0, 0.04] {
+                for bias in [false, true] {
+                    if bias && beta == 0.0 {
+                        continue;
+                    }
+                    for temperature in [1.0, 0.7] {
+                        for entropy_coef in [0.0, 0.01] {
+                            let mut loss = base_config(t, level);
+                            loss.delta = delta;
+                            loss.beta = beta;
+                            loss.use_bias_correction_kl = bias;
+                            loss.temperature = temperature;
+                            loss.entropy_coef = entropy_coef;
+                            let name = format!(
+                                "{} {level:?} delta={delta:?} beta={beta} bias={bias} T={temperature} ent={entropy_coef}",
+                                t.name()
+                            );
+                            cases.push((name, small(3, 5, 2053, loss)));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    cases
+}
+
+#[test]
+fn every_loss_configuration_matches_the_reference_f32() {
+    let cases = matrix_cases();
+    assert!(cases.len() > 150, "matrix too small: {}", cases.len());
+    for (name, mut cfg) in cases {
+        for (b, t, seed) in [(3, 5, 1), (1, 1, 2), (3, 1, 3)] {
+            cfg.batch = b;
+            cfg.seq_len = t;
+            cfg.seed = seed;
+            assert_passes(&cfg, &format!("{name} [B={b}, T={t}]"));
+        }
+    }
+}
+
+#[test]
+fn every_loss_type_matches_the_reference_bf16() {
+    for (t, level) in valid_types() {
+        let mut loss = base_config(t, level);
+        loss.beta = 0.04;
+        loss.entropy_coef = 0.01;
+        let cfg = bf16(small(3, 7, 4099, loss));
+        assert_passes(&cfg, &format!("bf16 {} {level:?}", t.name()));
+    }
+}
+
+#[test]
+fn sampler_ratio_per_token_advantages_and_in_place() {
+    for (t, level) in valid_types() {
+        let mut loss = base_config(t, level);
+        loss.beta = 0.04;
+        let mut cfg = small(2, 9, 3001, loss);
+        cfg.sampler_ratio = true;
+        cfg.per_token_advantages = true;
+        cfg.in_place = true;
+        cfg.grad_output = 0.37;
+        assert_passes(&cfg, &format!("rho/per-token/in-place {} {level:?}", t.name()));
+        assert_passes(&bf16(cfg), &format!("bf16 rho/per-token/in-place {}", t.name()));
+    }
+}
+
+#[test]
+fn on_policy_without_old_logp() {
+    for (t, level) in valid_types() {
+        let mut cfg = small(3, 6, 1500, base_config(t, level));
+        cfg.old_logp = false;
+        cfg.ref_logp = false;
+        assert_passes(&cfg, &format!("on-policy {} {level:?}", t.name()));
+    }
+}
