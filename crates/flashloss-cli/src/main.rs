@@ -1,9 +1,14 @@
 //! `flashloss`: parses arguments, calls the library, prints. Nothing else.
 
 use clap::{Parser, Subcommand};
-use flashloss::tools::{config_file, gradcheck};
+use flashloss::memory::TrackingAllocator;
+use flashloss::tools::{bench, config_file, gradcheck};
+use indicatif::{ProgressBar, ProgressStyle};
 use std::path::PathBuf;
 use std::process::ExitCode;
+
+#[global_allocator]
+static ALLOCATOR: TrackingAllocator = TrackingAllocator;
 
 #[derive(Parser)]
 #[command(name = "flashloss", version, about = "Fused GRPO / cross-entropy loss kernels")]
@@ -29,6 +34,21 @@ enum Command {
         #[arg(long)]
         threads: Option<usize>,
     },
+    /// A/B of baseline and fused: step time, peak memory, achieved rates.
+    Bench {
+        /// YAML config (configs/bench/*.yaml).
+        #[arg(long)]
+        config: PathBuf,
+        /// Override a config key (repeatable).
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        overrides: Vec<String>,
+        /// Also write the results as JSON (one object per implementation) to this file.
+        #[arg(long)]
+        json: Option<PathBuf>,
+        /// Worker threads (default: all cores).
+        #[arg(long)]
+        threads: Option<usize>,
+    },
 }
 
 fn with_threads<T: Send>(threads: Option<usize>, f: impl FnOnce() -> T + Send) -> T {
@@ -42,8 +62,81 @@ fn with_threads<T: Send>(threads: Option<usize>, f: impl FnOnce() -> T + Send) -
     }
 }
 
+fn mib(bytes: f64) -> String {
+    format!("{:.1} MiB", bytes / (1024.0 * 1024.0))
+}
+
+fn print_bench(results: &[bench::BenchResult]) {
+    let r0 = &results[0];
+    println!(
+        "bench level={:?} N={} V={} dtype={:?} threads={}",
+        r0.level, r0.tokens, r0.vocab, r0.dtype, r0.threads
+    );
+    println!("copy bandwidth (same run): {:.2} GB/s", r0.copy_gbytes_per_s);
+    println!(
+        "{:<10} {:>10} {:>10} {:>10} {:>14} {:>16} {:>10} {:>8} {:>14}",
+        "impl", "median_s", "min_s", "max_s", "peak", "peak_above_io", "GB/s", "%copy", "loss"
+    );
+    for r in results {
+        println!(
+            "{:<10} {:>10.4} {:>10.4} {:>10.4} {:>14} {:>16} {:>10.2} {:>7.1}% {:>14.7e}",
+            r.implementation,
+            r.step_seconds.median,
+            r.step_seconds.min,
+            r.step_seconds.max,
+            mib(r.peak_bytes as f64),
+            mib(r.peak_above_io_bytes as f64),
+            r.gbytes_per_s,
+            100.0 * r.gbytes_per_s / r.copy_gbytes_per_s,
+            r.loss
+        );
+    }
+    if let [a, b] = results {
+        println!(
+            "fused/baseline: time {:.3}x, peak {:.3}x, peak above io {:.3}x",
+            b.step_seconds.median / a.step_seconds.median,
+            b.peak_bytes as f64 / a.peak_bytes as f64,
+            b.peak_above_io_bytes as f64 / a.peak_above_io_bytes as f64
+        );
+    }
+}
+
 fn main() -> ExitCode {
     match Cli::parse().command {
+        Command::Bench {
+            config,
+            overrides,
+            json,
+            threads,
+        } => {
+            let bar = ProgressBar::new(0).with_style(
+                ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} steps").expect("template"),
+            );
+            let mut progress = |label: &str, done: usize, total: usize| {
+                bar.set_length(total as u64);
+                bar.set_position(done as u64);
+                bar.set_message(label.to_string());
+            };
+            let results = config_file::load::<bench::BenchConfig>(&config, &overrides)
+                .and_then(|cfg| with_threads(threads, || bench::run(&cfg, &mut progress)));
+            bar.finish_and_clear();
+            let results = match results {
+                Ok(r) => r,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return ExitCode::from(2);
+                }
+            };
+            print_bench(&results);
+            if let Some(path) = json {
+                let text = serde_json::to_string_pretty(&results).expect("serializable");
+                if let Err(e) = std::fs::write(&path, text + "\n") {
+                    eprintln!("error: cannot write {}: {e}", path.display());
+                    return ExitCode::from(2);
+                }
+            }
+            ExitCode::SUCCESS
+        }
         Command::Gradcheck {
             config,
             overrides,

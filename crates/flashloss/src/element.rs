@@ -32,6 +32,10 @@ pub trait Element: Copy + Send + Sync + Default + 'static {
     fn to_f32(self) -> f32;
     /// Rounds an f32 to this type (round to nearest even).
     fn from_f32(x: f32) -> Self;
+    /// The slice itself when the type is f32 (kernels then read it without a copy).
+    fn as_f32(slice: &[Self]) -> Option<&[f32]>;
+    /// The mutable slice itself when the type is f32.
+    fn as_f32_mut(slice: &mut [Self]) -> Option<&mut [f32]>;
 }
 
 impl Element for f32 {
@@ -44,6 +48,12 @@ impl Element for f32 {
     fn from_f32(x: f32) -> Self {
         x
     }
+    fn as_f32(slice: &[Self]) -> Option<&[f32]> {
+        Some(slice)
+    }
+    fn as_f32_mut(slice: &mut [Self]) -> Option<&mut [f32]> {
+        Some(slice)
+    }
 }
 
 impl Element for bf16 {
@@ -55,5 +65,11 @@ impl Element for bf16 {
     #[inline(always)]
     fn from_f32(x: f32) -> Self {
         bf16::from_f32(x)
+    }
+    fn as_f32(_: &[Self]) -> Option<&[f32]> {
+        None
+    }
+    fn as_f32_mut(_: &mut [Self]) -> Option<&mut [f32]> {
+        None
     }
 }

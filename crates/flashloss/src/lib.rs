@@ -13,6 +13,7 @@ pub mod config;
 pub mod cpu;
 pub mod element;
 pub mod error;
+pub mod memory;
 pub mod policy;
 pub mod reference;
 pub mod tools;

@@ -124,13 +124,18 @@ impl RowStats {
     }
 }
 
-/// Streams one row of raw logits through `tile`, a scratch buffer of
-/// [`VOCAB_TILE`] floats.
+/// Streams one row of raw logits, tile by tile; other dtypes than f32 are widened
+/// through `tile`, a scratch buffer of [`VOCAB_TILE`] floats.
 pub fn row_state<E: Element>(row: &[E], inv_temp: f32, tile: &mut [f32]) -> OnlineSoftmax {
     let mut state = OnlineSoftmax::empty(inv_temp);
     for chunk in row.chunks(VOCAB_TILE) {
-        let z = &mut tile[..chunk.len()];
-        simd::load(chunk, z);
+        let z = match E::as_f32(chunk) {
+            Some(z) => z,
+            None => {
+                simd::load(chunk, &mut tile[..chunk.len()]);
+                &tile[..chunk.len()]
+            }
+        };
         state.merge(OnlineSoftmax::of_tile(z, inv_temp));
     }
     state

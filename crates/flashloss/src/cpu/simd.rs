@@ -14,18 +14,24 @@ const LANES: usize = 16;
 /// (Cephes `expf` coefficients) and `2^n` built from the exponent bits.
 #[inline(always)]
 pub fn exp(x: f32) -> f32 {
+    exp_clamped(x, if x > 88.0 { 88.0 } else { x })
+}
+
+/// [`exp`] for arguments known to be ≤ 0 (shifted by a max): skips the upper clamp.
+#[inline(always)]
+pub fn exp_nonpositive(x: f32) -> f32 {
+    exp_clamped(x, x)
+}
+
+/// `exp(x)` given `xc`, `x` already clamped from above to 88.
+#[inline(always)]
+fn exp_clamped(x: f32, xc: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_359_4;
     const LN2_LO: f32 = -2.121_944_4e-4;
     // 1.5·2^23: adding it rounds to an integer held in the low mantissa bits.
     const ROUND: f32 = 12_582_912.0;
-    let xc = if x < -87.0 {
-        -87.0
-    } else if x > 88.0 {
-        88.0
-    } else {
-        x
-    };
+    let xc = if xc < -87.0 { -87.0 } else { xc };
     let t = xc * LOG2E + ROUND;
     let n = t - ROUND;
     let r = (xc - n * LN2_HI) - n * LN2_LO;
@@ -56,12 +62,46 @@ pub fn load_scaled<E: Element>(src: &[E], scale: f32, dst: &mut [f32]) {
     }
 }
 
-/// Rounds `src` into `dst`'s element type.
+/// Rounds `src` into `dst`'s element type. f32 destinations are written with
+/// non-temporal stores where the CPU has AVX-512: the output is not read again soon,
+/// and streaming stores skip reading each destination line before writing it.
 #[inline]
 pub fn store<E: Element>(src: &[f32], dst: &mut [E]) {
+    if let Some(dst) = E::as_f32_mut(dst) {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU has AVX-512F (checked just above).
+            unsafe { stream_store_avx512(src, dst) };
+            return;
+        }
+        dst.copy_from_slice(&src[..dst.len()]);
+        return;
+    }
     for (d, &s) in dst.iter_mut().zip(src) {
         *d = E::from_f32(s);
     }
+}
+
+/// Copies `src` into `dst` with 64-byte non-temporal stores on the aligned middle.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn stream_store_avx512(src: &[f32], dst: &mut [f32]) {
+    use std::arch::x86_64::{_mm512_loadu_ps, _mm512_stream_ps, _mm_sfence};
+    let n = dst.len();
+    let head = (dst.as_ptr().align_offset(64)).min(n);
+    dst[..head].copy_from_slice(&src[..head]);
+    let mut j = head;
+    while j + 16 <= n {
+        // SAFETY: j + 16 ≤ n ≤ src.len(); dst + j is 64-byte aligned by construction.
+        unsafe {
+            let v = _mm512_loadu_ps(src.as_ptr().add(j));
+            _mm512_stream_ps(dst.as_mut_ptr().add(j), v);
+        }
+        j += 16;
+    }
+    dst[j..].copy_from_slice(&src[j..n]);
+    // Order the streaming stores before any later ordinary access.
+    _mm_sfence();
 }
 
 /// `max_j x_j` (`-inf` for an empty or all `-inf` slice; NaN entries are skipped).
@@ -80,29 +120,42 @@ pub fn max(x: &[f32]) -> f32 {
         .fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m })
 }
 
-/// `(Σ_j e_j, Σ_j e_j·d_j)` with `d_j = (x_j - shift)·scale`, `e_j = exp(d_j)`;
-/// `-inf` entries contribute 0 to both. Subtracting before scaling keeps `d_j` exact
-/// when `x` is large and `scale = 1/T_temp` is large too; the sums are kept in f64
-/// lanes, so many small terms beside a large one are not lost.
+/// Vectors of [`LANES`] summed in f32 before they are added to the f64 lane sums:
+/// few enough that small terms beside a large one are not lost, many enough that the
+/// f64 work is negligible.
+const F32_BLOCK: usize = 8;
+
+/// `(Σ_j e_j, Σ_j e_j·d_j)` with `d_j = (x_j - shift)·scale ≤ 0`, `e_j = exp(d_j)`,
+/// for `shift ≥ max_j x_j`; `-inf` entries contribute 0 to both. Subtracting before
+/// scaling keeps `d_j` exact when `x` and `scale = 1/T_temp` are large; the sums run in
+/// f32 lanes over blocks of [`F32_BLOCK`] vectors, then in f64 lanes.
 #[multiversion(targets("x86_64+avx512f+avx512vl+avx2+fma", "x86_64+avx2+fma"))]
 pub fn exp_sums(x: &[f32], shift: f32, scale: f32) -> (f64, f64) {
     let mut sum = [0.0f64; LANES];
     let mut weighted = [0.0f64; LANES];
-    let chunks = x.chunks_exact(LANES);
-    let tail = chunks.remainder();
-    for c in chunks {
+    let blocks = x.chunks_exact(LANES * F32_BLOCK);
+    let tail = blocks.remainder();
+    for block in blocks {
+        let mut s32 = [0.0f32; LANES];
+        let mut w32 = [0.0f32; LANES];
+        for c in block.chunks_exact(LANES) {
+            for k in 0..LANES {
+                let d = (c[k] - shift) * scale;
+                let e = exp_nonpositive(d);
+                s32[k] += e;
+                w32[k] += if e > 0.0 { e * d } else { 0.0 };
+            }
+        }
         for k in 0..LANES {
-            let d = (c[k] - shift) * scale;
-            let e = exp(d);
-            sum[k] += e as f64;
-            weighted[k] += if e > 0.0 { (e * d) as f64 } else { 0.0 };
+            sum[k] += s32[k] as f64;
+            weighted[k] += w32[k] as f64;
         }
     }
     for (k, &v) in tail.iter().enumerate() {
         let d = (v - shift) * scale;
-        let e = exp(d);
-        sum[k] += e as f64;
-        weighted[k] += if e > 0.0 { (e * d) as f64 } else { 0.0 };
+        let e = exp_nonpositive(d);
+        sum[k % LANES] += e as f64;
+        weighted[k % LANES] += if e > 0.0 { (e * d) as f64 } else { 0.0 };
     }
     (sum.iter().sum(), weighted.iter().sum())
 }
@@ -138,12 +191,12 @@ pub fn softmax_grad(x: &mut [f32], g: &SoftmaxGrad) {
     } = *g;
     if coef_h == 0.0 {
         for v in x.iter_mut() {
-            *v = coef_p * exp((*v - max) * scale - log_sum);
+            *v = coef_p * exp_nonpositive((*v - max) * scale - log_sum);
         }
     } else {
         for v in x.iter_mut() {
             let log_p = (*v - max) * scale - log_sum;
-            let p = exp(log_p);
+            let p = exp_nonpositive(log_p);
             let h = if p > 0.0 { p * (log_p + entropy) } else { 0.0 };
             *v = coef_p * p + coef_h * h;
         }

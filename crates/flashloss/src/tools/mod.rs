@@ -2,6 +2,7 @@
 //! CLI only parses, calls and prints: YAML configs with `--set` overrides, random
 //! inputs, and gradcheck.
 
+pub mod bench;
 pub mod config_file;
 pub mod gradcheck;
 pub mod inputs;
