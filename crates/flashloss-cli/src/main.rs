@@ -11,7 +11,11 @@ use std::process::ExitCode;
 static ALLOCATOR: TrackingAllocator = TrackingAllocator;
 
 #[derive(Parser)]
-#[command(name = "flashloss", version, about = "Fused GRPO / cross-entropy loss kernels")]
+#[command(
+    name = "flashloss",
+    version,
+    about = "Fused GRPO / cross-entropy loss kernels"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -72,7 +76,10 @@ fn print_bench(results: &[bench::BenchResult]) {
         "bench level={:?} N={} V={} dtype={:?} threads={}",
         r0.level, r0.tokens, r0.vocab, r0.dtype, r0.threads
     );
-    println!("copy bandwidth (same run): {:.2} GB/s", r0.copy_gbytes_per_s);
+    println!(
+        "copy bandwidth (same run): {:.2} GB/s",
+        r0.copy_gbytes_per_s
+    );
     println!(
         "{:<10} {:>10} {:>10} {:>10} {:>14} {:>16} {:>10} {:>8} {:>14}",
         "impl", "median_s", "min_s", "max_s", "peak", "peak_above_io", "GB/s", "%copy", "loss"
@@ -110,7 +117,8 @@ fn main() -> ExitCode {
             threads,
         } => {
             let bar = ProgressBar::new(0).with_style(
-                ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} steps").expect("template"),
+                ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} steps")
+                    .expect("template"),
             );
             let mut progress = |label: &str, done: usize, total: usize| {
                 bar.set_length(total as u64);

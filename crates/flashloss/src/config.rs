@@ -64,13 +64,14 @@ impl LossType {
 
     /// Whether this loss type may run at the given importance-sampling level.
     pub fn allows_level(self, level: ImportanceSamplingLevel) -> bool {
-        match (self, level) {
-            (LossType::Luspo, ImportanceSamplingLevel::Token) => false,
-            (LossType::Cispo | LossType::Sapo | LossType::Vespo, ImportanceSamplingLevel::Sequence) => {
-                false
-            }
-            _ => true,
-        }
+        !matches!(
+            (self, level),
+            (LossType::Luspo, ImportanceSamplingLevel::Token)
+                | (
+                    LossType::Cispo | LossType::Sapo | LossType::Vespo,
+                    ImportanceSamplingLevel::Sequence
+                )
+        )
     }
 }
 
@@ -191,11 +192,9 @@ impl GrpoLoss {
         ] {
             check_finite(x, field)?;
         }
-        check(
-            (0.0..1.0).contains(&c.epsilon_low),
-            "epsilon_low",
-            || format!("must be in [0, 1), got {}", c.epsilon_low),
-        )?;
+        check((0.0..1.0).contains(&c.epsilon_low), "epsilon_low", || {
+            format!("must be in [0, 1), got {}", c.epsilon_low)
+        })?;
         check(c.epsilon_high >= 0.0, "epsilon_high", || {
             format!("must be >= 0, got {}", c.epsilon_high)
         })?;
@@ -204,7 +203,9 @@ impl GrpoLoss {
                 "cispo caps the ratio at epsilon_high, which must be > 0".into()
             })?;
         }
-        check(c.beta >= 0.0, "beta", || format!("must be >= 0, got {}", c.beta))?;
+        check(c.beta >= 0.0, "beta", || {
+            format!("must be >= 0, got {}", c.beta)
+        })?;
         check(c.temperature > 0.0, "temperature", || {
             format!("must be > 0, got {}", c.temperature)
         })?;
@@ -229,7 +230,10 @@ impl GrpoLoss {
             "importance_sampling_level",
             || match c.loss_type {
                 LossType::Luspo => "luspo requires importance_sampling_level = sequence".into(),
-                t => format!("{} supports only importance_sampling_level = token", t.name()),
+                t => format!(
+                    "{} supports only importance_sampling_level = token",
+                    t.name()
+                ),
             },
         )?;
         if c.loss_type == LossType::DrGrpo {

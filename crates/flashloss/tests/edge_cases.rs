@@ -23,7 +23,11 @@ fn check(inputs: &GrpoInputs, cfg: &GradcheckConfig, case: &str) -> gradcheck::G
     let loss = GrpoLoss::new(cfg.loss.clone()).unwrap();
     let report = gradcheck::check_inputs(cfg, &loss, inputs, inputs.logits.clone())
         .unwrap_or_else(|e| panic!("{case}: {e}"));
-    assert!(report.loss_kernel.is_finite(), "{case}: loss {}", report.loss_kernel);
+    assert!(
+        report.loss_kernel.is_finite(),
+        "{case}: loss {}",
+        report.loss_kernel
+    );
     assert!(report.passed, "{case}: {:?}", report.gates);
     report
 }
@@ -67,7 +71,11 @@ fn huge_logits_and_small_temperature() {
             // Keep the ratios near 1 for the new, sharper policy.
             let layout = LogitsLayout::contiguous(2, 5, 3001);
             let fresh = flashloss::cpu::selective_log_softmax(
-                &x.logits, &layout, &x.target_ids, None, temperature,
+                &x.logits,
+                &layout,
+                &x.target_ids,
+                None,
+                temperature,
             )
             .unwrap();
             for (i, st) in fresh.iter().enumerate() {
@@ -105,7 +113,12 @@ fn banned_tokens_with_neg_inf_logits() {
 
 #[test]
 fn a_neg_inf_target_is_an_error_not_a_nan() {
-    let cfg = small(2, 3, 100, base_config(LossType::Grpo, ImportanceSamplingLevel::Token));
+    let cfg = small(
+        2,
+        3,
+        100,
+        base_config(LossType::Grpo, ImportanceSamplingLevel::Token),
+    );
     let mut x = inputs(2, 3, 100, 1);
     x.mask.fill(true);
     let row = 4;
@@ -125,5 +138,8 @@ fn a_neg_inf_target_is_an_error_not_a_nan() {
     y.mask.fill(true);
     y.logits[2 * 100 + 17] = f32::NAN;
     let err = gradcheck::check_inputs(&cfg, &loss, &y, y.logits.clone()).unwrap_err();
-    assert!(err.to_string().contains("row 2 holds NaN or +inf logits"), "{err}");
+    assert!(
+        err.to_string().contains("row 2 holds NaN or +inf logits"),
+        "{err}"
+    );
 }

@@ -76,8 +76,14 @@ fn sampler_ratio_per_token_advantages_and_in_place() {
         cfg.per_token_advantages = true;
         cfg.in_place = true;
         cfg.grad_output = 0.37;
-        assert_passes(&cfg, &format!("rho/per-token/in-place {} {level:?}", t.name()));
-        assert_passes(&bf16(cfg), &format!("bf16 rho/per-token/in-place {}", t.name()));
+        assert_passes(
+            &cfg,
+            &format!("rho/per-token/in-place {} {level:?}", t.name()),
+        );
+        assert_passes(
+            &bf16(cfg),
+            &format!("bf16 rho/per-token/in-place {}", t.name()),
+        );
     }
 }
 

@@ -115,8 +115,8 @@ fn selective_log_softmax_matches_the_reference() {
     for temperature in [1.0, 0.6] {
         let x = draw(2, 5, 4097, 8);
         let layout = LogitsLayout::contiguous(2, 5, 4097);
-        let stats = selective_log_softmax(&x.logits, &layout, &x.target_ids, None, temperature)
-            .unwrap();
+        let stats =
+            selective_log_softmax(&x.logits, &layout, &x.target_ids, None, temperature).unwrap();
         for (i, st) in stats.iter().enumerate() {
             let row: Vec<f64> = x.logits[i * 4097..(i + 1) * 4097]
                 .iter()
@@ -141,7 +141,11 @@ fn unfused_baseline_matches_the_reference() {
         let (value, d) = grpo_logits_unfused(&l, &batch, &x.logits, &layout, 1.0).unwrap();
         let z: Vec<f64> = x.logits.iter().map(|&v| v as f64).collect();
         let r = grpo_reference(&l, &batch, Normalizers::local(&batch), &z, 3001, 1.0);
-        assert!((value - r.loss).abs() <= 1e-5 * r.loss.abs().max(1.0), "{}", lt.name());
+        assert!(
+            (value - r.loss).abs() <= 1e-5 * r.loss.abs().max(1.0),
+            "{}",
+            lt.name()
+        );
         let max = r.dlogits.iter().fold(0.0f64, |m, v| m.max(v.abs()));
         let err = d
             .iter()

@@ -6,7 +6,11 @@ use flashloss::cpu::{grpo_logits_forward, selective_log_softmax};
 use flashloss::tools::config_file;
 use flashloss::tools::gradcheck::GradcheckConfig;
 use flashloss::tools::inputs::{GrpoInputs, InputSpec};
-use flashloss::{GrpoLoss, ImportanceSamplingLevel, LogitsLayout, LossConfig, LossType, PerSeqOrToken};
+use flashloss::{
+    GrpoLoss, ImportanceSamplingLevel, LogitsLayout, LossConfig, LossType, PerSeqOrToken,
+};
+
+type Edit = Box<dyn FnOnce(&mut LossConfig)>;
 
 fn config_error(f: impl FnOnce(&mut LossConfig)) -> String {
     let mut c = LossConfig::default();
@@ -17,7 +21,7 @@ fn config_error(f: impl FnOnce(&mut LossConfig)) -> String {
 #[test]
 fn invalid_configs_are_rejected_at_construction() {
     use ImportanceSamplingLevel::*;
-    let cases: Vec<(Box<dyn FnOnce(&mut LossConfig)>, &str)> = vec![
+    let cases: Vec<(Edit, &str)> = vec![
         (
             Box::new(|c| {
                 c.loss_type = LossType::Cispo;
@@ -25,7 +29,10 @@ fn invalid_configs_are_rejected_at_construction() {
             }),
             "`delta`: delta is valid only for the clipped family (grpo, bnpo, dr_grpo, dapo, luspo), not cispo",
         ),
-        (Box::new(|c| c.delta = Some(0.9)), "`delta`: must be finite and > 1, got 0.9"),
+        (
+            Box::new(|c| c.delta = Some(0.9)),
+            "`delta`: must be finite and > 1, got 0.9",
+        ),
         (
             Box::new(|c| {
                 c.loss_type = LossType::Sapo;
@@ -41,10 +48,22 @@ fn invalid_configs_are_rejected_at_construction() {
             Box::new(|c| c.loss_type = LossType::DrGrpo),
             "`max_completion_length`: dr_grpo requires max_completion_length >= 1",
         ),
-        (Box::new(|c| c.temperature = 0.0), "`temperature`: must be > 0, got 0"),
-        (Box::new(|c| c.epsilon_low = 1.5), "`epsilon_low`: must be in [0, 1), got 1.5"),
-        (Box::new(|c| c.beta = -0.1), "`beta`: must be >= 0, got -0.1"),
-        (Box::new(|c| c.entropy_coef = f64::NAN), "`entropy_coef`: must be finite, got NaN"),
+        (
+            Box::new(|c| c.temperature = 0.0),
+            "`temperature`: must be > 0, got 0",
+        ),
+        (
+            Box::new(|c| c.epsilon_low = 1.5),
+            "`epsilon_low`: must be in [0, 1), got 1.5",
+        ),
+        (
+            Box::new(|c| c.beta = -0.1),
+            "`beta`: must be >= 0, got -0.1",
+        ),
+        (
+            Box::new(|c| c.entropy_coef = f64::NAN),
+            "`entropy_coef`: must be finite, got NaN",
+        ),
         (
             Box::new(|c| c.num_items_in_batch = Some(0.0)),
             "`num_items_in_batch`: must be finite and > 0, got 0",
@@ -77,9 +96,11 @@ fn inputs() -> GrpoInputs {
 }
 
 fn forward_error<'a>(x: &'a GrpoInputs, f: impl FnOnce(&mut flashloss::GrpoBatch<'a>)) -> String {
-    let mut cfg = LossConfig::default();
-    cfg.beta = 0.04;
-    let loss = GrpoLoss::new(cfg).unwrap();
+    let loss = GrpoLoss::new(LossConfig {
+        beta: 0.04,
+        ..LossConfig::default()
+    })
+    .unwrap();
     let mut batch = x.batch();
     f(&mut batch);
     let layout = LogitsLayout::contiguous(2, 4, 50);
@@ -169,16 +190,25 @@ fn bad_layouts_and_backward_arguments() {
         run(LogitsLayout::contiguous(2, 3, 50), &x.logits),
         "argument `logits`: layout is [B=2, T=3] but the batch is [B=2, T=4]"
     );
-    let f = grpo_logits_forward(&loss, &batch, &x.logits, &LogitsLayout::contiguous(2, 4, 50))
-        .unwrap();
+    let f = grpo_logits_forward(
+        &loss,
+        &batch,
+        &x.logits,
+        &LogitsLayout::contiguous(2, 4, 50),
+    )
+    .unwrap();
     let mut out = vec![0.0f32; 399];
     assert_eq!(
-        f.backward(&x.logits, 1.0, &mut out).unwrap_err().to_string(),
+        f.backward(&x.logits, 1.0, &mut out)
+            .unwrap_err()
+            .to_string(),
         "argument `dlogits`: expected 400 elements for shape [N=8, V=50], got 399"
     );
     let mut out = vec![0.0f32; 400];
     assert_eq!(
-        f.backward(&x.logits, f32::NAN, &mut out).unwrap_err().to_string(),
+        f.backward(&x.logits, f32::NAN, &mut out)
+            .unwrap_err()
+            .to_string(),
         "argument `grad_output`: value NaN at index 0 is not finite"
     );
     let zero = LogitsLayout::contiguous(0, 4, 50);
@@ -189,9 +219,15 @@ fn bad_layouts_and_backward_arguments() {
         "argument `logits`: batch, seq_len and vocab must be >= 1, got [B=0, T=4, V=50]"
     );
     assert_eq!(
-        selective_log_softmax(&x.logits, &LogitsLayout::contiguous(2, 4, 50), &x.target_ids, None, 0.0)
-            .unwrap_err()
-            .to_string(),
+        selective_log_softmax(
+            &x.logits,
+            &LogitsLayout::contiguous(2, 4, 50),
+            &x.target_ids,
+            None,
+            0.0
+        )
+        .unwrap_err()
+        .to_string(),
         "argument `temperature`: must be finite and > 0, got 0"
     );
 }
@@ -205,19 +241,32 @@ fn config_files_reject_unknown_keys_and_wrong_types() {
     let err = parse("batch: 2\nbatchh: 3\n", &[]).unwrap_err().to_string();
     assert!(err.contains("unknown field `batchh`"), "{err}");
     let err = parse("loss:\n  betta: 0.1\n", &[]).unwrap_err().to_string();
-    assert!(err.starts_with("config loss.betta: unknown field `betta`"), "{err}");
+    assert!(
+        err.starts_with("config loss.betta: unknown field `betta`"),
+        "{err}"
+    );
     let err = parse("loss:\n  beta: high\n", &[]).unwrap_err().to_string();
     assert!(err.starts_with("config loss.beta: invalid type"), "{err}");
     let err = parse("vocab: -3\n", &[]).unwrap_err().to_string();
     assert!(err.starts_with("config vocab:"), "{err}");
     let err = parse("", &["loss.loss_type=ppo"]).unwrap_err().to_string();
-    assert!(err.starts_with("config loss.loss_type: unknown variant `ppo`"), "{err}");
+    assert!(
+        err.starts_with("config loss.loss_type: unknown variant `ppo`"),
+        "{err}"
+    );
     let err = parse("", &["no_equals_sign"]).unwrap_err().to_string();
     assert!(err.contains("key=value"), "{err}");
-    let cfg = parse("batch: 2\nloss:\n  beta: 0.1\n", &["loss.beta=0.25", "vocab=77"]).unwrap();
+    let cfg = parse(
+        "batch: 2\nloss:\n  beta: 0.1\n",
+        &["loss.beta=0.25", "vocab=77"],
+    )
+    .unwrap();
     assert_eq!((cfg.batch, cfg.vocab, cfg.loss.beta), (2, 77, 0.25));
     for file in ["default", "qwen_vocab", "qwen_vocab_bf16"] {
-        let path = format!("{}/../../configs/gradcheck/{file}.yaml", env!("CARGO_MANIFEST_DIR"));
+        let path = format!(
+            "{}/../../configs/gradcheck/{file}.yaml",
+            env!("CARGO_MANIFEST_DIR")
+        );
         config_file::load::<GradcheckConfig>(std::path::Path::new(&path), &[])
             .unwrap_or_else(|e| panic!("{file}: {e}"));
     }

@@ -37,11 +37,10 @@ fn exp_clamped(x: f32, xc: f32) -> f32 {
     let r = (xc - n * LN2_HI) - n * LN2_LO;
     let k = t.to_bits().wrapping_sub(ROUND.to_bits()) as i32;
     let two_n = f32::from_bits(((k + 127) as u32) << 23);
-    let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2)
-        * r
+    let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r
         + 1.666_666_5e-1)
         * r
-        + 5.000_000_1e-1;
+        + 5e-1;
     let y = (p * (r * r) + r) + 1.0;
     if x < -87.0 { 0.0 } else { y * two_n }
 }
@@ -86,7 +85,7 @@ pub fn store<E: Element>(src: &[f32], dst: &mut [E]) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn stream_store_avx512(src: &[f32], dst: &mut [f32]) {
-    use std::arch::x86_64::{_mm512_loadu_ps, _mm512_stream_ps, _mm_sfence};
+    use std::arch::x86_64::{_mm_sfence, _mm512_loadu_ps, _mm512_stream_ps};
     let n = dst.len();
     let head = (dst.as_ptr().align_offset(64)).min(n);
     dst[..head].copy_from_slice(&src[..head]);

@@ -51,7 +51,11 @@ pub fn grpo_logits_unfused<E: Element>(
                 .zip(lp)
                 .map(|(&p, &l)| if p > 0.0 { p * l } else { 0.0 })
                 .sum::<f32>();
-            let y = if batch.mask[i] { batch.target_ids[i] as usize } else { 0 };
+            let y = if batch.mask[i] {
+                batch.target_ids[i] as usize
+            } else {
+                0
+            };
             (lp[y], h)
         })
         .unzip();

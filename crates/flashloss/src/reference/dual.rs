@@ -105,7 +105,10 @@ impl Num for Dual {
     }
     fn exp(self) -> Self {
         let e = self.v.exp();
-        Dual { v: e, d: self.d * e }
+        Dual {
+            v: e,
+            d: self.d * e,
+        }
     }
     fn recip(self) -> Self {
         Dual {

@@ -125,8 +125,7 @@ fn sequence_terms<N: Num>(
             }
             LossType::Luspo => len_b / (norm.batch_size * t_len as f64),
         };
-        let total =
-            policy * N::c(rho) + N::c(c.beta) * kl - N::c(c.entropy_coef) * entropy[t];
+        let total = policy * N::c(rho) + N::c(c.beta) * kl - N::c(c.entropy_coef) * entropy[t];
         terms.push(TokenTerm {
             row: i,
             weight,

@@ -147,7 +147,10 @@ pub fn time_steps(
 }
 
 /// Runs the bench; `progress(label, done, total)` reports long runs.
-pub fn run(cfg: &BenchConfig, progress: &mut dyn FnMut(&str, usize, usize)) -> Result<Vec<BenchResult>> {
+pub fn run(
+    cfg: &BenchConfig,
+    progress: &mut dyn FnMut(&str, usize, usize),
+) -> Result<Vec<BenchResult>> {
     if !memory::is_tracking() {
         return Err(Error::InvalidArgument {
             arg: "bench",
@@ -188,8 +191,8 @@ fn run_logits<E: Element>(
     let copy_gbytes_per_s = copy_bandwidth(n * v, cfg.repeat.max(9));
 
     let run_one = |name: &'static str,
-                       progress: &mut dyn FnMut(&str, usize, usize),
-                       step: &mut dyn FnMut() -> Result<f64>|
+                   progress: &mut dyn FnMut(&str, usize, usize),
+                   step: &mut dyn FnMut() -> Result<f64>|
      -> Result<BenchResult> {
         let mut loss_value = 0.0;
         memory::reset_peak();

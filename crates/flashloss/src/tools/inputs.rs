@@ -117,11 +117,9 @@ impl GrpoInputs {
         };
         let old_logp = near(spec.old_logp, 0.15);
         let ref_logp = near(spec.ref_logp, 0.3);
-        let sampler_ratio = spec.sampler_ratio.then(|| {
-            (0..b * t)
-                .map(|_| rng.random_range(0.5..1.5f32))
-                .collect()
-        });
+        let sampler_ratio = spec
+            .sampler_ratio
+            .then(|| (0..b * t).map(|_| rng.random_range(0.5..1.5f32)).collect());
         GrpoInputs {
             batch: b,
             seq_len: t,
