@@ -7,6 +7,7 @@
 use crate::batch::GrpoBatch;
 use crate::config::{GrpoLoss, ImportanceSamplingLevel, LossConfig, LossType};
 use serde::Serialize;
+use std::ops::Range;
 
 /// Bit of [`PolicyOutput::clip`]: ratio below `1-ε_low` with `A < 0`.
 pub const CLIP_LOW: u8 = 1;
@@ -64,6 +65,48 @@ pub struct PolicyOutput {
     pub dlogp: Vec<f32>,
     /// `∂L/∂H_i = -entropy_coef · w_i` `[N]`.
     pub dentropy: Vec<f32>,
+    /// Each token's share `w_i · ℓ_tot,i` of the loss `[N]`.
+    pub token_loss: Vec<f64>,
+}
+
+impl PolicyOutput {
+    /// Zeroed per-token outputs for N rows.
+    pub fn new(n: usize) -> Self {
+        PolicyOutput {
+            loss: 0.0,
+            metrics: GrpoMetrics::default(),
+            kl: vec![0.0; n],
+            clip: vec![0; n],
+            dlogp: vec![0.0; n],
+            dentropy: vec![0.0; n],
+            token_loss: vec![0.0; n],
+        }
+    }
+
+    /// Sums the loss and the metrics over live tokens, serially in row order (so the
+    /// result does not depend on how rows were blocked or threaded).
+    pub fn finish(&mut self, mask: &[bool], entropy: &[f32]) {
+        let (mut loss, mut kl, mut ent, mut tokens) = (0.0, 0.0, 0.0, 0.0);
+        let (mut low, mut high, mut region) = (0.0, 0.0, 0.0);
+        for i in (0..mask.len()).filter(|&i| mask[i]) {
+            loss += self.token_loss[i];
+            kl += self.kl[i] as f64;
+            ent += entropy[i] as f64;
+            tokens += 1.0;
+            low += (self.clip[i] & CLIP_LOW != 0) as u8 as f64;
+            high += (self.clip[i] & CLIP_HIGH != 0) as u8 as f64;
+            region += (self.clip[i] != 0) as u8 as f64;
+        }
+        let denom = f64::max(tokens, 1.0);
+        self.loss = loss;
+        self.metrics = GrpoMetrics {
+            kl_mean: kl / denom,
+            clip_ratio_low: low / denom,
+            clip_ratio_high: high / denom,
+            clip_ratio_region: region / denom,
+            entropy_mean: ent / denom,
+        };
+    }
 }
 
 /// Policy term of one token: `ℓ` and `∂ℓ/∂r` (ratio-based losses) or `∂ℓ/∂logp`
@@ -160,48 +203,55 @@ pub fn policy_stage(
     logp: &[f32],
     entropy: &[f32],
 ) -> PolicyOutput {
+    let mut out = PolicyOutput::new(batch.rows());
+    policy_rows(loss, batch, norm, logp, entropy, 0..batch.rows(), &mut out);
+    out.finish(batch.mask, entropy);
+    out
+}
+
+/// The per-token part of [`policy_stage`] for `rows` only (their `logp` and `entropy`
+/// must be final; others are not read). When [`GrpoLoss::needs_sequence_reduction`],
+/// `rows` must cover whole sequences. Call [`PolicyOutput::finish`] once all rows are done.
+pub fn policy_rows(
+    loss: &GrpoLoss,
+    batch: &GrpoBatch,
+    norm: Normalizers,
+    logp: &[f32],
+    entropy: &[f32],
+    rows: Range<usize>,
+    out: &mut PolicyOutput,
+) {
     let c = loss.config();
-    let (b_count, t_len) = (batch.batch, batch.seq_len);
-    let n = b_count * t_len;
+    let t_len = batch.seq_len;
     let sequence_level = c.importance_sampling_level == ImportanceSamplingLevel::Sequence;
     let lp = |i: usize| logp[i] as f64;
     let old = |i: usize| batch.old_logp.map_or(lp(i), |o| o[i] as f64);
+    let needs_sequence = loss.needs_sequence_reduction();
 
-    let mut out = PolicyOutput {
-        loss: 0.0,
-        metrics: GrpoMetrics::default(),
-        kl: vec![0.0; n],
-        clip: vec![0; n],
-        dlogp: vec![0.0; n],
-        dentropy: vec![0.0; n],
-    };
-    let (mut kl_sum, mut ent_sum, mut tokens) = (0.0f64, 0.0f64, 0.0f64);
-    let (mut n_low, mut n_high, mut n_region) = (0.0f64, 0.0f64, 0.0f64);
-
-    for b in 0..b_count {
-        let rows = b * t_len..(b + 1) * t_len;
-        let seq_tokens = rows.clone().filter(|&i| batch.mask[i]).count();
+    for b in rows.start / t_len..rows.end.div_ceil(t_len) {
+        let seq = b * t_len..(b + 1) * t_len;
+        let seq_tokens = seq.clone().filter(|&i| batch.mask[i]).count();
         let len_b = seq_tokens.max(1) as f64;
-        // Sequence-level ratio R_b, and vespo's log w_b.
-        let log_ratio_sum: f64 = rows
-            .clone()
-            .filter(|&i| batch.mask[i])
-            .map(|i| lp(i) - old(i))
-            .sum();
-        let seq_ratio = (log_ratio_sum / len_b).exp();
-        let vespo_log_w = rows
-            .clone()
-            .filter(|&i| batch.mask[i])
-            .map(|i| (lp(i) - old(i)).clamp(-20.0, 20.0))
-            .sum::<f64>()
-            .clamp(1e-8f64.ln(), 20.0);
+        let live = |r: &Range<usize>| {
+            let r = r.clone();
+            r.filter(|&i| batch.mask[i])
+        };
+        // Sequence-level ratio R_b, and vespo's log w_b (need the whole sequence).
+        let (seq_ratio, vespo_log_w) = if needs_sequence {
+            let log_ratio_sum: f64 = live(&seq).map(|i| lp(i) - old(i)).sum();
+            let log_w = live(&seq)
+                .map(|i| (lp(i) - old(i)).clamp(-20.0, 20.0))
+                .sum::<f64>()
+                .clamp(1e-8f64.ln(), 20.0);
+            ((log_ratio_sum / len_b).exp(), log_w)
+        } else {
+            (1.0, 0.0)
+        };
         // Σ_s w_bs · ∂ℓ_tot,bs/∂R_b, the cross-token part of a sequence-level gradient.
         let mut seq_grad = 0.0f64;
+        let here = seq.start.max(rows.start)..seq.end.min(rows.end);
 
-        for i in rows.clone() {
-            if !batch.mask[i] {
-                continue;
-            }
+        for i in live(&here) {
             let adv = batch.advantages.at(i, t_len) as f64;
             let rho = batch.sampler_ratio.map_or(1.0, |s| s.at(i, t_len) as f64);
             let w = match c.loss_type {
@@ -222,7 +272,6 @@ pub fn policy_stage(
             };
             let phi = vespo_phi(c, vespo_log_w, adv);
             let term = policy_term(c, r, adv, lp(i), phi);
-            let flags = clip_flags(c, r, adv);
 
             // KL (k3) and its derivative w.r.t. this token's logp (direct part).
             let (mut kl, mut dkl) = (0.0, 0.0);
@@ -242,7 +291,7 @@ pub fn policy_stage(
             }
 
             let h = entropy[i] as f64;
-            out.loss += w * (term.loss * rho + c.beta * kl - c.entropy_coef * h);
+            out.token_loss[i] = w * (term.loss * rho + c.beta * kl - c.entropy_coef * h);
             let ratio_based = !matches!(c.loss_type, LossType::Cispo | LossType::Vespo);
             let mut dlogp = w * c.beta * dkl;
             if sequence_level {
@@ -255,29 +304,13 @@ pub fn policy_stage(
             out.dlogp[i] = dlogp as f32;
             out.dentropy[i] = (-c.entropy_coef * w) as f32;
             out.kl[i] = kl as f32;
-            out.clip[i] = flags;
-
-            tokens += 1.0;
-            kl_sum += kl;
-            ent_sum += h;
-            n_low += (flags & CLIP_LOW != 0) as u8 as f64;
-            n_high += (flags & CLIP_HIGH != 0) as u8 as f64;
-            n_region += (flags != 0) as u8 as f64;
+            out.clip[i] = clip_flags(c, r, adv);
         }
         if sequence_level {
             // ∂R_b/∂logp_bt = R_b · m_bt / L_b.
-            for i in rows.filter(|&i| batch.mask[i]) {
+            for i in live(&here) {
                 out.dlogp[i] = (out.dlogp[i] as f64 + seq_grad * seq_ratio / len_b) as f32;
             }
         }
     }
-    let denom = tokens.max(1.0);
-    out.metrics = GrpoMetrics {
-        kl_mean: kl_sum / denom,
-        clip_ratio_low: n_low / denom,
-        clip_ratio_high: n_high / denom,
-        clip_ratio_region: n_region / denom,
-        entropy_mean: ent_sum / denom,
-    };
-    out
 }
