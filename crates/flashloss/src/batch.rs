@@ -252,3 +252,52 @@ impl GrpoBatch<'_> {
         }
     }
 }
+
+/// The LM head's inputs: hidden states `[N, H]`, weight `[V, H]` (one row per vocab
+/// entry) and an optional bias `[V]`, so that `z = hidden · weightᵀ + bias`.
+#[derive(Debug, Clone, Copy)]
+pub struct LinearInputs<'a, E> {
+    /// `[N, H]`, row-major.
+    pub hidden: &'a [E],
+    /// `[V, H]`, row-major.
+    pub weight: &'a [E],
+    /// `[V]`.
+    pub bias: Option<&'a [E]>,
+    /// N.
+    pub tokens: usize,
+    /// H.
+    pub hidden_size: usize,
+    /// V.
+    pub vocab: usize,
+}
+
+impl<E> LinearInputs<'_, E> {
+    /// Checks sizes and buffer lengths.
+    pub fn validate(&self) -> Result<()> {
+        let (n, h, v) = (self.tokens, self.hidden_size, self.vocab);
+        if n == 0 || h == 0 || v == 0 {
+            return Err(Error::InvalidArgument {
+                arg: "hidden",
+                reason: format!(
+                    "tokens, hidden_size and vocab must be >= 1, got [N={n}, H={h}, V={v}]"
+                ),
+            });
+        }
+        check_len(
+            "hidden",
+            self.hidden.len(),
+            n * h,
+            format!("[N={n}, H={h}]"),
+        )?;
+        check_len(
+            "weight",
+            self.weight.len(),
+            v * h,
+            format!("[V={v}, H={h}]"),
+        )?;
+        if let Some(b) = self.bias {
+            check_len("bias", b.len(), v, format!("[V={v}]"))?;
+        }
+        Ok(())
+    }
+}

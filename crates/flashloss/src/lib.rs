@@ -18,7 +18,7 @@ pub mod policy;
 pub mod reference;
 pub mod tools;
 
-pub use batch::{GrpoBatch, LogitsLayout, PerSeqOrToken};
+pub use batch::{GrpoBatch, LinearInputs, LogitsLayout, PerSeqOrToken};
 pub use config::{GrpoLoss, ImportanceSamplingLevel, LossConfig, LossType};
 pub use element::{DType, Element};
 pub use error::{Error, Result};

@@ -10,7 +10,7 @@ mod softmax;
 pub use grpo::{GrpoReference, grpo_reference};
 pub use softmax::{RowSoftmax, row_softmax};
 
-use crate::batch::LogitsLayout;
+use crate::batch::{LinearInputs, LogitsLayout};
 use crate::element::Element;
 
 /// Copies the rows of a strided logits buffer into a dense f64 `[N, V]` matrix.
@@ -25,4 +25,47 @@ pub fn dense_f64<E: Element>(data: &[E], layout: &LogitsLayout) -> Vec<f64> {
         );
     }
     out
+}
+
+/// Dense f64 logits `z = hidden · weightᵀ + bias` `[N, V]` of an LM head.
+pub fn linear_logits<E: Element>(inputs: &LinearInputs<E>) -> Vec<f64> {
+    let (n, h, v) = (inputs.tokens, inputs.hidden_size, inputs.vocab);
+    let hid: Vec<f64> = inputs.hidden.iter().map(|x| x.to_f32() as f64).collect();
+    let w: Vec<f64> = inputs.weight.iter().map(|x| x.to_f32() as f64).collect();
+    let mut z = vec![0.0; n * v];
+    for i in 0..n {
+        for j in 0..v {
+            let dot: f64 = (0..h).map(|k| hid[i * h + k] * w[j * h + k]).sum();
+            z[i * v + j] = dot + inputs.bias.map_or(0.0, |b| b[j].to_f32() as f64);
+        }
+    }
+    z
+}
+
+/// The LM head's gradients from dense `dlogits` `[N, V]`: `dH = dZ·W` `[N, H]`,
+/// `dW = dZᵀ·H` `[V, H]`, `dbias = Σ_rows dZ` `[V]`.
+pub fn linear_grads<E: Element>(
+    inputs: &LinearInputs<E>,
+    dlogits: &[f64],
+) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    let (n, h, v) = (inputs.tokens, inputs.hidden_size, inputs.vocab);
+    let hid: Vec<f64> = inputs.hidden.iter().map(|x| x.to_f32() as f64).collect();
+    let w: Vec<f64> = inputs.weight.iter().map(|x| x.to_f32() as f64).collect();
+    let mut dh = vec![0.0; n * h];
+    let mut dw = vec![0.0; v * h];
+    let mut db = vec![0.0; v];
+    for i in 0..n {
+        for j in 0..v {
+            let g = dlogits[i * v + j];
+            if g == 0.0 {
+                continue;
+            }
+            db[j] += g;
+            for k in 0..h {
+                dh[i * h + k] += g * w[j * h + k];
+                dw[j * h + k] += g * hid[i * h + k];
+            }
+        }
+    }
+    (dh, dw, db)
 }

@@ -1,0 +1,581 @@
+//! The machinery shared by the fused LM-head kernels: logits exist only as a
+//! `[block_rows, vocab_tile]` tile (two-pass) or a `[block_rows, V]` block (single-pass)
+//! in a workspace sized from a memory budget; tile products go through `gemm`; bf16
+//! hidden states and weights are widened one block or tile at a time, never whole.
+//!
+//! Pass A ([`row_stats`]) streams the vocabulary to get each row's softmax statistics.
+//! Pass B ([`accumulate_grads`]) recomputes each tile, turns it into `dZ` in place and
+//! accumulates `dH += dZ·W`, `dW += dZᵀ·H`, `dbias += Σ_rows dZ`. Together 8NHV FLOPs.
+//! [`single_pass`] keeps a block's logits whole, so it needs no recomputation: 6NHV.
+
+use super::matmul::{MatRef, matmul};
+use super::online_softmax::{OnlineSoftmax, RowStats};
+use super::simd;
+use crate::batch::LinearInputs;
+use crate::element::Element;
+use crate::error::{Error, Result};
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
+use std::borrow::Cow;
+use std::ops::Range;
+
+/// How the fused kernel recomputes logits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    /// Single-pass when the loss allows it and the budget holds a useful row block.
+    #[default]
+    Auto,
+    /// Logits of a row block kept whole: 6NHV (token-level losses only).
+    SinglePass,
+    /// Statistics first, then recompute: 8NHV, smallest workspace.
+    TwoPass,
+}
+
+/// Options of the fused LM-head kernels.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FusedOptions {
+    /// Recomputation strategy.
+    pub mode: Mode,
+    /// Bytes the kernel's workspace may use (logit tiles, widened bf16 tiles).
+    pub budget_bytes: usize,
+    /// Upstream gradient `∂(outer loss)/∂L`.
+    pub grad_output: f32,
+}
+
+impl Default for FusedOptions {
+    fn default() -> Self {
+        FusedOptions {
+            mode: Mode::Auto,
+            budget_bytes: 64 << 20,
+            grad_output: 1.0,
+        }
+    }
+}
+
+/// Block sizes chosen from the budget.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Plan {
+    /// True for single-pass.
+    pub single_pass: bool,
+    /// Rows per block.
+    pub block_rows: usize,
+    /// Vocabulary entries per tile.
+    pub vocab_tile: usize,
+    /// Bytes of the kernel's own tiles and widened blocks.
+    pub workspace_bytes: usize,
+    /// Bytes reserved for `gemm`'s packing buffers ([`GEMM_SCRATCH_PER_THREAD`] per thread).
+    pub gemm_reserve_bytes: usize,
+}
+
+impl Plan {
+    /// FLOPs of the whole step: `2NHV` per logits computation, plus `4NHV` for dH, dW.
+    pub fn flops(&self, n: usize, h: usize, v: usize) -> f64 {
+        let nhv = n as f64 * h as f64 * v as f64;
+        if self.single_pass {
+            6.0 * nhv
+        } else {
+            8.0 * nhv
+        }
+    }
+}
+
+/// Packing buffers the `gemm` crate allocates per thread (measured: ~1 MiB; kept
+/// with a margin). The budget covers them for one thread per core of the machine, so
+/// they are reserved first; the plan then does not depend on the thread pool's size
+/// (results are bitwise identical for any thread count). A pool with more threads than
+/// cores adds this much per extra thread beyond the budget.
+pub const GEMM_SCRATCH_PER_THREAD: usize = 1280 << 10;
+
+/// The GEMM reserve of this machine: [`GEMM_SCRATCH_PER_THREAD`] per core.
+pub fn gemm_reserve_bytes() -> usize {
+    GEMM_SCRATCH_PER_THREAD * std::thread::available_parallelism().map_or(1, |c| c.get())
+}
+
+/// Single-pass blocks with fewer rows than this make poor GEMMs; auto mode then
+/// chooses two-pass.
+const MIN_SINGLE_PASS_ROWS: usize = 16;
+/// Largest row block (beyond it GEMMs gain nothing and the workspace grows).
+const MAX_BLOCK_ROWS: usize = 512;
+
+/// Chooses the mode and block sizes: the largest blocks whose workspace fits the
+/// budget less the GEMM reserve. `single_pass_allowed` is false for losses that reduce
+/// over sequences.
+pub fn plan(
+    n: usize,
+    h: usize,
+    v: usize,
+    widen: bool,
+    opts: &FusedOptions,
+    single_pass_allowed: bool,
+) -> Result<Plan> {
+    let gemm_reserve_bytes = gemm_reserve_bytes();
+    let budget = opts
+        .budget_bytes
+        .checked_sub(gemm_reserve_bytes)
+        .ok_or_else(|| Error::InvalidArgument {
+            arg: "budget_bytes",
+            reason: format!(
+                "{} bytes is below the GEMM packing reserve of {gemm_reserve_bytes} bytes ({GEMM_SCRATCH_PER_THREAD} per core)",
+                opts.budget_bytes
+            ),
+        })?;
+    // A widened bf16 weight tile holds vocab_tile × H f32; keep it within a quarter.
+    let mut vocab_tile = v.min(2048);
+    while widen && vocab_tile > 64 && vocab_tile * h * 4 > budget / 4 {
+        vocab_tile /= 2;
+    }
+    let widened = |rows: usize| {
+        if widen {
+            (vocab_tile + rows) * h * 4
+        } else {
+            0
+        }
+    };
+    let fits = |rows: usize, cols: usize| rows * cols * 4 + widened(rows) <= budget;
+    let largest = |cols: usize| {
+        let mut rows = n.min(MAX_BLOCK_ROWS);
+        while rows > 0 && !fits(rows, cols) {
+            rows -= 1;
+        }
+        rows
+    };
+    let single_rows = largest(v);
+    let single = match opts.mode {
+        Mode::SinglePass if !single_pass_allowed => {
+            return Err(Error::InvalidArgument {
+                arg: "mode",
+                reason: "single_pass needs a token-level loss (sequence-level ratios and vespo reduce over whole sequences first); use two_pass or auto".into(),
+            });
+        }
+        Mode::SinglePass => true,
+        Mode::TwoPass => false,
+        Mode::Auto => single_pass_allowed && single_rows >= MIN_SINGLE_PASS_ROWS.min(n),
+    };
+    let (rows, cols) = if single {
+        (single_rows, v)
+    } else {
+        (largest(vocab_tile), vocab_tile)
+    };
+    if rows == 0 {
+        return Err(Error::InvalidArgument {
+            arg: "budget_bytes",
+            reason: format!(
+                "{} bytes (less the GEMM reserve of {gemm_reserve_bytes}) cannot hold one row of {} logits{}",
+                opts.budget_bytes,
+                cols,
+                if widen {
+                    " and a widened weight tile"
+                } else {
+                    ""
+                }
+            ),
+        });
+    }
+    Ok(Plan {
+        single_pass: single,
+        block_rows: rows,
+        vocab_tile,
+        workspace_bytes: rows * cols * 4 + widened(rows),
+        gemm_reserve_bytes,
+    })
+}
+
+/// What turns a row's logits into its gradient: with
+/// `p_j = exp((z_j - max)·inv_temp - log_sum)`,
+/// `dz_j = coef_p·p_j + coef_h·p_j·(log p_j + H) + [j = target]·coef_target`.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RowGrad {
+    /// Softmax statistics of the row.
+    pub stats: RowStats,
+    /// Multiplies `p_j`.
+    pub coef_p: f32,
+    /// Multiplies `p_j·(log p_j + H)`.
+    pub coef_h: f32,
+    /// Added at the target.
+    pub coef_target: f32,
+    /// Target id (unused when `coef_target` is 0).
+    pub target: usize,
+}
+
+impl RowGrad {
+    fn is_zero(&self) -> bool {
+        self.coef_p == 0.0 && self.coef_h == 0.0 && self.coef_target == 0.0
+    }
+}
+
+/// Rows `rows` of `m` (row-major `[*, cols]`) as f32: borrowed for f32, widened into
+/// `buf` otherwise.
+fn rows_f32<'a, E: Element>(
+    m: &'a [E],
+    cols: usize,
+    rows: Range<usize>,
+    buf: &'a mut Vec<f32>,
+) -> Cow<'a, [f32]> {
+    let src = &m[rows.start * cols..rows.end * cols];
+    match E::as_f32(src) {
+        Some(s) => Cow::Borrowed(s),
+        None => {
+            buf.resize(src.len(), 0.0);
+            simd::load(src, buf);
+            Cow::Borrowed(&buf[..])
+        }
+    }
+}
+
+/// Workspace buffers, allocated once per call.
+struct Scratch {
+    logits: Vec<f32>,
+    hidden: Vec<f32>,
+    weight: Vec<f32>,
+}
+
+impl Scratch {
+    fn new(plan: &Plan, v: usize) -> Self {
+        let cols = if plan.single_pass { v } else { plan.vocab_tile };
+        Scratch {
+            logits: vec![0.0; plan.block_rows * cols],
+            hidden: Vec::new(),
+            weight: Vec::new(),
+        }
+    }
+}
+
+/// `z[rows, 0..vt]` (row stride `ld`) = `hidden[rows] · weight[vocab]ᵀ + bias[vocab]`.
+#[allow(clippy::too_many_arguments)]
+fn logits_tile(
+    z: &mut [f32],
+    ld: usize,
+    hidden: &[f32],
+    weight: &[f32],
+    bias: Option<&[f32]>,
+    rows: usize,
+    h: usize,
+    vt: usize,
+) {
+    matmul(
+        z,
+        ld,
+        MatRef::row_major(hidden, rows, h),
+        MatRef::row_major(weight, vt, h).t(),
+        false,
+    );
+    if let Some(b) = bias {
+        z.par_chunks_mut(ld)
+            .take(rows)
+            .for_each(|row| row[..vt].iter_mut().zip(b).for_each(|(x, c)| *x += c));
+    }
+}
+
+/// Inputs of a fused LM-head pass.
+pub struct Problem<'a, E> {
+    /// Hidden states, weight, bias.
+    pub inputs: &'a LinearInputs<'a, E>,
+    /// Target ids `[N]` (read where `live`).
+    pub targets: &'a [i64],
+    /// Rows that take part `[N]`.
+    pub live: &'a [bool],
+    /// `1 / T_temp`.
+    pub inv_temp: f32,
+}
+
+impl<E: Element> Problem<'_, E> {
+    fn bias_f32(&self) -> Option<Vec<f32>> {
+        self.inputs
+            .bias
+            .map(|b| b.iter().map(|x| x.to_f32()).collect())
+    }
+
+    fn vocab_tiles(&self, vt: usize) -> impl Iterator<Item = Range<usize>> + use<E> {
+        let v = self.inputs.vocab;
+        (0..v).step_by(vt).map(move |s| s..(s + vt).min(v))
+    }
+
+    fn row_blocks(&self, nb: usize) -> impl Iterator<Item = Range<usize>> + use<E> {
+        let n = self.inputs.tokens;
+        (0..n).step_by(nb).map(move |s| s..(s + nb).min(n))
+    }
+}
+
+/// Merges the statistics of a `[rows, cols]` tile (row stride `ld`) whose columns are
+/// vocabulary entries `vocab`, and captures target logits that fall in it.
+fn merge_tile_stats<E: Element>(
+    p: &Problem<E>,
+    z: &[f32],
+    ld: usize,
+    rows: Range<usize>,
+    vocab: &Range<usize>,
+    states: &mut [OnlineSoftmax],
+    target_logits: &mut [f32],
+) {
+    let cols = vocab.len();
+    z.par_chunks(ld)
+        .zip(states.par_iter_mut())
+        .zip(target_logits.par_iter_mut())
+        .enumerate()
+        .take(rows.len())
+        .for_each(|(r, ((row, state), target_logit))| {
+            let i = rows.start + r;
+            if !p.live[i] {
+                return;
+            }
+            let row = &row[..cols];
+            state.merge(OnlineSoftmax::of_tile(row, p.inv_temp));
+            let y = p.targets[i] as usize;
+            if vocab.contains(&y) {
+                *target_logit = row[y - vocab.start];
+            }
+        });
+}
+
+/// Turns a `[rows, cols]` tile of logits (row stride `ld`, vocabulary entries `vocab`)
+/// into `dZ` in place.
+fn grad_tile(z: &mut [f32], ld: usize, vocab: &Range<usize>, grads: &[RowGrad], inv_temp: f32) {
+    let cols = vocab.len();
+    z.par_chunks_mut(ld)
+        .zip(grads.par_iter())
+        .for_each(|(row, g)| {
+            let row = &mut row[..cols];
+            if g.is_zero() {
+                row.fill(0.0);
+                return;
+            }
+            simd::softmax_grad(
+                row,
+                &simd::SoftmaxGrad {
+                    max: g.stats.max,
+                    scale: inv_temp,
+                    log_sum: g.stats.log_sum,
+                    coef_p: g.coef_p,
+                    coef_h: g.coef_h,
+                    entropy: g.stats.entropy,
+                },
+            );
+            if vocab.contains(&g.target) {
+                row[g.target - vocab.start] += g.coef_target;
+            }
+        });
+}
+
+/// Gradients of the LM head, accumulated in f32.
+#[derive(Debug, Clone)]
+pub struct LinearGrads {
+    /// `dH` `[N, H]`.
+    pub dhidden: Vec<f32>,
+    /// `dW` `[V, H]`.
+    pub dweight: Vec<f32>,
+    /// `dbias` `[V]` (when the head has a bias).
+    pub dbias: Option<Vec<f32>>,
+}
+
+impl LinearGrads {
+    fn zeros<E>(inputs: &LinearInputs<E>) -> Self {
+        let (n, h, v) = (inputs.tokens, inputs.hidden_size, inputs.vocab);
+        LinearGrads {
+            dhidden: vec![0.0; n * h],
+            dweight: vec![0.0; v * h],
+            dbias: inputs.bias.map(|_| vec![0.0; v]),
+        }
+    }
+}
+
+/// `dH[rows] += dZ·W[vocab]`, `dW[vocab] += dZᵀ·H[rows]`, `dbias[vocab] += Σ_rows dZ`
+/// for one `[rows, cols]` gradient tile `dz` (row stride `ld`).
+#[allow(clippy::too_many_arguments)]
+fn accumulate_tile(
+    grads: &mut LinearGrads,
+    dz: &[f32],
+    ld: usize,
+    hidden: &[f32],
+    weight: &[f32],
+    rows: &Range<usize>,
+    vocab: &Range<usize>,
+    h: usize,
+) {
+    let (nb, vt) = (rows.len(), vocab.len());
+    let dz_view = MatRef {
+        data: dz,
+        rows: nb,
+        cols: vt,
+        row_stride: ld,
+        col_stride: 1,
+    };
+    matmul(
+        &mut grads.dhidden[rows.start * h..rows.end * h],
+        h,
+        dz_view,
+        MatRef::row_major(weight, vt, h),
+        true,
+    );
+    matmul(
+        &mut grads.dweight[vocab.start * h..vocab.end * h],
+        h,
+        dz_view.t(),
+        MatRef::row_major(hidden, nb, h),
+        true,
+    );
+    if let Some(db) = grads.dbias.as_mut() {
+        let db = &mut db[vocab.clone()];
+        for row in dz.chunks(ld).take(nb) {
+            db.iter_mut().zip(&row[..vt]).for_each(|(d, x)| *d += x);
+        }
+    }
+}
+
+/// Pass A: softmax statistics of every live row (zeroed [`RowStats`] elsewhere).
+pub fn row_stats<E: Element>(p: &Problem<E>, plan: &Plan) -> Vec<RowStats> {
+    let (n, h) = (p.inputs.tokens, p.inputs.hidden_size);
+    let vt = plan.vocab_tile;
+    let bias = p.bias_f32();
+    let mut scratch = Scratch::new(
+        &Plan {
+            single_pass: false,
+            ..*plan
+        },
+        p.inputs.vocab,
+    );
+    let mut states = vec![OnlineSoftmax::empty(p.inv_temp); n];
+    let mut target_logits = vec![0.0f32; n];
+    for rows in p.row_blocks(plan.block_rows) {
+        let hid = rows_f32(p.inputs.hidden, h, rows.clone(), &mut scratch.hidden);
+        for vocab in p.vocab_tiles(vt) {
+            let w = rows_f32(p.inputs.weight, h, vocab.clone(), &mut scratch.weight);
+            let z = &mut scratch.logits[..rows.len() * vocab.len()];
+            logits_tile(
+                z,
+                vocab.len(),
+                &hid,
+                &w,
+                bias.as_ref().map(|b| &b[vocab.clone()]),
+                rows.len(),
+                h,
+                vocab.len(),
+            );
+            merge_tile_stats(
+                p,
+                z,
+                vocab.len(),
+                rows.clone(),
+                &vocab,
+                &mut states[rows.clone()],
+                &mut target_logits[rows.clone()],
+            );
+        }
+    }
+    (0..n)
+        .map(|i| {
+            if p.live[i] {
+                RowStats::finish(&states[i], target_logits[i])
+            } else {
+                RowStats::default()
+            }
+        })
+        .collect()
+}
+
+/// Pass B: recomputes every tile, turns it into `dZ` with `grads` (one per row) and
+/// accumulates the LM head's gradients.
+pub fn accumulate_grads<E: Element>(p: &Problem<E>, plan: &Plan, grads: &[RowGrad]) -> LinearGrads {
+    let h = p.inputs.hidden_size;
+    let vt = plan.vocab_tile;
+    let bias = p.bias_f32();
+    let mut out = LinearGrads::zeros(p.inputs);
+    let mut scratch = Scratch::new(
+        &Plan {
+            single_pass: false,
+            ..*plan
+        },
+        p.inputs.vocab,
+    );
+    for rows in p.row_blocks(plan.block_rows) {
+        if rows.clone().all(|i| grads[i].is_zero()) {
+            continue;
+        }
+        let hid = rows_f32(p.inputs.hidden, h, rows.clone(), &mut scratch.hidden);
+        for vocab in p.vocab_tiles(vt) {
+            let w = rows_f32(p.inputs.weight, h, vocab.clone(), &mut scratch.weight);
+            let z = &mut scratch.logits[..rows.len() * vocab.len()];
+            logits_tile(
+                z,
+                vocab.len(),
+                &hid,
+                &w,
+                bias.as_ref().map(|b| &b[vocab.clone()]),
+                rows.len(),
+                h,
+                vocab.len(),
+            );
+            grad_tile(z, vocab.len(), &vocab, &grads[rows.clone()], p.inv_temp);
+            accumulate_tile(&mut out, z, vocab.len(), &hid, &w, &rows, &vocab, h);
+        }
+    }
+    out
+}
+
+/// Single pass: per row block, all its logits (tile by tile into a `[rows, V]` block),
+/// its statistics, then `grads_of(rows, stats)` gives the block's [`RowGrad`]s, and the
+/// gradients are accumulated from the block still in memory. Returns every row's stats.
+pub fn single_pass<E: Element>(
+    p: &Problem<E>,
+    plan: &Plan,
+    grads_of: &mut dyn FnMut(Range<usize>, &[RowStats]) -> Vec<RowGrad>,
+) -> (Vec<RowStats>, LinearGrads) {
+    let (n, h, v) = (p.inputs.tokens, p.inputs.hidden_size, p.inputs.vocab);
+    let vt = plan.vocab_tile;
+    let bias = p.bias_f32();
+    let mut out = LinearGrads::zeros(p.inputs);
+    let mut scratch = Scratch::new(plan, v);
+    let mut stats = vec![RowStats::default(); n];
+    for rows in p.row_blocks(plan.block_rows) {
+        let nb = rows.len();
+        let hid = rows_f32(p.inputs.hidden, h, rows.clone(), &mut scratch.hidden);
+        let block = &mut scratch.logits[..nb * v];
+        let mut states = vec![OnlineSoftmax::empty(p.inv_temp); nb];
+        let mut target_logits = vec![0.0f32; nb];
+        for vocab in p.vocab_tiles(vt) {
+            let w = rows_f32(p.inputs.weight, h, vocab.clone(), &mut scratch.weight);
+            let z = &mut block[vocab.start..];
+            logits_tile(
+                z,
+                v,
+                &hid,
+                &w,
+                bias.as_ref().map(|b| &b[vocab.clone()]),
+                nb,
+                h,
+                vocab.len(),
+            );
+            merge_tile_stats(
+                p,
+                z,
+                v,
+                rows.clone(),
+                &vocab,
+                &mut states,
+                &mut target_logits,
+            );
+        }
+        for (r, i) in rows.clone().enumerate() {
+            if p.live[i] {
+                stats[i] = RowStats::finish(&states[r], target_logits[r]);
+            }
+        }
+        let grads = grads_of(rows.clone(), &stats);
+        let all = 0..v;
+        grad_tile(block, v, &all, &grads, p.inv_temp);
+        for vocab in p.vocab_tiles(vt) {
+            let w = rows_f32(p.inputs.weight, h, vocab.clone(), &mut scratch.weight);
+            accumulate_tile(
+                &mut out,
+                &block[vocab.start..],
+                v,
+                &hid,
+                &w,
+                &rows,
+                &vocab,
+                h,
+            );
+        }
+    }
+    (stats, out)
+}

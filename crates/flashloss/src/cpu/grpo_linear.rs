@@ -1,0 +1,171 @@
+//! Fused linear GRPO: the GRPO loss and its gradients w.r.t. hidden states, LM-head
+//! weight and bias, straight from `[N, H]` and `[V, H]`, never holding `[N, V]`.
+//! Token-level losses run single-pass (6NHV); sequence-level ratios and vespo, which
+//! need every token's logp before any gradient, run two-pass (8NHV).
+
+use super::fused_linear::{
+    FusedOptions, LinearGrads, Plan, Problem, RowGrad, accumulate_grads, plan, row_stats,
+    single_pass,
+};
+use super::online_softmax::RowStats;
+use crate::batch::{GrpoBatch, LinearInputs};
+use crate::config::GrpoLoss;
+use crate::element::Element;
+use crate::error::{Error, Result};
+use crate::policy::{GrpoMetrics, Normalizers, PolicyOutput, policy_rows, policy_stage};
+
+/// Loss, metrics, per-token outputs and the LM head's gradients.
+#[derive(Debug, Clone)]
+pub struct GrpoLinearOutput {
+    /// The loss `L`.
+    pub loss: f64,
+    /// Batch metrics.
+    pub metrics: GrpoMetrics,
+    /// Per-row `logp`, `lse`, entropy (zeroed where masked).
+    pub stats: Vec<RowStats>,
+    /// Per-token KL as it enters the loss.
+    pub kl: Vec<f32>,
+    /// Per-token clip flags.
+    pub clip: Vec<u8>,
+    /// `grad_output ·` the gradients.
+    pub grads: LinearGrads,
+    /// The plan that ran (mode, block sizes).
+    pub plan: Plan,
+}
+
+fn row_grad(stats: RowStats, dlogp: f32, dentropy: f32, target: i64, scale: f32) -> RowGrad {
+    RowGrad {
+        stats,
+        coef_p: -scale * dlogp,
+        coef_h: -scale * dentropy,
+        coef_target: scale * dlogp,
+        target: target as usize,
+    }
+}
+
+/// The GRPO loss of `batch` (N = B·T rows) on logits `hidden · weightᵀ + bias`, with
+/// its gradients, within `opts.budget_bytes` of workspace.
+pub fn grpo_linear<E: Element>(
+    loss: &GrpoLoss,
+    batch: &GrpoBatch,
+    inputs: &LinearInputs<E>,
+    opts: &FusedOptions,
+) -> Result<GrpoLinearOutput> {
+    grpo_linear_with(loss, batch, Normalizers::local(batch), inputs, opts)
+}
+
+/// [`grpo_linear`] with given (e.g. all-reduced) normalizers.
+pub fn grpo_linear_with<E: Element>(
+    loss: &GrpoLoss,
+    batch: &GrpoBatch,
+    norm: Normalizers,
+    inputs: &LinearInputs<E>,
+    opts: &FusedOptions,
+) -> Result<GrpoLinearOutput> {
+    inputs.validate()?;
+    if inputs.tokens != batch.rows() {
+        return Err(Error::InvalidArgument {
+            arg: "hidden",
+            reason: format!(
+                "has {} rows but the batch has B·T = {}·{} = {}",
+                inputs.tokens,
+                batch.batch,
+                batch.seq_len,
+                batch.rows()
+            ),
+        });
+    }
+    batch.validate(inputs.vocab, loss)?;
+    if !opts.grad_output.is_finite() {
+        return Err(Error::NonFinite {
+            arg: "grad_output",
+            index: 0,
+            value: opts.grad_output as f64,
+        });
+    }
+    let temperature = loss.config().temperature;
+    let scale = (opts.grad_output as f64 / temperature) as f32;
+    let widen = E::as_f32(inputs.weight).is_none();
+    let plan = plan(
+        inputs.tokens,
+        inputs.hidden_size,
+        inputs.vocab,
+        widen,
+        opts,
+        !loss.needs_sequence_reduction(),
+    )?;
+    let p = Problem {
+        inputs,
+        targets: batch.target_ids,
+        live: batch.mask,
+        inv_temp: (1.0 / temperature) as f32,
+    };
+
+    let (stats, policy, grads) = if plan.single_pass {
+        let n = batch.rows();
+        let mut policy = PolicyOutput::new(n);
+        let mut logp = vec![0.0f32; n];
+        let mut entropy = vec![0.0f32; n];
+        let mut grads_of = |rows: std::ops::Range<usize>, stats: &[RowStats]| {
+            for i in rows.clone() {
+                logp[i] = stats[i].logp;
+                entropy[i] = stats[i].entropy;
+            }
+            policy_rows(
+                loss,
+                batch,
+                norm,
+                &logp,
+                &entropy,
+                rows.clone(),
+                &mut policy,
+            );
+            rows.map(|i| {
+                row_grad(
+                    stats[i],
+                    policy.dlogp[i],
+                    policy.dentropy[i],
+                    batch.target_ids[i],
+                    scale,
+                )
+            })
+            .collect()
+        };
+        let (stats, grads) = single_pass(&p, &plan, &mut grads_of);
+        policy.finish(batch.mask, &entropy);
+        (stats, policy, grads)
+    } else {
+        let stats = row_stats(&p, &plan);
+        let logp: Vec<f32> = stats.iter().map(|s| s.logp).collect();
+        let entropy: Vec<f32> = stats.iter().map(|s| s.entropy).collect();
+        let policy = policy_stage(loss, batch, norm, &logp, &entropy);
+        let row_grads: Vec<RowGrad> = (0..batch.rows())
+            .map(|i| {
+                row_grad(
+                    stats[i],
+                    policy.dlogp[i],
+                    policy.dentropy[i],
+                    batch.target_ids[i],
+                    scale,
+                )
+            })
+            .collect();
+        let grads = accumulate_grads(&p, &plan, &row_grads);
+        (stats, policy, grads)
+    };
+    super::selective_log_softmax::check_row_stats(
+        &stats,
+        |i| batch.mask[i],
+        batch.target_ids,
+        batch.seq_len,
+    )?;
+    Ok(GrpoLinearOutput {
+        loss: policy.loss,
+        metrics: policy.metrics,
+        stats,
+        kl: policy.kl,
+        clip: policy.clip,
+        grads,
+        plan,
+    })
+}

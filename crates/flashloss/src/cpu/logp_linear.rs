@@ -1,0 +1,74 @@
+//! No-grad fused linear log-probabilities: per-token `logp`, `lse` and entropy from
+//! hidden states and the LM head (old- and reference-policy passes).
+
+use super::fused_linear::{FusedOptions, Mode, Problem, plan, row_stats};
+use super::online_softmax::RowStats;
+use super::selective_log_softmax::check_row_stats;
+use crate::batch::LinearInputs;
+use crate::element::Element;
+use crate::error::{Error, Result};
+
+/// Per-row statistics of `hidden · weightᵀ + bias` divided by `temperature`, at
+/// `target_ids` `[N]`; rows where `mask` is false are skipped (zeroed stats).
+/// `seq_len` only names positions in errors (use N for a flat batch).
+pub fn logp_linear<E: Element>(
+    inputs: &LinearInputs<E>,
+    target_ids: &[i64],
+    mask: Option<&[bool]>,
+    temperature: f64,
+    budget_bytes: usize,
+    seq_len: usize,
+) -> Result<Vec<RowStats>> {
+    inputs.validate()?;
+    let n = inputs.tokens;
+    for (arg, len) in [
+        ("target_ids", target_ids.len()),
+        ("mask", mask.map_or(n, <[bool]>::len)),
+    ] {
+        if len != n {
+            return Err(Error::ShapeMismatch {
+                arg,
+                shape: format!("[N={n}]"),
+                expected: n,
+                actual: len,
+            });
+        }
+    }
+    if !(temperature.is_finite() && temperature > 0.0) {
+        return Err(Error::InvalidArgument {
+            arg: "temperature",
+            reason: format!("must be finite and > 0, got {temperature}"),
+        });
+    }
+    let all = vec![true; if mask.is_none() { n } else { 0 }];
+    let live_rows = mask.unwrap_or(&all);
+    let live = |i: usize| live_rows[i];
+    let seq_len = seq_len.max(1);
+    if let Some(i) = (0..n).find(|&i| live(i) && !(0..inputs.vocab as i64).contains(&target_ids[i]))
+    {
+        return Err(Error::TokenOutOfRange {
+            arg: "target_ids",
+            index: i,
+            seq: i / seq_len,
+            pos: i % seq_len,
+            id: target_ids[i],
+            vocab: inputs.vocab,
+        });
+    }
+    let opts = FusedOptions {
+        mode: Mode::TwoPass,
+        budget_bytes,
+        grad_output: 1.0,
+    };
+    let widen = E::as_f32(inputs.weight).is_none();
+    let plan = plan(n, inputs.hidden_size, inputs.vocab, widen, &opts, false)?;
+    let p = Problem {
+        inputs,
+        targets: target_ids,
+        live: live_rows,
+        inv_temp: (1.0 / temperature) as f32,
+    };
+    let stats = row_stats(&p, &plan);
+    check_row_stats(&stats, live, target_ids, seq_len)?;
+    Ok(stats)
+}

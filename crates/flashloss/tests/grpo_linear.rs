@@ -1,0 +1,331 @@
+//! Fused linear GRPO vs the f64 reference (loss, metrics, logp, dH, dW, d bias), both
+//! modes, bias, bf16, odd shapes; single-pass = two-pass; thread invariance; the
+//! workspace budget holds at a shape where N·V·4 ≥ 100× the budget.
+
+mod common;
+use common::*;
+use flashloss::cpu::{FusedOptions, Mode, grpo_linear, logp_linear};
+use flashloss::memory::{self, TrackingAllocator};
+use flashloss::policy::Normalizers;
+use flashloss::reference::{grpo_reference, linear_grads, linear_logits};
+use flashloss::tools::inputs::{GrpoInputs, InputSpec};
+use flashloss::{Element, GrpoLoss, LinearInputs, LossConfig, LossType};
+use half::bf16;
+use rand::{Rng, SeedableRng};
+
+#[global_allocator]
+static ALLOCATOR: TrackingAllocator = TrackingAllocator;
+
+struct Head<E> {
+    hidden: Vec<E>,
+    weight: Vec<E>,
+    bias: Option<Vec<E>>,
+    n: usize,
+    h: usize,
+    v: usize,
+}
+
+impl<E: Element> Head<E> {
+    fn random(n: usize, h: usize, v: usize, bias: bool, seed: u64) -> Self {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let mut draw = |len: usize, scale: f32| -> Vec<E> {
+            (0..len)
+                .map(|_| E::from_f32(rng.random_range(-1.0..1.0f32) * scale))
+                .collect()
+        };
+        let hidden = draw(n * h, 1.0);
+        let weight = draw(v * h, 3.0 / (h as f32).sqrt());
+        let bias = bias.then(|| draw(v, 0.5));
+        Head {
+            hidden,
+            weight,
+            bias,
+            n,
+            h,
+            v,
+        }
+    }
+
+    fn inputs(&self) -> LinearInputs<'_, E> {
+        LinearInputs {
+            hidden: &self.hidden,
+            weight: &self.weight,
+            bias: self.bias.as_deref(),
+            tokens: self.n,
+            hidden_size: self.h,
+            vocab: self.v,
+        }
+    }
+}
+
+fn batch_inputs(b: usize, t: usize, v: usize, seed: u64) -> GrpoInputs {
+    GrpoInputs::random(
+        &InputSpec {
+            batch: b,
+            seq_len: t,
+            vocab: v,
+            ..InputSpec::default()
+        },
+        seed,
+    )
+}
+
+/// Old and reference logp near the head's own policy (ratios near 1, as in training).
+fn realistic_old_and_ref(x: &mut GrpoInputs, z: &[f64], temperature: f64) {
+    let v = x.vocab;
+    for i in 0..x.batch * x.seq_len {
+        let row = flashloss::reference::row_softmax(&z[i * v..(i + 1) * v], temperature);
+        let lp = row.log_probs[x.target_ids[i] as usize] as f32;
+        let wiggle = ((i * 7) % 5) as f32 * 0.06 - 0.12;
+        x.old_logp.as_mut().unwrap()[i] = lp + wiggle;
+        x.ref_logp.as_mut().unwrap()[i] = lp - 0.5 * wiggle + 0.05;
+    }
+}
+
+fn max_abs(x: &[f64]) -> f64 {
+    x.iter().fold(0.0, |m, v| m.max(v.abs()))
+}
+
+fn assert_close(name: &str, got: &[f32], want: &[f64], rel: f64) {
+    assert_eq!(got.len(), want.len(), "{name} length");
+    let scale = max_abs(want).max(1e-12);
+    let err = got
+        .iter()
+        .zip(want)
+        .fold(0.0f64, |m, (g, w)| m.max((*g as f64 - w).abs()));
+    assert!(
+        err <= rel * scale + 1e-7,
+        "{name}: max error {err:.3e}, max |ref| {scale:.3e}"
+    );
+}
+
+/// Runs the fused kernel and the reference; checks loss, logp, dH, dW, dbias.
+fn check<E: Element>(
+    loss_cfg: LossConfig,
+    b: usize,
+    t: usize,
+    h: usize,
+    v: usize,
+    bias: bool,
+    mode: Mode,
+    seed: u64,
+) {
+    let loss = GrpoLoss::new(loss_cfg).unwrap();
+    let head = Head::<E>::random(b * t, h, v, bias, seed);
+    let mut x = batch_inputs(b, t, v, seed + 100);
+    let z = linear_logits(&head.inputs());
+    realistic_old_and_ref(&mut x, &z, loss.config().temperature);
+    let batch = x.batch();
+    let opts = FusedOptions {
+        mode,
+        budget_bytes: 4 << 20,
+        grad_output: 0.75,
+    };
+    let case = format!(
+        "{} {:?} {mode:?} [B={b},T={t},H={h},V={v}] bias={bias}",
+        loss.config().loss_type.name(),
+        E::DTYPE
+    );
+    let out =
+        grpo_linear(&loss, &batch, &head.inputs(), &opts).unwrap_or_else(|e| panic!("{case}: {e}"));
+    let r = grpo_reference(&loss, &batch, Normalizers::local(&batch), &z, v, 0.75);
+    let (dh, dw, db) = linear_grads(&head.inputs(), &r.dlogits);
+    let (loss_tol, grad_tol) = if E::DTYPE == flashloss::DType::F32 {
+        (1e-5, 1e-4)
+    } else {
+        (1e-3, 1e-2)
+    };
+    assert!(
+        (out.loss - r.loss).abs() <= loss_tol * r.loss.abs().max(1.0),
+        "{case}: loss {} vs {}",
+        out.loss,
+        r.loss
+    );
+    for i in (0..b * t).filter(|&i| batch.mask[i]) {
+        assert!(
+            (out.stats[i].logp as f64 - r.logp[i]).abs() <= 1e-5 * r.logp[i].abs().max(1.0),
+            "{case}: logp row {i}"
+        );
+    }
+    assert!(
+        (out.metrics.entropy_mean - r.metrics.entropy_mean).abs() < 1e-5,
+        "{case}: entropy mean"
+    );
+    assert!(
+        (out.metrics.kl_mean - r.metrics.kl_mean).abs() < 1e-5,
+        "{case}: kl mean"
+    );
+    assert_close(&format!("{case} dH"), &out.grads.dhidden, &dh, grad_tol);
+    assert_close(&format!("{case} dW"), &out.grads.dweight, &dw, grad_tol);
+    match (&out.grads.dbias, bias) {
+        (Some(got), true) => assert_close(&format!("{case} dbias"), got, &db, grad_tol),
+        (None, false) => {}
+        _ => panic!("{case}: dbias presence"),
+    }
+}
+
+#[test]
+fn every_loss_type_both_modes_f32() {
+    for (t, level) in valid_types() {
+        let mut cfg = base_config(t, level);
+        cfg.beta = 0.04;
+        cfg.entropy_coef = 0.01;
+        cfg.temperature = 0.9;
+        let token_level = !GrpoLoss::new(cfg.clone())
+            .unwrap()
+            .needs_sequence_reduction();
+        for mode in [Mode::Auto, Mode::TwoPass, Mode::SinglePass] {
+            if mode == Mode::SinglePass && !token_level {
+                continue;
+            }
+            check::<f32>(cfg.clone(), 3, 5, 37, 2053, true, mode, 1);
+            check::<f32>(cfg.clone(), 1, 1, 19, 301, false, mode, 2);
+        }
+    }
+}
+
+#[test]
+fn bf16_inputs() {
+    for (t, level) in [
+        (LossType::Grpo, flashloss::ImportanceSamplingLevel::Token),
+        (LossType::Dapo, flashloss::ImportanceSamplingLevel::Sequence),
+        (LossType::Vespo, flashloss::ImportanceSamplingLevel::Token),
+    ] {
+        let mut cfg = base_config(t, level);
+        cfg.beta = 0.04;
+        check::<bf16>(cfg.clone(), 2, 7, 45, 1031, true, Mode::Auto, 3);
+        check::<bf16>(cfg, 2, 7, 45, 1031, false, Mode::TwoPass, 4);
+    }
+}
+
+#[test]
+fn single_pass_equals_two_pass_and_threads_do_not_change_bits() {
+    let loss = GrpoLoss::new(LossConfig {
+        beta: 0.04,
+        entropy_coef: 0.01,
+        ..LossConfig::default()
+    })
+    .unwrap();
+    let head = Head::<f32>::random(2 * 40, 64, 3001, true, 5);
+    let x = batch_inputs(2, 40, 3001, 6);
+    let run = |mode: Mode, threads: usize| {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        pool.install(|| {
+            let opts = FusedOptions {
+                mode,
+                budget_bytes: 8 << 20,
+                grad_output: 1.0,
+            };
+            grpo_linear(&loss, &x.batch(), &head.inputs(), &opts).unwrap()
+        })
+    };
+    let single = run(Mode::SinglePass, 2);
+    let two = run(Mode::TwoPass, 2);
+    assert!(single.plan.single_pass && !two.plan.single_pass);
+    assert!((single.loss - two.loss).abs() <= 1e-6 * single.loss.abs().max(1.0));
+    let close = |a: &[f32], b: &[f32]| {
+        let scale = a.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        a.iter().zip(b).all(|(x, y)| (x - y).abs() <= 1e-5 * scale)
+    };
+    assert!(close(&single.grads.dhidden, &two.grads.dhidden));
+    assert!(close(&single.grads.dweight, &two.grads.dweight));
+    for mode in [Mode::SinglePass, Mode::TwoPass] {
+        let one = run(mode, 1);
+        for threads in [2, 8] {
+            let other = run(mode, threads);
+            assert_eq!(
+                one.loss.to_bits(),
+                other.loss.to_bits(),
+                "{mode:?} loss, {threads} threads"
+            );
+            assert_eq!(
+                one.grads.dhidden, other.grads.dhidden,
+                "{mode:?} dH, {threads} threads"
+            );
+            assert_eq!(
+                one.grads.dweight, other.grads.dweight,
+                "{mode:?} dW, {threads} threads"
+            );
+            assert_eq!(
+                one.grads.dbias, other.grads.dbias,
+                "{mode:?} dbias, {threads} threads"
+            );
+        }
+    }
+}
+
+#[test]
+fn workspace_stays_within_the_budget() {
+    // N·V·4 = 1024 · 102400 · 4 = 400 MiB, 100x the 4 MiB budget (which includes the
+    // GEMM library's packing buffers).
+    let (n, h, v) = (1024, 16, 102400);
+    let budget = 4 << 20;
+    let head = Head::<f32>::random(n, h, v, false, 7);
+    let x = batch_inputs(1, n, v, 8);
+    let loss = GrpoLoss::new(LossConfig::default()).unwrap();
+    assert!(n * v * 4 >= 100 * budget);
+    for mode in [Mode::Auto, Mode::TwoPass] {
+        let opts = FusedOptions {
+            mode,
+            budget_bytes: budget,
+            grad_output: 1.0,
+        };
+        let outputs = (n * h + v * h) * 4 + n * 64;
+        let before = memory::in_use();
+        memory::reset_peak();
+        let out = grpo_linear(&loss, &x.batch(), &head.inputs(), &opts).unwrap();
+        let above = memory::peak() - before;
+        assert!(out.plan.workspace_bytes + out.plan.gemm_reserve_bytes <= budget);
+        assert!(
+            above <= outputs + budget,
+            "{mode:?}: peak {above} bytes above inputs, outputs {outputs} + budget {budget}"
+        );
+        drop(out);
+    }
+}
+
+#[test]
+fn no_grad_logp_matches_the_reference_and_budget_errors_are_clear() {
+    let head = Head::<f32>::random(9, 21, 777, true, 9);
+    let x = batch_inputs(1, 9, 777, 10);
+    let stats = logp_linear(&head.inputs(), &x.target_ids, None, 0.8, 4 << 20, 9).unwrap();
+    let z = linear_logits(&head.inputs());
+    for (i, st) in stats.iter().enumerate() {
+        let row = flashloss::reference::row_softmax(&z[i * 777..(i + 1) * 777], 0.8);
+        let want = row.log_probs[x.target_ids[i] as usize];
+        assert!((st.logp as f64 - want).abs() <= 1e-5 * want.abs().max(1.0));
+        assert!((st.entropy as f64 - row.entropy).abs() <= 1e-5 * row.entropy.max(1.0));
+    }
+    let err = logp_linear(&head.inputs(), &x.target_ids, None, 1.0, 100, 9).unwrap_err();
+    assert!(
+        err.to_string()
+            .starts_with("argument `budget_bytes`: 100 bytes is below the GEMM packing reserve"),
+        "{err}"
+    );
+    let reserve = flashloss::cpu::gemm_reserve_bytes();
+    let err = logp_linear(&head.inputs(), &x.target_ids, None, 1.0, reserve + 100, 9).unwrap_err();
+    assert!(
+        err.to_string()
+            .ends_with("cannot hold one row of 777 logits"),
+        "{err}"
+    );
+    let loss = GrpoLoss::new(LossConfig {
+        importance_sampling_level: flashloss::ImportanceSamplingLevel::Sequence,
+        ..LossConfig::default()
+    })
+    .unwrap();
+    let opts = FusedOptions {
+        mode: Mode::SinglePass,
+        ..FusedOptions::default()
+    };
+    let err = grpo_linear(&loss, &x.batch(), &head.inputs(), &opts)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.starts_with("argument `mode`: single_pass needs a token-level loss"),
+        "{err}"
+    );
+}
