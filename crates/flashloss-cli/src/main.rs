@@ -70,21 +70,45 @@ fn mib(bytes: f64) -> String {
     format!("{:.1} MiB", bytes / (1024.0 * 1024.0))
 }
 
-fn print_bench(results: &[bench::BenchResult]) {
-    let r0 = &results[0];
+fn print_bench(report: &bench::BenchReport) {
+    for note in &report.notes {
+        println!("note: {note}");
+    }
+    let Some(r0) = report.results.first() else {
+        return;
+    };
+    let linear = r0.hidden.is_some();
     println!(
-        "bench level={:?} N={} V={} dtype={:?} threads={}",
-        r0.level, r0.tokens, r0.vocab, r0.dtype, r0.threads
+        "bench level={:?} N={} H={} V={} dtype={:?} threads={}",
+        r0.level,
+        r0.tokens,
+        r0.hidden.map_or("-".into(), |h| h.to_string()),
+        r0.vocab,
+        r0.dtype,
+        r0.threads
     );
-    println!(
-        "copy bandwidth (same run): {:.2} GB/s",
-        r0.copy_gbytes_per_s
-    );
+    if let Some(c) = r0.copy_gbytes_per_s {
+        println!("copy bandwidth (same run): {c:.2} GB/s");
+    }
+    if let Some(g) = r0.gemm_gflops_per_s {
+        println!("plain GEMM [N,H]x[H,V] (same run): {g:.1} GFLOP/s");
+    }
+    let (rate, share) = if linear {
+        ("GFLOP/s", "%gemm")
+    } else {
+        ("GB/s", "%copy")
+    };
     println!(
         "{:<10} {:>10} {:>10} {:>10} {:>14} {:>16} {:>10} {:>8} {:>14}",
-        "impl", "median_s", "min_s", "max_s", "peak", "peak_above_io", "GB/s", "%copy", "loss"
+        "impl", "median_s", "min_s", "max_s", "peak", "peak_above_io", rate, share, "loss"
     );
-    for r in results {
+    for r in &report.results {
+        let (value, reference) = if linear {
+            (r.gflops_per_s, r.gemm_gflops_per_s)
+        } else {
+            (r.gbytes_per_s, r.copy_gbytes_per_s)
+        };
+        let (value, reference) = (value.unwrap_or(f64::NAN), reference.unwrap_or(f64::NAN));
         println!(
             "{:<10} {:>10.4} {:>10.4} {:>10.4} {:>14} {:>16} {:>10.2} {:>7.1}% {:>14.7e}",
             r.implementation,
@@ -93,12 +117,27 @@ fn print_bench(results: &[bench::BenchResult]) {
             r.step_seconds.max,
             mib(r.peak_bytes as f64),
             mib(r.peak_above_io_bytes as f64),
-            r.gbytes_per_s,
-            100.0 * r.gbytes_per_s / r.copy_gbytes_per_s,
+            value,
+            100.0 * value / reference,
             r.loss
         );
+        if let Some(p) = &r.plan {
+            println!(
+                "{:<10} plan: {} block_rows={} vocab_tile={} workspace={} gemm_reserve={}",
+                "",
+                if p.single_pass {
+                    "single_pass"
+                } else {
+                    "two_pass"
+                },
+                p.block_rows,
+                p.vocab_tile,
+                mib(p.workspace_bytes as f64),
+                mib(p.gemm_reserve_bytes as f64)
+            );
+        }
     }
-    if let [a, b] = results {
+    if let [a, b] = &report.results[..] {
         println!(
             "fused/baseline: time {:.3}x, peak {:.3}x, peak above io {:.3}x",
             b.step_seconds.median / a.step_seconds.median,
@@ -125,19 +164,19 @@ fn main() -> ExitCode {
                 bar.set_position(done as u64);
                 bar.set_message(label.to_string());
             };
-            let results = config_file::load::<bench::BenchConfig>(&config, &overrides)
+            let report = config_file::load::<bench::BenchConfig>(&config, &overrides)
                 .and_then(|cfg| with_threads(threads, || bench::run(&cfg, &mut progress)));
             bar.finish_and_clear();
-            let results = match results {
+            let report = match report {
                 Ok(r) => r,
                 Err(e) => {
                     eprintln!("error: {e}");
                     return ExitCode::from(2);
                 }
             };
-            print_bench(&results);
+            print_bench(&report);
             if let Some(path) = json {
-                let text = serde_json::to_string_pretty(&results).expect("serializable");
+                let text = serde_json::to_string_pretty(&report).expect("serializable");
                 if let Err(e) = std::fs::write(&path, text + "\n") {
                     eprintln!("error: cannot write {}: {e}", path.display());
                     return ExitCode::from(2);

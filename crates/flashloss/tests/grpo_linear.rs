@@ -329,3 +329,25 @@ fn no_grad_logp_matches_the_reference_and_budget_errors_are_clear() {
         "{err}"
     );
 }
+
+#[test]
+fn baseline_matches_the_reference() {
+    let loss = GrpoLoss::new(LossConfig {
+        beta: 0.04,
+        ..LossConfig::default()
+    })
+    .unwrap();
+    let head = Head::<f32>::random(2 * 6, 23, 1501, true, 11);
+    let mut x = batch_inputs(2, 6, 1501, 12);
+    let z = linear_logits(&head.inputs());
+    realistic_old_and_ref(&mut x, &z, 1.0);
+    let batch = x.batch();
+    let (value, grads) =
+        flashloss::cpu::grpo_linear_baseline(&loss, &batch, &head.inputs(), 1.0).unwrap();
+    let r = grpo_reference(&loss, &batch, Normalizers::local(&batch), &z, 1501, 1.0);
+    let (dh, dw, db) = linear_grads(&head.inputs(), &r.dlogits);
+    assert!((value - r.loss).abs() <= 1e-5 * r.loss.abs().max(1.0));
+    assert_close("baseline dH", &grads.dhidden, &dh, 1e-4);
+    assert_close("baseline dW", &grads.dweight, &dw, 1e-4);
+    assert_close("baseline dbias", grads.dbias.as_ref().unwrap(), &db, 1e-4);
+}

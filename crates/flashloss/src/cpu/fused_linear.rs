@@ -80,21 +80,26 @@ impl Plan {
     }
 }
 
-/// Packing buffers the `gemm` crate allocates per thread (measured: ~1 MiB; kept
+/// Packing buffers the `gemm` crate allocates per thread (measured: up to ~1.5 MiB; kept
 /// with a margin). The budget covers them for one thread per core of the machine, so
 /// they are reserved first; the plan then does not depend on the thread pool's size
 /// (results are bitwise identical for any thread count). A pool with more threads than
 /// cores adds this much per extra thread beyond the budget.
-pub const GEMM_SCRATCH_PER_THREAD: usize = 1280 << 10;
+pub const GEMM_SCRATCH_PER_THREAD: usize = 2 << 20;
 
-/// The GEMM reserve of this machine: [`GEMM_SCRATCH_PER_THREAD`] per core.
+/// The GEMM reserve of this machine: [`GEMM_SCRATCH_PER_THREAD`] per core, plus one for
+/// the calling thread (which packs too when it is not a pool worker).
 pub fn gemm_reserve_bytes() -> usize {
-    GEMM_SCRATCH_PER_THREAD * std::thread::available_parallelism().map_or(1, |c| c.get())
+    GEMM_SCRATCH_PER_THREAD * (std::thread::available_parallelism().map_or(1, |c| c.get()) + 1)
 }
 
-/// Single-pass blocks with fewer rows than this make poor GEMMs; auto mode then
+/// Single-pass blocks with fewer rows than this make poor GEMMs (measured: 100-row
+/// blocks reach 55% of the GEMM rate, 512-row two-pass tiles 83%); auto mode then
 /// chooses two-pass.
-const MIN_SINGLE_PASS_ROWS: usize = 16;
+const MIN_SINGLE_PASS_ROWS: usize = 256;
+/// Widest vocabulary tile of one GEMM call.
+const VOCAB_TILE_MAX: usize = 2048;
+
 /// Largest row block (beyond it GEMMs gain nothing and the workspace grows).
 const MAX_BLOCK_ROWS: usize = 512;
 
@@ -116,12 +121,14 @@ pub fn plan(
         .ok_or_else(|| Error::InvalidArgument {
             arg: "budget_bytes",
             reason: format!(
-                "{} bytes is below the GEMM packing reserve of {gemm_reserve_bytes} bytes ({GEMM_SCRATCH_PER_THREAD} per core)",
+                "{} bytes is below the GEMM packing reserve of {gemm_reserve_bytes} bytes ({GEMM_SCRATCH_PER_THREAD} per core and one more)",
                 opts.budget_bytes
             ),
         })?;
-    // A widened bf16 weight tile holds vocab_tile × H f32; keep it within a quarter.
-    let mut vocab_tile = v.min(2048);
+    // Every GEMM runs on one vocabulary tile: `gemm` packs a whole `kc × vocab_tile`
+    // panel for dW, so the tile bounds its packing too. A widened bf16 weight tile holds
+    // vocab_tile × H f32; keep it within a quarter of the budget.
+    let mut vocab_tile = v.min(VOCAB_TILE_MAX);
     while widen && vocab_tile > 64 && vocab_tile * h * 4 > budget / 4 {
         vocab_tile /= 2;
     }
@@ -223,21 +230,35 @@ fn rows_f32<'a, E: Element>(
     }
 }
 
-/// Workspace buffers, allocated once per call.
-struct Scratch {
+/// Reusable workspace of the fused LM-head kernels (logit tiles, widened bf16 blocks).
+/// Keeping one across steps, as a training loop does, saves the page faults of fresh
+/// memory on every call; its size is what the plan chose within the budget.
+#[derive(Debug, Default)]
+pub struct Workspace {
     logits: Vec<f32>,
     hidden: Vec<f32>,
     weight: Vec<f32>,
 }
 
-impl Scratch {
-    fn new(plan: &Plan, v: usize) -> Self {
+impl Workspace {
+    /// An empty workspace (buffers grow on first use).
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        4 * (self.logits.capacity() + self.hidden.capacity() + self.weight.capacity())
+    }
+
+    fn prepare(&mut self, plan: &Plan, v: usize) -> &mut Self {
         let cols = if plan.single_pass { v } else { plan.vocab_tile };
-        Scratch {
-            logits: vec![0.0; plan.block_rows * cols],
-            hidden: Vec::new(),
-            weight: Vec::new(),
+        let need = plan.block_rows * cols;
+        if self.logits.len() != need {
+            self.logits = Vec::new();
+            self.logits.resize(need, 0.0);
         }
+        self
     }
 }
 
@@ -369,12 +390,50 @@ pub struct LinearGrads {
 }
 
 impl LinearGrads {
-    fn zeros<E>(inputs: &LinearInputs<E>) -> Self {
+    /// Zeroed gradients for `inputs`' shapes.
+    pub fn zeros<E>(inputs: &LinearInputs<E>) -> Self {
         let (n, h, v) = (inputs.tokens, inputs.hidden_size, inputs.vocab);
         LinearGrads {
             dhidden: vec![0.0; n * h],
             dweight: vec![0.0; v * h],
             dbias: inputs.bias.map(|_| vec![0.0; v]),
+        }
+    }
+
+    /// Checks that the buffers match `inputs`' shapes (and bias presence).
+    pub fn check<E>(&self, inputs: &LinearInputs<E>) -> Result<()> {
+        let (n, h, v) = (inputs.tokens, inputs.hidden_size, inputs.vocab);
+        let bad = |arg: &'static str, shape: String, expected: usize, actual: usize| {
+            Err(Error::ShapeMismatch {
+                arg,
+                shape,
+                expected,
+                actual,
+            })
+        };
+        if self.dhidden.len() != n * h {
+            return bad(
+                "dhidden",
+                format!("[N={n}, H={h}]"),
+                n * h,
+                self.dhidden.len(),
+            );
+        }
+        if self.dweight.len() != v * h {
+            return bad(
+                "dweight",
+                format!("[V={v}, H={h}]"),
+                v * h,
+                self.dweight.len(),
+            );
+        }
+        match (&self.dbias, inputs.bias) {
+            (Some(db), Some(_)) if db.len() != v => bad("dbias", format!("[V={v}]"), v, db.len()),
+            (None, Some(_)) | (Some(_), None) => Err(Error::InvalidArgument {
+                arg: "dbias",
+                reason: "must be present exactly when the head has a bias".into(),
+            }),
+            _ => Ok(()),
         }
     }
 }
@@ -423,11 +482,11 @@ fn accumulate_tile(
 }
 
 /// Pass A: softmax statistics of every live row (zeroed [`RowStats`] elsewhere).
-pub fn row_stats<E: Element>(p: &Problem<E>, plan: &Plan) -> Vec<RowStats> {
+pub fn row_stats<E: Element>(p: &Problem<E>, plan: &Plan, ws: &mut Workspace) -> Vec<RowStats> {
     let (n, h) = (p.inputs.tokens, p.inputs.hidden_size);
     let vt = plan.vocab_tile;
     let bias = p.bias_f32();
-    let mut scratch = Scratch::new(
+    let scratch = ws.prepare(
         &Plan {
             single_pass: false,
             ..*plan
@@ -474,13 +533,18 @@ pub fn row_stats<E: Element>(p: &Problem<E>, plan: &Plan) -> Vec<RowStats> {
 }
 
 /// Pass B: recomputes every tile, turns it into `dZ` with `grads` (one per row) and
-/// accumulates the LM head's gradients.
-pub fn accumulate_grads<E: Element>(p: &Problem<E>, plan: &Plan, grads: &[RowGrad]) -> LinearGrads {
+/// adds the LM head's gradients into `out`.
+pub fn accumulate_grads<E: Element>(
+    p: &Problem<E>,
+    plan: &Plan,
+    grads: &[RowGrad],
+    ws: &mut Workspace,
+    out: &mut LinearGrads,
+) {
     let h = p.inputs.hidden_size;
     let vt = plan.vocab_tile;
     let bias = p.bias_f32();
-    let mut out = LinearGrads::zeros(p.inputs);
-    let mut scratch = Scratch::new(
+    let scratch = ws.prepare(
         &Plan {
             single_pass: false,
             ..*plan
@@ -506,25 +570,26 @@ pub fn accumulate_grads<E: Element>(p: &Problem<E>, plan: &Plan, grads: &[RowGra
                 vocab.len(),
             );
             grad_tile(z, vocab.len(), &vocab, &grads[rows.clone()], p.inv_temp);
-            accumulate_tile(&mut out, z, vocab.len(), &hid, &w, &rows, &vocab, h);
+            accumulate_tile(out, z, vocab.len(), &hid, &w, &rows, &vocab, h);
         }
     }
-    out
 }
 
 /// Single pass: per row block, all its logits (tile by tile into a `[rows, V]` block),
 /// its statistics, then `grads_of(rows, stats)` gives the block's [`RowGrad`]s, and the
-/// gradients are accumulated from the block still in memory. Returns every row's stats.
+/// gradients are added into `out` from the block still in memory. Returns every row's
+/// stats.
 pub fn single_pass<E: Element>(
     p: &Problem<E>,
     plan: &Plan,
     grads_of: &mut dyn FnMut(Range<usize>, &[RowStats]) -> Vec<RowGrad>,
-) -> (Vec<RowStats>, LinearGrads) {
+    ws: &mut Workspace,
+    out: &mut LinearGrads,
+) -> Vec<RowStats> {
     let (n, h, v) = (p.inputs.tokens, p.inputs.hidden_size, p.inputs.vocab);
     let vt = plan.vocab_tile;
     let bias = p.bias_f32();
-    let mut out = LinearGrads::zeros(p.inputs);
-    let mut scratch = Scratch::new(plan, v);
+    let scratch = ws.prepare(plan, v);
     let mut stats = vec![RowStats::default(); n];
     for rows in p.row_blocks(plan.block_rows) {
         let nb = rows.len();
@@ -565,17 +630,8 @@ pub fn single_pass<E: Element>(
         grad_tile(block, v, &all, &grads, p.inv_temp);
         for vocab in p.vocab_tiles(vt) {
             let w = rows_f32(p.inputs.weight, h, vocab.clone(), &mut scratch.weight);
-            accumulate_tile(
-                &mut out,
-                &block[vocab.start..],
-                v,
-                &hid,
-                &w,
-                &rows,
-                &vocab,
-                h,
-            );
+            accumulate_tile(out, &block[vocab.start..], v, &hid, &w, &rows, &vocab, h);
         }
     }
-    (stats, out)
+    stats
 }

@@ -4,8 +4,8 @@
 //! need every token's logp before any gradient, run two-pass (8NHV).
 
 use super::fused_linear::{
-    FusedOptions, LinearGrads, Plan, Problem, RowGrad, accumulate_grads, plan, row_stats,
-    single_pass,
+    FusedOptions, LinearGrads, Plan, Problem, RowGrad, Workspace, accumulate_grads, plan,
+    row_stats, single_pass,
 };
 use super::online_softmax::RowStats;
 use crate::batch::{GrpoBatch, LinearInputs};
@@ -62,7 +62,33 @@ pub fn grpo_linear_with<E: Element>(
     inputs: &LinearInputs<E>,
     opts: &FusedOptions,
 ) -> Result<GrpoLinearOutput> {
+    let mut grads = LinearGrads::zeros(inputs);
+    let step = grpo_linear_into(
+        loss,
+        batch,
+        norm,
+        inputs,
+        opts,
+        &mut Workspace::new(),
+        &mut grads,
+    )?;
+    Ok(GrpoLinearOutput { grads, ..step })
+}
+
+/// The fused step that adds its gradients into caller-owned `grads` (gradient
+/// accumulation across micro-batches) and reuses `ws` across calls. The returned
+/// output's `grads` is empty.
+pub fn grpo_linear_into<E: Element>(
+    loss: &GrpoLoss,
+    batch: &GrpoBatch,
+    norm: Normalizers,
+    inputs: &LinearInputs<E>,
+    opts: &FusedOptions,
+    ws: &mut Workspace,
+    grads: &mut LinearGrads,
+) -> Result<GrpoLinearOutput> {
     inputs.validate()?;
+    grads.check(inputs)?;
     if inputs.tokens != batch.rows() {
         return Err(Error::InvalidArgument {
             arg: "hidden",
@@ -101,7 +127,7 @@ pub fn grpo_linear_with<E: Element>(
         inv_temp: (1.0 / temperature) as f32,
     };
 
-    let (stats, policy, grads) = if plan.single_pass {
+    let (stats, policy) = if plan.single_pass {
         let n = batch.rows();
         let mut policy = PolicyOutput::new(n);
         let mut logp = vec![0.0f32; n];
@@ -131,11 +157,11 @@ pub fn grpo_linear_with<E: Element>(
             })
             .collect()
         };
-        let (stats, grads) = single_pass(&p, &plan, &mut grads_of);
+        let stats = single_pass(&p, &plan, &mut grads_of, ws, grads);
         policy.finish(batch.mask, &entropy);
-        (stats, policy, grads)
+        (stats, policy)
     } else {
-        let stats = row_stats(&p, &plan);
+        let stats = row_stats(&p, &plan, ws);
         let logp: Vec<f32> = stats.iter().map(|s| s.logp).collect();
         let entropy: Vec<f32> = stats.iter().map(|s| s.entropy).collect();
         let policy = policy_stage(loss, batch, norm, &logp, &entropy);
@@ -150,8 +176,8 @@ pub fn grpo_linear_with<E: Element>(
                 )
             })
             .collect();
-        let grads = accumulate_grads(&p, &plan, &row_grads);
-        (stats, policy, grads)
+        accumulate_grads(&p, &plan, &row_grads, ws, grads);
+        (stats, policy)
     };
     super::selective_log_softmax::check_row_stats(
         &stats,
@@ -165,7 +191,11 @@ pub fn grpo_linear_with<E: Element>(
         stats,
         kl: policy.kl,
         clip: policy.clip,
-        grads,
+        grads: LinearGrads {
+            dhidden: Vec::new(),
+            dweight: Vec::new(),
+            dbias: None,
+        },
         plan,
     })
 }

@@ -1,7 +1,7 @@
 //! No-grad fused linear log-probabilities: per-token `logp`, `lse` and entropy from
 //! hidden states and the LM head (old- and reference-policy passes).
 
-use super::fused_linear::{FusedOptions, Mode, Problem, plan, row_stats};
+use super::fused_linear::{FusedOptions, Mode, Problem, Workspace, plan, row_stats};
 use super::online_softmax::RowStats;
 use super::selective_log_softmax::check_row_stats;
 use crate::batch::LinearInputs;
@@ -68,7 +68,7 @@ pub fn logp_linear<E: Element>(
         live: live_rows,
         inv_temp: (1.0 / temperature) as f32,
     };
-    let stats = row_stats(&p, &plan);
+    let stats = row_stats(&p, &plan, &mut Workspace::new());
     check_row_stats(&stats, live, target_ids, seq_len)?;
     Ok(stats)
 }

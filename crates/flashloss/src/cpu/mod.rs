@@ -2,6 +2,7 @@
 //! per kernel. Results are bitwise identical for any thread count: every row is
 //! computed by one thread in a fixed order, and reductions across rows are serial.
 
+mod baseline_linear;
 mod fused_linear;
 mod grpo_linear;
 mod grpo_logits;
@@ -12,12 +13,13 @@ mod selective_log_softmax;
 pub mod simd;
 mod unfused_logits;
 
+pub use baseline_linear::{BaselineWorkspace, grpo_linear_baseline, grpo_linear_baseline_into};
 pub use fused_linear::{
-    FusedOptions, GEMM_SCRATCH_PER_THREAD, LinearGrads, Mode, Plan, gemm_reserve_bytes,
+    FusedOptions, GEMM_SCRATCH_PER_THREAD, LinearGrads, Mode, Plan, Workspace, gemm_reserve_bytes,
 };
-pub use grpo_linear::{GrpoLinearOutput, grpo_linear, grpo_linear_with};
+pub use grpo_linear::{GrpoLinearOutput, grpo_linear, grpo_linear_into, grpo_linear_with};
 pub use grpo_logits::{GrpoLogitsForward, grpo_logits_forward, grpo_logits_forward_with};
 pub use logp_linear::logp_linear;
 pub use online_softmax::{OnlineSoftmax, RowStats, VOCAB_TILE};
 pub use selective_log_softmax::selective_log_softmax;
-pub use unfused_logits::grpo_logits_unfused;
+pub use unfused_logits::{UnfusedWorkspace, grpo_logits_unfused, grpo_logits_unfused_into};

@@ -11,6 +11,24 @@ use crate::error::Result;
 use crate::policy::{Normalizers, policy_stage};
 use rayon::prelude::*;
 
+/// The unfused path's `[N, V]` buffers, kept across steps as a framework's caching
+/// allocator keeps them (so the A/B compares memory passes, not page faults).
+#[derive(Debug, Default)]
+pub struct UnfusedWorkspace {
+    log_probs: Vec<f32>,
+    probs: Vec<f32>,
+    /// `grad_output · ∂L/∂z` of the last step, dense `[N, V]`.
+    pub dlogits: Vec<f32>,
+}
+
+fn sized(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
+    if buf.len() != len {
+        *buf = Vec::new();
+        buf.resize(len, 0.0);
+    }
+    buf
+}
+
 /// Loss and `grad_output · ∂L/∂z` (dense `[N, V]` f32) by the unfused path.
 pub fn grpo_logits_unfused<E: Element>(
     loss: &GrpoLoss,
@@ -19,6 +37,20 @@ pub fn grpo_logits_unfused<E: Element>(
     layout: &LogitsLayout,
     grad_output: f32,
 ) -> Result<(f64, Vec<f32>)> {
+    let mut ws = UnfusedWorkspace::default();
+    let value = grpo_logits_unfused_into(loss, batch, logits, layout, grad_output, &mut ws)?;
+    Ok((value, ws.dlogits))
+}
+
+/// [`grpo_logits_unfused`] with its buffers in `ws`; `ws.dlogits` holds the gradient.
+pub fn grpo_logits_unfused_into<E: Element>(
+    loss: &GrpoLoss,
+    batch: &GrpoBatch,
+    logits: &[E],
+    layout: &LogitsLayout,
+    grad_output: f32,
+    ws: &mut UnfusedWorkspace,
+) -> Result<f64> {
     layout.validate("logits", logits.len())?;
     batch.validate(layout.vocab, loss)?;
     let (n, v) = (layout.rows(), layout.vocab);
@@ -26,7 +58,7 @@ pub fn grpo_logits_unfused<E: Element>(
     let inv_temp = (1.0 / temperature) as f32;
 
     // log_softmax(z / T), materialized.
-    let mut log_probs = vec![0.0f32; n * v];
+    let log_probs = sized(&mut ws.log_probs, n * v);
     log_probs.par_chunks_mut(v).enumerate().for_each(|(i, lp)| {
         let start = layout.offset(i);
         simd::load_scaled(&logits[start..start + v], inv_temp, lp);
@@ -36,7 +68,7 @@ pub fn grpo_logits_unfused<E: Element>(
         lp.iter_mut().for_each(|x| *x -= lse);
     });
     // softmax, materialized.
-    let mut probs = vec![0.0f32; n * v];
+    let probs = sized(&mut ws.probs, n * v);
     probs
         .par_chunks_mut(v)
         .zip(log_probs.par_chunks(v))
@@ -63,7 +95,8 @@ pub fn grpo_logits_unfused<E: Element>(
 
     // dlogits = (g/T)·[dlogp·(onehot - p) - dentropy·p·(log p + H)], materialized.
     let scale = grad_output * inv_temp;
-    let mut dlogits = vec![0.0f32; n * v];
+    let (log_probs, probs) = (&ws.log_probs, &ws.probs);
+    let dlogits = sized(&mut ws.dlogits, n * v);
     dlogits.par_chunks_mut(v).enumerate().for_each(|(i, dz)| {
         let (p, lp) = (&probs[i * v..(i + 1) * v], &log_probs[i * v..(i + 1) * v]);
         let (dlogp, dent, h) = (policy.dlogp[i], policy.dentropy[i], entropy[i]);
@@ -75,5 +108,5 @@ pub fn grpo_logits_unfused<E: Element>(
             dz[batch.target_ids[i] as usize] += scale * dlogp;
         }
     });
-    Ok((policy.loss, dlogits))
+    Ok(policy.loss)
 }

@@ -1,16 +1,25 @@
 //! `flashloss bench`: A/B of the baseline (the plain path a framework runs) against the
 //! fused kernel, side by side in one run: step time (median, min, max), peak bytes in
 //! use (tracking allocator) and the peak above inputs and outputs, and the rate against
-//! a reference measured in the same run (memory copy bandwidth at logits level).
+//! a reference measured in the same run: memory copy bandwidth at logits level, the
+//! plain `[N,H]×[H,V]` GEMM rate at LM-head level.
 
 use super::inputs::{GrpoInputs, InputSpec};
-use crate::batch::LogitsLayout;
+use crate::batch::{LinearInputs, LogitsLayout};
 use crate::config::{GrpoLoss, LossConfig};
-use crate::cpu::{grpo_logits_forward, grpo_logits_unfused};
+use crate::cpu::matmul::{MatRef, matmul};
+use crate::cpu::{
+    BaselineWorkspace, FusedOptions, LinearGrads, Mode, Plan, UnfusedWorkspace, Workspace,
+    grpo_linear_baseline_into, grpo_linear_into, grpo_logits_forward, grpo_logits_unfused_into,
+};
 use crate::element::{DType, Element};
 use crate::error::{Error, Result};
 use crate::memory;
+use crate::policy::Normalizers;
 use half::bf16;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use rand_distr::{Distribution, Normal};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use std::time::Instant;
@@ -33,6 +42,16 @@ pub enum Impl {
 pub enum Level {
     /// Logits `[N, V]` given (the logits-level kernel).
     Logits,
+    /// Hidden states `[N, H]` and the LM head `[V, H]` given (the fused linear kernel).
+    Linear,
+}
+
+/// Which loss.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LossKind {
+    /// The GRPO policy loss (`grpo:` holds its config).
+    Grpo,
 }
 
 /// The bench config file (`configs/bench/*.yaml`).
@@ -44,8 +63,12 @@ pub struct BenchConfig {
     /// Which implementations.
     #[serde(rename = "impl")]
     pub implementation: Impl,
+    /// Which loss.
+    pub loss: LossKind,
     /// N, tokens per step (one sequence of N positions).
     pub tokens: usize,
+    /// H (level `linear`).
+    pub hidden: usize,
     /// V.
     pub vocab: usize,
     /// Storage dtype of the logits.
@@ -56,6 +79,10 @@ pub struct BenchConfig {
     pub repeat: usize,
     /// Seed of the inputs.
     pub seed: u64,
+    /// Fused linear recomputation mode.
+    pub mode: Mode,
+    /// Fused linear workspace budget in MiB (includes the GEMM reserve).
+    pub budget_mib: f64,
     /// The GRPO loss.
     pub grpo: LossConfig,
 }
@@ -65,12 +92,16 @@ impl Default for BenchConfig {
         BenchConfig {
             level: Level::Logits,
             implementation: Impl::Both,
+            loss: LossKind::Grpo,
             tokens: 256,
+            hidden: 256,
             vocab: 32000,
             dtype: DType::F32,
             warmup: 1,
             repeat: 5,
             seed: 0,
+            mode: Mode::Auto,
+            budget_mib: 64.0,
             grpo: LossConfig::default(),
         }
     }
@@ -96,9 +127,11 @@ pub struct BenchResult {
     pub level: Level,
     /// N.
     pub tokens: usize,
+    /// H (level `linear`).
+    pub hidden: Option<usize>,
     /// V.
     pub vocab: usize,
-    /// Logits dtype.
+    /// Storage dtype of logits or hidden states and weight.
     pub dtype: DType,
     /// Rayon threads.
     pub threads: usize,
@@ -108,16 +141,41 @@ pub struct BenchResult {
     pub loss: f64,
     /// Peak bytes in use during a step (whole process).
     pub peak_bytes: usize,
-    /// Bytes of inputs and outputs (logits, per-token inputs, dlogits).
+    /// Bytes of inputs and outputs.
     pub io_bytes: usize,
     /// `peak_bytes` less the bytes in use before the inputs were made and `io_bytes`.
     pub peak_above_io_bytes: i64,
-    /// The least bytes a step must move: read logits twice, write dlogits once.
-    pub bytes_moved: f64,
-    /// `bytes_moved / median step time`, GB/s.
-    pub gbytes_per_s: f64,
-    /// Parallel memory copy of a logits-sized buffer in this run (read + write), GB/s.
-    pub copy_gbytes_per_s: f64,
+    /// Logits level: the least bytes a step moves (read logits twice, write dlogits once).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bytes_moved: Option<f64>,
+    /// Logits level: `bytes_moved / median`, GB/s.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gbytes_per_s: Option<f64>,
+    /// Logits level: parallel copy of a logits-sized buffer, same run (read + write), GB/s.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub copy_gbytes_per_s: Option<f64>,
+    /// Linear level: FLOPs done (6NHV, or 8NHV for two-pass).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub flops: Option<f64>,
+    /// Linear level: `flops / median`, GFLOP/s.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gflops_per_s: Option<f64>,
+    /// Linear level: the plain `[N,H]×[H,V]` GEMM, same run, GFLOP/s.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gemm_gflops_per_s: Option<f64>,
+    /// Linear level, fused: the plan that ran.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub plan: Option<Plan>,
+}
+
+/// What [`run`] returns: one result per implementation that ran, and notes (e.g. a
+/// baseline skipped for lack of memory).
+#[derive(Debug, Clone, Serialize)]
+pub struct BenchReport {
+    /// Per implementation.
+    pub results: Vec<BenchResult>,
+    /// Why something did not run.
+    pub notes: Vec<String>,
 }
 
 /// Times `repeat` calls of `step` after `warmup` calls; `progress(done, total)` after each.
@@ -147,37 +205,212 @@ pub fn time_steps(
 }
 
 /// Runs the bench; `progress(label, done, total)` reports long runs.
-pub fn run(
-    cfg: &BenchConfig,
-    progress: &mut dyn FnMut(&str, usize, usize),
-) -> Result<Vec<BenchResult>> {
+pub fn run(cfg: &BenchConfig, progress: &mut dyn FnMut(&str, usize, usize)) -> Result<BenchReport> {
     if !memory::is_tracking() {
         return Err(Error::InvalidArgument {
             arg: "bench",
             reason: "the tracking allocator is not installed in this binary".into(),
         });
     }
-    match cfg.dtype {
-        DType::F32 => run_logits::<f32>(cfg, progress),
-        DType::Bf16 => run_logits::<bf16>(cfg, progress),
+    match (cfg.level, cfg.dtype) {
+        (Level::Logits, DType::F32) => run_logits::<f32>(cfg, progress),
+        (Level::Logits, DType::Bf16) => run_logits::<bf16>(cfg, progress),
+        (Level::Linear, DType::F32) => run_linear::<f32>(cfg, progress),
+        (Level::Linear, DType::Bf16) => run_linear::<bf16>(cfg, progress),
     }
+}
+
+/// Times one implementation's step; fills the common fields of its result.
+fn measure(
+    cfg: &BenchConfig,
+    name: &'static str,
+    base: usize,
+    io_bytes: usize,
+    progress: &mut dyn FnMut(&str, usize, usize),
+    step: &mut dyn FnMut() -> Result<f64>,
+) -> Result<BenchResult> {
+    let mut loss_value = 0.0;
+    memory::reset_peak();
+    let timing = time_steps(
+        cfg.warmup,
+        cfg.repeat,
+        || {
+            loss_value = step()?;
+            Ok(())
+        },
+        &mut |d, t| progress(name, d, t),
+    )?;
+    let peak_bytes = memory::peak();
+    Ok(BenchResult {
+        implementation: name,
+        level: cfg.level,
+        tokens: cfg.tokens,
+        hidden: (cfg.level == Level::Linear).then_some(cfg.hidden),
+        vocab: cfg.vocab,
+        dtype: cfg.dtype,
+        threads: rayon::current_num_threads(),
+        step_seconds: timing,
+        loss: loss_value,
+        peak_bytes,
+        io_bytes,
+        peak_above_io_bytes: peak_bytes as i64 - base as i64 - io_bytes as i64,
+        bytes_moved: None,
+        gbytes_per_s: None,
+        copy_gbytes_per_s: None,
+        flops: None,
+        gflops_per_s: None,
+        gemm_gflops_per_s: None,
+        plan: None,
+    })
+}
+
+/// Bytes the OS says are available (Linux), if known.
+fn available_memory() -> Option<usize> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// Per-token GRPO inputs of one sequence of N tokens over V (logits not kept).
+fn token_inputs(cfg: &BenchConfig) -> GrpoInputs {
+    let spec = InputSpec {
+        batch: 1,
+        seq_len: cfg.tokens,
+        vocab: cfg.vocab,
+        masked_fraction: 0.0,
+        ..InputSpec::default()
+    };
+    GrpoInputs::random(&spec, cfg.seed)
+}
+
+fn run_linear<E: Element>(
+    cfg: &BenchConfig,
+    progress: &mut dyn FnMut(&str, usize, usize),
+) -> Result<BenchReport> {
+    let loss = GrpoLoss::new(cfg.grpo.clone())?;
+    let (n, h, v) = (cfg.tokens, cfg.hidden, cfg.vocab);
+    let base = memory::in_use();
+    let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed);
+    let normal = Normal::new(0.0f32, 1.0).expect("valid");
+    let w_scale = 2.0 / (h as f32).sqrt();
+    let hidden: Vec<E> = (0..n * h)
+        .map(|_| E::from_f32(normal.sample(&mut rng)))
+        .collect();
+    let weight: Vec<E> = (0..v * h)
+        .map(|_| E::from_f32(normal.sample(&mut rng) * w_scale))
+        .collect();
+    let inputs = LinearInputs {
+        hidden: &hidden,
+        weight: &weight,
+        bias: None,
+        tokens: n,
+        hidden_size: h,
+        vocab: v,
+    };
+    let mut tokens = token_inputs(cfg);
+    tokens.logits = Vec::new();
+    // On-policy old logp (ratio 1) keeps the loss meaningful without a logits pass.
+    tokens.old_logp = None;
+    tokens.ref_logp = tokens.ref_logp.take().filter(|_| loss.config().beta > 0.0);
+    let batch = tokens.batch();
+    let elem = E::DTYPE.size();
+    let per_token_bytes = n * (8 + 1 + 4 * 3) + 4;
+    let io_bytes = (n * h + v * h) * elem + (n * h + v * h) * 4 + per_token_bytes;
+    let gemm_gflops_per_s = gemm_rate(n, h, v, cfg.repeat.clamp(1, 3), progress);
+
+    let mut report = BenchReport {
+        results: Vec::new(),
+        notes: Vec::new(),
+    };
+    if cfg.implementation != Impl::Fused {
+        let need = 4 * n * v * 4 + (n * h + v * h) * 4;
+        let have = available_memory().unwrap_or(usize::MAX);
+        if need as f64 > 0.9 * have as f64 {
+            report.notes.push(format!(
+                "baseline skipped: it materializes 4 [N, V] f32 buffers and a widened copy of the inputs, about {:.1} GiB, and {:.1} GiB are available",
+                need as f64 / (1u64 << 30) as f64,
+                have as f64 / (1u64 << 30) as f64
+            ));
+        } else {
+            let mut ws = BaselineWorkspace::default();
+            let mut grads = LinearGrads::zeros(&inputs);
+            let mut r = measure(cfg, "baseline", base, io_bytes, progress, &mut || {
+                grpo_linear_baseline_into(&loss, &batch, &inputs, 1.0, &mut ws, &mut grads)
+            })?;
+            let flops = 6.0 * n as f64 * h as f64 * v as f64;
+            r.flops = Some(flops);
+            r.gflops_per_s = Some(flops / r.step_seconds.median / 1e9);
+            r.gemm_gflops_per_s = Some(gemm_gflops_per_s);
+            report.results.push(r);
+        }
+    }
+    if cfg.implementation != Impl::Baseline {
+        let opts = FusedOptions {
+            mode: cfg.mode,
+            budget_bytes: (cfg.budget_mib * (1u64 << 20) as f64) as usize,
+            grad_output: 1.0,
+        };
+        let mut plan = None;
+        let mut ws = Workspace::new();
+        let mut grads = LinearGrads::zeros(&inputs);
+        let norm = Normalizers::local(&batch);
+        let mut r = measure(cfg, "fused", base, io_bytes, progress, &mut || {
+            // A training step zeroes its gradients; the fused kernel adds into them.
+            grads.dhidden.fill(0.0);
+            grads.dweight.fill(0.0);
+            let out = grpo_linear_into(&loss, &batch, norm, &inputs, &opts, &mut ws, &mut grads)?;
+            plan = Some(out.plan);
+            Ok(out.loss)
+        })?;
+        let flops = plan.map(|p| p.flops(n, h, v));
+        r.flops = flops;
+        r.gflops_per_s = flops.map(|f| f / r.step_seconds.median / 1e9);
+        r.gemm_gflops_per_s = Some(gemm_gflops_per_s);
+        r.plan = plan;
+        report.results.push(r);
+    }
+    Ok(report)
+}
+
+/// GFLOP/s of the plain `[N,H]×[H,V]` f32 GEMM (median of `repeat` after one warm-up).
+fn gemm_rate(
+    n: usize,
+    h: usize,
+    v: usize,
+    repeat: usize,
+    progress: &mut dyn FnMut(&str, usize, usize),
+) -> f64 {
+    let a: Vec<f32> = (0..n * h).map(|i| ((i % 7) as f32 - 3.0) * 0.1).collect();
+    let b: Vec<f32> = (0..v * h).map(|i| ((i % 5) as f32 - 2.0) * 0.1).collect();
+    let mut c = vec![0.0f32; n * v];
+    let timing = time_steps(
+        1,
+        repeat,
+        || {
+            matmul(
+                &mut c,
+                v,
+                MatRef::row_major(&a, n, h),
+                MatRef::row_major(&b, v, h).t(),
+                false,
+            );
+            Ok(())
+        },
+        &mut |d, t| progress("gemm", d, t),
+    )
+    .expect("the GEMM step cannot fail");
+    2.0 * n as f64 * h as f64 * v as f64 / timing.median / 1e9
 }
 
 fn run_logits<E: Element>(
     cfg: &BenchConfig,
     progress: &mut dyn FnMut(&str, usize, usize),
-) -> Result<Vec<BenchResult>> {
+) -> Result<BenchReport> {
     let loss = GrpoLoss::new(cfg.grpo.clone())?;
     let (n, v) = (cfg.tokens, cfg.vocab);
-    let spec = InputSpec {
-        batch: 1,
-        seq_len: n,
-        vocab: v,
-        masked_fraction: 0.0,
-        ..InputSpec::default()
-    };
     let base = memory::in_use();
-    let mut inputs = GrpoInputs::random(&spec, cfg.seed);
+    let mut inputs = token_inputs(cfg);
     let logits: Vec<E> = std::mem::take(&mut inputs.logits)
         .into_iter()
         .map(E::from_f32)
@@ -189,58 +422,34 @@ fn run_logits<E: Element>(
     let io_bytes = 2 * n * v * elem + per_token_bytes;
     let bytes_moved = 3.0 * (n * v * elem) as f64;
     let copy_gbytes_per_s = copy_bandwidth(n * v, cfg.repeat.max(9));
-
-    let run_one = |name: &'static str,
-                   progress: &mut dyn FnMut(&str, usize, usize),
-                   step: &mut dyn FnMut() -> Result<f64>|
-     -> Result<BenchResult> {
-        let mut loss_value = 0.0;
-        memory::reset_peak();
-        let timing = time_steps(
-            cfg.warmup,
-            cfg.repeat,
-            || {
-                loss_value = step()?;
-                Ok(())
-            },
-            &mut |d, t| progress(name, d, t),
-        )?;
-        let peak_bytes = memory::peak();
-        Ok(BenchResult {
-            implementation: name,
-            level: cfg.level,
-            tokens: n,
-            vocab: v,
-            dtype: E::DTYPE,
-            threads: rayon::current_num_threads(),
-            step_seconds: timing,
-            loss: loss_value,
-            peak_bytes,
-            io_bytes,
-            peak_above_io_bytes: peak_bytes as i64 - base as i64 - io_bytes as i64,
-            bytes_moved,
-            gbytes_per_s: bytes_moved / timing.median / 1e9,
-            copy_gbytes_per_s,
-        })
+    let with_rates = |mut r: BenchResult| {
+        r.bytes_moved = Some(bytes_moved);
+        r.gbytes_per_s = Some(bytes_moved / r.step_seconds.median / 1e9);
+        r.copy_gbytes_per_s = Some(copy_gbytes_per_s);
+        r
     };
 
     let mut results = Vec::new();
     if cfg.implementation != Impl::Fused {
-        results.push(run_one("baseline", progress, &mut || {
-            let (value, dlogits) = grpo_logits_unfused(&loss, &batch, &logits, &layout, 1.0)?;
-            std::hint::black_box(&dlogits);
-            Ok(value)
-        })?);
+        let mut ws = UnfusedWorkspace::default();
+        let r = measure(cfg, "baseline", base, io_bytes, progress, &mut || {
+            grpo_logits_unfused_into(&loss, &batch, &logits, &layout, 1.0, &mut ws)
+        })?;
+        results.push(with_rates(r));
     }
     if cfg.implementation != Impl::Baseline {
         let mut dlogits = vec![E::default(); n * v];
-        results.push(run_one("fused", progress, &mut || {
+        let r = measure(cfg, "fused", base, io_bytes, progress, &mut || {
             let fwd = grpo_logits_forward(&loss, &batch, &logits, &layout)?;
             fwd.backward(&logits, 1.0, &mut dlogits)?;
             Ok(fwd.loss)
-        })?);
+        })?;
+        results.push(with_rates(r));
     }
-    Ok(results)
+    Ok(BenchReport {
+        results,
+        notes: Vec::new(),
+    })
 }
 
 /// GB/s of a parallel copy of `len` f32 (bytes read + bytes written), median of `repeat`.
