@@ -100,16 +100,15 @@ fn assert_close(name: &str, got: &[f32], want: &[f64], rel: f64) {
 }
 
 /// Runs the fused kernel and the reference; checks loss, logp, dH, dW, dbias.
+/// `shape` = (B, T, H, V).
 fn check<E: Element>(
     loss_cfg: LossConfig,
-    b: usize,
-    t: usize,
-    h: usize,
-    v: usize,
+    shape: (usize, usize, usize, usize),
     bias: bool,
     mode: Mode,
     seed: u64,
 ) {
+    let (b, t, h, v) = shape;
     let loss = GrpoLoss::new(loss_cfg).unwrap();
     let head = Head::<E>::random(b * t, h, v, bias, seed);
     let mut x = batch_inputs(b, t, v, seed + 100);
@@ -178,8 +177,8 @@ fn every_loss_type_both_modes_f32() {
             if mode == Mode::SinglePass && !token_level {
                 continue;
             }
-            check::<f32>(cfg.clone(), 3, 5, 37, 2053, true, mode, 1);
-            check::<f32>(cfg.clone(), 1, 1, 19, 301, false, mode, 2);
+            check::<f32>(cfg.clone(), (3, 5, 37, 2053), true, mode, 1);
+            check::<f32>(cfg.clone(), (1, 1, 19, 301), false, mode, 2);
         }
     }
 }
@@ -193,8 +192,8 @@ fn bf16_inputs() {
     ] {
         let mut cfg = base_config(t, level);
         cfg.beta = 0.04;
-        check::<bf16>(cfg.clone(), 2, 7, 45, 1031, true, Mode::Auto, 3);
-        check::<bf16>(cfg, 2, 7, 45, 1031, false, Mode::TwoPass, 4);
+        check::<bf16>(cfg.clone(), (2, 7, 45, 1031), true, Mode::Auto, 3);
+        check::<bf16>(cfg, (2, 7, 45, 1031), false, Mode::TwoPass, 4);
     }
 }
 

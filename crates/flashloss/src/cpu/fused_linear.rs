@@ -575,6 +575,9 @@ pub fn accumulate_grads<E: Element>(
     }
 }
 
+/// Given a block's rows and every row's stats so far, the block's [`RowGrad`]s.
+pub type GradsOf<'a> = dyn FnMut(Range<usize>, &[RowStats]) -> Vec<RowGrad> + 'a;
+
 /// Single pass: per row block, all its logits (tile by tile into a `[rows, V]` block),
 /// its statistics, then `grads_of(rows, stats)` gives the block's [`RowGrad`]s, and the
 /// gradients are added into `out` from the block still in memory. Returns every row's
@@ -582,7 +585,7 @@ pub fn accumulate_grads<E: Element>(
 pub fn single_pass<E: Element>(
     p: &Problem<E>,
     plan: &Plan,
-    grads_of: &mut dyn FnMut(Range<usize>, &[RowStats]) -> Vec<RowGrad>,
+    grads_of: &mut GradsOf,
     ws: &mut Workspace,
     out: &mut LinearGrads,
 ) -> Vec<RowStats> {
