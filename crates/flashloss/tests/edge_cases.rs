@@ -4,20 +4,8 @@
 mod common;
 use common::*;
 use flashloss::tools::gradcheck::{self, GradcheckConfig};
-use flashloss::tools::inputs::{GrpoInputs, InputSpec};
+use flashloss::tools::inputs::GrpoInputs;
 use flashloss::{Error, GrpoLoss, ImportanceSamplingLevel, LogitsLayout, LossType};
-
-fn inputs(b: usize, t: usize, v: usize, seed: u64) -> GrpoInputs {
-    GrpoInputs::random(
-        &InputSpec {
-            batch: b,
-            seq_len: t,
-            vocab: v,
-            ..InputSpec::default()
-        },
-        seed,
-    )
-}
 
 fn check(inputs: &GrpoInputs, cfg: &GradcheckConfig, case: &str) -> gradcheck::GradcheckReport {
     let loss = GrpoLoss::new(cfg.loss.clone()).unwrap();
@@ -42,7 +30,7 @@ fn fully_masked_sequence_and_all_rows_masked() {
         let mut cfg = small(3, 6, 2100, base_config(t, level));
         cfg.loss.beta = 0.04;
         cfg.loss.entropy_coef = 0.01;
-        let mut x = inputs(3, 6, 2100, 5);
+        let mut x = draw(3, 6, 2100, 5);
         x.mask[6..12].fill(false);
         check(&x, &cfg, &format!("one masked sequence {}", t.name()));
         x.mask.fill(false);
@@ -60,7 +48,7 @@ fn huge_logits_and_small_temperature() {
             cfg.loss.temperature = temperature;
             cfg.loss.entropy_coef = 0.01;
             cfg.loss.beta = 0.04;
-            let mut x = inputs(2, 5, 3001, 9);
+            let mut x = draw(2, 5, 3001, 9);
             for (k, z) in x.logits.iter_mut().enumerate() {
                 *z = if (k * 7919) % 3 == 0 { 1e4 } else { -1e4 } + (k % 13) as f32;
             }
@@ -93,7 +81,7 @@ fn banned_tokens_with_neg_inf_logits() {
         let mut cfg = small(3, 4, 2500, base_config(t, level));
         cfg.loss.entropy_coef = 0.02;
         cfg.loss.beta = 0.04;
-        let mut x = inputs(3, 4, 2500, 11);
+        let mut x = draw(3, 4, 2500, 11);
         for row in 0..12 {
             for j in (row % 5..2500).step_by(5) {
                 if j as i64 != x.target_ids[row] {
@@ -119,7 +107,7 @@ fn a_neg_inf_target_is_an_error_not_a_nan() {
         100,
         base_config(LossType::Grpo, ImportanceSamplingLevel::Token),
     );
-    let mut x = inputs(2, 3, 100, 1);
+    let mut x = draw(2, 3, 100, 1);
     x.mask.fill(true);
     let row = 4;
     x.logits[row * 100 + x.target_ids[row] as usize] = f32::NEG_INFINITY;
@@ -134,7 +122,7 @@ fn a_neg_inf_target_is_an_error_not_a_nan() {
             id: x.target_ids[row]
         }
     );
-    let mut y = inputs(2, 3, 100, 1);
+    let mut y = draw(2, 3, 100, 1);
     y.mask.fill(true);
     y.logits[2 * 100 + 17] = f32::NAN;
     let err = gradcheck::check_inputs(&cfg, &loss, &y, y.logits.clone()).unwrap_err();

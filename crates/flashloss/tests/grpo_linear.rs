@@ -8,7 +8,7 @@ use flashloss::cpu::{FusedOptions, Mode, grpo_linear, logp_linear};
 use flashloss::memory::{self, TrackingAllocator};
 use flashloss::policy::Normalizers;
 use flashloss::reference::{grpo_reference, linear_grads, linear_logits};
-use flashloss::tools::inputs::{GrpoInputs, InputSpec};
+use flashloss::tools::inputs::GrpoInputs;
 use flashloss::{Element, GrpoLoss, LinearInputs, LossConfig, LossType};
 use half::bf16;
 use rand::{Rng, SeedableRng};
@@ -58,18 +58,6 @@ impl<E: Element> Head<E> {
     }
 }
 
-fn batch_inputs(b: usize, t: usize, v: usize, seed: u64) -> GrpoInputs {
-    GrpoInputs::random(
-        &InputSpec {
-            batch: b,
-            seq_len: t,
-            vocab: v,
-            ..InputSpec::default()
-        },
-        seed,
-    )
-}
-
 /// Old and reference logp near the head's own policy (ratios near 1, as in training).
 fn realistic_old_and_ref(x: &mut GrpoInputs, z: &[f64], temperature: f64) {
     let v = x.vocab;
@@ -111,7 +99,7 @@ fn check<E: Element>(
     let (b, t, h, v) = shape;
     let loss = GrpoLoss::new(loss_cfg).unwrap();
     let head = Head::<E>::random(b * t, h, v, bias, seed);
-    let mut x = batch_inputs(b, t, v, seed + 100);
+    let mut x = draw(b, t, v, seed + 100);
     let z = linear_logits(&head.inputs());
     realistic_old_and_ref(&mut x, &z, loss.config().temperature);
     let batch = x.batch();
@@ -206,7 +194,7 @@ fn single_pass_equals_two_pass_and_threads_do_not_change_bits() {
     })
     .unwrap();
     let head = Head::<f32>::random(2 * 40, 64, 3001, true, 5);
-    let x = batch_inputs(2, 40, 3001, 6);
+    let x = draw(2, 40, 3001, 6);
     let run = |mode: Mode, threads: usize| {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
@@ -264,7 +252,7 @@ fn workspace_stays_within_the_budget() {
     let (n, h) = (2048, 8);
     let v = (100 * budget).div_ceil(4 * n);
     let head = Head::<f32>::random(n, h, v, false, 7);
-    let x = batch_inputs(1, n, v, 8);
+    let x = draw(1, n, v, 8);
     let loss = GrpoLoss::new(LossConfig::default()).unwrap();
     assert!(n * v * 4 >= 100 * budget);
     for mode in [Mode::Auto, Mode::TwoPass] {
@@ -290,7 +278,7 @@ fn workspace_stays_within_the_budget() {
 #[test]
 fn no_grad_logp_matches_the_reference_and_budget_errors_are_clear() {
     let head = Head::<f32>::random(9, 21, 777, true, 9);
-    let x = batch_inputs(1, 9, 777, 10);
+    let x = draw(1, 9, 777, 10);
     let budget = flashloss::cpu::gemm_reserve_bytes() + (1 << 20);
     let stats = logp_linear(&head.inputs(), &x.target_ids, None, 0.8, budget, 9).unwrap();
     let z = linear_logits(&head.inputs());
@@ -339,7 +327,7 @@ fn baseline_matches_the_reference() {
     })
     .unwrap();
     let head = Head::<f32>::random(2 * 6, 23, 1501, true, 11);
-    let mut x = batch_inputs(2, 6, 1501, 12);
+    let mut x = draw(2, 6, 1501, 12);
     let z = linear_logits(&head.inputs());
     realistic_old_and_ref(&mut x, &z, 1.0);
     let batch = x.batch();

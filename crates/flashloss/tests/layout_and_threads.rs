@@ -6,20 +6,8 @@ use common::*;
 use flashloss::cpu::{grpo_logits_forward, grpo_logits_unfused, selective_log_softmax};
 use flashloss::policy::Normalizers;
 use flashloss::reference::{grpo_reference, row_softmax};
-use flashloss::tools::inputs::{GrpoInputs, InputSpec};
+use flashloss::tools::inputs::GrpoInputs;
 use flashloss::{GrpoLoss, ImportanceSamplingLevel, LogitsLayout, LossType};
-
-fn draw(b: usize, t: usize, v: usize, seed: u64) -> GrpoInputs {
-    GrpoInputs::random(
-        &InputSpec {
-            batch: b,
-            seq_len: t,
-            vocab: v,
-            ..InputSpec::default()
-        },
-        seed,
-    )
-}
 
 fn loss(t: LossType, level: ImportanceSamplingLevel) -> GrpoLoss {
     let mut cfg = base_config(t, level);

@@ -3,10 +3,10 @@
 
 use super::fused_linear::{FusedOptions, Mode, Problem, Workspace, plan, row_stats};
 use super::online_softmax::RowStats;
-use super::selective_log_softmax::check_row_stats;
+use super::selective_log_softmax::{check_row_stats, check_targets};
 use crate::batch::LinearInputs;
 use crate::element::Element;
-use crate::error::{Error, Result};
+use crate::error::Result;
 
 /// Per-row statistics of `hidden · weightᵀ + bias` divided by `temperature`, at
 /// `target_ids` `[N]`; rows where `mask` is false are skipped (zeroed stats).
@@ -21,40 +21,11 @@ pub fn logp_linear<E: Element>(
 ) -> Result<Vec<RowStats>> {
     inputs.validate()?;
     let n = inputs.tokens;
-    for (arg, len) in [
-        ("target_ids", target_ids.len()),
-        ("mask", mask.map_or(n, <[bool]>::len)),
-    ] {
-        if len != n {
-            return Err(Error::ShapeMismatch {
-                arg,
-                shape: format!("[N={n}]"),
-                expected: n,
-                actual: len,
-            });
-        }
-    }
-    if !(temperature.is_finite() && temperature > 0.0) {
-        return Err(Error::InvalidArgument {
-            arg: "temperature",
-            reason: format!("must be finite and > 0, got {temperature}"),
-        });
-    }
+    let seq_len = seq_len.clamp(1, n);
+    check_targets(target_ids, mask, n, inputs.vocab, seq_len, temperature)?;
     let all = vec![true; if mask.is_none() { n } else { 0 }];
     let live_rows = mask.unwrap_or(&all);
     let live = |i: usize| live_rows[i];
-    let seq_len = seq_len.max(1);
-    if let Some(i) = (0..n).find(|&i| live(i) && !(0..inputs.vocab as i64).contains(&target_ids[i]))
-    {
-        return Err(Error::TokenOutOfRange {
-            arg: "target_ids",
-            index: i,
-            seq: i / seq_len,
-            pos: i % seq_len,
-            id: target_ids[i],
-            vocab: inputs.vocab,
-        });
-    }
     let opts = FusedOptions {
         mode: Mode::TwoPass,
         budget_bytes,

@@ -35,18 +35,17 @@ pub(crate) fn check_row_stats(
     Ok(())
 }
 
-/// Per-row statistics of `logits / temperature` at `target_ids` (`[B, T]`). Rows where
-/// `mask` is false are skipped and get zeroed [`RowStats`].
-pub fn selective_log_softmax<E: Element>(
-    logits: &[E],
-    layout: &LogitsLayout,
+/// Checks `target_ids` and `mask` (`[N]`, N = B·T with T = `seq_len`), ids in
+/// `[0, vocab)` where the mask is set, and `temperature` finite and > 0.
+pub(crate) fn check_targets(
     target_ids: &[i64],
     mask: Option<&[bool]>,
+    n: usize,
+    vocab: usize,
+    seq_len: usize,
     temperature: f64,
-) -> Result<Vec<RowStats>> {
-    layout.validate("logits", logits.len())?;
-    let n = layout.rows();
-    let shape = || format!("[B={}, T={}]", layout.batch, layout.seq_len);
+) -> Result<()> {
+    let shape = || format!("[B={}, T={seq_len}]", n / seq_len);
     for (arg, len) in [
         ("target_ids", target_ids.len()),
         ("mask", mask.map_or(n, <[bool]>::len)),
@@ -67,19 +66,39 @@ pub fn selective_log_softmax<E: Element>(
         });
     }
     let live = |i: usize| mask.is_none_or(|m| m[i]);
-    for i in (0..n).filter(|&i| live(i)) {
-        let id = target_ids[i];
-        if id < 0 || id as u64 >= layout.vocab as u64 {
-            return Err(Error::TokenOutOfRange {
-                arg: "target_ids",
-                index: i,
-                seq: i / layout.seq_len,
-                pos: i % layout.seq_len,
-                id,
-                vocab: layout.vocab,
-            });
-        }
+    if let Some(i) = (0..n).find(|&i| live(i) && !(0..vocab as i64).contains(&target_ids[i])) {
+        return Err(Error::TokenOutOfRange {
+            arg: "target_ids",
+            index: i,
+            seq: i / seq_len,
+            pos: i % seq_len,
+            id: target_ids[i],
+            vocab,
+        });
     }
+    Ok(())
+}
+
+/// Per-row statistics of `logits / temperature` at `target_ids` (`[B, T]`). Rows where
+/// `mask` is false are skipped and get zeroed [`RowStats`].
+pub fn selective_log_softmax<E: Element>(
+    logits: &[E],
+    layout: &LogitsLayout,
+    target_ids: &[i64],
+    mask: Option<&[bool]>,
+    temperature: f64,
+) -> Result<Vec<RowStats>> {
+    layout.validate("logits", logits.len())?;
+    let n = layout.rows();
+    let live = |i: usize| mask.is_none_or(|m| m[i]);
+    check_targets(
+        target_ids,
+        mask,
+        n,
+        layout.vocab,
+        layout.seq_len,
+        temperature,
+    )?;
     let inv_temp = (1.0 / temperature) as f32;
     let stats: Vec<RowStats> = (0..n)
         .into_par_iter()

@@ -60,3 +60,21 @@ pub fn bf16(mut cfg: GradcheckConfig) -> GradcheckConfig {
     cfg.dtype = DType::Bf16;
     cfg
 }
+
+/// Random GRPO inputs of the default spec at `[B, T, V]`.
+pub fn draw(
+    batch: usize,
+    seq_len: usize,
+    vocab: usize,
+    seed: u64,
+) -> flashloss::tools::inputs::GrpoInputs {
+    flashloss::tools::inputs::GrpoInputs::random(
+        &flashloss::tools::inputs::InputSpec {
+            batch,
+            seq_len,
+            vocab,
+            ..Default::default()
+        },
+        seed,
+    )
+}
