@@ -481,10 +481,26 @@ fn accumulate_tile(
     }
 }
 
-/// Pass A: softmax statistics of every live row (zeroed [`RowStats`] elsewhere).
-pub fn row_stats<E: Element>(p: &Problem<E>, plan: &Plan, ws: &mut Workspace) -> Vec<RowStats> {
-    let (n, h) = (p.inputs.tokens, p.inputs.hidden_size);
-    let vt = plan.vocab_tile;
+/// One recomputed logits tile: rows `rows` × vocabulary entries `vocab`, dense
+/// `[rows, vocab]` in `z`, with the f32 hidden rows and weight rows it came from.
+struct Tile<'t> {
+    rows: Range<usize>,
+    vocab: Range<usize>,
+    z: &'t mut [f32],
+    hidden: &'t [f32],
+    weight: &'t [f32],
+}
+
+/// Forms every `[block_rows, vocab_tile]` logits tile in the workspace and hands it to
+/// `each`; row blocks for which `skip` is true are not computed.
+fn for_each_tile<E: Element>(
+    p: &Problem<E>,
+    plan: &Plan,
+    ws: &mut Workspace,
+    skip: impl Fn(&Range<usize>) -> bool,
+    mut each: impl FnMut(Tile),
+) {
+    let h = p.inputs.hidden_size;
     let bias = p.bias_f32();
     let scratch = ws.prepare(
         &Plan {
@@ -493,11 +509,9 @@ pub fn row_stats<E: Element>(p: &Problem<E>, plan: &Plan, ws: &mut Workspace) ->
         },
         p.inputs.vocab,
     );
-    let mut states = vec![OnlineSoftmax::empty(p.inv_temp); n];
-    let mut target_logits = vec![0.0f32; n];
-    for rows in p.row_blocks(plan.block_rows) {
+    for rows in p.row_blocks(plan.block_rows).filter(|r| !skip(r)) {
         let hid = rows_f32(p.inputs.hidden, h, rows.clone(), &mut scratch.hidden);
-        for vocab in p.vocab_tiles(vt) {
+        for vocab in p.vocab_tiles(plan.vocab_tile) {
             let w = rows_f32(p.inputs.weight, h, vocab.clone(), &mut scratch.weight);
             let z = &mut scratch.logits[..rows.len() * vocab.len()];
             logits_tile(
@@ -510,17 +524,39 @@ pub fn row_stats<E: Element>(p: &Problem<E>, plan: &Plan, ws: &mut Workspace) ->
                 h,
                 vocab.len(),
             );
-            merge_tile_stats(
-                p,
+            each(Tile {
+                rows: rows.clone(),
+                vocab,
                 z,
-                vocab.len(),
-                rows.clone(),
-                &vocab,
-                &mut states[rows.clone()],
-                &mut target_logits[rows.clone()],
-            );
+                hidden: &hid,
+                weight: &w,
+            });
         }
     }
+}
+
+/// Pass A: softmax statistics of every live row (zeroed [`RowStats`] elsewhere).
+pub fn row_stats<E: Element>(p: &Problem<E>, plan: &Plan, ws: &mut Workspace) -> Vec<RowStats> {
+    let n = p.inputs.tokens;
+    let mut states = vec![OnlineSoftmax::empty(p.inv_temp); n];
+    let mut target_logits = vec![0.0f32; n];
+    for_each_tile(
+        p,
+        plan,
+        ws,
+        |_| false,
+        |t| {
+            merge_tile_stats(
+                p,
+                t.z,
+                t.vocab.len(),
+                t.rows.clone(),
+                &t.vocab,
+                &mut states[t.rows.clone()],
+                &mut target_logits[t.rows.clone()],
+            );
+        },
+    );
     (0..n)
         .map(|i| {
             if p.live[i] {
@@ -542,37 +578,12 @@ pub fn accumulate_grads<E: Element>(
     out: &mut LinearGrads,
 ) {
     let h = p.inputs.hidden_size;
-    let vt = plan.vocab_tile;
-    let bias = p.bias_f32();
-    let scratch = ws.prepare(
-        &Plan {
-            single_pass: false,
-            ..*plan
-        },
-        p.inputs.vocab,
-    );
-    for rows in p.row_blocks(plan.block_rows) {
-        if rows.clone().all(|i| grads[i].is_zero()) {
-            continue;
-        }
-        let hid = rows_f32(p.inputs.hidden, h, rows.clone(), &mut scratch.hidden);
-        for vocab in p.vocab_tiles(vt) {
-            let w = rows_f32(p.inputs.weight, h, vocab.clone(), &mut scratch.weight);
-            let z = &mut scratch.logits[..rows.len() * vocab.len()];
-            logits_tile(
-                z,
-                vocab.len(),
-                &hid,
-                &w,
-                bias.as_ref().map(|b| &b[vocab.clone()]),
-                rows.len(),
-                h,
-                vocab.len(),
-            );
-            grad_tile(z, vocab.len(), &vocab, &grads[rows.clone()], p.inv_temp);
-            accumulate_tile(out, z, vocab.len(), &hid, &w, &rows, &vocab, h);
-        }
-    }
+    let no_gradient = |rows: &Range<usize>| rows.clone().all(|i| grads[i].is_zero());
+    for_each_tile(p, plan, ws, no_gradient, |t| {
+        let ld = t.vocab.len();
+        grad_tile(t.z, ld, &t.vocab, &grads[t.rows.clone()], p.inv_temp);
+        accumulate_tile(out, t.z, ld, t.hidden, t.weight, &t.rows, &t.vocab, h);
+    });
 }
 
 /// Given a block's rows and every row's stats so far, the block's [`RowGrad`]s.

@@ -33,14 +33,22 @@ pub struct GrpoLinearOutput {
     pub plan: Plan,
 }
 
-fn row_grad(stats: RowStats, dlogp: f32, dentropy: f32, target: i64, scale: f32) -> RowGrad {
-    RowGrad {
-        stats,
-        coef_p: -scale * dlogp,
-        coef_h: -scale * dentropy,
-        coef_target: scale * dlogp,
-        target: target as usize,
-    }
+/// The [`RowGrad`] of each row in `rows`: `dz = (g/T)·[dlogp·(1[j=y] - p) - dentropy·p·(log p + H)]`.
+fn row_grads(
+    rows: std::ops::Range<usize>,
+    stats: &[RowStats],
+    policy: &PolicyOutput,
+    targets: &[i64],
+    scale: f32,
+) -> Vec<RowGrad> {
+    rows.map(|i| RowGrad {
+        stats: stats[i],
+        coef_p: -scale * policy.dlogp[i],
+        coef_h: -scale * policy.dentropy[i],
+        coef_target: scale * policy.dlogp[i],
+        target: targets[i] as usize,
+    })
+    .collect()
 }
 
 /// The GRPO loss of `batch` (N = B·T rows) on logits `hidden · weightᵀ + bias`, with
@@ -146,16 +154,7 @@ pub fn grpo_linear_into<E: Element>(
                 rows.clone(),
                 &mut policy,
             );
-            rows.map(|i| {
-                row_grad(
-                    stats[i],
-                    policy.dlogp[i],
-                    policy.dentropy[i],
-                    batch.target_ids[i],
-                    scale,
-                )
-            })
-            .collect()
+            row_grads(rows, stats, &policy, batch.target_ids, scale)
         };
         let stats = single_pass(&p, &plan, &mut grads_of, ws, grads);
         policy.finish(batch.mask, &entropy);
@@ -165,18 +164,8 @@ pub fn grpo_linear_into<E: Element>(
         let logp: Vec<f32> = stats.iter().map(|s| s.logp).collect();
         let entropy: Vec<f32> = stats.iter().map(|s| s.entropy).collect();
         let policy = policy_stage(loss, batch, norm, &logp, &entropy);
-        let row_grads: Vec<RowGrad> = (0..batch.rows())
-            .map(|i| {
-                row_grad(
-                    stats[i],
-                    policy.dlogp[i],
-                    policy.dentropy[i],
-                    batch.target_ids[i],
-                    scale,
-                )
-            })
-            .collect();
-        accumulate_grads(&p, &plan, &row_grads, ws, grads);
+        let all = row_grads(0..batch.rows(), &stats, &policy, batch.target_ids, scale);
+        accumulate_grads(&p, &plan, &all, ws, grads);
         (stats, policy)
     };
     super::selective_log_softmax::check_row_stats(
