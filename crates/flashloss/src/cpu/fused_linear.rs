@@ -94,7 +94,7 @@ pub fn gemm_reserve_bytes() -> usize {
 }
 
 /// Single-pass blocks with fewer rows than this make poor GEMMs (measured: 100-row
-/// blocks reach 55% of the GEMM rate, 512-row two-pass tiles 83%); auto mode then
+/// blocks reach 47-58% of the GEMM rate, 512-row two-pass tiles 88%); auto mode then
 /// chooses two-pass.
 const MIN_SINGLE_PASS_ROWS: usize = 256;
 /// Widest vocabulary tile of one GEMM call.
