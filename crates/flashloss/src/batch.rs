@@ -5,7 +5,9 @@
 //! are read, so padding may hold anything (e.g. `-100` ids).
 
 use crate::config::GrpoLoss;
+use crate::element::Element;
 use crate::error::{Error, Result};
+use rayon::prelude::*;
 
 /// Where row `(b, t)` of a `[B, T, V]` logits buffer starts: `b·seq_stride + t·row_stride`.
 /// Strides larger than `T·V` and `V` let a slice of a `[B, T+1, V]` model output be
@@ -271,8 +273,8 @@ pub struct LinearInputs<'a, E> {
     pub vocab: usize,
 }
 
-impl<E> LinearInputs<'_, E> {
-    /// Checks sizes and buffer lengths.
+impl<E: Element> LinearInputs<'_, E> {
+    /// Checks sizes, buffer lengths, and that every value is finite.
     pub fn validate(&self) -> Result<()> {
         let (n, h, v) = (self.tokens, self.hidden_size, self.vocab);
         if n == 0 || h == 0 || v == 0 {
@@ -297,6 +299,22 @@ impl<E> LinearInputs<'_, E> {
         )?;
         if let Some(b) = self.bias {
             check_len("bias", b.len(), v, format!("[V={v}]"))?;
+        }
+        for (arg, values) in [
+            ("hidden", self.hidden),
+            ("weight", self.weight),
+            ("bias", self.bias.unwrap_or(&[])),
+        ] {
+            if let Some(index) = values
+                .par_iter()
+                .position_first(|x| !x.to_f32().is_finite())
+            {
+                return Err(Error::NonFinite {
+                    arg,
+                    index,
+                    value: values[index].to_f32() as f64,
+                });
+            }
         }
         Ok(())
     }

@@ -1,7 +1,7 @@
 //! flashloss: fused GRPO and cross-entropy losses for LLM training that never hold the
 //! `[tokens × vocab]` logits or their gradient.
 //!
-//! Layers: the spec layer knows no backend ([`config`], [`batch`], [`error`],
+//! Layers: the spec layer knows no backend ([`config`], [`cross_entropy`], [`batch`], [`error`],
 //! [`element`], [`policy`], [`reference`]); backends live in folders ([`cpu`]); the
 //! [`tools`] drive them for the command-line tool (gradcheck, bench).
 //! The math is `shared/spec/losses.md`.
@@ -11,6 +11,7 @@
 pub mod batch;
 pub mod config;
 pub mod cpu;
+pub mod cross_entropy;
 pub mod element;
 pub mod error;
 pub mod memory;
@@ -20,5 +21,6 @@ pub mod tools;
 
 pub use batch::{GrpoBatch, LinearInputs, LogitsLayout, PerSeqOrToken};
 pub use config::{GrpoLoss, ImportanceSamplingLevel, LossConfig, LossType};
+pub use cross_entropy::{CeConfig, CrossEntropy, Reduction};
 pub use element::{DType, Element};
 pub use error::{Error, Result};

@@ -1,14 +1,18 @@
 //! The plain LM-head path a framework runs, the A of the fused-linear A/B: full logits
 //! `[N, V]` with the same GEMM, the unfused logits-level loss (materialized
-//! log-softmax, softmax and dlogits), then GEMMs for dH and dW.
+//! log-softmax, softmax and dlogits), then GEMMs for dH and dW. The same for
+//! cross-entropy.
 
 use super::fused_linear::LinearGrads;
 use super::matmul::{MatRef, matmul};
+use super::selective_log_softmax::check_targets;
 use super::unfused_logits::{UnfusedWorkspace, grpo_logits_unfused_into};
 use crate::batch::{GrpoBatch, LinearInputs, LogitsLayout};
 use crate::config::GrpoLoss;
+use crate::cross_entropy::CrossEntropy;
 use crate::element::Element;
 use crate::error::Result;
+use rayon::prelude::*;
 
 /// The baseline's buffers, kept across steps (a framework's caching allocator).
 #[derive(Debug, Default)]
@@ -43,6 +47,92 @@ pub fn grpo_linear_baseline_into<E: Element>(
 ) -> Result<f64> {
     inputs.validate()?;
     grads.check(inputs)?;
+    head_logits(inputs, None, ws);
+    let layout = LogitsLayout::contiguous(batch.batch, batch.seq_len, inputs.vocab);
+    let value = grpo_logits_unfused_into(
+        loss,
+        batch,
+        &ws.logits,
+        &layout,
+        grad_output,
+        &mut ws.unfused,
+    )?;
+    head_grads(inputs, &ws.unfused.dlogits, &ws.hidden, &ws.weight, grads);
+    Ok(value)
+}
+
+/// Cross-entropy by the materializing path: logits, soft-capped logits, log-softmax
+/// `[N, V]` and dlogits `[N, V]`, then GEMMs; writes (not adds) `grads`. Returns the
+/// loss as [`super::ce_linear`] defines it (unit upstream gradients for reduction
+/// `none`).
+pub fn ce_linear_baseline_into<E: Element>(
+    ce: &CrossEntropy,
+    targets: &[i64],
+    inputs: &LinearInputs<E>,
+    grad_output: f32,
+    ws: &mut BaselineWorkspace,
+    grads: &mut LinearGrads,
+) -> Result<f64> {
+    inputs.validate()?;
+    grads.check(inputs)?;
+    let c = ce.config();
+    let (n, v) = (inputs.tokens, inputs.vocab);
+    let live: Vec<bool> = targets.iter().map(|&y| ce.counts(y)).collect();
+    check_targets(targets, Some(&live), n, v, n, c.temperature)?;
+    let count = live.iter().filter(|&&l| l).count();
+    let weight = ce.row_weight(count);
+    let upstream = weight * grad_output as f64;
+    head_logits(inputs, c.softcap.map(|x| x as f32), ws);
+    let inv_temp = (1.0 / c.temperature) as f32;
+    let eps = c.label_smoothing as f32;
+    let logp = &mut ws.unfused.log_probs;
+    logp.resize(n * v, 0.0);
+    let dlogits = &mut ws.unfused.dlogits;
+    dlogits.resize(n * v, 0.0);
+    let inv_cap = c.softcap.map_or(0.0, |x| 1.0 / x as f32);
+    let row_loss: Vec<f64> = ws
+        .logits
+        .par_chunks(v)
+        .zip(logp.par_chunks_mut(v))
+        .zip(dlogits.par_chunks_mut(v))
+        .enumerate()
+        .map(|(i, ((z, lp), dz))| {
+            if !live[i] {
+                dz.fill(0.0);
+                return 0.0;
+            }
+            let max = z.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)) * inv_temp;
+            let sum: f64 = z.iter().map(|&x| ((x * inv_temp - max) as f64).exp()).sum();
+            let lse = max as f64 + sum.ln();
+            lp.iter_mut()
+                .zip(z)
+                .for_each(|(l, &x)| *l = (x * inv_temp) - lse as f32);
+            let y = targets[i] as usize;
+            let mean_s = z.iter().map(|&x| x as f64).sum::<f64>() * inv_temp as f64 / v as f64;
+            let z_term = c.z_loss * lse * lse;
+            let value = (1.0 - c.label_smoothing) * -(lp[y] as f64)
+                + c.label_smoothing * (lse - mean_s)
+                + z_term;
+            let scale = (upstream / c.temperature) as f32;
+            let coef_p = scale * (1.0 + 2.0 * (c.z_loss * lse) as f32);
+            for (j, d) in dz.iter_mut().enumerate() {
+                let target = if j == y { 1.0 - eps } else { 0.0 };
+                let slope = 1.0 - (z[j] * inv_cap) * (z[j] * inv_cap);
+                *d = (coef_p * lp[j].exp() - scale * (target + eps / v as f32)) * slope;
+            }
+            value
+        })
+        .collect();
+    head_grads(inputs, &ws.unfused.dlogits, &ws.hidden, &ws.weight, grads);
+    Ok(weight * row_loss.iter().sum::<f64>())
+}
+
+/// Widens the inputs into `ws` and forms `ws.logits = softcap(hidden·weightᵀ + bias)`.
+fn head_logits<E: Element>(
+    inputs: &LinearInputs<E>,
+    softcap: Option<f32>,
+    ws: &mut BaselineWorkspace,
+) {
     let (n, h, v) = (inputs.tokens, inputs.hidden_size, inputs.vocab);
     let widen = |m: &[E], buf: &mut Vec<f32>| {
         buf.clear();
@@ -50,27 +140,37 @@ pub fn grpo_linear_baseline_into<E: Element>(
     };
     widen(inputs.hidden, &mut ws.hidden);
     widen(inputs.weight, &mut ws.weight);
-    let (hidden, weight) = (&ws.hidden, &ws.weight);
     if ws.logits.len() != n * v {
         ws.logits = vec![0.0f32; n * v];
     }
-    let logits = &mut ws.logits;
     matmul(
-        logits,
+        &mut ws.logits,
         v,
-        MatRef::row_major(hidden, n, h),
-        MatRef::row_major(weight, v, h).t(),
+        MatRef::row_major(&ws.hidden, n, h),
+        MatRef::row_major(&ws.weight, v, h).t(),
         false,
     );
     if let Some(b) = inputs.bias {
-        for row in logits.chunks_mut(v) {
+        for row in ws.logits.chunks_mut(v) {
             row.iter_mut().zip(b).for_each(|(z, c)| *z += c.to_f32());
         }
     }
-    let layout = LogitsLayout::contiguous(batch.batch, batch.seq_len, v);
-    let value =
-        grpo_logits_unfused_into(loss, batch, logits, &layout, grad_output, &mut ws.unfused)?;
-    let dlogits = &ws.unfused.dlogits;
+    if let Some(cap) = softcap {
+        ws.logits.par_chunks_mut(v).for_each(|row| {
+            row.iter_mut().for_each(|z| *z = cap * (*z / cap).tanh());
+        });
+    }
+}
+
+/// `dH = dZ·W`, `dW = dZᵀ·H`, `dbias = Σ_rows dZ`, written into `grads`.
+fn head_grads<E: Element>(
+    inputs: &LinearInputs<E>,
+    dlogits: &[f32],
+    hidden: &[f32],
+    weight: &[f32],
+    grads: &mut LinearGrads,
+) {
+    let (n, h, v) = (inputs.tokens, inputs.hidden_size, inputs.vocab);
     let dz = MatRef::row_major(dlogits, n, v);
     matmul(
         &mut grads.dhidden,
@@ -92,5 +192,4 @@ pub fn grpo_linear_baseline_into<E: Element>(
             db.iter_mut().zip(row).for_each(|(d, x)| *d += x);
         }
     }
-    Ok(value)
 }

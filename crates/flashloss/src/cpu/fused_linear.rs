@@ -190,7 +190,8 @@ pub fn plan(
 
 /// What turns a row's logits into its gradient: with
 /// `p_j = exp((z_j - max)·inv_temp - log_sum)`,
-/// `dz_j = coef_p·p_j + coef_h·p_j·(log p_j + H) + [j = target]·coef_target`.
+/// `dz_j = (coef_p·p_j + coef_h·p_j·(log p_j + H) + coef_uniform + [j = target]·coef_target)
+/// · slope_j`, where `slope_j` is the soft-cap's `1 - (z_j/cap)²` (1 without one).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct RowGrad {
     /// Softmax statistics of the row.
@@ -199,6 +200,8 @@ pub struct RowGrad {
     pub coef_p: f32,
     /// Multiplies `p_j·(log p_j + H)`.
     pub coef_h: f32,
+    /// Added to every entry.
+    pub coef_uniform: f32,
     /// Added at the target.
     pub coef_target: f32,
     /// Target id (unused when `coef_target` is 0).
@@ -207,7 +210,10 @@ pub struct RowGrad {
 
 impl RowGrad {
     fn is_zero(&self) -> bool {
-        self.coef_p == 0.0 && self.coef_h == 0.0 && self.coef_target == 0.0
+        self.coef_p == 0.0
+            && self.coef_h == 0.0
+            && self.coef_uniform == 0.0
+            && self.coef_target == 0.0
     }
 }
 
@@ -262,7 +268,7 @@ impl Workspace {
     }
 }
 
-/// `z[rows, 0..vt]` (row stride `ld`) = `hidden[rows] · weight[vocab]ᵀ + bias[vocab]`.
+/// `z[rows, 0..vt]` (row stride `ld`) = `softcap(hidden[rows] · weight[vocab]ᵀ + bias[vocab])`.
 #[allow(clippy::too_many_arguments)]
 fn logits_tile(
     z: &mut [f32],
@@ -270,6 +276,7 @@ fn logits_tile(
     hidden: &[f32],
     weight: &[f32],
     bias: Option<&[f32]>,
+    softcap: Option<f32>,
     rows: usize,
     h: usize,
     vt: usize,
@@ -281,10 +288,16 @@ fn logits_tile(
         MatRef::row_major(weight, vt, h).t(),
         false,
     );
-    if let Some(b) = bias {
-        z.par_chunks_mut(ld)
-            .take(rows)
-            .for_each(|row| row[..vt].iter_mut().zip(b).for_each(|(x, c)| *x += c));
+    if bias.is_some() || softcap.is_some() {
+        z.par_chunks_mut(ld).take(rows).for_each(|row| {
+            let row = &mut row[..vt];
+            if let Some(b) = bias {
+                row.iter_mut().zip(b).for_each(|(x, c)| *x += c);
+            }
+            if let Some(cap) = softcap {
+                simd::softcap(row, cap);
+            }
+        });
     }
 }
 
@@ -298,6 +311,10 @@ pub struct Problem<'a, E> {
     pub live: &'a [bool],
     /// `1 / T_temp`.
     pub inv_temp: f32,
+    /// Logit soft-cap applied to every tile (cross-entropy only).
+    pub softcap: Option<f32>,
+    /// Whether [`RowStats::mean_logit`] is wanted (label smoothing).
+    pub mean_logit: bool,
 }
 
 impl<E: Element> Problem<'_, E> {
@@ -305,6 +322,22 @@ impl<E: Element> Problem<'_, E> {
         self.inputs
             .bias
             .map(|b| b.iter().map(|x| x.to_f32()).collect())
+    }
+
+    fn inv_cap(&self) -> f32 {
+        self.softcap.map_or(0.0, |c| 1.0 / c)
+    }
+
+    /// Final statistics of live row `i` from its state, target logit and logit sum.
+    fn finish(&self, i: usize, state: &OnlineSoftmax, target_logit: f32, sum: f64) -> RowStats {
+        if !self.live[i] {
+            return RowStats::default();
+        }
+        let mut st = RowStats::finish(state, target_logit);
+        if self.mean_logit {
+            st.mean_logit = (sum / self.inputs.vocab as f64 * self.inv_temp as f64) as f32;
+        }
+        st
     }
 
     fn vocab_tiles(&self, vt: usize) -> impl Iterator<Item = Range<usize>> + use<E> {
@@ -319,7 +352,9 @@ impl<E: Element> Problem<'_, E> {
 }
 
 /// Merges the statistics of a `[rows, cols]` tile (row stride `ld`) whose columns are
-/// vocabulary entries `vocab`, and captures target logits that fall in it.
+/// vocabulary entries `vocab`, captures target logits that fall in it and, if the
+/// problem wants mean logits, adds each row's sum into `sums`.
+#[allow(clippy::too_many_arguments)]
 fn merge_tile_stats<E: Element>(
     p: &Problem<E>,
     z: &[f32],
@@ -328,20 +363,25 @@ fn merge_tile_stats<E: Element>(
     vocab: &Range<usize>,
     states: &mut [OnlineSoftmax],
     target_logits: &mut [f32],
+    sums: &mut [f64],
 ) {
     let cols = vocab.len();
     z.par_chunks(ld)
         .zip(states.par_iter_mut())
         .zip(target_logits.par_iter_mut())
+        .zip(sums.par_iter_mut())
         .enumerate()
         .take(rows.len())
-        .for_each(|(r, ((row, state), target_logit))| {
+        .for_each(|(r, (((row, state), target_logit), sum))| {
             let i = rows.start + r;
             if !p.live[i] {
                 return;
             }
             let row = &row[..cols];
             state.merge(OnlineSoftmax::of_tile(row, p.inv_temp));
+            if p.mean_logit {
+                *sum += simd::sum(row);
+            }
             let y = p.targets[i] as usize;
             if vocab.contains(&y) {
                 *target_logit = row[y - vocab.start];
@@ -350,8 +390,16 @@ fn merge_tile_stats<E: Element>(
 }
 
 /// Turns a `[rows, cols]` tile of logits (row stride `ld`, vocabulary entries `vocab`)
-/// into `dZ` in place.
-fn grad_tile(z: &mut [f32], ld: usize, vocab: &Range<usize>, grads: &[RowGrad], inv_temp: f32) {
+/// into `dZ` in place; `inv_cap` is `1/cap` of the soft-cap the logits went through
+/// (0: none).
+fn grad_tile(
+    z: &mut [f32],
+    ld: usize,
+    vocab: &Range<usize>,
+    grads: &[RowGrad],
+    inv_temp: f32,
+    inv_cap: f32,
+) {
     let cols = vocab.len();
     z.par_chunks_mut(ld)
         .zip(grads.par_iter())
@@ -361,6 +409,8 @@ fn grad_tile(z: &mut [f32], ld: usize, vocab: &Range<usize>, grads: &[RowGrad], 
                 row.fill(0.0);
                 return;
             }
+            let target = vocab.contains(&g.target).then(|| g.target - vocab.start);
+            let target_slope = target.map(|t| simd::softcap_slope(row[t], inv_cap));
             simd::softmax_grad(
                 row,
                 &simd::SoftmaxGrad {
@@ -370,10 +420,12 @@ fn grad_tile(z: &mut [f32], ld: usize, vocab: &Range<usize>, grads: &[RowGrad], 
                     coef_p: g.coef_p,
                     coef_h: g.coef_h,
                     entropy: g.stats.entropy,
+                    uniform: g.coef_uniform,
+                    inv_cap,
                 },
             );
-            if vocab.contains(&g.target) {
-                row[g.target - vocab.start] += g.coef_target;
+            if let (Some(t), Some(slope)) = (target, target_slope) {
+                row[t] += g.coef_target * slope;
             }
         });
 }
@@ -398,6 +450,22 @@ impl LinearGrads {
             dweight: vec![0.0; v * h],
             dbias: inputs.bias.map(|_| vec![0.0; v]),
         }
+    }
+
+    /// No buffers (what the `_into` kernels return; the gradients went to the caller's).
+    pub fn empty() -> Self {
+        LinearGrads {
+            dhidden: Vec::new(),
+            dweight: Vec::new(),
+            dbias: None,
+        }
+    }
+
+    /// `dW` rounded to the weight's dtype `E` (accumulation stays f32).
+    pub fn dweight_as<E: Element>(&self) -> Vec<E> {
+        let mut out = vec![E::default(); self.dweight.len()];
+        simd::store(&self.dweight, &mut out);
+        out
     }
 
     /// Checks that the buffers match `inputs`' shapes (and bias presence).
@@ -520,6 +588,7 @@ fn for_each_tile<E: Element>(
                 &hid,
                 &w,
                 bias.as_ref().map(|b| &b[vocab.clone()]),
+                p.softcap,
                 rows.len(),
                 h,
                 vocab.len(),
@@ -540,6 +609,7 @@ pub fn row_stats<E: Element>(p: &Problem<E>, plan: &Plan, ws: &mut Workspace) ->
     let n = p.inputs.tokens;
     let mut states = vec![OnlineSoftmax::empty(p.inv_temp); n];
     let mut target_logits = vec![0.0f32; n];
+    let mut sums = vec![0.0f64; n];
     for_each_tile(
         p,
         plan,
@@ -554,17 +624,12 @@ pub fn row_stats<E: Element>(p: &Problem<E>, plan: &Plan, ws: &mut Workspace) ->
                 &t.vocab,
                 &mut states[t.rows.clone()],
                 &mut target_logits[t.rows.clone()],
+                &mut sums[t.rows.clone()],
             );
         },
     );
     (0..n)
-        .map(|i| {
-            if p.live[i] {
-                RowStats::finish(&states[i], target_logits[i])
-            } else {
-                RowStats::default()
-            }
-        })
+        .map(|i| p.finish(i, &states[i], target_logits[i], sums[i]))
         .collect()
 }
 
@@ -581,7 +646,14 @@ pub fn accumulate_grads<E: Element>(
     let no_gradient = |rows: &Range<usize>| rows.clone().all(|i| grads[i].is_zero());
     for_each_tile(p, plan, ws, no_gradient, |t| {
         let ld = t.vocab.len();
-        grad_tile(t.z, ld, &t.vocab, &grads[t.rows.clone()], p.inv_temp);
+        grad_tile(
+            t.z,
+            ld,
+            &t.vocab,
+            &grads[t.rows.clone()],
+            p.inv_temp,
+            p.inv_cap(),
+        );
         accumulate_tile(out, t.z, ld, t.hidden, t.weight, &t.rows, &t.vocab, h);
     });
 }
@@ -611,6 +683,7 @@ pub fn single_pass<E: Element>(
         let block = &mut scratch.logits[..nb * v];
         let mut states = vec![OnlineSoftmax::empty(p.inv_temp); nb];
         let mut target_logits = vec![0.0f32; nb];
+        let mut sums = vec![0.0f64; nb];
         for vocab in p.vocab_tiles(vt) {
             let w = rows_f32(p.inputs.weight, h, vocab.clone(), &mut scratch.weight);
             let z = &mut block[vocab.start..];
@@ -620,6 +693,7 @@ pub fn single_pass<E: Element>(
                 &hid,
                 &w,
                 bias.as_ref().map(|b| &b[vocab.clone()]),
+                p.softcap,
                 nb,
                 h,
                 vocab.len(),
@@ -632,16 +706,15 @@ pub fn single_pass<E: Element>(
                 &vocab,
                 &mut states,
                 &mut target_logits,
+                &mut sums,
             );
         }
         for (r, i) in rows.clone().enumerate() {
-            if p.live[i] {
-                stats[i] = RowStats::finish(&states[r], target_logits[r]);
-            }
+            stats[i] = p.finish(i, &states[r], target_logits[r], sums[r]);
         }
         let grads = grads_of(rows.clone(), &stats);
         let all = 0..v;
-        grad_tile(block, v, &all, &grads, p.inv_temp);
+        grad_tile(block, v, &all, &grads, p.inv_temp, p.inv_cap());
         for vocab in p.vocab_tiles(vt) {
             let w = rows_f32(p.inputs.weight, h, vocab.clone(), &mut scratch.weight);
             accumulate_tile(out, &block[vocab.start..], v, &hid, &w, &rows, &vocab, h);

@@ -45,6 +45,7 @@ fn row_grads(
         stats: stats[i],
         coef_p: -scale * policy.dlogp[i],
         coef_h: -scale * policy.dentropy[i],
+        coef_uniform: 0.0,
         coef_target: scale * policy.dlogp[i],
         target: targets[i] as usize,
     })
@@ -133,6 +134,8 @@ pub fn grpo_linear_into<E: Element>(
         targets: batch.target_ids,
         live: batch.mask,
         inv_temp: (1.0 / temperature) as f32,
+        softcap: None,
+        mean_logit: false,
     };
 
     let (stats, policy) = if plan.single_pass {
@@ -180,11 +183,7 @@ pub fn grpo_linear_into<E: Element>(
         stats,
         kl: policy.kl,
         clip: policy.clip,
-        grads: LinearGrads {
-            dhidden: Vec::new(),
-            dweight: Vec::new(),
-            dbias: None,
-        },
+        grads: LinearGrads::empty(),
         plan,
     })
 }

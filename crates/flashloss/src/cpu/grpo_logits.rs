@@ -175,6 +175,7 @@ impl GrpoLogitsForward {
             coef_p: -scale * dlogp,
             coef_h: -scale * dentropy,
             entropy: st.entropy,
+            ..Default::default()
         };
         for j0 in (0..dst.len()).step_by(VOCAB_TILE) {
             let j1 = (j0 + VOCAB_TILE).min(dst.len());

@@ -38,6 +38,8 @@ pub fn logp_linear<E: Element>(
         targets: target_ids,
         live: live_rows,
         inv_temp: (1.0 / temperature) as f32,
+        softcap: None,
+        mean_logit: false,
     };
     let stats = row_stats(&p, &plan, &mut Workspace::new());
     check_row_stats(&stats, live, target_ids, seq_len)?;

@@ -3,6 +3,7 @@
 //! computed by one thread in a fixed order, and reductions across rows are serial.
 
 mod baseline_linear;
+mod ce_linear;
 mod fused_linear;
 mod grpo_linear;
 mod grpo_logits;
@@ -13,7 +14,10 @@ mod selective_log_softmax;
 pub mod simd;
 mod unfused_logits;
 
-pub use baseline_linear::{BaselineWorkspace, grpo_linear_baseline, grpo_linear_baseline_into};
+pub use baseline_linear::{
+    BaselineWorkspace, ce_linear_baseline_into, grpo_linear_baseline, grpo_linear_baseline_into,
+};
+pub use ce_linear::{CeLinearOutput, ce_linear, ce_linear_into};
 pub use fused_linear::{
     FusedOptions, GEMM_SCRATCH_PER_THREAD, LinearGrads, Mode, Plan, Workspace, gemm_reserve_bytes,
 };

@@ -107,6 +107,9 @@ pub struct RowStats {
     pub entropy: f32,
     /// `logp = (z_y - μ)·inv_temp - log S` of the target.
     pub logp: f32,
+    /// `Σ_j s_j / V`, the mean scaled logit, where a kernel needs it (label
+    /// smoothing); 0 otherwise.
+    pub mean_logit: f32,
 }
 
 impl RowStats {
@@ -120,6 +123,7 @@ impl RowStats {
             lse: state.lse() as f32,
             entropy: state.entropy() as f32,
             logp: (shifted - log_sum) as f32,
+            mean_logit: 0.0,
         }
     }
 }

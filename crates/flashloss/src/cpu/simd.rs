@@ -119,6 +119,29 @@ pub fn max(x: &[f32]) -> f32 {
         .fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m })
 }
 
+/// `Σ_j x_j`: f32 lanes over blocks of [`F32_BLOCK`] vectors, then f64.
+#[multiversion(targets("x86_64+avx512f+avx512vl+avx2+fma", "x86_64+avx2+fma"))]
+pub fn sum(x: &[f32]) -> f64 {
+    let mut total = [0.0f64; LANES];
+    let blocks = x.chunks_exact(LANES * F32_BLOCK);
+    let tail = blocks.remainder();
+    for block in blocks {
+        let mut s32 = [0.0f32; LANES];
+        for c in block.chunks_exact(LANES) {
+            for k in 0..LANES {
+                s32[k] += c[k];
+            }
+        }
+        for k in 0..LANES {
+            total[k] += s32[k] as f64;
+        }
+    }
+    for (k, &v) in tail.iter().enumerate() {
+        total[k % LANES] += v as f64;
+    }
+    total.iter().sum()
+}
+
 /// Vectors of [`LANES`] summed in f32 before they are added to the f64 lane sums:
 /// few enough that small terms beside a large one are not lost, many enough that the
 /// f64 work is negligible.
@@ -159,8 +182,39 @@ pub fn exp_sums(x: &[f32], shift: f32, scale: f32) -> (f64, f64) {
     (sum.iter().sum(), weighted.iter().sum())
 }
 
+/// `tanh(x)` in f32 (within a few ulp): an odd polynomial below 0.625 in magnitude
+/// (Cephes `tanhf` coefficients), else `1 - 2/(exp(2|x|) + 1)` with the sign of x.
+#[inline(always)]
+pub fn tanh(x: f32) -> f32 {
+    let a = x.abs();
+    let z = x * x;
+    let small =
+        ((((-5.704_988_7e-3 * z + 2.063_909e-2) * z - 5.373_971_6e-2) * z + 1.333_144_2e-1) * z
+            - 3.333_328e-1)
+            * z
+            * x
+            + x;
+    let large = 1.0 - 2.0 / (exp(2.0 * a) + 1.0);
+    if a < 0.625 {
+        small
+    } else if x < 0.0 {
+        -large
+    } else {
+        large
+    }
+}
+
+/// Logit soft-cap in place: `z ← cap·tanh(z/cap)`.
+#[multiversion(targets("x86_64+avx512f+avx512vl+avx2+fma", "x86_64+avx2+fma"))]
+pub fn softcap(z: &mut [f32], cap: f32) {
+    let inv = 1.0 / cap;
+    for v in z.iter_mut() {
+        *v = cap * tanh(*v * inv);
+    }
+}
+
 /// Coefficients of [`softmax_grad`]: `log p_j = (x_j - max)·scale - log_sum`.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, Default)]
 pub struct SoftmaxGrad {
     /// Row max of the raw logits.
     pub max: f32,
@@ -174,10 +228,23 @@ pub struct SoftmaxGrad {
     pub coef_h: f32,
     /// Row entropy `H`.
     pub entropy: f32,
+    /// Added to every element (label smoothing's `-ε/V` term).
+    pub uniform: f32,
+    /// `1/cap` of a logit soft-cap whose output `x` is (0: none): the result is
+    /// multiplied by the cap's slope `1 - (x/cap)²`.
+    pub inv_cap: f32,
 }
 
-/// The softmax-gradient tile over raw logits `x`: with `p_j = exp(log p_j)`, writes
-/// `x_j ← coef_p·p_j + coef_h·p_j·(log p_j + entropy)` (entropy term 0 where `p_j = 0`).
+/// The soft-cap slope `1 - (x/cap)²` at a capped logit `x` (1 without a cap).
+#[inline(always)]
+pub fn softcap_slope(x: f32, inv_cap: f32) -> f32 {
+    let t = x * inv_cap;
+    1.0 - t * t
+}
+
+/// The softmax-gradient tile over logits `x`: with `p_j = exp(log p_j)`, writes
+/// `x_j ← (coef_p·p_j + coef_h·p_j·(log p_j + entropy) + uniform)·slope(x_j)`
+/// (entropy term 0 where `p_j = 0`; slope 1 without a soft-cap).
 #[multiversion(targets("x86_64+avx512f+avx512vl+avx2+fma", "x86_64+avx2+fma"))]
 pub fn softmax_grad(x: &mut [f32], g: &SoftmaxGrad) {
     let SoftmaxGrad {
@@ -186,19 +253,39 @@ pub fn softmax_grad(x: &mut [f32], g: &SoftmaxGrad) {
         log_sum,
         coef_p,
         coef_h,
-        entropy,
+        uniform,
+        inv_cap,
+        ..
     } = *g;
-    if coef_h == 0.0 {
+    if coef_h == 0.0 && uniform == 0.0 && inv_cap == 0.0 {
         for v in x.iter_mut() {
             *v = coef_p * exp_nonpositive((*v - max) * scale - log_sum);
         }
+    } else if inv_cap == 0.0 {
+        general_grad::<false>(x, g);
     } else {
-        for v in x.iter_mut() {
-            let log_p = (*v - max) * scale - log_sum;
-            let p = exp_nonpositive(log_p);
-            let h = if p > 0.0 { p * (log_p + entropy) } else { 0.0 };
-            *v = coef_p * p + coef_h * h;
-        }
+        general_grad::<true>(x, g);
+    }
+}
+
+/// [`softmax_grad`] with every term; `CAPPED` multiplies by the soft-cap slope (kept
+/// out of the uncapped loop, where `-inf` logits would make it NaN).
+#[inline(always)]
+fn general_grad<const CAPPED: bool>(x: &mut [f32], g: &SoftmaxGrad) {
+    for v in x.iter_mut() {
+        let log_p = (*v - g.max) * g.scale - g.log_sum;
+        let p = exp_nonpositive(log_p);
+        let h = if p > 0.0 {
+            p * (log_p + g.entropy)
+        } else {
+            0.0
+        };
+        let d = g.coef_p * p + g.coef_h * h + g.uniform;
+        *v = if CAPPED {
+            d * softcap_slope(*v, g.inv_cap)
+        } else {
+            d
+        };
     }
 }
 
@@ -221,6 +308,23 @@ mod tests {
         assert_eq!(exp(-100.0), 0.0);
         assert!(exp(f32::NAN).is_nan());
         assert_eq!(exp(0.0), 1.0);
+    }
+
+    #[test]
+    fn tanh_matches_f64() {
+        let mut worst = 0.0f64;
+        let mut x = -12.0f32;
+        while x < 12.0 {
+            let got = tanh(x) as f64;
+            let want = (x as f64).tanh();
+            worst = worst.max((got - want).abs() / want.abs().max(1e-30));
+            x += 0.000_71;
+        }
+        assert!(worst < 1e-6, "worst relative error {worst}");
+        assert_eq!(tanh(0.0), 0.0);
+        assert_eq!(tanh(100.0), 1.0);
+        assert_eq!(tanh(-100.0), -1.0);
+        assert!(tanh(f32::NAN).is_nan());
     }
 
     #[test]

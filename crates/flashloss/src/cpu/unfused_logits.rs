@@ -15,7 +15,7 @@ use rayon::prelude::*;
 /// allocator keeps them (so the A/B compares memory passes, not page faults).
 #[derive(Debug, Default)]
 pub struct UnfusedWorkspace {
-    log_probs: Vec<f32>,
+    pub(crate) log_probs: Vec<f32>,
     probs: Vec<f32>,
     /// `grad_output · ∂L/∂z` of the last step, dense `[N, V]`.
     pub dlogits: Vec<f32>,

@@ -3,10 +3,12 @@
 //! derivatives with dual numbers. It is the oracle of every test; it is checked itself
 //! against central finite differences (tests/reference_fd.rs).
 
+mod cross_entropy;
 pub mod dual;
 mod grpo;
 mod softmax;
 
+pub use cross_entropy::{CeReference, ce_reference};
 pub use grpo::{GrpoReference, grpo_reference};
 pub use softmax::{RowSoftmax, row_softmax};
 
