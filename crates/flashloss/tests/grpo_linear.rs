@@ -7,21 +7,8 @@ use common::*;
 use flashloss::cpu::{FusedOptions, Mode, grpo_linear, logp_linear};
 use flashloss::policy::Normalizers;
 use flashloss::reference::{grpo_reference, linear_grads, linear_logits};
-use flashloss::tools::inputs::GrpoInputs;
 use flashloss::{Element, GrpoLoss, LossConfig, LossType};
 use half::bf16;
-
-/// Old and reference logp near the head's own policy (ratios near 1, as in training).
-fn realistic_old_and_ref(x: &mut GrpoInputs, z: &[f64], temperature: f64) {
-    let v = x.vocab;
-    for i in 0..x.batch * x.seq_len {
-        let row = flashloss::reference::row_softmax(&z[i * v..(i + 1) * v], temperature);
-        let lp = row.log_probs[x.target_ids[i] as usize] as f32;
-        let wiggle = ((i * 7) % 5) as f32 * 0.06 - 0.12;
-        x.old_logp.as_mut().unwrap()[i] = lp + wiggle;
-        x.ref_logp.as_mut().unwrap()[i] = lp - 0.5 * wiggle + 0.05;
-    }
-}
 
 /// Runs the fused kernel and the reference; checks loss, logp, dH, dW, dbias.
 /// `shape` = (B, T, H, V).
@@ -37,7 +24,7 @@ fn check<E: Element>(
     let head = Head::<E>::random(b * t, h, v, bias, seed);
     let mut x = draw(b, t, v, seed + 100);
     let z = linear_logits(&head.inputs());
-    realistic_old_and_ref(&mut x, &z, loss.config().temperature);
+    x.follow_policy(&z, loss.config().temperature);
     let batch = x.batch();
     let opts = FusedOptions {
         mode,
@@ -234,7 +221,7 @@ fn baseline_matches_the_reference() {
     let head = Head::<f32>::random(2 * 6, 23, 1501, true, 11);
     let mut x = draw(2, 6, 1501, 12);
     let z = linear_logits(&head.inputs());
-    realistic_old_and_ref(&mut x, &z, 1.0);
+    x.follow_policy(&z, 1.0);
     let batch = x.batch();
     let (value, grads) =
         flashloss::cpu::grpo_linear_baseline(&loss, &batch, &head.inputs(), 1.0).unwrap();

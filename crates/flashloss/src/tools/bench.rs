@@ -10,8 +10,10 @@ use crate::config::{GrpoLoss, LossConfig};
 use crate::cpu::matmul::{MatRef, matmul};
 use crate::cpu::{
     BaselineWorkspace, FusedOptions, LinearGrads, Mode, Plan, UnfusedWorkspace, Workspace,
-    grpo_linear_baseline_into, grpo_linear_into, grpo_logits_forward, grpo_logits_unfused_into,
+    ce_linear_baseline_into, ce_linear_into, grpo_linear_baseline_into, grpo_linear_into,
+    grpo_logits_forward, grpo_logits_unfused_into,
 };
+use crate::cross_entropy::{CeConfig, CrossEntropy};
 use crate::element::{DType, Element};
 use crate::error::{Error, Result};
 use crate::memory;
@@ -52,6 +54,8 @@ pub enum Level {
 pub enum LossKind {
     /// The GRPO policy loss (`grpo:` holds its config).
     Grpo,
+    /// Cross-entropy (`ce:` holds its config; level `linear` only).
+    Ce,
 }
 
 /// The bench config file (`configs/bench/*.yaml`).
@@ -85,6 +89,8 @@ pub struct BenchConfig {
     pub budget_mib: f64,
     /// The GRPO loss.
     pub grpo: LossConfig,
+    /// The cross-entropy loss.
+    pub ce: CeConfig,
 }
 
 impl Default for BenchConfig {
@@ -103,6 +109,7 @@ impl Default for BenchConfig {
             mode: Mode::Auto,
             budget_mib: 64.0,
             grpo: LossConfig::default(),
+            ce: CeConfig::default(),
         }
     }
 }
@@ -125,6 +132,8 @@ pub struct BenchResult {
     pub implementation: &'static str,
     /// The config's level.
     pub level: Level,
+    /// The config's loss.
+    pub loss_kind: LossKind,
     /// N.
     pub tokens: usize,
     /// H (level `linear`).
@@ -212,6 +221,13 @@ pub fn run(cfg: &BenchConfig, progress: &mut dyn FnMut(&str, usize, usize)) -> R
             reason: "the tracking allocator is not installed in this binary".into(),
         });
     }
+    if cfg.level == Level::Logits && cfg.loss == LossKind::Ce {
+        return Err(Error::InvalidArgument {
+            arg: "loss",
+            reason: "ce is benchmarked at level `linear` (there is no logits-level CE kernel)"
+                .into(),
+        });
+    }
     match (cfg.level, cfg.dtype) {
         (Level::Logits, DType::F32) => run_logits::<f32>(cfg, progress),
         (Level::Logits, DType::Bf16) => run_logits::<bf16>(cfg, progress),
@@ -244,6 +260,7 @@ fn measure(
     Ok(BenchResult {
         implementation: name,
         level: cfg.level,
+        loss_kind: cfg.loss,
         tokens: cfg.tokens,
         hidden: (cfg.level == Level::Linear).then_some(cfg.hidden),
         vocab: cfg.vocab,
@@ -289,6 +306,7 @@ fn run_linear<E: Element>(
     progress: &mut dyn FnMut(&str, usize, usize),
 ) -> Result<BenchReport> {
     let loss = GrpoLoss::new(cfg.grpo.clone())?;
+    let ce = CrossEntropy::new(cfg.ce.clone())?;
     let (n, h, v) = (cfg.tokens, cfg.hidden, cfg.vocab);
     let base = memory::in_use();
     let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed);
@@ -335,9 +353,26 @@ fn run_linear<E: Element>(
         } else {
             let mut ws = BaselineWorkspace::default();
             let mut grads = LinearGrads::zeros(&inputs);
-            let mut r = measure(cfg, "baseline", base, io_bytes, progress, &mut || {
-                grpo_linear_baseline_into(&loss, &batch, &inputs, 1.0, &mut ws, &mut grads)
-            })?;
+            let mut r = measure(
+                cfg,
+                "baseline",
+                base,
+                io_bytes,
+                progress,
+                &mut || match cfg.loss {
+                    LossKind::Grpo => {
+                        grpo_linear_baseline_into(&loss, &batch, &inputs, 1.0, &mut ws, &mut grads)
+                    }
+                    LossKind::Ce => ce_linear_baseline_into(
+                        &ce,
+                        batch.target_ids,
+                        &inputs,
+                        1.0,
+                        &mut ws,
+                        &mut grads,
+                    ),
+                },
+            )?;
             let flops = 6.0 * n as f64 * h as f64 * v as f64;
             r.flops = Some(flops);
             r.gflops_per_s = Some(flops / r.step_seconds.median / 1e9);
@@ -359,9 +394,27 @@ fn run_linear<E: Element>(
             // A training step zeroes its gradients; the fused kernel adds into them.
             grads.dhidden.fill(0.0);
             grads.dweight.fill(0.0);
-            let out = grpo_linear_into(&loss, &batch, norm, &inputs, &opts, &mut ws, &mut grads)?;
-            plan = Some(out.plan);
-            Ok(out.loss)
+            let (value, ran) = match cfg.loss {
+                LossKind::Grpo => {
+                    let out =
+                        grpo_linear_into(&loss, &batch, norm, &inputs, &opts, &mut ws, &mut grads)?;
+                    (out.loss, out.plan)
+                }
+                LossKind::Ce => {
+                    let out = ce_linear_into(
+                        &ce,
+                        batch.target_ids,
+                        None,
+                        &inputs,
+                        &opts,
+                        &mut ws,
+                        &mut grads,
+                    )?;
+                    (out.loss, out.plan)
+                }
+            };
+            plan = Some(ran);
+            Ok(value)
         })?;
         let flops = plan.map(|p| p.flops(n, h, v));
         r.flops = flops;

@@ -1,22 +1,54 @@
 //! `flashloss gradcheck`: random inputs, the f64 reference and a kernel side by side,
-//! and tolerance gates (spec: "Numerical tolerances").
+//! and tolerance gates (spec: "Numerical tolerances"). Kernels: the logits-level GRPO
+//! kernel (gradient w.r.t. logits), and the fused LM-head GRPO and cross-entropy
+//! kernels (gradients w.r.t. hidden states, weight and bias).
 
-use super::inputs::{GrpoInputs, InputSpec};
+use super::inputs::{GrpoInputs, HeadInputs, InputSpec};
 use crate::batch::LogitsLayout;
 use crate::config::{GrpoLoss, LossConfig};
-use crate::cpu::grpo_logits_forward;
+use crate::cpu::{
+    FusedOptions, LinearGrads, Mode, Workspace, ce_linear_into, grpo_linear_into,
+    grpo_logits_forward,
+};
+use crate::cross_entropy::{CeConfig, CrossEntropy};
 use crate::element::{DType, Element};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::policy::{GrpoMetrics, Normalizers};
-use crate::reference::{dense_f64, grpo_reference};
+use crate::reference::{ce_reference, dense_f64, grpo_reference, linear_grads, linear_logits};
 use half::bf16;
 use serde::{Deserialize, Serialize};
 use std::time::Instant;
+
+/// Which kernel gradcheck runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Kernel {
+    /// The logits-level kernel: logits `[B, T, V]` in, `dlogits` out (GRPO).
+    #[default]
+    Logits,
+    /// The fused LM-head kernel: hidden `[N, H]` and weight `[V, H]` in, dH, dW, dbias out.
+    Linear,
+}
+
+/// Which loss gradcheck checks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Objective {
+    /// The GRPO policy loss (`loss:` holds its config).
+    #[default]
+    Grpo,
+    /// Cross-entropy (`ce:` holds its config; masked positions get `ignore_index`).
+    Ce,
+}
 
 /// The gradcheck config file (`configs/gradcheck/*.yaml`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct GradcheckConfig {
+    /// Which kernel.
+    pub kernel: Kernel,
+    /// Which loss (`ce` needs kernel `linear`).
+    pub objective: Objective,
     /// B.
     pub batch: usize,
     /// T.
@@ -43,8 +75,18 @@ pub struct GradcheckConfig {
     pub grad_output: f64,
     /// Write `dlogits` over the logits.
     pub in_place: bool,
-    /// The loss.
+    /// The GRPO loss.
     pub loss: LossConfig,
+    /// The cross-entropy loss (objective `ce`).
+    pub ce: CeConfig,
+    /// H (kernel `linear`).
+    pub hidden: usize,
+    /// Give the LM head a bias (kernel `linear`).
+    pub bias: bool,
+    /// Recomputation mode (kernel `linear`).
+    pub mode: Mode,
+    /// Workspace budget in MiB, GEMM reserve included (kernel `linear`).
+    pub budget_mib: f64,
     /// Gates; unset ones take the spec's value for `dtype`.
     pub tolerance: Tolerance,
 }
@@ -53,6 +95,8 @@ impl Default for GradcheckConfig {
     fn default() -> Self {
         let inputs = InputSpec::default();
         GradcheckConfig {
+            kernel: Kernel::Logits,
+            objective: Objective::Grpo,
             batch: inputs.batch,
             seq_len: inputs.seq_len,
             vocab: inputs.vocab,
@@ -67,6 +111,11 @@ impl Default for GradcheckConfig {
             grad_output: 1.0,
             in_place: false,
             loss: LossConfig::default(),
+            ce: CeConfig::default(),
+            hidden: 64,
+            bias: true,
+            mode: Mode::Auto,
+            budget_mib: 64.0,
             tolerance: Tolerance::default(),
         }
     }
@@ -97,7 +146,7 @@ pub struct Tolerance {
     pub loss_rel: Option<f64>,
     /// `|Δlogp_i| ≤ logp_rel · max(|logp_i|, 1)`, and the same for entropy.
     pub logp_rel: Option<f64>,
-    /// `max|Δdz| ≤ max(grad_rel · max|dz_ref|, grad_atol)`.
+    /// `max|Δg| ≤ max(grad_rel · max|g_ref|, grad_atol)` for each gradient g.
     pub grad_rel: Option<f64>,
     /// Absolute floor of the gradient gate.
     pub grad_atol: Option<f64>,
@@ -146,50 +195,86 @@ impl Gate {
 /// What gradcheck measured.
 #[derive(Debug, Clone, Serialize)]
 pub struct GradcheckReport {
+    /// What ran, e.g. `linear ce single_pass`.
+    pub kernel: String,
     /// Reference loss.
     pub loss_ref: f64,
     /// Kernel loss.
     pub loss_kernel: f64,
     /// `|loss_kernel - loss_ref|`.
     pub abs_diff_loss: f64,
-    /// Max over live rows of `|Δlogp|`.
-    pub max_abs_diff_logp: f64,
-    /// Max over live rows of `|ΔH|`.
-    pub max_abs_diff_entropy: f64,
-    /// `max |Δdz|`.
-    pub max_abs_diff_dlogits: f64,
-    /// `max |Δdz| / max |dz_ref|`.
-    pub max_rel_diff_dlogits: f64,
-    /// Reference metrics.
-    pub metrics_ref: GrpoMetrics,
-    /// Kernel metrics.
-    pub metrics_kernel: GrpoMetrics,
+    /// Reference metrics (GRPO).
+    pub metrics_ref: Option<GrpoMetrics>,
+    /// Kernel metrics (GRPO).
+    pub metrics_kernel: Option<GrpoMetrics>,
     /// Seconds of the kernel's forward + backward.
     pub kernel_seconds: f64,
-    /// Every gate.
+    /// Every gate: relative errors for loss, logp and entropy; max absolute
+    /// differences for gradients (`dlogits`, or `dhidden`, `dweight`, `dbias`).
     pub gates: Vec<Gate>,
     /// All gates passed.
     pub passed: bool,
 }
 
-/// Runs gradcheck as configured.
-pub fn run(cfg: &GradcheckConfig) -> Result<GradcheckReport> {
-    let loss = GrpoLoss::new(cfg.loss.clone())?;
-    let inputs = GrpoInputs::random(&cfg.input_spec(), cfg.seed);
-    match cfg.dtype {
-        DType::F32 => check_inputs(cfg, &loss, &inputs, inputs.logits.clone()),
-        DType::Bf16 => {
-            let data = inputs.logits.iter().map(|&x| bf16::from_f32(x)).collect();
-            check_inputs(cfg, &loss, &inputs, data)
+impl GradcheckReport {
+    /// The gate called `name`.
+    pub fn gate(&self, name: &str) -> Option<&Gate> {
+        self.gates.iter().find(|g| g.name == name)
+    }
+
+    fn new(
+        kernel: String,
+        loss: (f64, f64),
+        metrics: Option<(GrpoMetrics, GrpoMetrics)>,
+        kernel_seconds: f64,
+        gates: Vec<Gate>,
+    ) -> Self {
+        GradcheckReport {
+            kernel,
+            loss_ref: loss.0,
+            loss_kernel: loss.1,
+            abs_diff_loss: (loss.1 - loss.0).abs(),
+            metrics_ref: metrics.map(|m| m.0),
+            metrics_kernel: metrics.map(|m| m.1),
+            kernel_seconds,
+            passed: gates.iter().all(|g| g.passed),
+            gates,
         }
     }
 }
 
+/// Runs gradcheck as configured.
+pub fn run(cfg: &GradcheckConfig) -> Result<GradcheckReport> {
+    match (cfg.kernel, cfg.objective) {
+        (Kernel::Logits, Objective::Ce) => Err(Error::InvalidArgument {
+            arg: "objective",
+            reason: "ce is checked on kernel `linear` (there is no logits-level CE kernel)".into(),
+        }),
+        (Kernel::Logits, Objective::Grpo) => {
+            let loss = GrpoLoss::new(cfg.loss.clone())?;
+            let inputs = GrpoInputs::random(&cfg.input_spec(), cfg.seed);
+            match cfg.dtype {
+                DType::F32 => check_inputs(cfg, &loss, &inputs, inputs.logits.clone()),
+                DType::Bf16 => {
+                    let data = inputs.logits.iter().map(|&x| bf16::from_f32(x)).collect();
+                    check_inputs(cfg, &loss, &inputs, data)
+                }
+            }
+        }
+        (Kernel::Linear, _) => match cfg.dtype {
+            DType::F32 => check_linear::<f32>(cfg),
+            DType::Bf16 => check_linear::<bf16>(cfg),
+        },
+    }
+}
+
 fn max_abs_diff(a: impl Iterator<Item = f64>, b: impl Iterator<Item = f64>) -> f64 {
-    // NaN-propagating max, so an unwritten (NaN-poisoned) element fails every gate.
-    a.zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, |m, d| if d.is_nan() || d > m { d } else { m })
+    max_abs_diff_by(a.zip(b).map(|(x, y)| (x - y).abs()))
+}
+
+/// NaN-propagating max of errors, so an unwritten (NaN-poisoned) element fails every gate.
+fn max_abs_diff_by(errors: impl Iterator<Item = f64>) -> f64 {
+    errors.fold(0.0, |m, d| if d.is_nan() || d > m { d } else { m })
 }
 
 /// Compares kernel and reference on given inputs (`logits` in the storage dtype,
@@ -226,56 +311,190 @@ pub fn check_inputs<E: Element>(
 
     let live: Vec<usize> = (0..layout.rows()).filter(|&i| batch.mask[i]).collect();
     let tol = cfg.tolerance.resolved(E::DTYPE);
-    let rel_err = |got: f32, want: f64| (got as f64 - want).abs() / want.abs().max(1.0);
-    let worst_rel = |f: &dyn Fn(usize) -> f64| {
+    let logp_err = worst_rel(live.iter().map(|&i| (fwd.stats[i].logp, reference.logp[i])));
+    let entropy_err = worst_rel(
         live.iter()
-            .map(|&i| f(i))
-            .fold(0.0, |m: f64, d| if d.is_nan() || d > m { d } else { m })
-    };
-    let logp_err = worst_rel(&|i| rel_err(fwd.stats[i].logp, reference.logp[i]));
-    let entropy_err = worst_rel(&|i| rel_err(fwd.stats[i].entropy, reference.entropy[i]));
-    let max_abs_diff_logp = max_abs_diff(
-        live.iter().map(|&i| fwd.stats[i].logp as f64),
-        live.iter().map(|&i| reference.logp[i]),
+            .map(|&i| (fwd.stats[i].entropy, reference.entropy[i])),
     );
-    let max_abs_diff_entropy = max_abs_diff(
-        live.iter().map(|&i| fwd.stats[i].entropy as f64),
-        live.iter().map(|&i| reference.entropy[i]),
-    );
-    let max_abs_diff_dlogits = max_abs_diff(
-        dlogits.iter().map(|x| x.to_f32() as f64),
-        reference.dlogits.iter().cloned(),
-    );
-    let max_ref = reference.dlogits.iter().fold(0.0f64, |m, x| m.max(x.abs()));
-    let max_rel_diff_dlogits = max_abs_diff_dlogits / max_ref.max(f64::MIN_POSITIVE);
-    let abs_diff_loss = (fwd.loss - reference.loss).abs();
-
     let gates = vec![
         Gate::new(
             "loss",
-            abs_diff_loss / reference.loss.abs().max(1.0),
+            (fwd.loss - reference.loss).abs() / reference.loss.abs().max(1.0),
             tol.loss_rel.unwrap_or_default(),
         ),
         Gate::new("logp", logp_err, tol.logp_rel.unwrap_or_default()),
         Gate::new("entropy", entropy_err, tol.logp_rel.unwrap_or_default()),
-        Gate::new(
+        grad_gate(
             "dlogits",
-            max_abs_diff_dlogits,
-            (tol.grad_rel.unwrap_or_default() * max_ref).max(tol.grad_atol.unwrap_or_default()),
+            dlogits.iter().map(|x| x.to_f32() as f64),
+            &reference.dlogits,
+            &tol,
         ),
     ];
-    Ok(GradcheckReport {
-        loss_ref: reference.loss,
-        loss_kernel: fwd.loss,
-        abs_diff_loss,
-        max_abs_diff_logp,
-        max_abs_diff_entropy,
-        max_abs_diff_dlogits,
-        max_rel_diff_dlogits,
-        metrics_ref: reference.metrics,
-        metrics_kernel: fwd.metrics,
+    Ok(GradcheckReport::new(
+        format!("logits grpo {:?}", E::DTYPE),
+        (reference.loss, fwd.loss),
+        Some((reference.metrics, fwd.metrics)),
         kernel_seconds,
-        passed: gates.iter().all(|g| g.passed),
         gates,
-    })
+    ))
+}
+
+/// `max |got - want| / max(|want|, 1)` over `(got, want)` pairs (NaN propagates).
+fn worst_rel(pairs: impl Iterator<Item = (f32, f64)>) -> f64 {
+    max_abs_diff_by(pairs.map(|(g, w)| (g as f64 - w).abs() / w.abs().max(1.0)))
+}
+
+/// The gate of one gradient: `max|Δg| ≤ max(grad_rel · max|g_ref|, grad_atol)`.
+fn grad_gate(
+    name: &'static str,
+    got: impl Iterator<Item = f64>,
+    want: &[f64],
+    tol: &Tolerance,
+) -> Gate {
+    let max_ref = want.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+    Gate::new(
+        name,
+        max_abs_diff(got, want.iter().cloned()),
+        (tol.grad_rel.unwrap_or_default() * max_ref).max(tol.grad_atol.unwrap_or_default()),
+    )
+}
+
+/// The fused LM-head kernel (GRPO or CE) vs the reference on a random head of shape
+/// `[N = B·T, H] × [V, H]`: loss, logp (and entropy for GRPO), dH, dW, dbias. The
+/// gradient buffers start as NaN-free zeros (the kernel adds into them).
+fn check_linear<E: Element>(cfg: &GradcheckConfig) -> Result<GradcheckReport> {
+    let (n, h, v) = (cfg.batch * cfg.seq_len, cfg.hidden, cfg.vocab);
+    let head = HeadInputs::<E>::random(n, h, v, cfg.bias, cfg.seed);
+    let inputs = head.inputs();
+    let mut tokens = GrpoInputs::random(&cfg.input_spec(), cfg.seed + 1);
+    tokens.logits = Vec::new();
+    let z = linear_logits(&inputs);
+    let opts = FusedOptions {
+        mode: cfg.mode,
+        budget_bytes: (cfg.budget_mib * (1u64 << 20) as f64) as usize,
+        grad_output: cfg.grad_output as f32,
+    };
+    let tol = cfg.tolerance.resolved(E::DTYPE);
+    let mut grads = LinearGrads::zeros(&inputs);
+    let start = Instant::now();
+    let (name, loss_pair, metrics, mut gates, dlogits_ref) = match cfg.objective {
+        Objective::Grpo => {
+            let loss = GrpoLoss::new(cfg.loss.clone())?;
+            tokens.follow_policy(&z, loss.config().temperature);
+            let batch = tokens.batch();
+            let norm = Normalizers::local(&batch);
+            let out = grpo_linear_into(
+                &loss,
+                &batch,
+                norm,
+                &inputs,
+                &opts,
+                &mut Workspace::new(),
+                &mut grads,
+            )?;
+            let r = grpo_reference(&loss, &batch, norm, &z, v, cfg.grad_output);
+            let live: Vec<usize> = (0..n).filter(|&i| batch.mask[i]).collect();
+            let gates = vec![
+                Gate::new(
+                    "logp",
+                    worst_rel(live.iter().map(|&i| (out.stats[i].logp, r.logp[i]))),
+                    tol.logp_rel.unwrap_or_default(),
+                ),
+                Gate::new(
+                    "entropy",
+                    worst_rel(live.iter().map(|&i| (out.stats[i].entropy, r.entropy[i]))),
+                    tol.logp_rel.unwrap_or_default(),
+                ),
+            ];
+            let name = format!(
+                "linear grpo {:?} {}",
+                E::DTYPE,
+                mode_name(out.plan.single_pass)
+            );
+            (
+                name,
+                (r.loss, out.loss),
+                Some((r.metrics, out.metrics)),
+                gates,
+                r.dlogits,
+            )
+        }
+        Objective::Ce => {
+            let ce = CrossEntropy::new(cfg.ce.clone())?;
+            let ignore = ce.config().ignore_index;
+            let targets: Vec<i64> = (0..n)
+                .map(|i| {
+                    if tokens.mask[i] {
+                        tokens.target_ids[i]
+                    } else {
+                        ignore
+                    }
+                })
+                .collect();
+            let out = ce_linear_into(
+                &ce,
+                &targets,
+                None,
+                &inputs,
+                &opts,
+                &mut Workspace::new(),
+                &mut grads,
+            )?;
+            let r = ce_reference(&ce, &targets, &z, v, cfg.grad_output, None);
+            let live: Vec<usize> = (0..n).filter(|&i| ce.counts(targets[i])).collect();
+            let gates = vec![Gate::new(
+                "logp",
+                worst_rel(live.iter().map(|&i| (out.stats[i].logp, r.logp[i]))),
+                tol.logp_rel.unwrap_or_default(),
+            )];
+            let name = format!(
+                "linear ce {:?} {}",
+                E::DTYPE,
+                mode_name(out.plan.single_pass)
+            );
+            (name, (r.loss, out.loss), None, gates, r.dlogits)
+        }
+    };
+    let kernel_seconds = start.elapsed().as_secs_f64();
+    let (dh, dw, db) = linear_grads(&inputs, &dlogits_ref);
+    gates.insert(
+        0,
+        Gate::new(
+            "loss",
+            (loss_pair.1 - loss_pair.0).abs() / loss_pair.0.abs().max(1.0),
+            tol.loss_rel.unwrap_or_default(),
+        ),
+    );
+    let f64s = |x: &[f32]| x.iter().map(|&v| v as f64).collect::<Vec<_>>();
+    gates.push(grad_gate(
+        "dhidden",
+        f64s(&grads.dhidden).into_iter(),
+        &dh,
+        &tol,
+    ));
+    gates.push(grad_gate(
+        "dweight",
+        f64s(&grads.dweight).into_iter(),
+        &dw,
+        &tol,
+    ));
+    if let Some(got) = &grads.dbias {
+        gates.push(grad_gate("dbias", f64s(got).into_iter(), &db, &tol));
+    }
+    Ok(GradcheckReport::new(
+        name,
+        loss_pair,
+        metrics,
+        kernel_seconds,
+        gates,
+    ))
+}
+
+fn mode_name(single_pass: bool) -> &'static str {
+    if single_pass {
+        "single_pass"
+    } else {
+        "two_pass"
+    }
 }

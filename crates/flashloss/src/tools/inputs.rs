@@ -1,8 +1,11 @@
 //! Random GRPO inputs with realistic statistics, for gradcheck, bench and tests:
 //! Gaussian logits (never zeros) with the sampled token lifted above the rest,
-//! right-padded masks, old and reference logp near the current policy's.
+//! right-padded masks, old and reference logp near the current policy's; random LM
+//! heads.
 
-use crate::batch::{GrpoBatch, PerSeqOrToken};
+use crate::batch::{GrpoBatch, LinearInputs, PerSeqOrToken};
+use crate::element::Element;
+use crate::reference::row_softmax;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Normal};
@@ -135,6 +138,24 @@ impl GrpoInputs {
         }
     }
 
+    /// Sets old and reference logp near the policy of dense f64 logits `z` `[B·T, V]`
+    /// at `temperature` (ratios near 1, as in training), for inputs whose logits come
+    /// from elsewhere (an LM head).
+    pub fn follow_policy(&mut self, z: &[f64], temperature: f64) {
+        let v = self.vocab;
+        for i in 0..self.batch * self.seq_len {
+            let row = row_softmax(&z[i * v..(i + 1) * v], temperature);
+            let lp = row.log_probs[self.target_ids[i] as usize] as f32;
+            let wiggle = ((i * 7) % 5) as f32 * 0.06 - 0.12;
+            if let Some(old) = self.old_logp.as_mut() {
+                old[i] = lp + wiggle;
+            }
+            if let Some(reference) = self.ref_logp.as_mut() {
+                reference[i] = lp - 0.5 * wiggle + 0.05;
+            }
+        }
+    }
+
     /// Borrows the per-token inputs as a [`GrpoBatch`].
     pub fn batch(&self) -> GrpoBatch<'_> {
         GrpoBatch {
@@ -150,6 +171,59 @@ impl GrpoInputs {
             old_logp: self.old_logp.as_deref(),
             ref_logp: self.ref_logp.as_deref(),
             sampler_ratio: self.sampler_ratio.as_deref().map(PerSeqOrToken::Token),
+        }
+    }
+}
+
+/// A random LM head: hidden `[N, H]` uniform in (-1, 1), weight `[V, H]` uniform in
+/// ±3/√H (logits of std ~1), optional bias uniform in ±0.5.
+#[derive(Debug, Clone)]
+pub struct HeadInputs<E> {
+    /// `[N, H]`.
+    pub hidden: Vec<E>,
+    /// `[V, H]`.
+    pub weight: Vec<E>,
+    /// `[V]`.
+    pub bias: Option<Vec<E>>,
+    /// N.
+    pub n: usize,
+    /// H.
+    pub h: usize,
+    /// V.
+    pub v: usize,
+}
+
+impl<E: Element> HeadInputs<E> {
+    /// Draws a head with a seeded ChaCha8 generator.
+    pub fn random(n: usize, h: usize, v: usize, bias: bool, seed: u64) -> Self {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let mut draw = |len: usize, scale: f32| -> Vec<E> {
+            (0..len)
+                .map(|_| E::from_f32(rng.random_range(-1.0..1.0f32) * scale))
+                .collect()
+        };
+        let hidden = draw(n * h, 1.0);
+        let weight = draw(v * h, 3.0 / (h as f32).sqrt());
+        let bias = bias.then(|| draw(v, 0.5));
+        HeadInputs {
+            hidden,
+            weight,
+            bias,
+            n,
+            h,
+            v,
+        }
+    }
+
+    /// Borrows the head as [`LinearInputs`].
+    pub fn inputs(&self) -> LinearInputs<'_, E> {
+        LinearInputs {
+            hidden: &self.hidden,
+            weight: &self.weight,
+            bias: self.bias.as_deref(),
+            tokens: self.n,
+            hidden_size: self.h,
+            vocab: self.v,
         }
     }
 }

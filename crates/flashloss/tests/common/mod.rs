@@ -2,8 +2,7 @@
 #![allow(dead_code)]
 
 use flashloss::tools::gradcheck::{self, GradcheckConfig};
-use flashloss::{DType, Element, ImportanceSamplingLevel, LinearInputs, LossConfig, LossType};
-use rand::{Rng, SeedableRng};
+use flashloss::{DType, ImportanceSamplingLevel, LossConfig, LossType};
 
 /// A small gradcheck config at an odd shape (V not a multiple of the vocab tile).
 pub fn small(batch: usize, seq_len: usize, vocab: usize, loss: LossConfig) -> GradcheckConfig {
@@ -80,49 +79,8 @@ pub fn draw(
     )
 }
 
-/// A random LM head: hidden `[N, H]`, weight `[V, H]` scaled so logits have std ~1.7,
-/// optional bias.
-pub struct Head<E> {
-    pub hidden: Vec<E>,
-    pub weight: Vec<E>,
-    pub bias: Option<Vec<E>>,
-    pub n: usize,
-    pub h: usize,
-    pub v: usize,
-}
-
-impl<E: Element> Head<E> {
-    pub fn random(n: usize, h: usize, v: usize, bias: bool, seed: u64) -> Self {
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-        let mut draw = |len: usize, scale: f32| -> Vec<E> {
-            (0..len)
-                .map(|_| E::from_f32(rng.random_range(-1.0..1.0f32) * scale))
-                .collect()
-        };
-        let hidden = draw(n * h, 1.0);
-        let weight = draw(v * h, 3.0 / (h as f32).sqrt());
-        let bias = bias.then(|| draw(v, 0.5));
-        Head {
-            hidden,
-            weight,
-            bias,
-            n,
-            h,
-            v,
-        }
-    }
-
-    pub fn inputs(&self) -> LinearInputs<'_, E> {
-        LinearInputs {
-            hidden: &self.hidden,
-            weight: &self.weight,
-            bias: self.bias.as_deref(),
-            tokens: self.n,
-            hidden_size: self.h,
-            vocab: self.v,
-        }
-    }
-}
+#[allow(unused_imports)]
+pub use flashloss::tools::inputs::HeadInputs as Head;
 
 pub fn max_abs(x: &[f64]) -> f64 {
     x.iter().fold(0.0, |m, v| m.max(v.abs()))
