@@ -30,7 +30,7 @@ fn linear_gates_pass_and_can_fail() {
             for mode in [Mode::SinglePass, Mode::TwoPass] {
                 let cfg = config(objective, dtype, mode);
                 let r = gradcheck::run(&cfg).unwrap();
-                let case = format!("{}", r.kernel);
+                let case = r.kernel.clone();
                 for name in ["loss", "logp", "dhidden", "dweight", "dbias"] {
                     assert!(r.gate(name).is_some(), "{case}: gate {name} missing");
                 }
