@@ -76,6 +76,21 @@ pub enum Error {
         /// The target id.
         id: i64,
     },
+    /// A collective operation failed: a peer left, timed out, or sent a mismatched
+    /// buffer.
+    #[error("collective: {reason}")]
+    Collective {
+        /// What happened, naming the ranks.
+        reason: String,
+    },
+    /// Some rank of a sharded run failed; every rank returns this same error.
+    #[error("rank {rank}: {reason}")]
+    OnRank {
+        /// The lowest rank that failed.
+        rank: usize,
+        /// Its error.
+        reason: String,
+    },
     /// A config file could not be read or parsed; `key` is the dotted path.
     #[error("config {key}: {reason}")]
     ConfigFile {

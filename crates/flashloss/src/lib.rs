@@ -2,13 +2,15 @@
 //! `[tokens × vocab]` logits or their gradient.
 //!
 //! Layers: the spec layer knows no backend ([`config`], [`cross_entropy`], [`batch`], [`error`],
-//! [`element`], [`policy`], [`reference`]); backends live in folders ([`cpu`]); the
+//! [`element`], [`policy`], [`reference`]); backends live in folders ([`cpu`]); sharded runs exchange data through
+//! [`collective`]; the
 //! [`tools`] drive them for the command-line tool (gradcheck, bench).
 //! The math is `shared/spec/losses.md`.
 
 #![warn(missing_docs)]
 
 pub mod batch;
+pub mod collective;
 pub mod config;
 pub mod cpu;
 pub mod cross_entropy;

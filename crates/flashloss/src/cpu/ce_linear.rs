@@ -70,82 +70,178 @@ pub fn ce_linear_into<E: Element>(
 ) -> Result<CeLinearOutput> {
     inputs.validate()?;
     grads.check(inputs)?;
-    let c = ce.config();
-    let (n, v) = (inputs.tokens, inputs.vocab);
-    let live: Vec<bool> = targets.iter().map(|&y| ce.counts(y)).collect();
-    check_targets(targets, Some(&live), n, v, n, c.temperature)?;
-    ce.check_grad_rows(grad_rows, n)?;
-    if !opts.grad_output.is_finite() {
-        return Err(Error::NonFinite {
-            arg: "grad_output",
-            index: 0,
-            value: opts.grad_output as f64,
-        });
-    }
-    let count = live.iter().filter(|&&l| l).count();
-    let weight = ce.row_weight(count);
+    let rows = CeRows::new(ce, targets, inputs.vocab, None, opts.grad_output, grad_rows)?;
+    ce_rows_into(&rows, inputs, opts, ws, grads)
+}
+
+/// The fused CE of `rows` on a whole head: single-pass or two-pass as planned.
+pub(crate) fn ce_rows_into<E: Element>(
+    rows: &CeRows,
+    inputs: &LinearInputs<E>,
+    opts: &FusedOptions,
+    ws: &mut Workspace,
+    grads: &mut LinearGrads,
+) -> Result<CeLinearOutput> {
     let widen = E::as_f32(inputs.weight).is_none();
-    let plan = plan(n, inputs.hidden_size, v, widen, opts, true)?;
-    let p = Problem {
-        inputs,
-        targets,
-        live: &live,
-        inv_temp: (1.0 / c.temperature) as f32,
-        softcap: c.softcap.map(|x| x as f32),
-        mean_logit: c.label_smoothing > 0.0,
+    let plan = plan(
+        inputs.tokens,
+        inputs.hidden_size,
+        inputs.vocab,
+        widen,
+        opts,
+        true,
+    )?;
+    let p = rows.problem(inputs);
+    let stats = if plan.single_pass {
+        let mut grads_of = |range: std::ops::Range<usize>, stats: &[RowStats]| {
+            range.map(|i| rows.row_grad(i, &stats[i])).collect()
+        };
+        single_pass(&p, &plan, &mut grads_of, ws, grads)
+    } else {
+        let stats = row_stats(&p, &plan, ws);
+        let all: Vec<RowGrad> = (0..inputs.tokens)
+            .map(|i| rows.row_grad(i, &stats[i]))
+            .collect();
+        accumulate_grads(&p, &plan, &all, ws, grads);
+        stats
     };
-    let upstream =
-        |i: usize| weight * opts.grad_output as f64 * grad_rows.map_or(1.0, |g| g[i] as f64);
-    // ∂ℓ/∂s_j = (1 + 2λ_z·lse)·p_j - (1-ε)·[j = y] - ε/V, and ∂s/∂z = slope / T.
-    let row_grad = |i: usize, st: &RowStats| {
-        if !live[i] {
+    rows.output(stats, plan)
+}
+
+/// The per-row side of cross-entropy, shared by the fused and the sharded kernels:
+/// which rows count, their reduction weights and their gradient coefficients.
+pub(crate) struct CeRows<'a> {
+    ce: &'a CrossEntropy,
+    targets: &'a [i64],
+    pub(crate) live: Vec<bool>,
+    /// Rows that count (over all ranks in a sharded run).
+    count: usize,
+    weight: f64,
+    grad_output: f32,
+    grad_rows: Option<&'a [f32]>,
+    vocab: usize,
+}
+
+impl<'a> CeRows<'a> {
+    /// Checks targets (ids in `[0, vocab)` where counted), `grad_rows` and
+    /// `grad_output`. `global_count`, if given, is the count of counted rows over all
+    /// ranks (token-parallel mean); otherwise the local count.
+    pub(crate) fn new(
+        ce: &'a CrossEntropy,
+        targets: &'a [i64],
+        vocab: usize,
+        global_count: Option<usize>,
+        grad_output: f32,
+        grad_rows: Option<&'a [f32]>,
+    ) -> Result<Self> {
+        let n = targets.len();
+        let live: Vec<bool> = targets.iter().map(|&y| ce.counts(y)).collect();
+        check_targets(
+            targets,
+            Some(&live),
+            n,
+            vocab,
+            n.max(1),
+            ce.config().temperature,
+        )?;
+        ce.check_grad_rows(grad_rows, n)?;
+        if !grad_output.is_finite() {
+            return Err(Error::NonFinite {
+                arg: "grad_output",
+                index: 0,
+                value: grad_output as f64,
+            });
+        }
+        let count = global_count.unwrap_or_else(|| live.iter().filter(|&&l| l).count());
+        Ok(CeRows {
+            ce,
+            targets,
+            live,
+            count,
+            weight: ce.row_weight(count),
+            grad_output,
+            grad_rows,
+            vocab,
+        })
+    }
+
+    /// The fused problem of these rows on a whole head.
+    pub(crate) fn problem<'p, E: Element>(
+        &'p self,
+        inputs: &'p LinearInputs<'p, E>,
+    ) -> Problem<'p, E> {
+        self.problem_on(inputs, self.targets)
+    }
+
+    /// The fused problem on `inputs` (a whole head, or a vocabulary shard with
+    /// `targets` as shard-local ids, -1 where another shard owns the target).
+    pub(crate) fn problem_on<'p, E: Element>(
+        &'p self,
+        inputs: &'p LinearInputs<'p, E>,
+        targets: &'p [i64],
+    ) -> Problem<'p, E> {
+        let c = self.ce.config();
+        Problem {
+            inputs,
+            targets,
+            live: &self.live,
+            inv_temp: (1.0 / c.temperature) as f32,
+            softcap: c.softcap.map(|x| x as f32),
+            mean_logit: c.label_smoothing > 0.0,
+        }
+    }
+
+    /// `∂L/∂ℓ_i` without the upstream `grad_output`.
+    fn row_weight(&self, i: usize) -> f64 {
+        self.weight * self.grad_rows.map_or(1.0, |g| g[i] as f64)
+    }
+
+    /// Row i's gradient: `∂ℓ/∂s_j = (1 + 2λ_z·lse)·p_j - (1-ε)·[j = y] - ε/V`, and
+    /// `∂s/∂z = slope / T` (the slope is applied by the tile kernel).
+    pub(crate) fn row_grad(&self, i: usize, st: &RowStats) -> RowGrad {
+        if !self.live[i] {
             return RowGrad::default();
         }
-        let scale = upstream(i) / c.temperature;
+        let c = self.ce.config();
+        let scale = self.row_weight(i) * self.grad_output as f64 / c.temperature;
         let eps = c.label_smoothing;
         RowGrad {
             stats: *st,
             coef_p: (scale * (1.0 + 2.0 * c.z_loss * st.lse as f64)) as f32,
             coef_h: 0.0,
-            coef_uniform: (-scale * eps / v as f64) as f32,
+            coef_uniform: (-scale * eps / self.vocab as f64) as f32,
             coef_target: (-scale * (1.0 - eps)) as f32,
-            target: targets[i] as usize,
+            target: self.targets[i] as usize,
         }
-    };
-    let stats = if plan.single_pass {
-        let mut grads_of = |rows: std::ops::Range<usize>, stats: &[RowStats]| {
-            rows.map(|i| row_grad(i, &stats[i])).collect()
-        };
-        single_pass(&p, &plan, &mut grads_of, ws, grads)
-    } else {
-        let stats = row_stats(&p, &plan, ws);
-        let all: Vec<RowGrad> = (0..n).map(|i| row_grad(i, &stats[i])).collect();
-        accumulate_grads(&p, &plan, &all, ws, grads);
-        stats
-    };
-    check_row_stats(&stats, |i| live[i], targets, n)?;
-
-    let (mut loss, mut z_loss) = (0.0, 0.0);
-    let mut row_loss = vec![0.0f32; n];
-    for i in (0..n).filter(|&i| live[i]) {
-        let st = &stats[i];
-        let lse = st.lse as f64;
-        let z_term = c.z_loss * lse * lse;
-        let smooth = lse - st.mean_logit as f64;
-        let value =
-            (1.0 - c.label_smoothing) * -(st.logp as f64) + c.label_smoothing * smooth + z_term;
-        row_loss[i] = value as f32;
-        let u = weight * grad_rows.map_or(1.0, |g| g[i] as f64);
-        loss += u * value;
-        z_loss += u * z_term;
     }
-    Ok(CeLinearOutput {
-        loss,
-        z_loss,
-        count,
-        row_loss,
-        stats,
-        grads: LinearGrads::empty(),
-        plan,
-    })
+
+    /// Checks the statistics and sums the loss: `ℓ = (1-ε)·(-logp) + ε·(lse - mean s)
+    /// + λ_z·lse²` per row, weighted.
+    pub(crate) fn output(&self, stats: Vec<RowStats>, plan: Plan) -> Result<CeLinearOutput> {
+        let n = self.targets.len();
+        check_row_stats(&stats, |i| self.live[i], self.targets, n.max(1))?;
+        let c = self.ce.config();
+        let (mut loss, mut z_loss) = (0.0, 0.0);
+        let mut row_loss = vec![0.0f32; n];
+        for i in (0..n).filter(|&i| self.live[i]) {
+            let st = &stats[i];
+            let lse = st.lse as f64;
+            let z_term = c.z_loss * lse * lse;
+            let smooth = lse - st.mean_logit as f64;
+            let value =
+                (1.0 - c.label_smoothing) * -(st.logp as f64) + c.label_smoothing * smooth + z_term;
+            row_loss[i] = value as f32;
+            loss += self.row_weight(i) * value;
+            z_loss += self.row_weight(i) * z_term;
+        }
+        Ok(CeLinearOutput {
+            loss,
+            z_loss,
+            count: self.count,
+            row_loss,
+            stats,
+            grads: LinearGrads::empty(),
+            plan,
+        })
+    }
 }

@@ -328,14 +328,22 @@ impl<E: Element> Problem<'_, E> {
         self.softcap.map_or(0.0, |c| 1.0 / c)
     }
 
-    /// Final statistics of live row `i` from its state, target logit and logit sum.
-    fn finish(&self, i: usize, state: &OnlineSoftmax, target_logit: f32, sum: f64) -> RowStats {
+    /// Final statistics of live row `i` from its state, target logit and logit sum over
+    /// a vocabulary of `vocab` entries.
+    fn finish(
+        &self,
+        i: usize,
+        state: &OnlineSoftmax,
+        target_logit: f32,
+        sum: f64,
+        vocab: usize,
+    ) -> RowStats {
         if !self.live[i] {
             return RowStats::default();
         }
         let mut st = RowStats::finish(state, target_logit);
         if self.mean_logit {
-            st.mean_logit = (sum / self.inputs.vocab as f64 * self.inv_temp as f64) as f32;
+            st.mean_logit = (sum / vocab as f64 * self.inv_temp as f64) as f32;
         }
         st
     }
@@ -604,12 +612,43 @@ fn for_each_tile<E: Element>(
     }
 }
 
-/// Pass A: softmax statistics of every live row (zeroed [`RowStats`] elsewhere).
-pub fn row_stats<E: Element>(p: &Problem<E>, plan: &Plan, ws: &mut Workspace) -> Vec<RowStats> {
+/// Per-row softmax state of a pass over (part of) the vocabulary, before finishing:
+/// what vocabulary shards merge across ranks.
+#[derive(Debug, Clone)]
+pub struct PartialStats {
+    /// Online-softmax state per row.
+    pub states: Vec<OnlineSoftmax>,
+    /// Raw logit of each row's target where the pass saw it (0 elsewhere).
+    pub target_logits: Vec<f32>,
+    /// `Σ_j z_j` per row (when the problem wants mean logits; 0 otherwise).
+    pub sums: Vec<f64>,
+}
+
+impl PartialStats {
+    /// Final [`RowStats`]; `vocab` is the full vocabulary size (for the mean logit).
+    pub fn finish<E: Element>(&self, p: &Problem<E>, vocab: usize) -> Vec<RowStats> {
+        (0..self.states.len())
+            .map(|i| {
+                p.finish(
+                    i,
+                    &self.states[i],
+                    self.target_logits[i],
+                    self.sums[i],
+                    vocab,
+                )
+            })
+            .collect()
+    }
+}
+
+/// Pass A over the vocabulary the problem holds: every live row's partial statistics.
+pub fn row_states<E: Element>(p: &Problem<E>, plan: &Plan, ws: &mut Workspace) -> PartialStats {
     let n = p.inputs.tokens;
-    let mut states = vec![OnlineSoftmax::empty(p.inv_temp); n];
-    let mut target_logits = vec![0.0f32; n];
-    let mut sums = vec![0.0f64; n];
+    let mut out = PartialStats {
+        states: vec![OnlineSoftmax::empty(p.inv_temp); n],
+        target_logits: vec![0.0f32; n],
+        sums: vec![0.0f64; n],
+    };
     for_each_tile(
         p,
         plan,
@@ -622,15 +661,18 @@ pub fn row_stats<E: Element>(p: &Problem<E>, plan: &Plan, ws: &mut Workspace) ->
                 t.vocab.len(),
                 t.rows.clone(),
                 &t.vocab,
-                &mut states[t.rows.clone()],
-                &mut target_logits[t.rows.clone()],
-                &mut sums[t.rows.clone()],
+                &mut out.states[t.rows.clone()],
+                &mut out.target_logits[t.rows.clone()],
+                &mut out.sums[t.rows.clone()],
             );
         },
     );
-    (0..n)
-        .map(|i| p.finish(i, &states[i], target_logits[i], sums[i]))
-        .collect()
+    out
+}
+
+/// Pass A: softmax statistics of every live row (zeroed [`RowStats`] elsewhere).
+pub fn row_stats<E: Element>(p: &Problem<E>, plan: &Plan, ws: &mut Workspace) -> Vec<RowStats> {
+    row_states(p, plan, ws).finish(p, p.inputs.vocab)
 }
 
 /// Pass B: recomputes every tile, turns it into `dZ` with `grads` (one per row) and
@@ -710,7 +752,7 @@ pub fn single_pass<E: Element>(
             );
         }
         for (r, i) in rows.clone().enumerate() {
-            stats[i] = p.finish(i, &states[r], target_logits[r], sums[r]);
+            stats[i] = p.finish(i, &states[r], target_logits[r], sums[r], v);
         }
         let grads = grads_of(rows.clone(), &stats);
         let all = 0..v;

@@ -34,7 +34,7 @@ pub struct GrpoLinearOutput {
 }
 
 /// The [`RowGrad`] of each row in `rows`: `dz = (g/T)·[dlogp·(1[j=y] - p) - dentropy·p·(log p + H)]`.
-fn row_grads(
+pub(crate) fn row_grads(
     rows: std::ops::Range<usize>,
     stats: &[RowStats],
     policy: &PolicyOutput,
@@ -50,6 +50,39 @@ fn row_grads(
         target: targets[i] as usize,
     })
     .collect()
+}
+
+/// Checks the head, the batch (ids in `[0, vocab)`), that the head has B·T rows, and
+/// `grad_output`.
+pub(crate) fn check_inputs<E: Element>(
+    loss: &GrpoLoss,
+    batch: &GrpoBatch,
+    inputs: &LinearInputs<E>,
+    vocab: usize,
+    opts: &FusedOptions,
+) -> Result<()> {
+    inputs.validate()?;
+    if inputs.tokens != batch.rows() {
+        return Err(Error::InvalidArgument {
+            arg: "hidden",
+            reason: format!(
+                "has {} rows but the batch has B·T = {}·{} = {}",
+                inputs.tokens,
+                batch.batch,
+                batch.seq_len,
+                batch.rows()
+            ),
+        });
+    }
+    batch.validate(vocab, loss)?;
+    if !opts.grad_output.is_finite() {
+        return Err(Error::NonFinite {
+            arg: "grad_output",
+            index: 0,
+            value: opts.grad_output as f64,
+        });
+    }
+    Ok(())
 }
 
 /// The GRPO loss of `batch` (N = B·T rows) on logits `hidden · weightᵀ + bias`, with
@@ -96,28 +129,8 @@ pub fn grpo_linear_into<E: Element>(
     ws: &mut Workspace,
     grads: &mut LinearGrads,
 ) -> Result<GrpoLinearOutput> {
-    inputs.validate()?;
     grads.check(inputs)?;
-    if inputs.tokens != batch.rows() {
-        return Err(Error::InvalidArgument {
-            arg: "hidden",
-            reason: format!(
-                "has {} rows but the batch has B·T = {}·{} = {}",
-                inputs.tokens,
-                batch.batch,
-                batch.seq_len,
-                batch.rows()
-            ),
-        });
-    }
-    batch.validate(inputs.vocab, loss)?;
-    if !opts.grad_output.is_finite() {
-        return Err(Error::NonFinite {
-            arg: "grad_output",
-            index: 0,
-            value: opts.grad_output as f64,
-        });
-    }
+    check_inputs(loss, batch, inputs, inputs.vocab, opts)?;
     let temperature = loss.config().temperature;
     let scale = (opts.grad_output as f64 / temperature) as f32;
     let widen = E::as_f32(inputs.weight).is_none();

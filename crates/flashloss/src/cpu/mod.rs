@@ -11,6 +11,7 @@ mod logp_linear;
 pub mod matmul;
 mod online_softmax;
 mod selective_log_softmax;
+mod sharded_linear;
 pub mod simd;
 mod unfused_logits;
 
@@ -26,4 +27,8 @@ pub use grpo_logits::{GrpoLogitsForward, grpo_logits_forward, grpo_logits_forwar
 pub use logp_linear::logp_linear;
 pub use online_softmax::{OnlineSoftmax, RowStats, VOCAB_TILE};
 pub use selective_log_softmax::selective_log_softmax;
+pub use sharded_linear::{
+    Parallel, VocabShard, ce_linear_token_parallel, ce_linear_vocab_parallel,
+    grpo_linear_token_parallel, grpo_linear_vocab_parallel, shard_range,
+};
 pub use unfused_logits::{UnfusedWorkspace, grpo_logits_unfused, grpo_logits_unfused_into};

@@ -9,6 +9,7 @@ use crate::reference::row_softmax;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Normal};
+use std::ops::Range;
 
 /// What to draw.
 #[derive(Debug, Clone, PartialEq)]
@@ -156,6 +157,34 @@ impl GrpoInputs {
         }
     }
 
+    /// The sequences `seqs` alone (a token-parallel rank's share), logits included.
+    pub fn sequences(&self, seqs: Range<usize>) -> GrpoInputs {
+        let (t, v) = (self.seq_len, self.vocab);
+        let rows = seqs.start * t..seqs.end * t;
+        let per_token = |x: &Option<Vec<f32>>| x.as_ref().map(|x| x[rows.clone()].to_vec());
+        GrpoInputs {
+            batch: seqs.len(),
+            seq_len: t,
+            vocab: v,
+            logits: if self.logits.is_empty() {
+                Vec::new()
+            } else {
+                self.logits[rows.start * v..rows.end * v].to_vec()
+            },
+            target_ids: self.target_ids[rows.clone()].to_vec(),
+            mask: self.mask[rows.clone()].to_vec(),
+            advantages: if self.per_token_advantages {
+                self.advantages[rows.clone()].to_vec()
+            } else {
+                self.advantages[seqs].to_vec()
+            },
+            per_token_advantages: self.per_token_advantages,
+            old_logp: per_token(&self.old_logp),
+            ref_logp: per_token(&self.ref_logp),
+            sampler_ratio: per_token(&self.sampler_ratio),
+        }
+    }
+
     /// Borrows the per-token inputs as a [`GrpoBatch`].
     pub fn batch(&self) -> GrpoBatch<'_> {
         GrpoBatch {
@@ -212,6 +241,25 @@ impl<E: Element> HeadInputs<E> {
             n,
             h,
             v,
+        }
+    }
+
+    /// Hidden rows `rows` with the whole weight and bias (a token-parallel rank's share).
+    pub fn rows(&self, rows: Range<usize>) -> Self {
+        HeadInputs {
+            hidden: self.hidden[rows.start * self.h..rows.end * self.h].to_vec(),
+            n: rows.len(),
+            ..self.clone()
+        }
+    }
+
+    /// Every hidden row with weight and bias rows `vocab` (a vocab-parallel shard).
+    pub fn vocab_shard(&self, vocab: Range<usize>) -> Self {
+        HeadInputs {
+            weight: self.weight[vocab.start * self.h..vocab.end * self.h].to_vec(),
+            bias: self.bias.as_ref().map(|b| b[vocab.clone()].to_vec()),
+            v: vocab.len(),
+            ..self.clone()
         }
     }
 

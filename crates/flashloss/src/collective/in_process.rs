@@ -1,0 +1,148 @@
+//! The in-process engine: ranks are threads of one process sharing a rendezvous.
+//! Each operation is a round: every rank deposits its bytes, the last to arrive
+//! publishes all of them, and all read the same published set. A rank that leaves its
+//! closure (returns or panics) while others wait in a round, or a round that does not
+//! complete within the timeout, makes the waiting ranks return an error.
+
+use super::Collective;
+use crate::error::{Error, Result};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+#[derive(Debug)]
+struct Round {
+    /// Rounds completed so far.
+    generation: u64,
+    /// Deposits of the round under way.
+    slots: Vec<Option<Vec<u8>>>,
+    /// The last completed round's deposits.
+    published: Arc<Vec<Vec<u8>>>,
+    /// Ranks whose closure has ended.
+    exited: Vec<bool>,
+}
+
+#[derive(Debug)]
+struct Shared {
+    round: Mutex<Round>,
+    wake: Condvar,
+    timeout: Duration,
+}
+
+/// One rank's handle to an in-process group.
+#[derive(Debug, Clone)]
+pub struct InProcess {
+    rank: usize,
+    size: usize,
+    shared: Arc<Shared>,
+}
+
+impl Collective for InProcess {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.size
+    }
+
+    fn all_gather_bytes(&self, local: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let fail = |reason: String| Err(Error::Collective { reason });
+        let mut round = self.shared.round.lock().unwrap_or_else(|e| e.into_inner());
+        let generation = round.generation;
+        round.slots[self.rank] = Some(local.to_vec());
+        if round.slots.iter().all(Option::is_some) {
+            let deposits = round.slots.iter_mut().map(|s| s.take().unwrap_or_default());
+            round.published = Arc::new(deposits.collect());
+            round.generation += 1;
+            self.shared.wake.notify_all();
+            return Ok(round.published.to_vec());
+        }
+        let deadline = Instant::now() + self.shared.timeout;
+        while round.generation == generation {
+            if let Some(gone) =
+                (0..self.size).find(|&r| round.exited[r] && round.slots[r].is_none())
+            {
+                round.slots[self.rank] = None;
+                return fail(format!(
+                    "rank {gone} left while rank {} waited in a collective",
+                    self.rank
+                ));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                round.slots[self.rank] = None;
+                return fail(format!(
+                    "rank {} waited {:?} for its peers in a collective (timeout)",
+                    self.rank, self.shared.timeout
+                ));
+            }
+            round = self
+                .shared
+                .wake
+                .wait_timeout(round, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        Ok(round.published.to_vec())
+    }
+}
+
+/// Marks its rank as exited when dropped (normal return or panic).
+struct ExitGuard<'a>(&'a InProcess);
+
+impl Drop for ExitGuard<'_> {
+    fn drop(&mut self) {
+        let shared = &self.0.shared;
+        let mut round = shared.round.lock().unwrap_or_else(|e| e.into_inner());
+        round.exited[self.0.rank] = true;
+        shared.wake.notify_all();
+    }
+}
+
+/// Runs `f(comm)` on `world_size` threads, one per rank, and returns their results in
+/// rank order. A collective that waits longer than `timeout` fails with an error; a
+/// rank that panics makes its peers' collectives fail, then its panic is returned as
+/// an [`Error::Collective`] for that rank.
+pub fn run_in_process<T: Send>(
+    world_size: usize,
+    timeout: Duration,
+    f: impl Fn(&InProcess) -> Result<T> + Sync,
+) -> Vec<Result<T>> {
+    let shared = Arc::new(Shared {
+        round: Mutex::new(Round {
+            generation: 0,
+            slots: vec![None; world_size],
+            published: Arc::new(Vec::new()),
+            exited: vec![false; world_size],
+        }),
+        wake: Condvar::new(),
+        timeout,
+    });
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..world_size)
+            .map(|rank| {
+                let comm = InProcess {
+                    rank,
+                    size: world_size,
+                    shared: shared.clone(),
+                };
+                let f = &f;
+                scope.spawn(move || {
+                    let _guard = ExitGuard(&comm);
+                    f(&comm)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .enumerate()
+            .map(|(rank, h)| {
+                h.join().unwrap_or_else(|_| {
+                    Err(Error::Collective {
+                        reason: format!("rank {rank} panicked"),
+                    })
+                })
+            })
+            .collect()
+    })
+}

@@ -1,0 +1,399 @@
+//! Sharded fused LM-head losses over a [`Collective`]: token-parallel (each rank holds
+//! some sequences and the whole head) and vocab-parallel (each rank holds all tokens
+//! and a shard `[V_r, H]` of the head). Inputs are checked on every rank and any
+//! failure becomes the same error everywhere ([`agree`]).
+//!
+//! Token-parallel: the normalizers (B, token count, CE's counted rows) are all-reduced
+//! first, each rank runs the fused kernel on its rows, then dW and dbias are
+//! all-reduced. Per step: `4·(V·H + V)` bytes each way, plus O(1).
+//!
+//! Vocab-parallel: each rank streams its shard for per-row partial softmax states,
+//! which are all-gathered and merged in rank order (`lse`, entropy, the target logit
+//! from its owner, the logit sum), so every rank holds the same global statistics and
+//! loss; each rank then recomputes its shard's tiles for dZ and adds
+//! `dH += dZ·W_r`, `dW_r += dZᵀ·H`; dH is all-reduced, dW stays local. Always two-pass
+//! (the global lse is needed before any gradient). Per step: `40·N` bytes of states
+//! gathered from each rank and `4·N·H` bytes of dH each way.
+
+use super::ce_linear::{CeLinearOutput, CeRows, ce_rows_into};
+use super::fused_linear::{
+    FusedOptions, LinearGrads, Mode, PartialStats, Plan, Problem, RowGrad, Workspace,
+    accumulate_grads, plan, row_states,
+};
+use super::grpo_linear::{GrpoLinearOutput, check_inputs, grpo_linear_into, row_grads};
+use super::online_softmax::OnlineSoftmax;
+use super::selective_log_softmax::check_row_stats;
+use crate::batch::{GrpoBatch, LinearInputs};
+use crate::collective::{Collective, agree};
+use crate::config::GrpoLoss;
+use crate::cross_entropy::CrossEntropy;
+use crate::element::Element;
+use crate::error::{Error, Result};
+use crate::policy::{GrpoMetrics, Normalizers, policy_stage};
+use serde::{Deserialize, Serialize};
+use std::ops::Range;
+
+/// How a sharded run splits the work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Parallel {
+    /// Each rank holds some sequences (rows) and the whole LM head.
+    #[default]
+    Token,
+    /// Each rank holds every row and a vocabulary shard of the LM head.
+    Vocab,
+}
+
+/// The vocabulary range of `rank` when V is split over `world` ranks as evenly as
+/// possible (the first `V mod world` ranks hold one entry more).
+pub fn shard_range(vocab: usize, world: usize, rank: usize) -> Range<usize> {
+    let (base, extra) = (vocab / world, vocab % world);
+    let start = rank * base + rank.min(extra);
+    start..start + base + usize::from(rank < extra)
+}
+
+/// One rank's shard of the LM head: `inputs` holds every hidden row and the weight
+/// (and bias) rows `offset .. offset + inputs.vocab` of a head of `vocab` entries.
+#[derive(Debug, Clone, Copy)]
+pub struct VocabShard<'a, E> {
+    /// Hidden states `[N, H]`, the shard's weight `[V_r, H]` and bias `[V_r]`.
+    pub inputs: LinearInputs<'a, E>,
+    /// First vocabulary id of the shard.
+    pub offset: usize,
+    /// V of the whole head.
+    pub vocab: usize,
+}
+
+impl<E: Element> VocabShard<'_, E> {
+    fn check(&self) -> Result<()> {
+        self.inputs.validate()?;
+        if self.offset + self.inputs.vocab > self.vocab {
+            return Err(Error::InvalidArgument {
+                arg: "shard",
+                reason: format!(
+                    "rows {}..{} lie outside the vocabulary of {}",
+                    self.offset,
+                    self.offset + self.inputs.vocab,
+                    self.vocab
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    fn range(&self) -> Range<usize> {
+        self.offset..self.offset + self.inputs.vocab
+    }
+
+    /// Target ids as shard-local ids (-1 where another shard owns the target).
+    fn local_targets(&self, targets: &[i64]) -> Vec<i64> {
+        let range = self.range();
+        targets
+            .iter()
+            .map(|&y| {
+                if y >= 0 && range.contains(&(y as usize)) {
+                    y - self.offset as i64
+                } else {
+                    -1
+                }
+            })
+            .collect()
+    }
+}
+
+/// The gradient of a row restricted to a shard: the target term stays with its owner.
+fn localize(mut g: RowGrad, range: &Range<usize>) -> RowGrad {
+    if range.contains(&g.target) {
+        g.target -= range.start;
+    } else {
+        g.coef_target = 0.0;
+        g.target = 0;
+    }
+    g
+}
+
+/// Merges every rank's partial states in rank order: the same global states on all.
+fn merge_partial(
+    comm: &dyn Collective,
+    local: &PartialStats,
+    inv_temp: f32,
+) -> Result<PartialStats> {
+    let n = local.states.len();
+    let mut packed = Vec::with_capacity(5 * n);
+    for i in 0..n {
+        let st = &local.states[i];
+        packed.extend([
+            st.max as f64,
+            st.sum,
+            st.weighted,
+            local.target_logits[i] as f64,
+            local.sums[i],
+        ]);
+    }
+    let gathered = comm.all_gather_f64(&packed)?;
+    let mut out = PartialStats {
+        states: vec![OnlineSoftmax::empty(inv_temp); n],
+        target_logits: vec![0.0; n],
+        sums: vec![0.0; n],
+    };
+    for part in &gathered {
+        for (i, row) in part.chunks_exact(5).enumerate().take(n) {
+            out.states[i].merge(OnlineSoftmax {
+                inv_temp,
+                max: row[0] as f32,
+                sum: row[1],
+                weighted: row[2],
+            });
+            out.target_logits[i] += row[3] as f32;
+            out.sums[i] += row[4];
+        }
+    }
+    Ok(out)
+}
+
+/// The two-pass plan of a shard (vocab-parallel has no single-pass mode).
+fn shard_plan<E: Element>(inputs: &LinearInputs<E>, opts: &FusedOptions) -> Result<Plan> {
+    if opts.mode == Mode::SinglePass {
+        return Err(Error::InvalidArgument {
+            arg: "mode",
+            reason: "vocab-parallel runs two-pass (the global lse comes before any gradient); use auto or two_pass".into(),
+        });
+    }
+    let widen = E::as_f32(inputs.weight).is_none();
+    plan(
+        inputs.tokens,
+        inputs.hidden_size,
+        inputs.vocab,
+        widen,
+        opts,
+        false,
+    )
+}
+
+/// Vocab-parallel core: global statistics from the shards, `grads_of` maps them to
+/// every row's gradient (global target ids), then the shard's dH part, dW and dbias;
+/// dH is all-reduced. Returns the global statistics and the plan.
+fn vocab_parallel<E: Element>(
+    comm: &dyn Collective,
+    shard: &VocabShard<E>,
+    p: &Problem<E>,
+    plan: &Plan,
+    grads_of: &mut dyn FnMut(&[super::RowStats]) -> Vec<RowGrad>,
+    grads: &mut LinearGrads,
+) -> Result<Vec<super::RowStats>> {
+    let mut ws = Workspace::new();
+    let local = row_states(p, plan, &mut ws);
+    let global = merge_partial(comm, &local, p.inv_temp)?;
+    let stats = global.finish(p, shard.vocab);
+    let range = shard.range();
+    let row_grads: Vec<RowGrad> = grads_of(&stats)
+        .into_iter()
+        .map(|g| localize(g, &range))
+        .collect();
+    accumulate_grads(p, plan, &row_grads, &mut ws, grads);
+    comm.all_reduce_sum_f32(&mut grads.dhidden)?;
+    Ok(stats)
+}
+
+/// Token-parallel GRPO: this rank's sequences `batch` and their hidden rows in
+/// `inputs` (the whole head). Returns the global loss and metrics, this rank's rows'
+/// statistics and dH, and the all-reduced dW and dbias.
+pub fn grpo_linear_token_parallel<E: Element>(
+    comm: &dyn Collective,
+    loss: &GrpoLoss,
+    batch: &GrpoBatch,
+    inputs: &LinearInputs<E>,
+    opts: &FusedOptions,
+) -> Result<GrpoLinearOutput> {
+    agree(comm, check_inputs(loss, batch, inputs, inputs.vocab, opts))?;
+    let local = Normalizers::local(batch);
+    let mut totals = [local.batch_size, local.token_count];
+    comm.all_reduce_sum_f64(&mut totals)?;
+    let norm = Normalizers {
+        batch_size: totals[0],
+        token_count: totals[1],
+    };
+    let mut grads = LinearGrads::zeros(inputs);
+    let out = grpo_linear_into(
+        loss,
+        batch,
+        norm,
+        inputs,
+        opts,
+        &mut Workspace::new(),
+        &mut grads,
+    );
+    let mut out = agree(comm, out)?;
+    comm.all_reduce_sum_f32(&mut grads.dweight)?;
+    if let Some(db) = grads.dbias.as_mut() {
+        comm.all_reduce_sum_f32(db)?;
+    }
+    let m = out.metrics;
+    let tokens = local.token_count;
+    let mut sums = [
+        out.loss,
+        m.kl_mean * tokens,
+        m.clip_ratio_low * tokens,
+        m.clip_ratio_high * tokens,
+        m.clip_ratio_region * tokens,
+        m.entropy_mean * tokens,
+    ];
+    comm.all_reduce_sum_f64(&mut sums)?;
+    let denom = norm.token_count.max(1.0);
+    out.loss = sums[0];
+    out.metrics = GrpoMetrics {
+        kl_mean: sums[1] / denom,
+        clip_ratio_low: sums[2] / denom,
+        clip_ratio_high: sums[3] / denom,
+        clip_ratio_region: sums[4] / denom,
+        entropy_mean: sums[5] / denom,
+    };
+    out.grads = grads;
+    Ok(out)
+}
+
+/// Vocab-parallel GRPO: every rank passes the whole batch and this rank's
+/// [`VocabShard`]. Every rank returns the same loss, metrics and statistics, the full
+/// (all-reduced) dH, and its shard's dW and dbias.
+pub fn grpo_linear_vocab_parallel<E: Element>(
+    comm: &dyn Collective,
+    loss: &GrpoLoss,
+    batch: &GrpoBatch,
+    shard: &VocabShard<E>,
+    opts: &FusedOptions,
+) -> Result<GrpoLinearOutput> {
+    let inputs = &shard.inputs;
+    let checked = shard
+        .check()
+        .and_then(|_| check_inputs(loss, batch, inputs, shard.vocab, opts))
+        .and_then(|_| shard_plan(inputs, opts));
+    let plan = agree(comm, checked)?;
+    let temperature = loss.config().temperature;
+    let targets = shard.local_targets(batch.target_ids);
+    let p = Problem {
+        inputs,
+        targets: &targets,
+        live: batch.mask,
+        inv_temp: (1.0 / temperature) as f32,
+        softcap: None,
+        mean_logit: false,
+    };
+    let norm = Normalizers::local(batch);
+    let scale = (opts.grad_output as f64 / temperature) as f32;
+    let mut grads = LinearGrads::zeros(inputs);
+    let mut policy = None;
+    let stats = vocab_parallel(
+        comm,
+        shard,
+        &p,
+        &plan,
+        &mut |stats| {
+            let logp: Vec<f32> = stats.iter().map(|s| s.logp).collect();
+            let entropy: Vec<f32> = stats.iter().map(|s| s.entropy).collect();
+            let pol = policy_stage(loss, batch, norm, &logp, &entropy);
+            let g = row_grads(0..batch.rows(), stats, &pol, batch.target_ids, scale);
+            policy.get_or_insert(pol);
+            g
+        },
+        &mut grads,
+    )?;
+    agree(
+        comm,
+        check_row_stats(&stats, |i| batch.mask[i], batch.target_ids, batch.seq_len),
+    )?;
+    let policy = policy.expect("grads_of ran");
+    Ok(GrpoLinearOutput {
+        loss: policy.loss,
+        metrics: policy.metrics,
+        stats,
+        kl: policy.kl,
+        clip: policy.clip,
+        grads,
+        plan,
+    })
+}
+
+/// Token-parallel cross-entropy: this rank's rows. The mean divides by the rows counted
+/// on all ranks. Returns the global loss, this rank's per-row outputs and dH, and the
+/// all-reduced dW and dbias.
+pub fn ce_linear_token_parallel<E: Element>(
+    comm: &dyn Collective,
+    ce: &CrossEntropy,
+    targets: &[i64],
+    inputs: &LinearInputs<E>,
+    opts: &FusedOptions,
+) -> Result<CeLinearOutput> {
+    let rows = agree(
+        comm,
+        inputs
+            .validate()
+            .and_then(|_| CeRows::new(ce, targets, inputs.vocab, None, opts.grad_output, None)),
+    )?;
+    let mut count = [rows.live.iter().filter(|&&l| l).count() as f64];
+    comm.all_reduce_sum_f64(&mut count)?;
+    let global = count[0] as usize;
+    let mut grads = LinearGrads::zeros(inputs);
+    let out = CeRows::new(
+        ce,
+        targets,
+        inputs.vocab,
+        Some(global),
+        opts.grad_output,
+        None,
+    )
+    .and_then(|rows| ce_rows_into(&rows, inputs, opts, &mut Workspace::new(), &mut grads));
+    let mut out = agree(comm, out)?;
+    comm.all_reduce_sum_f32(&mut grads.dweight)?;
+    if let Some(db) = grads.dbias.as_mut() {
+        comm.all_reduce_sum_f32(db)?;
+    }
+    let mut sums = [out.loss, out.z_loss];
+    comm.all_reduce_sum_f64(&mut sums)?;
+    (out.loss, out.z_loss) = (sums[0], sums[1]);
+    out.grads = grads;
+    Ok(out)
+}
+
+/// Vocab-parallel cross-entropy: every rank passes all targets and this rank's
+/// [`VocabShard`]. Every rank returns the same loss and per-row outputs, the full dH,
+/// and its shard's dW and dbias. Reduction `none` takes unit upstream gradients.
+pub fn ce_linear_vocab_parallel<E: Element>(
+    comm: &dyn Collective,
+    ce: &CrossEntropy,
+    targets: &[i64],
+    shard: &VocabShard<E>,
+    opts: &FusedOptions,
+) -> Result<CeLinearOutput> {
+    let inputs = &shard.inputs;
+    let checked = shard.check().and_then(|_| {
+        if inputs.tokens != targets.len() {
+            return Err(Error::ShapeMismatch {
+                arg: "target_ids",
+                shape: format!("[N={}]", inputs.tokens),
+                expected: inputs.tokens,
+                actual: targets.len(),
+            });
+        }
+        let rows = CeRows::new(ce, targets, shard.vocab, None, opts.grad_output, None)?;
+        Ok((rows, shard_plan(inputs, opts)?))
+    });
+    let (rows, plan) = agree(comm, checked)?;
+    let local_targets = shard.local_targets(targets);
+    let p = rows.problem_on(inputs, &local_targets);
+    let mut grads = LinearGrads::zeros(inputs);
+    let stats = vocab_parallel(
+        comm,
+        shard,
+        &p,
+        &plan,
+        &mut |stats| {
+            (0..targets.len())
+                .map(|i| rows.row_grad(i, &stats[i]))
+                .collect()
+        },
+        &mut grads,
+    )?;
+    let mut out = agree(comm, rows.output(stats, plan))?;
+    out.grads = grads;
+    Ok(out)
+}

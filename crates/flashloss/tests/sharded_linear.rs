@@ -1,0 +1,376 @@
+//! Sharded fused LM-head losses over the in-process collective, P ∈ {1, 2, 3, 4}:
+//! token-parallel and vocab-parallel GRPO (token and sequence level) and CE equal the
+//! single-rank run within f32 rounding, with uneven shards and a rank whose rows are
+//! all masked; bad input on one rank is the same error on every rank; a rank that
+//! panics makes its peers fail instead of hang.
+
+mod common;
+use common::*;
+use flashloss::collective::{Collective, run_in_process};
+use flashloss::cpu::{
+    FusedOptions, LinearGrads, Mode, VocabShard, ce_linear, ce_linear_token_parallel,
+    ce_linear_vocab_parallel, grpo_linear, grpo_linear_token_parallel, grpo_linear_vocab_parallel,
+    shard_range,
+};
+use flashloss::reference::linear_logits;
+use flashloss::tools::inputs::GrpoInputs;
+use flashloss::{CeConfig, CrossEntropy, Error, GrpoLoss, ImportanceSamplingLevel, LossConfig};
+use std::time::Duration;
+
+const TIMEOUT: Duration = Duration::from_secs(60);
+const B: usize = 5;
+const T: usize = 6;
+const H: usize = 29;
+const V: usize = 1031;
+
+fn opts() -> FusedOptions {
+    FusedOptions {
+        mode: Mode::TwoPass,
+        budget_bytes: flashloss::cpu::gemm_reserve_bytes() + (1 << 20),
+        grad_output: 0.75,
+    }
+}
+
+/// Inputs whose sequence 1 is entirely masked (rank 1's only sequence at P = 4 is
+/// sequence 1 or 2, depending on the split; both cases are covered across P).
+fn inputs() -> (Head<f32>, GrpoInputs) {
+    let head = Head::<f32>::random(B * T, H, V, true, 31);
+    let mut x = draw(B, T, V, 32);
+    x.mask[T..2 * T].fill(false);
+    let z = linear_logits(&head.inputs());
+    x.follow_policy(&z, 1.0);
+    (head, x)
+}
+
+fn close(name: &str, got: &[f32], want: &[f32]) {
+    assert_eq!(got.len(), want.len(), "{name}: length");
+    let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-12);
+    let err = got
+        .iter()
+        .zip(want)
+        .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+    assert!(
+        err <= 1e-5 * scale,
+        "{name}: max error {err:e}, scale {scale:e}"
+    );
+}
+
+fn close_loss(name: &str, got: f64, want: f64) {
+    assert!(
+        (got - want).abs() <= 1e-6 * want.abs().max(1e-3),
+        "{name}: loss {got} vs {want}"
+    );
+}
+
+fn grpo_losses() -> Vec<GrpoLoss> {
+    [
+        ImportanceSamplingLevel::Token,
+        ImportanceSamplingLevel::Sequence,
+    ]
+    .into_iter()
+    .map(|level| {
+        GrpoLoss::new(LossConfig {
+            importance_sampling_level: level,
+            beta: 0.04,
+            entropy_coef: 0.01,
+            ..LossConfig::default()
+        })
+        .unwrap()
+    })
+    .collect()
+}
+
+#[test]
+fn grpo_token_parallel_matches_one_rank() {
+    let (head, x) = inputs();
+    for loss in grpo_losses() {
+        let one = grpo_linear(&loss, &x.batch(), &head.inputs(), &opts()).unwrap();
+        for p in 1..=4 {
+            let results = run_in_process(p, TIMEOUT, |comm| {
+                let seqs = shard_range(B, comm.world_size(), comm.rank());
+                let rows = seqs.start * T..seqs.end * T;
+                let part = x.sequences(seqs);
+                let local_head = head.rows(rows.clone());
+                let out = grpo_linear_token_parallel(
+                    comm,
+                    &loss,
+                    &part.batch(),
+                    &local_head.inputs(),
+                    &opts(),
+                )?;
+                Ok((rows, out))
+            });
+            for (rank, r) in results.into_iter().enumerate() {
+                let (rows, out) = r.unwrap();
+                let case = format!(
+                    "token P={p} rank {rank} {:?}",
+                    loss.config().importance_sampling_level
+                );
+                close_loss(&case, out.loss, one.loss);
+                assert!(
+                    (out.metrics.kl_mean - one.metrics.kl_mean).abs() < 1e-6,
+                    "{case}"
+                );
+                assert!(
+                    (out.metrics.entropy_mean - one.metrics.entropy_mean).abs() < 1e-5,
+                    "{case}"
+                );
+                close(
+                    &format!("{case} dW"),
+                    &out.grads.dweight,
+                    &one.grads.dweight,
+                );
+                close(
+                    &format!("{case} dbias"),
+                    out.grads.dbias.as_ref().unwrap(),
+                    one.grads.dbias.as_ref().unwrap(),
+                );
+                close(
+                    &format!("{case} dH"),
+                    &out.grads.dhidden,
+                    &one.grads.dhidden[rows.start * H..rows.end * H],
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn grpo_vocab_parallel_matches_one_rank() {
+    let (head, x) = inputs();
+    for loss in grpo_losses() {
+        let one = grpo_linear(&loss, &x.batch(), &head.inputs(), &opts()).unwrap();
+        for p in 1..=4 {
+            let results = run_in_process(p, TIMEOUT, |comm| {
+                let range = shard_range(V, comm.world_size(), comm.rank());
+                let part = head.vocab_shard(range.clone());
+                let shard = VocabShard {
+                    inputs: part.inputs(),
+                    offset: range.start,
+                    vocab: V,
+                };
+                let out = grpo_linear_vocab_parallel(comm, &loss, &x.batch(), &shard, &opts())?;
+                Ok((range, out))
+            });
+            for (rank, r) in results.into_iter().enumerate() {
+                let (range, out) = r.unwrap();
+                let case = format!("vocab P={p} rank {rank}");
+                close_loss(&case, out.loss, one.loss);
+                close(
+                    &format!("{case} dH"),
+                    &out.grads.dhidden,
+                    &one.grads.dhidden,
+                );
+                close(
+                    &format!("{case} dW"),
+                    &out.grads.dweight,
+                    &one.grads.dweight[range.start * H..range.end * H],
+                );
+                close(
+                    &format!("{case} dbias"),
+                    out.grads.dbias.as_ref().unwrap(),
+                    &one.grads.dbias.as_ref().unwrap()[range.clone()],
+                );
+                for i in 0..B * T {
+                    assert!(
+                        (out.stats[i].logp - one.stats[i].logp).abs() < 1e-5,
+                        "{case} logp {i}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn ce_token_and_vocab_parallel_match_one_rank() {
+    let (head, x) = inputs();
+    let ce = CrossEntropy::new(CeConfig {
+        label_smoothing: 0.1,
+        z_loss: 1e-3,
+        softcap: Some(5.0),
+        temperature: 0.9,
+        ..CeConfig::default()
+    })
+    .unwrap();
+    // Sequence 1 is masked: its rows are ignored.
+    let targets: Vec<i64> = (0..B * T)
+        .map(|i| if x.mask[i] { x.target_ids[i] } else { -100 })
+        .collect();
+    let one = ce_linear(&ce, &targets, &head.inputs(), &opts()).unwrap();
+    let empty = LinearGrads::zeros(&head.inputs());
+    assert_ne!(one.grads.dweight, empty.dweight);
+    for p in 1..=4 {
+        let token = run_in_process(p, TIMEOUT, |comm| {
+            let seqs = shard_range(B, comm.world_size(), comm.rank());
+            let rows = seqs.start * T..seqs.end * T;
+            let out = ce_linear_token_parallel(
+                comm,
+                &ce,
+                &targets[rows.clone()],
+                &head.rows(rows.clone()).inputs(),
+                &opts(),
+            )?;
+            Ok((rows, out))
+        });
+        for (rank, r) in token.into_iter().enumerate() {
+            let (rows, out) = r.unwrap();
+            let case = format!("ce token P={p} rank {rank}");
+            close_loss(&case, out.loss, one.loss);
+            close(
+                &format!("{case} dW"),
+                &out.grads.dweight,
+                &one.grads.dweight,
+            );
+            close(
+                &format!("{case} dH"),
+                &out.grads.dhidden,
+                &one.grads.dhidden[rows.start * H..rows.end * H],
+            );
+        }
+        let vocab = run_in_process(p, TIMEOUT, |comm| {
+            let range = shard_range(V, comm.world_size(), comm.rank());
+            let part = head.vocab_shard(range.clone());
+            let shard = VocabShard {
+                inputs: part.inputs(),
+                offset: range.start,
+                vocab: V,
+            };
+            Ok((
+                range,
+                ce_linear_vocab_parallel(comm, &ce, &targets, &shard, &opts())?,
+            ))
+        });
+        for (rank, r) in vocab.into_iter().enumerate() {
+            let (range, out) = r.unwrap();
+            let case = format!("ce vocab P={p} rank {rank}");
+            close_loss(&case, out.loss, one.loss);
+            close(
+                &format!("{case} dH"),
+                &out.grads.dhidden,
+                &one.grads.dhidden,
+            );
+            close(
+                &format!("{case} dW"),
+                &out.grads.dweight,
+                &one.grads.dweight[range.start * H..range.end * H],
+            );
+            close(&format!("{case} row loss"), &out.row_loss, &one.row_loss);
+        }
+    }
+}
+
+#[test]
+fn bad_input_on_one_rank_is_the_same_error_everywhere() {
+    let (head, x) = inputs();
+    let loss = &grpo_losses()[0];
+    for p in [2, 3] {
+        let results = run_in_process(p, TIMEOUT, |comm| {
+            let range = shard_range(V, comm.world_size(), comm.rank());
+            let mut part = head.vocab_shard(range.clone());
+            if comm.rank() == 1 {
+                part.weight[7] = f32::NAN;
+            }
+            let shard = VocabShard {
+                inputs: part.inputs(),
+                offset: range.start,
+                vocab: V,
+            };
+            grpo_linear_vocab_parallel(comm, loss, &x.batch(), &shard, &opts())
+        });
+        for r in results {
+            assert_eq!(
+                r.unwrap_err(),
+                Error::OnRank {
+                    rank: 1,
+                    reason: "argument `weight`: value NaN at index 7 is not finite".into()
+                }
+            );
+        }
+        let results = run_in_process(p, TIMEOUT, |comm| {
+            let seqs = shard_range(B, comm.world_size(), comm.rank());
+            let mut part = x.sequences(seqs.clone());
+            if comm.rank() == p - 1 {
+                part.target_ids[2] = V as i64;
+                part.mask[2] = true;
+            }
+            let local_head = head.rows(seqs.start * T..seqs.end * T);
+            grpo_linear_token_parallel(comm, loss, &part.batch(), &local_head.inputs(), &opts())
+        });
+        for r in results {
+            let err = r.unwrap_err().to_string();
+            assert!(
+                err.starts_with(&format!("rank {}: argument `target_ids`: id {V}", p - 1)),
+                "{err}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_rank_that_panics_or_leaves_does_not_hang_its_peers() {
+    let results = run_in_process(3, TIMEOUT, |comm| {
+        if comm.rank() == 2 {
+            panic!("injected failure");
+        }
+        let mut buf = [1.0f32; 4];
+        comm.all_reduce_sum_f32(&mut buf)?;
+        Ok(buf)
+    });
+    for (rank, r) in results.iter().enumerate() {
+        let err = r.as_ref().unwrap_err().to_string();
+        if rank == 2 {
+            assert_eq!(err, "collective: rank 2 panicked");
+        } else {
+            // Rank 2 leaves first; a peer that already failed may be seen leaving too.
+            assert!(
+                err.starts_with("collective: rank ") && err.contains(" left while rank"),
+                "{err}"
+            );
+        }
+    }
+    let results = run_in_process(2, Duration::from_millis(200), |comm| {
+        if comm.rank() == 0 {
+            std::thread::sleep(Duration::from_secs(1));
+        }
+        comm.barrier()
+    });
+    let err = results[1].as_ref().unwrap_err().to_string();
+    assert!(err.contains("(timeout)"), "{err}");
+}
+
+#[test]
+fn collectives_combine_in_rank_order() {
+    let results = run_in_process(4, TIMEOUT, |comm| {
+        let r = comm.rank() as f32;
+        let mut sum = vec![r; 3_000_001];
+        comm.all_reduce_sum_f32(&mut sum)?;
+        let mut max = [r, -r];
+        comm.all_reduce_max_f32(&mut max)?;
+        let mut b = [r as f64; 2];
+        comm.broadcast_f64(&mut b, 2)?;
+        let gathered = comm.all_gather_f64(&vec![r as f64; comm.rank()])?;
+        Ok((sum[3_000_000], max, b, gathered))
+    });
+    for r in results {
+        let (sum, max, b, gathered) = r.unwrap();
+        assert_eq!(sum, 6.0);
+        assert_eq!(max, [3.0, 0.0]);
+        assert_eq!(b, [2.0, 2.0]);
+        assert_eq!(
+            gathered.iter().map(Vec::len).collect::<Vec<_>>(),
+            [0, 1, 2, 3]
+        );
+    }
+    let results = run_in_process(2, TIMEOUT, |comm| {
+        let mut buf = vec![0.0f32; 3 + comm.rank()];
+        comm.all_reduce_sum_f32(&mut buf)
+    });
+    assert!(
+        results[0]
+            .as_ref()
+            .unwrap_err()
+            .to_string()
+            .contains("different lengths")
+    );
+}
