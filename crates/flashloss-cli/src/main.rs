@@ -2,7 +2,7 @@
 
 use clap::{Parser, Subcommand};
 use flashloss::memory::TrackingAllocator;
-use flashloss::tools::{bench, config_file, gradcheck};
+use flashloss::tools::{bench, config_file, gradcheck, sharded_check};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -37,6 +37,11 @@ enum Command {
         /// Worker threads (default: all cores).
         #[arg(long)]
         threads: Option<usize>,
+        /// Run the fused LM-head kernel sharded over P in-process ranks (config key
+        /// `parallel`: token or vocab) and compare each rank with a single-rank run;
+        /// every rank prints one JSON line.
+        #[arg(long)]
+        ranks: Option<usize>,
     },
     /// A/B of baseline and fused: step time, peak memory, achieved rates.
     Bench {
@@ -188,8 +193,43 @@ fn main() -> ExitCode {
         Command::Gradcheck {
             config,
             overrides,
+            threads,
+            ranks: Some(ranks),
+            ..
+        } => {
+            let results = config_file::load::<gradcheck::GradcheckConfig>(&config, &overrides)
+                .and_then(|cfg| with_threads(threads, || sharded_check::run(&cfg, ranks)));
+            let results = match results {
+                Ok(r) => r,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return ExitCode::from(2);
+                }
+            };
+            let mut code = ExitCode::SUCCESS;
+            for (rank, r) in results.iter().enumerate() {
+                match r {
+                    Ok(report) => {
+                        println!("{}", serde_json::to_string(report).expect("serializable"));
+                        if !report.report.passed {
+                            code = ExitCode::FAILURE;
+                        }
+                    }
+                    Err(e) => {
+                        let line = serde_json::json!({"rank": rank, "passed": false, "error": e.to_string()});
+                        println!("{line}");
+                        code = ExitCode::from(2);
+                    }
+                }
+            }
+            code
+        }
+        Command::Gradcheck {
+            config,
+            overrides,
             json,
             threads,
+            ranks: None,
         } => {
             let report = config_file::load::<gradcheck::GradcheckConfig>(&config, &overrides)
                 .and_then(|cfg| with_threads(threads, || gradcheck::run(&cfg)));

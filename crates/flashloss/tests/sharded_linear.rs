@@ -374,3 +374,41 @@ fn collectives_combine_in_rank_order() {
             .contains("different lengths")
     );
 }
+
+#[test]
+fn sharded_gradcheck_passes_on_every_rank() {
+    use flashloss::cpu::Parallel;
+    use flashloss::tools::gradcheck::{GradcheckConfig, Kernel, Objective};
+    use flashloss::tools::sharded_check;
+    for objective in [Objective::Grpo, Objective::Ce] {
+        for parallel in [Parallel::Token, Parallel::Vocab] {
+            let cfg = GradcheckConfig {
+                kernel: Kernel::Linear,
+                objective,
+                parallel,
+                batch: 4,
+                seq_len: 5,
+                hidden: 21,
+                vocab: 701,
+                ..GradcheckConfig::default()
+            };
+            let results = sharded_check::run(&cfg, 3).unwrap();
+            assert_eq!(results.len(), 3);
+            for (rank, r) in results.into_iter().enumerate() {
+                let r = r.unwrap();
+                assert_eq!(r.rank, rank);
+                assert!(
+                    r.report.passed,
+                    "{objective:?} {parallel:?} rank {rank}: {:?}",
+                    r.report.gates
+                );
+                assert!(r.report.gate("dweight").is_some() && r.report.gate("dhidden").is_some());
+            }
+            let err = sharded_check::run(&cfg, 5).unwrap_err().to_string();
+            assert!(
+                err.starts_with("argument `ranks`: must be in 1..=4"),
+                "{err}"
+            );
+        }
+    }
+}

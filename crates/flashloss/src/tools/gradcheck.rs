@@ -7,7 +7,7 @@ use super::inputs::{GrpoInputs, HeadInputs, InputSpec};
 use crate::batch::LogitsLayout;
 use crate::config::{GrpoLoss, LossConfig};
 use crate::cpu::{
-    FusedOptions, LinearGrads, Mode, Workspace, ce_linear_into, grpo_linear_into,
+    FusedOptions, LinearGrads, Mode, Parallel, Workspace, ce_linear_into, grpo_linear_into,
     grpo_logits_forward,
 };
 use crate::cross_entropy::{CeConfig, CrossEntropy};
@@ -49,6 +49,8 @@ pub struct GradcheckConfig {
     pub kernel: Kernel,
     /// Which loss (`ce` needs kernel `linear`).
     pub objective: Objective,
+    /// How `--ranks P` splits the work (kernel `linear`).
+    pub parallel: Parallel,
     /// B.
     pub batch: usize,
     /// T.
@@ -97,6 +99,7 @@ impl Default for GradcheckConfig {
         GradcheckConfig {
             kernel: Kernel::Logits,
             objective: Objective::Grpo,
+            parallel: Parallel::Token,
             batch: inputs.batch,
             seq_len: inputs.seq_len,
             vocab: inputs.vocab,
@@ -182,7 +185,7 @@ pub struct Gate {
 }
 
 impl Gate {
-    fn new(name: &'static str, value: f64, limit: f64) -> Self {
+    pub(crate) fn new(name: &'static str, value: f64, limit: f64) -> Self {
         Gate {
             name,
             value,
@@ -222,7 +225,7 @@ impl GradcheckReport {
         self.gates.iter().find(|g| g.name == name)
     }
 
-    fn new(
+    pub(crate) fn new(
         kernel: String,
         loss: (f64, f64),
         metrics: Option<(GrpoMetrics, GrpoMetrics)>,
@@ -364,24 +367,20 @@ fn grad_gate(
 /// `[N = B·T, H] × [V, H]`: loss, logp (and entropy for GRPO), dH, dW, dbias. The
 /// gradient buffers start as NaN-free zeros (the kernel adds into them).
 fn check_linear<E: Element>(cfg: &GradcheckConfig) -> Result<GradcheckReport> {
-    let (n, h, v) = (cfg.batch * cfg.seq_len, cfg.hidden, cfg.vocab);
-    let head = HeadInputs::<E>::random(n, h, v, cfg.bias, cfg.seed);
+    let (n, v) = (cfg.batch * cfg.seq_len, cfg.vocab);
+    let LinearCase {
+        head,
+        tokens,
+        z,
+        opts,
+    } = LinearCase::<E>::new(cfg);
     let inputs = head.inputs();
-    let mut tokens = GrpoInputs::random(&cfg.input_spec(), cfg.seed + 1);
-    tokens.logits = Vec::new();
-    let z = linear_logits(&inputs);
-    let opts = FusedOptions {
-        mode: cfg.mode,
-        budget_bytes: (cfg.budget_mib * (1u64 << 20) as f64) as usize,
-        grad_output: cfg.grad_output as f32,
-    };
     let tol = cfg.tolerance.resolved(E::DTYPE);
     let mut grads = LinearGrads::zeros(&inputs);
     let start = Instant::now();
     let (name, loss_pair, metrics, mut gates, dlogits_ref) = match cfg.objective {
         Objective::Grpo => {
             let loss = GrpoLoss::new(cfg.loss.clone())?;
-            tokens.follow_policy(&z, loss.config().temperature);
             let batch = tokens.batch();
             let norm = Normalizers::local(&batch);
             let out = grpo_linear_into(
@@ -422,16 +421,7 @@ fn check_linear<E: Element>(cfg: &GradcheckConfig) -> Result<GradcheckReport> {
         }
         Objective::Ce => {
             let ce = CrossEntropy::new(cfg.ce.clone())?;
-            let ignore = ce.config().ignore_index;
-            let targets: Vec<i64> = (0..n)
-                .map(|i| {
-                    if tokens.mask[i] {
-                        tokens.target_ids[i]
-                    } else {
-                        ignore
-                    }
-                })
-                .collect();
+            let targets = ce_targets(&tokens, &ce);
             let out = ce_linear_into(
                 &ce,
                 &targets,
@@ -489,6 +479,51 @@ fn check_linear<E: Element>(cfg: &GradcheckConfig) -> Result<GradcheckReport> {
         kernel_seconds,
         gates,
     ))
+}
+
+/// The random inputs of a fused LM-head check: a head, per-token GRPO inputs whose old
+/// and reference logp follow the head's policy, the head's f64 logits, the options.
+pub(crate) struct LinearCase<E> {
+    pub(crate) head: HeadInputs<E>,
+    pub(crate) tokens: GrpoInputs,
+    pub(crate) z: Vec<f64>,
+    pub(crate) opts: FusedOptions,
+}
+
+impl<E: Element> LinearCase<E> {
+    pub(crate) fn new(cfg: &GradcheckConfig) -> Self {
+        let (n, h, v) = (cfg.batch * cfg.seq_len, cfg.hidden, cfg.vocab);
+        let head = HeadInputs::<E>::random(n, h, v, cfg.bias, cfg.seed);
+        let mut tokens = GrpoInputs::random(&cfg.input_spec(), cfg.seed + 1);
+        tokens.logits = Vec::new();
+        let z = linear_logits(&head.inputs());
+        tokens.follow_policy(&z, cfg.loss.temperature);
+        let opts = FusedOptions {
+            mode: cfg.mode,
+            budget_bytes: (cfg.budget_mib * (1u64 << 20) as f64) as usize,
+            grad_output: cfg.grad_output as f32,
+        };
+        LinearCase {
+            head,
+            tokens,
+            z,
+            opts,
+        }
+    }
+}
+
+/// CE targets of GRPO inputs: the target ids, `ignore_index` at masked positions.
+pub(crate) fn ce_targets(tokens: &GrpoInputs, ce: &CrossEntropy) -> Vec<i64> {
+    let ignore = ce.config().ignore_index;
+    (0..tokens.mask.len())
+        .map(|i| {
+            if tokens.mask[i] {
+                tokens.target_ids[i]
+            } else {
+                ignore
+            }
+        })
+        .collect()
 }
 
 fn mode_name(single_pass: bool) -> &'static str {
