@@ -70,7 +70,15 @@ pub fn ce_linear_into<E: Element>(
 ) -> Result<CeLinearOutput> {
     inputs.validate()?;
     grads.check(inputs)?;
-    let rows = CeRows::new(ce, targets, inputs.vocab, None, opts.grad_output, grad_rows)?;
+    let rows = CeRows::new(
+        ce,
+        targets,
+        inputs.tokens,
+        inputs.vocab,
+        None,
+        opts.grad_output,
+        grad_rows,
+    )?;
     ce_rows_into(&rows, inputs, opts, ws, grads)
 }
 
@@ -123,18 +131,18 @@ pub(crate) struct CeRows<'a> {
 }
 
 impl<'a> CeRows<'a> {
-    /// Checks targets (ids in `[0, vocab)` where counted), `grad_rows` and
-    /// `grad_output`. `global_count`, if given, is the count of counted rows over all
+    /// Checks targets (`[N]` for a head of `inputs.tokens` = N rows, ids in
+    /// `[0, vocab)` where counted), `grad_rows` and `grad_output`. `global_count`, if given, is the count of counted rows over all
     /// ranks (token-parallel mean); otherwise the local count.
     pub(crate) fn new(
         ce: &'a CrossEntropy,
         targets: &'a [i64],
+        n: usize,
         vocab: usize,
         global_count: Option<usize>,
         grad_output: f32,
         grad_rows: Option<&'a [f32]>,
     ) -> Result<Self> {
-        let n = targets.len();
         let live: Vec<bool> = targets.iter().map(|&y| ce.counts(y)).collect();
         check_targets(
             targets,

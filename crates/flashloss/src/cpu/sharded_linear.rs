@@ -195,6 +195,15 @@ fn vocab_parallel<E: Element>(
     Ok(stats)
 }
 
+/// Token-parallel: every rank's dW and dbias summed.
+fn all_reduce_head_grads(comm: &dyn Collective, grads: &mut LinearGrads) -> Result<()> {
+    comm.all_reduce_sum_f32(&mut grads.dweight)?;
+    if let Some(db) = grads.dbias.as_mut() {
+        comm.all_reduce_sum_f32(db)?;
+    }
+    Ok(())
+}
+
 /// Token-parallel GRPO: this rank's sequences `batch` and their hidden rows in
 /// `inputs` (the whole head). Returns the global loss and metrics, this rank's rows'
 /// statistics and dH, and the all-reduced dW and dbias.
@@ -224,10 +233,7 @@ pub fn grpo_linear_token_parallel<E: Element>(
         &mut grads,
     );
     let mut out = agree(comm, out)?;
-    comm.all_reduce_sum_f32(&mut grads.dweight)?;
-    if let Some(db) = grads.dbias.as_mut() {
-        comm.all_reduce_sum_f32(db)?;
-    }
+    all_reduce_head_grads(comm, &mut grads)?;
     let m = out.metrics;
     let tokens = local.token_count;
     let mut sums = [
@@ -325,9 +331,17 @@ pub fn ce_linear_token_parallel<E: Element>(
 ) -> Result<CeLinearOutput> {
     let rows = agree(
         comm,
-        inputs
-            .validate()
-            .and_then(|_| CeRows::new(ce, targets, inputs.vocab, None, opts.grad_output, None)),
+        inputs.validate().and_then(|_| {
+            CeRows::new(
+                ce,
+                targets,
+                inputs.tokens,
+                inputs.vocab,
+                None,
+                opts.grad_output,
+                None,
+            )
+        }),
     )?;
     let mut count = [rows.live.iter().filter(|&&l| l).count() as f64];
     comm.all_reduce_sum_f64(&mut count)?;
@@ -336,6 +350,7 @@ pub fn ce_linear_token_parallel<E: Element>(
     let out = CeRows::new(
         ce,
         targets,
+        inputs.tokens,
         inputs.vocab,
         Some(global),
         opts.grad_output,
@@ -343,10 +358,7 @@ pub fn ce_linear_token_parallel<E: Element>(
     )
     .and_then(|rows| ce_rows_into(&rows, inputs, opts, &mut Workspace::new(), &mut grads));
     let mut out = agree(comm, out)?;
-    comm.all_reduce_sum_f32(&mut grads.dweight)?;
-    if let Some(db) = grads.dbias.as_mut() {
-        comm.all_reduce_sum_f32(db)?;
-    }
+    all_reduce_head_grads(comm, &mut grads)?;
     let mut sums = [out.loss, out.z_loss];
     comm.all_reduce_sum_f64(&mut sums)?;
     (out.loss, out.z_loss) = (sums[0], sums[1]);
@@ -366,15 +378,15 @@ pub fn ce_linear_vocab_parallel<E: Element>(
 ) -> Result<CeLinearOutput> {
     let inputs = &shard.inputs;
     let checked = shard.check().and_then(|_| {
-        if inputs.tokens != targets.len() {
-            return Err(Error::ShapeMismatch {
-                arg: "target_ids",
-                shape: format!("[N={}]", inputs.tokens),
-                expected: inputs.tokens,
-                actual: targets.len(),
-            });
-        }
-        let rows = CeRows::new(ce, targets, shard.vocab, None, opts.grad_output, None)?;
+        let rows = CeRows::new(
+            ce,
+            targets,
+            inputs.tokens,
+            shard.vocab,
+            None,
+            opts.grad_output,
+            None,
+        )?;
         Ok((rows, shard_plan(inputs, opts)?))
     });
     let (rows, plan) = agree(comm, checked)?;

@@ -349,7 +349,7 @@ fn worst_rel(pairs: impl Iterator<Item = (f32, f64)>) -> f64 {
 }
 
 /// The gate of one gradient: `max|Δg| ≤ max(grad_rel · max|g_ref|, grad_atol)`.
-fn grad_gate(
+pub(crate) fn grad_gate(
     name: &'static str,
     got: impl Iterator<Item = f64>,
     want: &[f64],

@@ -5,7 +5,8 @@
 //! gates are f32 rounding: 1e-5 relative to the largest entry.
 
 use super::gradcheck::{
-    Gate, GradcheckConfig, GradcheckReport, Kernel, LinearCase, Objective, ce_targets,
+    Gate, GradcheckConfig, GradcheckReport, Kernel, LinearCase, Objective, Tolerance, ce_targets,
+    grad_gate,
 };
 use crate::collective::{Collective, run_in_process};
 use crate::config::GrpoLoss;
@@ -163,14 +164,14 @@ fn run_typed<E: Element>(cfg: &GradcheckConfig, ranks: usize) -> Result<Vec<Resu
         let start = Instant::now();
         let held = rank_step(comm)?;
         let seconds = start.elapsed().as_secs_f64();
+        let tol = Tolerance {
+            grad_rel: Some(SHARDED_REL),
+            grad_atol: Some(0.0),
+            ..Tolerance::default()
+        };
         let gate = |name: &'static str, got: &[f32], want: &[f32]| {
-            let scale = want.iter().fold(0.0f32, |m, x| m.max(x.abs())) as f64;
-            let err = got
-                .iter()
-                .zip(want)
-                .map(|(a, b)| (a - b).abs() as f64)
-                .fold(0.0, |m, d| if d.is_nan() || d > m { d } else { m });
-            Gate::new(name, err, SHARDED_REL * scale)
+            let want: Vec<f64> = want.iter().map(|&x| x as f64).collect();
+            grad_gate(name, got.iter().map(|&x| x as f64), &want, &tol)
         };
         let mut gates = vec![
             Gate::new(
