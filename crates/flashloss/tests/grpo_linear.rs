@@ -118,53 +118,14 @@ fn single_pass_equals_two_pass_and_threads_do_not_change_bits() {
     .unwrap();
     let head = Head::<f32>::random(2 * 40, 64, 3001, true, 5);
     let x = draw(2, 40, 3001, 6);
-    let run = |mode: Mode, threads: usize| {
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .build()
-            .unwrap();
-        pool.install(|| {
-            let opts = FusedOptions {
-                mode,
-                budget_bytes: 8 << 20,
-                grad_output: 1.0,
-            };
-            grpo_linear(&loss, &x.batch(), &head.inputs(), &opts).unwrap()
-        })
-    };
-    let single = run(Mode::SinglePass, 2);
-    let two = run(Mode::TwoPass, 2);
-    assert!(single.plan.single_pass && !two.plan.single_pass);
-    assert!((single.loss - two.loss).abs() <= 1e-6 * single.loss.abs().max(1.0));
-    let close = |a: &[f32], b: &[f32]| {
-        let scale = a.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-        a.iter().zip(b).all(|(x, y)| (x - y).abs() <= 1e-5 * scale)
-    };
-    assert!(close(&single.grads.dhidden, &two.grads.dhidden));
-    assert!(close(&single.grads.dweight, &two.grads.dweight));
-    for mode in [Mode::SinglePass, Mode::TwoPass] {
-        let one = run(mode, 1);
-        for threads in [2, 8] {
-            let other = run(mode, threads);
-            assert_eq!(
-                one.loss.to_bits(),
-                other.loss.to_bits(),
-                "{mode:?} loss, {threads} threads"
-            );
-            assert_eq!(
-                one.grads.dhidden, other.grads.dhidden,
-                "{mode:?} dH, {threads} threads"
-            );
-            assert_eq!(
-                one.grads.dweight, other.grads.dweight,
-                "{mode:?} dW, {threads} threads"
-            );
-            assert_eq!(
-                one.grads.dbias, other.grads.dbias,
-                "{mode:?} dbias, {threads} threads"
-            );
+    assert_modes_agree_and_threads_invariant(&|opts| {
+        let out = grpo_linear(&loss, &x.batch(), &head.inputs(), opts).unwrap();
+        FusedRun {
+            loss: out.loss,
+            grads: out.grads,
+            single_pass: out.plan.single_pass,
         }
-    }
+    });
 }
 
 #[test]

@@ -99,3 +99,52 @@ pub fn assert_close(name: &str, got: &[f32], want: &[f64], rel: f64) {
         "{name}: max error {err:.3e}, max |ref| {scale:.3e}"
     );
 }
+
+/// What [`assert_modes_agree_and_threads_invariant`] compares of a fused step.
+pub struct FusedRun {
+    pub loss: f64,
+    pub grads: flashloss::cpu::LinearGrads,
+    pub single_pass: bool,
+}
+
+/// Single-pass equals two-pass within f32 rounding, and 1, 2 and 8 threads give
+/// identical bits in each mode. `run(opts)` runs the fused step with `opts`.
+pub fn assert_modes_agree_and_threads_invariant(
+    run: &(dyn Fn(&flashloss::cpu::FusedOptions) -> FusedRun + Sync),
+) {
+    use flashloss::cpu::{FusedOptions, Mode};
+    let run_with = |mode: Mode, threads: usize| {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        pool.install(|| {
+            run(&FusedOptions {
+                mode,
+                budget_bytes: 8 << 20,
+                grad_output: 1.0,
+            })
+        })
+    };
+    let single = run_with(Mode::SinglePass, 2);
+    let two = run_with(Mode::TwoPass, 2);
+    assert!(single.single_pass && !two.single_pass);
+    assert!((single.loss - two.loss).abs() <= 1e-6 * single.loss.abs().max(1.0));
+    let close = |a: &[f32], b: &[f32]| {
+        let scale = a.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        a.iter().zip(b).all(|(x, y)| (x - y).abs() <= 1e-5 * scale)
+    };
+    assert!(close(&single.grads.dhidden, &two.grads.dhidden));
+    assert!(close(&single.grads.dweight, &two.grads.dweight));
+    for mode in [Mode::SinglePass, Mode::TwoPass] {
+        let one = run_with(mode, 1);
+        for threads in [2, 8] {
+            let other = run_with(mode, threads);
+            let case = format!("{mode:?}, {threads} threads");
+            assert_eq!(one.loss.to_bits(), other.loss.to_bits(), "{case}: loss");
+            assert_eq!(one.grads.dhidden, other.grads.dhidden, "{case}: dH");
+            assert_eq!(one.grads.dweight, other.grads.dweight, "{case}: dW");
+            assert_eq!(one.grads.dbias, other.grads.dbias, "{case}: dbias");
+        }
+    }
+}
