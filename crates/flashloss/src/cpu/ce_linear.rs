@@ -75,7 +75,6 @@ pub fn ce_linear_into<E: Element>(
         targets,
         inputs.tokens,
         inputs.vocab,
-        None,
         opts.grad_output,
         grad_rows,
     )?;
@@ -121,9 +120,9 @@ pub(crate) fn ce_rows_into<E: Element>(
 pub(crate) struct CeRows<'a> {
     ce: &'a CrossEntropy,
     targets: &'a [i64],
-    pub(crate) live: Vec<bool>,
-    /// Rows that count (over all ranks in a sharded run).
-    count: usize,
+    live: Vec<bool>,
+    /// Rows that count (over all ranks in a token-parallel run).
+    pub(crate) count: usize,
     weight: f64,
     grad_output: f32,
     grad_rows: Option<&'a [f32]>,
@@ -132,14 +131,13 @@ pub(crate) struct CeRows<'a> {
 
 impl<'a> CeRows<'a> {
     /// Checks targets (`[N]` for a head of `inputs.tokens` = N rows, ids in
-    /// `[0, vocab)` where counted), `grad_rows` and `grad_output`. `global_count`, if given, is the count of counted rows over all
-    /// ranks (token-parallel mean); otherwise the local count.
+    /// `[0, vocab)` where counted), `grad_rows` and `grad_output`. The mean is over
+    /// the rows counted here (see [`CeRows::with_count`]).
     pub(crate) fn new(
         ce: &'a CrossEntropy,
         targets: &'a [i64],
         n: usize,
         vocab: usize,
-        global_count: Option<usize>,
         grad_output: f32,
         grad_rows: Option<&'a [f32]>,
     ) -> Result<Self> {
@@ -160,7 +158,7 @@ impl<'a> CeRows<'a> {
                 value: grad_output as f64,
             });
         }
-        let count = global_count.unwrap_or_else(|| live.iter().filter(|&&l| l).count());
+        let count = live.iter().filter(|&&l| l).count();
         Ok(CeRows {
             ce,
             targets,
@@ -196,6 +194,16 @@ impl<'a> CeRows<'a> {
             inv_temp: (1.0 / c.temperature) as f32,
             softcap: c.softcap.map(|x| x as f32),
             mean_logit: c.label_smoothing > 0.0,
+        }
+    }
+
+    /// The same rows with the mean taken over `count` rows (counted on all ranks of a
+    /// token-parallel run).
+    pub(crate) fn with_count(self, count: usize) -> Self {
+        CeRows {
+            count,
+            weight: self.ce.row_weight(count),
+            ..self
         }
     }
 

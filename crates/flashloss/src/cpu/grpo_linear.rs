@@ -131,6 +131,20 @@ pub fn grpo_linear_into<E: Element>(
 ) -> Result<GrpoLinearOutput> {
     grads.check(inputs)?;
     check_inputs(loss, batch, inputs, inputs.vocab, opts)?;
+    grpo_linear_checked(loss, batch, norm, inputs, opts, ws, grads)
+}
+
+/// [`grpo_linear_into`] on inputs already checked by [`check_inputs`] (and `grads`
+/// by [`LinearGrads::check`]).
+pub(crate) fn grpo_linear_checked<E: Element>(
+    loss: &GrpoLoss,
+    batch: &GrpoBatch,
+    norm: Normalizers,
+    inputs: &LinearInputs<E>,
+    opts: &FusedOptions,
+    ws: &mut Workspace,
+    grads: &mut LinearGrads,
+) -> Result<GrpoLinearOutput> {
     let temperature = loss.config().temperature;
     let scale = (opts.grad_output as f64 / temperature) as f32;
     let widen = E::as_f32(inputs.weight).is_none();

@@ -20,7 +20,7 @@ use super::fused_linear::{
     FusedOptions, LinearGrads, Mode, PartialStats, Plan, Problem, RowGrad, Workspace,
     accumulate_grads, plan, row_states,
 };
-use super::grpo_linear::{GrpoLinearOutput, check_inputs, grpo_linear_into, row_grads};
+use super::grpo_linear::{GrpoLinearOutput, check_inputs, grpo_linear_checked, row_grads};
 use super::online_softmax::OnlineSoftmax;
 use super::selective_log_softmax::check_row_stats;
 use crate::batch::{GrpoBatch, LinearInputs};
@@ -65,8 +65,9 @@ pub struct VocabShard<'a, E> {
 }
 
 impl<E: Element> VocabShard<'_, E> {
+    /// Checks that the shard lies inside the vocabulary (the inputs themselves are
+    /// checked with the loss's other inputs).
     fn check(&self) -> Result<()> {
-        self.inputs.validate()?;
         if self.offset + self.inputs.vocab > self.vocab {
             return Err(Error::InvalidArgument {
                 arg: "shard",
@@ -223,7 +224,7 @@ pub fn grpo_linear_token_parallel<E: Element>(
         token_count: totals[1],
     };
     let mut grads = LinearGrads::zeros(inputs);
-    let out = grpo_linear_into(
+    let out = grpo_linear_checked(
         loss,
         batch,
         norm,
@@ -337,26 +338,16 @@ pub fn ce_linear_token_parallel<E: Element>(
                 targets,
                 inputs.tokens,
                 inputs.vocab,
-                None,
                 opts.grad_output,
                 None,
             )
         }),
     )?;
-    let mut count = [rows.live.iter().filter(|&&l| l).count() as f64];
+    let mut count = [rows.count as f64];
     comm.all_reduce_sum_f64(&mut count)?;
-    let global = count[0] as usize;
+    let rows = rows.with_count(count[0] as usize);
     let mut grads = LinearGrads::zeros(inputs);
-    let out = CeRows::new(
-        ce,
-        targets,
-        inputs.tokens,
-        inputs.vocab,
-        Some(global),
-        opts.grad_output,
-        None,
-    )
-    .and_then(|rows| ce_rows_into(&rows, inputs, opts, &mut Workspace::new(), &mut grads));
+    let out = ce_rows_into(&rows, inputs, opts, &mut Workspace::new(), &mut grads);
     let mut out = agree(comm, out)?;
     all_reduce_head_grads(comm, &mut grads)?;
     let mut sums = [out.loss, out.z_loss];
@@ -378,12 +369,12 @@ pub fn ce_linear_vocab_parallel<E: Element>(
 ) -> Result<CeLinearOutput> {
     let inputs = &shard.inputs;
     let checked = shard.check().and_then(|_| {
+        inputs.validate()?;
         let rows = CeRows::new(
             ce,
             targets,
             inputs.tokens,
             shard.vocab,
-            None,
             opts.grad_output,
             None,
         )?;
