@@ -2,13 +2,18 @@
 //! [`Collective::all_gather_bytes`]; every other operation (all-reduce sum and max,
 //! all-gather, broadcast, barrier, agreement on errors) is built on it here, combining
 //! contributions in rank order so that every rank gets bitwise the same result.
-//! Engines: [`InProcess`] (ranks are threads). An engine may override a provided
+//! Engines: [`InProcess`] (ranks are threads), [`Mpi`] (feature `mpi`: processes under
+//! `mpirun`) and [`Solo`] (a group of one). An engine may override a provided
 //! operation with a native one (MPI's or NCCL's all-reduce) as long as every rank
 //! gets the same result.
 
 mod in_process;
+#[cfg(feature = "mpi")]
+mod mpi;
 
 pub use in_process::{InProcess, run_in_process};
+#[cfg(feature = "mpi")]
+pub use mpi::{Mpi, MpiRuntime};
 
 use crate::error::{Error, Result};
 
@@ -27,6 +32,10 @@ pub trait Collective: Send + Sync {
 
     /// Every rank's `local`, in rank order (sizes may differ).
     fn all_gather_bytes(&self, local: &[u8]) -> Result<Vec<Vec<u8>>>;
+
+    /// A sub-group: the ranks that pass the same `color`, ordered by `(key, rank)`.
+    /// Every rank of this group must call it (collective).
+    fn split(&self, color: usize, key: usize) -> Result<Box<dyn Collective>>;
 
     /// `buf ← Σ_ranks buf` (f64), summed in rank order.
     fn all_reduce_sum_f64(&self, buf: &mut [f64]) -> Result<()> {
@@ -97,6 +106,97 @@ pub fn agree<T>(comm: &(impl Collective + ?Sized), local: Result<T>) -> Result<T
             rank,
             reason: String::from_utf8_lossy(&gathered[rank][1..]).into_owned(),
         }),
+    }
+}
+
+/// The members of `rank`'s sub-group when every rank passed `(color, key)` (as
+/// gathered, in rank order): their ranks in this group, ordered by `(key, rank)`.
+pub(crate) fn split_members(gathered: &[Vec<u8>], rank: usize) -> Vec<usize> {
+    let pair = |r: usize| -> (u64, u64) {
+        let b = &gathered[r];
+        (
+            u64::from_le_bytes(b[..8].try_into().expect("8 bytes")),
+            u64::from_le_bytes(b[8..16].try_into().expect("8 bytes")),
+        )
+    };
+    let color = pair(rank).0;
+    let mut members: Vec<usize> = (0..gathered.len())
+        .filter(|&r| pair(r).0 == color)
+        .collect();
+    members.sort_by_key(|&r| (pair(r).1, r));
+    members
+}
+
+/// The bytes a rank contributes to a split: `color` and `key` as little-endian u64.
+pub(crate) fn split_bytes(color: usize, key: usize) -> Vec<u8> {
+    let mut b = (color as u64).to_le_bytes().to_vec();
+    b.extend((key as u64).to_le_bytes());
+    b
+}
+
+/// A borrowed group is the group.
+impl<C: Collective + ?Sized> Collective for &C {
+    fn rank(&self) -> usize {
+        (**self).rank()
+    }
+
+    fn world_size(&self) -> usize {
+        (**self).world_size()
+    }
+
+    fn all_gather_bytes(&self, local: &[u8]) -> Result<Vec<Vec<u8>>> {
+        (**self).all_gather_bytes(local)
+    }
+
+    fn split(&self, color: usize, key: usize) -> Result<Box<dyn Collective>> {
+        (**self).split(color, key)
+    }
+
+    fn all_reduce_sum_f64(&self, buf: &mut [f64]) -> Result<()> {
+        (**self).all_reduce_sum_f64(buf)
+    }
+
+    fn all_reduce_sum_f32(&self, buf: &mut [f32]) -> Result<()> {
+        (**self).all_reduce_sum_f32(buf)
+    }
+
+    fn all_reduce_max_f32(&self, buf: &mut [f32]) -> Result<()> {
+        (**self).all_reduce_max_f32(buf)
+    }
+
+    fn all_gather_f64(&self, local: &[f64]) -> Result<Vec<Vec<f64>>> {
+        (**self).all_gather_f64(local)
+    }
+
+    fn broadcast_f64(&self, buf: &mut [f64], root: usize) -> Result<()> {
+        (**self).broadcast_f64(buf, root)
+    }
+
+    fn barrier(&self) -> Result<()> {
+        (**self).barrier()
+    }
+}
+
+/// A group of one rank: every collective returns its input. What a sharded kernel
+/// gets on an axis that is not split.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Solo;
+
+impl Collective for Solo {
+    fn rank(&self) -> usize {
+        0
+    }
+
+    fn world_size(&self) -> usize {
+        1
+    }
+
+    fn all_gather_bytes(&self, local: &[u8]) -> Result<Vec<Vec<u8>>> {
+        Ok(vec![local.to_vec()])
+    }
+
+    fn split(&self, _color: usize, _key: usize) -> Result<Box<dyn Collective>> {
+        Ok(Box::new(Solo))
     }
 }
 

@@ -28,7 +28,7 @@ pub use logp_linear::logp_linear;
 pub use online_softmax::{OnlineSoftmax, RowStats, VOCAB_TILE};
 pub use selective_log_softmax::selective_log_softmax;
 pub use sharded_linear::{
-    Parallel, VocabShard, ce_linear_token_parallel, ce_linear_vocab_parallel,
-    grpo_linear_token_parallel, grpo_linear_vocab_parallel, shard_range,
+    Grid, Parallel, VocabShard, ce_linear_grid, ce_linear_token_parallel, ce_linear_vocab_parallel,
+    grpo_linear_grid, grpo_linear_token_parallel, grpo_linear_vocab_parallel, shard_range,
 };
 pub use unfused_logits::{UnfusedWorkspace, grpo_logits_unfused, grpo_logits_unfused_into};

@@ -24,7 +24,7 @@ use super::grpo_linear::{GrpoLinearOutput, check_inputs, grpo_linear_checked, ro
 use super::online_softmax::OnlineSoftmax;
 use super::selective_log_softmax::check_row_stats;
 use crate::batch::{GrpoBatch, LinearInputs};
-use crate::collective::{Collective, agree};
+use crate::collective::{Collective, Solo, agree};
 use crate::config::GrpoLoss;
 use crate::cross_entropy::CrossEntropy;
 use crate::element::Element;
@@ -42,6 +42,9 @@ pub enum Parallel {
     Token,
     /// Each rank holds every row and a vocabulary shard of the LM head.
     Vocab,
+    /// A grid of token groups × vocab groups ([`Grid`]).
+    #[serde(rename = "2d")]
+    Grid2d,
 }
 
 /// The vocabulary range of `rank` when V is split over `world` ranks as evenly as
@@ -99,6 +102,60 @@ impl<E: Element> VocabShard<'_, E> {
                 }
             })
             .collect()
+    }
+}
+
+/// A 2-D grid of ranks: `world = token groups × vocab groups`, rank
+/// `r = token_group · vocab_groups + vocab_group`. The ranks of a token group hold the
+/// same rows and split the vocabulary; the ranks of a vocab group hold the same shard
+/// of the head and split the rows.
+pub struct Grid<'a> {
+    /// Every rank (errors are agreed here).
+    pub world: &'a dyn Collective,
+    /// This rank's vocab group: one rank per token group, all holding this shard.
+    pub tokens: Box<dyn Collective + 'a>,
+    /// This rank's token group: one rank per vocab shard, all holding these rows.
+    pub vocab: Box<dyn Collective + 'a>,
+}
+
+impl<'a> Grid<'a> {
+    /// Splits `world` into `world_size / vocab_groups` token groups of `vocab_groups`
+    /// ranks each (collective: every rank calls it).
+    pub fn split(world: &'a dyn Collective, vocab_groups: usize) -> Result<Self> {
+        let p = world.world_size();
+        if vocab_groups == 0 || p % vocab_groups != 0 {
+            return Err(Error::InvalidArgument {
+                arg: "vocab_groups",
+                reason: format!("must divide the {p} ranks, got {vocab_groups}"),
+            });
+        }
+        let (token_group, vocab_group) = (world.rank() / vocab_groups, world.rank() % vocab_groups);
+        let vocab = world.split(token_group, vocab_group)?;
+        let tokens = world.split(vocab_group, token_group)?;
+        Ok(Grid {
+            world,
+            tokens,
+            vocab,
+        })
+    }
+
+    /// Vocab-parallel: one token group of every rank.
+    pub fn vocab(world: &'a dyn Collective) -> Self {
+        Grid {
+            world,
+            tokens: Box::new(Solo),
+            vocab: Box::new(world),
+        }
+    }
+
+    /// This rank's token group (which rows it holds), in `0..token_groups`.
+    pub fn token_group(&self) -> usize {
+        self.tokens.rank()
+    }
+
+    /// This rank's vocab group (which shard it holds), in `0..vocab_groups`.
+    pub fn vocab_group(&self) -> usize {
+        self.vocab.rank()
     }
 }
 
@@ -205,6 +262,47 @@ fn all_reduce_head_grads(comm: &dyn Collective, grads: &mut LinearGrads) -> Resu
     Ok(())
 }
 
+/// The batch's normalizers over every token group: `B` and the token count summed.
+fn global_normalizers(tokens: &dyn Collective, local: Normalizers) -> Result<Normalizers> {
+    let mut totals = [local.batch_size, local.token_count];
+    tokens.all_reduce_sum_f64(&mut totals)?;
+    Ok(Normalizers {
+        batch_size: totals[0],
+        token_count: totals[1],
+    })
+}
+
+/// The loss (a sum of row terms) summed over token groups, and the metrics (masked
+/// means over each group's `local_tokens`) turned into means over `global_tokens`.
+fn reduce_policy_outputs(
+    tokens: &dyn Collective,
+    loss: f64,
+    m: &GrpoMetrics,
+    local_tokens: f64,
+    global_tokens: f64,
+) -> Result<(f64, GrpoMetrics)> {
+    let mut sums = [
+        loss,
+        m.kl_mean * local_tokens,
+        m.clip_ratio_low * local_tokens,
+        m.clip_ratio_high * local_tokens,
+        m.clip_ratio_region * local_tokens,
+        m.entropy_mean * local_tokens,
+    ];
+    tokens.all_reduce_sum_f64(&mut sums)?;
+    let denom = global_tokens.max(1.0);
+    Ok((
+        sums[0],
+        GrpoMetrics {
+            kl_mean: sums[1] / denom,
+            clip_ratio_low: sums[2] / denom,
+            clip_ratio_high: sums[3] / denom,
+            clip_ratio_region: sums[4] / denom,
+            entropy_mean: sums[5] / denom,
+        },
+    ))
+}
+
 /// Token-parallel GRPO: this rank's sequences `batch` and their hidden rows in
 /// `inputs` (the whole head). Returns the global loss and metrics, this rank's rows'
 /// statistics and dH, and the all-reduced dW and dbias.
@@ -217,12 +315,7 @@ pub fn grpo_linear_token_parallel<E: Element>(
 ) -> Result<GrpoLinearOutput> {
     agree(comm, check_inputs(loss, batch, inputs, inputs.vocab, opts))?;
     let local = Normalizers::local(batch);
-    let mut totals = [local.batch_size, local.token_count];
-    comm.all_reduce_sum_f64(&mut totals)?;
-    let norm = Normalizers {
-        batch_size: totals[0],
-        token_count: totals[1],
-    };
+    let norm = global_normalizers(comm, local)?;
     let mut grads = LinearGrads::zeros(inputs);
     let out = grpo_linear_checked(
         loss,
@@ -235,35 +328,37 @@ pub fn grpo_linear_token_parallel<E: Element>(
     );
     let mut out = agree(comm, out)?;
     all_reduce_head_grads(comm, &mut grads)?;
-    let m = out.metrics;
-    let tokens = local.token_count;
-    let mut sums = [
+    (out.loss, out.metrics) = reduce_policy_outputs(
+        comm,
         out.loss,
-        m.kl_mean * tokens,
-        m.clip_ratio_low * tokens,
-        m.clip_ratio_high * tokens,
-        m.clip_ratio_region * tokens,
-        m.entropy_mean * tokens,
-    ];
-    comm.all_reduce_sum_f64(&mut sums)?;
-    let denom = norm.token_count.max(1.0);
-    out.loss = sums[0];
-    out.metrics = GrpoMetrics {
-        kl_mean: sums[1] / denom,
-        clip_ratio_low: sums[2] / denom,
-        clip_ratio_high: sums[3] / denom,
-        clip_ratio_region: sums[4] / denom,
-        entropy_mean: sums[5] / denom,
-    };
+        &out.metrics,
+        local.token_count,
+        norm.token_count,
+    )?;
     out.grads = grads;
     Ok(out)
 }
 
 /// Vocab-parallel GRPO: every rank passes the whole batch and this rank's
 /// [`VocabShard`]. Every rank returns the same loss, metrics and statistics, the full
-/// (all-reduced) dH, and its shard's dW and dbias.
+/// (all-reduced) dH, and its shard's dW and dbias. A [`Grid`] of one token group.
 pub fn grpo_linear_vocab_parallel<E: Element>(
     comm: &dyn Collective,
+    loss: &GrpoLoss,
+    batch: &GrpoBatch,
+    shard: &VocabShard<E>,
+    opts: &FusedOptions,
+) -> Result<GrpoLinearOutput> {
+    grpo_linear_grid(&Grid::vocab(comm), loss, batch, shard, opts)
+}
+
+/// GRPO on a 2-D [`Grid`]: each rank passes its token group's sequences `batch` and its
+/// vocab group's [`VocabShard`] (of those rows). Normalizers, loss and metrics are
+/// reduced over token groups; statistics are merged and dH all-reduced within the
+/// token group; dW and dbias are all-reduced over token groups. Returns the global
+/// loss and metrics, the token group's statistics and dH, and the shard's dW and dbias.
+pub fn grpo_linear_grid<E: Element>(
+    grid: &Grid,
     loss: &GrpoLoss,
     batch: &GrpoBatch,
     shard: &VocabShard<E>,
@@ -274,7 +369,9 @@ pub fn grpo_linear_vocab_parallel<E: Element>(
         .check()
         .and_then(|_| check_inputs(loss, batch, inputs, shard.vocab, opts))
         .and_then(|_| shard_plan(inputs, opts));
-    let plan = agree(comm, checked)?;
+    let plan = agree(grid.world, checked)?;
+    let local = Normalizers::local(batch);
+    let norm = global_normalizers(grid.tokens.as_ref(), local)?;
     let temperature = loss.config().temperature;
     let targets = shard.local_targets(batch.target_ids);
     let p = Problem {
@@ -285,12 +382,11 @@ pub fn grpo_linear_vocab_parallel<E: Element>(
         softcap: None,
         mean_logit: false,
     };
-    let norm = Normalizers::local(batch);
     let scale = (opts.grad_output as f64 / temperature) as f32;
     let mut grads = LinearGrads::zeros(inputs);
     let mut policy = None;
     let stats = vocab_parallel(
-        comm,
+        grid.vocab.as_ref(),
         shard,
         &p,
         &plan,
@@ -305,13 +401,21 @@ pub fn grpo_linear_vocab_parallel<E: Element>(
         &mut grads,
     )?;
     agree(
-        comm,
+        grid.world,
         check_row_stats(&stats, |i| batch.mask[i], batch.target_ids, batch.seq_len),
     )?;
+    all_reduce_head_grads(grid.tokens.as_ref(), &mut grads)?;
     let policy = policy.expect("grads_of ran");
+    let (loss, metrics) = reduce_policy_outputs(
+        grid.tokens.as_ref(),
+        policy.loss,
+        &policy.metrics,
+        local.token_count,
+        norm.token_count,
+    )?;
     Ok(GrpoLinearOutput {
-        loss: policy.loss,
-        metrics: policy.metrics,
+        loss,
+        metrics,
         stats,
         kl: policy.kl,
         clip: policy.clip,
@@ -367,6 +471,20 @@ pub fn ce_linear_vocab_parallel<E: Element>(
     shard: &VocabShard<E>,
     opts: &FusedOptions,
 ) -> Result<CeLinearOutput> {
+    ce_linear_grid(&Grid::vocab(comm), ce, targets, shard, opts)
+}
+
+/// Cross-entropy on a 2-D [`Grid`]: each rank passes its token group's `targets` and
+/// its vocab group's [`VocabShard`] (of those rows). The counted rows, loss and z-loss
+/// are summed over token groups; statistics are merged and dH all-reduced within the
+/// token group; dW and dbias are all-reduced over token groups.
+pub fn ce_linear_grid<E: Element>(
+    grid: &Grid,
+    ce: &CrossEntropy,
+    targets: &[i64],
+    shard: &VocabShard<E>,
+    opts: &FusedOptions,
+) -> Result<CeLinearOutput> {
     let inputs = &shard.inputs;
     let checked = shard.check().and_then(|_| {
         inputs.validate()?;
@@ -380,12 +498,15 @@ pub fn ce_linear_vocab_parallel<E: Element>(
         )?;
         Ok((rows, shard_plan(inputs, opts)?))
     });
-    let (rows, plan) = agree(comm, checked)?;
+    let (rows, plan) = agree(grid.world, checked)?;
+    let mut count = [rows.count as f64];
+    grid.tokens.all_reduce_sum_f64(&mut count)?;
+    let rows = rows.with_count(count[0] as usize);
     let local_targets = shard.local_targets(targets);
     let p = rows.problem_on(inputs, &local_targets);
     let mut grads = LinearGrads::zeros(inputs);
     let stats = vocab_parallel(
-        comm,
+        grid.vocab.as_ref(),
         shard,
         &p,
         &plan,
@@ -396,7 +517,11 @@ pub fn ce_linear_vocab_parallel<E: Element>(
         },
         &mut grads,
     )?;
-    let mut out = agree(comm, rows.output(stats, plan))?;
+    let mut out = agree(grid.world, rows.output(stats, plan))?;
+    all_reduce_head_grads(grid.tokens.as_ref(), &mut grads)?;
+    let mut sums = [out.loss, out.z_loss];
+    grid.tokens.all_reduce_sum_f64(&mut sums)?;
+    (out.loss, out.z_loss) = (sums[0], sums[1]);
     out.grads = grads;
     Ok(out)
 }

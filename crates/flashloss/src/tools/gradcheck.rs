@@ -51,6 +51,8 @@ pub struct GradcheckConfig {
     pub objective: Objective,
     /// How `--ranks P` splits the work (kernel `linear`).
     pub parallel: Parallel,
+    /// Vocab groups of a `2d` grid (they must divide P; token groups = P / vocab_groups).
+    pub vocab_groups: Option<usize>,
     /// B.
     pub batch: usize,
     /// T.
@@ -100,6 +102,7 @@ impl Default for GradcheckConfig {
             kernel: Kernel::Logits,
             objective: Objective::Grpo,
             parallel: Parallel::Token,
+            vocab_groups: None,
             batch: inputs.batch,
             seq_len: inputs.seq_len,
             vocab: inputs.vocab,

@@ -1,19 +1,19 @@
-//! `flashloss gradcheck --ranks P`: the sharded fused LM-head kernel (token- or
-//! vocab-parallel, in-process ranks) against a single-rank run of the same inputs.
-//! Each rank compares what it holds (loss, its dH rows or the full dH, the full dW or
-//! its shard) and reports its own gates; sharding changes only summation order, so the
-//! gates are f32 rounding: 1e-5 relative to the largest entry.
+//! `flashloss gradcheck --ranks P` (in-process ranks) and `--collective mpi` (one
+//! process per rank): the sharded fused LM-head kernel (token-parallel, vocab-parallel
+//! or a 2-D grid) against a single-rank run of the same inputs. Each rank compares what
+//! it holds (loss, its dH rows or the full dH, the full dW or its shard) and reports
+//! its own gates; sharding changes only summation order, so the gates are f32
+//! rounding: 1e-5 relative to the largest entry.
 
 use super::gradcheck::{
     Gate, GradcheckConfig, GradcheckReport, Kernel, LinearCase, Objective, Tolerance, ce_targets,
     grad_gate,
 };
-use crate::collective::{Collective, run_in_process};
+use crate::collective::{Collective, agree, run_in_process};
 use crate::config::GrpoLoss;
 use crate::cpu::{
-    LinearGrads, Parallel, VocabShard, ce_linear, ce_linear_token_parallel,
-    ce_linear_vocab_parallel, grpo_linear, grpo_linear_token_parallel, grpo_linear_vocab_parallel,
-    shard_range,
+    Grid, LinearGrads, Parallel, VocabShard, ce_linear, ce_linear_grid, ce_linear_token_parallel,
+    grpo_linear, grpo_linear_grid, grpo_linear_token_parallel, shard_range,
 };
 use crate::cross_entropy::CrossEntropy;
 use crate::element::{DType, Element};
@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 const SHARDED_REL: f64 = 1e-5;
 
 /// How long a rank waits for its peers in one collective.
-const TIMEOUT: Duration = Duration::from_secs(600);
+pub const TIMEOUT: Duration = Duration::from_secs(600);
 
 /// One rank's result.
 #[derive(Debug, Clone, Serialize)]
@@ -46,25 +46,70 @@ pub struct RankReport {
 /// Runs the sharded check on `ranks` in-process ranks; one result per rank (a failure
 /// on any rank is the same error on all).
 pub fn run(cfg: &GradcheckConfig, ranks: usize) -> Result<Vec<Result<RankReport>>> {
+    check_ranks(cfg, ranks)?;
+    match cfg.dtype {
+        DType::F32 => {
+            let check = Check::<f32>::new(cfg)?;
+            Ok(run_in_process(ranks, TIMEOUT, |comm| check.rank(comm)))
+        }
+        DType::Bf16 => {
+            let check = Check::<bf16>::new(cfg)?;
+            Ok(run_in_process(ranks, TIMEOUT, |comm| check.rank(comm)))
+        }
+    }
+}
+
+/// Runs this rank's part of the sharded check over `comm` (any engine; every rank of
+/// `comm` calls it). A bad config is the same error on every rank.
+pub fn run_on(cfg: &GradcheckConfig, comm: &dyn Collective) -> Result<RankReport> {
+    agree(comm, check_ranks(cfg, comm.world_size()))?;
+    match cfg.dtype {
+        DType::F32 => Check::<f32>::new(cfg)?.rank(comm),
+        DType::Bf16 => Check::<bf16>::new(cfg)?.rank(comm),
+    }
+}
+
+/// `(token groups, vocab groups)` of `ranks` in the config's mode.
+pub fn grid_shape(cfg: &GradcheckConfig, ranks: usize) -> Result<(usize, usize)> {
+    match cfg.parallel {
+        Parallel::Token => Ok((ranks, 1)),
+        Parallel::Vocab => Ok((1, ranks)),
+        Parallel::Grid2d => match cfg.vocab_groups {
+            Some(g) if g > 0 && ranks % g == 0 => Ok((ranks / g, g)),
+            other => Err(Error::InvalidArgument {
+                arg: "vocab_groups",
+                reason: format!(
+                    "parallel 2d needs vocab_groups dividing the {ranks} ranks, got {other:?}"
+                ),
+            }),
+        },
+    }
+}
+
+fn check_ranks(cfg: &GradcheckConfig, ranks: usize) -> Result<()> {
     if cfg.kernel != Kernel::Linear {
         return Err(Error::InvalidArgument {
             arg: "ranks",
             reason: "sharded runs need kernel `linear`".into(),
         });
     }
-    if ranks == 0 || ranks > cfg.batch.min(cfg.vocab) {
+    if ranks == 0 {
+        return Err(Error::InvalidArgument {
+            arg: "ranks",
+            reason: "must be at least 1".into(),
+        });
+    }
+    let (token_groups, vocab_groups) = grid_shape(cfg, ranks)?;
+    if token_groups > cfg.batch || vocab_groups > cfg.vocab {
         return Err(Error::InvalidArgument {
             arg: "ranks",
             reason: format!(
-                "must be in 1..={} (every rank holds a sequence and a vocabulary entry), got {ranks}",
-                cfg.batch.min(cfg.vocab)
+                "{token_groups} token groups x {vocab_groups} vocab groups: every token group needs a sequence (B = {}) and every vocab group a vocabulary entry (V = {})",
+                cfg.batch, cfg.vocab
             ),
         });
     }
-    match cfg.dtype {
-        DType::F32 => run_typed::<f32>(cfg, ranks),
-        DType::Bf16 => run_typed::<bf16>(cfg, ranks),
-    }
+    Ok(())
 }
 
 /// What one rank returns, with the parts of the single-rank run it corresponds to.
@@ -77,92 +122,124 @@ struct Held {
     vocab: Range<usize>,
 }
 
-fn run_typed<E: Element>(cfg: &GradcheckConfig, ranks: usize) -> Result<Vec<Result<RankReport>>> {
-    let case = LinearCase::<E>::new(cfg);
-    let (t, h, v) = (cfg.seq_len, cfg.hidden, cfg.vocab);
-    let n = cfg.batch * t;
-    let batch = case.tokens.batch();
-    let grpo = GrpoLoss::new(cfg.loss.clone())?;
-    let ce = CrossEntropy::new(cfg.ce.clone())?;
-    let targets = ce_targets(&case.tokens, &ce);
-    let (one_loss, one) = match cfg.objective {
-        Objective::Grpo => {
-            let out = grpo_linear(&grpo, &batch, &case.head.inputs(), &case.opts)?;
-            (out.loss, out.grads)
-        }
-        Objective::Ce => {
-            let out = ce_linear(&ce, &targets, &case.head.inputs(), &case.opts)?;
-            (out.loss, out.grads)
-        }
-    };
-    let rank_step = |comm: &dyn Collective| -> Result<Held> {
-        let (p, r) = (comm.world_size(), comm.rank());
-        match cfg.parallel {
-            Parallel::Token => {
-                let seqs = shard_range(cfg.batch, p, r);
-                let rows = seqs.start * t..seqs.end * t;
-                let part = case.tokens.sequences(seqs);
-                let head = case.head.rows(rows.clone());
-                let (loss, grads) = match cfg.objective {
-                    Objective::Grpo => {
-                        let o = grpo_linear_token_parallel(
-                            comm,
-                            &grpo,
-                            &part.batch(),
-                            &head.inputs(),
-                            &case.opts,
-                        )?;
-                        (o.loss, o.grads)
-                    }
-                    Objective::Ce => {
-                        let o = ce_linear_token_parallel(
-                            comm,
-                            &ce,
-                            &targets[rows.clone()],
-                            &head.inputs(),
-                            &case.opts,
-                        )?;
-                        (o.loss, o.grads)
-                    }
-                };
-                Ok(Held {
-                    loss,
-                    grads,
-                    rows,
-                    vocab: 0..v,
-                })
+/// The inputs and the single-rank result every rank compares with.
+struct Check<'c, E> {
+    cfg: &'c GradcheckConfig,
+    case: LinearCase<E>,
+    grpo: GrpoLoss,
+    ce: CrossEntropy,
+    targets: Vec<i64>,
+    one_loss: f64,
+    one: LinearGrads,
+}
+
+impl<'c, E: Element> Check<'c, E> {
+    fn new(cfg: &'c GradcheckConfig) -> Result<Self> {
+        let case = LinearCase::<E>::new(cfg);
+        let grpo = GrpoLoss::new(cfg.loss.clone())?;
+        let ce = CrossEntropy::new(cfg.ce.clone())?;
+        let targets = ce_targets(&case.tokens, &ce);
+        let (one_loss, one) = match cfg.objective {
+            Objective::Grpo => {
+                let out =
+                    grpo_linear(&grpo, &case.tokens.batch(), &case.head.inputs(), &case.opts)?;
+                (out.loss, out.grads)
             }
-            Parallel::Vocab => {
-                let range = shard_range(v, p, r);
-                let part = case.head.vocab_shard(range.clone());
-                let shard = VocabShard {
-                    inputs: part.inputs(),
-                    offset: range.start,
-                    vocab: v,
-                };
-                let (loss, grads) = match cfg.objective {
-                    Objective::Grpo => {
-                        let o =
-                            grpo_linear_vocab_parallel(comm, &grpo, &batch, &shard, &case.opts)?;
-                        (o.loss, o.grads)
-                    }
-                    Objective::Ce => {
-                        let o = ce_linear_vocab_parallel(comm, &ce, &targets, &shard, &case.opts)?;
-                        (o.loss, o.grads)
-                    }
-                };
-                Ok(Held {
-                    loss,
-                    grads,
-                    rows: 0..n,
-                    vocab: range,
-                })
+            Objective::Ce => {
+                let out = ce_linear(&ce, &targets, &case.head.inputs(), &case.opts)?;
+                (out.loss, out.grads)
             }
+        };
+        Ok(Check {
+            cfg,
+            case,
+            grpo,
+            ce,
+            targets,
+            one_loss,
+            one,
+        })
+    }
+
+    /// This rank's sharded step.
+    fn step(&self, comm: &dyn Collective) -> Result<Held> {
+        let (cfg, case) = (self.cfg, &self.case);
+        let t = cfg.seq_len;
+        if cfg.parallel == Parallel::Token {
+            let seqs = shard_range(cfg.batch, comm.world_size(), comm.rank());
+            let rows = seqs.start * t..seqs.end * t;
+            let part = case.tokens.sequences(seqs);
+            let head = case.head.rows(rows.clone());
+            let (loss, grads) = match cfg.objective {
+                Objective::Grpo => {
+                    let o = grpo_linear_token_parallel(
+                        comm,
+                        &self.grpo,
+                        &part.batch(),
+                        &head.inputs(),
+                        &case.opts,
+                    )?;
+                    (o.loss, o.grads)
+                }
+                Objective::Ce => {
+                    let o = ce_linear_token_parallel(
+                        comm,
+                        &self.ce,
+                        &self.targets[rows.clone()],
+                        &head.inputs(),
+                        &case.opts,
+                    )?;
+                    (o.loss, o.grads)
+                }
+            };
+            return Ok(Held {
+                loss,
+                grads,
+                rows,
+                vocab: 0..cfg.vocab,
+            });
         }
-    };
-    let results = run_in_process(ranks, TIMEOUT, |comm| {
+        let (token_groups, vocab_groups) = grid_shape(cfg, comm.world_size())?;
+        let grid = if cfg.parallel == Parallel::Vocab {
+            Grid::vocab(comm)
+        } else {
+            Grid::split(comm, vocab_groups)?
+        };
+        let seqs = shard_range(cfg.batch, token_groups, grid.token_group());
+        let rows = seqs.start * t..seqs.end * t;
+        let vocab = shard_range(cfg.vocab, vocab_groups, grid.vocab_group());
+        let part = case.tokens.sequences(seqs);
+        let head = case.head.rows(rows.clone()).vocab_shard(vocab.clone());
+        let shard = VocabShard {
+            inputs: head.inputs(),
+            offset: vocab.start,
+            vocab: cfg.vocab,
+        };
+        let (loss, grads) = match cfg.objective {
+            Objective::Grpo => {
+                let o = grpo_linear_grid(&grid, &self.grpo, &part.batch(), &shard, &case.opts)?;
+                (o.loss, o.grads)
+            }
+            Objective::Ce => {
+                let targets = &self.targets[rows.clone()];
+                let o = ce_linear_grid(&grid, &self.ce, targets, &shard, &case.opts)?;
+                (o.loss, o.grads)
+            }
+        };
+        Ok(Held {
+            loss,
+            grads,
+            rows,
+            vocab,
+        })
+    }
+
+    /// Runs this rank's step and gates it against the single-rank run.
+    fn rank(&self, comm: &dyn Collective) -> Result<RankReport> {
+        let (cfg, one) = (self.cfg, &self.one);
+        let h = cfg.hidden;
         let start = Instant::now();
-        let held = rank_step(comm)?;
+        let held = self.step(comm)?;
         let seconds = start.elapsed().as_secs_f64();
         let tol = Tolerance {
             grad_rel: Some(SHARDED_REL),
@@ -176,7 +253,7 @@ fn run_typed<E: Element>(cfg: &GradcheckConfig, ranks: usize) -> Result<Vec<Resu
         let mut gates = vec![
             Gate::new(
                 "loss",
-                (held.loss - one_loss).abs() / one_loss.abs().max(1.0),
+                (held.loss - self.one_loss).abs() / self.one_loss.abs().max(1.0),
                 SHARDED_REL,
             ),
             gate(
@@ -203,8 +280,7 @@ fn run_typed<E: Element>(cfg: &GradcheckConfig, ranks: usize) -> Result<Vec<Resu
             rank: comm.rank(),
             world_size: comm.world_size(),
             parallel: cfg.parallel,
-            report: GradcheckReport::new(kernel, (one_loss, held.loss), None, seconds, gates),
+            report: GradcheckReport::new(kernel, (self.one_loss, held.loss), None, seconds, gates),
         })
-    });
-    Ok(results)
+    }
 }
