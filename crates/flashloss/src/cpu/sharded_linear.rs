@@ -123,7 +123,7 @@ impl<'a> Grid<'a> {
     /// ranks each (collective: every rank calls it).
     pub fn split(world: &'a dyn Collective, vocab_groups: usize) -> Result<Self> {
         let p = world.world_size();
-        if vocab_groups == 0 || p % vocab_groups != 0 {
+        if vocab_groups == 0 || !p.is_multiple_of(vocab_groups) {
             return Err(Error::InvalidArgument {
                 arg: "vocab_groups",
                 reason: format!("must divide the {p} ranks, got {vocab_groups}"),

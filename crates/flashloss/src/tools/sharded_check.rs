@@ -75,7 +75,7 @@ pub fn grid_shape(cfg: &GradcheckConfig, ranks: usize) -> Result<(usize, usize)>
         Parallel::Token => Ok((ranks, 1)),
         Parallel::Vocab => Ok((1, ranks)),
         Parallel::Grid2d => match cfg.vocab_groups {
-            Some(g) if g > 0 && ranks % g == 0 => Ok((ranks / g, g)),
+            Some(g) if g > 0 && ranks.is_multiple_of(g) => Ok((ranks / g, g)),
             other => Err(Error::InvalidArgument {
                 arg: "vocab_groups",
                 reason: format!(
