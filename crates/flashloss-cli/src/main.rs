@@ -1,6 +1,6 @@
 //! `flashloss`: parses arguments, calls the library, prints. Nothing else.
 
-use clap::{Parser, Subcommand};
+use clap::{Parser, Subcommand, ValueEnum};
 use flashloss::memory::TrackingAllocator;
 use flashloss::tools::{bench, config_file, gradcheck, sharded_check};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -38,10 +38,14 @@ enum Command {
         #[arg(long)]
         threads: Option<usize>,
         /// Run the fused LM-head kernel sharded over P in-process ranks (config key
-        /// `parallel`: token or vocab) and compare each rank with a single-rank run;
-        /// every rank prints one JSON line.
+        /// `parallel`: token, vocab or 2d with `vocab_groups`) and compare each rank
+        /// with a single-rank run; every rank prints one JSON line.
         #[arg(long)]
         ranks: Option<usize>,
+        /// Engine of sharded runs: `mpi` makes every process of `mpirun -np P` a rank
+        /// (needs a build with feature `mpi`); `in-process` runs `--ranks` threads.
+        #[arg(long, value_enum, default_value_t = CollectiveKind::InProcess)]
+        collective: CollectiveKind,
     },
     /// A/B of baseline and fused: step time, peak memory, achieved rates.
     Bench {
@@ -58,6 +62,54 @@ enum Command {
         #[arg(long)]
         threads: Option<usize>,
     },
+}
+
+/// Which collective engine runs the ranks.
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum CollectiveKind {
+    /// Ranks are threads of this process (`--ranks P`).
+    InProcess,
+    /// Ranks are the processes of an `mpirun` job.
+    Mpi,
+}
+
+/// One rank's JSON line; the exit code it asks for (0 pass, 1 fail, 2 error).
+fn print_rank(rank: usize, result: &flashloss::Result<sharded_check::RankReport>) -> u8 {
+    match result {
+        Ok(report) => {
+            println!("{}", serde_json::to_string(report).expect("serializable"));
+            u8::from(!report.report.passed)
+        }
+        Err(e) => {
+            let line = serde_json::json!({"rank": rank, "passed": false, "error": e.to_string()});
+            println!("{line}");
+            2
+        }
+    }
+}
+
+/// This process's rank of an `mpirun` job runs the sharded gradcheck.
+#[cfg(feature = "mpi")]
+fn gradcheck_mpi(cfg: flashloss::Result<gradcheck::GradcheckConfig>, threads: Option<usize>) -> u8 {
+    let runtime = match flashloss::collective::MpiRuntime::init() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return 2;
+        }
+    };
+    let timeout = cfg
+        .as_ref()
+        .map_or(std::time::Duration::ZERO, sharded_check::timeout);
+    let world = runtime.world(timeout);
+    let result = cfg.and_then(|cfg| with_threads(threads, || sharded_check::run_on(&cfg, &world)));
+    print_rank(flashloss::collective::Collective::rank(&world), &result)
+}
+
+#[cfg(not(feature = "mpi"))]
+fn gradcheck_mpi(_: flashloss::Result<gradcheck::GradcheckConfig>, _: Option<usize>) -> u8 {
+    eprintln!("error: --collective mpi needs a build with `--features mpi`");
+    2
 }
 
 fn with_threads<T: Send>(threads: Option<usize>, f: impl FnOnce() -> T + Send) -> T {
@@ -194,6 +246,23 @@ fn main() -> ExitCode {
             config,
             overrides,
             threads,
+            collective: CollectiveKind::Mpi,
+            ranks,
+            ..
+        } => {
+            if ranks.is_some() {
+                eprintln!(
+                    "error: --ranks runs in-process ranks; under MPI the ranks are mpirun's -np"
+                );
+                return ExitCode::from(2);
+            }
+            let cfg = config_file::load::<gradcheck::GradcheckConfig>(&config, &overrides);
+            ExitCode::from(gradcheck_mpi(cfg, threads))
+        }
+        Command::Gradcheck {
+            config,
+            overrides,
+            threads,
             ranks: Some(ranks),
             ..
         } => {
@@ -206,23 +275,11 @@ fn main() -> ExitCode {
                     return ExitCode::from(2);
                 }
             };
-            let mut code = ExitCode::SUCCESS;
-            for (rank, r) in results.iter().enumerate() {
-                match r {
-                    Ok(report) => {
-                        println!("{}", serde_json::to_string(report).expect("serializable"));
-                        if !report.report.passed {
-                            code = ExitCode::FAILURE;
-                        }
-                    }
-                    Err(e) => {
-                        let line = serde_json::json!({"rank": rank, "passed": false, "error": e.to_string()});
-                        println!("{line}");
-                        code = ExitCode::from(2);
-                    }
-                }
-            }
-            code
+            let codes = results
+                .iter()
+                .enumerate()
+                .map(|(rank, r)| print_rank(rank, r));
+            ExitCode::from(codes.max().unwrap_or(0))
         }
         Command::Gradcheck {
             config,
@@ -230,6 +287,7 @@ fn main() -> ExitCode {
             json,
             threads,
             ranks: None,
+            ..
         } => {
             let report = config_file::load::<gradcheck::GradcheckConfig>(&config, &overrides)
                 .and_then(|cfg| with_threads(threads, || gradcheck::run(&cfg)));

@@ -1,16 +1,17 @@
 //! Sharded fused LM-head losses over the in-process collective, P ∈ {1, 2, 3, 4}:
-//! token-parallel and vocab-parallel GRPO (token and sequence level) and CE equal the
-//! single-rank run within f32 rounding, with uneven shards and a rank whose rows are
-//! all masked; bad input on one rank is the same error on every rank; a rank that
-//! panics makes its peers fail instead of hang.
+//! token-parallel, vocab-parallel and 2-D grid GRPO (token and sequence level) and CE
+//! equal the single-rank run within f32 rounding, with uneven shards and a rank whose
+//! rows are all masked; bad input on one rank is the same error on every rank; a rank
+//! that panics, leaves or hangs makes its peers fail instead of hang; split groups are
+//! independent.
 
 mod common;
 use common::*;
 use flashloss::collective::{Collective, run_in_process};
 use flashloss::cpu::{
-    FusedOptions, LinearGrads, Mode, VocabShard, ce_linear, ce_linear_token_parallel,
-    ce_linear_vocab_parallel, grpo_linear, grpo_linear_token_parallel, grpo_linear_vocab_parallel,
-    shard_range,
+    FusedOptions, Grid, LinearGrads, Mode, VocabShard, ce_linear, ce_linear_grid,
+    ce_linear_token_parallel, ce_linear_vocab_parallel, grpo_linear, grpo_linear_grid,
+    grpo_linear_token_parallel, grpo_linear_vocab_parallel, shard_range,
 };
 use flashloss::reference::linear_logits;
 use flashloss::tools::inputs::GrpoInputs;
@@ -404,11 +405,216 @@ fn sharded_gradcheck_passes_on_every_rank() {
                 );
                 assert!(r.report.gate("dweight").is_some() && r.report.gate("dhidden").is_some());
             }
-            let err = sharded_check::run(&cfg, 5).unwrap_err().to_string();
+            // Five token groups for four sequences; vocab-parallel has one token group.
+            let five = sharded_check::run(&cfg, 5);
+            if parallel == Parallel::Vocab {
+                assert!(
+                    five.unwrap()
+                        .iter()
+                        .all(|r| r.as_ref().unwrap().report.passed)
+                );
+                continue;
+            }
+            let err = five.unwrap_err().to_string();
             assert!(
-                err.starts_with("argument `ranks`: must be in 1..=4"),
+                err.starts_with("argument `ranks`: ")
+                    && err.contains("every token group needs a sequence (B = 4)"),
                 "{err}"
             );
+        }
+        let cfg = GradcheckConfig {
+            kernel: Kernel::Linear,
+            objective,
+            parallel: Parallel::Grid2d,
+            vocab_groups: Some(2),
+            batch: 3,
+            seq_len: 5,
+            hidden: 21,
+            vocab: 701,
+            ..GradcheckConfig::default()
+        };
+        for r in sharded_check::run(&cfg, 4).unwrap() {
+            assert!(r.unwrap().report.passed, "{objective:?} 2d");
+        }
+        let err = sharded_check::run(&cfg, 3).unwrap_err().to_string();
+        assert!(err.starts_with("argument `vocab_groups`: "), "{err}");
+    }
+}
+
+/// `(token groups, vocab groups)` of every grid of 1 to 4 ranks.
+const GRIDS: [(usize, usize); 8] = [
+    (1, 1),
+    (2, 1),
+    (1, 2),
+    (3, 1),
+    (1, 3),
+    (2, 2),
+    (4, 1),
+    (1, 4),
+];
+
+/// This grid rank's rows (from its token group's sequences) and vocabulary shard.
+fn grid_share(
+    grid: &Grid,
+    token_groups: usize,
+    vocab_groups: usize,
+) -> (std::ops::Range<usize>, std::ops::Range<usize>) {
+    let seqs = shard_range(B, token_groups, grid.token_group());
+    (
+        seqs.start * T..seqs.end * T,
+        shard_range(V, vocab_groups, grid.vocab_group()),
+    )
+}
+
+#[test]
+fn grid_2d_matches_one_rank() {
+    let (head, x) = inputs();
+    let ce = CrossEntropy::new(CeConfig {
+        label_smoothing: 0.1,
+        z_loss: 1e-3,
+        ..CeConfig::default()
+    })
+    .unwrap();
+    let targets: Vec<i64> = (0..B * T)
+        .map(|i| if x.mask[i] { x.target_ids[i] } else { -100 })
+        .collect();
+    let ce_one = ce_linear(&ce, &targets, &head.inputs(), &opts()).unwrap();
+    for loss in grpo_losses() {
+        let one = grpo_linear(&loss, &x.batch(), &head.inputs(), &opts()).unwrap();
+        for (tg, vg) in GRIDS {
+            let results = run_in_process(tg * vg, TIMEOUT, |comm| {
+                let grid = Grid::split(comm, vg)?;
+                let (rows, vocab) = grid_share(&grid, tg, vg);
+                let part = x.sequences(shard_range(B, tg, grid.token_group()));
+                let local = head.rows(rows.clone()).vocab_shard(vocab.clone());
+                let shard = VocabShard {
+                    inputs: local.inputs(),
+                    offset: vocab.start,
+                    vocab: V,
+                };
+                let grpo = grpo_linear_grid(&grid, &loss, &part.batch(), &shard, &opts())?;
+                let ce_out = ce_linear_grid(&grid, &ce, &targets[rows.clone()], &shard, &opts())?;
+                Ok((rows, vocab, grpo, ce_out))
+            });
+            for (rank, r) in results.into_iter().enumerate() {
+                let (rows, vocab, out, ce_out) = r.unwrap();
+                let case = format!(
+                    "grid {tg}x{vg} rank {rank} {:?}",
+                    loss.config().importance_sampling_level
+                );
+                close_loss(&case, out.loss, one.loss);
+                assert!(
+                    (out.metrics.kl_mean - one.metrics.kl_mean).abs() < 1e-6
+                        && (out.metrics.entropy_mean - one.metrics.entropy_mean).abs() < 1e-5,
+                    "{case} metrics"
+                );
+                let dh = &one.grads.dhidden[rows.start * H..rows.end * H];
+                let dw = &one.grads.dweight[vocab.start * H..vocab.end * H];
+                close(&format!("{case} dH"), &out.grads.dhidden, dh);
+                close(&format!("{case} dW"), &out.grads.dweight, dw);
+                close(
+                    &format!("{case} dbias"),
+                    out.grads.dbias.as_ref().unwrap(),
+                    &one.grads.dbias.as_ref().unwrap()[vocab.clone()],
+                );
+                for (k, i) in rows.clone().enumerate() {
+                    assert!(
+                        (out.stats[k].logp - one.stats[i].logp).abs() < 1e-5,
+                        "{case} logp {i}"
+                    );
+                }
+                close_loss(&format!("ce {case}"), ce_out.loss, ce_one.loss);
+                close(
+                    &format!("ce {case} row loss"),
+                    &ce_out.row_loss,
+                    &ce_one.row_loss[rows.clone()],
+                );
+                let dh = &ce_one.grads.dhidden[rows.start * H..rows.end * H];
+                let dw = &ce_one.grads.dweight[vocab.start * H..vocab.end * H];
+                close(&format!("ce {case} dH"), &ce_out.grads.dhidden, dh);
+                close(&format!("ce {case} dW"), &ce_out.grads.dweight, dw);
+            }
+        }
+    }
+}
+
+#[test]
+fn split_groups_are_independent_and_ordered_by_key() {
+    // Ranks 0..4 split by parity, keys reversed: group {0, 2} orders 2 before 0.
+    let results = run_in_process(4, TIMEOUT, |comm| {
+        let group = comm.split(comm.rank() % 2, 10 - comm.rank())?;
+        // The odd group runs one more collective than the even group.
+        let rounds = 2 + comm.rank() % 2;
+        let mut last = Vec::new();
+        for round in 0..rounds {
+            last = group.all_gather_f64(&[(comm.rank() * 10 + round) as f64])?;
+        }
+        comm.barrier()?;
+        Ok((group.rank(), group.world_size(), last))
+    });
+    let got: Vec<_> = results.into_iter().map(Result::unwrap).collect();
+    assert_eq!(got[0], (1, 2, vec![vec![21.0], vec![1.0]]));
+    assert_eq!(got[2], (0, 2, vec![vec![21.0], vec![1.0]]));
+    assert_eq!(got[1], (1, 2, vec![vec![32.0], vec![12.0]]));
+    assert_eq!(got[3], (0, 2, vec![vec![32.0], vec![12.0]]));
+    // A rank that leaves is seen by its sub-group's peers.
+    let results = run_in_process(4, TIMEOUT, |comm| {
+        let group = comm.split(comm.rank() / 2, 0)?;
+        if comm.rank() == 3 {
+            return Ok(());
+        }
+        group.barrier()
+    });
+    assert!(results[0].is_ok() && results[1].is_ok() && results[3].is_ok());
+    let err = results[2].as_ref().unwrap_err().to_string();
+    assert_eq!(
+        err,
+        "collective: rank 1 left while rank 0 waited in a collective"
+    );
+}
+
+#[test]
+fn injected_faults_end_the_sharded_gradcheck_on_every_rank() {
+    use flashloss::cpu::Parallel;
+    use flashloss::tools::gradcheck::{Fault, FaultKind, GradcheckConfig, Kernel};
+    use flashloss::tools::sharded_check;
+    for kind in [
+        FaultKind::Nan,
+        FaultKind::Exit,
+        FaultKind::Panic,
+        FaultKind::Hang,
+    ] {
+        let cfg = GradcheckConfig {
+            kernel: Kernel::Linear,
+            parallel: Parallel::Grid2d,
+            vocab_groups: Some(2),
+            batch: 2,
+            seq_len: 5,
+            hidden: 21,
+            vocab: 301,
+            timeout_s: 0.5,
+            fault: Some(Fault { rank: 1, kind }),
+            ..GradcheckConfig::default()
+        };
+        let results = sharded_check::run(&cfg, 4).unwrap();
+        let errors: Vec<String> = results
+            .into_iter()
+            .map(|r| r.unwrap_err().to_string())
+            .collect();
+        if kind == FaultKind::Nan {
+            for e in &errors {
+                assert_eq!(
+                    e,
+                    "rank 1: argument `hidden`: value NaN at index 0 is not finite"
+                );
+            }
+        } else {
+            for (rank, e) in errors.iter().enumerate().filter(|&(r, _)| r != 1) {
+                assert!(
+                    e.starts_with("collective: rank "),
+                    "{kind:?} rank {rank}: {e}"
+                );
+            }
         }
     }
 }

@@ -143,6 +143,17 @@ impl Collective for Mpi {
                 ),
             });
         }
+        if total == 0 {
+            return Ok(vec![Vec::new(); self.size]);
+        }
+        // An empty slice's dangling pointer (0x1) is Open MPI's MPI_IN_PLACE: send an
+        // empty slice of a real buffer instead.
+        let anchor = [0u8; 1];
+        let local = if local.is_empty() {
+            &anchor[..0]
+        } else {
+            local
+        };
         let counts: Vec<Count> = lens.iter().map(|&l| l as Count).collect();
         let displs: Vec<Count> = counts
             .iter()

@@ -41,6 +41,31 @@ pub enum Objective {
     Ce,
 }
 
+/// A fault on one rank of a sharded gradcheck.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Fault {
+    /// The rank it hits.
+    pub rank: usize,
+    /// What happens there.
+    pub kind: FaultKind,
+}
+
+/// What an injected fault does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FaultKind {
+    /// A NaN in the rank's hidden states: every rank must return the same error.
+    Nan,
+    /// The rank panics before its step.
+    Panic,
+    /// The rank sleeps twice the timeout before its step.
+    Hang,
+    /// The rank leaves: in-process its closure returns, under MPI its process exits
+    /// at once (no `MPI_Finalize`), as a crashed process would.
+    Exit,
+}
+
 /// The gradcheck config file (`configs/gradcheck/*.yaml`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -53,6 +78,10 @@ pub struct GradcheckConfig {
     pub parallel: Parallel,
     /// Vocab groups of a `2d` grid (they must divide P; token groups = P / vocab_groups).
     pub vocab_groups: Option<usize>,
+    /// Seconds a rank of a sharded run waits for its peers in one collective.
+    pub timeout_s: f64,
+    /// A fault injected on one rank of a sharded run, to see the run fail together.
+    pub fault: Option<Fault>,
     /// B.
     pub batch: usize,
     /// T.
@@ -103,6 +132,8 @@ impl Default for GradcheckConfig {
             objective: Objective::Grpo,
             parallel: Parallel::Token,
             vocab_groups: None,
+            timeout_s: 600.0,
+            fault: None,
             batch: inputs.batch,
             seq_len: inputs.seq_len,
             vocab: inputs.vocab,

@@ -6,9 +6,10 @@
 //! rounding: 1e-5 relative to the largest entry.
 
 use super::gradcheck::{
-    Gate, GradcheckConfig, GradcheckReport, Kernel, LinearCase, Objective, Tolerance, ce_targets,
-    grad_gate,
+    FaultKind, Gate, GradcheckConfig, GradcheckReport, Kernel, LinearCase, Objective, Tolerance,
+    ce_targets, grad_gate,
 };
+use super::inputs::HeadInputs;
 use crate::collective::{Collective, agree, run_in_process};
 use crate::config::GrpoLoss;
 use crate::cpu::{
@@ -25,9 +26,6 @@ use std::time::{Duration, Instant};
 
 /// Relative gate of sharded vs single-rank values (f32 rounding).
 const SHARDED_REL: f64 = 1e-5;
-
-/// How long a rank waits for its peers in one collective.
-pub const TIMEOUT: Duration = Duration::from_secs(600);
 
 /// One rank's result.
 #[derive(Debug, Clone, Serialize)]
@@ -50,18 +48,31 @@ pub fn run(cfg: &GradcheckConfig, ranks: usize) -> Result<Vec<Result<RankReport>
     match cfg.dtype {
         DType::F32 => {
             let check = Check::<f32>::new(cfg)?;
-            Ok(run_in_process(ranks, TIMEOUT, |comm| check.rank(comm)))
+            Ok(run_in_process(ranks, timeout(cfg), |comm| check.rank(comm)))
         }
         DType::Bf16 => {
             let check = Check::<bf16>::new(cfg)?;
-            Ok(run_in_process(ranks, TIMEOUT, |comm| check.rank(comm)))
+            Ok(run_in_process(ranks, timeout(cfg), |comm| check.rank(comm)))
         }
     }
 }
 
-/// Runs this rank's part of the sharded check over `comm` (any engine; every rank of
-/// `comm` calls it). A bad config is the same error on every rank.
+/// How long a rank waits for its peers in one collective (config `timeout_s`).
+pub fn timeout(cfg: &GradcheckConfig) -> Duration {
+    Duration::from_secs_f64(cfg.timeout_s.max(0.0))
+}
+
+/// Runs this rank's part of the sharded check over `comm`, a group of processes (every
+/// rank of `comm` calls it; an injected `exit` fault ends this process). A bad config
+/// is the same error on every rank.
 pub fn run_on(cfg: &GradcheckConfig, comm: &dyn Collective) -> Result<RankReport> {
+    if cfg
+        .fault
+        .is_some_and(|f| f.rank == comm.rank() && f.kind == FaultKind::Exit)
+    {
+        eprintln!("flashloss: injected fault: rank {} exits", comm.rank());
+        std::process::exit(1);
+    }
     agree(comm, check_ranks(cfg, comm.world_size()))?;
     match cfg.dtype {
         DType::F32 => Check::<f32>::new(cfg)?.rank(comm),
@@ -161,6 +172,38 @@ impl<'c, E: Element> Check<'c, E> {
         })
     }
 
+    /// This rank's copy of `head`, with a NaN where a `nan` fault hits it.
+    fn held_head(&self, comm: &dyn Collective, head: HeadInputs<E>) -> HeadInputs<E> {
+        let mut head = head;
+        if self
+            .cfg
+            .fault
+            .is_some_and(|f| f.rank == comm.rank() && f.kind == FaultKind::Nan)
+        {
+            head.hidden[0] = E::from_f32(f32::NAN);
+        }
+        head
+    }
+
+    /// Runs the fault that hits this rank before its step, if any.
+    fn before_step(&self, comm: &dyn Collective) -> Result<()> {
+        let Some(fault) = self.cfg.fault.filter(|f| f.rank == comm.rank()) else {
+            return Ok(());
+        };
+        match fault.kind {
+            FaultKind::Panic => panic!("injected fault: rank {} panics", fault.rank),
+            FaultKind::Hang => std::thread::sleep(2 * timeout(self.cfg)),
+            FaultKind::Exit => {
+                return Err(Error::InvalidArgument {
+                    arg: "fault",
+                    reason: format!("injected: rank {} exits", fault.rank),
+                });
+            }
+            FaultKind::Nan => {}
+        }
+        Ok(())
+    }
+
     /// This rank's sharded step.
     fn step(&self, comm: &dyn Collective) -> Result<Held> {
         let (cfg, case) = (self.cfg, &self.case);
@@ -169,7 +212,7 @@ impl<'c, E: Element> Check<'c, E> {
             let seqs = shard_range(cfg.batch, comm.world_size(), comm.rank());
             let rows = seqs.start * t..seqs.end * t;
             let part = case.tokens.sequences(seqs);
-            let head = case.head.rows(rows.clone());
+            let head = self.held_head(comm, case.head.rows(rows.clone()));
             let (loss, grads) = match cfg.objective {
                 Objective::Grpo => {
                     let o = grpo_linear_token_parallel(
@@ -209,7 +252,10 @@ impl<'c, E: Element> Check<'c, E> {
         let rows = seqs.start * t..seqs.end * t;
         let vocab = shard_range(cfg.vocab, vocab_groups, grid.vocab_group());
         let part = case.tokens.sequences(seqs);
-        let head = case.head.rows(rows.clone()).vocab_shard(vocab.clone());
+        let head = self.held_head(
+            comm,
+            case.head.rows(rows.clone()).vocab_shard(vocab.clone()),
+        );
         let shard = VocabShard {
             inputs: head.inputs(),
             offset: vocab.start,
@@ -238,6 +284,7 @@ impl<'c, E: Element> Check<'c, E> {
     fn rank(&self, comm: &dyn Collective) -> Result<RankReport> {
         let (cfg, one) = (self.cfg, &self.one);
         let h = cfg.hidden;
+        self.before_step(comm)?;
         let start = Instant::now();
         let held = self.step(comm)?;
         let seconds = start.elapsed().as_secs_f64();
