@@ -2,7 +2,7 @@
 
 use clap::{Parser, Subcommand, ValueEnum};
 use flashloss::memory::TrackingAllocator;
-use flashloss::tools::{bench, config_file, gradcheck, sharded_check};
+use flashloss::tools::{bench, config_file, gradcheck, sharded_bench, sharded_check};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -58,9 +58,17 @@ enum Command {
         /// Also write the results as JSON (one object per implementation) to this file.
         #[arg(long)]
         json: Option<PathBuf>,
-        /// Worker threads (default: all cores).
+        /// Worker threads (default: all cores; with ranks, per rank: the cores over the
+        /// ranks on this machine).
         #[arg(long)]
         threads: Option<usize>,
+        /// Shard the fused step over P in-process ranks (config keys `parallel`,
+        /// `vocab_groups`, `batch`) and time it against one rank; one JSON line per rank.
+        #[arg(long)]
+        ranks: Option<usize>,
+        /// Engine of sharded runs (see gradcheck).
+        #[arg(long, value_enum, default_value_t = CollectiveKind::InProcess)]
+        collective: CollectiveKind,
     },
 }
 
@@ -86,6 +94,71 @@ fn print_rank(rank: usize, result: &flashloss::Result<sharded_check::RankReport>
             2
         }
     }
+}
+
+/// Threads per rank when `ranks` ranks share this machine's cores.
+fn threads_per_rank(threads: Option<usize>, ranks: usize) -> usize {
+    threads.unwrap_or_else(|| (rayon::current_num_threads() / ranks.max(1)).max(1))
+}
+
+/// Prints every rank's bench line (and writes them to `json` as an array).
+fn print_rank_benches(
+    benches: flashloss::Result<Vec<sharded_bench::RankBench>>,
+    json: Option<PathBuf>,
+) -> ExitCode {
+    let benches = match benches {
+        Ok(b) => b,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    for b in &benches {
+        println!("{}", serde_json::to_string(b).expect("serializable"));
+    }
+    if let Some(path) = json {
+        let text = serde_json::to_string_pretty(&benches).expect("serializable");
+        if let Err(e) = std::fs::write(&path, text + "\n") {
+            eprintln!("error: cannot write {}: {e}", path.display());
+            return ExitCode::from(2);
+        }
+    }
+    ExitCode::SUCCESS
+}
+
+/// This process's rank of an `mpirun` job runs the sharded bench; rank 0 prints.
+#[cfg(feature = "mpi")]
+fn bench_mpi(
+    cfg: flashloss::Result<bench::BenchConfig>,
+    threads: Option<usize>,
+    json: Option<PathBuf>,
+) -> ExitCode {
+    use flashloss::collective::Collective;
+    let runtime = match flashloss::collective::MpiRuntime::init() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let world = runtime.world(sharded_bench::TIMEOUT);
+    let threads = threads_per_rank(threads, runtime.local_ranks());
+    let benches = cfg.and_then(|cfg| sharded_bench::run_on(&cfg, &world, threads));
+    if world.rank() == 0 || benches.is_err() {
+        print_rank_benches(benches, json)
+    } else {
+        ExitCode::SUCCESS
+    }
+}
+
+#[cfg(not(feature = "mpi"))]
+fn bench_mpi(
+    _: flashloss::Result<bench::BenchConfig>,
+    _: Option<usize>,
+    _: Option<PathBuf>,
+) -> ExitCode {
+    eprintln!("error: --collective mpi needs a build with `--features mpi`");
+    ExitCode::from(2)
 }
 
 /// This process's rank of an `mpirun` job runs the sharded gradcheck.
@@ -212,6 +285,38 @@ fn main() -> ExitCode {
             overrides,
             json,
             threads,
+            collective: CollectiveKind::Mpi,
+            ranks,
+        } => {
+            if ranks.is_some() {
+                eprintln!(
+                    "error: --ranks runs in-process ranks; under MPI the ranks are mpirun's -np"
+                );
+                return ExitCode::from(2);
+            }
+            let cfg = config_file::load::<bench::BenchConfig>(&config, &overrides);
+            bench_mpi(cfg, threads, json)
+        }
+        Command::Bench {
+            config,
+            overrides,
+            json,
+            threads,
+            ranks: Some(ranks),
+            ..
+        } => {
+            let per_rank = threads_per_rank(threads, ranks);
+            let benches = config_file::load::<bench::BenchConfig>(&config, &overrides)
+                .and_then(|cfg| sharded_bench::run(&cfg, ranks, per_rank));
+            print_rank_benches(benches, json)
+        }
+        Command::Bench {
+            config,
+            overrides,
+            json,
+            threads,
+            ranks: None,
+            ..
         } => {
             let bar = ProgressBar::new(0).with_style(
                 ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} steps")

@@ -52,6 +52,11 @@ impl MpiRuntime {
         Ok(MpiRuntime { universe })
     }
 
+    /// Processes of the job on this machine (they share its cores).
+    pub fn local_ranks(&self) -> usize {
+        self.universe.world().split_shared(0).size() as usize
+    }
+
     /// The group of every process of the job, whose collectives wait at most `timeout`.
     pub fn world(&self, timeout: Duration) -> Mpi {
         Mpi::new(self.universe.world(), timeout)

@@ -9,9 +9,9 @@ use crate::batch::{LinearInputs, LogitsLayout};
 use crate::config::{GrpoLoss, LossConfig};
 use crate::cpu::matmul::{MatRef, matmul};
 use crate::cpu::{
-    BaselineWorkspace, FusedOptions, LinearGrads, Mode, Plan, UnfusedWorkspace, Workspace,
-    ce_linear_baseline_into, ce_linear_into, grpo_linear_baseline_into, grpo_linear_into,
-    grpo_logits_forward, grpo_logits_unfused_into,
+    BaselineWorkspace, FusedOptions, LinearGrads, Mode, Parallel, Plan, UnfusedWorkspace,
+    Workspace, ce_linear_baseline_into, ce_linear_into, grpo_linear_baseline_into,
+    grpo_linear_into, grpo_logits_forward, grpo_logits_unfused_into,
 };
 use crate::cross_entropy::{CeConfig, CrossEntropy};
 use crate::element::{DType, Element};
@@ -69,8 +69,14 @@ pub struct BenchConfig {
     pub implementation: Impl,
     /// Which loss.
     pub loss: LossKind,
-    /// N, tokens per step (one sequence of N positions).
+    /// N, tokens per step.
     pub tokens: usize,
+    /// Sequences the N tokens form (sharded runs split them over token groups).
+    pub batch: usize,
+    /// How `--ranks P` or `--collective mpi` splits the step.
+    pub parallel: Parallel,
+    /// Vocab groups of a `2d` grid (they must divide P).
+    pub vocab_groups: Option<usize>,
     /// H (level `linear`).
     pub hidden: usize,
     /// V.
@@ -100,6 +106,9 @@ impl Default for BenchConfig {
             implementation: Impl::Both,
             loss: LossKind::Grpo,
             tokens: 256,
+            batch: 1,
+            parallel: Parallel::Vocab,
+            vocab_groups: None,
             hidden: 256,
             vocab: 32000,
             dtype: DType::F32,
@@ -115,7 +124,7 @@ impl Default for BenchConfig {
 }
 
 /// Step times in seconds.
-#[derive(Debug, Clone, Copy, Serialize)]
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
 pub struct Timing {
     /// Median.
     pub median: f64,

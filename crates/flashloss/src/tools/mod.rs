@@ -6,4 +6,5 @@ pub mod bench;
 pub mod config_file;
 pub mod gradcheck;
 pub mod inputs;
+pub mod sharded_bench;
 pub mod sharded_check;
