@@ -76,6 +76,13 @@ pub enum Error {
         /// The target id.
         id: i64,
     },
+    /// The CUDA backend could not run: no driver or NVRTC library, a failed CUDA call, or
+    /// a kernel that did not compile (what failed and why).
+    #[error("cuda: {reason}")]
+    Device {
+        /// What failed, with the library's message.
+        reason: String,
+    },
     /// A collective operation failed: a peer left, timed out, or sent a mismatched
     /// buffer.
     #[error("collective: {reason}")]

@@ -14,6 +14,8 @@ pub mod collective;
 pub mod config;
 pub mod cpu;
 pub mod cross_entropy;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod element;
 pub mod error;
 pub mod memory;

@@ -52,42 +52,78 @@ pub fn grpo_logits_forward_with<E: Element>(
     logits: &[E],
     layout: &LogitsLayout,
 ) -> Result<GrpoLogitsForward> {
-    if (layout.batch, layout.seq_len) != (batch.batch, batch.seq_len) {
-        return Err(Error::InvalidArgument {
-            arg: "logits",
-            reason: format!(
-                "layout is [B={}, T={}] but the batch is [B={}, T={}]",
-                layout.batch, layout.seq_len, batch.batch, batch.seq_len
-            ),
-        });
-    }
-    batch.validate(layout.vocab, loss)?;
-    let temperature = loss.config().temperature;
+    GrpoLogitsForward::check_batch(loss, batch, layout)?;
     let stats = selective_log_softmax(
         logits,
         layout,
         batch.target_ids,
         Some(batch.mask),
-        temperature,
+        loss.config().temperature,
     )?;
-    let logp: Vec<f32> = stats.iter().map(|s| s.logp).collect();
-    let entropy: Vec<f32> = stats.iter().map(|s| s.entropy).collect();
-    let policy = policy_stage(loss, batch, norm, &logp, &entropy);
-    Ok(GrpoLogitsForward {
-        loss: policy.loss,
-        metrics: policy.metrics,
-        stats,
-        kl: policy.kl,
-        clip: policy.clip,
-        dlogp: policy.dlogp,
-        dentropy: policy.dentropy,
-        targets: batch.target_ids.to_vec(),
-        layout: *layout,
-        temperature,
-    })
+    Ok(GrpoLogitsForward::from_stats(
+        loss, batch, norm, stats, layout,
+    ))
 }
 
 impl GrpoLogitsForward {
+    /// Checks that the batch matches the layout and is valid for `loss`.
+    pub(crate) fn check_batch(
+        loss: &GrpoLoss,
+        batch: &GrpoBatch,
+        layout: &LogitsLayout,
+    ) -> Result<()> {
+        if (layout.batch, layout.seq_len) != (batch.batch, batch.seq_len) {
+            return Err(Error::InvalidArgument {
+                arg: "logits",
+                reason: format!(
+                    "layout is [B={}, T={}] but the batch is [B={}, T={}]",
+                    layout.batch, layout.seq_len, batch.batch, batch.seq_len
+                ),
+            });
+        }
+        batch.validate(layout.vocab, loss)
+    }
+
+    /// The forward from any backend's per-row statistics: runs the policy stage.
+    pub(crate) fn from_stats(
+        loss: &GrpoLoss,
+        batch: &GrpoBatch,
+        norm: Normalizers,
+        stats: Vec<RowStats>,
+        layout: &LogitsLayout,
+    ) -> Self {
+        let logp: Vec<f32> = stats.iter().map(|s| s.logp).collect();
+        let entropy: Vec<f32> = stats.iter().map(|s| s.entropy).collect();
+        let policy = policy_stage(loss, batch, norm, &logp, &entropy);
+        GrpoLogitsForward {
+            loss: policy.loss,
+            metrics: policy.metrics,
+            stats,
+            kl: policy.kl,
+            clip: policy.clip,
+            dlogp: policy.dlogp,
+            dentropy: policy.dentropy,
+            targets: batch.target_ids.to_vec(),
+            layout: *layout,
+            temperature: loss.config().temperature,
+        }
+    }
+
+    /// Target ids per row.
+    pub(crate) fn targets(&self) -> &[i64] {
+        &self.targets
+    }
+
+    /// The layout of the logits.
+    pub(crate) fn layout(&self) -> &LogitsLayout {
+        &self.layout
+    }
+
+    /// The sampling temperature.
+    pub(crate) fn temperature(&self) -> f64 {
+        self.temperature
+    }
+
     /// `∂L/∂logp_i` per row.
     pub fn dlogp(&self) -> &[f32] {
         &self.dlogp
@@ -98,7 +134,7 @@ impl GrpoLogitsForward {
         &self.dentropy
     }
 
-    fn check(&self, logits_len: usize, grad_output: f32) -> Result<()> {
+    pub(crate) fn check(&self, logits_len: usize, grad_output: f32) -> Result<()> {
         self.layout.validate("logits", logits_len)?;
         if !grad_output.is_finite() {
             return Err(Error::NonFinite {

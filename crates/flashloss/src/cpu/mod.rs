@@ -26,6 +26,8 @@ pub use grpo_linear::{GrpoLinearOutput, grpo_linear, grpo_linear_into, grpo_line
 pub use grpo_logits::{GrpoLogitsForward, grpo_logits_forward, grpo_logits_forward_with};
 pub use logp_linear::logp_linear;
 pub use online_softmax::{OnlineSoftmax, RowStats, VOCAB_TILE};
+#[cfg(feature = "cuda")]
+pub(crate) use selective_log_softmax::check_row_stats;
 pub use selective_log_softmax::selective_log_softmax;
 pub use sharded_linear::{
     Grid, Parallel, VocabShard, ce_linear_grid, ce_linear_token_parallel, ce_linear_vocab_parallel,

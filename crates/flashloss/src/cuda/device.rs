@@ -1,0 +1,232 @@
+//! One GPU: its context and stream, the compiled kernels, and the accounting of every
+//! allocation the backend makes.
+
+use super::kernels::{SOURCES, compile_cached};
+use crate::element::Element;
+use crate::error::{Error, Result};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits,
+};
+use cudarc::nvrtc::Ptx;
+use half::bf16;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+pub(crate) fn device_error(what: &str, e: impl std::fmt::Debug) -> Error {
+    Error::Device {
+        reason: format!("{what}: {e:?}"),
+    }
+}
+
+/// Whether the CUDA driver library (`libcuda.so`) can be loaded (checked before any
+/// driver call: cudarc panics if a library it needs is missing).
+pub fn driver_present() -> bool {
+    // SAFETY: only tries to load the library.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+/// A storage dtype the device kernels read: f32 or bf16.
+pub trait GpuElement: Element + DeviceRepr + ValidAsZeroBits {
+    /// Suffix of the kernels for this dtype (`row_states_f32`, ...).
+    const SUFFIX: &'static str;
+}
+
+impl GpuElement for f32 {
+    const SUFFIX: &'static str = "f32";
+}
+
+impl GpuElement for bf16 {
+    const SUFFIX: &'static str = "bf16";
+}
+
+/// Bytes the backend holds on the device: in use now, and the most at any time since
+/// the last [`DeviceMemory::reset_peak`].
+#[derive(Debug, Default)]
+pub struct DeviceMemory {
+    in_use: AtomicUsize,
+    peak: AtomicUsize,
+}
+
+impl DeviceMemory {
+    fn allocated(&self, bytes: usize) {
+        let now = self.in_use.fetch_add(bytes, Ordering::Relaxed) + bytes;
+        self.peak.fetch_max(now, Ordering::Relaxed);
+    }
+
+    fn freed(&self, bytes: usize) {
+        self.in_use.fetch_sub(bytes, Ordering::Relaxed);
+    }
+
+    /// Bytes in use.
+    pub fn in_use(&self) -> usize {
+        self.in_use.load(Ordering::Relaxed)
+    }
+
+    /// Peak bytes in use.
+    pub fn peak(&self) -> usize {
+        self.peak.load(Ordering::Relaxed)
+    }
+
+    /// Starts a new peak from the bytes in use now.
+    pub fn reset_peak(&self) {
+        self.peak.store(self.in_use(), Ordering::Relaxed);
+    }
+}
+
+/// A device buffer counted in its GPU's [`DeviceMemory`] until dropped.
+#[derive(Debug)]
+pub struct DeviceBuffer<T> {
+    slice: CudaSlice<T>,
+    memory: Arc<DeviceMemory>,
+}
+
+impl<T> DeviceBuffer<T> {
+    /// Elements.
+    pub fn len(&self) -> usize {
+        self.slice.len()
+    }
+
+    /// Whether it holds no element.
+    pub fn is_empty(&self) -> bool {
+        self.slice.len() == 0
+    }
+
+    /// The cudarc slice.
+    pub fn slice(&self) -> &CudaSlice<T> {
+        &self.slice
+    }
+
+    /// The cudarc slice, mutably.
+    pub fn slice_mut(&mut self) -> &mut CudaSlice<T> {
+        &mut self.slice
+    }
+}
+
+impl<T> Drop for DeviceBuffer<T> {
+    fn drop(&mut self) {
+        self.memory.freed(self.slice.num_bytes());
+    }
+}
+
+/// One GPU with the backend's kernels loaded.
+pub struct Gpu {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    kernels: HashMap<&'static str, CudaFunction>,
+    memory: Arc<DeviceMemory>,
+    arch: String,
+}
+
+impl Gpu {
+    /// Opens device `ordinal` and loads the kernels (compiled for its architecture on
+    /// first use in the process). Without a CUDA driver or NVRTC library, an error
+    /// says which is missing.
+    pub fn new(ordinal: usize) -> Result<Self> {
+        if !driver_present() {
+            return Err(Error::Device {
+                reason: "no CUDA driver found: libcuda.so could not be loaded (this machine \
+                         has no NVIDIA driver; use the CPU backend)"
+                    .into(),
+            });
+        }
+        let ctx = CudaContext::new(ordinal)
+            .map_err(|e| device_error(&format!("opening device {ordinal}"), e))?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(|e| device_error("reading the compute capability", e))?;
+        let arch = format!("compute_{major}{minor}");
+        let stream = ctx.default_stream();
+        let mut kernels = HashMap::new();
+        for src in SOURCES {
+            let ptx = compile_cached(src, &arch)?;
+            let module = ctx
+                .load_module(Ptx::from_src(ptx))
+                .map_err(|e| device_error(&format!("loading {}", src.name), e))?;
+            for &name in src.kernels {
+                let f = module
+                    .load_function(name)
+                    .map_err(|e| device_error(&format!("loading kernel {name}"), e))?;
+                kernels.insert(name, f);
+            }
+        }
+        Ok(Gpu {
+            ctx,
+            stream,
+            kernels,
+            memory: Arc::default(),
+            arch,
+        })
+    }
+
+    /// The architecture the kernels were compiled for (`compute_90` on Hopper).
+    pub fn arch(&self) -> &str {
+        &self.arch
+    }
+
+    /// The stream every operation of the backend runs on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The backend's bytes on this device.
+    pub fn memory(&self) -> &DeviceMemory {
+        &self.memory
+    }
+
+    /// `(free, total)` bytes of the device (`cudaMemGetInfo`).
+    pub fn mem_get_info(&self) -> Result<(usize, usize)> {
+        self.ctx
+            .mem_get_info()
+            .map_err(|e| device_error("cuMemGetInfo", e))
+    }
+
+    /// A loaded kernel.
+    pub(crate) fn kernel(&self, name: &str) -> Result<&CudaFunction> {
+        self.kernels.get(name).ok_or_else(|| Error::Device {
+            reason: format!("kernel {name} is not loaded"),
+        })
+    }
+
+    fn track<T>(&self, slice: CudaSlice<T>) -> DeviceBuffer<T> {
+        self.memory.allocated(slice.num_bytes());
+        DeviceBuffer {
+            slice,
+            memory: self.memory.clone(),
+        }
+    }
+
+    /// A zeroed buffer of `len` elements.
+    pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, len: usize) -> Result<DeviceBuffer<T>> {
+        let slice = self
+            .stream
+            .alloc_zeros(len)
+            .map_err(|e| device_error(&format!("allocating {len} elements"), e))?;
+        Ok(self.track(slice))
+    }
+
+    /// A copy of `host` on the device.
+    pub fn upload<T: DeviceRepr>(&self, host: &[T]) -> Result<DeviceBuffer<T>> {
+        let slice = self.stream.clone_htod(host).map_err(|e| {
+            device_error(&format!("copying {} elements to the device", host.len()), e)
+        })?;
+        Ok(self.track(slice))
+    }
+
+    /// A host copy of `buf` (waits for the stream).
+    pub fn download<T: DeviceRepr + Default + Clone>(
+        &self,
+        buf: &DeviceBuffer<T>,
+    ) -> Result<Vec<T>> {
+        self.stream
+            .clone_dtoh(&buf.slice)
+            .map_err(|e| device_error(&format!("copying {} elements to the host", buf.len()), e))
+    }
+
+    /// Waits for the stream; surfaces any error of the kernels launched on it.
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream
+            .synchronize()
+            .map_err(|e| device_error("synchronizing the stream", e))
+    }
+}

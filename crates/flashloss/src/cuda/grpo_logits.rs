@@ -1,0 +1,243 @@
+//! The logits-level GRPO loss on the GPU: one kernel pass over each row for its
+//! statistics (`row_states`: max, Σexp, entropy accumulator, target logit; one block
+//! per row on a 1-D grid), the O(N) policy stage on the host (the CPU backend's code),
+//! and one kernel pass writing `dz_ij = (g/T)·[dlogp_i·(1[j=y_i] - p_ij) -
+//! dentropy_i·p_ij·(log p_ij + H_i)]` in the logits' dtype, into a dense `[N, V]` buffer
+//! or over the logits. Statistics in f32.
+
+use super::device::{DeviceBuffer, Gpu, GpuElement, device_error};
+use crate::batch::{GrpoBatch, LogitsLayout};
+use crate::config::GrpoLoss;
+use crate::cpu::{GrpoLogitsForward, OnlineSoftmax, RowStats, check_row_stats};
+use crate::error::{Error, Result};
+use crate::policy::Normalizers;
+use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg};
+
+/// Threads per block of the row kernels (`BLOCK` in `softmax_rows.cu`).
+const BLOCK: u32 = 256;
+
+/// Row addressing of the kernels (`Layout` in `softmax_rows.cu`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct KernelLayout {
+    seq_len: i64,
+    row_stride: i64,
+    seq_stride: i64,
+}
+
+// SAFETY: plain old data with the layout of the kernels' struct.
+unsafe impl DeviceRepr for KernelLayout {}
+
+impl KernelLayout {
+    pub(crate) fn of(layout: &LogitsLayout) -> Self {
+        KernelLayout {
+            seq_len: layout.seq_len.max(1) as i64,
+            row_stride: layout.row_stride as i64,
+            seq_stride: layout.seq_stride as i64,
+        }
+    }
+
+    /// A dense `[rows, ld]` matrix.
+    pub(crate) fn dense(rows: usize, ld: usize) -> Self {
+        KernelLayout {
+            seq_len: rows.max(1) as i64,
+            row_stride: ld as i64,
+            seq_stride: (rows * ld) as i64,
+        }
+    }
+}
+
+/// A row's gradient coefficients (`RowCoef` in `softmax_rows.cu`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct RowCoef {
+    pub(crate) max: f32,
+    pub(crate) log_sum: f32,
+    pub(crate) entropy: f32,
+    pub(crate) coef_p: f32,
+    pub(crate) coef_h: f32,
+    pub(crate) coef_uniform: f32,
+    pub(crate) coef_target: f32,
+    /// Column of the target in the row part, -1 where it lies elsewhere.
+    pub(crate) target: i32,
+}
+
+// SAFETY: plain old data with the layout of the kernels' struct.
+unsafe impl DeviceRepr for RowCoef {}
+
+/// One block per row: the launch of `rows` rows (at most 2^31 - 1).
+pub(crate) fn rows_launch(rows: usize) -> Result<LaunchConfig> {
+    if rows > i32::MAX as usize {
+        return Err(Error::InvalidArgument {
+            arg: "logits",
+            reason: format!("{rows} rows exceed the grid limit of {}", i32::MAX),
+        });
+    }
+    Ok(LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
+fn cols_arg(vocab: usize) -> Result<i32> {
+    i32::try_from(vocab).map_err(|_| Error::InvalidArgument {
+        arg: "vocab",
+        reason: format!("{vocab} exceeds the kernels' column limit of {}", i32::MAX),
+    })
+}
+
+/// Forward of the GRPO loss on device logits `[B, T, V]` laid out as `layout`; the
+/// per-token inputs in `batch` are on the host. Returns what the CPU forward returns.
+pub fn grpo_logits_forward<E: GpuElement>(
+    gpu: &Gpu,
+    loss: &GrpoLoss,
+    batch: &GrpoBatch,
+    logits: &DeviceBuffer<E>,
+    layout: &LogitsLayout,
+) -> Result<GrpoLogitsForward> {
+    GrpoLogitsForward::check_batch(loss, batch, layout)?;
+    layout.validate("logits", logits.len())?;
+    let n = layout.rows();
+    let temperature = loss.config().temperature;
+    let inv_temp = (1.0 / temperature) as f32;
+    let mut stats = vec![RowStats::default(); n];
+    if n > 0 {
+        let targets = gpu.upload(batch.target_ids)?;
+        let live: Vec<u8> = batch.mask.iter().map(|&m| u8::from(m)).collect();
+        let live = gpu.upload(&live)?;
+        let mut st: Vec<DeviceBuffer<f32>> =
+            (0..5).map(|_| gpu.zeros::<f32>(n)).collect::<Result<_>>()?;
+        let f = gpu.kernel(&format!("row_states_{}", E::SUFFIX))?;
+        let stream = gpu.stream();
+        let (lz, cols) = (KernelLayout::of(layout), cols_arg(layout.vocab)?);
+        let (offset, null, merge_into, zero) = (0i64, 0u64, 0i32, 0.0f32);
+        let [mu, s, u, target, sum] = &mut st[..] else {
+            unreachable!("five buffers")
+        };
+        let mut launch = stream.launch_builder(f);
+        launch
+            .arg(logits.slice())
+            .arg(&lz)
+            .arg(&cols)
+            .arg(&offset)
+            .arg(&null)
+            .arg(&inv_temp)
+            .arg(&zero)
+            .arg(&zero)
+            .arg(targets.slice())
+            .arg(live.slice())
+            .arg(&merge_into)
+            .arg(mu.slice_mut())
+            .arg(s.slice_mut())
+            .arg(u.slice_mut())
+            .arg(target.slice_mut())
+            .arg(sum.slice_mut());
+        // SAFETY: the arguments match `row_states` in softmax_rows.cu; every buffer
+        // holds the rows the layout was validated for.
+        unsafe { launch.launch(rows_launch(n)?) }
+            .map_err(|e| device_error("launching row_states", e))?;
+        let (mu, s, u, target) = (
+            gpu.download(&st[0])?,
+            gpu.download(&st[1])?,
+            gpu.download(&st[2])?,
+            gpu.download(&st[3])?,
+        );
+        for i in (0..n).filter(|&i| batch.mask[i]) {
+            let state = OnlineSoftmax {
+                inv_temp,
+                max: mu[i],
+                sum: s[i] as f64,
+                weighted: u[i] as f64,
+            };
+            stats[i] = RowStats::finish(&state, target[i]);
+        }
+    }
+    check_row_stats(&stats, |i| batch.mask[i], batch.target_ids, batch.seq_len)?;
+    Ok(GrpoLogitsForward::from_stats(
+        loss,
+        batch,
+        Normalizers::local(batch),
+        stats,
+        layout,
+    ))
+}
+
+/// Writes `grad_output · ∂L/∂z` of `fwd` into `dlogits` (a dense `[N, V]` buffer), or
+/// over `logits` when `dlogits` is `None`.
+pub fn grpo_logits_backward<E: GpuElement>(
+    gpu: &Gpu,
+    fwd: &GrpoLogitsForward,
+    logits: &mut DeviceBuffer<E>,
+    grad_output: f32,
+    dlogits: Option<&mut DeviceBuffer<E>>,
+) -> Result<()> {
+    fwd.check(logits.len(), grad_output)?;
+    let layout = fwd.layout();
+    let (n, v) = (layout.rows(), layout.vocab);
+    if let Some(d) = &dlogits
+        && d.len() != n * v
+    {
+        return Err(Error::ShapeMismatch {
+            arg: "dlogits",
+            shape: format!("[N={n}, V={v}]"),
+            expected: n * v,
+            actual: d.len(),
+        });
+    }
+    if n == 0 {
+        return Ok(());
+    }
+    let scale = (grad_output as f64 / fwd.temperature()) as f32;
+    let inv_temp = (1.0 / fwd.temperature()) as f32;
+    let coefs: Vec<RowCoef> = (0..n)
+        .map(|i| {
+            let (st, dlogp, dentropy) = (&fwd.stats[i], fwd.dlogp()[i], fwd.dentropy()[i]);
+            RowCoef {
+                max: st.max,
+                log_sum: st.log_sum,
+                entropy: st.entropy,
+                coef_p: -scale * dlogp,
+                coef_h: -scale * dentropy,
+                coef_uniform: 0.0,
+                coef_target: scale * dlogp,
+                target: fwd.targets()[i] as i32,
+            }
+        })
+        .collect();
+    let coefs = gpu.upload(&coefs)?;
+    let f = gpu.kernel(&format!("row_grad_{}", E::SUFFIX))?;
+    let stream = gpu.stream();
+    let (lz, cols) = (KernelLayout::of(layout), cols_arg(v)?);
+    let (null, zero) = (0u64, 0.0f32);
+    let launch_with = |z: u64, out: u64, lo: KernelLayout| -> Result<()> {
+        let mut launch = stream.launch_builder(f);
+        launch
+            .arg(&z)
+            .arg(&lz)
+            .arg(&cols)
+            .arg(&null)
+            .arg(&inv_temp)
+            .arg(&zero)
+            .arg(&zero)
+            .arg(coefs.slice())
+            .arg(&out)
+            .arg(&lo);
+        // SAFETY: the arguments match `row_grad` in softmax_rows.cu; `z` and `out`
+        // hold every row of their layouts.
+        unsafe { launch.launch(rows_launch(n)?) }
+            .map(|_| ())
+            .map_err(|e| device_error("launching row_grad", e))
+    };
+    match dlogits {
+        Some(d) => {
+            let (z, _read) = logits.slice().device_ptr(stream);
+            let (out, _write) = d.slice_mut().device_ptr_mut(stream);
+            launch_with(z, out, KernelLayout::dense(n, v))
+        }
+        None => {
+            let (z, _write) = logits.slice_mut().device_ptr_mut(stream);
+            launch_with(z, z, lz)
+        }
+    }
+}

@@ -1,0 +1,236 @@
+// Row kernels of the CUDA backend, compiled at run time with NVRTC (no headers needed).
+// One block per row on a 1-D grid (blockIdx.x = row: up to 2^31 - 1 rows), 256 threads.
+//
+// Rows are laid out as the CPU's LogitsLayout: row r = b*T + t starts at
+// b*seq_stride + t*row_stride (a dense [rows, ld] tile is T = rows, row_stride = ld).
+// A row holds raw logits z_j (f32 or bf16); the logits the loss sees are
+// x_j = cap * tanh((z_j + b_j) / cap) with an optional bias b and soft-cap (inv_cap = 0:
+// none). Statistics are those of the CPU kernel's OnlineSoftmax, in f32:
+//   mu = max_j x_j,  S = sum_j exp((x_j - mu) * inv_temp),
+//   U = sum_j exp((x_j - mu) * inv_temp) * (x_j - mu) * inv_temp,
+// so that lse = mu * inv_temp + log S and H = log S - U / S.
+
+#define BLOCK 256
+#define NEG_INF (-__int_as_float(0x7f800000))
+
+typedef unsigned short bf16_bits;
+
+__device__ __forceinline__ float load(const float* p, long long i) { return p[i]; }
+__device__ __forceinline__ float load(const bf16_bits* p, long long i) {
+    return __uint_as_float(((unsigned int)p[i]) << 16);
+}
+__device__ __forceinline__ void store(float* p, long long i, float v) { p[i] = v; }
+__device__ __forceinline__ void store(bf16_bits* p, long long i, float v) {
+    unsigned int bits = __float_as_uint(v);
+    if (v != v) {
+        p[i] = (bf16_bits)0x7fc0;
+        return;
+    }
+    bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest even
+    p[i] = (bf16_bits)(bits >> 16);
+}
+
+// Where row `row` starts.
+struct Layout {
+    long long seq_len, row_stride, seq_stride;
+};
+
+__device__ __forceinline__ long long row_offset(Layout l, long long row) {
+    return (row / l.seq_len) * l.seq_stride + (row % l.seq_len) * l.row_stride;
+}
+
+// The logit the loss sees: bias, then soft-cap.
+__device__ __forceinline__ float logit(float z, const float* bias, long long col, float cap,
+                                       float inv_cap) {
+    if (bias) z += bias[col];
+    return inv_cap != 0.0f ? cap * tanhf(z * inv_cap) : z;
+}
+
+// Online-softmax state (mu, S, U) and its merge (the CPU's OnlineSoftmax::merge).
+struct State {
+    float mu, s, u;
+};
+
+__device__ __forceinline__ State merge(State a, State b, float inv_temp) {
+    if (b.mu == NEG_INF) return a;
+    if (a.mu == NEG_INF) return b;
+    float mu = fmaxf(a.mu, b.mu);
+    float da = (a.mu - mu) * inv_temp, db = (b.mu - mu) * inv_temp;
+    float fa = __expf(da), fb = __expf(db);
+    State out;
+    out.mu = mu;
+    out.s = fa * a.s + fb * b.s;
+    out.u = fa * (a.u + da * a.s) + fb * (b.u + db * b.s);
+    return out;
+}
+
+__device__ State block_merge(State st, float inv_temp) {
+    __shared__ float sh_mu[BLOCK / 32], sh_s[BLOCK / 32], sh_u[BLOCK / 32];
+    for (int off = 16; off > 0; off >>= 1) {
+        State o;
+        o.mu = __shfl_down_sync(0xffffffffu, st.mu, off);
+        o.s = __shfl_down_sync(0xffffffffu, st.s, off);
+        o.u = __shfl_down_sync(0xffffffffu, st.u, off);
+        st = merge(st, o, inv_temp);
+    }
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) {
+        sh_mu[warp] = st.mu;
+        sh_s[warp] = st.s;
+        sh_u[warp] = st.u;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        State w;
+        w.mu = lane < BLOCK / 32 ? sh_mu[lane] : NEG_INF;
+        w.s = lane < BLOCK / 32 ? sh_s[lane] : 0.0f;
+        w.u = lane < BLOCK / 32 ? sh_u[lane] : 0.0f;
+        for (int off = 16; off > 0; off >>= 1) {
+            State o;
+            o.mu = __shfl_down_sync(0xffffffffu, w.mu, off);
+            o.s = __shfl_down_sync(0xffffffffu, w.s, off);
+            o.u = __shfl_down_sync(0xffffffffu, w.u, off);
+            w = merge(w, o, inv_temp);
+        }
+        st = w;
+    }
+    return st;  // valid in thread 0
+}
+
+__device__ float block_sum(float v) {
+    __shared__ float sh[BLOCK / 32];
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_down_sync(0xffffffffu, v, off);
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __syncthreads();
+    if (lane == 0) sh[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        v = lane < BLOCK / 32 ? sh[lane] : 0.0f;
+        for (int off = 16; off > 0; off >>= 1) v += __shfl_down_sync(0xffffffffu, v, off);
+    }
+    return v;  // valid in thread 0
+}
+
+// Per-row state of columns [0, cols) of a row part whose column 0 is vocabulary id
+// `col_offset`, merged into the running arrays (mu, s, u, target logit, logit sum) when
+// `merge_into` is set, written over them otherwise. Rows whose `live` flag is 0 are
+// skipped (their running values stay as they are). The target logit is taken where
+// targets[row] falls in this part.
+template <typename T>
+__device__ void row_states(const T* __restrict__ z, Layout lz, int cols, long long col_offset,
+                           const float* __restrict__ bias, float inv_temp, float cap,
+                           float inv_cap, const long long* __restrict__ targets,
+                           const unsigned char* __restrict__ live, int merge_into,
+                           float* st_mu, float* st_s, float* st_u, float* st_target,
+                           float* st_sum) {
+    long long row = blockIdx.x;
+    if (live && !live[row]) return;
+    const T* zr = z + row_offset(lz, row);
+    State st;
+    st.mu = NEG_INF;
+    st.s = 0.0f;
+    st.u = 0.0f;
+    float sum = 0.0f;
+    // Two sweeps per thread: the max of its columns, then its sums against that max.
+    for (int j = threadIdx.x; j < cols; j += BLOCK)
+        st.mu = fmaxf(st.mu, logit(load(zr, j), bias, j, cap, inv_cap));
+    if (st.mu != NEG_INF) {
+        for (int j = threadIdx.x; j < cols; j += BLOCK) {
+            float x = logit(load(zr, j), bias, j, cap, inv_cap);
+            float d = (x - st.mu) * inv_temp;
+            float e = __expf(d);
+            st.s += e;
+            st.u += e * d;
+            sum += x;
+        }
+    }
+    State total = block_merge(st, inv_temp);
+    float total_sum = block_sum(sum);
+    if (threadIdx.x == 0) {
+        long long y = targets[row] - col_offset;
+        if (merge_into) {
+            State prev;
+            prev.mu = st_mu[row];
+            prev.s = st_s[row];
+            prev.u = st_u[row];
+            total = merge(prev, total, inv_temp);
+            total_sum += st_sum[row];
+        } else {
+            st_target[row] = 0.0f;
+        }
+        st_mu[row] = total.mu;
+        st_s[row] = total.s;
+        st_u[row] = total.u;
+        st_sum[row] = total_sum;
+        if (y >= 0 && y < cols) st_target[row] = logit(load(zr, y), bias, y, cap, inv_cap);
+    }
+}
+
+// A row's gradient coefficients (the CPU's RowGrad): with
+// p_j = exp((x_j - mu) * inv_temp - log_sum),
+// dz_j = (coef_p p_j + coef_h p_j (log p_j + H) + coef_uniform + [j = target] coef_target)
+//        * slope_j, slope_j = 1 - (x_j / cap)^2 (1 without a cap).
+struct RowCoef {
+    float mu, log_sum, entropy, coef_p, coef_h, coef_uniform, coef_target;
+    int target;  // column within this part, -1 if elsewhere
+};
+
+// dz of columns [0, cols) written to `out` (laid out as `lo`; may be `z` itself: each
+// element is read, then written, by the same thread).
+template <typename T>
+__device__ void row_grad(const T* z, Layout lz, int cols, const float* __restrict__ bias,
+                         float inv_temp, float cap, float inv_cap,
+                         const RowCoef* __restrict__ coefs, T* out, Layout lo) {
+    long long row = blockIdx.x;
+    RowCoef c = coefs[row];
+    const T* zr = z + row_offset(lz, row);
+    T* o = out + row_offset(lo, row);
+    bool zero = c.coef_p == 0.0f && c.coef_h == 0.0f && c.coef_uniform == 0.0f &&
+                c.coef_target == 0.0f;
+    for (int j = threadIdx.x; j < cols; j += BLOCK) {
+        float g = 0.0f;
+        if (!zero) {
+            float x = logit(load(zr, j), bias, j, cap, inv_cap);
+            float lp = (x - c.mu) * inv_temp - c.log_sum;
+            float p = __expf(lp);
+            g = c.coef_p * p + c.coef_uniform;
+            if (c.coef_h != 0.0f && p > 0.0f) g += c.coef_h * p * (lp + c.entropy);
+            if (j == c.target) g += c.coef_target;
+            if (inv_cap != 0.0f) {
+                float t = x * inv_cap;
+                g *= 1.0f - t * t;
+            }
+        }
+        store(o, j, g);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(BLOCK)
+row_states_f32(const float* z, Layout lz, int cols, long long col_offset, const float* bias,
+               float inv_temp, float cap, float inv_cap, const long long* targets,
+               const unsigned char* live, int merge_into, float* st_mu, float* st_s,
+               float* st_u, float* st_target, float* st_sum) {
+    row_states(z, lz, cols, col_offset, bias, inv_temp, cap, inv_cap, targets, live, merge_into,
+               st_mu, st_s, st_u, st_target, st_sum);
+}
+
+extern "C" __global__ void __launch_bounds__(BLOCK)
+row_states_bf16(const bf16_bits* z, Layout lz, int cols, long long col_offset,
+                const float* bias, float inv_temp, float cap, float inv_cap,
+                const long long* targets, const unsigned char* live, int merge_into,
+                float* st_mu, float* st_s, float* st_u, float* st_target, float* st_sum) {
+    row_states(z, lz, cols, col_offset, bias, inv_temp, cap, inv_cap, targets, live, merge_into,
+               st_mu, st_s, st_u, st_target, st_sum);
+}
+
+extern "C" __global__ void __launch_bounds__(BLOCK)
+row_grad_f32(const float* z, Layout lz, int cols, const float* bias, float inv_temp, float cap,
+             float inv_cap, const RowCoef* coefs, float* out, Layout lo) {
+    row_grad(z, lz, cols, bias, inv_temp, cap, inv_cap, coefs, out, lo);
+}
+
+extern "C" __global__ void __launch_bounds__(BLOCK)
+row_grad_bf16(const bf16_bits* z, Layout lz, int cols, const float* bias, float inv_temp,
+              float cap, float inv_cap, const RowCoef* coefs, bf16_bits* out, Layout lo) {
+    row_grad(z, lz, cols, bias, inv_temp, cap, inv_cap, coefs, out, lo);
+}
