@@ -34,6 +34,10 @@ enum Command {
         /// Print one JSON object instead of text.
         #[arg(long)]
         json: bool,
+        /// Where the kernel runs: cpu, or cuda (a build with `--features cuda`); the
+        /// same as `--set device=...`.
+        #[arg(long)]
+        device: Option<String>,
         /// Worker threads (default: all cores).
         #[arg(long)]
         threads: Option<usize>,
@@ -279,7 +283,16 @@ fn print_bench(report: &bench::BenchReport) {
 }
 
 fn main() -> ExitCode {
-    match Cli::parse().command {
+    let mut cli = Cli::parse();
+    if let Command::Gradcheck {
+        device: Some(device),
+        overrides,
+        ..
+    } = &mut cli.command
+    {
+        overrides.push(format!("device={device}"));
+    }
+    match cli.command {
         Command::Bench {
             config,
             overrides,

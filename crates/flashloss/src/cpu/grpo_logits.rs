@@ -110,16 +110,19 @@ impl GrpoLogitsForward {
     }
 
     /// Target ids per row.
+    #[cfg(feature = "cuda")]
     pub(crate) fn targets(&self) -> &[i64] {
         &self.targets
     }
 
     /// The layout of the logits.
+    #[cfg(feature = "cuda")]
     pub(crate) fn layout(&self) -> &LogitsLayout {
         &self.layout
     }
 
     /// The sampling temperature.
+    #[cfg(feature = "cuda")]
     pub(crate) fn temperature(&self) -> f64 {
         self.temperature
     }

@@ -66,12 +66,25 @@ pub enum FaultKind {
     Exit,
 }
 
+/// Where the kernel runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Device {
+    /// The CPU backend.
+    #[default]
+    Cpu,
+    /// GPU 0 through the CUDA backend (a build with feature `cuda`; kernel `logits`).
+    Cuda,
+}
+
 /// The gradcheck config file (`configs/gradcheck/*.yaml`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct GradcheckConfig {
     /// Which kernel.
     pub kernel: Kernel,
+    /// Where it runs.
+    pub device: Device,
     /// Which loss (`ce` needs kernel `linear`).
     pub objective: Objective,
     /// How `--ranks P` splits the work (kernel `linear`).
@@ -129,6 +142,7 @@ impl Default for GradcheckConfig {
         let inputs = InputSpec::default();
         GradcheckConfig {
             kernel: Kernel::Logits,
+            device: Device::Cpu,
             objective: Objective::Grpo,
             parallel: Parallel::Token,
             vocab_groups: None,
@@ -282,6 +296,13 @@ impl GradcheckReport {
 
 /// Runs gradcheck as configured.
 pub fn run(cfg: &GradcheckConfig) -> Result<GradcheckReport> {
+    if cfg.device == Device::Cuda && cfg.kernel == Kernel::Linear {
+        return Err(Error::InvalidArgument {
+            arg: "device",
+            reason: "the fused LM-head kernel has no CUDA version yet; cuda runs kernel `logits`"
+                .into(),
+        });
+    }
     match (cfg.kernel, cfg.objective) {
         (Kernel::Logits, Objective::Ce) => Err(Error::InvalidArgument {
             arg: "objective",
@@ -302,6 +323,81 @@ pub fn run(cfg: &GradcheckConfig) -> Result<GradcheckReport> {
             DType::F32 => check_linear::<f32>(cfg),
             DType::Bf16 => check_linear::<bf16>(cfg),
         },
+    }
+}
+
+/// The logits-level kernel on the GPU (feature `cuda`).
+mod cuda_logits {
+    use super::GradcheckConfig;
+    use crate::batch::{GrpoBatch, LogitsLayout};
+    use crate::config::GrpoLoss;
+    use crate::cpu::GrpoLogitsForward;
+    use crate::element::Element;
+    #[cfg(not(feature = "cuda"))]
+    use crate::error::Error;
+    use crate::error::Result;
+
+    /// Forward and backward on GPU 0; `dlogits` comes back in the logits' dtype
+    /// (poisoned with NaN before the kernel when not in place).
+    #[cfg(feature = "cuda")]
+    pub(super) fn step<E: Element>(
+        cfg: &GradcheckConfig,
+        loss: &GrpoLoss,
+        batch: &GrpoBatch,
+        logits: &[E],
+        layout: &LogitsLayout,
+    ) -> Result<(GrpoLogitsForward, Vec<E>)> {
+        use crate::cuda::{Gpu, GpuElement, grpo_logits_backward, grpo_logits_forward};
+        use crate::element::DType;
+        use half::bf16;
+        fn typed<T: GpuElement>(
+            cfg: &GradcheckConfig,
+            loss: &GrpoLoss,
+            batch: &GrpoBatch,
+            host: &[T],
+            layout: &LogitsLayout,
+        ) -> Result<(GrpoLogitsForward, Vec<f32>)> {
+            let gpu = Gpu::new(0)?;
+            let mut logits = gpu.upload(host)?;
+            let fwd = grpo_logits_forward(&gpu, loss, batch, &logits, layout)?;
+            let g = cfg.grad_output as f32;
+            let out = if cfg.in_place {
+                grpo_logits_backward(&gpu, &fwd, &mut logits, g, None)?;
+                gpu.download(&logits)?
+            } else {
+                let poison = vec![T::from_f32(f32::NAN); layout.rows() * layout.vocab];
+                let mut dlogits = gpu.upload(&poison)?;
+                grpo_logits_backward(&gpu, &fwd, &mut logits, g, Some(&mut dlogits))?;
+                gpu.download(&dlogits)?
+            };
+            Ok((fwd, out.iter().map(|x| x.to_f32()).collect()))
+        }
+        // The element type is the config's dtype: these conversions are exact.
+        let (fwd, out) = match E::DTYPE {
+            DType::F32 => {
+                let host: Vec<f32> = logits.iter().map(|x| x.to_f32()).collect();
+                typed(cfg, loss, batch, &host, layout)?
+            }
+            DType::Bf16 => {
+                let host: Vec<bf16> = logits.iter().map(|x| bf16::from_f32(x.to_f32())).collect();
+                typed(cfg, loss, batch, &host, layout)?
+            }
+        };
+        Ok((fwd, out.into_iter().map(E::from_f32).collect()))
+    }
+
+    /// Without feature `cuda`: an error saying so.
+    #[cfg(not(feature = "cuda"))]
+    pub(super) fn step<E: Element>(
+        _: &GradcheckConfig,
+        _: &GrpoLoss,
+        _: &GrpoBatch,
+        _: &[E],
+        _: &LogitsLayout,
+    ) -> Result<(GrpoLogitsForward, Vec<E>)> {
+        Err(Error::Device {
+            reason: "this build has no CUDA backend: build with `--features cuda`".into(),
+        })
     }
 }
 
@@ -335,14 +431,20 @@ pub fn check_inputs<E: Element>(
     );
 
     let start = Instant::now();
-    let fwd = grpo_logits_forward(loss, &batch, &logits, &layout)?;
-    let dlogits: Vec<E> = if cfg.in_place {
-        fwd.backward_in_place(&mut logits, cfg.grad_output as f32)?;
-        logits
-    } else {
-        let mut out = vec![E::from_f32(f32::NAN); layout.rows() * layout.vocab];
-        fwd.backward(&logits, cfg.grad_output as f32, &mut out)?;
-        out
+    let (fwd, dlogits) = match cfg.device {
+        Device::Cpu => {
+            let fwd = grpo_logits_forward(loss, &batch, &logits, &layout)?;
+            let dlogits: Vec<E> = if cfg.in_place {
+                fwd.backward_in_place(&mut logits, cfg.grad_output as f32)?;
+                logits
+            } else {
+                let mut out = vec![E::from_f32(f32::NAN); layout.rows() * layout.vocab];
+                fwd.backward(&logits, cfg.grad_output as f32, &mut out)?;
+                out
+            };
+            (fwd, dlogits)
+        }
+        Device::Cuda => cuda_logits::step(cfg, loss, &batch, &logits, &layout)?,
     };
     let kernel_seconds = start.elapsed().as_secs_f64();
 

@@ -6,8 +6,8 @@
 //! rounding: 1e-5 relative to the largest entry.
 
 use super::gradcheck::{
-    FaultKind, Gate, GradcheckConfig, GradcheckReport, Kernel, LinearCase, Objective, Tolerance,
-    ce_targets, grad_gate,
+    Device, FaultKind, Gate, GradcheckConfig, GradcheckReport, Kernel, LinearCase, Objective,
+    Tolerance, ce_targets, grad_gate,
 };
 use super::inputs::HeadInputs;
 use crate::collective::{Collective, agree, run_in_process};
@@ -98,6 +98,12 @@ pub fn grid_shape(cfg: &GradcheckConfig, ranks: usize) -> Result<(usize, usize)>
 }
 
 fn check_ranks(cfg: &GradcheckConfig, ranks: usize) -> Result<()> {
+    if cfg.device != Device::Cpu {
+        return Err(Error::InvalidArgument {
+            arg: "device",
+            reason: "sharded runs use the CPU backend".into(),
+        });
+    }
     if cfg.kernel != Kernel::Linear {
         return Err(Error::InvalidArgument {
             arg: "ranks",
