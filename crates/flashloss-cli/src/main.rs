@@ -100,6 +100,14 @@ fn print_rank(rank: usize, result: &flashloss::Result<sharded_check::RankReport>
     }
 }
 
+/// `--ranks` with `--collective mpi`: an error (exit 2), since mpirun's -np sets the ranks.
+fn ranks_under_mpi(ranks: Option<usize>) -> Option<ExitCode> {
+    ranks.map(|_| {
+        eprintln!("error: --ranks runs in-process ranks; under MPI the ranks are mpirun's -np");
+        ExitCode::from(2)
+    })
+}
+
 /// Threads per rank when `ranks` ranks share this machine's cores.
 fn threads_per_rank(threads: Option<usize>, ranks: usize) -> usize {
     threads.unwrap_or_else(|| (rayon::current_num_threads() / ranks.max(1)).max(1))
@@ -301,11 +309,8 @@ fn main() -> ExitCode {
             collective: CollectiveKind::Mpi,
             ranks,
         } => {
-            if ranks.is_some() {
-                eprintln!(
-                    "error: --ranks runs in-process ranks; under MPI the ranks are mpirun's -np"
-                );
-                return ExitCode::from(2);
+            if let Some(code) = ranks_under_mpi(ranks) {
+                return code;
             }
             let cfg = config_file::load::<bench::BenchConfig>(&config, &overrides);
             bench_mpi(cfg, threads, json)
@@ -368,11 +373,8 @@ fn main() -> ExitCode {
             ranks,
             ..
         } => {
-            if ranks.is_some() {
-                eprintln!(
-                    "error: --ranks runs in-process ranks; under MPI the ranks are mpirun's -np"
-                );
-                return ExitCode::from(2);
+            if let Some(code) = ranks_under_mpi(ranks) {
+                return code;
             }
             let cfg = config_file::load::<gradcheck::GradcheckConfig>(&config, &overrides);
             ExitCode::from(gradcheck_mpi(cfg, threads))

@@ -47,6 +47,50 @@ pub enum Parallel {
     Grid2d,
 }
 
+impl Parallel {
+    /// `(token groups, vocab groups)` of `ranks` ranks in this mode (`vocab_groups` is
+    /// the 2-D grid's), checked so that every token group holds one of `batch`
+    /// sequences and every vocab group one of `vocab` entries.
+    pub fn grid_shape(
+        self,
+        ranks: usize,
+        vocab_groups: Option<usize>,
+        batch: usize,
+        vocab: usize,
+    ) -> Result<(usize, usize)> {
+        if ranks == 0 {
+            return Err(Error::InvalidArgument {
+                arg: "ranks",
+                reason: "must be at least 1".into(),
+            });
+        }
+        let (token_groups, vocab_groups) = match self {
+            Parallel::Token => (ranks, 1),
+            Parallel::Vocab => (1, ranks),
+            Parallel::Grid2d => match vocab_groups {
+                Some(g) if g > 0 && ranks.is_multiple_of(g) => (ranks / g, g),
+                other => {
+                    return Err(Error::InvalidArgument {
+                        arg: "vocab_groups",
+                        reason: format!(
+                            "parallel 2d needs vocab_groups dividing the {ranks} ranks, got {other:?}"
+                        ),
+                    });
+                }
+            },
+        };
+        if token_groups > batch || vocab_groups > vocab {
+            return Err(Error::InvalidArgument {
+                arg: "ranks",
+                reason: format!(
+                    "{token_groups} token groups x {vocab_groups} vocab groups: every token group needs a sequence (B = {batch}) and every vocab group a vocabulary entry (V = {vocab})"
+                ),
+            });
+        }
+        Ok((token_groups, vocab_groups))
+    }
+}
+
 /// The vocabulary range of `rank` when V is split over `world` ranks as evenly as
 /// possible (the first `V mod world` ranks hold one entry more).
 pub fn shard_range(vocab: usize, world: usize, rank: usize) -> Range<usize> {

@@ -106,15 +106,15 @@ pub fn grpo_logits_forward<E: GpuElement>(
         let targets = gpu.upload(batch.target_ids)?;
         let live: Vec<u8> = batch.mask.iter().map(|&m| u8::from(m)).collect();
         let live = gpu.upload(&live)?;
-        let mut st: Vec<DeviceBuffer<f32>> =
-            (0..5).map(|_| gpu.zeros::<f32>(n)).collect::<Result<_>>()?;
+        let mut mu = gpu.zeros::<f32>(n)?;
+        let mut s = gpu.zeros::<f32>(n)?;
+        let mut u = gpu.zeros::<f32>(n)?;
+        let mut target = gpu.zeros::<f32>(n)?;
+        let mut sum = gpu.zeros::<f32>(n)?;
         let f = gpu.kernel(&format!("row_states_{}", E::SUFFIX))?;
         let stream = gpu.stream();
         let (lz, cols) = (KernelLayout::of(layout), cols_arg(layout.vocab)?);
         let (offset, null, merge_into, zero) = (0i64, 0u64, 0i32, 0.0f32);
-        let [mu, s, u, target, sum] = &mut st[..] else {
-            unreachable!("five buffers")
-        };
         let mut launch = stream.launch_builder(f);
         launch
             .arg(logits.slice())
@@ -138,10 +138,10 @@ pub fn grpo_logits_forward<E: GpuElement>(
         unsafe { launch.launch(rows_launch(n)?) }
             .map_err(|e| device_error("launching row_states", e))?;
         let (mu, s, u, target) = (
-            gpu.download(&st[0])?,
-            gpu.download(&st[1])?,
-            gpu.download(&st[2])?,
-            gpu.download(&st[3])?,
+            gpu.download(&mu)?,
+            gpu.download(&s)?,
+            gpu.download(&u)?,
+            gpu.download(&target)?,
         );
         for i in (0..n).filter(|&i| batch.mask[i]) {
             let state = OnlineSoftmax {

@@ -84,6 +84,9 @@ pub struct RankBench {
 
 /// Runs the sharded bench on `ranks` in-process ranks of `threads` threads each.
 pub fn run(cfg: &BenchConfig, ranks: usize, threads: usize) -> Result<Vec<RankBench>> {
+    // Checked before spawning: with no rank there would be nobody to say so.
+    cfg.parallel
+        .grid_shape(ranks, cfg.vocab_groups, cfg.batch, cfg.vocab)?;
     let results = run_in_process(ranks, TIMEOUT, |comm| {
         run_rank(cfg, comm, threads, "in_process")
     });
@@ -104,35 +107,6 @@ pub fn run_on(cfg: &BenchConfig, comm: &dyn Collective, threads: usize) -> Resul
             })
         })
         .collect()
-}
-
-/// `(token groups, vocab groups)` for the config's split.
-fn grid_shape(cfg: &BenchConfig, ranks: usize) -> Result<(usize, usize)> {
-    let shape = match cfg.parallel {
-        Parallel::Token => (ranks, 1),
-        Parallel::Vocab => (1, ranks),
-        Parallel::Grid2d => match cfg.vocab_groups {
-            Some(g) if g > 0 && ranks.is_multiple_of(g) => (ranks / g, g),
-            other => {
-                return Err(Error::InvalidArgument {
-                    arg: "vocab_groups",
-                    reason: format!(
-                        "parallel 2d needs vocab_groups dividing the {ranks} ranks, got {other:?}"
-                    ),
-                });
-            }
-        },
-    };
-    if shape.0 > cfg.batch || shape.1 > cfg.vocab {
-        return Err(Error::InvalidArgument {
-            arg: "ranks",
-            reason: format!(
-                "{} token groups x {} vocab groups: every token group needs a sequence (batch = {}) and every vocab group a vocabulary entry",
-                shape.0, shape.1, cfg.batch
-            ),
-        });
-    }
-    Ok(shape)
 }
 
 fn run_rank(
@@ -161,7 +135,8 @@ fn run_rank(
                 reason: format!("must divide tokens = {}, got {}", cfg.tokens, cfg.batch),
             });
         }
-        grid_shape(cfg, comm.world_size())
+        cfg.parallel
+            .grid_shape(comm.world_size(), cfg.vocab_groups, cfg.batch, cfg.vocab)
     })();
     let shape = agree(comm, checked)?;
     pool.install(|| match cfg.dtype {

@@ -80,21 +80,10 @@ pub fn run_on(cfg: &GradcheckConfig, comm: &dyn Collective) -> Result<RankReport
     }
 }
 
-/// `(token groups, vocab groups)` of `ranks` in the config's mode.
-pub fn grid_shape(cfg: &GradcheckConfig, ranks: usize) -> Result<(usize, usize)> {
-    match cfg.parallel {
-        Parallel::Token => Ok((ranks, 1)),
-        Parallel::Vocab => Ok((1, ranks)),
-        Parallel::Grid2d => match cfg.vocab_groups {
-            Some(g) if g > 0 && ranks.is_multiple_of(g) => Ok((ranks / g, g)),
-            other => Err(Error::InvalidArgument {
-                arg: "vocab_groups",
-                reason: format!(
-                    "parallel 2d needs vocab_groups dividing the {ranks} ranks, got {other:?}"
-                ),
-            }),
-        },
-    }
+/// `(token groups, vocab groups)` of `ranks` in the config's mode, checked.
+fn grid_shape(cfg: &GradcheckConfig, ranks: usize) -> Result<(usize, usize)> {
+    cfg.parallel
+        .grid_shape(ranks, cfg.vocab_groups, cfg.batch, cfg.vocab)
 }
 
 fn check_ranks(cfg: &GradcheckConfig, ranks: usize) -> Result<()> {
@@ -110,23 +99,7 @@ fn check_ranks(cfg: &GradcheckConfig, ranks: usize) -> Result<()> {
             reason: "sharded runs need kernel `linear`".into(),
         });
     }
-    if ranks == 0 {
-        return Err(Error::InvalidArgument {
-            arg: "ranks",
-            reason: "must be at least 1".into(),
-        });
-    }
-    let (token_groups, vocab_groups) = grid_shape(cfg, ranks)?;
-    if token_groups > cfg.batch || vocab_groups > cfg.vocab {
-        return Err(Error::InvalidArgument {
-            arg: "ranks",
-            reason: format!(
-                "{token_groups} token groups x {vocab_groups} vocab groups: every token group needs a sequence (B = {}) and every vocab group a vocabulary entry (V = {})",
-                cfg.batch, cfg.vocab
-            ),
-        });
-    }
-    Ok(())
+    grid_shape(cfg, ranks).map(|_| ())
 }
 
 /// What one rank returns, with the parts of the single-rank run it corresponds to.
