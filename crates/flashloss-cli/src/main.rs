@@ -23,6 +23,25 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// GRPO training on candle (warm-up CE, then GRPO) with `loss.impl: baseline | fused | logits`;
+    /// writes OUT_DIR/metrics.jsonl and checkpoints, and resumes from the last checkpoint.
+    Train {
+        /// YAML config (configs/train/*.yaml).
+        #[arg(long)]
+        config: PathBuf,
+        /// Override a config key (`steps=20`, `out_dir=runs/x`, `loss.impl=baseline`).
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        overrides: Vec<String>,
+    },
+    /// Charts (PNG) and a markdown summary comparing training runs.
+    Report {
+        /// Run folders (each with metrics.jsonl), e.g. A and B of an A/B.
+        #[arg(required = true)]
+        runs: Vec<PathBuf>,
+        /// Output folder.
+        #[arg(long)]
+        out: PathBuf,
+    },
     /// Compare a kernel with the f64 reference on random inputs; exit 0 only if every gate passes.
     Gradcheck {
         /// YAML config (configs/gradcheck/*.yaml).
@@ -290,6 +309,38 @@ fn print_bench(report: &bench::BenchReport) {
     }
 }
 
+/// Runs `flashloss train`, with a progress bar showing the last step's metrics.
+fn train(config: &std::path::Path, overrides: &[String]) -> ExitCode {
+    use flashloss_candle::train::{TrainConfig, Trainer};
+    let trainer = config_file::load::<TrainConfig>(config, overrides)
+        .map_err(|e| e.to_string())
+        .and_then(|cfg| Trainer::new(cfg).map_err(|e| e.to_string()));
+    let mut trainer = match trainer {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let bar = ProgressBar::new(trainer.total_steps() as u64).with_style(
+        ProgressStyle::with_template("[{bar:30}] {pos}/{len} {msg}").expect("template"),
+    );
+    bar.set_position(trainer.done as u64);
+    let result = trainer.run(|m| {
+        bar.set_position(m.step as u64 + 1);
+        let reward = m.reward_mean.map_or(String::new(), |r| format!(" reward {r:.3}"));
+        bar.set_message(format!("{} loss {:.4}{reward} {:.2}s", m.phase, m.loss, m.step_time_s));
+    });
+    bar.finish();
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
 fn main() -> ExitCode {
     let mut cli = Cli::parse();
     if let Command::Gradcheck {
@@ -301,6 +352,17 @@ fn main() -> ExitCode {
         overrides.push(format!("device={device}"));
     }
     match cli.command {
+        Command::Train { config, overrides } => train(&config, &overrides),
+        Command::Report { runs, out } => match flashloss_candle::report::report(&runs, &out) {
+            Ok(md) => {
+                println!("{md}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("error: {e}");
+                ExitCode::from(2)
+            }
+        },
         Command::Bench {
             config,
             overrides,

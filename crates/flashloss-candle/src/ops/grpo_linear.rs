@@ -1,0 +1,130 @@
+//! The fused linear GRPO loss as a candle `CustomOp2` on `(hidden, weight)`.
+
+use super::{Either, SavedGrads, linear_inputs, matrix_dims, with_elements, wrap};
+use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
+use flashloss::cpu::{FusedOptions, grpo_linear as kernel};
+use flashloss::policy::GrpoMetrics;
+use flashloss::{Element, GrpoBatch, GrpoLoss, LinearInputs, PerSeqOrToken};
+use std::sync::{Arc, Mutex};
+
+/// The per-token inputs of a GRPO step that the op does not differentiate, owned.
+#[derive(Debug, Clone)]
+pub struct GrpoInputs {
+    /// B sequences.
+    pub batch: usize,
+    /// T completion positions per sequence.
+    pub seq_len: usize,
+    /// Sampled completion tokens `[B, T]`.
+    pub target_ids: Vec<i64>,
+    /// Completion mask `[B, T]`.
+    pub mask: Vec<bool>,
+    /// One advantage per sequence `[B]`.
+    pub advantages: Vec<f32>,
+    /// Old-policy log-probs `[B, T]` (absent: on-policy, ratio 1).
+    pub old_logp: Option<Vec<f32>>,
+    /// Reference-policy log-probs `[B, T]` (required when β > 0).
+    pub ref_logp: Option<Vec<f32>>,
+}
+
+impl GrpoInputs {
+    /// The borrowed batch the kernels take.
+    pub fn batch(&self) -> GrpoBatch<'_> {
+        GrpoBatch {
+            batch: self.batch,
+            seq_len: self.seq_len,
+            target_ids: &self.target_ids,
+            mask: &self.mask,
+            advantages: PerSeqOrToken::Sequence(&self.advantages),
+            old_logp: self.old_logp.as_deref(),
+            ref_logp: self.ref_logp.as_deref(),
+            sampler_ratio: None,
+        }
+    }
+}
+
+/// What a GRPO forward reports besides the loss tensor.
+#[derive(Debug, Clone, Default)]
+pub struct GrpoStep {
+    /// The loss `L`.
+    pub loss: f64,
+    /// KL, clip ratios, entropy (masked means).
+    pub metrics: GrpoMetrics,
+    /// Per-token `logp` `[B, T]` (0 where masked).
+    pub logp: Vec<f32>,
+    /// Per-token entropy `[B, T]` (0 where masked).
+    pub entropy: Vec<f32>,
+}
+
+struct FusedGrpoLinear {
+    loss: GrpoLoss,
+    inputs: GrpoInputs,
+    budget_bytes: usize,
+    grads: SavedGrads,
+    step: Arc<Mutex<GrpoStep>>,
+}
+
+impl FusedGrpoLinear {
+    fn run<E: Element>(&self, hidden: &[E], weight: &[E], n: usize, h: usize, v: usize) -> Result<f32> {
+        let inputs: LinearInputs<E> = linear_inputs(hidden, weight, n, h, v);
+        let opts = FusedOptions {
+            budget_bytes: self.budget_bytes,
+            ..FusedOptions::default()
+        };
+        let out = kernel(&self.loss, &self.inputs.batch(), &inputs, &opts).map_err(wrap)?;
+        self.grads.store(out.grads.dhidden, out.grads.dweight);
+        *self.step.lock().expect("grpo step lock") = GrpoStep {
+            loss: out.loss,
+            metrics: out.metrics,
+            logp: out.stats.iter().map(|s| s.logp).collect(),
+            entropy: out.stats.iter().map(|s| s.entropy).collect(),
+        };
+        Ok(out.loss as f32)
+    }
+}
+
+impl CustomOp2 for FusedGrpoLinear {
+    fn name(&self) -> &'static str {
+        "flashloss-grpo-linear"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (n, h) = matrix_dims(l1, "hidden")?;
+        let (v, h2) = matrix_dims(l2, "weight")?;
+        if h != h2 {
+            candle_core::bail!("weight: hidden size {h2} does not match hidden's [N={n}, H={h}]")
+        }
+        let loss = with_elements(s1, l1, s2, l2, |e| match e {
+            Either::F32(x, w) => self.run(x, w, n, h, v),
+            Either::BF16(x, w) => self.run(x, w, n, h, v),
+        })?;
+        Ok((CpuStorage::F32(vec![loss]), Shape::from(())))
+    }
+
+    fn bwd(&self, hidden: &Tensor, weight: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        self.grads.take_scaled(self.name(), hidden, weight, grad_res)
+    }
+}
+
+/// The GRPO loss of `inputs` on logits `hidden · weightᵀ` (hidden `[B·T, H]`, weight
+/// `[V, H]`, f32 or bf16), as a scalar f32 tensor that backpropagates into both, with
+/// the step's metrics and per-token log-probs. The fused kernel runs within
+/// `budget_bytes` of logit workspace.
+pub fn grpo_linear(
+    hidden: &Tensor,
+    weight: &Tensor,
+    loss: &GrpoLoss,
+    inputs: GrpoInputs,
+    budget_bytes: usize,
+) -> Result<(Tensor, GrpoStep)> {
+    let step = Arc::new(Mutex::new(GrpoStep::default()));
+    let op = FusedGrpoLinear {
+        loss: loss.clone(),
+        inputs,
+        budget_bytes,
+        grads: SavedGrads::default(),
+        step: step.clone(),
+    };
+    let out = hidden.contiguous()?.apply_op2(&weight.contiguous()?, op)?;
+    let step = step.lock().expect("grpo step lock").clone();
+    Ok((out, step))
+}

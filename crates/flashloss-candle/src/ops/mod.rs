@@ -1,0 +1,133 @@
+//! flashloss losses as candle operations with backward, so a candle model trains
+//! through them with `loss.backward()`.
+//!
+//! - [`grpo_linear`] / [`ce_linear`]: the fused LM-head losses, a `CustomOp2` on
+//!   `(hidden [N, H], weight [V, H])`. The forward runs the single-pass kernel, which
+//!   yields the loss and `∂L/∂hidden`, `∂L/∂weight` together; the backward scales them
+//!   by the upstream gradient. The `[N, V]` logits never exist.
+//! - [`grpo_logits`]: the logits-level GRPO loss, a `CustomOp1` on `logits [N, V]`.
+//! - [`baseline`]: the same losses written with candle's own ops (they materialize
+//!   the logits): the A/B baseline of training and the oracle of this module's tests.
+//!
+//! What the ops do not differentiate (targets, mask, advantages, old/ref log-probs)
+//! lives in the op.
+
+pub mod baseline;
+mod ce_linear;
+mod grpo_linear;
+mod grpo_logits;
+
+pub use ce_linear::ce_linear;
+pub use grpo_linear::{GrpoInputs, GrpoStep, grpo_linear};
+pub use grpo_logits::grpo_logits;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, DType, Layout, Result, Tensor, WithDType};
+use flashloss::Element;
+use std::sync::{Arc, Mutex};
+
+/// A flashloss error as a candle error (keeps the message: argument, shape, index).
+pub fn wrap(e: flashloss::Error) -> candle_core::Error {
+    candle_core::Error::wrap(e)
+}
+
+/// The elements of a contiguous CPU storage, or an error naming `arg`.
+pub(crate) fn contiguous<'a, E: WithDType>(
+    storage: &'a CpuStorage,
+    layout: &Layout,
+    arg: &str,
+) -> Result<&'a [E]> {
+    let Some((start, end)) = layout.contiguous_offsets() else {
+        candle_core::bail!("{arg}: must be contiguous (call .contiguous() first)")
+    };
+    Ok(&storage.as_slice::<E>()?[start..end])
+}
+
+/// `(rows, cols)` of a rank-2 layout, or an error naming `arg`.
+pub(crate) fn matrix_dims(layout: &Layout, arg: &str) -> Result<(usize, usize)> {
+    match layout.dims() {
+        &[r, c] => Ok((r, c)),
+        d => candle_core::bail!("{arg}: expected a matrix [rows, cols], got shape {d:?}"),
+    }
+}
+
+/// Gradients that the forward computed and the backward hands out once, scaled.
+#[derive(Default)]
+pub(crate) struct SavedGrads(Arc<Mutex<Option<(Vec<f32>, Vec<f32>)>>>);
+
+impl SavedGrads {
+    pub(crate) fn store(&self, dhidden: Vec<f32>, dweight: Vec<f32>) {
+        *self.0.lock().expect("saved grads lock") = Some((dhidden, dweight));
+    }
+
+    /// `(grad_res · dhidden, grad_res · dweight)` as tensors shaped and typed like
+    /// `hidden` and `weight`. The saved gradients are taken (freed): a second backward
+    /// through the same forward is an error.
+    pub(crate) fn take_scaled(
+        &self,
+        op: &str,
+        hidden: &Tensor,
+        weight: &Tensor,
+        grad_res: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let Some((dh, dw)) = self.0.lock().expect("saved grads lock").take() else {
+            candle_core::bail!("{op}: backward called twice on one forward")
+        };
+        let g = grad_res.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        let as_arg = |d: Vec<f32>, arg: &Tensor| -> Result<Tensor> {
+            Tensor::from_vec(d, arg.shape(), arg.device())?
+                .affine(g, 0.0)?
+                .to_dtype(arg.dtype())
+        };
+        Ok((Some(as_arg(dh, hidden)?), Some(as_arg(dw, weight)?)))
+    }
+}
+
+/// Runs `f` on the storages as `f32` or `bf16` slices (both the same dtype).
+pub(crate) fn with_elements<R>(
+    s1: &CpuStorage,
+    l1: &Layout,
+    s2: &CpuStorage,
+    l2: &Layout,
+    f: impl FnOnce(Either<'_>) -> Result<R>,
+) -> Result<R> {
+    match (s1, s2) {
+        (CpuStorage::F32(_), CpuStorage::F32(_)) => f(Either::F32(
+            contiguous(s1, l1, "hidden")?,
+            contiguous(s2, l2, "weight")?,
+        )),
+        (CpuStorage::BF16(_), CpuStorage::BF16(_)) => f(Either::BF16(
+            contiguous(s1, l1, "hidden")?,
+            contiguous(s2, l2, "weight")?,
+        )),
+        _ => candle_core::bail!(
+            "hidden and weight: must both be f32 or both bf16, got {:?} and {:?}",
+            s1.dtype(),
+            s2.dtype()
+        ),
+    }
+}
+
+/// Hidden and weight slices of one element type.
+pub(crate) enum Either<'a> {
+    F32(&'a [f32], &'a [f32]),
+    BF16(&'a [half::bf16], &'a [half::bf16]),
+}
+
+/// `LinearInputs` over `(hidden [n, h], weight [v, h])`, no bias.
+pub(crate) fn linear_inputs<'a, E: Element>(
+    hidden: &'a [E],
+    weight: &'a [E],
+    n: usize,
+    h: usize,
+    v: usize,
+) -> flashloss::LinearInputs<'a, E> {
+    flashloss::LinearInputs {
+        hidden,
+        weight,
+        bias: None,
+        tokens: n,
+        hidden_size: h,
+        vocab: v,
+    }
+}
