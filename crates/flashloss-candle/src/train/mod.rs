@@ -179,7 +179,9 @@ impl Trainer {
             on_step(&m);
             let every = self.cfg.checkpoint_every;
             let at_end = self.done == self.total_steps();
-            if self.rollout.is_none() && (at_end || (every > 0 && self.done % every == 0)) {
+            // A batch that later steps reuse (μ > 1) is not saved: checkpoints fall between
+            // generations, except the last one.
+            if at_end || (self.rollout.is_none() && every > 0 && self.done % every == 0) {
                 checkpoint::save(self)?;
             }
         }
