@@ -1,0 +1,178 @@
+//! Training: the task, the A/B agreement of the loss paths, resume with no lost step,
+//! and the report.
+
+use flashloss_candle::task::{Arithmetic, Problem, extract_answer, load_gsm8k, reward};
+use flashloss_candle::train::{LossImpl, StepMetrics, TrainConfig, Trainer};
+use rand::SeedableRng;
+use std::path::{Path, PathBuf};
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("flashloss_train_{name}_{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+fn small(out_dir: &Path, implementation: LossImpl) -> TrainConfig {
+    let mut c = TrainConfig {
+        steps: 5,
+        out_dir: out_dir.to_path_buf(),
+        checkpoint_every: 2,
+        ..TrainConfig::default()
+    };
+    c.sft.steps = 2;
+    c.sft.batch_size = 6;
+    c.grpo.prompts_per_step = 3;
+    c.grpo.group_size = 3;
+    c.grpo.num_iterations = 2;
+    c.grpo.sampling.max_new_tokens = 8;
+    c.model.config.hidden_size = 32;
+    c.model.config.intermediate_size = 48;
+    c.loss.implementation = implementation;
+    c
+}
+
+fn run(cfg: TrainConfig) -> Vec<StepMetrics> {
+    let mut steps = Vec::new();
+    Trainer::new(cfg).unwrap().run(|m| steps.push(m.clone())).unwrap();
+    steps
+}
+
+/// The metrics that must repeat exactly (not times or memory).
+fn key(m: &StepMetrics) -> String {
+    let mut m = m.clone();
+    (m.step_time_s, m.generate_time_s, m.update_time_s, m.peak_bytes) = (0.0, 0.0, 0.0, None);
+    serde_json::to_string(&m).unwrap()
+}
+
+fn read_metrics(dir: &Path) -> Vec<StepMetrics> {
+    std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+#[test]
+fn gsm8k_lines_load_and_rewards_score_the_final_number() {
+    let path = tmp("gsm8k").with_extension("jsonl");
+    std::fs::write(
+        &path,
+        "{\"question\": \"Tom has 3 apples and buys 1,200 more.\", \"answer\": \"3+1200=1203\\n#### 1,203\"}\n\n{\"question\": \"q\", \"answer\": \"#### -4\"}\n",
+    )
+    .unwrap();
+    let problems = load_gsm8k(&path).unwrap();
+    assert_eq!(problems.len(), 2);
+    assert_eq!(problems[0].final_answer(), Some(1203.0));
+    assert_eq!(reward("so #### 1203", &problems[0], 0.1), (1.1, true));
+    assert_eq!(reward("#### 12", &problems[0], 0.1), (0.1, false));
+    assert_eq!(reward("1203", &problems[0], 0.1), (0.0, false));
+    assert_eq!(extract_answer("#### $5.50 dollars"), Some(5.5));
+    std::fs::write(&path, "{\"question\": \"q\", \"answer\": \"no final\"}\n").unwrap();
+    let e = load_gsm8k(&path).unwrap_err().to_string();
+    assert!(e.contains(":1: answer has no `#### N`"), "{e}");
+    std::fs::remove_file(&path).unwrap();
+
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0);
+    for _ in 0..50 {
+        let p: Problem = Arithmetic { max_operand: 9 }.sample(&mut rng);
+        let (a, rest) = p.question.split_at(1);
+        let b: i64 = rest[1..].parse().unwrap();
+        let a: i64 = a.parse().unwrap();
+        let c = if rest.starts_with('+') { a + b } else { a - b };
+        assert_eq!(p.final_answer(), Some(c as f64), "{p:?}");
+        assert_eq!(reward(&p.answer, &p, 0.1), (1.1, true));
+    }
+}
+
+#[test]
+fn fused_and_baseline_agree_on_the_first_steps() {
+    let dirs = [tmp("ab_fused"), tmp("ab_base")];
+    let fused = run(small(&dirs[0], LossImpl::Fused));
+    let base = run(small(&dirs[1], LossImpl::Baseline));
+    assert_eq!(fused.len(), 7);
+    // The warm-up (identical batches) and the first GRPO step (identical weights only
+    // to rounding, so identical samples) agree to f32 rounding.
+    for (f, b) in fused.iter().zip(&base).take(2) {
+        let rel = (f.loss - b.loss).abs() / b.loss.abs();
+        assert!(rel < 1e-5, "step {}: {} vs {}", f.step, f.loss, b.loss);
+    }
+    assert_eq!(fused[2].reward_mean, base[2].reward_mean);
+    assert!((fused[2].loss - base[2].loss).abs() < 1e-5, "{} vs {}", fused[2].loss, base[2].loss);
+    for d in dirs {
+        std::fs::remove_dir_all(d).unwrap();
+    }
+}
+
+#[test]
+fn an_interrupted_run_resumes_with_no_lost_step() {
+    let whole = tmp("whole");
+    let reference = run(small(&whole, LossImpl::Fused));
+    assert_eq!(read_metrics(&whole).len(), 7);
+
+    // Interrupt after step 5 (index 4): the last checkpoint is after 4 steps, and
+    // metrics.jsonl already has a fifth line.
+    let cut = tmp("cut");
+    let saved = tmp("cut_saved");
+    let mut trainer = Trainer::new(small(&cut, LossImpl::Fused)).unwrap();
+    trainer
+        .run(|m| {
+            if m.step == 4 {
+                std::fs::create_dir_all(&saved).unwrap();
+                for f in ["checkpoint.json", "checkpoint.safetensors", "metrics.jsonl", "config.yaml"] {
+                    std::fs::copy(cut.join(f), saved.join(f)).unwrap();
+                }
+            }
+        })
+        .unwrap();
+    assert_eq!(read_metrics(&saved).len(), 5);
+    let resumed = Trainer::new(small(&saved, LossImpl::Fused)).unwrap();
+    assert_eq!(resumed.done, 4, "resumes from the checkpoint after 4 steps");
+    drop(resumed);
+    run(small(&saved, LossImpl::Fused));
+    let after = read_metrics(&saved);
+    assert_eq!(after.len(), 7);
+    for (a, b) in reference.iter().zip(&after) {
+        assert_eq!(key(a), key(b), "step {}", a.step);
+    }
+    // A finished run has nothing left to do.
+    assert!(run(small(&whole, LossImpl::Fused)).is_empty());
+    for d in [whole, cut, saved] {
+        std::fs::remove_dir_all(d).unwrap();
+    }
+}
+
+#[test]
+fn the_report_draws_charts_and_a_summary() {
+    let dirs = [tmp("rep_a"), tmp("rep_b")];
+    let mut a = small(&dirs[0], LossImpl::Fused);
+    a.steps = 2;
+    let mut b = small(&dirs[1], LossImpl::Logits);
+    b.steps = 2;
+    run(a);
+    run(b);
+    let out = tmp("rep_out");
+    let md = flashloss_candle::report::report(&dirs, &out).unwrap();
+    assert!(md.contains("time/train/step_avg_last10_s"), "{md}");
+    assert!(md.contains("(fused)") && md.contains("(logits)"), "{md}");
+    for png in ["reward.png", "loss.png", "kl.png", "step_time.png"] {
+        let bytes = std::fs::read(out.join(png)).unwrap();
+        assert!(bytes.starts_with(b"\x89PNG") && bytes.len() > 2000, "{png}");
+    }
+    let e = flashloss_candle::report::report(&[out.join("nope")], &out).err().unwrap();
+    assert!(e.to_string().contains("metrics.jsonl"), "{e}");
+    for d in dirs.into_iter().chain([out]) {
+        std::fs::remove_dir_all(d).unwrap();
+    }
+}
+
+#[test]
+fn bad_configs_are_errors_naming_the_key() {
+    let e = flashloss::tools::config_file::parse::<TrainConfig>("loss: {impl: fast}", &[]).unwrap_err();
+    assert!(e.to_string().contains("loss.impl"), "{e}");
+    let e = flashloss::tools::config_file::parse::<TrainConfig>("grpo: {group_sise: 2}", &[]).unwrap_err();
+    assert!(e.to_string().contains("group_sise"), "{e}");
+    let mut c = small(&tmp("bad"), LossImpl::Fused);
+    c.model.config.vocab_size = 10;
+    let e = Trainer::new(c).err().unwrap().to_string();
+    assert!(e.contains("vocab_size"), "{e}");
+}
