@@ -52,7 +52,9 @@ impl Run {
             .and_then(|y| serde_yaml_ng::from_str::<serde_yaml_ng::Value>(&y).ok())
             .and_then(|v| v["loss"]["impl"].as_str().map(str::to_string))
             .unwrap_or_else(|| "?".into());
-        let name = dir.file_name().map_or_else(|| dir.display().to_string(), |n| n.to_string_lossy().into());
+        let name = dir
+            .file_name()
+            .map_or_else(|| dir.display().to_string(), |n| n.to_string_lossy().into());
         Ok(Run {
             label: format!("{name} ({implementation})"),
             steps,
@@ -83,24 +85,47 @@ impl Run {
 }
 
 /// A chart: file name, title, y label, and the value of a step.
-type Series = (&'static str, &'static str, &'static str, fn(&StepMetrics) -> Option<f64>);
+type Series = (
+    &'static str,
+    &'static str,
+    &'static str,
+    fn(&StepMetrics) -> Option<f64>,
+);
 
 const CHARTS: [Series; 6] = [
-    ("reward.png", "GRPO reward (mean over completions)", "reward", |s| s.reward_mean),
+    (
+        "reward.png",
+        "GRPO reward (mean over completions)",
+        "reward",
+        |s| s.reward_mean,
+    ),
     ("accuracy.png", "GRPO accuracy", "accuracy", |s| s.accuracy),
-    ("loss.png", "loss (warm-up CE, then GRPO)", "loss", |s| Some(s.loss)),
+    ("loss.png", "loss (warm-up CE, then GRPO)", "loss", |s| {
+        Some(s.loss)
+    }),
     ("kl.png", "KL to the reference policy", "kl", |s| s.kl),
-    ("step_time.png", "step time", "seconds", |s| Some(s.step_time_s)),
+    ("step_time.png", "step time", "seconds", |s| {
+        Some(s.step_time_s)
+    }),
     ("peak_memory.png", "peak memory per step", "MiB", |s| {
         s.peak_bytes.map(|b| b as f64 / (1u64 << 20) as f64)
     }),
 ];
 
-fn chart(runs: &[Run], out: &Path, (file, title, ylabel, value): &Series) -> Result<(), ReportError> {
+fn chart(
+    runs: &[Run],
+    out: &Path,
+    (file, title, ylabel, value): &Series,
+) -> Result<(), ReportError> {
     let e = |e: String| ReportError::Output(format!("{file}: {e}"));
     let series: Vec<Vec<(f64, f64)>> = runs
         .iter()
-        .map(|r| r.steps.iter().filter_map(|s| Some((s.step as f64, value(s)?))).collect())
+        .map(|r| {
+            r.steps
+                .iter()
+                .filter_map(|s| Some((s.step as f64, value(s)?)))
+                .collect()
+        })
         .collect();
     let points = series.iter().flatten();
     let (mut x0, mut x1, mut y0, mut y1) = (f64::MAX, f64::MIN, f64::MAX, f64::MIN);
@@ -131,7 +156,9 @@ fn chart(runs: &[Run], out: &Path, (file, title, ylabel, value): &Series) -> Res
         c.draw_series(LineSeries::new(points, color.stroke_width(2)))
             .map_err(|x| e(x.to_string()))?
             .label(run.label.clone())
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
+            });
     }
     c.configure_series_labels()
         .background_style(WHITE.mix(0.8))
@@ -149,7 +176,9 @@ fn fmt(x: Option<f64>, digits: usize) -> String {
 /// memory and final accuracy; with two runs, B/A ratios and how far the first steps'
 /// losses are apart.
 pub fn summary(runs: &[Run]) -> String {
-    let mut md = String::from("| run | GRPO steps | time/train/step_avg_last10_s | update_avg_last10_s | peak memory (MiB) | reward first 10 → last 10 | final accuracy (last 10 mean) |\n|---|---|---|---|---|---|---|\n");
+    let mut md = String::from(
+        "| run | GRPO steps | time/train/step_avg_last10_s | update_avg_last10_s | peak memory (MiB) | reward first 10 → last 10 | final accuracy (last 10 mean) |\n|---|---|---|---|---|---|---|\n",
+    );
     for r in runs {
         let peak = r.peak_bytes().map(|b| b as f64 / (1u64 << 20) as f64);
         let _ = writeln!(
@@ -172,21 +201,37 @@ pub fn summary(runs: &[Run]) -> String {
             "\nB/A ({} over {}): step time {}, update time {}, peak memory {}.",
             b.label,
             a.label,
-            ratio(a.last_mean(10, |s| Some(s.step_time_s)), b.last_mean(10, |s| Some(s.step_time_s))),
-            ratio(a.last_mean(10, |s| Some(s.update_time_s)), b.last_mean(10, |s| Some(s.update_time_s))),
-            ratio(a.peak_bytes().map(|x| x as f64), b.peak_bytes().map(|x| x as f64)),
+            ratio(
+                a.last_mean(10, |s| Some(s.step_time_s)),
+                b.last_mean(10, |s| Some(s.step_time_s))
+            ),
+            ratio(
+                a.last_mean(10, |s| Some(s.update_time_s)),
+                b.last_mean(10, |s| Some(s.update_time_s))
+            ),
+            ratio(
+                a.peak_bytes().map(|x| x as f64),
+                b.peak_bytes().map(|x| x as f64)
+            ),
         );
-        let _ = writeln!(md, "\n| step | phase | loss A | loss B | relative difference |\n|---|---|---|---|---|");
+        let _ = writeln!(
+            md,
+            "\n| step | phase | loss A | loss B | absolute difference | relative difference |\n|---|---|---|---|---|---|"
+        );
+        let row = |md: &mut String, step: String, x: &StepMetrics, y: &StepMetrics| {
+            let diff = (x.loss - y.loss).abs();
+            let rel = diff / x.loss.abs().max(y.loss.abs()).max(1e-30);
+            let _ = writeln!(
+                md,
+                "| {step} | {} | {:.9e} | {:.9e} | {diff:.2e} | {rel:.2e} |",
+                x.phase, x.loss, y.loss
+            );
+        };
         for (x, y) in a.steps.iter().zip(&b.steps).take(5) {
-            let rel = (x.loss - y.loss).abs() / x.loss.abs().max(1e-12);
-            let _ = writeln!(md, "| {} | {} | {:.8} | {:.8} | {:.2e} |", x.step, x.phase, x.loss, y.loss, rel);
+            row(&mut md, x.step.to_string(), x, y);
         }
-        if let (Some(x), Some(y)) = (
-            a.grpo().next(),
-            b.grpo().next(),
-        ) {
-            let rel = (x.loss - y.loss).abs() / x.loss.abs().max(1e-12);
-            let _ = writeln!(md, "| {} (first GRPO) | grpo | {:.8} | {:.8} | {:.2e} |", x.step, x.loss, y.loss, rel);
+        if let (Some(x), Some(y)) = (a.grpo().next(), b.grpo().next()) {
+            row(&mut md, format!("{} (first GRPO)", x.step), x, y);
         }
     }
     md
@@ -194,18 +239,30 @@ pub fn summary(runs: &[Run]) -> String {
 
 /// Reads `runs`, writes the charts and `summary.md` into `out`, and returns the summary.
 pub fn report(runs: &[PathBuf], out: &Path) -> Result<String, ReportError> {
-    let runs = runs.iter().map(|d| Run::load(d)).collect::<Result<Vec<_>, _>>()?;
-    std::fs::create_dir_all(out).map_err(|e| ReportError::Output(format!("{}: {e}", out.display())))?;
+    let runs = runs
+        .iter()
+        .map(|d| Run::load(d))
+        .collect::<Result<Vec<_>, _>>()?;
+    std::fs::create_dir_all(out)
+        .map_err(|e| ReportError::Output(format!("{}: {e}", out.display())))?;
     // Charts need a font; DejaVu Sans is embedded so no system font is required.
-    let _ = plotters::style::register_font("sans-serif", FontStyle::Normal, dejavu::sans::regular());
+    let _ =
+        plotters::style::register_font("sans-serif", FontStyle::Normal, dejavu::sans::regular());
     for c in &CHARTS {
         chart(&runs, out, c)?;
     }
     let md = format!(
         "# Training report\n\nRuns: {}.\n\n{}\nCharts: {}.\n",
-        runs.iter().map(|r| r.label.as_str()).collect::<Vec<_>>().join(", "),
+        runs.iter()
+            .map(|r| r.label.as_str())
+            .collect::<Vec<_>>()
+            .join(", "),
         summary(&runs),
-        CHARTS.iter().map(|c| format!("![{}]({})", c.1, c.0)).collect::<Vec<_>>().join(" ")
+        CHARTS
+            .iter()
+            .map(|c| format!("![{}]({})", c.1, c.0))
+            .collect::<Vec<_>>()
+            .join(" ")
     );
     std::fs::write(out.join("summary.md"), &md).map_err(|e| ReportError::Output(e.to_string()))?;
     Ok(md)

@@ -46,12 +46,19 @@ pub fn load_gsm8k(path: &Path) -> Result<Vec<Problem>> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| candle_core::Error::msg(format!("{}: {e}", path.display())))?;
     let mut problems = Vec::new();
-    for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
-        let p: Problem = serde_json::from_str(line).map_err(|e| {
-            candle_core::Error::msg(format!("{}:{}: {e}", path.display(), i + 1))
-        })?;
+    for (i, line) in text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+    {
+        let p: Problem = serde_json::from_str(line)
+            .map_err(|e| candle_core::Error::msg(format!("{}:{}: {e}", path.display(), i + 1)))?;
         if p.final_answer().is_none() {
-            candle_core::bail!("{}:{}: answer has no `#### N` final number", path.display(), i + 1)
+            candle_core::bail!(
+                "{}:{}: answer has no `#### N` final number",
+                path.display(),
+                i + 1
+            )
         }
         problems.push(p);
     }
@@ -81,7 +88,11 @@ impl Arithmetic {
     pub fn sample(&self, rng: &mut impl Rng) -> Problem {
         let a = rng.random_range(0..=self.max_operand) as i64;
         let b = rng.random_range(0..=self.max_operand) as i64;
-        let (op, c) = if rng.random_bool(0.5) { ('+', a + b) } else { ('-', a - b) };
+        let (op, c) = if rng.random_bool(0.5) {
+            ('+', a + b)
+        } else {
+            ('-', a - b)
+        };
         Problem {
             question: format!("{a}{op}{b}"),
             answer: format!("{a}{op}{b}={c} #### {c}"),

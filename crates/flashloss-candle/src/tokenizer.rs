@@ -31,7 +31,10 @@ impl Tokenizer {
         let inner = tokenizers::Tokenizer::from_file(path)
             .map_err(|e| candle_core::Error::msg(format!("{}: {e}", path.display())))?;
         let Some(eos) = inner.token_to_id(eos_token) else {
-            candle_core::bail!("tokenizer.eos_token: {eos_token:?} is not in {}", path.display())
+            candle_core::bail!(
+                "tokenizer.eos_token: {eos_token:?} is not in {}",
+                path.display()
+            )
         };
         Ok(Tokenizer::HuggingFace {
             inner: Box::new(inner),
@@ -69,7 +72,12 @@ impl Tokenizer {
         match self {
             Tokenizer::Chars => Ok(text
                 .chars()
-                .map(|c| CHARS.chars().position(|a| a == c).map_or(2, |i| i as u32 + 3))
+                .map(|c| {
+                    CHARS
+                        .chars()
+                        .position(|a| a == c)
+                        .map_or(2, |i| i as u32 + 3)
+                })
                 .collect()),
             Tokenizer::HuggingFace { inner, .. } => Ok(inner
                 .encode(text, false)

@@ -30,7 +30,16 @@ fn prompts() -> Vec<Vec<u32>> {
 }
 
 fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
 }
 
 #[test]
@@ -45,12 +54,26 @@ fn every_parameter_receives_a_gradient() {
         let targets: Vec<i64> = (0..b * t).map(|i| (i * 7 % 61) as i64).collect();
         let ce = CrossEntropy::new(CeConfig::default()).unwrap();
         let logits = baseline::head_logits(&hidden, model.head_weight().unwrap()).unwrap();
-        let grads = baseline::ce_loss(&logits, &targets, &ce).unwrap().backward().unwrap();
+        let grads = baseline::ce_loss(&logits, &targets, &ce)
+            .unwrap()
+            .backward()
+            .unwrap();
         assert_eq!(params.vars.len(), tiny(tied).parameter_shapes().len());
         for (name, var) in &params.vars {
-            let g = grads.get(var.as_tensor()).unwrap_or_else(|| panic!("{name}: no gradient"));
-            let norm = g.sqr().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap();
-            assert!(norm > 0.0 && norm.is_finite(), "{name} (tied {tied}): gradient norm² {norm}");
+            let g = grads
+                .get(var.as_tensor())
+                .unwrap_or_else(|| panic!("{name}: no gradient"));
+            let norm = g
+                .sqr()
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            assert!(
+                norm > 0.0 && norm.is_finite(),
+                "{name} (tied {tied}): gradient norm² {norm}"
+            );
         }
     }
 }
@@ -62,19 +85,33 @@ fn kv_cache_decoding_equals_the_full_forward() {
     let prompts = prompts();
     let tails: Vec<Vec<u32>> = vec![vec![11, 12, 13], vec![21, 22, 23], vec![31, 32, 33]];
     let prompt = Padded::left(&prompts, 0).unwrap();
-    let full = prompt.append_right(&tails, 0, 0).unwrap().hidden(&model).unwrap();
+    let full = prompt
+        .append_right(&tails, 0, 0)
+        .unwrap()
+        .hidden(&model)
+        .unwrap();
     // Prefill, then one token at a time through the cache.
     let mut cache = Default::default();
     let mut valid = prompt.valid.clone();
     let mask = attention_mask(&valid, 3, prompt.len).unwrap();
-    let mut cached = vec![model.forward(&prompt.ids, &prompt.positions, 3, &mask, Some(&mut cache)).unwrap()];
+    let mut cached = vec![
+        model
+            .forward(&prompt.ids, &prompt.positions, 3, &mask, Some(&mut cache))
+            .unwrap(),
+    ];
     for j in 0..3 {
         let ids: Vec<u32> = tails.iter().map(|t| t[j]).collect();
         let pos: Vec<u32> = prompts.iter().map(|p| (p.len() + j) as u32).collect();
         let s = prompt.len + j;
-        valid = (0..3).flat_map(|b| valid[b * s..(b + 1) * s].iter().copied().chain([true])).collect();
+        valid = (0..3)
+            .flat_map(|b| valid[b * s..(b + 1) * s].iter().copied().chain([true]))
+            .collect();
         let mask = attention_mask(&valid, 3, 1).unwrap();
-        cached.push(model.forward(&ids, &pos, 3, &mask, Some(&mut cache)).unwrap());
+        cached.push(
+            model
+                .forward(&ids, &pos, 3, &mask, Some(&mut cache))
+                .unwrap(),
+        );
     }
     let cached = Tensor::cat(&cached, 1).unwrap();
     // Left-padding rows differ (their outputs are unused); compare valid positions.
@@ -83,13 +120,24 @@ fn kv_cache_decoding_equals_the_full_forward() {
         let len = prompt.len + 3 - start;
         let a = full.get(b).unwrap().narrow(0, start, len).unwrap();
         let c = cached.get(b).unwrap().narrow(0, start, len).unwrap();
-        assert!(max_abs_diff(&a, &c) < 1e-4, "row {b}: {}", max_abs_diff(&a, &c));
+        assert!(
+            max_abs_diff(&a, &c) < 1e-4,
+            "row {b}: {}",
+            max_abs_diff(&a, &c)
+        );
     }
     // Padding does not change a sequence's outputs: row 1 alone, unpadded.
-    let alone = Padded::left(&prompts[1..2], 0).unwrap().append_right(&tails[1..2], 0, 0).unwrap();
+    let alone = Padded::left(&prompts[1..2], 0)
+        .unwrap()
+        .append_right(&tails[1..2], 0, 0)
+        .unwrap();
     let alone = alone.hidden(&model).unwrap().get(0).unwrap();
     let start = prompt.len - prompts[1].len();
-    let padded_row = full.get(1).unwrap().narrow(0, start, alone.dim(0).unwrap()).unwrap();
+    let padded_row = full
+        .get(1)
+        .unwrap()
+        .narrow(0, start, alone.dim(0).unwrap())
+        .unwrap();
     assert!(max_abs_diff(&alone, &padded_row) < 1e-4);
 }
 
@@ -102,13 +150,30 @@ fn sampling_is_seeded_and_greedy_at_zero_temperature() {
         top_p: 0.9,
         max_new_tokens: 6,
     };
-    let run = |seed, s: &Sampling| generate(&model, &prompts(), 1, 0, s, &mut ChaCha8Rng::seed_from_u64(seed)).unwrap();
+    let run = |seed, s: &Sampling| {
+        generate(
+            &model,
+            &prompts(),
+            1,
+            0,
+            s,
+            &mut ChaCha8Rng::seed_from_u64(seed),
+        )
+        .unwrap()
+    };
     assert_eq!(run(4, &s), run(4, &s));
     assert_ne!(run(4, &s), run(5, &s));
-    let greedy = Sampling { temperature: 0.0, ..s.clone() };
+    let greedy = Sampling {
+        temperature: 0.0,
+        ..s.clone()
+    };
     let tiny_p = Sampling { top_p: 1e-9, ..s };
     let g = run(4, &greedy);
-    assert_eq!(g, run(9, &tiny_p), "top_p -> 0 keeps only the most likely token");
+    assert_eq!(
+        g,
+        run(9, &tiny_p),
+        "top_p -> 0 keeps only the most likely token"
+    );
     // Greedy tokens are the argmax of the full forward's last logits.
     let first: Vec<u32> = flashloss_candle::model::last_logits(&model, &prompts(), 0)
         .unwrap()
@@ -137,21 +202,41 @@ fn hugging_face_checkpoints_load_and_bad_ones_are_clear_errors() {
     assert_eq!(max_abs_diff(&la, &lb), 0.0);
 
     // bf16 weights load (converted to f32).
-    let bf16: HashMap<String, Tensor> =
-        params.tensors().into_iter().map(|(n, t)| (n, t.to_dtype(DType::BF16).unwrap())).collect();
+    let bf16: HashMap<String, Tensor> = params
+        .tensors()
+        .into_iter()
+        .map(|(n, t)| (n, t.to_dtype(DType::BF16).unwrap()))
+        .collect();
     assert!(Params::from_tensors(&tiny(false), &bf16).is_ok());
 
     let mut missing = params.tensors();
     missing.remove("model.layers.1.mlp.up_proj.weight");
-    let e = Params::from_tensors(&tiny(false), &missing).err().unwrap().to_string();
-    assert!(e.contains("missing tensor model.layers.1.mlp.up_proj.weight"), "{e}");
+    let e = Params::from_tensors(&tiny(false), &missing)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("missing tensor model.layers.1.mlp.up_proj.weight"),
+        "{e}"
+    );
     let mut wrong = params.tensors();
-    wrong.insert("model.norm.weight".into(), Tensor::zeros(7, DType::F32, &Device::Cpu).unwrap());
-    let e = Params::from_tensors(&tiny(false), &wrong).err().unwrap().to_string();
+    wrong.insert(
+        "model.norm.weight".into(),
+        Tensor::zeros(7, DType::F32, &Device::Cpu).unwrap(),
+    );
+    let e = Params::from_tensors(&tiny(false), &wrong)
+        .err()
+        .unwrap()
+        .to_string();
     assert!(e.contains("model.norm.weight has shape [7]"), "{e}");
     let mut bad = tiny(false);
     bad.num_key_value_heads = 3;
-    assert!(bad.validate().unwrap_err().to_string().contains("num_key_value_heads"));
+    assert!(
+        bad.validate()
+            .unwrap_err()
+            .to_string()
+            .contains("num_key_value_heads")
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -173,11 +258,17 @@ fn a_tokenizer_json_loads_through_the_tokenizers_crate() {
     });
     std::fs::write(&path, json.to_string()).unwrap();
     let tok = Tokenizer::from_file(&path, "<|endoftext|>").unwrap();
-    assert_eq!(tok.encode("what is 3 + 4 ?").unwrap(), vec![1, 2, 3, 4, 5, 6]);
+    assert_eq!(
+        tok.encode("what is 3 + 4 ?").unwrap(),
+        vec![1, 2, 3, 4, 5, 6]
+    );
     assert_eq!(tok.eos(), 0);
     assert_eq!(tok.vocab_size(), 8);
     assert!(tok.decode(&[1, 2, 0]).unwrap().starts_with("what is"));
-    let e = Tokenizer::from_file(&path, "</s>").err().unwrap().to_string();
+    let e = Tokenizer::from_file(&path, "</s>")
+        .err()
+        .unwrap()
+        .to_string();
     assert!(e.contains("</s>"), "{e}");
     std::fs::remove_file(&path).unwrap();
 

@@ -8,7 +8,9 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 fn random(rng: &mut ChaCha8Rng, shape: (usize, usize), scale: f32) -> Var {
-    let v: Vec<f32> = (0..shape.0 * shape.1).map(|_| rng.random_range(-1.0..1.0) * scale).collect();
+    let v: Vec<f32> = (0..shape.0 * shape.1)
+        .map(|_| rng.random_range(-1.0..1.0) * scale)
+        .collect();
     Var::from_tensor(&Tensor::from_vec(v, shape, &Device::Cpu).unwrap()).unwrap()
 }
 
@@ -21,7 +23,15 @@ fn inputs(rng: &mut ChaCha8Rng, b: usize, t: usize, v: usize) -> GrpoInputs {
     GrpoInputs {
         batch: b,
         seq_len: t,
-        target_ids: (0..n).map(|i| if mask[i] { rng.random_range(0..v as i64) } else { -1 }).collect(),
+        target_ids: (0..n)
+            .map(|i| {
+                if mask[i] {
+                    rng.random_range(0..v as i64)
+                } else {
+                    -1
+                }
+            })
+            .collect(),
         mask,
         advantages: (0..b).map(|_| rng.random_range(-1.5..1.5)).collect(),
         old_logp: Some((0..n).map(|_| rng.random_range(-4.0..-2.0)).collect()),
@@ -34,7 +44,10 @@ fn max_rel(a: &Tensor, b: &Tensor) -> f32 {
     let b = b.flatten_all().unwrap().to_vec1::<f32>().unwrap();
     let scale = b.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-6);
     assert!(a.iter().all(|x| x.is_finite()), "non-finite gradient");
-    a.iter().zip(&b).map(|(x, y)| (x - y).abs() / scale).fold(0.0, f32::max)
+    a.iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs() / scale)
+        .fold(0.0, f32::max)
 }
 
 /// Loss and the gradients of hidden and weight of `f(hidden, weight)`.
@@ -77,7 +90,11 @@ fn grpo_ops_match_candle_ops_for_every_token_level_loss_type() {
                 use_bias_correction_kl: bias_kl,
                 entropy_coef: 0.01,
                 temperature: 0.9,
-                epsilon_high: if loss_type == LossType::Cispo { 3.0 } else { 0.28 },
+                epsilon_high: if loss_type == LossType::Cispo {
+                    3.0
+                } else {
+                    0.28
+                },
                 max_completion_length: Some(t),
                 ..LossConfig::default()
             })
@@ -85,11 +102,20 @@ fn grpo_ops_match_candle_ops_for_every_token_level_loss_type() {
             let base = value_and_grads(&hidden, &weight, |x, w| {
                 let logits = baseline::head_logits(x, w).unwrap();
                 let (logp, ent, _) =
-                    baseline::log_softmax_stats(&logits, &baseline::live_targets(&batch), 0.9).unwrap();
+                    baseline::log_softmax_stats(&logits, &baseline::live_targets(&batch), 0.9)
+                        .unwrap();
                 baseline::grpo_loss(&logp, &ent, &loss, &batch).unwrap()
             });
             let fused = value_and_grads(&hidden, &weight, |x, w| {
-                ops::grpo_linear(x, w, &loss, batch.clone(), flashloss::cpu::gemm_reserve_bytes() + 4096).unwrap().0
+                ops::grpo_linear(
+                    x,
+                    w,
+                    &loss,
+                    batch.clone(),
+                    flashloss::cpu::gemm_reserve_bytes() + 4096,
+                )
+                .unwrap()
+                .0
             });
             let logits = value_and_grads(&hidden, &weight, |x, w| {
                 ops::grpo_logits(&baseline::head_logits(x, w).unwrap(), &loss, batch.clone())
@@ -100,8 +126,16 @@ fn grpo_ops_match_candle_ops_for_every_token_level_loss_type() {
                 let what = format!("{name} {loss_type:?} delta {delta:?} bias_kl {bias_kl}");
                 let rel = (got.0 - base.0).abs() / base.0.abs().max(1e-3);
                 assert!(rel < 1e-4, "{what}: loss {} vs {}", got.0, base.0);
-                assert!(max_rel(&got.1, &base.1) < 2e-4, "{what}: dhidden {}", max_rel(&got.1, &base.1));
-                assert!(max_rel(&got.2, &base.2) < 2e-4, "{what}: dweight {}", max_rel(&got.2, &base.2));
+                assert!(
+                    max_rel(&got.1, &base.1) < 2e-4,
+                    "{what}: dhidden {}",
+                    max_rel(&got.1, &base.1)
+                );
+                assert!(
+                    max_rel(&got.2, &base.2) < 2e-4,
+                    "{what}: dweight {}",
+                    max_rel(&got.2, &base.2)
+                );
             }
         }
     }
@@ -114,9 +148,17 @@ fn the_op_scales_its_gradients_by_the_upstream_gradient() {
     let weight = random(&mut rng, (33, 8), 1.0);
     let batch = inputs(&mut rng, 2, 5, 33);
     let loss = GrpoLoss::new(LossConfig::default()).unwrap();
-    let once = value_and_grads(&hidden, &weight, |x, w| ops::grpo_linear(x, w, &loss, batch.clone(), 64 << 20).unwrap().0);
+    let once = value_and_grads(&hidden, &weight, |x, w| {
+        ops::grpo_linear(x, w, &loss, batch.clone(), 64 << 20)
+            .unwrap()
+            .0
+    });
     let scaled = value_and_grads(&hidden, &weight, |x, w| {
-        (ops::grpo_linear(x, w, &loss, batch.clone(), 64 << 20).unwrap().0 * -2.5).unwrap()
+        (ops::grpo_linear(x, w, &loss, batch.clone(), 64 << 20)
+            .unwrap()
+            .0
+            * -2.5)
+            .unwrap()
     });
     let expected = (once.1 * -2.5).unwrap();
     assert!(max_rel(&scaled.1, &expected) < 1e-6);
@@ -128,7 +170,15 @@ fn ce_op_matches_candle_ops() {
     let mut rng = ChaCha8Rng::seed_from_u64(11);
     let hidden = random(&mut rng, (n, h), 1.0);
     let weight = random(&mut rng, (v, h), 1.0);
-    let targets: Vec<i64> = (0..n).map(|i| if i % 5 == 2 { -100 } else { rng.random_range(0..v as i64) }).collect();
+    let targets: Vec<i64> = (0..n)
+        .map(|i| {
+            if i % 5 == 2 {
+                -100
+            } else {
+                rng.random_range(0..v as i64)
+            }
+        })
+        .collect();
     let configs = [
         CeConfig::default(),
         CeConfig {
@@ -149,9 +199,21 @@ fn ce_op_matches_candle_ops() {
             baseline::ce_loss(&baseline::head_logits(x, w).unwrap(), &targets, &ce).unwrap()
         });
         let fused = value_and_grads(&hidden, &weight, |x, w| {
-            ops::ce_linear(x, w, &ce, targets.clone(), flashloss::cpu::gemm_reserve_bytes() + 4096).unwrap()
+            ops::ce_linear(
+                x,
+                w,
+                &ce,
+                targets.clone(),
+                flashloss::cpu::gemm_reserve_bytes() + 4096,
+            )
+            .unwrap()
         });
-        assert!((fused.0 - base.0).abs() / base.0.abs() < 1e-5, "{config:?}: {} vs {}", fused.0, base.0);
+        assert!(
+            (fused.0 - base.0).abs() / base.0.abs() < 1e-5,
+            "{config:?}: {} vs {}",
+            fused.0,
+            base.0
+        );
         assert!(max_rel(&fused.1, &base.1) < 2e-4, "{config:?}: dhidden");
         assert!(max_rel(&fused.2, &base.2) < 2e-4, "{config:?}: dweight");
     }
@@ -172,7 +234,10 @@ fn bf16_inputs_run_and_give_bf16_gradients() {
     let loss = ops::ce_linear(&x, &w, &ce, targets, 64 << 20).unwrap();
     let grads = loss.backward().unwrap();
     assert_eq!(grads.get(x.as_tensor()).unwrap().dtype(), DType::BF16);
-    let (a, b) = (loss.to_scalar::<f32>().unwrap(), f32_loss.to_scalar::<f32>().unwrap());
+    let (a, b) = (
+        loss.to_scalar::<f32>().unwrap(),
+        f32_loss.to_scalar::<f32>().unwrap(),
+    );
     assert!((a - b).abs() / b < 2e-2, "{a} vs {b}");
 }
 

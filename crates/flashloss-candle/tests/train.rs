@@ -33,14 +33,22 @@ fn small(out_dir: &Path, implementation: LossImpl) -> TrainConfig {
 
 fn run(cfg: TrainConfig) -> Vec<StepMetrics> {
     let mut steps = Vec::new();
-    Trainer::new(cfg).unwrap().run(|m| steps.push(m.clone())).unwrap();
+    Trainer::new(cfg)
+        .unwrap()
+        .run(|m| steps.push(m.clone()))
+        .unwrap();
     steps
 }
 
 /// The metrics that must repeat exactly (not times or memory).
 fn key(m: &StepMetrics) -> String {
     let mut m = m.clone();
-    (m.step_time_s, m.generate_time_s, m.update_time_s, m.peak_bytes) = (0.0, 0.0, 0.0, None);
+    (
+        m.step_time_s,
+        m.generate_time_s,
+        m.update_time_s,
+        m.peak_bytes,
+    ) = (0.0, 0.0, 0.0, None);
     serde_json::to_string(&m).unwrap()
 }
 
@@ -97,7 +105,12 @@ fn fused_and_baseline_agree_on_the_first_steps() {
         assert!(rel < 1e-5, "step {}: {} vs {}", f.step, f.loss, b.loss);
     }
     assert_eq!(fused[2].reward_mean, base[2].reward_mean);
-    assert!((fused[2].loss - base[2].loss).abs() < 1e-5, "{} vs {}", fused[2].loss, base[2].loss);
+    assert!(
+        (fused[2].loss - base[2].loss).abs() < 1e-5,
+        "{} vs {}",
+        fused[2].loss,
+        base[2].loss
+    );
     for d in dirs {
         std::fs::remove_dir_all(d).unwrap();
     }
@@ -118,7 +131,12 @@ fn an_interrupted_run_resumes_with_no_lost_step() {
         .run(|m| {
             if m.step == 4 {
                 std::fs::create_dir_all(&saved).unwrap();
-                for f in ["checkpoint.json", "checkpoint.safetensors", "metrics.jsonl", "config.yaml"] {
+                for f in [
+                    "checkpoint.json",
+                    "checkpoint.safetensors",
+                    "metrics.jsonl",
+                    "config.yaml",
+                ] {
                     std::fs::copy(cut.join(f), saved.join(f)).unwrap();
                 }
             }
@@ -158,7 +176,9 @@ fn the_report_draws_charts_and_a_summary() {
         let bytes = std::fs::read(out.join(png)).unwrap();
         assert!(bytes.starts_with(b"\x89PNG") && bytes.len() > 2000, "{png}");
     }
-    let e = flashloss_candle::report::report(&[out.join("nope")], &out).err().unwrap();
+    let e = flashloss_candle::report::report(&[out.join("nope")], &out)
+        .err()
+        .unwrap();
     assert!(e.to_string().contains("metrics.jsonl"), "{e}");
     for d in dirs.into_iter().chain([out]) {
         std::fs::remove_dir_all(d).unwrap();
@@ -167,9 +187,11 @@ fn the_report_draws_charts_and_a_summary() {
 
 #[test]
 fn bad_configs_are_errors_naming_the_key() {
-    let e = flashloss::tools::config_file::parse::<TrainConfig>("loss: {impl: fast}", &[]).unwrap_err();
+    let e =
+        flashloss::tools::config_file::parse::<TrainConfig>("loss: {impl: fast}", &[]).unwrap_err();
     assert!(e.to_string().contains("loss.impl"), "{e}");
-    let e = flashloss::tools::config_file::parse::<TrainConfig>("grpo: {group_sise: 2}", &[]).unwrap_err();
+    let e = flashloss::tools::config_file::parse::<TrainConfig>("grpo: {group_sise: 2}", &[])
+        .unwrap_err();
     assert!(e.to_string().contains("group_sise"), "{e}");
     let mut c = small(&tmp("bad"), LossImpl::Fused);
     c.model.config.vocab_size = 10;

@@ -328,8 +328,13 @@ fn train(config: &std::path::Path, overrides: &[String]) -> ExitCode {
     bar.set_position(trainer.done as u64);
     let result = trainer.run(|m| {
         bar.set_position(m.step as u64 + 1);
-        let reward = m.reward_mean.map_or(String::new(), |r| format!(" reward {r:.3}"));
-        bar.set_message(format!("{} loss {:.4}{reward} {:.2}s", m.phase, m.loss, m.step_time_s));
+        let reward = m
+            .reward_mean
+            .map_or(String::new(), |r| format!(" reward {r:.3}"));
+        bar.set_message(format!(
+            "{} loss {:.4}{reward} {:.2}s",
+            m.phase, m.loss, m.step_time_s
+        ));
     });
     bar.finish();
     match result {

@@ -71,14 +71,19 @@ impl Qwen2Config {
         if let Some((name, _)) = fields.iter().find(|(_, v)| *v == 0) {
             candle_core::bail!("model.{name}: must be >= 1")
         }
-        if self.hidden_size % self.num_attention_heads != 0 || self.head_dim() % 2 != 0 {
+        if !self.hidden_size.is_multiple_of(self.num_attention_heads)
+            || !self.head_dim().is_multiple_of(2)
+        {
             candle_core::bail!(
                 "model.num_attention_heads: hidden_size {} must split into heads of an even size, got {} heads",
                 self.hidden_size,
                 self.num_attention_heads
             )
         }
-        if self.num_attention_heads % self.num_key_value_heads != 0 {
+        if !self
+            .num_attention_heads
+            .is_multiple_of(self.num_key_value_heads)
+        {
             candle_core::bail!(
                 "model.num_key_value_heads: {} must divide num_attention_heads {}",
                 self.num_key_value_heads,

@@ -102,7 +102,11 @@ pub fn generate(
         step_ids = Vec::with_capacity(b);
         step_pos = Vec::with_capacity(b);
         for (i, row) in logits.iter().enumerate() {
-            let token = if done[i] { pad } else { sample_row(row, sampling, rng) };
+            let token = if done[i] {
+                pad
+            } else {
+                sample_row(row, sampling, rng)
+            };
             if !done[i] {
                 out[i].push(token);
                 done[i] = token == eos;
@@ -179,10 +183,14 @@ impl Padded {
             let row = b * self.len..(b + 1) * self.len;
             let start = self.valid[row.clone()].iter().filter(|&&v| v).count() as u32;
             out.ids.extend_from_slice(&self.ids[row.clone()]);
-            out.positions.extend_from_slice(&self.positions[row.clone()]);
+            out.positions
+                .extend_from_slice(&self.positions[row.clone()]);
             out.valid.extend_from_slice(&self.valid[row]);
-            out.ids
-                .extend(tail.iter().copied().chain(std::iter::repeat_n(pad, extra - tail.len())));
+            out.ids.extend(
+                tail.iter()
+                    .copied()
+                    .chain(std::iter::repeat_n(pad, extra - tail.len())),
+            );
             out.positions.extend((0..extra as u32).map(|j| start + j));
             out.valid.extend((0..extra).map(|j| j < tail.len()));
         }

@@ -104,7 +104,11 @@ impl Params {
             .vars
             .iter()
             .map(|(n, v)| {
-                let t = if tracked { v.as_tensor().clone() } else { v.as_tensor().detach() };
+                let t = if tracked {
+                    v.as_tensor().clone()
+                } else {
+                    v.as_tensor().detach()
+                };
                 (n.clone(), t)
             })
             .collect();

@@ -168,7 +168,7 @@ impl Qwen2 {
         mut cache: Option<&mut KvCache>,
     ) -> Result<Tensor> {
         let c = &self.config;
-        if ids.len() != positions.len() || batch == 0 || ids.len() % batch != 0 {
+        if ids.len() != positions.len() || batch == 0 || !ids.len().is_multiple_of(batch) {
             candle_core::bail!(
                 "ids: {} ids and {} positions do not form [B={batch}, T]",
                 ids.len(),
@@ -176,7 +176,10 @@ impl Qwen2 {
             )
         }
         if let Some(&bad) = ids.iter().find(|&&i| i as usize >= c.vocab_size) {
-            candle_core::bail!("ids: token {bad} is out of range for vocab_size {}", c.vocab_size)
+            candle_core::bail!(
+                "ids: token {bad} is out of range for vocab_size {}",
+                c.vocab_size
+            )
         }
         let t = ids.len() / batch;
         let (h, d) = (c.hidden_size, c.head_dim());
@@ -216,7 +219,11 @@ impl Qwen2 {
             let attn = softmax(&scores.broadcast_add(mask)?)?.matmul(&v.contiguous()?)?;
             let attn = attn.transpose(1, 2)?.reshape((batch, t, h))?;
             x = (x + linear(&attn, self.w(&p("self_attn.o_proj.weight"))?, None)?)?;
-            let xn = rms_norm(&x, self.w(&p("post_attention_layernorm.weight"))?, c.rms_norm_eps)?;
+            let xn = rms_norm(
+                &x,
+                self.w(&p("post_attention_layernorm.weight"))?,
+                c.rms_norm_eps,
+            )?;
             let gate = linear(&xn, self.w(&p("mlp.gate_proj.weight"))?, None)?.silu()?;
             let up = linear(&xn, self.w(&p("mlp.up_proj.weight"))?, None)?;
             x = (x + linear(&(gate * up)?, self.w(&p("mlp.down_proj.weight"))?, None)?)?;

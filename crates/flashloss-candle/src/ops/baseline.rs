@@ -90,7 +90,9 @@ pub fn grpo_loss(
     let dev = logp.device();
     let n = inputs.batch * inputs.seq_len;
     let per_token = |v: Vec<f32>| Tensor::from_vec(v, n, dev);
-    let adv_values: Vec<f32> = (0..n).map(|i| inputs.advantages[i / inputs.seq_len]).collect();
+    let adv_values: Vec<f32> = (0..n)
+        .map(|i| inputs.advantages[i / inputs.seq_len])
+        .collect();
     let adv = per_token(adv_values.clone())?;
     let old = match &inputs.old_logp {
         Some(o) => per_token(o.clone())?,
@@ -120,7 +122,10 @@ pub fn grpo_loss(
             };
             let unclipped = (&capped * &adv)?;
             let clipped = (&clipped * &adv)?;
-            unclipped.le(&clipped)?.where_cond(&unclipped, &clipped)?.neg()?
+            unclipped
+                .le(&clipped)?
+                .where_cond(&unclipped, &clipped)?
+                .neg()?
         }
     };
     let mut token_loss = term;
@@ -153,7 +158,10 @@ pub fn ce_loss(logits: &Tensor, targets: &[i64], ce: &CrossEntropy) -> Result<Te
     }
     let live: Vec<f32> = targets.iter().map(|&t| ce.counts(t) as u8 as f32).collect();
     let count = live.iter().sum::<f32>() as usize;
-    let ids: Vec<i64> = targets.iter().map(|&t| if ce.counts(t) { t } else { 0 }).collect();
+    let ids: Vec<i64> = targets
+        .iter()
+        .map(|&t| if ce.counts(t) { t } else { 0 })
+        .collect();
     let (logp, _, lse) = log_softmax_stats(&z, &ids, c.temperature)?;
     let s_mean = (z / c.temperature)?.mean(D::Minus1)?;
     let smooth = (&lse - s_mean)?;
@@ -164,7 +172,9 @@ pub fn ce_loss(logits: &Tensor, targets: &[i64], ce: &CrossEntropy) -> Result<Te
     let weight = ce.row_weight(count) as f32;
     let live = Tensor::from_vec(live, targets.len(), dev)?;
     match c.reduction {
-        Reduction::None => candle_core::bail!("ce.reduction: the baseline returns a scalar; use mean or sum"),
+        Reduction::None => {
+            candle_core::bail!("ce.reduction: the baseline returns a scalar; use mean or sum")
+        }
         _ => (row * live)?.sum_all()? * weight as f64,
     }
 }

@@ -13,13 +13,25 @@ struct FusedCeLinear {
 }
 
 impl FusedCeLinear {
-    fn run<E: Element>(&self, hidden: &[E], weight: &[E], n: usize, h: usize, v: usize) -> Result<f32> {
+    fn run<E: Element>(
+        &self,
+        hidden: &[E],
+        weight: &[E],
+        n: usize,
+        h: usize,
+        v: usize,
+    ) -> Result<f32> {
         let opts = FusedOptions {
             budget_bytes: self.budget_bytes,
             ..FusedOptions::default()
         };
-        let out = kernel(&self.ce, &self.targets, &linear_inputs(hidden, weight, n, h, v), &opts)
-            .map_err(wrap)?;
+        let out = kernel(
+            &self.ce,
+            &self.targets,
+            &linear_inputs(hidden, weight, n, h, v),
+            &opts,
+        )
+        .map_err(wrap)?;
         self.grads.store(out.grads.dhidden, out.grads.dweight);
         Ok(out.loss as f32)
     }
@@ -30,7 +42,13 @@ impl CustomOp2 for FusedCeLinear {
         "flashloss-ce-linear"
     }
 
-    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
         let (n, h) = matrix_dims(l1, "hidden")?;
         let (v, h2) = matrix_dims(l2, "weight")?;
         if h != h2 {
@@ -43,8 +61,15 @@ impl CustomOp2 for FusedCeLinear {
         Ok((CpuStorage::F32(vec![loss]), Shape::from(())))
     }
 
-    fn bwd(&self, hidden: &Tensor, weight: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        self.grads.take_scaled(self.name(), hidden, weight, grad_res)
+    fn bwd(
+        &self,
+        hidden: &Tensor,
+        weight: &Tensor,
+        _res: &Tensor,
+        grad_res: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        self.grads
+            .take_scaled(self.name(), hidden, weight, grad_res)
     }
 }
 

@@ -64,7 +64,14 @@ struct FusedGrpoLinear {
 }
 
 impl FusedGrpoLinear {
-    fn run<E: Element>(&self, hidden: &[E], weight: &[E], n: usize, h: usize, v: usize) -> Result<f32> {
+    fn run<E: Element>(
+        &self,
+        hidden: &[E],
+        weight: &[E],
+        n: usize,
+        h: usize,
+        v: usize,
+    ) -> Result<f32> {
         let inputs: LinearInputs<E> = linear_inputs(hidden, weight, n, h, v);
         let opts = FusedOptions {
             budget_bytes: self.budget_bytes,
@@ -87,7 +94,13 @@ impl CustomOp2 for FusedGrpoLinear {
         "flashloss-grpo-linear"
     }
 
-    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
         let (n, h) = matrix_dims(l1, "hidden")?;
         let (v, h2) = matrix_dims(l2, "weight")?;
         if h != h2 {
@@ -100,8 +113,15 @@ impl CustomOp2 for FusedGrpoLinear {
         Ok((CpuStorage::F32(vec![loss]), Shape::from(())))
     }
 
-    fn bwd(&self, hidden: &Tensor, weight: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        self.grads.take_scaled(self.name(), hidden, weight, grad_res)
+    fn bwd(
+        &self,
+        hidden: &Tensor,
+        weight: &Tensor,
+        _res: &Tensor,
+        grad_res: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        self.grads
+            .take_scaled(self.name(), hidden, weight, grad_res)
     }
 }
 

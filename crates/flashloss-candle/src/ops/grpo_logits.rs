@@ -24,9 +24,12 @@ impl CustomOp1 for GrpoLogits {
         let shape = LogitsLayout::contiguous(self.inputs.batch, self.inputs.seq_len, v);
         let batch = self.inputs.batch();
         let fwd = match storage {
-            CpuStorage::F32(_) => {
-                grpo_logits_forward(&self.loss, &batch, contiguous::<f32>(storage, layout, "logits")?, &shape)
-            }
+            CpuStorage::F32(_) => grpo_logits_forward(
+                &self.loss,
+                &batch,
+                contiguous::<f32>(storage, layout, "logits")?,
+                &shape,
+            ),
             CpuStorage::BF16(_) => grpo_logits_forward(
                 &self.loss,
                 &batch,
@@ -47,17 +50,26 @@ impl CustomOp1 for GrpoLogits {
             candle_core::bail!("{}: backward before forward", self.name())
         };
         let g = grad_res.to_dtype(DType::F32)?.to_scalar::<f32>()?;
-        let z = logits.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        let z = logits
+            .to_dtype(DType::F32)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
         let mut dz = vec![f32::NAN; z.len()];
         fwd.backward(&z, g, &mut dz).map_err(wrap)?;
-        Ok(Some(Tensor::from_vec(dz, logits.shape(), logits.device())?.to_dtype(logits.dtype())?))
+        Ok(Some(
+            Tensor::from_vec(dz, logits.shape(), logits.device())?.to_dtype(logits.dtype())?,
+        ))
     }
 }
 
 /// The GRPO loss of `inputs` on `logits` `[B·T, V]` (f32 or bf16) as a scalar f32
 /// tensor that backpropagates into the logits (the `[N, V]` gradient is written by
 /// the kernel's backward, never built from autograd intermediates).
-pub fn grpo_logits(logits: &Tensor, loss: &GrpoLoss, inputs: GrpoInputs) -> Result<(Tensor, GrpoStep)> {
+pub fn grpo_logits(
+    logits: &Tensor,
+    loss: &GrpoLoss,
+    inputs: GrpoInputs,
+) -> Result<(Tensor, GrpoStep)> {
     let forward = Arc::new(Mutex::new(None));
     let op = GrpoLogits {
         loss: loss.clone(),

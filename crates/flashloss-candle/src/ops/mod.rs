@@ -51,9 +51,12 @@ pub(crate) fn matrix_dims(layout: &Layout, arg: &str) -> Result<(usize, usize)> 
     }
 }
 
+/// `(dhidden, dweight)` of a forward, once computed.
+type GradPair = Option<(Vec<f32>, Vec<f32>)>;
+
 /// Gradients that the forward computed and the backward hands out once, scaled.
 #[derive(Default)]
-pub(crate) struct SavedGrads(Arc<Mutex<Option<(Vec<f32>, Vec<f32>)>>>);
+pub(crate) struct SavedGrads(Arc<Mutex<GradPair>>);
 
 impl SavedGrads {
     pub(crate) fn store(&self, dhidden: Vec<f32>, dweight: Vec<f32>) {

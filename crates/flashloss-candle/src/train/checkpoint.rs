@@ -26,7 +26,11 @@ pub(super) fn save(trainer: &Trainer) -> Result<()> {
         .map(|(n, t)| (format!("param/{n}"), t))
         .collect();
     if let Some(r) = &trainer.reference {
-        tensors.extend(r.tensors().into_iter().map(|(n, t)| (format!("reference/{n}"), t)));
+        tensors.extend(
+            r.tensors()
+                .into_iter()
+                .map(|(n, t)| (format!("reference/{n}"), t)),
+        );
     }
     tensors.extend(trainer.optim.state());
     let tmp = dir.join("checkpoint.safetensors.tmp");

@@ -29,7 +29,12 @@ fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> Result<R>) -> Result<R> {
 }
 
 impl LossPath {
-    pub(crate) fn new(implementation: LossImpl, loss: GrpoLoss, ce: CrossEntropy, budget_bytes: usize) -> Self {
+    pub(crate) fn new(
+        implementation: LossImpl,
+        loss: GrpoLoss,
+        ce: CrossEntropy,
+        budget_bytes: usize,
+    ) -> Self {
         LossPath {
             implementation,
             loss,
@@ -49,23 +54,46 @@ impl LossPath {
     }
 
     /// The GRPO loss of `inputs` on `hidden · headᵀ`, with its metrics.
-    pub(crate) fn grpo(&self, hidden: &Tensor, head: &Tensor, inputs: &GrpoInputs) -> Result<(Tensor, GrpoStep)> {
+    pub(crate) fn grpo(
+        &self,
+        hidden: &Tensor,
+        head: &Tensor,
+        inputs: &GrpoInputs,
+    ) -> Result<(Tensor, GrpoStep)> {
         match self.implementation {
-            LossImpl::Fused => ops::grpo_linear(hidden, head, &self.loss, inputs.clone(), self.budget_bytes),
-            LossImpl::Logits => ops::grpo_logits(&baseline::head_logits(hidden, head)?, &self.loss, inputs.clone()),
+            LossImpl::Fused => {
+                ops::grpo_linear(hidden, head, &self.loss, inputs.clone(), self.budget_bytes)
+            }
+            LossImpl::Logits => ops::grpo_logits(
+                &baseline::head_logits(hidden, head)?,
+                &self.loss,
+                inputs.clone(),
+            ),
             LossImpl::Baseline => {
                 let logits = baseline::head_logits(hidden, head)?;
                 let temperature = self.loss.config().temperature;
-                let (logp, entropy, _) =
-                    baseline::log_softmax_stats(&logits, &baseline::live_targets(inputs), temperature)?;
+                let (logp, entropy, _) = baseline::log_softmax_stats(
+                    &logits,
+                    &baseline::live_targets(inputs),
+                    temperature,
+                )?;
                 let loss = baseline::grpo_loss(&logp, &entropy, &self.loss, inputs)?;
                 let masked = |t: &Tensor| -> Result<Vec<f32>> {
                     let v = t.to_vec1::<f32>()?;
-                    Ok(v.iter().zip(&inputs.mask).map(|(&x, &m)| if m { x } else { 0.0 }).collect())
+                    Ok(v.iter()
+                        .zip(&inputs.mask)
+                        .map(|(&x, &m)| if m { x } else { 0.0 })
+                        .collect())
                 };
                 let (logp, entropy) = (masked(&logp)?, masked(&entropy)?);
                 let batch = inputs.batch();
-                let out = policy_stage(&self.loss, &batch, Normalizers::local(&batch), &logp, &entropy);
+                let out = policy_stage(
+                    &self.loss,
+                    &batch,
+                    Normalizers::local(&batch),
+                    &logp,
+                    &entropy,
+                );
                 let step = GrpoStep {
                     loss: loss.to_scalar::<f32>()? as f64,
                     metrics: out.metrics,
@@ -79,7 +107,12 @@ impl LossPath {
 
     /// No-grad per-token log-probs `[B·T]` of `inputs`' targets (0 where masked):
     /// old- and reference-policy passes.
-    pub(crate) fn logp(&self, hidden: &Tensor, head: &Tensor, inputs: &GrpoInputs) -> Result<Vec<f32>> {
+    pub(crate) fn logp(
+        &self,
+        hidden: &Tensor,
+        head: &Tensor,
+        inputs: &GrpoInputs,
+    ) -> Result<Vec<f32>> {
         let (hidden, head) = (hidden.detach(), head.detach());
         let temperature = self.loss.config().temperature;
         match self.implementation {
@@ -111,9 +144,17 @@ impl LossPath {
             }
             LossImpl::Baseline | LossImpl::Logits => {
                 let logits = baseline::head_logits(&hidden, &head)?;
-                let (logp, _, _) = baseline::log_softmax_stats(&logits, &baseline::live_targets(inputs), temperature)?;
+                let (logp, _, _) = baseline::log_softmax_stats(
+                    &logits,
+                    &baseline::live_targets(inputs),
+                    temperature,
+                )?;
                 let logp = logp.to_vec1::<f32>()?;
-                Ok(logp.iter().zip(&inputs.mask).map(|(&x, &m)| if m { x } else { 0.0 }).collect())
+                Ok(logp
+                    .iter()
+                    .zip(&inputs.mask)
+                    .map(|(&x, &m)| if m { x } else { 0.0 })
+                    .collect())
             }
         }
     }

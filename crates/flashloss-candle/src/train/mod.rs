@@ -93,7 +93,8 @@ pub struct Trainer {
 }
 
 fn step_rng(seed: u64, step: usize, stream: u64) -> ChaCha8Rng {
-    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ (step as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    let mut rng =
+        ChaCha8Rng::seed_from_u64(seed ^ (step as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
     rng.set_stream(stream);
     rng
 }
@@ -108,7 +109,10 @@ impl Trainer {
     pub fn new(cfg: TrainConfig) -> Result<Self> {
         let loss = GrpoLoss::new(cfg.loss.grpo.clone()).map_err(err)?;
         let ce = CrossEntropy::new(cfg.loss.ce.clone()).map_err(err)?;
-        if cfg.grpo.group_size == 0 || cfg.grpo.prompts_per_step == 0 || cfg.grpo.num_iterations == 0 {
+        if cfg.grpo.group_size == 0
+            || cfg.grpo.prompts_per_step == 0
+            || cfg.grpo.num_iterations == 0
+        {
             candle_core::bail!("grpo: prompts_per_step, group_size and num_iterations must be >= 1")
         }
         if cfg.sft.steps > 0 && cfg.sft.batch_size == 0 {
@@ -181,7 +185,7 @@ impl Trainer {
             let at_end = self.done == self.total_steps();
             // A batch that later steps reuse (μ > 1) is not saved: checkpoints fall between
             // generations, except the last one.
-            if at_end || (self.rollout.is_none() && every > 0 && self.done % every == 0) {
+            if at_end || (self.rollout.is_none() && every > 0 && self.done.is_multiple_of(every)) {
                 checkpoint::save(self)?;
             }
         }
@@ -200,7 +204,10 @@ impl Trainer {
             if step == self.cfg.sft.steps && self.reference.is_none() {
                 // GRPO starts: a fresh optimizer, and the reference policy is the warm-up's result.
                 self.optim = AdamW::new(self.cfg.optim.clone());
-                self.reference = Some(Params::from_tensors(&self.params.config, &self.params.tensors())?);
+                self.reference = Some(Params::from_tensors(
+                    &self.params.config,
+                    &self.params.tensors(),
+                )?);
             }
             self.grpo_step(step)?
         };
@@ -233,12 +240,25 @@ impl Trainer {
         }
         let update = Instant::now();
         let pad = self.tokenizer.pad();
-        let padded = Padded::left(&seqs.iter().map(|s| s[..1].to_vec()).collect::<Vec<_>>(), pad)?
-            .append_right(&seqs.iter().map(|s| s[1..].to_vec()).collect::<Vec<_>>(), pad, 0)?;
+        let padded = Padded::left(
+            &seqs.iter().map(|s| s[..1].to_vec()).collect::<Vec<_>>(),
+            pad,
+        )?
+        .append_right(
+            &seqs.iter().map(|s| s[1..].to_vec()).collect::<Vec<_>>(),
+            pad,
+            0,
+        )?;
         let len = padded.len;
         let mut targets = Vec::with_capacity(seqs.len() * (len - 1));
         for (seq, &p) in seqs.iter().zip(&prompt_lens) {
-            targets.extend((1..len).map(|j| if j >= p && j < seq.len() { seq[j] as i64 } else { ignore }));
+            targets.extend((1..len).map(|j| {
+                if j >= p && j < seq.len() {
+                    seq[j] as i64
+                } else {
+                    ignore
+                }
+            }));
         }
         let model = self.params.model(true);
         let hidden = padded.hidden(&model)?.narrow(1, 0, len - 1)?;
@@ -281,7 +301,9 @@ impl Trainer {
     fn rollout(&self, step: usize) -> Result<Rollout> {
         let g = &self.cfg.grpo;
         let mut rng = step_rng(self.cfg.seed, step, 1);
-        let problems: Vec<Problem> = (0..g.prompts_per_step).map(|_| self.problem(&mut rng)).collect();
+        let problems: Vec<Problem> = (0..g.prompts_per_step)
+            .map(|_| self.problem(&mut rng))
+            .collect();
         let mut prompts = Vec::new();
         for p in &problems {
             let ids = self.tokenizer.encode(&p.prompt())?;
@@ -293,7 +315,11 @@ impl Trainer {
         let (mut rewards, mut correct) = (Vec::new(), Vec::new());
         for (k, c) in completions.iter().enumerate() {
             let text = self.tokenizer.decode(c)?;
-            let (r, ok) = reward(&text, &problems[k / g.group_size], self.cfg.task.format_reward);
+            let (r, ok) = reward(
+                &text,
+                &problems[k / g.group_size],
+                self.cfg.task.format_reward,
+            );
             rewards.push(r);
             correct.push(ok);
         }
@@ -319,7 +345,10 @@ impl Trainer {
         let completion_hidden = |params: &Params| -> Result<(Tensor, crate::model::Qwen2)> {
             let model = params.model(false);
             let h = padded.hidden(&model)?.narrow(1, p_len - 1, c_len)?;
-            Ok((h.reshape((completions.len() * c_len, params.config.hidden_size))?, model))
+            Ok((
+                h.reshape((completions.len() * c_len, params.config.hidden_size))?,
+                model,
+            ))
         };
         if g.num_iterations > 1 {
             let (h, model) = completion_hidden(&self.params)?;
@@ -355,12 +384,19 @@ impl Trainer {
             .hidden(&model)?
             .narrow(1, rollout.prompt_len - 1, c_len)?
             .reshape((n_seq * c_len, self.params.config.hidden_size))?;
-        let (loss, out) = self.path.grpo(&hidden, model.head_weight()?, &rollout.inputs)?;
+        let (loss, out) = self
+            .path
+            .grpo(&hidden, model.head_weight()?, &rollout.inputs)?;
         let (loss_value, grad_norm) = self.update(&loss, self.cfg.grpo.lr)?;
         let update_time_s = update.elapsed().as_secs_f64();
         let n = rollout.rewards.len() as f64;
         let mean = rollout.rewards.iter().sum::<f64>() / n;
-        let var = rollout.rewards.iter().map(|r| (r - mean).powi(2)).sum::<f64>() / n;
+        let var = rollout
+            .rewards
+            .iter()
+            .map(|r| (r - mean).powi(2))
+            .sum::<f64>()
+            / n;
         let lengths = rollout.inputs.mask.iter().filter(|&&m| m).count() as f64;
         let metrics = StepMetrics {
             step,
@@ -382,7 +418,7 @@ impl Trainer {
             peak_bytes: None,
         };
         let grpo_step = step - self.cfg.sft.steps;
-        if (grpo_step + 1) % self.cfg.grpo.num_iterations != 0 {
+        if !(grpo_step + 1).is_multiple_of(self.cfg.grpo.num_iterations) {
             self.rollout = Some(rollout);
         }
         Ok(metrics)
@@ -398,7 +434,9 @@ pub fn group_advantages(rewards: &[f64], g: usize) -> Vec<f32> {
             let mean = group.iter().sum::<f64>() / n;
             let var = group.iter().map(|r| (r - mean).powi(2)).sum::<f64>() / (n - 1.0).max(1.0);
             let std = var.sqrt();
-            group.iter().map(move |r| ((r - mean) / (std + 1e-4)) as f32)
+            group
+                .iter()
+                .map(move |r| ((r - mean) / (std + 1e-4)) as f32)
         })
         .collect()
 }

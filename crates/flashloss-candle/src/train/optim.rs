@@ -72,7 +72,9 @@ impl AdamW {
         }
         let norm = sq.sqrt();
         if !norm.is_finite() {
-            candle_core::bail!("optimizer: gradient norm is {norm}; step skipped, parameters unchanged")
+            candle_core::bail!(
+                "optimizer: gradient norm is {norm}; step skipped, parameters unchanged"
+            )
         }
         let c = &self.config;
         let clip = if c.max_grad_norm > 0.0 && norm > c.max_grad_norm {
@@ -105,8 +107,14 @@ impl AdamW {
 
     /// The moments as named tensors (`adam_m/<name>`, `adam_v/<name>`).
     pub fn state(&self) -> HashMap<String, Tensor> {
-        let m = self.m.iter().map(|(n, t)| (format!("adam_m/{n}"), t.clone()));
-        let v = self.v.iter().map(|(n, t)| (format!("adam_v/{n}"), t.clone()));
+        let m = self
+            .m
+            .iter()
+            .map(|(n, t)| (format!("adam_m/{n}"), t.clone()));
+        let v = self
+            .v
+            .iter()
+            .map(|(n, t)| (format!("adam_v/{n}"), t.clone()));
         m.chain(v).collect()
     }
 
