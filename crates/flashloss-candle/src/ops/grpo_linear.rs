@@ -1,7 +1,7 @@
 //! The fused linear GRPO loss as a candle `CustomOp2` on `(hidden, weight)`.
 
-use super::{Either, SavedGrads, linear_inputs, matrix_dims, with_elements, wrap};
-use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
+use super::{HeadLoss, HeadOp, SavedGrads, wrap};
+use candle_core::{Result, Tensor};
 use flashloss::cpu::{FusedOptions, grpo_linear as kernel};
 use flashloss::policy::GrpoMetrics;
 use flashloss::{Element, GrpoBatch, GrpoLoss, LinearInputs, PerSeqOrToken};
@@ -59,26 +59,19 @@ struct FusedGrpoLinear {
     loss: GrpoLoss,
     inputs: GrpoInputs,
     budget_bytes: usize,
-    grads: SavedGrads,
     step: Arc<Mutex<GrpoStep>>,
 }
 
-impl FusedGrpoLinear {
-    fn run<E: Element>(
-        &self,
-        hidden: &[E],
-        weight: &[E],
-        n: usize,
-        h: usize,
-        v: usize,
-    ) -> Result<f32> {
-        let inputs: LinearInputs<E> = linear_inputs(hidden, weight, n, h, v);
+impl HeadLoss for FusedGrpoLinear {
+    const NAME: &'static str = "flashloss-grpo-linear";
+
+    fn run<E: Element>(&self, inputs: &LinearInputs<E>, grads: &SavedGrads) -> Result<f32> {
         let opts = FusedOptions {
             budget_bytes: self.budget_bytes,
             ..FusedOptions::default()
         };
-        let out = kernel(&self.loss, &self.inputs.batch(), &inputs, &opts).map_err(wrap)?;
-        self.grads.store(out.grads.dhidden, out.grads.dweight);
+        let out = kernel(&self.loss, &self.inputs.batch(), inputs, &opts).map_err(wrap)?;
+        grads.store(out.grads.dhidden, out.grads.dweight);
         *self.step.lock().expect("grpo step lock") = GrpoStep {
             loss: out.loss,
             metrics: out.metrics,
@@ -86,42 +79,6 @@ impl FusedGrpoLinear {
             entropy: out.stats.iter().map(|s| s.entropy).collect(),
         };
         Ok(out.loss as f32)
-    }
-}
-
-impl CustomOp2 for FusedGrpoLinear {
-    fn name(&self) -> &'static str {
-        "flashloss-grpo-linear"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let (n, h) = matrix_dims(l1, "hidden")?;
-        let (v, h2) = matrix_dims(l2, "weight")?;
-        if h != h2 {
-            candle_core::bail!("weight: hidden size {h2} does not match hidden's [N={n}, H={h}]")
-        }
-        let loss = with_elements(s1, l1, s2, l2, |e| match e {
-            Either::F32(x, w) => self.run(x, w, n, h, v),
-            Either::BF16(x, w) => self.run(x, w, n, h, v),
-        })?;
-        Ok((CpuStorage::F32(vec![loss]), Shape::from(())))
-    }
-
-    fn bwd(
-        &self,
-        hidden: &Tensor,
-        weight: &Tensor,
-        _res: &Tensor,
-        grad_res: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        self.grads
-            .take_scaled(self.name(), hidden, weight, grad_res)
     }
 }
 
@@ -137,12 +94,14 @@ pub fn grpo_linear(
     budget_bytes: usize,
 ) -> Result<(Tensor, GrpoStep)> {
     let step = Arc::new(Mutex::new(GrpoStep::default()));
-    let op = FusedGrpoLinear {
-        loss: loss.clone(),
-        inputs,
-        budget_bytes,
+    let op = HeadOp {
+        loss: FusedGrpoLinear {
+            loss: loss.clone(),
+            inputs,
+            budget_bytes,
+            step: step.clone(),
+        },
         grads: SavedGrads::default(),
-        step: step.clone(),
     };
     let out = hidden.contiguous()?.apply_op2(&weight.contiguous()?, op)?;
     let step = step.lock().expect("grpo step lock").clone();

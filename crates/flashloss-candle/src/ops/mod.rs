@@ -22,7 +22,7 @@ pub use grpo_linear::{GrpoInputs, GrpoStep, grpo_linear};
 pub use grpo_logits::grpo_logits;
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, DType, Layout, Result, Tensor, WithDType};
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, WithDType};
 use flashloss::Element;
 use std::sync::{Arc, Mutex};
 
@@ -132,5 +132,60 @@ pub(crate) fn linear_inputs<'a, E: Element>(
         tokens: n,
         hidden_size: h,
         vocab: v,
+    }
+}
+
+/// A fused LM-head loss: from `hidden [n, h]` and `weight [v, h]` slices to the loss,
+/// storing `∂L/∂hidden` and `∂L/∂weight` in `grads`.
+pub(crate) trait HeadLoss {
+    /// The op's name in candle errors.
+    const NAME: &'static str;
+
+    fn run<E: Element>(
+        &self,
+        inputs: &flashloss::LinearInputs<E>,
+        grads: &SavedGrads,
+    ) -> Result<f32>;
+}
+
+/// The candle op of a [`HeadLoss`]: a scalar f32 output whose backward hands out the
+/// saved gradients scaled by the upstream gradient.
+pub(crate) struct HeadOp<K> {
+    pub(crate) loss: K,
+    pub(crate) grads: SavedGrads,
+}
+
+impl<K: HeadLoss> CustomOp2 for HeadOp<K> {
+    fn name(&self) -> &'static str {
+        K::NAME
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (n, h) = matrix_dims(l1, "hidden")?;
+        let (v, h2) = matrix_dims(l2, "weight")?;
+        if h != h2 {
+            candle_core::bail!("weight: hidden size {h2} does not match hidden's [N={n}, H={h}]")
+        }
+        let loss = with_elements(s1, l1, s2, l2, |e| match e {
+            Either::F32(x, w) => self.loss.run(&linear_inputs(x, w, n, h, v), &self.grads),
+            Either::BF16(x, w) => self.loss.run(&linear_inputs(x, w, n, h, v), &self.grads),
+        })?;
+        Ok((CpuStorage::F32(vec![loss]), Shape::from(())))
+    }
+
+    fn bwd(
+        &self,
+        hidden: &Tensor,
+        weight: &Tensor,
+        _res: &Tensor,
+        grad_res: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        self.grads.take_scaled(K::NAME, hidden, weight, grad_res)
     }
 }
