@@ -114,9 +114,4 @@ impl Params {
             .collect();
         Qwen2::new(self.config.clone(), weights)
     }
-
-    /// Number of scalar parameters.
-    pub fn count(&self) -> usize {
-        self.vars.values().map(|v| v.elem_count()).sum()
-    }
 }

@@ -10,21 +10,6 @@ pub struct KvCache {
     layers: Vec<Option<(Tensor, Tensor)>>,
 }
 
-impl KvCache {
-    /// Positions cached so far (S).
-    pub fn len(&self) -> usize {
-        match self.layers.first() {
-            Some(Some((k, _))) => k.dim(2).unwrap_or(0),
-            _ => 0,
-        }
-    }
-
-    /// True before the first forward.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-}
-
 /// The additive attention mask `[B, 1, T_new, S]` for queries at cache positions
 /// `S - T_new ..` over keys `0 .. S`: 0 where key `k` is visible (`k ≤ q` and
 /// `key_valid[b][k]`, or `k = q`, so no row is empty), `-∞` elsewhere.
@@ -56,6 +41,8 @@ pub fn attention_mask(key_valid: &[bool], batch: usize, t_new: usize) -> Result<
 pub struct Qwen2 {
     config: Qwen2Config,
     weights: BTreeMap<String, Tensor>,
+    /// RoPE frequencies `θ^(-2j/D)`, `j < D/2`.
+    inv_freq: Vec<f64>,
 }
 
 /// `x · wᵀ (+ b)` on the last dimension of `x`.
@@ -105,7 +92,15 @@ fn repeat_kv(x: &Tensor, rep: usize) -> Result<Tensor> {
 impl Qwen2 {
     /// A model over `weights` (names and shapes of [`Qwen2Config::parameter_shapes`]).
     pub fn new(config: Qwen2Config, weights: BTreeMap<String, Tensor>) -> Self {
-        Qwen2 { config, weights }
+        let d = config.head_dim();
+        let inv_freq = (0..d / 2)
+            .map(|j| config.rope_theta.powf(-2.0 * j as f64 / d as f64))
+            .collect();
+        Qwen2 {
+            config,
+            weights,
+            inv_freq,
+        }
     }
 
     /// The architecture.
@@ -141,9 +136,7 @@ impl Qwen2 {
                     self.config.max_position_embeddings
                 )
             }
-            let angles: Vec<f64> = (0..d / 2)
-                .map(|j| p as f64 * self.config.rope_theta.powf(-2.0 * j as f64 / d as f64))
-                .collect();
+            let angles: Vec<f64> = self.inv_freq.iter().map(|f| p as f64 * f).collect();
             for _ in 0..2 {
                 cos.extend(angles.iter().map(|a| a.cos() as f32));
                 sin.extend(angles.iter().map(|a| a.sin() as f32));

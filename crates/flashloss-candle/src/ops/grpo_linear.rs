@@ -2,7 +2,7 @@
 
 use super::{HeadLoss, HeadOp, SavedGrads, wrap};
 use candle_core::{Result, Tensor};
-use flashloss::cpu::{FusedOptions, grpo_linear as kernel};
+use flashloss::cpu::{FusedOptions, RowStats, grpo_linear as kernel};
 use flashloss::policy::GrpoMetrics;
 use flashloss::{Element, GrpoBatch, GrpoLoss, LinearInputs, PerSeqOrToken};
 use std::sync::{Arc, Mutex};
@@ -55,6 +55,18 @@ pub struct GrpoStep {
     pub entropy: Vec<f32>,
 }
 
+impl GrpoStep {
+    /// The step of a kernel's loss, metrics and per-row statistics.
+    pub(crate) fn from_stats(loss: f64, metrics: GrpoMetrics, stats: &[RowStats]) -> Self {
+        GrpoStep {
+            loss,
+            metrics,
+            logp: stats.iter().map(|s| s.logp).collect(),
+            entropy: stats.iter().map(|s| s.entropy).collect(),
+        }
+    }
+}
+
 struct FusedGrpoLinear {
     loss: GrpoLoss,
     inputs: GrpoInputs,
@@ -72,12 +84,8 @@ impl HeadLoss for FusedGrpoLinear {
         };
         let out = kernel(&self.loss, &self.inputs.batch(), inputs, &opts).map_err(wrap)?;
         grads.store(out.grads.dhidden, out.grads.dweight);
-        *self.step.lock().expect("grpo step lock") = GrpoStep {
-            loss: out.loss,
-            metrics: out.metrics,
-            logp: out.stats.iter().map(|s| s.logp).collect(),
-            entropy: out.stats.iter().map(|s| s.entropy).collect(),
-        };
+        *self.step.lock().expect("grpo step lock") =
+            GrpoStep::from_stats(out.loss, out.metrics, &out.stats);
         Ok(out.loss as f32)
     }
 }

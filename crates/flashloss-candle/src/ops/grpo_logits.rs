@@ -79,11 +79,6 @@ pub fn grpo_logits(
     let out = logits.contiguous()?.apply_op1(op)?;
     let guard = forward.lock().expect("grpo logits lock");
     let fwd = guard.as_ref().expect("forward ran");
-    let step = GrpoStep {
-        loss: fwd.loss,
-        metrics: fwd.metrics,
-        logp: fwd.stats.iter().map(|s| s.logp).collect(),
-        entropy: fwd.stats.iter().map(|s| s.entropy).collect(),
-    };
+    let step = GrpoStep::from_stats(fwd.loss, fwd.metrics, &fwd.stats);
     Ok((out, step))
 }

@@ -3,7 +3,7 @@
 
 use super::config::LossImpl;
 use crate::ops::{self, GrpoInputs, GrpoStep, baseline};
-use candle_core::{CpuStorage, Result, Storage, Tensor};
+use candle_core::{Result, Storage, Tensor};
 use flashloss::cpu::logp_linear;
 use flashloss::policy::{Normalizers, policy_stage};
 use flashloss::{CrossEntropy, GrpoLoss, LinearInputs};
@@ -15,17 +15,24 @@ pub(crate) struct LossPath {
     budget_bytes: usize,
 }
 
-/// Runs `f` on the f32 elements of a contiguous CPU tensor without copying them.
-fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> Result<R>) -> Result<R> {
+/// Runs `f` on the f32 elements of a CPU tensor without copying them (`arg` names it
+/// in errors).
+fn with_f32<R>(t: &Tensor, arg: &str, f: impl FnOnce(&[f32]) -> Result<R>) -> Result<R> {
     let t = t.contiguous()?;
     let (storage, layout) = t.storage_and_layout();
-    let Some((start, end)) = layout.contiguous_offsets() else {
-        candle_core::bail!("tensor: not contiguous")
-    };
     match &*storage {
-        Storage::Cpu(CpuStorage::F32(v)) => f(&v[start..end]),
-        _ => candle_core::bail!("tensor: expected f32 on the CPU, got {:?}", t.dtype()),
+        Storage::Cpu(s) => f(ops::contiguous::<f32>(s, layout, arg)?),
+        _ => candle_core::bail!("{arg}: expected a CPU tensor"),
     }
+}
+
+/// The values of `[N]` tensor `t`, with 0 where `mask` is false.
+fn masked(t: &Tensor, mask: &[bool]) -> Result<Vec<f32>> {
+    let v = t.to_vec1::<f32>()?;
+    Ok(v.iter()
+        .zip(mask)
+        .map(|(&x, &m)| if m { x } else { 0.0 })
+        .collect())
 }
 
 impl LossPath {
@@ -78,14 +85,10 @@ impl LossPath {
                     temperature,
                 )?;
                 let loss = baseline::grpo_loss(&logp, &entropy, &self.loss, inputs)?;
-                let masked = |t: &Tensor| -> Result<Vec<f32>> {
-                    let v = t.to_vec1::<f32>()?;
-                    Ok(v.iter()
-                        .zip(&inputs.mask)
-                        .map(|(&x, &m)| if m { x } else { 0.0 })
-                        .collect())
-                };
-                let (logp, entropy) = (masked(&logp)?, masked(&entropy)?);
+                let (logp, entropy) = (
+                    masked(&logp, &inputs.mask)?,
+                    masked(&entropy, &inputs.mask)?,
+                );
                 let batch = inputs.batch();
                 let out = policy_stage(
                     &self.loss,
@@ -119,8 +122,8 @@ impl LossPath {
             LossImpl::Fused => {
                 let (n, h) = hidden.dims2()?;
                 let v = head.dim(0)?;
-                with_f32(&hidden, |x| {
-                    with_f32(&head, |w| {
+                with_f32(&hidden, "hidden", |x| {
+                    with_f32(&head, "weight", |w| {
                         let lin = LinearInputs {
                             hidden: x,
                             weight: w,
@@ -149,12 +152,7 @@ impl LossPath {
                     &baseline::live_targets(inputs),
                     temperature,
                 )?;
-                let logp = logp.to_vec1::<f32>()?;
-                Ok(logp
-                    .iter()
-                    .zip(&inputs.mask)
-                    .map(|(&x, &m)| if m { x } else { 0.0 })
-                    .collect())
+                masked(&logp, &inputs.mask)
             }
         }
     }

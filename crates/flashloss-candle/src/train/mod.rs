@@ -15,7 +15,7 @@ pub use config::{
 };
 pub use optim::{AdamW, OptimConfig};
 
-use crate::model::{Padded, Params, generate};
+use crate::model::{Padded, Params, Qwen2, generate};
 use crate::ops::GrpoInputs;
 use crate::task::{Problem, load_gsm8k, reward};
 use crate::tokenizer::Tokenizer;
@@ -72,10 +72,22 @@ pub struct StepMetrics {
 struct Rollout {
     padded: Padded,
     prompt_len: usize,
-    completion_len: usize,
     inputs: GrpoInputs,
     rewards: Vec<f64>,
     correct: Vec<bool>,
+}
+
+impl Rollout {
+    /// Hidden states `[B·T, H]` at the positions that predict the completion tokens
+    /// (prompt end − 1 onward) under `model`.
+    fn completion_hidden(&self, model: &Qwen2) -> Result<Tensor> {
+        let (b, t) = (self.inputs.batch, self.inputs.seq_len);
+        let hidden = self.padded.hidden(model)?;
+        let h = hidden.dim(2)?;
+        hidden
+            .narrow(1, self.prompt_len - 1, t)?
+            .reshape((b * t, h))
+    }
 }
 
 /// The training state.
@@ -240,6 +252,7 @@ impl Trainer {
         }
         let update = Instant::now();
         let pad = self.tokenizer.pad();
+        // Right-padded sequences: a one-token left part (no padding), then the rest.
         let padded = Padded::left(
             &seqs.iter().map(|s| s[..1].to_vec()).collect::<Vec<_>>(),
             pad,
@@ -333,40 +346,37 @@ impl Trainer {
             mask.extend((0..c_len).map(|j| j < c.len()));
         }
         let advantages = group_advantages(&rewards, g.group_size);
-        let mut inputs = GrpoInputs {
-            batch: completions.len(),
-            seq_len: c_len,
-            target_ids,
-            mask,
-            advantages,
-            old_logp: None,
-            ref_logp: None,
-        };
-        let completion_hidden = |params: &Params| -> Result<(Tensor, crate::model::Qwen2)> {
-            let model = params.model(false);
-            let h = padded.hidden(&model)?.narrow(1, p_len - 1, c_len)?;
-            Ok((
-                h.reshape((completions.len() * c_len, params.config.hidden_size))?,
-                model,
-            ))
+        let mut rollout = Rollout {
+            padded,
+            prompt_len: p_len,
+            inputs: GrpoInputs {
+                batch: completions.len(),
+                seq_len: c_len,
+                target_ids,
+                mask,
+                advantages,
+                old_logp: None,
+                ref_logp: None,
+            },
+            rewards,
+            correct,
         };
         if g.num_iterations > 1 {
-            let (h, model) = completion_hidden(&self.params)?;
-            inputs.old_logp = Some(self.path.logp(&h, model.head_weight()?, &inputs)?);
+            rollout.inputs.old_logp = Some(self.no_grad_logp(&rollout, &self.params)?);
         }
         if self.cfg.loss.grpo.beta > 0.0 {
             let reference = self.reference.as_ref().unwrap_or(&self.params);
-            let (h, model) = completion_hidden(reference)?;
-            inputs.ref_logp = Some(self.path.logp(&h, model.head_weight()?, &inputs)?);
+            rollout.inputs.ref_logp = Some(self.no_grad_logp(&rollout, reference)?);
         }
-        Ok(Rollout {
-            padded,
-            prompt_len: p_len,
-            completion_len: c_len,
-            inputs,
-            rewards,
-            correct,
-        })
+        Ok(rollout)
+    }
+
+    /// The rollout's completion log-probs under `params`, without autograd.
+    fn no_grad_logp(&self, rollout: &Rollout, params: &Params) -> Result<Vec<f32>> {
+        let model = params.model(false);
+        let hidden = rollout.completion_hidden(&model)?;
+        self.path
+            .logp(&hidden, model.head_weight()?, &rollout.inputs)
     }
 
     fn grpo_step(&mut self, step: usize) -> Result<StepMetrics> {
@@ -378,12 +388,7 @@ impl Trainer {
         let generate_time_s = start.elapsed().as_secs_f64();
         let update = Instant::now();
         let model = self.params.model(true);
-        let (n_seq, c_len) = (rollout.inputs.batch, rollout.completion_len);
-        let hidden = rollout
-            .padded
-            .hidden(&model)?
-            .narrow(1, rollout.prompt_len - 1, c_len)?
-            .reshape((n_seq * c_len, self.params.config.hidden_size))?;
+        let hidden = rollout.completion_hidden(&model)?;
         let (loss, out) = self
             .path
             .grpo(&hidden, model.head_weight()?, &rollout.inputs)?;
