@@ -4,8 +4,7 @@
 //! (6NHV) whenever the budget holds a useful row block.
 
 use super::fused_linear::{
-    FusedOptions, LinearGrads, Plan, Problem, RowGrad, Workspace, accumulate_grads, plan,
-    row_stats, single_pass,
+    CpuPasses, FusedOptions, FusedPasses, LinearGrads, Plan, Problem, RowGrad, Workspace, plan,
 };
 use super::online_softmax::RowStats;
 use super::selective_log_softmax::{check_row_stats, check_targets};
@@ -98,18 +97,31 @@ pub(crate) fn ce_rows_into<E: Element>(
         opts,
         true,
     )?;
-    let p = rows.problem(inputs);
+    ce_fused(
+        rows,
+        &mut CpuPasses {
+            problem: rows.problem(inputs),
+            plan,
+            ws,
+            out: grads,
+        },
+    )
+}
+
+/// The fused CE of `rows` on any backend's passes, single-pass or two-pass as planned.
+pub(crate) fn ce_fused(rows: &CeRows, passes: &mut impl FusedPasses) -> Result<CeLinearOutput> {
+    let plan = passes.plan();
     let stats = if plan.single_pass {
         let mut grads_of = |range: std::ops::Range<usize>, stats: &[RowStats]| {
             range.map(|i| rows.row_grad(i, &stats[i])).collect()
         };
-        single_pass(&p, &plan, &mut grads_of, ws, grads)
+        passes.single_pass(&mut grads_of)?
     } else {
-        let stats = row_stats(&p, &plan, ws);
-        let all: Vec<RowGrad> = (0..inputs.tokens)
+        let stats = passes.row_stats()?;
+        let all: Vec<RowGrad> = (0..stats.len())
             .map(|i| rows.row_grad(i, &stats[i]))
             .collect();
-        accumulate_grads(&p, &plan, &all, ws, grads);
+        passes.accumulate_grads(&all)?;
         stats
     };
     rows.output(stats, plan)
@@ -169,6 +181,18 @@ impl<'a> CeRows<'a> {
             grad_rows,
             vocab,
         })
+    }
+
+    /// Target ids `[N]`.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn targets(&self) -> &[i64] {
+        self.targets
+    }
+
+    /// Rows that count `[N]`.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn live(&self) -> &[bool] {
+        &self.live
     }
 
     /// The fused problem of these rows on a whole head.

@@ -209,7 +209,8 @@ pub struct RowGrad {
 }
 
 impl RowGrad {
-    fn is_zero(&self) -> bool {
+    /// Whether every coefficient is 0 (the row's gradient is zero).
+    pub(crate) fn is_zero(&self) -> bool {
         self.coef_p == 0.0
             && self.coef_h == 0.0
             && self.coef_uniform == 0.0
@@ -763,4 +764,59 @@ pub fn single_pass<E: Element>(
         }
     }
     stats
+}
+
+/// The passes of a fused LM-head kernel on one backend (the CPU here, the GPU in
+/// `cuda`), over one problem, plan, workspace and gradient buffers: what the loss
+/// drivers ([`super::grpo_linear`], [`super::ce_linear`]) call around their per-row
+/// stages, so that each loss is written once for every backend.
+pub(crate) trait FusedPasses {
+    /// The plan the passes run.
+    fn plan(&self) -> Plan;
+
+    /// Pass A: softmax statistics of every live row (zeroed elsewhere).
+    fn row_stats(&mut self) -> Result<Vec<RowStats>>;
+
+    /// Pass B: the head's gradients of every row's [`RowGrad`], added into the output.
+    fn accumulate_grads(&mut self, grads: &[RowGrad]) -> Result<()>;
+
+    /// Single pass (see [`single_pass`]); returns every row's stats.
+    fn single_pass(&mut self, grads_of: &mut GradsOf) -> Result<Vec<RowStats>>;
+}
+
+/// The CPU's [`FusedPasses`].
+pub(crate) struct CpuPasses<'a, E> {
+    /// The problem.
+    pub(crate) problem: Problem<'a, E>,
+    /// Its plan.
+    pub(crate) plan: Plan,
+    /// Tiles and widened blocks.
+    pub(crate) ws: &'a mut Workspace,
+    /// Where the gradients are added.
+    pub(crate) out: &'a mut LinearGrads,
+}
+
+impl<E: Element> FusedPasses for CpuPasses<'_, E> {
+    fn plan(&self) -> Plan {
+        self.plan
+    }
+
+    fn row_stats(&mut self) -> Result<Vec<RowStats>> {
+        Ok(row_stats(&self.problem, &self.plan, self.ws))
+    }
+
+    fn accumulate_grads(&mut self, grads: &[RowGrad]) -> Result<()> {
+        accumulate_grads(&self.problem, &self.plan, grads, self.ws, self.out);
+        Ok(())
+    }
+
+    fn single_pass(&mut self, grads_of: &mut GradsOf) -> Result<Vec<RowStats>> {
+        Ok(single_pass(
+            &self.problem,
+            &self.plan,
+            grads_of,
+            self.ws,
+            self.out,
+        ))
+    }
 }

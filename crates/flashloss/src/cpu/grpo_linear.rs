@@ -4,8 +4,7 @@
 //! need every token's logp before any gradient, run two-pass (8NHV).
 
 use super::fused_linear::{
-    FusedOptions, LinearGrads, Plan, Problem, RowGrad, Workspace, accumulate_grads, plan,
-    row_stats, single_pass,
+    CpuPasses, FusedOptions, FusedPasses, LinearGrads, Plan, Problem, RowGrad, Workspace, plan,
 };
 use super::online_softmax::RowStats;
 use crate::batch::{GrpoBatch, LinearInputs};
@@ -62,12 +61,24 @@ pub(crate) fn check_inputs<E: Element>(
     opts: &FusedOptions,
 ) -> Result<()> {
     inputs.validate()?;
-    if inputs.tokens != batch.rows() {
+    check_batch(loss, batch, inputs.tokens, vocab, opts)
+}
+
+/// Checks the batch against a head of `tokens` rows and `vocab` entries, and
+/// `grad_output`.
+pub(crate) fn check_batch(
+    loss: &GrpoLoss,
+    batch: &GrpoBatch,
+    tokens: usize,
+    vocab: usize,
+    opts: &FusedOptions,
+) -> Result<()> {
+    if tokens != batch.rows() {
         return Err(Error::InvalidArgument {
             arg: "hidden",
             reason: format!(
                 "has {} rows but the batch has B·T = {}·{} = {}",
-                inputs.tokens,
+                tokens,
                 batch.batch,
                 batch.seq_len,
                 batch.rows()
@@ -156,7 +167,7 @@ pub(crate) fn grpo_linear_checked<E: Element>(
         opts,
         !loss.needs_sequence_reduction(),
     )?;
-    let p = Problem {
+    let problem = Problem {
         inputs,
         targets: batch.target_ids,
         live: batch.mask,
@@ -164,7 +175,31 @@ pub(crate) fn grpo_linear_checked<E: Element>(
         softcap: None,
         mean_logit: false,
     };
+    grpo_fused(
+        loss,
+        batch,
+        norm,
+        scale,
+        &mut CpuPasses {
+            problem,
+            plan,
+            ws,
+            out: grads,
+        },
+    )
+}
 
+/// The fused GRPO step on any backend's passes: single-pass (each row block's policy
+/// stage between its statistics and its gradients) or two-pass (the whole batch's
+/// policy stage between pass A and pass B). `scale` is `grad_output / T`.
+pub(crate) fn grpo_fused(
+    loss: &GrpoLoss,
+    batch: &GrpoBatch,
+    norm: Normalizers,
+    scale: f32,
+    passes: &mut impl FusedPasses,
+) -> Result<GrpoLinearOutput> {
+    let plan = passes.plan();
     let (stats, policy) = if plan.single_pass {
         let n = batch.rows();
         let mut policy = PolicyOutput::new(n);
@@ -186,16 +221,16 @@ pub(crate) fn grpo_linear_checked<E: Element>(
             );
             row_grads(rows, stats, &policy, batch.target_ids, scale)
         };
-        let stats = single_pass(&p, &plan, &mut grads_of, ws, grads);
+        let stats = passes.single_pass(&mut grads_of)?;
         policy.finish(batch.mask, &entropy);
         (stats, policy)
     } else {
-        let stats = row_stats(&p, &plan, ws);
+        let stats = passes.row_stats()?;
         let logp: Vec<f32> = stats.iter().map(|s| s.logp).collect();
         let entropy: Vec<f32> = stats.iter().map(|s| s.entropy).collect();
         let policy = policy_stage(loss, batch, norm, &logp, &entropy);
         let all = row_grads(0..batch.rows(), &stats, &policy, batch.target_ids, scale);
-        accumulate_grads(&p, &plan, &all, ws, grads);
+        passes.accumulate_grads(&all)?;
         (stats, policy)
     };
     super::selective_log_softmax::check_row_stats(

@@ -4,8 +4,10 @@
 use super::kernels::{SOURCES, compile_cached};
 use crate::element::Element;
 use crate::error::{Error, Result};
+use cudarc::cublas::sys::cudaDataType_t;
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
+    PushKernelArg, ValidAsZeroBits,
 };
 use cudarc::nvrtc::Ptx;
 use half::bf16;
@@ -30,14 +32,18 @@ pub fn driver_present() -> bool {
 pub trait GpuElement: Element + DeviceRepr + ValidAsZeroBits {
     /// Suffix of the kernels for this dtype (`row_states_f32`, ...).
     const SUFFIX: &'static str;
+    /// Its cuBLAS data type.
+    const BLAS_TYPE: cudaDataType_t;
 }
 
 impl GpuElement for f32 {
     const SUFFIX: &'static str = "f32";
+    const BLAS_TYPE: cudaDataType_t = cudaDataType_t::CUDA_R_32F;
 }
 
 impl GpuElement for bf16 {
     const SUFFIX: &'static str = "bf16";
+    const BLAS_TYPE: cudaDataType_t = cudaDataType_t::CUDA_R_16BF;
 }
 
 /// Bytes the backend holds on the device: in use now, and the most at any time since
@@ -221,6 +227,51 @@ impl Gpu {
         self.stream
             .clone_dtoh(&buf.slice)
             .map_err(|e| device_error(&format!("copying {} elements to the host", buf.len()), e))
+    }
+
+    /// The device address of element `offset` of `buf` (for kernels and cuBLAS calls
+    /// that take raw pointers; everything runs on the one stream, so no event is needed).
+    pub(crate) fn addr<T>(&self, buf: &DeviceBuffer<T>, offset: usize) -> u64 {
+        let (base, _sync) = buf.slice.device_ptr(&self.stream);
+        base + (offset * std::mem::size_of::<T>()) as u64
+    }
+
+    /// A buffer of `len` elements, every one NaN (poison: elements a kernel does not
+    /// write show). `T` is 4 or 2 bytes wide (f32, bf16).
+    pub fn nans<T: DeviceRepr + ValidAsZeroBits>(&self, len: usize) -> Result<DeviceBuffer<T>> {
+        let buf = self.zeros::<T>(len)?;
+        let (kernel, bits) = match std::mem::size_of::<T>() {
+            4 => ("fill_u32", 0x7fc0_0000u32),
+            2 => ("fill_u16", 0x7fc0u32),
+            w => {
+                return Err(Error::Device {
+                    reason: format!("no NaN fill for {w}-byte elements"),
+                });
+            }
+        };
+        if len == 0 {
+            return Ok(buf);
+        }
+        let (p, n) = (self.addr(&buf, 0), len as i64);
+        let f = self.kernel(kernel)?;
+        let mut launch = self.stream.launch_builder(f);
+        launch.arg(&p).arg(&n);
+        let bits16 = bits as u16;
+        if kernel == "fill_u32" {
+            launch.arg(&bits);
+        } else {
+            launch.arg(&bits16);
+        }
+        let blocks = len.div_ceil(256).min(65_535) as u32;
+        // SAFETY: `p` holds `len` elements of the kernel's word width.
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        unsafe { launch.launch(cfg) }
+            .map_err(|e| device_error(&format!("launching {kernel}"), e))?;
+        Ok(buf)
     }
 
     /// Waits for the stream; surfaces any error of the kernels launched on it.

@@ -6,9 +6,10 @@
 //! or over the logits. Statistics in f32.
 
 use super::device::{DeviceBuffer, Gpu, GpuElement, device_error};
+use super::selective_log_softmax::row_stats;
 use crate::batch::{GrpoBatch, LogitsLayout};
 use crate::config::GrpoLoss;
-use crate::cpu::{GrpoLogitsForward, OnlineSoftmax, RowStats, check_row_stats};
+use crate::cpu::{GrpoLogitsForward, check_row_stats};
 use crate::error::{Error, Result};
 use crate::policy::Normalizers;
 use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg};
@@ -58,8 +59,8 @@ pub(crate) struct RowCoef {
     pub(crate) coef_h: f32,
     pub(crate) coef_uniform: f32,
     pub(crate) coef_target: f32,
-    /// Column of the target in the row part, -1 where it lies elsewhere.
-    pub(crate) target: i32,
+    /// Vocabulary id of the target (-1: none).
+    pub(crate) target: i64,
 }
 
 // SAFETY: plain old data with the layout of the kernels' struct.
@@ -80,7 +81,7 @@ pub(crate) fn rows_launch(rows: usize) -> Result<LaunchConfig> {
     })
 }
 
-fn cols_arg(vocab: usize) -> Result<i32> {
+pub(crate) fn cols_arg(vocab: usize) -> Result<i32> {
     i32::try_from(vocab).map_err(|_| Error::InvalidArgument {
         arg: "vocab",
         reason: format!("{vocab} exceeds the kernels' column limit of {}", i32::MAX),
@@ -98,61 +99,14 @@ pub fn grpo_logits_forward<E: GpuElement>(
 ) -> Result<GrpoLogitsForward> {
     GrpoLogitsForward::check_batch(loss, batch, layout)?;
     layout.validate("logits", logits.len())?;
-    let n = layout.rows();
-    let temperature = loss.config().temperature;
-    let inv_temp = (1.0 / temperature) as f32;
-    let mut stats = vec![RowStats::default(); n];
-    if n > 0 {
-        let targets = gpu.upload(batch.target_ids)?;
-        let live: Vec<u8> = batch.mask.iter().map(|&m| u8::from(m)).collect();
-        let live = gpu.upload(&live)?;
-        let mut mu = gpu.zeros::<f32>(n)?;
-        let mut s = gpu.zeros::<f32>(n)?;
-        let mut u = gpu.zeros::<f32>(n)?;
-        let mut target = gpu.zeros::<f32>(n)?;
-        let mut sum = gpu.zeros::<f32>(n)?;
-        let f = gpu.kernel(&format!("row_states_{}", E::SUFFIX))?;
-        let stream = gpu.stream();
-        let (lz, cols) = (KernelLayout::of(layout), cols_arg(layout.vocab)?);
-        let (offset, null, merge_into, zero) = (0i64, 0u64, 0i32, 0.0f32);
-        let mut launch = stream.launch_builder(f);
-        launch
-            .arg(logits.slice())
-            .arg(&lz)
-            .arg(&cols)
-            .arg(&offset)
-            .arg(&null)
-            .arg(&inv_temp)
-            .arg(&zero)
-            .arg(&zero)
-            .arg(targets.slice())
-            .arg(live.slice())
-            .arg(&merge_into)
-            .arg(mu.slice_mut())
-            .arg(s.slice_mut())
-            .arg(u.slice_mut())
-            .arg(target.slice_mut())
-            .arg(sum.slice_mut());
-        // SAFETY: the arguments match `row_states` in softmax_rows.cu; every buffer
-        // holds the rows the layout was validated for.
-        unsafe { launch.launch(rows_launch(n)?) }
-            .map_err(|e| device_error("launching row_states", e))?;
-        let (mu, s, u, target) = (
-            gpu.download(&mu)?,
-            gpu.download(&s)?,
-            gpu.download(&u)?,
-            gpu.download(&target)?,
-        );
-        for i in (0..n).filter(|&i| batch.mask[i]) {
-            let state = OnlineSoftmax {
-                inv_temp,
-                max: mu[i],
-                sum: s[i] as f64,
-                weighted: u[i] as f64,
-            };
-            stats[i] = RowStats::finish(&state, target[i]);
-        }
-    }
+    let stats = row_stats(
+        gpu,
+        logits,
+        layout,
+        batch.target_ids,
+        batch.mask,
+        (1.0 / loss.config().temperature) as f32,
+    )?;
     check_row_stats(&stats, |i| batch.mask[i], batch.target_ids, batch.seq_len)?;
     Ok(GrpoLogitsForward::from_stats(
         loss,
@@ -201,7 +155,7 @@ pub fn grpo_logits_backward<E: GpuElement>(
                 coef_h: -scale * dentropy,
                 coef_uniform: 0.0,
                 coef_target: scale * dlogp,
-                target: fwd.targets()[i] as i32,
+                target: fwd.targets()[i],
             }
         })
         .collect();
@@ -209,13 +163,14 @@ pub fn grpo_logits_backward<E: GpuElement>(
     let f = gpu.kernel(&format!("row_grad_{}", E::SUFFIX))?;
     let stream = gpu.stream();
     let (lz, cols) = (KernelLayout::of(layout), cols_arg(v)?);
-    let (null, zero) = (0u64, 0.0f32);
+    let (null, zero, col_offset) = (0u64, 0.0f32, 0i64);
     let launch_with = |z: u64, out: u64, lo: KernelLayout| -> Result<()> {
         let mut launch = stream.launch_builder(f);
         launch
             .arg(&z)
             .arg(&lz)
             .arg(&cols)
+            .arg(&col_offset)
             .arg(&null)
             .arg(&inv_temp)
             .arg(&zero)

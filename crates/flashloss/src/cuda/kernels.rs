@@ -20,7 +20,7 @@ pub struct KernelSource {
 }
 
 /// Row statistics and row gradients over logits (logits-level kernels, and the row
-/// stage between the fused kernels' tile products).
+/// stage between the fused kernels' tile products), column sums (dbias) and poison fills.
 pub const SOFTMAX_ROWS: KernelSource = KernelSource {
     name: "softmax_rows.cu",
     source: include_str!("kernels/softmax_rows.cu"),
@@ -29,6 +29,11 @@ pub const SOFTMAX_ROWS: KernelSource = KernelSource {
         "row_states_bf16",
         "row_grad_f32",
         "row_grad_bf16",
+        "row_grad_f32_to_bf16",
+        "col_sums_f32",
+        "col_sums_bf16",
+        "fill_u32",
+        "fill_u16",
     ],
 };
 

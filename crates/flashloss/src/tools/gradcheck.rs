@@ -73,7 +73,7 @@ pub enum Device {
     /// The CPU backend.
     #[default]
     Cpu,
-    /// GPU 0 through the CUDA backend (a build with feature `cuda`; kernel `logits`).
+    /// GPU 0 through the CUDA backend (a build with feature `cuda`).
     Cuda,
 }
 
@@ -296,13 +296,6 @@ impl GradcheckReport {
 
 /// Runs gradcheck as configured.
 pub fn run(cfg: &GradcheckConfig) -> Result<GradcheckReport> {
-    if cfg.device == Device::Cuda && cfg.kernel == Kernel::Linear {
-        return Err(Error::InvalidArgument {
-            arg: "device",
-            reason: "the fused LM-head kernel has no CUDA version yet; cuda runs kernel `logits`"
-                .into(),
-        });
-    }
     match (cfg.kernel, cfg.objective) {
         (Kernel::Logits, Objective::Ce) => Err(Error::InvalidArgument {
             arg: "objective",
@@ -395,6 +388,116 @@ mod cuda_logits {
         _: &[E],
         _: &LogitsLayout,
     ) -> Result<(GrpoLogitsForward, Vec<E>)> {
+        Err(Error::Device {
+            reason: "this build has no CUDA backend: build with `--features cuda`".into(),
+        })
+    }
+}
+
+/// The fused LM-head kernels on the GPU (feature `cuda`): GPU 0, the head uploaded,
+/// gradients zeroed on the device and copied back.
+mod cuda_linear {
+    use super::HeadInputs;
+    use crate::batch::GrpoBatch;
+    use crate::config::GrpoLoss;
+    use crate::cpu::{CeLinearOutput, FusedOptions, GrpoLinearOutput, LinearGrads};
+    use crate::cross_entropy::CrossEntropy;
+    use crate::element::Element;
+    use crate::error::{Error, Result};
+    use crate::policy::Normalizers;
+
+    /// Which loss to run (read only by the CUDA build).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(super) enum Job<'a> {
+        Grpo(&'a GrpoLoss, &'a GrpoBatch<'a>, Normalizers),
+        Ce(&'a CrossEntropy, &'a [i64]),
+    }
+
+    /// What the job returned (built only by the CUDA build).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(super) enum Done {
+        Grpo(GrpoLinearOutput),
+        Ce(CeLinearOutput),
+    }
+
+    impl Done {
+        pub(super) fn grpo(self) -> Result<GrpoLinearOutput> {
+            match self {
+                Done::Grpo(out) => Ok(out),
+                Done::Ce(_) => Err(mismatch()),
+            }
+        }
+
+        pub(super) fn ce(self) -> Result<CeLinearOutput> {
+            match self {
+                Done::Ce(out) => Ok(out),
+                Done::Grpo(_) => Err(mismatch()),
+            }
+        }
+    }
+
+    fn mismatch() -> Error {
+        Error::Device {
+            reason: "the GPU job returned another loss's output".into(),
+        }
+    }
+
+    /// Runs `job` on GPU 0 on `head` (converted exactly to the GPU's element type).
+    #[cfg(feature = "cuda")]
+    pub(super) fn step<E: Element>(
+        head: &HeadInputs<E>,
+        job: Job,
+        opts: &FusedOptions,
+    ) -> Result<(Done, LinearGrads)> {
+        use crate::cuda::{
+            Gpu, GpuElement, GpuGrads, GpuHead, GpuWorkspace, ce_linear_into, grpo_linear_into,
+        };
+        use crate::element::DType;
+        use half::bf16;
+        fn typed<T: GpuElement>(
+            head: &HeadInputs<T>,
+            job: Job,
+            opts: &FusedOptions,
+        ) -> Result<(Done, LinearGrads)> {
+            let gpu = Gpu::new(0)?;
+            let dev = GpuHead::upload(&gpu, &head.inputs())?;
+            let mut grads = GpuGrads::zeros(&gpu, &dev)?;
+            let mut ws = GpuWorkspace::new(&gpu)?;
+            let done = match job {
+                Job::Grpo(loss, batch, norm) => Done::Grpo(grpo_linear_into(
+                    &gpu, loss, batch, norm, &dev, opts, &mut ws, &mut grads,
+                )?),
+                Job::Ce(ce, targets) => Done::Ce(ce_linear_into(
+                    &gpu, ce, targets, None, &dev, opts, &mut ws, &mut grads,
+                )?),
+            };
+            Ok((done, grads.download(&gpu)?))
+        }
+        fn convert<E: Element, T: Element>(head: &HeadInputs<E>) -> HeadInputs<T> {
+            let to = |x: &[E]| x.iter().map(|v| T::from_f32(v.to_f32())).collect();
+            HeadInputs {
+                hidden: to(&head.hidden),
+                weight: to(&head.weight),
+                bias: head.bias.as_deref().map(to),
+                n: head.n,
+                h: head.h,
+                v: head.v,
+            }
+        }
+        // The element type is the config's dtype: these conversions are exact.
+        match E::DTYPE {
+            DType::F32 => typed(&convert::<E, f32>(head), job, opts),
+            DType::Bf16 => typed(&convert::<E, bf16>(head), job, opts),
+        }
+    }
+
+    /// Without feature `cuda`: an error saying so.
+    #[cfg(not(feature = "cuda"))]
+    pub(super) fn step<E: Element>(
+        _: &HeadInputs<E>,
+        _: Job,
+        _: &FusedOptions,
+    ) -> Result<(Done, LinearGrads)> {
         Err(Error::Device {
             reason: "this build has no CUDA backend: build with `--features cuda`".into(),
         })
@@ -519,15 +622,26 @@ fn check_linear<E: Element>(cfg: &GradcheckConfig) -> Result<GradcheckReport> {
             let loss = GrpoLoss::new(cfg.loss.clone())?;
             let batch = tokens.batch();
             let norm = Normalizers::local(&batch);
-            let out = grpo_linear_into(
-                &loss,
-                &batch,
-                norm,
-                &inputs,
-                &opts,
-                &mut Workspace::new(),
-                &mut grads,
-            )?;
+            let out = match cfg.device {
+                Device::Cpu => grpo_linear_into(
+                    &loss,
+                    &batch,
+                    norm,
+                    &inputs,
+                    &opts,
+                    &mut Workspace::new(),
+                    &mut grads,
+                )?,
+                Device::Cuda => {
+                    let (done, g) = cuda_linear::step(
+                        &head,
+                        cuda_linear::Job::Grpo(&loss, &batch, norm),
+                        &opts,
+                    )?;
+                    grads = g;
+                    done.grpo()?
+                }
+            };
             let r = grpo_reference(&loss, &batch, norm, &z, v, cfg.grad_output);
             let live: Vec<usize> = (0..n).filter(|&i| batch.mask[i]).collect();
             let gates = vec![
@@ -558,15 +672,23 @@ fn check_linear<E: Element>(cfg: &GradcheckConfig) -> Result<GradcheckReport> {
         Objective::Ce => {
             let ce = CrossEntropy::new(cfg.ce.clone())?;
             let targets = ce_targets(&tokens, &ce);
-            let out = ce_linear_into(
-                &ce,
-                &targets,
-                None,
-                &inputs,
-                &opts,
-                &mut Workspace::new(),
-                &mut grads,
-            )?;
+            let out = match cfg.device {
+                Device::Cpu => ce_linear_into(
+                    &ce,
+                    &targets,
+                    None,
+                    &inputs,
+                    &opts,
+                    &mut Workspace::new(),
+                    &mut grads,
+                )?,
+                Device::Cuda => {
+                    let (done, g) =
+                        cuda_linear::step(&head, cuda_linear::Job::Ce(&ce, &targets), &opts)?;
+                    grads = g;
+                    done.ce()?
+                }
+            };
             let r = ce_reference(&ce, &targets, &z, v, cfg.grad_output, None);
             let live: Vec<usize> = (0..n).filter(|&i| ce.counts(targets[i])).collect();
             let gates = vec![Gate::new(

@@ -172,19 +172,20 @@ __device__ void row_states(const T* __restrict__ z, Layout lz, int cols, long lo
 //        * slope_j, slope_j = 1 - (x_j / cap)^2 (1 without a cap).
 struct RowCoef {
     float mu, log_sum, entropy, coef_p, coef_h, coef_uniform, coef_target;
-    int target;  // column within this part, -1 if elsewhere
+    long long target;  // vocabulary id of the target (-1: none)
 };
 
 // dz of columns [0, cols) written to `out` (laid out as `lo`; may be `z` itself: each
-// element is read, then written, by the same thread).
-template <typename T>
-__device__ void row_grad(const T* z, Layout lz, int cols, const float* __restrict__ bias,
-                         float inv_temp, float cap, float inv_cap,
-                         const RowCoef* __restrict__ coefs, T* out, Layout lo) {
+// element is read, then written, by the same thread). Column 0 is vocabulary id
+// `col_offset` (the target is matched as `col_offset + j == target`).
+template <typename TZ, typename TO>
+__device__ void row_grad(const TZ* z, Layout lz, int cols, long long col_offset,
+                         const float* __restrict__ bias, float inv_temp, float cap,
+                         float inv_cap, const RowCoef* __restrict__ coefs, TO* out, Layout lo) {
     long long row = blockIdx.x;
     RowCoef c = coefs[row];
-    const T* zr = z + row_offset(lz, row);
-    T* o = out + row_offset(lo, row);
+    const TZ* zr = z + row_offset(lz, row);
+    TO* o = out + row_offset(lo, row);
     bool zero = c.coef_p == 0.0f && c.coef_h == 0.0f && c.coef_uniform == 0.0f &&
                 c.coef_target == 0.0f;
     for (int j = threadIdx.x; j < cols; j += BLOCK) {
@@ -195,7 +196,7 @@ __device__ void row_grad(const T* z, Layout lz, int cols, const float* __restric
             float p = __expf(lp);
             g = c.coef_p * p + c.coef_uniform;
             if (c.coef_h != 0.0f && p > 0.0f) g += c.coef_h * p * (lp + c.entropy);
-            if (j == c.target) g += c.coef_target;
+            if (col_offset + j == c.target) g += c.coef_target;
             if (inv_cap != 0.0f) {
                 float t = x * inv_cap;
                 g *= 1.0f - t * t;
@@ -224,13 +225,61 @@ row_states_bf16(const bf16_bits* z, Layout lz, int cols, long long col_offset,
 }
 
 extern "C" __global__ void __launch_bounds__(BLOCK)
-row_grad_f32(const float* z, Layout lz, int cols, const float* bias, float inv_temp, float cap,
-             float inv_cap, const RowCoef* coefs, float* out, Layout lo) {
-    row_grad(z, lz, cols, bias, inv_temp, cap, inv_cap, coefs, out, lo);
+row_grad_f32(const float* z, Layout lz, int cols, long long col_offset, const float* bias,
+             float inv_temp, float cap, float inv_cap, const RowCoef* coefs, float* out,
+             Layout lo) {
+    row_grad(z, lz, cols, col_offset, bias, inv_temp, cap, inv_cap, coefs, out, lo);
 }
 
 extern "C" __global__ void __launch_bounds__(BLOCK)
-row_grad_bf16(const bf16_bits* z, Layout lz, int cols, const float* bias, float inv_temp,
-              float cap, float inv_cap, const RowCoef* coefs, bf16_bits* out, Layout lo) {
-    row_grad(z, lz, cols, bias, inv_temp, cap, inv_cap, coefs, out, lo);
+row_grad_bf16(const bf16_bits* z, Layout lz, int cols, long long col_offset, const float* bias,
+              float inv_temp, float cap, float inv_cap, const RowCoef* coefs, bf16_bits* out,
+              Layout lo) {
+    row_grad(z, lz, cols, col_offset, bias, inv_temp, cap, inv_cap, coefs, out, lo);
+}
+
+// f32 logits (a fused kernel's tile) to a bf16 gradient tile (the operand of the bf16
+// cuBLAS products that follow).
+extern "C" __global__ void __launch_bounds__(BLOCK)
+row_grad_f32_to_bf16(const float* z, Layout lz, int cols, long long col_offset,
+                     const float* bias, float inv_temp, float cap, float inv_cap,
+                     const RowCoef* coefs, bf16_bits* out, Layout lo) {
+    row_grad(z, lz, cols, col_offset, bias, inv_temp, cap, inv_cap, coefs, out, lo);
+}
+
+// dbias[j] += sum over `rows` rows of dz[r * ld + j], j < cols: one thread per column
+// (adjacent threads read adjacent columns), rows summed in order.
+template <typename T>
+__device__ void col_sums(const T* dz, long long ld, int rows, int cols, float* out) {
+    long long j = (long long)blockIdx.x * BLOCK + threadIdx.x;
+    if (j >= cols) return;
+    float acc = 0.0f;
+    for (int r = 0; r < rows; ++r) acc += load(dz, r * ld + j);
+    out[j] += acc;
+}
+
+extern "C" __global__ void __launch_bounds__(BLOCK)
+col_sums_f32(const float* dz, long long ld, int rows, int cols, float* out) {
+    col_sums(dz, ld, rows, cols, out);
+}
+
+extern "C" __global__ void __launch_bounds__(BLOCK)
+col_sums_bf16(const bf16_bits* dz, long long ld, int rows, int cols, float* out) {
+    col_sums(dz, ld, rows, cols, out);
+}
+
+// Poison: every 32-bit or 16-bit word of a buffer set to `bits` (NaN before a kernel
+// runs, so elements it does not write show). Grid-stride loop.
+extern "C" __global__ void __launch_bounds__(BLOCK)
+fill_u32(unsigned int* p, long long n, unsigned int bits) {
+    for (long long i = (long long)blockIdx.x * BLOCK + threadIdx.x; i < n;
+         i += (long long)gridDim.x * BLOCK)
+        p[i] = bits;
+}
+
+extern "C" __global__ void __launch_bounds__(BLOCK)
+fill_u16(unsigned short* p, long long n, unsigned short bits) {
+    for (long long i = (long long)blockIdx.x * BLOCK + threadIdx.x; i < n;
+         i += (long long)gridDim.x * BLOCK)
+        p[i] = bits;
 }
