@@ -298,6 +298,15 @@ fn print_bench(report: &bench::BenchReport) {
                 mib(p.gemm_reserve_bytes as f64)
             );
         }
+        if let Some(used) = r.device_used_bytes {
+            println!(
+                "{:<10} device: peak / floor = {:.3} (floor {}), cudaMemGetInfo in use {}",
+                "",
+                r.peak_bytes as f64 / r.io_bytes as f64,
+                mib(r.io_bytes as f64),
+                mib(used as f64)
+            );
+        }
     }
     if let [a, b] = &report.results[..] {
         println!(

@@ -175,6 +175,42 @@ impl Gpu {
         &self.stream
     }
 
+    /// The device's name (`NVIDIA H100 80GB HBM3`).
+    pub fn name(&self) -> Result<String> {
+        self.ctx
+            .name()
+            .map_err(|e| device_error("reading the device name", e))
+    }
+
+    /// Seconds `work` takes on the stream, between two CUDA events recorded around it
+    /// (host stalls inside `work` count, as they do in a training step).
+    pub fn timed(&self, work: impl FnOnce() -> Result<()>) -> Result<f64> {
+        let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let start = self
+            .stream
+            .record_event(timing)
+            .map_err(|e| device_error("recording an event", e))?;
+        work()?;
+        let end = self
+            .stream
+            .record_event(timing)
+            .map_err(|e| device_error("recording an event", e))?;
+        let ms = start
+            .elapsed_ms(&end)
+            .map_err(|e| device_error("reading an event's time", e))?;
+        Ok(ms as f64 / 1e3)
+    }
+
+    /// Sets every byte of `buf` to 0 (on the stream).
+    pub fn fill_zeros<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        buf: &mut DeviceBuffer<T>,
+    ) -> Result<()> {
+        self.stream
+            .memset_zeros(&mut buf.slice)
+            .map_err(|e| device_error("cuMemsetD8", e))
+    }
+
     /// The backend's bytes on this device.
     pub fn memory(&self) -> &DeviceMemory {
         &self.memory

@@ -421,6 +421,39 @@ fn gemm(
     .map_err(|e| device_error("cublasGemmEx", e))
 }
 
+/// The whole `[N, V]` f32 logits `hidden · weightᵀ` of `head` into `out` (one cuBLAS
+/// product: the GEMM rate the fused kernels are measured against).
+pub fn head_logits<E: GpuElement>(
+    gpu: &Gpu,
+    head: &GpuHead<E>,
+    ws: &GpuWorkspace,
+    out: &mut DeviceBuffer<f32>,
+) -> Result<()> {
+    let (n, h, v) = (head.tokens, head.hidden_size, head.vocab);
+    if out.len() != n * v {
+        return Err(Error::ShapeMismatch {
+            arg: "logits",
+            shape: format!("[N={n}, V={v}]"),
+            expected: n * v,
+            actual: out.len(),
+        });
+    }
+    gemm(
+        &ws.blas,
+        GemmShape::logits(n, v, h, v),
+        Operand {
+            addr: gpu.addr(&head.weight, 0),
+            dtype: E::BLAS_TYPE,
+        },
+        Operand {
+            addr: gpu.addr(&head.hidden, 0),
+            dtype: E::BLAS_TYPE,
+        },
+        gpu.addr(out, 0),
+        0.0,
+    )
+}
+
 /// What a fused loss needs per row, on the host and the device.
 pub(crate) struct RowInputs<'a> {
     /// Target ids `[N]` (host).

@@ -20,7 +20,8 @@ mod selective_log_softmax;
 pub use ce_linear::{ce_linear_into, ce_linear_planned};
 pub use device::{DeviceBuffer, DeviceMemory, Gpu, GpuElement, driver_present};
 pub use fused_linear::{
-    CUBLAS_WORKSPACE_BYTES, GemmShape, GpuGrads, GpuHead, GpuWorkspace, materialized_plan, plan,
+    CUBLAS_WORKSPACE_BYTES, GemmShape, GpuGrads, GpuHead, GpuWorkspace, head_logits,
+    materialized_plan, plan,
 };
 pub use grpo_linear::{grpo_linear_into, grpo_linear_planned};
 pub use grpo_logits::{grpo_logits_backward, grpo_logits_forward};

@@ -4,6 +4,7 @@
 //! a reference measured in the same run: memory copy bandwidth at logits level, the
 //! plain `[N,H]×[H,V]` GEMM rate at LM-head level.
 
+use super::gradcheck::Device;
 use super::inputs::{GrpoInputs, InputSpec};
 use crate::batch::{LinearInputs, LogitsLayout};
 use crate::config::{GrpoLoss, LossConfig};
@@ -91,8 +92,11 @@ pub struct BenchConfig {
     pub seed: u64,
     /// Fused linear recomputation mode.
     pub mode: Mode,
-    /// Fused linear workspace budget in MiB (includes the GEMM reserve).
+    /// Fused linear workspace budget in MiB (includes the GEMM reserve, or on the GPU
+    /// the cuBLAS workspace).
     pub budget_mib: f64,
+    /// Where the step runs (`cuda`: GPU 0, level `linear`, a build with feature `cuda`).
+    pub device: Device,
     /// The GRPO loss.
     pub grpo: LossConfig,
     /// The cross-entropy loss.
@@ -117,6 +121,7 @@ impl Default for BenchConfig {
             seed: 0,
             mode: Mode::Auto,
             budget_mib: 64.0,
+            device: Device::Cpu,
             grpo: LossConfig::default(),
             ce: CeConfig::default(),
         }
@@ -184,6 +189,10 @@ pub struct BenchResult {
     /// Linear level, fused: the plan that ran.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub plan: Option<Plan>,
+    /// Bytes in use on the device by `cudaMemGetInfo` after the run (device `cuda`:
+    /// the CUDA context, cuBLAS and the backend's buffers together).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub device_used_bytes: Option<usize>,
 }
 
 /// What [`run`] returns: one result per implementation that ran, and notes (e.g. a
@@ -224,6 +233,9 @@ pub fn time_steps(
 
 /// Runs the bench; `progress(label, done, total)` reports long runs.
 pub fn run(cfg: &BenchConfig, progress: &mut dyn FnMut(&str, usize, usize)) -> Result<BenchReport> {
+    if cfg.device == Device::Cuda {
+        return super::gpu_bench::run(cfg, progress);
+    }
     if !memory::is_tracking() {
         return Err(Error::InvalidArgument {
             arg: "bench",
@@ -287,6 +299,7 @@ fn measure(
         gflops_per_s: None,
         gemm_gflops_per_s: None,
         plan: None,
+        device_used_bytes: None,
     })
 }
 
@@ -310,14 +323,14 @@ fn token_inputs(cfg: &BenchConfig) -> GrpoInputs {
     GrpoInputs::random(&spec, cfg.seed)
 }
 
-fn run_linear<E: Element>(
+/// The inputs of a level-`linear` bench: hidden `[N, H]` ~ N(0, 1), weight `[V, H]`
+/// ~ N(0, 4/H) (never zeros), and one sequence's per-token GRPO inputs, on-policy (old
+/// logp unset: ratio 1 keeps the loss meaningful without a logits pass).
+pub(crate) fn linear_inputs<E: Element>(
     cfg: &BenchConfig,
-    progress: &mut dyn FnMut(&str, usize, usize),
-) -> Result<BenchReport> {
-    let loss = GrpoLoss::new(cfg.grpo.clone())?;
-    let ce = CrossEntropy::new(cfg.ce.clone())?;
+    loss: &GrpoLoss,
+) -> (Vec<E>, Vec<E>, GrpoInputs) {
     let (n, h, v) = (cfg.tokens, cfg.hidden, cfg.vocab);
-    let base = memory::in_use();
     let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed);
     let normal = Normal::new(0.0f32, 1.0).expect("valid");
     let w_scale = 2.0 / (h as f32).sqrt();
@@ -327,6 +340,22 @@ fn run_linear<E: Element>(
     let weight: Vec<E> = (0..v * h)
         .map(|_| E::from_f32(normal.sample(&mut rng) * w_scale))
         .collect();
+    let mut tokens = token_inputs(cfg);
+    tokens.logits = Vec::new();
+    tokens.old_logp = None;
+    tokens.ref_logp = tokens.ref_logp.take().filter(|_| loss.config().beta > 0.0);
+    (hidden, weight, tokens)
+}
+
+fn run_linear<E: Element>(
+    cfg: &BenchConfig,
+    progress: &mut dyn FnMut(&str, usize, usize),
+) -> Result<BenchReport> {
+    let loss = GrpoLoss::new(cfg.grpo.clone())?;
+    let ce = CrossEntropy::new(cfg.ce.clone())?;
+    let (n, h, v) = (cfg.tokens, cfg.hidden, cfg.vocab);
+    let base = memory::in_use();
+    let (hidden, weight, tokens) = linear_inputs::<E>(cfg, &loss);
     let inputs = LinearInputs {
         hidden: &hidden,
         weight: &weight,
@@ -335,11 +364,6 @@ fn run_linear<E: Element>(
         hidden_size: h,
         vocab: v,
     };
-    let mut tokens = token_inputs(cfg);
-    tokens.logits = Vec::new();
-    // On-policy old logp (ratio 1) keeps the loss meaningful without a logits pass.
-    tokens.old_logp = None;
-    tokens.ref_logp = tokens.ref_logp.take().filter(|_| loss.config().beta > 0.0);
     let batch = tokens.batch();
     let elem = E::DTYPE.size();
     let per_token_bytes = n * (8 + 1 + 4 * 3) + 4;

@@ -4,6 +4,7 @@
 
 pub mod bench;
 pub mod config_file;
+pub mod gpu_bench;
 pub mod gradcheck;
 pub mod inputs;
 pub mod sharded_bench;
