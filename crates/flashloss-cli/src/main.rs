@@ -66,7 +66,9 @@ enum Command {
         #[arg(long)]
         ranks: Option<usize>,
         /// Engine of sharded runs: `mpi` makes every process of `mpirun -np P` a rank
-        /// (needs a build with feature `mpi`); `in-process` runs `--ranks` threads.
+        /// (needs a build with feature `mpi`); `in-process` runs `--ranks` threads;
+        /// `nccl` runs one rank on GPU 0 whose collectives go through NCCL (needs a
+        /// build with feature `cuda`).
         #[arg(long, value_enum, default_value_t = CollectiveKind::InProcess)]
         collective: CollectiveKind,
     },
@@ -102,6 +104,8 @@ enum CollectiveKind {
     InProcess,
     /// Ranks are the processes of an `mpirun` job.
     Mpi,
+    /// One rank on GPU 0, exchanging through NCCL (a world of one).
+    Nccl,
 }
 
 /// One rank's JSON line; the exit code it asks for (0 pass, 1 fail, 2 error).
@@ -213,6 +217,27 @@ fn gradcheck_mpi(cfg: flashloss::Result<gradcheck::GradcheckConfig>, threads: Op
 #[cfg(not(feature = "mpi"))]
 fn gradcheck_mpi(_: flashloss::Result<gradcheck::GradcheckConfig>, _: Option<usize>) -> u8 {
     eprintln!("error: --collective mpi needs a build with `--features mpi`");
+    2
+}
+
+/// A world of one NCCL rank on GPU 0 runs the sharded gradcheck.
+#[cfg(feature = "cuda")]
+fn gradcheck_nccl(
+    cfg: flashloss::Result<gradcheck::GradcheckConfig>,
+    threads: Option<usize>,
+) -> u8 {
+    let world = flashloss::cuda::Gpu::new(0)
+        .map(std::sync::Arc::new)
+        .and_then(flashloss::collective::Nccl::solo);
+    let result = world.and_then(|world| {
+        cfg.and_then(|cfg| with_threads(threads, || sharded_check::run_on(&cfg, &world)))
+    });
+    print_rank(0, &result)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gradcheck_nccl(_: flashloss::Result<gradcheck::GradcheckConfig>, _: Option<usize>) -> u8 {
+    eprintln!("error: --collective nccl needs a build with `--features cuda`");
     2
 }
 
@@ -392,6 +417,16 @@ fn main() -> ExitCode {
             bench_mpi(cfg, threads, json)
         }
         Command::Bench {
+            collective: CollectiveKind::Nccl,
+            ..
+        } => {
+            eprintln!(
+                "error: bench has no NCCL mode; `--set device=cuda` benchmarks GPU 0, and \
+                 `--collective nccl` belongs to gradcheck"
+            );
+            ExitCode::from(2)
+        }
+        Command::Bench {
             config,
             overrides,
             json,
@@ -454,6 +489,21 @@ fn main() -> ExitCode {
             }
             let cfg = config_file::load::<gradcheck::GradcheckConfig>(&config, &overrides);
             ExitCode::from(gradcheck_mpi(cfg, threads))
+        }
+        Command::Gradcheck {
+            config,
+            overrides,
+            threads,
+            collective: CollectiveKind::Nccl,
+            ranks,
+            ..
+        } => {
+            if ranks.is_some_and(|r| r != 1) {
+                eprintln!("error: --collective nccl runs a world of one rank (GPU 0)");
+                return ExitCode::from(2);
+            }
+            let cfg = config_file::load::<gradcheck::GradcheckConfig>(&config, &overrides);
+            ExitCode::from(gradcheck_nccl(cfg, threads))
         }
         Command::Gradcheck {
             config,
