@@ -271,3 +271,35 @@ fn config_files_reject_unknown_keys_and_wrong_types() {
             .unwrap_or_else(|e| panic!("{file}: {e}"));
     }
 }
+
+/// Gradient buffers of the wrong size, or a bias gradient without a bias, are errors
+/// naming the buffer and the head's shape (the check every backend's fused kernel runs).
+#[test]
+fn gradient_buffers_must_match_the_head() {
+    use flashloss::cpu::LinearGrads;
+    use flashloss::tools::inputs::HeadInputs;
+    let head = HeadInputs::<f32>::random(5, 3, 7, false, 0);
+    let inputs = head.inputs();
+    let good = LinearGrads::zeros(&inputs);
+    assert!(good.check(&inputs).is_ok());
+    let mut short = good.clone();
+    short.dhidden.pop();
+    assert_eq!(
+        short.check(&inputs).unwrap_err().to_string(),
+        "argument `dhidden`: expected 15 elements for shape [N=5, H=3], got 14"
+    );
+    let mut wide = good.clone();
+    wide.dweight.push(0.0);
+    assert_eq!(
+        wide.check(&inputs).unwrap_err().to_string(),
+        "argument `dweight`: expected 21 elements for shape [V=7, H=3], got 22"
+    );
+    let with_bias = LinearGrads {
+        dbias: Some(vec![0.0; 7]),
+        ..good
+    };
+    assert_eq!(
+        with_bias.check(&inputs).unwrap_err().to_string(),
+        "argument `dbias`: must be present exactly when the head has a bias"
+    );
+}

@@ -479,39 +479,46 @@ impl LinearGrads {
 
     /// Checks that the buffers match `inputs`' shapes (and bias presence).
     pub fn check<E>(&self, inputs: &LinearInputs<E>) -> Result<()> {
-        let (n, h, v) = (inputs.tokens, inputs.hidden_size, inputs.vocab);
-        let bad = |arg: &'static str, shape: String, expected: usize, actual: usize| {
-            Err(Error::ShapeMismatch {
-                arg,
-                shape,
-                expected,
-                actual,
-            })
-        };
-        if self.dhidden.len() != n * h {
-            return bad(
-                "dhidden",
-                format!("[N={n}, H={h}]"),
-                n * h,
-                self.dhidden.len(),
-            );
-        }
-        if self.dweight.len() != v * h {
-            return bad(
-                "dweight",
-                format!("[V={v}, H={h}]"),
-                v * h,
-                self.dweight.len(),
-            );
-        }
-        match (&self.dbias, inputs.bias) {
-            (Some(db), Some(_)) if db.len() != v => bad("dbias", format!("[V={v}]"), v, db.len()),
-            (None, Some(_)) | (Some(_), None) => Err(Error::InvalidArgument {
-                arg: "dbias",
-                reason: "must be present exactly when the head has a bias".into(),
-            }),
-            _ => Ok(()),
-        }
+        check_grad_lens(
+            (inputs.tokens, inputs.hidden_size, inputs.vocab),
+            inputs.bias.is_some(),
+            self.dhidden.len(),
+            self.dweight.len(),
+            self.dbias.as_ref().map(Vec::len),
+        )
+    }
+}
+
+/// Checks gradient buffers of `dhidden`, `dweight` and `dbias` elements against a head
+/// of shape `(N, H, V)` (a bias buffer exactly when the head has a bias); any backend's.
+pub(crate) fn check_grad_lens(
+    (n, h, v): (usize, usize, usize),
+    has_bias: bool,
+    dhidden: usize,
+    dweight: usize,
+    dbias: Option<usize>,
+) -> Result<()> {
+    let bad = |arg: &'static str, shape: String, expected: usize, actual: usize| {
+        Err(Error::ShapeMismatch {
+            arg,
+            shape,
+            expected,
+            actual,
+        })
+    };
+    if dhidden != n * h {
+        return bad("dhidden", format!("[N={n}, H={h}]"), n * h, dhidden);
+    }
+    if dweight != v * h {
+        return bad("dweight", format!("[V={v}, H={h}]"), v * h, dweight);
+    }
+    match (dbias, has_bias) {
+        (Some(db), true) if db != v => bad("dbias", format!("[V={v}]"), v, db),
+        (None, true) | (Some(_), false) => Err(Error::InvalidArgument {
+            arg: "dbias",
+            reason: "must be present exactly when the head has a bias".into(),
+        }),
+        _ => Ok(()),
     }
 }
 

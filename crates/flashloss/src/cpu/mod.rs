@@ -25,7 +25,7 @@ pub use fused_linear::{
     FusedOptions, GEMM_SCRATCH_PER_THREAD, LinearGrads, Mode, Plan, Workspace, gemm_reserve_bytes,
 };
 #[cfg(feature = "cuda")]
-pub(crate) use fused_linear::{FusedPasses, GradsOf, RowGrad};
+pub(crate) use fused_linear::{FusedPasses, GradsOf, RowGrad, check_grad_lens};
 pub use grpo_linear::{GrpoLinearOutput, grpo_linear, grpo_linear_into, grpo_linear_with};
 #[cfg(feature = "cuda")]
 pub(crate) use grpo_linear::{check_batch as check_grpo_batch, grpo_fused};

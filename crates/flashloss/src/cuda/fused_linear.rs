@@ -17,6 +17,7 @@ use super::grpo_logits::{KernelLayout, RowCoef, rows_launch};
 use crate::batch::LinearInputs;
 use crate::cpu::{
     FusedOptions, FusedPasses, GradsOf, LinearGrads, Mode, OnlineSoftmax, Plan, RowGrad, RowStats,
+    check_grad_lens,
 };
 use crate::element::DType;
 use crate::error::{Error, Result};
@@ -113,39 +114,13 @@ impl GpuGrads {
 
     /// Checks that the buffers match `head`'s shapes (and bias presence).
     pub fn check<E>(&self, head: &GpuHead<E>) -> Result<()> {
-        let (n, h, v) = (head.tokens, head.hidden_size, head.vocab);
-        let bad = |arg: &'static str, shape: String, expected: usize, actual: usize| {
-            Err(Error::ShapeMismatch {
-                arg,
-                shape,
-                expected,
-                actual,
-            })
-        };
-        if self.dhidden.len() != n * h {
-            return bad(
-                "dhidden",
-                format!("[N={n}, H={h}]"),
-                n * h,
-                self.dhidden.len(),
-            );
-        }
-        if self.dweight.len() != v * h {
-            return bad(
-                "dweight",
-                format!("[V={v}, H={h}]"),
-                v * h,
-                self.dweight.len(),
-            );
-        }
-        match (&self.dbias, &head.bias) {
-            (Some(db), Some(_)) if db.len() != v => bad("dbias", format!("[V={v}]"), v, db.len()),
-            (None, Some(_)) | (Some(_), None) => Err(Error::InvalidArgument {
-                arg: "dbias",
-                reason: "must be present exactly when the head has a bias".into(),
-            }),
-            _ => Ok(()),
-        }
+        check_grad_lens(
+            (head.tokens, head.hidden_size, head.vocab),
+            head.bias.is_some(),
+            self.dhidden.len(),
+            self.dweight.len(),
+            self.dbias.as_ref().map(DeviceBuffer::len),
+        )
     }
 }
 
