@@ -32,6 +32,24 @@ pub enum Mode {
     TwoPass,
 }
 
+impl Mode {
+    /// Whether a plan runs single-pass: as asked, or in auto mode when the loss allows
+    /// it (`allowed`: false for losses that reduce over sequences) and the budget holds
+    /// a useful row block (`rows_useful`, the backend's threshold). Asking for
+    /// single-pass where the loss does not allow it is an error.
+    pub(crate) fn single_pass(self, allowed: bool, rows_useful: bool) -> Result<bool> {
+        match self {
+            Mode::SinglePass if !allowed => Err(Error::InvalidArgument {
+                arg: "mode",
+                reason: "single_pass needs a token-level loss (sequence-level ratios and vespo reduce over whole sequences first); use two_pass or auto".into(),
+            }),
+            Mode::SinglePass => Ok(true),
+            Mode::TwoPass => Ok(false),
+            Mode::Auto => Ok(allowed && rows_useful),
+        }
+    }
+}
+
 /// Options of the fused LM-head kernels.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct FusedOptions {
@@ -148,17 +166,10 @@ pub fn plan(
         rows
     };
     let single_rows = largest(v);
-    let single = match opts.mode {
-        Mode::SinglePass if !single_pass_allowed => {
-            return Err(Error::InvalidArgument {
-                arg: "mode",
-                reason: "single_pass needs a token-level loss (sequence-level ratios and vespo reduce over whole sequences first); use two_pass or auto".into(),
-            });
-        }
-        Mode::SinglePass => true,
-        Mode::TwoPass => false,
-        Mode::Auto => single_pass_allowed && single_rows >= MIN_SINGLE_PASS_ROWS.min(n),
-    };
+    let single = opts.mode.single_pass(
+        single_pass_allowed,
+        single_rows >= MIN_SINGLE_PASS_ROWS.min(n),
+    )?;
     let (rows, cols) = if single {
         (single_rows, v)
     } else {

@@ -16,7 +16,7 @@ use super::device::{DeviceBuffer, Gpu, GpuElement, device_error};
 use super::grpo_logits::{KernelLayout, RowCoef, rows_launch};
 use crate::batch::LinearInputs;
 use crate::cpu::{
-    FusedOptions, FusedPasses, GradsOf, LinearGrads, Mode, OnlineSoftmax, Plan, RowGrad, RowStats,
+    FusedOptions, FusedPasses, GradsOf, LinearGrads, OnlineSoftmax, Plan, RowGrad, RowStats,
     check_grad_lens,
 };
 use crate::element::DType;
@@ -222,17 +222,10 @@ pub fn plan(
     let vocab_tile = v.min(VOCAB_TILE_MAX);
     let largest = |cols: usize| (budget / (cols * per)).min(n).min(MAX_BLOCK_ROWS);
     let single_rows = largest(v);
-    let single = match opts.mode {
-        Mode::SinglePass if !single_pass_allowed => {
-            return Err(Error::InvalidArgument {
-                arg: "mode",
-                reason: "single_pass needs a token-level loss (sequence-level ratios and vespo reduce over whole sequences first); use two_pass or auto".into(),
-            });
-        }
-        Mode::SinglePass => true,
-        Mode::TwoPass => false,
-        Mode::Auto => single_pass_allowed && single_rows >= MIN_SINGLE_PASS_ROWS.min(n),
-    };
+    let single = opts.mode.single_pass(
+        single_pass_allowed,
+        single_rows >= MIN_SINGLE_PASS_ROWS.min(n),
+    )?;
     let (rows, cols) = if single {
         (single_rows, v)
     } else {
