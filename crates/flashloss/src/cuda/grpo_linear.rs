@@ -26,7 +26,6 @@ pub fn grpo_linear_into<E: GpuElement>(
     ws: &mut GpuWorkspace,
     grads: &mut GpuGrads,
 ) -> Result<GrpoLinearOutput> {
-    check_grpo_batch(loss, batch, head.tokens, head.vocab, opts)?;
     let plan = plan(
         head.tokens,
         head.vocab,
