@@ -255,6 +255,18 @@ impl GrpoBatch<'_> {
     }
 }
 
+/// `(N, H, V)` of a head: `[N, H]` hidden states, `[V, H]` weight (V: the entries this
+/// head holds, a shard's `V_r` in a vocab-parallel run).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeadShape {
+    /// N rows.
+    pub tokens: usize,
+    /// H.
+    pub hidden_size: usize,
+    /// V.
+    pub vocab: usize,
+}
+
 /// The LM head's inputs: hidden states `[N, H]`, weight `[V, H]` (one row per vocab
 /// entry) and an optional bias `[V]`, so that `z = hidden · weightᵀ + bias`.
 #[derive(Debug, Clone, Copy)]
@@ -271,6 +283,17 @@ pub struct LinearInputs<'a, E> {
     pub hidden_size: usize,
     /// V.
     pub vocab: usize,
+}
+
+impl<E> LinearInputs<'_, E> {
+    /// `(N, H, V)`.
+    pub fn shape(&self) -> HeadShape {
+        HeadShape {
+            tokens: self.tokens,
+            hidden_size: self.hidden_size,
+            vocab: self.vocab,
+        }
+    }
 }
 
 impl<E: Element> LinearInputs<'_, E> {

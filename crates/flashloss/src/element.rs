@@ -36,6 +36,8 @@ pub trait Element: Copy + Send + Sync + Default + 'static {
     fn as_f32(slice: &[Self]) -> Option<&[f32]>;
     /// The mutable slice itself when the type is f32.
     fn as_f32_mut(slice: &mut [Self]) -> Option<&mut [f32]>;
+    /// The slice itself when the type is bf16.
+    fn as_bf16(slice: &[Self]) -> Option<&[bf16]>;
 }
 
 impl Element for f32 {
@@ -54,6 +56,9 @@ impl Element for f32 {
     fn as_f32_mut(slice: &mut [Self]) -> Option<&mut [f32]> {
         Some(slice)
     }
+    fn as_bf16(_: &[Self]) -> Option<&[bf16]> {
+        None
+    }
 }
 
 impl Element for bf16 {
@@ -71,5 +76,8 @@ impl Element for bf16 {
     }
     fn as_f32_mut(_: &mut [Self]) -> Option<&mut [f32]> {
         None
+    }
+    fn as_bf16(slice: &[Self]) -> Option<&[bf16]> {
+        Some(slice)
     }
 }

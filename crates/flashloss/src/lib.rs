@@ -16,12 +16,15 @@ pub mod cpu;
 pub mod cross_entropy;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod device;
 pub mod element;
 pub mod error;
+pub mod fused;
+pub mod grpo_logits;
 pub mod memory;
 pub mod policy;
 pub mod reference;
-pub mod tools;
+pub mod rows;
 
 pub use batch::{GrpoBatch, LinearInputs, LogitsLayout, PerSeqOrToken};
 pub use config::{GrpoLoss, ImportanceSamplingLevel, LossConfig, LossType};

@@ -3,9 +3,9 @@
 //! log-softmax, softmax and dlogits), then GEMMs for dH and dW. The same for
 //! cross-entropy.
 
-use super::fused_linear::LinearGrads;
+use crate::fused::LinearGrads;
 use super::matmul::{MatRef, matmul};
-use super::selective_log_softmax::check_targets;
+use crate::rows::check_targets;
 use super::unfused_logits::{UnfusedWorkspace, grpo_logits_unfused_into};
 use crate::batch::{GrpoBatch, LinearInputs, LogitsLayout};
 use crate::config::GrpoLoss;

@@ -4,35 +4,16 @@
 //! `dz_ij = (g/T)·[dlogp_i·(1[j=y_i] - p_ij) - dentropy_i·p_ij·(log p_ij + H_i)]`
 //! in the logits' dtype, optionally over the logits themselves. No `[N, V]` temporary.
 
-use super::online_softmax::{RowStats, VOCAB_TILE};
+use super::online_softmax::VOCAB_TILE;
 use super::selective_log_softmax::selective_log_softmax;
 use super::simd;
 use crate::batch::{GrpoBatch, LogitsLayout};
 use crate::config::GrpoLoss;
 use crate::element::Element;
 use crate::error::{Error, Result};
-use crate::policy::{GrpoMetrics, Normalizers, policy_stage};
+use crate::grpo_logits::GrpoLogitsForward;
+use crate::policy::Normalizers;
 use rayon::prelude::*;
-
-/// The forward's outputs, and what the backward needs (O(N) in all).
-#[derive(Debug, Clone)]
-pub struct GrpoLogitsForward {
-    /// The loss `L`.
-    pub loss: f64,
-    /// Batch metrics.
-    pub metrics: GrpoMetrics,
-    /// Per-row `logp`, `lse`, entropy (zeroed where masked).
-    pub stats: Vec<RowStats>,
-    /// Per-token KL as it enters the loss.
-    pub kl: Vec<f32>,
-    /// Per-token clip flags ([`crate::policy::CLIP_LOW`] | [`crate::policy::CLIP_HIGH`]).
-    pub clip: Vec<u8>,
-    dlogp: Vec<f32>,
-    dentropy: Vec<f32>,
-    targets: Vec<i64>,
-    layout: LogitsLayout,
-    temperature: f64,
-}
 
 /// Forward of the GRPO loss on logits `[B, T, V]` laid out as `layout`.
 pub fn grpo_logits_forward<E: Element>(
@@ -66,89 +47,6 @@ pub fn grpo_logits_forward_with<E: Element>(
 }
 
 impl GrpoLogitsForward {
-    /// Checks that the batch matches the layout and is valid for `loss`.
-    pub(crate) fn check_batch(
-        loss: &GrpoLoss,
-        batch: &GrpoBatch,
-        layout: &LogitsLayout,
-    ) -> Result<()> {
-        if (layout.batch, layout.seq_len) != (batch.batch, batch.seq_len) {
-            return Err(Error::InvalidArgument {
-                arg: "logits",
-                reason: format!(
-                    "layout is [B={}, T={}] but the batch is [B={}, T={}]",
-                    layout.batch, layout.seq_len, batch.batch, batch.seq_len
-                ),
-            });
-        }
-        batch.validate(layout.vocab, loss)
-    }
-
-    /// The forward from any backend's per-row statistics: runs the policy stage.
-    pub(crate) fn from_stats(
-        loss: &GrpoLoss,
-        batch: &GrpoBatch,
-        norm: Normalizers,
-        stats: Vec<RowStats>,
-        layout: &LogitsLayout,
-    ) -> Self {
-        let logp: Vec<f32> = stats.iter().map(|s| s.logp).collect();
-        let entropy: Vec<f32> = stats.iter().map(|s| s.entropy).collect();
-        let policy = policy_stage(loss, batch, norm, &logp, &entropy);
-        GrpoLogitsForward {
-            loss: policy.loss,
-            metrics: policy.metrics,
-            stats,
-            kl: policy.kl,
-            clip: policy.clip,
-            dlogp: policy.dlogp,
-            dentropy: policy.dentropy,
-            targets: batch.target_ids.to_vec(),
-            layout: *layout,
-            temperature: loss.config().temperature,
-        }
-    }
-
-    /// Target ids per row.
-    #[cfg(feature = "cuda")]
-    pub(crate) fn targets(&self) -> &[i64] {
-        &self.targets
-    }
-
-    /// The layout of the logits.
-    #[cfg(feature = "cuda")]
-    pub(crate) fn layout(&self) -> &LogitsLayout {
-        &self.layout
-    }
-
-    /// The sampling temperature.
-    #[cfg(feature = "cuda")]
-    pub(crate) fn temperature(&self) -> f64 {
-        self.temperature
-    }
-
-    /// `∂L/∂logp_i` per row.
-    pub fn dlogp(&self) -> &[f32] {
-        &self.dlogp
-    }
-
-    /// `∂L/∂H_i` per row.
-    pub fn dentropy(&self) -> &[f32] {
-        &self.dentropy
-    }
-
-    pub(crate) fn check(&self, logits_len: usize, grad_output: f32) -> Result<()> {
-        self.layout.validate("logits", logits_len)?;
-        if !grad_output.is_finite() {
-            return Err(Error::NonFinite {
-                arg: "grad_output",
-                index: 0,
-                value: grad_output as f64,
-            });
-        }
-        Ok(())
-    }
-
     /// Writes `grad_output · ∂L/∂z` into `dlogits`, a dense `[N, V]` buffer.
     pub fn backward<E: Element>(
         &self,
@@ -204,8 +102,8 @@ impl GrpoLogitsForward {
             return;
         }
         let st = &self.stats[i];
-        let scale = (grad_output as f64 / self.temperature) as f32;
-        let inv_temp = (1.0 / self.temperature) as f32;
+        let scale = self.transform.grad_scale(grad_output as f64) as f32;
+        let inv_temp = self.transform.inv_temp;
         let target = self.targets[i] as usize;
         let grad = simd::SoftmaxGrad {
             max: st.max,

@@ -1,92 +1,20 @@
 //! The logits-level GRPO loss on the GPU: one kernel pass over each row for its
 //! statistics (`row_states`: max, Σexp, entropy accumulator, target logit; one block
-//! per row on a 1-D grid), the O(N) policy stage on the host (the CPU backend's code),
+//! per row on a 1-D grid), the O(N) policy stage on the host ([`crate::grpo_logits`]),
 //! and one kernel pass writing `dz_ij = (g/T)·[dlogp_i·(1[j=y_i] - p_ij) -
 //! dentropy_i·p_ij·(log p_ij + H_i)]` in the logits' dtype, into a dense `[N, V]` buffer
 //! or over the logits. Statistics in f32.
 
 use super::device::{DeviceBuffer, Gpu, GpuElement, device_error};
+use super::launch::{KernelLayout, RowCoef, cols_arg, rows_launch};
 use super::selective_log_softmax::row_stats;
 use crate::batch::{GrpoBatch, LogitsLayout};
 use crate::config::GrpoLoss;
-use crate::cpu::{GrpoLogitsForward, check_row_stats};
 use crate::error::{Error, Result};
+use crate::grpo_logits::GrpoLogitsForward;
 use crate::policy::Normalizers;
-use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg};
-
-/// Threads per block of the row kernels (`BLOCK` in `softmax_rows.cu`).
-const BLOCK: u32 = 256;
-
-/// Row addressing of the kernels (`Layout` in `softmax_rows.cu`).
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct KernelLayout {
-    seq_len: i64,
-    row_stride: i64,
-    seq_stride: i64,
-}
-
-// SAFETY: plain old data with the layout of the kernels' struct.
-unsafe impl DeviceRepr for KernelLayout {}
-
-impl KernelLayout {
-    pub(crate) fn of(layout: &LogitsLayout) -> Self {
-        KernelLayout {
-            seq_len: layout.seq_len.max(1) as i64,
-            row_stride: layout.row_stride as i64,
-            seq_stride: layout.seq_stride as i64,
-        }
-    }
-
-    /// A dense `[rows, ld]` matrix.
-    pub(crate) fn dense(rows: usize, ld: usize) -> Self {
-        KernelLayout {
-            seq_len: rows.max(1) as i64,
-            row_stride: ld as i64,
-            seq_stride: (rows * ld) as i64,
-        }
-    }
-}
-
-/// A row's gradient coefficients (`RowCoef` in `softmax_rows.cu`).
-#[repr(C)]
-#[derive(Debug, Clone, Copy, Default)]
-pub(crate) struct RowCoef {
-    pub(crate) max: f32,
-    pub(crate) log_sum: f32,
-    pub(crate) entropy: f32,
-    pub(crate) coef_p: f32,
-    pub(crate) coef_h: f32,
-    pub(crate) coef_uniform: f32,
-    pub(crate) coef_target: f32,
-    /// Vocabulary id of the target (-1: none).
-    pub(crate) target: i64,
-}
-
-// SAFETY: plain old data with the layout of the kernels' struct.
-unsafe impl DeviceRepr for RowCoef {}
-
-/// One block per row: the launch of `rows` rows (at most 2^31 - 1).
-pub(crate) fn rows_launch(rows: usize) -> Result<LaunchConfig> {
-    if rows > i32::MAX as usize {
-        return Err(Error::InvalidArgument {
-            arg: "logits",
-            reason: format!("{rows} rows exceed the grid limit of {}", i32::MAX),
-        });
-    }
-    Ok(LaunchConfig {
-        grid_dim: (rows as u32, 1, 1),
-        block_dim: (BLOCK, 1, 1),
-        shared_mem_bytes: 0,
-    })
-}
-
-pub(crate) fn cols_arg(vocab: usize) -> Result<i32> {
-    i32::try_from(vocab).map_err(|_| Error::InvalidArgument {
-        arg: "vocab",
-        reason: format!("{vocab} exceeds the kernels' column limit of {}", i32::MAX),
-    })
-}
+use crate::rows::{RowTransform, check_row_stats};
+use cudarc::driver::{DevicePtr, DevicePtrMut, PushKernelArg};
 
 /// Forward of the GRPO loss on device logits `[B, T, V]` laid out as `layout`; the
 /// per-token inputs in `batch` are on the host. Returns what the CPU forward returns.
@@ -105,7 +33,7 @@ pub fn grpo_logits_forward<E: GpuElement>(
         layout,
         batch.target_ids,
         batch.mask,
-        (1.0 / loss.config().temperature) as f32,
+        RowTransform::grpo(loss).inv_temp,
     )?;
     check_row_stats(&stats, |i| batch.mask[i], batch.target_ids, batch.seq_len)?;
     Ok(GrpoLogitsForward::from_stats(
@@ -127,7 +55,7 @@ pub fn grpo_logits_backward<E: GpuElement>(
     dlogits: Option<&mut DeviceBuffer<E>>,
 ) -> Result<()> {
     fwd.check(logits.len(), grad_output)?;
-    let layout = fwd.layout();
+    let layout = &fwd.layout;
     let (n, v) = (layout.rows(), layout.vocab);
     if let Some(d) = &dlogits
         && d.len() != n * v
@@ -142,8 +70,8 @@ pub fn grpo_logits_backward<E: GpuElement>(
     if n == 0 {
         return Ok(());
     }
-    let scale = (grad_output as f64 / fwd.temperature()) as f32;
-    let inv_temp = (1.0 / fwd.temperature()) as f32;
+    let scale = fwd.transform.grad_scale(grad_output as f64) as f32;
+    let inv_temp = fwd.transform.inv_temp;
     let coefs: Vec<RowCoef> = (0..n)
         .map(|i| {
             let (st, dlogp, dentropy) = (&fwd.stats[i], fwd.dlogp()[i], fwd.dentropy()[i]);
@@ -155,7 +83,7 @@ pub fn grpo_logits_backward<E: GpuElement>(
                 coef_h: -scale * dentropy,
                 coef_uniform: 0.0,
                 coef_target: scale * dlogp,
-                target: fwd.targets()[i],
+                target: fwd.targets[i],
             }
         })
         .collect();

@@ -4,9 +4,9 @@
 //! logits-level GRPO kernel.
 
 use super::device::{DeviceBuffer, Gpu, GpuElement, device_error};
-use super::grpo_logits::{KernelLayout, cols_arg, rows_launch};
+use super::launch::{KernelLayout, cols_arg, rows_launch};
 use crate::batch::LogitsLayout;
-use crate::cpu::{OnlineSoftmax, RowStats, check_row_stats, check_targets};
+use crate::rows::{OnlineSoftmax, RowStats, RowTransform, check_row_stats, check_targets};
 use crate::error::Result;
 use cudarc::driver::PushKernelArg;
 
@@ -78,7 +78,7 @@ pub(crate) fn row_stats<E: GpuElement>(
 
 /// Per-row statistics of device `logits / temperature` (`[B, T, V]` laid out as
 /// `layout`) at `target_ids` `[B, T]` (host); rows where `mask` is false are skipped
-/// and get zeroed [`RowStats`]. What [`crate::cpu::selective_log_softmax`] returns.
+/// and get zeroed [`RowStats`]. What the CPU's `selective_log_softmax` returns.
 pub fn selective_log_softmax<E: GpuElement>(
     gpu: &Gpu,
     logits: &DeviceBuffer<E>,
@@ -104,7 +104,7 @@ pub fn selective_log_softmax<E: GpuElement>(
         layout,
         target_ids,
         &live,
-        (1.0 / temperature) as f32,
+        RowTransform::with_temperature(temperature).inv_temp,
     )?;
     check_row_stats(&stats, |i| live[i], target_ids, layout.seq_len)?;
     Ok(stats)

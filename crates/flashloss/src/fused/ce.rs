@@ -1,17 +1,16 @@
-//! Fused linear cross-entropy: the loss of `shared/spec/losses.md` ("Cross-entropy")
-//! and its gradients w.r.t. hidden states, LM-head weight and bias, straight from
-//! `[N, H]` and `[V, H]`, never holding `[N, V]`. A token-level loss, so single-pass
-//! (6NHV) whenever the budget holds a useful row block.
+//! Fused linear cross-entropy on any backend's [`Head`]: the loss of
+//! `docs/spec/losses.md` ("Cross-entropy": ignore_index, label smoothing, z-loss,
+//! soft-cap, reductions) and its gradients w.r.t. hidden states, LM-head weight and
+//! bias, straight from `[N, H]` and `[V, H]`, never holding `[N, V]`. A token-level
+//! loss, so single-pass (6NHV) whenever the plan holds a useful row block. Per row,
+//! `∂ℓ/∂s_j = (1 + 2λ_z·lse)·p_j - (1-ε)·[j = y] - ε/V`.
 
-use super::fused_linear::{
-    CpuPasses, FusedOptions, FusedPasses, LinearGrads, Plan, Problem, RowGrad, Workspace, plan,
-};
-use super::online_softmax::RowStats;
-use super::selective_log_softmax::{check_row_stats, check_targets};
-use crate::batch::LinearInputs;
+use super::passes::{Head, LinearGrads, RowGrad};
+use super::plan::{FusedOptions, Plan};
+use super::two_pass::{VocabSplit, grads_pass, stats_pass};
 use crate::cross_entropy::CrossEntropy;
-use crate::element::Element;
 use crate::error::{Error, Result};
+use crate::rows::{RowInputs, RowStats, RowTransform, check_row_stats, check_targets};
 
 /// Loss, per-row outputs and the LM head's gradients.
 #[derive(Debug, Clone)]
@@ -27,103 +26,63 @@ pub struct CeLinearOutput {
     pub row_loss: Vec<f32>,
     /// Per-row `logp`, `lse`, entropy of the scaled logits (zeroed where ignored).
     pub stats: Vec<RowStats>,
-    /// `grad_output ·` the gradients (empty from [`ce_linear_into`]).
+    /// `grad_output ·` the gradients, where the entry point returns them in host
+    /// memory (empty when they went into the head's buffers).
     pub grads: LinearGrads,
     /// The plan that ran.
     pub plan: Plan,
 }
 
-/// The cross-entropy of `hidden · weightᵀ + bias` at `targets` `[N]`, with its
-/// gradients, within `opts.budget_bytes` of workspace. Reduction `none` takes unit
-/// upstream gradients per row (see [`ce_linear_into`] for others).
-pub fn ce_linear<E: Element>(
-    ce: &CrossEntropy,
-    targets: &[i64],
-    inputs: &LinearInputs<E>,
-    opts: &FusedOptions,
-) -> Result<CeLinearOutput> {
-    let mut grads = LinearGrads::zeros(inputs);
-    let step = ce_linear_into(
-        ce,
-        targets,
-        None,
-        inputs,
-        opts,
-        &mut Workspace::new(),
-        &mut grads,
-    )?;
-    Ok(CeLinearOutput { grads, ..step })
-}
-
-/// The fused step that adds its gradients into caller-owned `grads` and reuses `ws`.
+/// The cross-entropy of `head`'s logits `hidden · weightᵀ + bias` at `targets` `[N]`,
+/// its gradients added into the head's buffers, within `opts.budget_bytes`.
 /// `grad_rows` `[N]` (reduction `none` only) is the upstream gradient of each row's
-/// loss; unset means ones. The returned output's `grads` is empty.
-pub fn ce_linear_into<E: Element>(
+/// loss; unset means ones.
+pub fn ce_linear(
+    head: &mut dyn Head,
     ce: &CrossEntropy,
     targets: &[i64],
     grad_rows: Option<&[f32]>,
-    inputs: &LinearInputs<E>,
     opts: &FusedOptions,
-    ws: &mut Workspace,
-    grads: &mut LinearGrads,
 ) -> Result<CeLinearOutput> {
-    inputs.validate()?;
-    grads.check(inputs)?;
+    head.validate()?;
+    let shape = head.shape();
     let rows = CeRows::new(
         ce,
         targets,
-        inputs.tokens,
-        inputs.vocab,
+        shape.tokens,
+        shape.vocab,
         opts.grad_output,
         grad_rows,
     )?;
-    ce_rows_into(&rows, inputs, opts, ws, grads)
+    let plan = head.plan(opts, true)?;
+    ce_linear_checked(head, &rows, plan, None)
 }
 
-/// The fused CE of `rows` on a whole head: single-pass or two-pass as planned.
-pub(crate) fn ce_rows_into<E: Element>(
+/// The fused CE of checked `rows` with `plan`; in a vocab-parallel run, `split` merges
+/// the statistics of the head's shard with the other shards'.
+pub(crate) fn ce_linear_checked(
+    head: &mut dyn Head,
     rows: &CeRows,
-    inputs: &LinearInputs<E>,
-    opts: &FusedOptions,
-    ws: &mut Workspace,
-    grads: &mut LinearGrads,
+    plan: Plan,
+    split: Option<&VocabSplit>,
 ) -> Result<CeLinearOutput> {
-    let widen = E::as_f32(inputs.weight).is_none();
-    let plan = plan(
-        inputs.tokens,
-        inputs.hidden_size,
-        inputs.vocab,
-        widen,
-        opts,
-        true,
-    )?;
-    ce_fused(
-        rows,
-        &mut CpuPasses {
-            problem: rows.problem(inputs),
-            plan,
-            ws,
-            out: grads,
-        },
-    )
-}
-
-/// The fused CE of `rows` on any backend's passes, single-pass or two-pass as planned.
-pub(crate) fn ce_fused(rows: &CeRows, passes: &mut impl FusedPasses) -> Result<CeLinearOutput> {
-    let plan = passes.plan();
+    let vocab = head.shape().vocab;
+    let local_targets = split.map(|s| s.local_targets(rows.targets));
+    let inputs = rows.inputs(local_targets.as_deref().unwrap_or(rows.targets));
+    let mut passes = head.passes(inputs, plan)?;
     let stats = if plan.single_pass {
-        let mut grads_of = |range: std::ops::Range<usize>, stats: &[RowStats]| {
+        passes.single_pass(&mut |range, stats: &[RowStats]| {
             range.map(|i| rows.row_grad(i, &stats[i])).collect()
-        };
-        passes.single_pass(&mut grads_of)?
+        })?
     } else {
-        let stats = passes.row_stats()?;
+        let stats = stats_pass(passes.as_mut(), &inputs, vocab, split)?;
         let all: Vec<RowGrad> = (0..stats.len())
             .map(|i| rows.row_grad(i, &stats[i]))
             .collect();
-        passes.accumulate_grads(&all)?;
+        grads_pass(passes.as_mut(), all, split)?;
         stats
     };
+    drop(passes);
     rows.output(stats, plan)
 }
 
@@ -133,6 +92,7 @@ pub(crate) struct CeRows<'a> {
     ce: &'a CrossEntropy,
     targets: &'a [i64],
     live: Vec<bool>,
+    transform: RowTransform,
     /// Rows that count (over all ranks in a token-parallel run).
     pub(crate) count: usize,
     weight: f64,
@@ -175,6 +135,7 @@ impl<'a> CeRows<'a> {
             ce,
             targets,
             live,
+            transform: RowTransform::ce(ce),
             count,
             weight: ce.row_weight(count),
             grad_output,
@@ -183,41 +144,13 @@ impl<'a> CeRows<'a> {
         })
     }
 
-    /// Target ids `[N]`.
-    #[cfg(feature = "cuda")]
-    pub(crate) fn targets(&self) -> &[i64] {
-        self.targets
-    }
-
-    /// Rows that count `[N]`.
-    #[cfg(feature = "cuda")]
-    pub(crate) fn live(&self) -> &[bool] {
-        &self.live
-    }
-
-    /// The fused problem of these rows on a whole head.
-    pub(crate) fn problem<'p, E: Element>(
-        &'p self,
-        inputs: &'p LinearInputs<'p, E>,
-    ) -> Problem<'p, E> {
-        self.problem_on(inputs, self.targets)
-    }
-
-    /// The fused problem on `inputs` (a whole head, or a vocabulary shard with
-    /// `targets` as shard-local ids, -1 where another shard owns the target).
-    pub(crate) fn problem_on<'p, E: Element>(
-        &'p self,
-        inputs: &'p LinearInputs<'p, E>,
-        targets: &'p [i64],
-    ) -> Problem<'p, E> {
-        let c = self.ce.config();
-        Problem {
-            inputs,
+    /// The pass inputs of these rows: `targets` as the head's ids (shard-local in a
+    /// vocab-parallel run).
+    fn inputs<'p>(&'p self, targets: &'p [i64]) -> RowInputs<'p> {
+        RowInputs {
             targets,
             live: &self.live,
-            inv_temp: (1.0 / c.temperature) as f32,
-            softcap: c.softcap.map(|x| x as f32),
-            mean_logit: c.label_smoothing > 0.0,
+            transform: self.transform,
         }
     }
 
@@ -243,7 +176,9 @@ impl<'a> CeRows<'a> {
             return RowGrad::default();
         }
         let c = self.ce.config();
-        let scale = self.row_weight(i) * self.grad_output as f64 / c.temperature;
+        let scale = self
+            .transform
+            .grad_scale(self.row_weight(i) * self.grad_output as f64);
         let eps = c.label_smoothing;
         RowGrad {
             stats: *st,

@@ -1,0 +1,344 @@
+//! The fused LM-head passes on the CPU: logits exist only as a
+//! `[block_rows, vocab_tile]` tile (two-pass) or a `[block_rows, V]` block
+//! (single-pass) in a [`Workspace`] sized from the memory budget, less `gemm`'s
+//! packing buffers. [`HostHead`] is the CPU's [`Head`]: inputs and gradients in host
+//! memory.
+
+use super::tiles::{
+    Workspace, accumulate_tile, grad_tile, logits_tile, merge_tile_stats, rows_f32,
+};
+use crate::batch::{HeadShape, LinearInputs};
+use crate::collective::Collective;
+use crate::element::Element;
+use crate::error::Result;
+use crate::fused::{
+    FusedOptions, FusedPasses, GradPart, GradsOf, Head, LinearGrads, Plan, PlanLimits, RowGrad,
+    plan_blocks, tile_budget,
+};
+use crate::rows::{PartialStats, RowInputs, RowStats};
+use std::ops::Range;
+
+/// Packing buffers the `gemm` crate allocates per thread (measured: up to ~1.5 MiB; kept
+/// with a margin). The budget covers them for one thread per core of the machine, so
+/// they are reserved first; the plan then does not depend on the thread pool's size
+/// (results are bitwise identical for any thread count). A pool with more threads than
+/// cores adds this much per extra thread beyond the budget.
+pub const GEMM_SCRATCH_PER_THREAD: usize = 2 << 20;
+
+/// The GEMM reserve of this machine: [`GEMM_SCRATCH_PER_THREAD`] per core, plus one for
+/// the calling thread (which packs too when it is not a pool worker).
+pub fn gemm_reserve_bytes() -> usize {
+    GEMM_SCRATCH_PER_THREAD * (std::thread::available_parallelism().map_or(1, |c| c.get()) + 1)
+}
+
+/// Single-pass blocks with fewer rows than this make poor GEMMs (measured: 100-row
+/// blocks reach 47-58% of the GEMM rate, 512-row two-pass tiles 88%); auto mode then
+/// chooses two-pass.
+const MIN_SINGLE_PASS_ROWS: usize = 256;
+/// Widest vocabulary tile of one GEMM call.
+const VOCAB_TILE_MAX: usize = 2048;
+/// Largest row block (beyond it GEMMs gain nothing and the workspace grows).
+const MAX_BLOCK_ROWS: usize = 512;
+
+/// The CPU's plan for a head of `n × h × v`: the largest blocks whose workspace fits
+/// the budget less the GEMM reserve. `widen`: bf16 inputs, widened a tile at a time.
+pub fn plan(
+    n: usize,
+    h: usize,
+    v: usize,
+    widen: bool,
+    opts: &FusedOptions,
+    single_pass_allowed: bool,
+) -> Result<Plan> {
+    let reserve = gemm_reserve_bytes();
+    let mut limits = PlanLimits {
+        reserve_bytes: reserve,
+        reserve_name: format!(
+            "the GEMM packing reserve of {reserve} bytes ({GEMM_SCRATCH_PER_THREAD} per core and one more)"
+        ),
+        vocab_tile: v.min(VOCAB_TILE_MAX),
+        max_block_rows: MAX_BLOCK_ROWS,
+        min_single_pass_rows: MIN_SINGLE_PASS_ROWS,
+        extra_name: if widen { " and a widened weight tile" } else { "" },
+    };
+    // Every GEMM runs on one vocabulary tile: `gemm` packs a whole `kc × vocab_tile`
+    // panel for dW, so the tile bounds its packing too. A widened bf16 weight tile holds
+    // vocab_tile × H f32; keep it within a quarter of the budget.
+    let budget = tile_budget(opts, &limits)?;
+    while widen && limits.vocab_tile > 64 && limits.vocab_tile * h * 4 > budget / 4 {
+        limits.vocab_tile /= 2;
+    }
+    let vocab_tile = limits.vocab_tile;
+    let widened = |rows: usize| if widen { (vocab_tile + rows) * h * 4 } else { 0 };
+    plan_blocks(
+        n,
+        v,
+        &limits,
+        |rows, cols| rows * cols * 4 + widened(rows),
+        opts,
+        single_pass_allowed,
+    )
+}
+
+/// Inputs of a fused LM-head pass on the CPU.
+struct Problem<'a, E> {
+    inputs: &'a LinearInputs<'a, E>,
+    rows: RowInputs<'a>,
+}
+
+impl<E: Element> Problem<'_, E> {
+    fn bias_f32(&self) -> Option<Vec<f32>> {
+        self.inputs
+            .bias
+            .map(|b| b.iter().map(|x| x.to_f32()).collect())
+    }
+
+    fn vocab_tiles(&self, vt: usize) -> impl Iterator<Item = Range<usize>> + use<E> {
+        let v = self.inputs.vocab;
+        (0..v).step_by(vt).map(move |s| s..(s + vt).min(v))
+    }
+
+    fn row_blocks(&self, nb: usize) -> impl Iterator<Item = Range<usize>> + use<E> {
+        let n = self.inputs.tokens;
+        (0..n).step_by(nb).map(move |s| s..(s + nb).min(n))
+    }
+}
+
+/// One recomputed logits tile: rows `rows` × vocabulary entries `vocab`, dense
+/// `[rows, vocab]` in `z`, with the f32 hidden rows and weight rows it came from.
+struct Tile<'t> {
+    rows: Range<usize>,
+    vocab: Range<usize>,
+    z: &'t mut [f32],
+    hidden: &'t [f32],
+    weight: &'t [f32],
+}
+
+/// Forms every `[block_rows, vocab_tile]` logits tile in the workspace and hands it to
+/// `each`; row blocks for which `skip` is true are not computed.
+fn for_each_tile<E: Element>(
+    p: &Problem<E>,
+    plan: &Plan,
+    ws: &mut Workspace,
+    skip: impl Fn(&Range<usize>) -> bool,
+    mut each: impl FnMut(Tile),
+) {
+    let h = p.inputs.hidden_size;
+    let bias = p.bias_f32();
+    let scratch = ws.prepare(plan.block_rows, plan.vocab_tile);
+    for rows in p.row_blocks(plan.block_rows).filter(|r| !skip(r)) {
+        let hid = rows_f32(p.inputs.hidden, h, rows.clone(), &mut scratch.hidden);
+        for vocab in p.vocab_tiles(plan.vocab_tile) {
+            let w = rows_f32(p.inputs.weight, h, vocab.clone(), &mut scratch.weight);
+            let z = &mut scratch.logits[..rows.len() * vocab.len()];
+            logits_tile(
+                z,
+                vocab.len(),
+                &hid,
+                &w,
+                bias.as_ref().map(|b| &b[vocab.clone()]),
+                p.rows.transform.softcap,
+                rows.len(),
+                h,
+                vocab.len(),
+            );
+            each(Tile {
+                rows: rows.clone(),
+                vocab,
+                z,
+                hidden: &hid,
+                weight: &w,
+            });
+        }
+    }
+}
+
+/// Pass A over the vocabulary the problem holds: every live row's partial state.
+fn row_states<E: Element>(p: &Problem<E>, plan: &Plan, ws: &mut Workspace) -> PartialStats {
+    let mut out = PartialStats::empty(p.inputs.tokens, p.rows.transform.inv_temp);
+    for_each_tile(
+        p,
+        plan,
+        ws,
+        |_| false,
+        |t| {
+            merge_tile_stats(
+                &p.rows,
+                t.z,
+                t.vocab.len(),
+                t.rows.clone(),
+                &t.vocab,
+                &mut out.states[t.rows.clone()],
+                &mut out.target_logits[t.rows.clone()],
+                &mut out.sums[t.rows.clone()],
+            );
+        },
+    );
+    out
+}
+
+/// Pass B: recomputes every tile, turns it into `dZ` with `grads` (one per row) and
+/// adds the LM head's gradients into `out`.
+fn accumulate_grads<E: Element>(
+    p: &Problem<E>,
+    plan: &Plan,
+    grads: &[RowGrad],
+    ws: &mut Workspace,
+    out: &mut LinearGrads,
+) {
+    let h = p.inputs.hidden_size;
+    let t = &p.rows.transform;
+    let no_gradient = |rows: &Range<usize>| rows.clone().all(|i| grads[i].is_zero());
+    for_each_tile(p, plan, ws, no_gradient, |tile| {
+        let ld = tile.vocab.len();
+        let rows = &grads[tile.rows.clone()];
+        grad_tile(tile.z, ld, &tile.vocab, rows, t.inv_temp, t.inv_cap());
+        accumulate_tile(
+            out,
+            tile.z,
+            ld,
+            tile.hidden,
+            tile.weight,
+            &tile.rows,
+            &tile.vocab,
+            h,
+        );
+    });
+}
+
+/// Single pass: per row block, all its logits (tile by tile into a `[rows, V]` block),
+/// its statistics, then `grads_of(rows, stats)` gives the block's [`RowGrad`]s, and the
+/// gradients are added into `out` from the block still in memory.
+fn single_pass<E: Element>(
+    p: &Problem<E>,
+    plan: &Plan,
+    grads_of: &mut GradsOf,
+    ws: &mut Workspace,
+    out: &mut LinearGrads,
+) -> Vec<RowStats> {
+    let (n, h, v) = (p.inputs.tokens, p.inputs.hidden_size, p.inputs.vocab);
+    let (vt, t) = (plan.vocab_tile, &p.rows.transform);
+    let bias = p.bias_f32();
+    let scratch = ws.prepare(plan.block_rows, v);
+    let mut stats = vec![RowStats::default(); n];
+    for rows in p.row_blocks(plan.block_rows) {
+        let nb = rows.len();
+        let hid = rows_f32(p.inputs.hidden, h, rows.clone(), &mut scratch.hidden);
+        let block = &mut scratch.logits[..nb * v];
+        let mut part = PartialStats::empty(nb, t.inv_temp);
+        for vocab in p.vocab_tiles(vt) {
+            let w = rows_f32(p.inputs.weight, h, vocab.clone(), &mut scratch.weight);
+            let z = &mut block[vocab.start..];
+            let bias = bias.as_ref().map(|b| &b[vocab.clone()]);
+            logits_tile(z, v, &hid, &w, bias, t.softcap, nb, h, vocab.len());
+            merge_tile_stats(
+                &p.rows,
+                z,
+                v,
+                rows.clone(),
+                &vocab,
+                &mut part.states,
+                &mut part.target_logits,
+                &mut part.sums,
+            );
+        }
+        for (r, i) in rows.clone().enumerate() {
+            stats[i] = part.finish_row(r, i, &p.rows, v);
+        }
+        let grads = grads_of(rows.clone(), &stats);
+        grad_tile(block, v, &(0..v), &grads, t.inv_temp, t.inv_cap());
+        for vocab in p.vocab_tiles(vt) {
+            let w = rows_f32(p.inputs.weight, h, vocab.clone(), &mut scratch.weight);
+            accumulate_tile(out, &block[vocab.start..], v, &hid, &w, &rows, &vocab, h);
+        }
+    }
+    stats
+}
+
+/// The CPU's [`FusedPasses`].
+struct CpuPasses<'a, E> {
+    problem: Problem<'a, E>,
+    plan: Plan,
+    ws: &'a mut Workspace,
+    out: &'a mut LinearGrads,
+}
+
+impl<E: Element> FusedPasses for CpuPasses<'_, E> {
+    fn plan(&self) -> Plan {
+        self.plan
+    }
+
+    fn row_states(&mut self) -> Result<PartialStats> {
+        Ok(row_states(&self.problem, &self.plan, self.ws))
+    }
+
+    fn accumulate_grads(&mut self, grads: &[RowGrad]) -> Result<()> {
+        accumulate_grads(&self.problem, &self.plan, grads, self.ws, self.out);
+        Ok(())
+    }
+
+    fn single_pass(&mut self, grads_of: &mut GradsOf) -> Result<Vec<RowStats>> {
+        Ok(single_pass(
+            &self.problem,
+            &self.plan,
+            grads_of,
+            self.ws,
+            self.out,
+        ))
+    }
+}
+
+/// An LM head in host memory with its gradients (added into, in f32) and a workspace
+/// kept across steps, as a training loop does (fresh memory costs page faults).
+pub struct HostHead<'a, E> {
+    /// Hidden states, weight, bias.
+    pub inputs: &'a LinearInputs<'a, E>,
+    /// Tiles and widened blocks.
+    pub ws: &'a mut Workspace,
+    /// Where the gradients are added.
+    pub grads: &'a mut LinearGrads,
+}
+
+impl<E: Element> Head for HostHead<'_, E> {
+    fn shape(&self) -> HeadShape {
+        self.inputs.shape()
+    }
+
+    fn validate(&self) -> Result<()> {
+        self.inputs.validate()?;
+        self.grads.check(self.inputs)
+    }
+
+    fn plan(&self, opts: &FusedOptions, single_pass_allowed: bool) -> Result<Plan> {
+        let s = self.shape();
+        let widen = E::as_f32(self.inputs.weight).is_none();
+        plan(
+            s.tokens,
+            s.hidden_size,
+            s.vocab,
+            widen,
+            opts,
+            single_pass_allowed,
+        )
+    }
+
+    fn passes<'s>(
+        &'s mut self,
+        rows: RowInputs<'s>,
+        plan: Plan,
+    ) -> Result<Box<dyn FusedPasses + 's>> {
+        Ok(Box::new(CpuPasses {
+            problem: Problem {
+                inputs: self.inputs,
+                rows,
+            },
+            plan,
+            ws: &mut *self.ws,
+            out: &mut *self.grads,
+        }))
+    }
+
+    fn all_reduce(&mut self, comm: &dyn Collective, part: GradPart) -> Result<()> {
+        self.grads.all_reduce(comm, part)
+    }
+}

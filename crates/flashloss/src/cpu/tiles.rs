@@ -1,0 +1,222 @@
+//! The CPU's tile kernels of the fused LM-head passes: a logits tile
+//! `z = softcap(H[rows]·W[vocab]ᵀ + bias)` through `gemm`, its softmax states merged
+//! into each row's, the tile turned into `dZ` in place, and its products
+//! `dH += dZ·W`, `dW += dZᵀ·H`, `dbias += Σ_rows dZ`. bf16 hidden states and weights
+//! are widened one block or tile at a time into the [`Workspace`], never whole.
+
+use super::matmul::{MatRef, matmul};
+use super::online_softmax::tile_state;
+use super::simd;
+use crate::element::Element;
+use crate::fused::{LinearGrads, RowGrad};
+use crate::rows::{OnlineSoftmax, RowInputs};
+use rayon::prelude::*;
+use std::borrow::Cow;
+use std::ops::Range;
+
+/// Rows `rows` of `m` (row-major `[*, cols]`) as f32: borrowed for f32, widened into
+/// `buf` otherwise.
+pub(crate) fn rows_f32<'a, E: Element>(
+    m: &'a [E],
+    cols: usize,
+    rows: Range<usize>,
+    buf: &'a mut Vec<f32>,
+) -> Cow<'a, [f32]> {
+    let src = &m[rows.start * cols..rows.end * cols];
+    match E::as_f32(src) {
+        Some(s) => Cow::Borrowed(s),
+        None => {
+            buf.resize(src.len(), 0.0);
+            simd::load(src, buf);
+            Cow::Borrowed(&buf[..])
+        }
+    }
+}
+
+/// Reusable workspace of the fused LM-head kernels (logit tiles, widened bf16 blocks).
+/// Keeping one across steps, as a training loop does, saves the page faults of fresh
+/// memory on every call; its size is what the plan chose within the budget.
+#[derive(Debug, Default)]
+pub struct Workspace {
+    pub(crate) logits: Vec<f32>,
+    pub(crate) hidden: Vec<f32>,
+    pub(crate) weight: Vec<f32>,
+}
+
+impl Workspace {
+    /// An empty workspace (buffers grow on first use).
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        4 * (self.logits.capacity() + self.hidden.capacity() + self.weight.capacity())
+    }
+
+    /// Sizes the logits buffer for `rows × cols` (a fresh buffer when it changes).
+    pub(crate) fn prepare(&mut self, rows: usize, cols: usize) -> &mut Self {
+        let need = rows * cols;
+        if self.logits.len() != need {
+            self.logits = Vec::new();
+            self.logits.resize(need, 0.0);
+        }
+        self
+    }
+}
+
+/// `z[rows, 0..vt]` (row stride `ld`) = `softcap(hidden[rows] · weight[vocab]ᵀ + bias[vocab])`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn logits_tile(
+    z: &mut [f32],
+    ld: usize,
+    hidden: &[f32],
+    weight: &[f32],
+    bias: Option<&[f32]>,
+    softcap: Option<f32>,
+    rows: usize,
+    h: usize,
+    vt: usize,
+) {
+    matmul(
+        z,
+        ld,
+        MatRef::row_major(hidden, rows, h),
+        MatRef::row_major(weight, vt, h).t(),
+        false,
+    );
+    if bias.is_some() || softcap.is_some() {
+        z.par_chunks_mut(ld).take(rows).for_each(|row| {
+            let row = &mut row[..vt];
+            if let Some(b) = bias {
+                row.iter_mut().zip(b).for_each(|(x, c)| *x += c);
+            }
+            if let Some(cap) = softcap {
+                simd::softcap(row, cap);
+            }
+        });
+    }
+}
+
+/// Merges the statistics of a `[rows, cols]` tile (row stride `ld`) whose columns are
+/// vocabulary entries `vocab`, captures target logits that fall in it and, if the
+/// rows want mean logits, adds each row's sum into `sums`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn merge_tile_stats(
+    p: &RowInputs,
+    z: &[f32],
+    ld: usize,
+    rows: Range<usize>,
+    vocab: &Range<usize>,
+    states: &mut [OnlineSoftmax],
+    target_logits: &mut [f32],
+    sums: &mut [f64],
+) {
+    let cols = vocab.len();
+    z.par_chunks(ld)
+        .zip(states.par_iter_mut())
+        .zip(target_logits.par_iter_mut())
+        .zip(sums.par_iter_mut())
+        .enumerate()
+        .take(rows.len())
+        .for_each(|(r, (((row, state), target_logit), sum))| {
+            let i = rows.start + r;
+            if !p.live[i] {
+                return;
+            }
+            let row = &row[..cols];
+            state.merge(tile_state(row, p.transform.inv_temp));
+            if p.transform.mean_logit {
+                *sum += simd::sum(row);
+            }
+            let y = p.targets[i];
+            if y >= 0 && vocab.contains(&(y as usize)) {
+                *target_logit = row[y as usize - vocab.start];
+            }
+        });
+}
+
+/// Turns a `[rows, cols]` tile of logits (row stride `ld`, vocabulary entries `vocab`)
+/// into `dZ` in place; `inv_cap` is `1/cap` of the soft-cap the logits went through
+/// (0: none).
+pub(crate) fn grad_tile(
+    z: &mut [f32],
+    ld: usize,
+    vocab: &Range<usize>,
+    grads: &[RowGrad],
+    inv_temp: f32,
+    inv_cap: f32,
+) {
+    let cols = vocab.len();
+    z.par_chunks_mut(ld)
+        .zip(grads.par_iter())
+        .for_each(|(row, g)| {
+            let row = &mut row[..cols];
+            if g.is_zero() {
+                row.fill(0.0);
+                return;
+            }
+            let target = vocab.contains(&g.target).then(|| g.target - vocab.start);
+            let target_slope = target.map(|t| simd::softcap_slope(row[t], inv_cap));
+            simd::softmax_grad(
+                row,
+                &simd::SoftmaxGrad {
+                    max: g.stats.max,
+                    scale: inv_temp,
+                    log_sum: g.stats.log_sum,
+                    coef_p: g.coef_p,
+                    coef_h: g.coef_h,
+                    entropy: g.stats.entropy,
+                    uniform: g.coef_uniform,
+                    inv_cap,
+                },
+            );
+            if let (Some(t), Some(slope)) = (target, target_slope) {
+                row[t] += g.coef_target * slope;
+            }
+        });
+}
+
+/// `dH[rows] += dZ·W[vocab]`, `dW[vocab] += dZᵀ·H[rows]`, `dbias[vocab] += Σ_rows dZ`
+/// for one `[rows, cols]` gradient tile `dz` (row stride `ld`).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn accumulate_tile(
+    grads: &mut LinearGrads,
+    dz: &[f32],
+    ld: usize,
+    hidden: &[f32],
+    weight: &[f32],
+    rows: &Range<usize>,
+    vocab: &Range<usize>,
+    h: usize,
+) {
+    let (nb, vt) = (rows.len(), vocab.len());
+    let dz_view = MatRef {
+        data: dz,
+        rows: nb,
+        cols: vt,
+        row_stride: ld,
+        col_stride: 1,
+    };
+    matmul(
+        &mut grads.dhidden[rows.start * h..rows.end * h],
+        h,
+        dz_view,
+        MatRef::row_major(weight, vt, h),
+        true,
+    );
+    matmul(
+        &mut grads.dweight[vocab.start * h..vocab.end * h],
+        h,
+        dz_view.t(),
+        MatRef::row_major(hidden, nb, h),
+        true,
+    );
+    if let Some(db) = grads.dbias.as_mut() {
+        let db = &mut db[vocab.clone()];
+        for row in dz.chunks(ld).take(nb) {
+            db.iter_mut().zip(&row[..vt]).for_each(|(d, x)| *d += x);
+        }
+    }
+}
+

@@ -1,0 +1,229 @@
+//! cuBLAS products of the fused LM-head kernels: `C (f32) = op(A)·op(B) + beta·C` through
+//! `cublasGemmEx` with f32 or bf16 operands and f32 accumulation. cuBLAS is
+//! column-major: a row-major `[r, c]` matrix with row stride `ld` is its column-major
+//! transpose `[c, r]` with leading dimension `ld`; [`GemmShape`] maps each row-major
+//! product onto those arguments.
+
+use super::device::device_error;
+use crate::error::{Error, Result};
+use cudarc::cublas::sys::{
+    cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t,
+};
+use cudarc::cublas::{CudaBlas, result as blas};
+
+/// Bytes of the cuBLAS workspace the backend gives each handle (counted in its
+/// memory; NVIDIA recommends 32 MiB on Hopper).
+pub const CUBLAS_WORKSPACE_BYTES: usize = 32 << 20;
+
+/// Column-major cuBLAS arguments `C[m, n] (ldc) = op(A)[m, k] (lda) · op(B)[k, n] (ldb)`
+/// of a row-major product; `trans_a`/`trans_b` mean `op = ᵀ`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GemmShape {
+    /// `op(A) = Aᵀ`.
+    pub trans_a: bool,
+    /// `op(B) = Bᵀ`.
+    pub trans_b: bool,
+    /// Rows of `C` (column-major).
+    pub m: usize,
+    /// Columns of `C`.
+    pub n: usize,
+    /// The contracted dimension.
+    pub k: usize,
+    /// Leading dimension of `A`.
+    pub lda: usize,
+    /// Leading dimension of `B`.
+    pub ldb: usize,
+    /// Leading dimension of `C`.
+    pub ldc: usize,
+}
+
+impl GemmShape {
+    /// `Z[rows, vt] (row stride ldz) = H[rows, h] · W[vt, h]ᵀ` with `A = W`, `B = H`:
+    /// column-major `Zᵀ[vt, rows] = (W as [h, vt])ᵀ · (H as [h, rows])`.
+    pub fn logits(rows: usize, vt: usize, h: usize, ldz: usize) -> Self {
+        GemmShape {
+            trans_a: true,
+            trans_b: false,
+            m: vt,
+            n: rows,
+            k: h,
+            lda: h,
+            ldb: h,
+            ldc: ldz,
+        }
+    }
+
+    /// `dH[rows, h] += dZ[rows, vt] (row stride ldz) · W[vt, h]` with `A = W`, `B = dZ`:
+    /// column-major `dHᵀ[h, rows] = (W as [h, vt]) · (dZ as [vt, rows])`.
+    pub fn dhidden(rows: usize, vt: usize, h: usize, ldz: usize) -> Self {
+        GemmShape {
+            trans_a: false,
+            trans_b: false,
+            m: h,
+            n: rows,
+            k: vt,
+            lda: h,
+            ldb: ldz,
+            ldc: h,
+        }
+    }
+
+    /// `dW[vt, h] += dZ[rows, vt]ᵀ (row stride ldz) · H[rows, h]` with `A = H`,
+    /// `B = dZ`: column-major `dWᵀ[h, vt] = (H as [h, rows]) · (dZ as [vt, rows])ᵀ`.
+    pub fn dweight(rows: usize, vt: usize, h: usize, ldz: usize) -> Self {
+        GemmShape {
+            trans_a: false,
+            trans_b: true,
+            m: h,
+            n: vt,
+            k: rows,
+            lda: h,
+            ldb: ldz,
+            ldc: h,
+        }
+    }
+}
+
+fn int_arg(what: &str, x: usize) -> Result<i32> {
+    i32::try_from(x).map_err(|_| Error::InvalidArgument {
+        arg: "hidden",
+        reason: format!("{what} = {x} exceeds cuBLAS's 32-bit dimension limit"),
+    })
+}
+
+/// An operand: its device address and cuBLAS type.
+#[derive(Clone, Copy)]
+pub(crate) struct Operand {
+    pub(crate) addr: u64,
+    pub(crate) dtype: cudaDataType_t,
+}
+
+/// `C (f32) = A·B + beta·C` as `shape` says, f32 accumulation.
+pub(crate) fn gemm(
+    blas: &CudaBlas,
+    shape: GemmShape,
+    a: Operand,
+    b: Operand,
+    c: u64,
+    beta: f32,
+) -> Result<()> {
+    let op = |t: bool| {
+        if t {
+            cublasOperation_t::CUBLAS_OP_T
+        } else {
+            cublasOperation_t::CUBLAS_OP_N
+        }
+    };
+    let alpha = 1.0f32;
+    // SAFETY: the callers pass addresses of live buffers that hold the matrices the
+    // shape describes; alpha and beta are host f32 (the handle's default pointer mode).
+    unsafe {
+        blas::gemm_ex(
+            *blas.handle(),
+            op(shape.trans_a),
+            op(shape.trans_b),
+            int_arg("m", shape.m)?,
+            int_arg("n", shape.n)?,
+            int_arg("k", shape.k)?,
+            (&alpha as *const f32).cast(),
+            a.addr as *const std::ffi::c_void,
+            a.dtype,
+            int_arg("lda", shape.lda)?,
+            b.addr as *const std::ffi::c_void,
+            b.dtype,
+            int_arg("ldb", shape.ldb)?,
+            (&beta as *const f32).cast(),
+            c as *mut std::ffi::c_void,
+            cudaDataType_t::CUDA_R_32F,
+            int_arg("ldc", shape.ldc)?,
+            cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    }
+    .map_err(|e| device_error("cublasGemmEx", e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::GemmShape;
+
+    /// `C = op(A)·op(B) + C` on column-major host buffers, as cuBLAS computes it.
+    fn column_major_gemm(s: GemmShape, a: &[f64], b: &[f64], c: &mut [f64]) {
+        let at = |i: usize, p: usize| {
+            if s.trans_a {
+                a[p + i * s.lda]
+            } else {
+                a[i + p * s.lda]
+            }
+        };
+        let bt = |p: usize, j: usize| {
+            if s.trans_b {
+                b[j + p * s.ldb]
+            } else {
+                b[p + j * s.ldb]
+            }
+        };
+        for j in 0..s.n {
+            for i in 0..s.m {
+                let dot: f64 = (0..s.k).map(|p| at(i, p) * bt(p, j)).sum();
+                c[i + j * s.ldc] += dot;
+            }
+        }
+    }
+
+    fn matrix(len: usize, seed: usize) -> Vec<f64> {
+        (0..len)
+            .map(|i| ((i * 7 + seed * 13) % 11) as f64 - 5.0)
+            .collect()
+    }
+
+    /// Each shape, run as cuBLAS would on the row-major buffers, is the row-major
+    /// product it names; a logits tile with row stride wider than the tile (single
+    /// pass) leaves the other columns alone.
+    #[test]
+    fn gemm_shapes_compute_the_row_major_products() {
+        let (rows, vt, h, ldz) = (5, 3, 4, 7);
+        let hidden = matrix(rows * h, 1);
+        let weight = matrix(vt * h, 2);
+        let dz = matrix(rows * ldz, 3);
+
+        let mut z = vec![100.0; rows * ldz];
+        column_major_gemm(
+            GemmShape::logits(rows, vt, h, ldz),
+            &weight,
+            &hidden,
+            &mut z,
+        );
+        for r in 0..rows {
+            for c in 0..ldz {
+                let want = if c < vt {
+                    100.0
+                        + (0..h)
+                            .map(|p| hidden[r * h + p] * weight[c * h + p])
+                            .sum::<f64>()
+                } else {
+                    100.0
+                };
+                assert_eq!(z[r * ldz + c], want, "z[{r}, {c}]");
+            }
+        }
+
+        let mut dh = vec![0.0; rows * h];
+        column_major_gemm(GemmShape::dhidden(rows, vt, h, ldz), &weight, &dz, &mut dh);
+        for r in 0..rows {
+            for c in 0..h {
+                let want: f64 = (0..vt).map(|j| dz[r * ldz + j] * weight[j * h + c]).sum();
+                assert_eq!(dh[r * h + c], want, "dh[{r}, {c}]");
+            }
+        }
+
+        let mut dw = vec![0.0; vt * h];
+        column_major_gemm(GemmShape::dweight(rows, vt, h, ldz), &hidden, &dz, &mut dw);
+        for j in 0..vt {
+            for c in 0..h {
+                let want: f64 = (0..rows).map(|r| dz[r * ldz + j] * hidden[r * h + c]).sum();
+                assert_eq!(dw[j * h + c], want, "dw[{j}, {c}]");
+            }
+        }
+    }
+}

@@ -1,0 +1,208 @@
+//! The fused LM-head's buffers on the device: the head ([`GpuHead`]), its gradients in
+//! f32 ([`GpuGrads`]), and the cuBLAS handle with the logits and `dZ` tiles
+//! ([`GpuWorkspace`]), kept across calls as a training loop would. Every allocation goes
+//! through [`Gpu`]'s accounting; new tiles are poisoned with NaN.
+
+use super::blas::{CUBLAS_WORKSPACE_BYTES, GemmShape, Operand, gemm};
+use super::device::{DeviceBuffer, Gpu, GpuElement, device_error};
+use crate::batch::{HeadShape, LinearInputs};
+use crate::error::{Error, Result};
+use crate::fused::{LinearGrads, Plan, check_grad_lens};
+use cudarc::cublas::CudaBlas;
+use half::bf16;
+
+/// An LM head on the device: hidden states `[N, H]`, weight `[V, H]` (row-major, in
+/// `E`), bias `[V]` (widened to f32).
+pub struct GpuHead<E> {
+    /// `[N, H]`.
+    pub hidden: DeviceBuffer<E>,
+    /// `[V, H]`.
+    pub weight: DeviceBuffer<E>,
+    /// `[V]`.
+    pub bias: Option<DeviceBuffer<f32>>,
+    /// N.
+    pub tokens: usize,
+    /// H.
+    pub hidden_size: usize,
+    /// V.
+    pub vocab: usize,
+}
+
+impl<E> GpuHead<E> {
+    /// `(N, H, V)`.
+    pub fn shape(&self) -> HeadShape {
+        HeadShape {
+            tokens: self.tokens,
+            hidden_size: self.hidden_size,
+            vocab: self.vocab,
+        }
+    }
+}
+
+impl<E: GpuElement> GpuHead<E> {
+    /// Checks `inputs` on the host (shapes, finite values) and copies them to the device.
+    pub fn upload(gpu: &Gpu, inputs: &LinearInputs<E>) -> Result<Self> {
+        inputs.validate()?;
+        let bias = match inputs.bias {
+            Some(b) => Some(gpu.upload(&b.iter().map(|x| x.to_f32()).collect::<Vec<_>>())?),
+            None => None,
+        };
+        Ok(GpuHead {
+            hidden: gpu.upload(inputs.hidden)?,
+            weight: gpu.upload(inputs.weight)?,
+            bias,
+            tokens: inputs.tokens,
+            hidden_size: inputs.hidden_size,
+            vocab: inputs.vocab,
+        })
+    }
+}
+
+/// Gradients of a head on the device, accumulated in f32.
+pub struct GpuGrads {
+    /// `dH` `[N, H]`.
+    pub dhidden: DeviceBuffer<f32>,
+    /// `dW` `[V, H]`.
+    pub dweight: DeviceBuffer<f32>,
+    /// `dbias` `[V]` (when the head has a bias).
+    pub dbias: Option<DeviceBuffer<f32>>,
+}
+
+impl GpuGrads {
+    /// Zeroed gradients for `head`'s shapes.
+    pub fn zeros<E>(gpu: &Gpu, head: &GpuHead<E>) -> Result<Self> {
+        let (n, h, v) = (head.tokens, head.hidden_size, head.vocab);
+        Ok(GpuGrads {
+            dhidden: gpu.zeros(n * h)?,
+            dweight: gpu.zeros(v * h)?,
+            dbias: match head.bias {
+                Some(_) => Some(gpu.zeros(v)?),
+                None => None,
+            },
+        })
+    }
+
+    /// Host copies.
+    pub fn download(&self, gpu: &Gpu) -> Result<LinearGrads> {
+        Ok(LinearGrads {
+            dhidden: gpu.download(&self.dhidden)?,
+            dweight: gpu.download(&self.dweight)?,
+            dbias: match &self.dbias {
+                Some(d) => Some(gpu.download(d)?),
+                None => None,
+            },
+        })
+    }
+
+    /// Checks that the buffers match `head`'s shapes (and bias presence).
+    pub fn check<E>(&self, head: &GpuHead<E>) -> Result<()> {
+        check_grad_lens(
+            head.shape(),
+            head.bias.is_some(),
+            self.dhidden.len(),
+            self.dweight.len(),
+            self.dbias.as_ref().map(DeviceBuffer::len),
+        )
+    }
+}
+
+/// The cuBLAS handle with its (counted) workspace, and the logits and `dZ` tiles, kept
+/// across calls as a training loop would. New tiles are poisoned with NaN.
+pub struct GpuWorkspace {
+    pub(crate) blas: CudaBlas,
+    _blas_workspace: DeviceBuffer<u8>,
+    pub(crate) logits: Option<DeviceBuffer<f32>>,
+    pub(crate) dz: Option<DeviceBuffer<bf16>>,
+}
+
+impl GpuWorkspace {
+    /// A cuBLAS handle on the GPU's stream with a workspace of
+    /// [`CUBLAS_WORKSPACE_BYTES`] allocated through the GPU's accounting.
+    pub fn new(gpu: &Gpu) -> Result<Self> {
+        let blas =
+            CudaBlas::new(gpu.stream().clone()).map_err(|e| device_error("cublasCreate", e))?;
+        let workspace = gpu.zeros::<u8>(CUBLAS_WORKSPACE_BYTES)?;
+        let addr = gpu.addr(&workspace, 0);
+        // SAFETY: the workspace outlives the handle's use of it (both live in `self`,
+        // and the handle is only used through `self`).
+        unsafe {
+            cudarc::cublas::sys::cublasSetWorkspace_v2(
+                *blas.handle(),
+                addr as *mut std::ffi::c_void,
+                CUBLAS_WORKSPACE_BYTES,
+            )
+        }
+        .result()
+        .map_err(|e| device_error("cublasSetWorkspace", e))?;
+        Ok(GpuWorkspace {
+            blas,
+            _blas_workspace: workspace,
+            logits: None,
+            dz: None,
+        })
+    }
+
+    /// Bytes of tiles held (the cuBLAS workspace aside).
+    pub fn bytes(&self) -> usize {
+        self.logits.as_ref().map_or(0, |b| 4 * b.len())
+            + self.dz.as_ref().map_or(0, |b| 2 * b.len())
+    }
+
+    /// Tiles for `plan` (`[block_rows, cols]` f32 logits, and a bf16 `dZ` tile for bf16
+    /// heads); buffers of another size are replaced by NaN-poisoned ones.
+    pub(crate) fn prepare(
+        &mut self,
+        gpu: &Gpu,
+        plan: &Plan,
+        vocab: usize,
+        bf16_dz: bool,
+    ) -> Result<()> {
+        let need = plan.block_rows * plan.block_cols(vocab);
+        if self.logits.as_ref().map(DeviceBuffer::len) != Some(need) {
+            self.logits = None;
+            self.logits = Some(gpu.nans(need)?);
+        }
+        let dz_need = if bf16_dz { Some(need) } else { None };
+        if self.dz.as_ref().map(DeviceBuffer::len) != dz_need {
+            self.dz = None;
+            if bf16_dz {
+                self.dz = Some(gpu.nans(need)?);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The whole `[N, V]` f32 logits `hidden · weightᵀ` of `head` into `out` (one cuBLAS
+/// product: the GEMM rate the fused kernels are measured against).
+pub fn head_logits<E: GpuElement>(
+    gpu: &Gpu,
+    head: &GpuHead<E>,
+    ws: &GpuWorkspace,
+    out: &mut DeviceBuffer<f32>,
+) -> Result<()> {
+    let (n, h, v) = (head.tokens, head.hidden_size, head.vocab);
+    if out.len() != n * v {
+        return Err(Error::ShapeMismatch {
+            arg: "logits",
+            shape: format!("[N={n}, V={v}]"),
+            expected: n * v,
+            actual: out.len(),
+        });
+    }
+    gemm(
+        &ws.blas,
+        GemmShape::logits(n, v, h, v),
+        Operand {
+            addr: gpu.addr(&head.weight, 0),
+            dtype: E::BLAS_TYPE,
+        },
+        Operand {
+            addr: gpu.addr(&head.hidden, 0),
+            dtype: E::BLAS_TYPE,
+        },
+        gpu.addr(out, 0),
+        0.0,
+    )
+}
+

@@ -1,0 +1,184 @@
+//! Fused linear GRPO on any backend's [`Head`]: the loss and its gradients w.r.t.
+//! hidden states, LM-head weight and bias, straight from `[N, H]` and `[V, H]`, never
+//! holding `[N, V]`. Token-level losses run single-pass when the plan allows (each row
+//! block's policy stage between its statistics and its gradients, 6NHV); sequence-level
+//! ratios and vespo, which need every token's logp before any gradient, run two-pass
+//! (the whole batch's policy stage between pass A and pass B, 8NHV). Per row,
+//! `dz = (g/T)·[dlogp·(1[j=y] - p) - dentropy·p·(log p + H)]`.
+
+use super::passes::{FusedPasses, Head, LinearGrads, RowGrad};
+use super::two_pass::{VocabSplit, grads_pass, stats_pass};
+use super::plan::{FusedOptions, Plan};
+use crate::batch::{GrpoBatch, HeadShape};
+use crate::config::GrpoLoss;
+use crate::error::{Error, Result};
+use crate::policy::{GrpoMetrics, Normalizers, PolicyOutput, policy_rows, policy_stage};
+use crate::rows::{RowInputs, RowStats, RowTransform, check_row_stats};
+use std::ops::Range;
+
+/// Loss, metrics, per-token outputs and the plan that ran.
+#[derive(Debug, Clone)]
+pub struct GrpoLinearOutput {
+    /// The loss `L`.
+    pub loss: f64,
+    /// Batch metrics.
+    pub metrics: GrpoMetrics,
+    /// Per-row `logp`, `lse`, entropy (zeroed where masked).
+    pub stats: Vec<RowStats>,
+    /// Per-token KL as it enters the loss.
+    pub kl: Vec<f32>,
+    /// Per-token clip flags.
+    pub clip: Vec<u8>,
+    /// `grad_output ·` the gradients, where the entry point returns them in host
+    /// memory (empty when they went into the head's buffers).
+    pub grads: LinearGrads,
+    /// The plan that ran (mode, block sizes).
+    pub plan: Plan,
+}
+
+/// The [`RowGrad`] of each row in `rows`:
+/// `dz = scale·[dlogp·(1[j=y] - p) - dentropy·p·(log p + H)]`, `scale = g/T`.
+pub(crate) fn row_grads(
+    rows: Range<usize>,
+    stats: &[RowStats],
+    policy: &PolicyOutput,
+    targets: &[i64],
+    scale: f32,
+) -> Vec<RowGrad> {
+    rows.map(|i| RowGrad {
+        stats: stats[i],
+        coef_p: -scale * policy.dlogp[i],
+        coef_h: -scale * policy.dentropy[i],
+        coef_uniform: 0.0,
+        coef_target: scale * policy.dlogp[i],
+        target: targets[i] as usize,
+    })
+    .collect()
+}
+
+/// Checks the batch against a head of `shape` whose whole vocabulary has `vocab`
+/// entries (ids in `[0, vocab)`, B·T rows), and `grad_output`.
+pub(crate) fn check_batch(
+    loss: &GrpoLoss,
+    batch: &GrpoBatch,
+    shape: HeadShape,
+    vocab: usize,
+    opts: &FusedOptions,
+) -> Result<()> {
+    if shape.tokens != batch.rows() {
+        return Err(Error::InvalidArgument {
+            arg: "hidden",
+            reason: format!(
+                "has {} rows but the batch has B·T = {}·{} = {}",
+                shape.tokens,
+                batch.batch,
+                batch.seq_len,
+                batch.rows()
+            ),
+        });
+    }
+    batch.validate(vocab, loss)?;
+    if !opts.grad_output.is_finite() {
+        return Err(Error::NonFinite {
+            arg: "grad_output",
+            index: 0,
+            value: opts.grad_output as f64,
+        });
+    }
+    Ok(())
+}
+
+/// The GRPO loss of `batch` (N = B·T rows) on logits `hidden · weightᵀ + bias` of
+/// `head`, with normalizers `norm` (local, or all-reduced in a sharded run); the
+/// gradients are added into the head's buffers, within `opts.budget_bytes`.
+pub fn grpo_linear(
+    head: &mut dyn Head,
+    loss: &GrpoLoss,
+    batch: &GrpoBatch,
+    norm: Normalizers,
+    opts: &FusedOptions,
+) -> Result<GrpoLinearOutput> {
+    head.validate()?;
+    let shape = head.shape();
+    check_batch(loss, batch, shape, shape.vocab, opts)?;
+    let plan = head.plan(opts, !loss.needs_sequence_reduction())?;
+    grpo_linear_checked(head, loss, batch, norm, opts, plan, None)
+}
+
+/// [`grpo_linear`] on inputs already checked, with `plan`; in a vocab-parallel run,
+/// `split` merges the statistics of the head's shard with the other shards'.
+pub(crate) fn grpo_linear_checked(
+    head: &mut dyn Head,
+    loss: &GrpoLoss,
+    batch: &GrpoBatch,
+    norm: Normalizers,
+    opts: &FusedOptions,
+    plan: Plan,
+    split: Option<&VocabSplit>,
+) -> Result<GrpoLinearOutput> {
+    let vocab = head.shape().vocab;
+    let transform = RowTransform::grpo(loss);
+    let local_targets = split.map(|s| s.local_targets(batch.target_ids));
+    let rows = RowInputs {
+        targets: local_targets.as_deref().unwrap_or(batch.target_ids),
+        live: batch.mask,
+        transform,
+    };
+    let scale = transform.grad_scale(opts.grad_output as f64) as f32;
+    let mut passes = head.passes(rows, plan)?;
+    let (stats, policy) = if plan.single_pass {
+        single_pass(passes.as_mut(), loss, batch, norm, scale)?
+    } else {
+        let stats = stats_pass(passes.as_mut(), &rows, vocab, split)?;
+        let logp: Vec<f32> = stats.iter().map(|s| s.logp).collect();
+        let entropy: Vec<f32> = stats.iter().map(|s| s.entropy).collect();
+        let policy = policy_stage(loss, batch, norm, &logp, &entropy);
+        let grads = row_grads(0..batch.rows(), &stats, &policy, batch.target_ids, scale);
+        grads_pass(passes.as_mut(), grads, split)?;
+        (stats, policy)
+    };
+    drop(passes);
+    check_row_stats(&stats, |i| batch.mask[i], batch.target_ids, batch.seq_len)?;
+    Ok(GrpoLinearOutput {
+        loss: policy.loss,
+        metrics: policy.metrics,
+        stats,
+        kl: policy.kl,
+        clip: policy.clip,
+        grads: LinearGrads::empty(),
+        plan,
+    })
+}
+
+/// Single pass: each row block's policy stage between its statistics and its gradients.
+fn single_pass(
+    passes: &mut dyn FusedPasses,
+    loss: &GrpoLoss,
+    batch: &GrpoBatch,
+    norm: Normalizers,
+    scale: f32,
+) -> Result<(Vec<RowStats>, PolicyOutput)> {
+    let n = batch.rows();
+    let mut policy = PolicyOutput::new(n);
+    let mut logp = vec![0.0f32; n];
+    let mut entropy = vec![0.0f32; n];
+    let mut grads_of = |rows: Range<usize>, stats: &[RowStats]| {
+        for i in rows.clone() {
+            logp[i] = stats[i].logp;
+            entropy[i] = stats[i].entropy;
+        }
+        policy_rows(
+            loss,
+            batch,
+            norm,
+            &logp,
+            &entropy,
+            rows.clone(),
+            &mut policy,
+        );
+        row_grads(rows, stats, &policy, batch.target_ids, scale)
+    };
+    let stats = passes.single_pass(&mut grads_of)?;
+    policy.finish(batch.mask, &entropy);
+    Ok((stats, policy))
+}

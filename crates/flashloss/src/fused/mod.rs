@@ -1,0 +1,24 @@
+//! The fused LM-head losses, backend-neutral: GRPO and cross-entropy computed from
+//! hidden states `[N, H]` and the head's weight `[V, H]` (and bias) without ever holding
+//! the `[N, V]` logits or their gradient. A backend provides a [`Head`] (its buffers,
+//! workspace and [`FusedPasses`]); the [`plan`] cuts the work to a memory budget; the
+//! drivers here run each loss's per-row stage between the passes, once for every
+//! backend, on one rank ([`grpo_linear`], [`ce_linear`], [`logp_linear`]) or sharded
+//! over a [`Grid`] of ranks ([`grpo_linear_sharded`], [`ce_linear_sharded`]).
+
+mod ce;
+mod grpo;
+mod logp;
+mod passes;
+pub mod plan;
+mod sharded;
+mod two_pass;
+
+pub use ce::{CeLinearOutput, ce_linear};
+pub use grpo::{GrpoLinearOutput, grpo_linear};
+pub use logp::logp_linear;
+pub use passes::{FusedPasses, GradPart, GradsOf, Head, LinearGrads, RowGrad, check_grad_lens};
+pub use plan::{FusedOptions, Mode, Plan, PlanLimits, mib, plan_blocks, tile_budget};
+pub use sharded::{
+    Grid, Parallel, Shard, ce_linear_sharded, grpo_linear_sharded, shard_range,
+};

@@ -1,0 +1,202 @@
+//! What a backend offers the fused LM-head losses: a [`Head`] (hidden states `[N, H]`,
+//! weight `[V, H]`, optional bias `[V]`, gradient buffers and a workspace, in host or
+//! device memory) plans its work and runs [`FusedPasses`] over it. Pass A streams the
+//! vocabulary for each row's softmax state; pass B recomputes each tile, turns it into
+//! `dZ` with one [`RowGrad`] per row and adds `dH += dZ·W`, `dW += dZᵀ·H`,
+//! `dbias += Σ_rows dZ` (8NHV FLOPs in all); a single pass keeps a row block's logits
+//! whole between its statistics and its gradients (6NHV). The loss drivers
+//! ([`super::grpo`], [`super::ce`], [`super::sharded`]) are written once over these.
+
+use super::plan::{FusedOptions, Plan};
+use crate::collective::Collective;
+use crate::batch::{HeadShape, LinearInputs};
+use crate::error::{Error, Result};
+use crate::rows::{PartialStats, RowInputs, RowStats};
+use std::ops::Range;
+
+/// What turns a row's logits into its gradient: with
+/// `p_j = exp((z_j - max)·inv_temp - log_sum)`,
+/// `dz_j = (coef_p·p_j + coef_h·p_j·(log p_j + H) + coef_uniform + [j = target]·coef_target)
+/// · slope_j`, where `slope_j` is the soft-cap's `1 - (z_j/cap)²` (1 without one).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RowGrad {
+    /// Softmax statistics of the row.
+    pub stats: RowStats,
+    /// Multiplies `p_j`.
+    pub coef_p: f32,
+    /// Multiplies `p_j·(log p_j + H)`.
+    pub coef_h: f32,
+    /// Added to every entry.
+    pub coef_uniform: f32,
+    /// Added at the target.
+    pub coef_target: f32,
+    /// Target id, local to the head's vocabulary (unused when `coef_target` is 0).
+    pub target: usize,
+}
+
+impl RowGrad {
+    /// Whether every coefficient is 0 (the row's gradient is zero).
+    pub fn is_zero(&self) -> bool {
+        self.coef_p == 0.0
+            && self.coef_h == 0.0
+            && self.coef_uniform == 0.0
+            && self.coef_target == 0.0
+    }
+
+    /// The gradient restricted to a vocabulary shard `range`: the target term stays
+    /// with the shard that holds the target, as a shard-local id.
+    pub fn on_shard(mut self, range: &Range<usize>) -> RowGrad {
+        if range.contains(&self.target) {
+            self.target -= range.start;
+        } else {
+            self.coef_target = 0.0;
+            self.target = 0;
+        }
+        self
+    }
+}
+
+/// Given a block's rows and every row's stats so far, the block's [`RowGrad`]s.
+pub type GradsOf<'a> = dyn FnMut(Range<usize>, &[RowStats]) -> Vec<RowGrad> + 'a;
+
+/// The passes of a fused LM-head kernel over one head, plan, workspace and gradient
+/// buffers, on one backend.
+pub trait FusedPasses {
+    /// The plan the passes run.
+    fn plan(&self) -> Plan;
+
+    /// Pass A over the vocabulary the head holds: every live row's partial state.
+    fn row_states(&mut self) -> Result<PartialStats>;
+
+    /// Pass B: the head's gradients of every row's [`RowGrad`], added into its buffers.
+    fn accumulate_grads(&mut self, grads: &[RowGrad]) -> Result<()>;
+
+    /// Single pass: per row block, its logits over the whole vocabulary, its statistics,
+    /// then `grads_of(rows, stats)` gives the block's [`RowGrad`]s and the gradients are
+    /// added from the block still in memory. Returns every row's stats.
+    fn single_pass(&mut self, grads_of: &mut GradsOf) -> Result<Vec<RowStats>>;
+}
+
+/// Which gradients a sharded run sums across ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GradPart {
+    /// `dH` (vocabulary shards of the same rows).
+    Hidden,
+    /// `dW` and `dbias` (token groups holding the same head shard).
+    Head,
+}
+
+/// An LM head with its gradient buffers and workspace on one backend: host buffers on
+/// the CPU (`cpu::HostHead`), device buffers on the GPU (`cuda::DeviceHead`).
+pub trait Head {
+    /// Its shape.
+    fn shape(&self) -> HeadShape;
+
+    /// Checks the head's inputs (finite values) and that the gradient buffers match it.
+    fn validate(&self) -> Result<()>;
+
+    /// The plan of this backend for `opts`; `single_pass_allowed` is false for losses
+    /// that reduce over sequences.
+    fn plan(&self, opts: &FusedOptions, single_pass_allowed: bool) -> Result<Plan>;
+
+    /// The passes over `rows` with `plan`, adding into the head's gradient buffers.
+    fn passes<'s>(
+        &'s mut self,
+        rows: RowInputs<'s>,
+        plan: Plan,
+    ) -> Result<Box<dyn FusedPasses + 's>>;
+
+    /// Sums `part` of the gradients over `comm`'s ranks.
+    fn all_reduce(&mut self, comm: &dyn Collective, part: GradPart) -> Result<()>;
+}
+
+/// Gradients of an LM head in host memory, accumulated in f32.
+#[derive(Debug, Clone)]
+pub struct LinearGrads {
+    /// `dH` `[N, H]`.
+    pub dhidden: Vec<f32>,
+    /// `dW` `[V, H]`.
+    pub dweight: Vec<f32>,
+    /// `dbias` `[V]` (when the head has a bias).
+    pub dbias: Option<Vec<f32>>,
+}
+
+impl LinearGrads {
+    /// Zeroed gradients for `inputs`' shapes.
+    pub fn zeros<E>(inputs: &LinearInputs<E>) -> Self {
+        let (n, h, v) = (inputs.tokens, inputs.hidden_size, inputs.vocab);
+        LinearGrads {
+            dhidden: vec![0.0; n * h],
+            dweight: vec![0.0; v * h],
+            dbias: inputs.bias.map(|_| vec![0.0; v]),
+        }
+    }
+
+    /// No buffers (what the drivers return; the gradients went to the head's buffers).
+    pub fn empty() -> Self {
+        LinearGrads {
+            dhidden: Vec::new(),
+            dweight: Vec::new(),
+            dbias: None,
+        }
+    }
+
+    /// Checks that the buffers match `inputs`' shapes (and bias presence).
+    pub fn check<E>(&self, inputs: &LinearInputs<E>) -> Result<()> {
+        check_grad_lens(
+            inputs.shape(),
+            inputs.bias.is_some(),
+            self.dhidden.len(),
+            self.dweight.len(),
+            self.dbias.as_ref().map(Vec::len),
+        )
+    }
+
+    /// Sums `part` over `comm`'s ranks.
+    pub fn all_reduce(&mut self, comm: &dyn Collective, part: GradPart) -> Result<()> {
+        match part {
+            GradPart::Hidden => comm.all_reduce_sum_f32(&mut self.dhidden),
+            GradPart::Head => {
+                comm.all_reduce_sum_f32(&mut self.dweight)?;
+                match self.dbias.as_mut() {
+                    Some(db) => comm.all_reduce_sum_f32(db),
+                    None => Ok(()),
+                }
+            }
+        }
+    }
+}
+
+/// Checks gradient buffers of `dhidden`, `dweight` and `dbias` elements against a head
+/// of `shape` (a bias buffer exactly when the head has a bias); any backend's.
+pub fn check_grad_lens(
+    shape: HeadShape,
+    has_bias: bool,
+    dhidden: usize,
+    dweight: usize,
+    dbias: Option<usize>,
+) -> Result<()> {
+    let (n, h, v) = (shape.tokens, shape.hidden_size, shape.vocab);
+    let bad = |arg: &'static str, shape: String, expected: usize, actual: usize| {
+        Err(Error::ShapeMismatch {
+            arg,
+            shape,
+            expected,
+            actual,
+        })
+    };
+    if dhidden != n * h {
+        return bad("dhidden", format!("[N={n}, H={h}]"), n * h, dhidden);
+    }
+    if dweight != v * h {
+        return bad("dweight", format!("[V={v}, H={h}]"), v * h, dweight);
+    }
+    match (dbias, has_bias) {
+        (Some(db), true) if db != v => bad("dbias", format!("[V={v}]"), v, db),
+        (None, true) | (Some(_), false) => Err(Error::InvalidArgument {
+            arg: "dbias",
+            reason: "must be present exactly when the head has a bias".into(),
+        }),
+        _ => Ok(()),
+    }
+}

@@ -1,0 +1,186 @@
+//! How a fused LM-head step is cut into work: single-pass (a row block's logits over
+//! the whole vocabulary kept at once, 6NHV FLOPs) or two-pass (statistics first, then a
+//! recomputation for the gradients, 8NHV), and the largest row block and vocabulary
+//! tile whose workspace fits the memory budget. The search is written once; a backend
+//! gives its [`PlanLimits`] and what a block costs it.
+
+use crate::error::{Error, Result};
+use serde::{Deserialize, Serialize};
+
+/// How the fused kernel recomputes logits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    /// Single-pass when the loss allows it and the budget holds a useful row block.
+    #[default]
+    Auto,
+    /// Logits of a row block kept whole: 6NHV (token-level losses only).
+    SinglePass,
+    /// Statistics first, then recompute: 8NHV, smallest workspace.
+    TwoPass,
+}
+
+impl Mode {
+    /// Whether a plan keeps whole rows: as asked, or in auto mode when the loss allows
+    /// it (`allowed`: false for losses that reduce over sequences) and the budget holds
+    /// a useful row block (`rows_useful`, the backend's threshold). Asking for
+    /// single-pass where the loss does not allow it is an error.
+    pub fn keeps_whole_rows(self, allowed: bool, rows_useful: bool) -> Result<bool> {
+        match self {
+            Mode::SinglePass if !allowed => Err(Error::InvalidArgument {
+                arg: "mode",
+                reason: "single_pass needs a token-level loss (sequence-level ratios and vespo reduce over whole sequences first); use two_pass or auto".into(),
+            }),
+            Mode::SinglePass => Ok(true),
+            Mode::TwoPass => Ok(false),
+            Mode::Auto => Ok(allowed && rows_useful),
+        }
+    }
+}
+
+/// Options of the fused LM-head kernels.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FusedOptions {
+    /// Recomputation strategy.
+    pub mode: Mode,
+    /// Bytes the kernel's workspace may use (logit tiles, widened bf16 tiles, the
+    /// backend's reserve).
+    pub budget_bytes: usize,
+    /// Upstream gradient `∂(outer loss)/∂L`.
+    pub grad_output: f32,
+}
+
+impl FusedOptions {
+    /// Options with a budget of `budget_mib` MiB (`2^20` bytes), unit upstream gradient.
+    pub fn from_mib(mode: Mode, budget_mib: usize) -> Self {
+        FusedOptions {
+            mode,
+            budget_bytes: mib(budget_mib),
+            grad_output: 1.0,
+        }
+    }
+}
+
+/// `mib` MiB in bytes.
+pub const fn mib(mib: usize) -> usize {
+    mib << 20
+}
+
+impl Default for FusedOptions {
+    fn default() -> Self {
+        Self::from_mib(Mode::Auto, 64)
+    }
+}
+
+/// Block sizes chosen from the budget.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Plan {
+    /// True when a row block's logits over the whole vocabulary are kept at once.
+    pub single_pass: bool,
+    /// Rows per block.
+    pub block_rows: usize,
+    /// Vocabulary entries per tile.
+    pub vocab_tile: usize,
+    /// Bytes of the kernel's own tiles and widened blocks.
+    pub workspace_bytes: usize,
+    /// Bytes the backend reserves before its tiles (CPU: `gemm`'s packing buffers;
+    /// GPU: the cuBLAS workspace).
+    pub gemm_reserve_bytes: usize,
+}
+
+impl Plan {
+    /// FLOPs of the whole step: `2NHV` per logits computation, plus `4NHV` for dH, dW.
+    pub fn flops(&self, n: usize, h: usize, v: usize) -> f64 {
+        let nhv = n as f64 * h as f64 * v as f64;
+        if self.single_pass { 6.0 * nhv } else { 8.0 * nhv }
+    }
+
+    /// Columns of a block's logits: the whole vocabulary `v` (single-pass) or a tile.
+    pub fn block_cols(&self, v: usize) -> usize {
+        if self.single_pass { v } else { self.vocab_tile }
+    }
+}
+
+/// What bounds a backend's plans.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlanLimits {
+    /// Bytes the backend holds besides its tiles, taken from the budget first.
+    pub reserve_bytes: usize,
+    /// What the reserve is, for error messages ("the cuBLAS workspace of 33554432").
+    pub reserve_name: String,
+    /// Vocabulary entries per tile.
+    pub vocab_tile: usize,
+    /// Largest row block (beyond it products gain nothing and the workspace grows).
+    pub max_block_rows: usize,
+    /// Fewest rows of a useful single-pass block (thinner blocks make poor products;
+    /// auto mode then chooses two-pass).
+    pub min_single_pass_rows: usize,
+    /// What else a block holds, for error messages (" and a widened weight tile").
+    pub extra_name: &'static str,
+}
+
+/// Chooses the mode and block sizes for `n` rows and `v` vocabulary entries: the
+/// largest blocks whose bytes (`block_bytes(rows, cols)`, increasing in `rows`) fit
+/// the budget less the reserve. `single_pass_allowed` is false for losses that reduce
+/// over sequences.
+pub fn plan_blocks(
+    n: usize,
+    v: usize,
+    limits: &PlanLimits,
+    block_bytes: impl Fn(usize, usize) -> usize,
+    opts: &FusedOptions,
+    single_pass_allowed: bool,
+) -> Result<Plan> {
+    let budget = tile_budget(opts, limits)?;
+    let largest = |cols: usize| {
+        let (mut lo, mut hi) = (0, n.min(limits.max_block_rows));
+        while lo < hi {
+            let mid = (lo + hi).div_ceil(2);
+            if block_bytes(mid, cols) <= budget {
+                lo = mid;
+            } else {
+                hi = mid - 1;
+            }
+        }
+        lo
+    };
+    let single_rows = largest(v);
+    let single = opts.mode.keeps_whole_rows(
+        single_pass_allowed,
+        single_rows >= limits.min_single_pass_rows.min(n),
+    )?;
+    let (rows, cols) = if single {
+        (single_rows, v)
+    } else {
+        (largest(limits.vocab_tile), limits.vocab_tile)
+    };
+    if rows == 0 {
+        return Err(Error::InvalidArgument {
+            arg: "budget_bytes",
+            reason: format!(
+                "{} bytes (less {}) cannot hold one row of {cols} logits{}",
+                opts.budget_bytes, limits.reserve_name, limits.extra_name
+            ),
+        });
+    }
+    Ok(Plan {
+        single_pass: single,
+        block_rows: rows,
+        vocab_tile: limits.vocab_tile,
+        workspace_bytes: block_bytes(rows, cols),
+        gemm_reserve_bytes: limits.reserve_bytes,
+    })
+}
+
+/// The budget left for tiles once the backend's reserve is taken.
+pub fn tile_budget(opts: &FusedOptions, limits: &PlanLimits) -> Result<usize> {
+    opts.budget_bytes
+        .checked_sub(limits.reserve_bytes)
+        .ok_or_else(|| Error::InvalidArgument {
+            arg: "budget_bytes",
+            reason: format!(
+                "{} bytes is below {}",
+                opts.budget_bytes, limits.reserve_name
+            ),
+        })
+}
