@@ -4,12 +4,22 @@
 //! (`∂L/∂logp`, `∂L/∂H` per row). A backend's backward then writes
 //! `dz_ij = (g/T)·[dlogp_i·(1[j=y_i] - p_ij) - dentropy_i·p_ij·(log p_ij + H_i)]` in the
 //! logits' dtype in one more streaming pass, optionally over the logits themselves.
+//!
+//! Sharded ([`grpo_logits_forward_sharded`]), as the original system's `shard_map`: on
+//! a [`Grid`], each rank holds its token group's sequences and a vocabulary shard
+//! `[B, T, V_r]` of their logits; the partial row states are merged within the token
+//! group, the normalizers (dapo's global token count, B) summed over token groups, and
+//! the loss and metrics reduced over them. Each rank's backward writes its own shard.
 
 use crate::batch::{GrpoBatch, LogitsLayout};
+use crate::collective::agree;
 use crate::config::GrpoLoss;
 use crate::error::{Error, Result};
+use crate::fused::sharded::{global_normalizers, reduce_policy_outputs};
+use crate::fused::two_pass::{VocabSplit, merge_partial};
+use crate::fused::{Grid, Shard};
 use crate::policy::{GrpoMetrics, Normalizers, policy_stage};
-use crate::rows::{RowStats, RowTransform};
+use crate::rows::{PartialStats, RowInputs, RowStats, RowTransform, check_row_stats};
 
 /// The forward's outputs, and what the backward needs (O(N) in all).
 #[derive(Debug, Clone)]
@@ -33,11 +43,13 @@ pub struct GrpoLogitsForward {
 }
 
 impl GrpoLogitsForward {
-    /// Checks that the batch matches the layout and is valid for `loss`.
+    /// Checks that the batch matches the layout and is valid for `loss` with ids in
+    /// `[0, vocab)` (the layout's V, or the whole vocabulary of a shard's).
     pub(crate) fn check_batch(
         loss: &GrpoLoss,
         batch: &GrpoBatch,
         layout: &LogitsLayout,
+        vocab: usize,
     ) -> Result<()> {
         if (layout.batch, layout.seq_len) != (batch.batch, batch.seq_len) {
             return Err(Error::InvalidArgument {
@@ -48,7 +60,7 @@ impl GrpoLogitsForward {
                 ),
             });
         }
-        batch.validate(layout.vocab, loss)
+        batch.validate(vocab, loss)
     }
 
     /// The forward from any backend's per-row statistics: runs the policy stage.
@@ -98,5 +110,51 @@ impl GrpoLogitsForward {
         }
         Ok(())
     }
+}
 
+/// The logits-level GRPO forward on a [`Grid`]: this rank's token group's `batch` and
+/// the [`Shard`] of the vocabulary its logits `[B, T, V_r]` (laid out as `layout`)
+/// hold; `row_states(targets)` is the backend's pass over them (targets shard-local,
+/// -1 where another shard holds the target). Every rank of a token group gets the
+/// same statistics; the loss and metrics are global. The returned forward's backward
+/// writes this rank's shard of the gradient.
+pub(crate) fn grpo_logits_forward_sharded(
+    grid: &Grid,
+    shard: Shard,
+    loss: &GrpoLoss,
+    batch: &GrpoBatch,
+    layout: &LogitsLayout,
+    row_states: impl FnOnce(&[i64]) -> PartialStats,
+) -> Result<GrpoLogitsForward> {
+    let checked = GrpoLogitsForward::check_batch(loss, batch, layout, shard.vocab)
+        .and_then(|_| shard.range(layout.vocab));
+    let range = agree(grid.world, checked)?;
+    let local = Normalizers::local(batch);
+    let norm = global_normalizers(grid.tokens.as_ref(), local)?;
+    let split = VocabSplit {
+        comm: grid.vocab.as_ref(),
+        range,
+        vocab: shard.vocab,
+    };
+    let targets = split.local_targets(batch.target_ids);
+    let rows = RowInputs {
+        targets: &targets,
+        live: batch.mask,
+        transform: RowTransform::grpo(loss),
+    };
+    let partial = row_states(&targets);
+    let stats =
+        merge_partial(split.comm, &partial, rows.transform.inv_temp)?.finish(&rows, shard.vocab);
+    let checked = check_row_stats(&stats, |i| batch.mask[i], batch.target_ids, batch.seq_len);
+    agree(grid.world, checked)?;
+    let mut fwd = GrpoLogitsForward::from_stats(loss, batch, norm, stats, layout);
+    fwd.targets = targets;
+    (fwd.loss, fwd.metrics) = reduce_policy_outputs(
+        grid.tokens.as_ref(),
+        fwd.loss,
+        &fwd.metrics,
+        local.token_count,
+        norm.token_count,
+    )?;
+    Ok(fwd)
 }

@@ -3,15 +3,15 @@
 //! log-softmax, softmax and dlogits), then GEMMs for dH and dW. The same for
 //! cross-entropy.
 
-use crate::fused::LinearGrads;
 use super::matmul::{MatRef, matmul};
-use crate::rows::check_targets;
 use super::unfused_logits::{UnfusedWorkspace, grpo_logits_unfused_into};
 use crate::batch::{GrpoBatch, LinearInputs, LogitsLayout};
 use crate::config::GrpoLoss;
 use crate::cross_entropy::CrossEntropy;
 use crate::element::Element;
 use crate::error::Result;
+use crate::fused::LinearGrads;
+use crate::rows::check_targets;
 use rayon::prelude::*;
 
 /// The baseline's buffers, kept across steps (a framework's caching allocator).

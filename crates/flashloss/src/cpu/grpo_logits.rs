@@ -5,14 +5,17 @@
 //! in the logits' dtype, optionally over the logits themselves. No `[N, V]` temporary.
 
 use super::online_softmax::VOCAB_TILE;
-use super::selective_log_softmax::selective_log_softmax;
+use super::selective_log_softmax::{logits_row_states, selective_log_softmax};
 use super::simd;
 use crate::batch::{GrpoBatch, LogitsLayout};
+use crate::collective::agree;
 use crate::config::GrpoLoss;
 use crate::element::Element;
 use crate::error::{Error, Result};
+use crate::fused::{Grid, Shard};
 use crate::grpo_logits::GrpoLogitsForward;
 use crate::policy::Normalizers;
+use crate::rows::RowTransform;
 use rayon::prelude::*;
 
 /// Forward of the GRPO loss on logits `[B, T, V]` laid out as `layout`.
@@ -33,7 +36,7 @@ pub fn grpo_logits_forward_with<E: Element>(
     logits: &[E],
     layout: &LogitsLayout,
 ) -> Result<GrpoLogitsForward> {
-    GrpoLogitsForward::check_batch(loss, batch, layout)?;
+    GrpoLogitsForward::check_batch(loss, batch, layout, layout.vocab)?;
     let stats = selective_log_softmax(
         logits,
         layout,
@@ -44,6 +47,25 @@ pub fn grpo_logits_forward_with<E: Element>(
     Ok(GrpoLogitsForward::from_stats(
         loss, batch, norm, stats, layout,
     ))
+}
+
+/// The logits-level GRPO forward on a [`Grid`] of ranks: this rank's token group's
+/// `batch` and its [`Shard`] of their logits `[B, T, V_r]` (see
+/// [`crate::grpo_logits`]). [`GrpoLogitsForward::backward`] then writes this rank's
+/// shard of the gradient.
+pub fn grpo_logits_forward_sharded<E: Element>(
+    grid: &Grid,
+    shard: Shard,
+    loss: &GrpoLoss,
+    batch: &GrpoBatch,
+    logits: &[E],
+    layout: &LogitsLayout,
+) -> Result<GrpoLogitsForward> {
+    agree(grid.world, layout.validate("logits", logits.len()))?;
+    let inv_temp = RowTransform::grpo(loss).inv_temp;
+    crate::grpo_logits::grpo_logits_forward_sharded(grid, shard, loss, batch, layout, |targets| {
+        logits_row_states(logits, layout, targets, batch.mask, inv_temp)
+    })
 }
 
 impl GrpoLogitsForward {

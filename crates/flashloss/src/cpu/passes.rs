@@ -59,7 +59,11 @@ pub fn plan(
         vocab_tile: v.min(VOCAB_TILE_MAX),
         max_block_rows: MAX_BLOCK_ROWS,
         min_single_pass_rows: MIN_SINGLE_PASS_ROWS,
-        extra_name: if widen { " and a widened weight tile" } else { "" },
+        extra_name: if widen {
+            " and a widened weight tile"
+        } else {
+            ""
+        },
     };
     // Every GEMM runs on one vocabulary tile: `gemm` packs a whole `kc × vocab_tile`
     // panel for dW, so the tile bounds its packing too. A widened bf16 weight tile holds
@@ -69,7 +73,13 @@ pub fn plan(
         limits.vocab_tile /= 2;
     }
     let vocab_tile = limits.vocab_tile;
-    let widened = |rows: usize| if widen { (vocab_tile + rows) * h * 4 } else { 0 };
+    let widened = |rows: usize| {
+        if widen {
+            (vocab_tile + rows) * h * 4
+        } else {
+            0
+        }
+    };
     plan_blocks(
         n,
         v,

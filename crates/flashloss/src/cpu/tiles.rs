@@ -219,4 +219,3 @@ pub(crate) fn accumulate_tile(
         }
     }
 }
-

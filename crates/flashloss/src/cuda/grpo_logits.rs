@@ -25,7 +25,7 @@ pub fn grpo_logits_forward<E: GpuElement>(
     logits: &DeviceBuffer<E>,
     layout: &LogitsLayout,
 ) -> Result<GrpoLogitsForward> {
-    GrpoLogitsForward::check_batch(loss, batch, layout)?;
+    GrpoLogitsForward::check_batch(loss, batch, layout, layout.vocab)?;
     layout.validate("logits", logits.len())?;
     let stats = row_stats(
         gpu,

@@ -205,4 +205,3 @@ pub fn head_logits<E: GpuElement>(
         0.0,
     )
 }
-

@@ -80,4 +80,3 @@ pub(crate) fn cols_arg(vocab: usize) -> Result<i32> {
         reason: format!("{vocab} exceeds the kernels' column limit of {}", i32::MAX),
     })
 }
-

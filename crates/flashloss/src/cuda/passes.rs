@@ -179,7 +179,10 @@ impl<'a, E: GpuElement> GpuPasses<'a, E> {
     }
 
     fn cap_args(&self) -> (f32, f32) {
-        self.rows.transform.softcap.map_or((0.0, 0.0), |c| (c, 1.0 / c))
+        self.rows
+            .transform
+            .softcap
+            .map_or((0.0, 0.0), |c| (c, 1.0 / c))
     }
 
     /// Merges (or, when `merge_into` is false, starts) the running states of `rows`
@@ -433,7 +436,6 @@ impl<E: GpuElement> FusedPasses for GpuPasses<'_, E> {
         Ok(stats)
     }
 }
-
 
 /// An LM head in device memory with its gradients (added into, in f32) and a
 /// workspace kept across steps: the GPU's [`Head`]. The per-row inputs stay on the

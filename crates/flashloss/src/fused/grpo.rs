@@ -7,8 +7,8 @@
 //! `dz = (g/T)·[dlogp·(1[j=y] - p) - dentropy·p·(log p + H)]`.
 
 use super::passes::{FusedPasses, Head, LinearGrads, RowGrad};
-use super::two_pass::{VocabSplit, grads_pass, stats_pass};
 use super::plan::{FusedOptions, Plan};
+use super::two_pass::{VocabSplit, grads_pass, stats_pass};
 use crate::batch::{GrpoBatch, HeadShape};
 use crate::config::GrpoLoss;
 use crate::error::{Error, Result};

@@ -37,7 +37,10 @@ pub fn logp_linear(
         live,
         transform: RowTransform::with_temperature(temperature),
     };
-    let stats = head.passes(rows, plan)?.row_states()?.finish(&rows, shape.vocab);
+    let stats = head
+        .passes(rows, plan)?
+        .row_states()?
+        .finish(&rows, shape.vocab);
     check_row_stats(&stats, |i| live[i], target_ids, seq_len)?;
     Ok(stats)
 }

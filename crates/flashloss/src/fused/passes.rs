@@ -8,8 +8,8 @@
 //! ([`super::grpo`], [`super::ce`], [`super::sharded`]) are written once over these.
 
 use super::plan::{FusedOptions, Plan};
-use crate::collective::Collective;
 use crate::batch::{HeadShape, LinearInputs};
+use crate::collective::Collective;
 use crate::error::{Error, Result};
 use crate::rows::{PartialStats, RowInputs, RowStats};
 use std::ops::Range;

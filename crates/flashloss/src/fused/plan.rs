@@ -92,7 +92,11 @@ impl Plan {
     /// FLOPs of the whole step: `2NHV` per logits computation, plus `4NHV` for dH, dW.
     pub fn flops(&self, n: usize, h: usize, v: usize) -> f64 {
         let nhv = n as f64 * h as f64 * v as f64;
-        if self.single_pass { 6.0 * nhv } else { 8.0 * nhv }
+        if self.single_pass {
+            6.0 * nhv
+        } else {
+            8.0 * nhv
+        }
     }
 
     /// Columns of a block's logits: the whole vocabulary `v` (single-pass) or a tile.

@@ -17,7 +17,7 @@ use super::grpo::{GrpoLinearOutput, check_batch, grpo_linear_checked};
 use super::passes::{GradPart, Head};
 use super::plan::{FusedOptions, Mode, Plan};
 use super::two_pass::VocabSplit;
-use crate::batch::{GrpoBatch, HeadShape};
+use crate::batch::GrpoBatch;
 use crate::collective::{Collective, Solo, agree};
 use crate::config::GrpoLoss;
 use crate::cross_entropy::CrossEntropy;
@@ -116,9 +116,10 @@ impl Shard {
         }
     }
 
-    /// Checks that a head of `shape` lies inside the vocabulary.
-    fn range(&self, shape: HeadShape) -> Result<Range<usize>> {
-        let end = self.offset + shape.vocab;
+    /// The entries of a head (or logits shard) of `entries` vocabulary entries, checked
+    /// to lie inside the vocabulary.
+    pub(crate) fn range(&self, entries: usize) -> Result<Range<usize>> {
+        let end = self.offset + entries;
         if end > self.vocab {
             return Err(Error::InvalidArgument {
                 arg: "shard",
@@ -205,7 +206,10 @@ impl<'a> Grid<'a> {
 }
 
 /// The batch's normalizers over every token group: `B` and the token count summed.
-fn global_normalizers(tokens: &dyn Collective, local: Normalizers) -> Result<Normalizers> {
+pub(crate) fn global_normalizers(
+    tokens: &dyn Collective,
+    local: Normalizers,
+) -> Result<Normalizers> {
     let mut totals = [local.batch_size, local.token_count];
     tokens.all_reduce_sum_f64(&mut totals)?;
     Ok(Normalizers {
@@ -216,7 +220,7 @@ fn global_normalizers(tokens: &dyn Collective, local: Normalizers) -> Result<Nor
 
 /// The loss (a sum of row terms) summed over token groups, and the metrics (masked
 /// means over each group's `local_tokens`) turned into means over `global_tokens`.
-fn reduce_policy_outputs(
+pub(crate) fn reduce_policy_outputs(
     tokens: &dyn Collective,
     loss: f64,
     m: &GrpoMetrics,
@@ -254,7 +258,7 @@ fn sharded_plan(
     opts: &FusedOptions,
     single_pass_allowed: bool,
 ) -> Result<(Plan, Option<Range<usize>>)> {
-    let range = shard.range(head.shape())?;
+    let range = shard.range(head.shape().vocab)?;
     head.validate()?;
     if grid.vocab.world_size() == 1 && range.len() == shard.vocab {
         return Ok((head.plan(opts, single_pass_allowed)?, None));

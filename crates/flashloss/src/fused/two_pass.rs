@@ -69,7 +69,7 @@ pub(crate) fn grads_pass(
 }
 
 /// Merges every rank's partial states in rank order: the same global states on all.
-fn merge_partial(
+pub(crate) fn merge_partial(
     comm: &dyn Collective,
     local: &PartialStats,
     inv_temp: f32,
