@@ -11,7 +11,7 @@ use crate::cross_entropy::CrossEntropy;
 use crate::element::Element;
 use crate::error::Result;
 use crate::fused::LinearGrads;
-use crate::rows::check_targets;
+use crate::rows::{RowTransform, check_targets};
 use rayon::prelude::*;
 
 /// The baseline's buffers, kept across steps (a framework's caching allocator).
@@ -83,13 +83,14 @@ pub fn ce_linear_baseline_into<E: Element>(
     let weight = ce.row_weight(count);
     let upstream = weight * grad_output as f64;
     head_logits(inputs, c.softcap.map(|x| x as f32), ws);
-    let inv_temp = (1.0 / c.temperature) as f32;
+    let transform = RowTransform::ce(ce);
+    let inv_temp = transform.inv_temp;
     let eps = c.label_smoothing as f32;
     let logp = &mut ws.unfused.log_probs;
     logp.resize(n * v, 0.0);
     let dlogits = &mut ws.unfused.dlogits;
     dlogits.resize(n * v, 0.0);
-    let inv_cap = c.softcap.map_or(0.0, |x| 1.0 / x as f32);
+    let inv_cap = transform.inv_cap();
     let row_loss: Vec<f64> = ws
         .logits
         .par_chunks(v)
@@ -113,7 +114,7 @@ pub fn ce_linear_baseline_into<E: Element>(
             let value = (1.0 - c.label_smoothing) * -(lp[y] as f64)
                 + c.label_smoothing * (lse - mean_s)
                 + z_term;
-            let scale = (upstream / c.temperature) as f32;
+            let scale = transform.grad_scale(upstream) as f32;
             let coef_p = scale * (1.0 + 2.0 * (c.z_loss * lse) as f32);
             for (j, d) in dz.iter_mut().enumerate() {
                 let target = if j == y { 1.0 - eps } else { 0.0 };

@@ -6,7 +6,9 @@ use super::online_softmax::{VOCAB_TILE, row_state};
 use crate::batch::LogitsLayout;
 use crate::element::Element;
 use crate::error::Result;
-use crate::rows::{OnlineSoftmax, PartialStats, RowStats, check_row_stats, check_targets};
+use crate::rows::{
+    OnlineSoftmax, PartialStats, RowStats, RowTransform, check_row_stats, check_targets,
+};
 use rayon::prelude::*;
 
 /// Per-row statistics of `logits / temperature` at `target_ids` (`[B, T]`). Rows where
@@ -29,7 +31,7 @@ pub fn selective_log_softmax<E: Element>(
         layout.seq_len,
         temperature,
     )?;
-    let inv_temp = (1.0 / temperature) as f32;
+    let inv_temp = RowTransform::with_temperature(temperature).inv_temp;
     let stats: Vec<RowStats> = (0..n)
         .into_par_iter()
         .map_init(

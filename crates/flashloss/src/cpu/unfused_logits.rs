@@ -9,6 +9,7 @@ use crate::config::GrpoLoss;
 use crate::element::Element;
 use crate::error::Result;
 use crate::policy::{Normalizers, policy_stage};
+use crate::rows::RowTransform;
 use rayon::prelude::*;
 
 /// The unfused path's `[N, V]` buffers, kept across steps as a framework's caching
@@ -54,8 +55,8 @@ pub fn grpo_logits_unfused_into<E: Element>(
     layout.validate("logits", logits.len())?;
     batch.validate(layout.vocab, loss)?;
     let (n, v) = (layout.rows(), layout.vocab);
-    let temperature = loss.config().temperature;
-    let inv_temp = (1.0 / temperature) as f32;
+    let transform = RowTransform::grpo(loss);
+    let inv_temp = transform.inv_temp;
 
     // log_softmax(z / T), materialized.
     let log_probs = sized(&mut ws.log_probs, n * v);
