@@ -26,8 +26,14 @@ pub mod policy;
 pub mod reference;
 pub mod rows;
 
-pub use batch::{GrpoBatch, LinearInputs, LogitsLayout, PerSeqOrToken};
+pub use batch::{GrpoBatch, HeadShape, LinearInputs, LogitsLayout, PerSeqOrToken};
 pub use config::{GrpoLoss, ImportanceSamplingLevel, LossConfig, LossType};
 pub use cross_entropy::{CeConfig, CrossEntropy, Reduction};
+pub use device::Device;
 pub use element::{DType, Element};
 pub use error::{Error, Result};
+pub use fused::{
+    CeLinearOutput, FusedOptions, Grid, GrpoLinearOutput, LinearGrads, Mode, Parallel, Plan, Shard,
+};
+pub use grpo_logits::GrpoLogitsForward;
+pub use rows::RowStats;

@@ -2,8 +2,7 @@
 
 use super::{HeadLoss, HeadOp, SavedGrads, wrap};
 use candle_core::{Result, Tensor};
-use flashloss::cpu::{FusedOptions, ce_linear as kernel};
-use flashloss::{CrossEntropy, Element, LinearInputs, Reduction};
+use flashloss::{CrossEntropy, Device, Element, FusedOptions, LinearInputs, Reduction};
 
 struct FusedCeLinear {
     ce: CrossEntropy,
@@ -19,7 +18,9 @@ impl HeadLoss for FusedCeLinear {
             budget_bytes: self.budget_bytes,
             ..FusedOptions::default()
         };
-        let out = kernel(&self.ce, &self.targets, inputs, &opts).map_err(wrap)?;
+        let out = Device::Cpu
+            .ce_linear(&self.ce, &self.targets, None, inputs, &opts)
+            .map_err(wrap)?;
         grads.store(out.grads.dhidden, out.grads.dweight);
         Ok(out.loss as f32)
     }

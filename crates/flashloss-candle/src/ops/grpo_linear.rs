@@ -2,8 +2,8 @@
 
 use super::{HeadLoss, HeadOp, SavedGrads, wrap};
 use candle_core::{Result, Tensor};
-use flashloss::cpu::{FusedOptions, RowStats, grpo_linear as kernel};
-use flashloss::policy::GrpoMetrics;
+use flashloss::policy::{GrpoMetrics, Normalizers};
+use flashloss::{Device, FusedOptions, RowStats};
 use flashloss::{Element, GrpoBatch, GrpoLoss, LinearInputs, PerSeqOrToken};
 use std::sync::{Arc, Mutex};
 
@@ -82,7 +82,11 @@ impl HeadLoss for FusedGrpoLinear {
             budget_bytes: self.budget_bytes,
             ..FusedOptions::default()
         };
-        let out = kernel(&self.loss, &self.inputs.batch(), inputs, &opts).map_err(wrap)?;
+        let batch = self.inputs.batch();
+        let norm = Normalizers::local(&batch);
+        let out = Device::Cpu
+            .grpo_linear(&self.loss, &batch, norm, inputs, &opts)
+            .map_err(wrap)?;
         grads.store(out.grads.dhidden, out.grads.dweight);
         *self.step.lock().expect("grpo step lock") =
             GrpoStep::from_stats(out.loss, out.metrics, &out.stats);

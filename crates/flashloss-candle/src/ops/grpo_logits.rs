@@ -4,8 +4,8 @@ use super::grpo_linear::{GrpoInputs, GrpoStep};
 use super::{contiguous, matrix_dims, wrap};
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
-use flashloss::cpu::{GrpoLogitsForward, grpo_logits_forward};
-use flashloss::{GrpoLoss, LogitsLayout};
+use flashloss::cpu::grpo_logits_forward;
+use flashloss::{GrpoLogitsForward, GrpoLoss, LogitsLayout};
 use std::sync::{Arc, Mutex};
 
 struct GrpoLogits {

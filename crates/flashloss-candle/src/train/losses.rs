@@ -4,9 +4,8 @@
 use super::config::LossImpl;
 use crate::ops::{self, GrpoInputs, GrpoStep, baseline};
 use candle_core::{Result, Storage, Tensor};
-use flashloss::cpu::logp_linear;
 use flashloss::policy::{Normalizers, policy_stage};
-use flashloss::{CrossEntropy, GrpoLoss, LinearInputs};
+use flashloss::{CrossEntropy, Device, GrpoLoss, LinearInputs};
 
 pub(crate) struct LossPath {
     implementation: LossImpl,
@@ -132,15 +131,16 @@ impl LossPath {
                             hidden_size: h,
                             vocab: v,
                         };
-                        let stats = logp_linear(
-                            &lin,
-                            &inputs.target_ids,
-                            Some(&inputs.mask),
-                            temperature,
-                            self.budget_bytes,
-                            inputs.seq_len,
-                        )
-                        .map_err(ops::wrap)?;
+                        let stats = Device::Cpu
+                            .logp_linear(
+                                &lin,
+                                &inputs.target_ids,
+                                Some(&inputs.mask),
+                                temperature,
+                                self.budget_bytes,
+                                inputs.seq_len,
+                            )
+                            .map_err(ops::wrap)?;
                         Ok(stats.iter().map(|s| s.logp).collect())
                     })
                 })
