@@ -2,11 +2,11 @@
 //! log-probs) from hidden states and the LM head, by the path `loss.impl` picks.
 
 use super::config::LossImpl;
-use crate::ops::{self, GrpoInputs, GrpoStep, baseline};
 use candle_core::{Result, Storage, Tensor};
 use flashloss::cpu::logp_linear;
 use flashloss::policy::{Normalizers, policy_stage};
 use flashloss::{CrossEntropy, GrpoLoss, LinearInputs};
+use flashloss_candle::ops::{self, GrpoInputs, GrpoStep, baseline};
 
 pub(crate) struct LossPath {
     implementation: LossImpl,
