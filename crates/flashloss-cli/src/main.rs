@@ -345,7 +345,7 @@ fn print_bench(report: &bench::BenchReport) {
 
 /// Runs `flashloss train`, with a progress bar showing the last step's metrics.
 fn train(config: &std::path::Path, overrides: &[String]) -> ExitCode {
-    use flashloss_candle::train::{TrainConfig, Trainer};
+    use flashloss_train::train::{TrainConfig, Trainer};
     let trainer = config_file::load::<TrainConfig>(config, overrides)
         .map_err(|e| e.to_string())
         .and_then(|cfg| Trainer::new(cfg).map_err(|e| e.to_string()));
@@ -392,7 +392,7 @@ fn main() -> ExitCode {
     }
     match cli.command {
         Command::Train { config, overrides } => train(&config, &overrides),
-        Command::Report { runs, out } => match flashloss_candle::report::report(&runs, &out) {
+        Command::Report { runs, out } => match flashloss_train::report::report(&runs, &out) {
             Ok(md) => {
                 println!("{md}");
                 ExitCode::SUCCESS

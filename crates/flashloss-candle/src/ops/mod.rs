@@ -32,7 +32,7 @@ pub fn wrap(e: flashloss::Error) -> candle_core::Error {
 }
 
 /// The elements of a contiguous CPU storage, or an error naming `arg`.
-pub(crate) fn contiguous<'a, E: WithDType>(
+pub fn contiguous<'a, E: WithDType>(
     storage: &'a CpuStorage,
     layout: &Layout,
     arg: &str,

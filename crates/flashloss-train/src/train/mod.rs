@@ -16,11 +16,11 @@ pub use config::{
 pub use optim::{AdamW, OptimConfig};
 
 use crate::model::{Padded, Params, Qwen2, generate};
-use crate::ops::GrpoInputs;
 use crate::task::{Problem, load_gsm8k, reward};
 use crate::tokenizer::Tokenizer;
 use candle_core::{Result, Tensor};
 use flashloss::{CrossEntropy, GrpoLoss};
+use flashloss_candle::ops::GrpoInputs;
 use losses::LossPath;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;

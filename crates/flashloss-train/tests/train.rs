@@ -1,8 +1,8 @@
 //! Training: the task, the A/B agreement of the loss paths, resume with no lost step,
 //! and the report.
 
-use flashloss_candle::task::{Arithmetic, Problem, extract_answer, load_gsm8k, reward};
-use flashloss_candle::train::{LossImpl, StepMetrics, TrainConfig, Trainer};
+use flashloss_train::task::{Arithmetic, Problem, extract_answer, load_gsm8k, reward};
+use flashloss_train::train::{LossImpl, StepMetrics, TrainConfig, Trainer};
 use rand::SeedableRng;
 use std::path::{Path, PathBuf};
 
@@ -169,14 +169,14 @@ fn the_report_draws_charts_and_a_summary() {
     run(a);
     run(b);
     let out = tmp("rep_out");
-    let md = flashloss_candle::report::report(&dirs, &out).unwrap();
+    let md = flashloss_train::report::report(&dirs, &out).unwrap();
     assert!(md.contains("time/train/step_avg_last10_s"), "{md}");
     assert!(md.contains("(fused)") && md.contains("(logits)"), "{md}");
     for png in ["reward.png", "loss.png", "kl.png", "step_time.png"] {
         let bytes = std::fs::read(out.join(png)).unwrap();
         assert!(bytes.starts_with(b"\x89PNG") && bytes.len() > 2000, "{png}");
     }
-    let e = flashloss_candle::report::report(&[out.join("nope")], &out)
+    let e = flashloss_train::report::report(&[out.join("nope")], &out)
         .err()
         .unwrap();
     assert!(e.to_string().contains("metrics.jsonl"), "{e}");

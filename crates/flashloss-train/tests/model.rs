@@ -3,9 +3,9 @@
 
 use candle_core::{DType, Device, Tensor};
 use flashloss::{CeConfig, CrossEntropy};
-use flashloss_candle::model::{Padded, Params, Qwen2Config, Sampling, attention_mask, generate};
 use flashloss_candle::ops::baseline;
-use flashloss_candle::tokenizer::Tokenizer;
+use flashloss_train::model::{Padded, Params, Qwen2Config, Sampling, attention_mask, generate};
+use flashloss_train::tokenizer::Tokenizer;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use std::collections::HashMap;
@@ -175,7 +175,7 @@ fn sampling_is_seeded_and_greedy_at_zero_temperature() {
         "top_p -> 0 keeps only the most likely token"
     );
     // Greedy tokens are the argmax of the full forward's last logits.
-    let first: Vec<u32> = flashloss_candle::model::last_logits(&model, &prompts(), 0)
+    let first: Vec<u32> = flashloss_train::model::last_logits(&model, &prompts(), 0)
         .unwrap()
         .argmax(1)
         .unwrap()
@@ -197,8 +197,8 @@ fn hugging_face_checkpoints_load_and_bad_ones_are_clear_errors() {
     std::fs::write(dir.join("config.json"), json.to_string()).unwrap();
     let loaded = Params::from_pretrained(&dir).unwrap();
     let (a, b) = (params.model(false), loaded.model(false));
-    let la = flashloss_candle::model::last_logits(&a, &prompts(), 0).unwrap();
-    let lb = flashloss_candle::model::last_logits(&b, &prompts(), 0).unwrap();
+    let la = flashloss_train::model::last_logits(&a, &prompts(), 0).unwrap();
+    let lb = flashloss_train::model::last_logits(&b, &prompts(), 0).unwrap();
     assert_eq!(max_abs_diff(&la, &lb), 0.0);
 
     // bf16 weights load (converted to f32).

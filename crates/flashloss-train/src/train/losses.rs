@@ -2,10 +2,10 @@
 //! log-probs) from hidden states and the LM head, by the path `loss.impl` picks.
 
 use super::config::LossImpl;
-use crate::ops::{self, GrpoInputs, GrpoStep, baseline};
 use candle_core::{Result, Storage, Tensor};
 use flashloss::policy::{Normalizers, policy_stage};
 use flashloss::{CrossEntropy, Device, GrpoLoss, LinearInputs};
+use flashloss_candle::ops::{self, GrpoInputs, GrpoStep, baseline};
 
 pub(crate) struct LossPath {
     implementation: LossImpl,
