@@ -23,7 +23,9 @@ pub mod policy;
 pub mod reference;
 pub mod tools;
 
-pub use batch::{GrpoBatch, LinearInputs, LogitsLayout, PerSeqOrToken};
+pub use batch::{
+    GrpoBatch, GrpoBatchData, LinearInputs, LogitsLayout, PerSeqOrToken, PerSeqOrTokenBuf,
+};
 pub use config::{GrpoLoss, ImportanceSamplingLevel, LossConfig, LossType};
 pub use cross_entropy::{CeConfig, CrossEntropy, Reduction};
 pub use element::{DType, Element};
