@@ -2,11 +2,11 @@
 //! log-probs) from hidden states and the LM head, by the path `loss.impl` picks.
 
 use super::config::LossImpl;
-use crate::ops::{self, GrpoInputs, GrpoStep, baseline};
+use crate::ops::{self, GrpoStep, baseline};
 use candle_core::{Result, Storage, Tensor};
 use flashloss::cpu::logp_linear;
 use flashloss::policy::{Normalizers, policy_stage};
-use flashloss::{CrossEntropy, GrpoLoss, LinearInputs};
+use flashloss::{CrossEntropy, GrpoBatchData, GrpoLoss, LinearInputs};
 
 pub(crate) struct LossPath {
     implementation: LossImpl,
@@ -65,7 +65,7 @@ impl LossPath {
         &self,
         hidden: &Tensor,
         head: &Tensor,
-        inputs: &GrpoInputs,
+        inputs: &GrpoBatchData,
     ) -> Result<(Tensor, GrpoStep)> {
         match self.implementation {
             LossImpl::Fused => {
@@ -114,7 +114,7 @@ impl LossPath {
         &self,
         hidden: &Tensor,
         head: &Tensor,
-        inputs: &GrpoInputs,
+        inputs: &GrpoBatchData,
     ) -> Result<Vec<f32>> {
         let (hidden, head) = (hidden.detach(), head.detach());
         let temperature = self.loss.config().temperature;
