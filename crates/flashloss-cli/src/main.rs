@@ -2,7 +2,7 @@
 
 use clap::{Parser, Subcommand, ValueEnum};
 use flashloss::memory::TrackingAllocator;
-use flashloss::tools::{bench, config_file, gradcheck, sharded_bench, sharded_check};
+use flashloss_tools::{bench, config_file, gradcheck, sharded_bench, sharded_check};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -109,7 +109,7 @@ enum CollectiveKind {
 }
 
 /// One rank's JSON line; the exit code it asks for (0 pass, 1 fail, 2 error).
-fn print_rank(rank: usize, result: &flashloss::Result<sharded_check::RankReport>) -> u8 {
+fn print_rank(rank: usize, result: &flashloss_tools::Result<sharded_check::RankReport>) -> u8 {
     match result {
         Ok(report) => {
             println!("{}", serde_json::to_string(report).expect("serializable"));
@@ -138,7 +138,7 @@ fn threads_per_rank(threads: Option<usize>, ranks: usize) -> usize {
 
 /// Prints every rank's bench line (and writes them to `json` as an array).
 fn print_rank_benches(
-    benches: flashloss::Result<Vec<sharded_bench::RankBench>>,
+    benches: flashloss_tools::Result<Vec<sharded_bench::RankBench>>,
     json: Option<PathBuf>,
 ) -> ExitCode {
     let benches = match benches {
@@ -164,7 +164,7 @@ fn print_rank_benches(
 /// This process's rank of an `mpirun` job runs the sharded bench; rank 0 prints.
 #[cfg(feature = "mpi")]
 fn bench_mpi(
-    cfg: flashloss::Result<bench::BenchConfig>,
+    cfg: flashloss_tools::Result<bench::BenchConfig>,
     threads: Option<usize>,
     json: Option<PathBuf>,
 ) -> ExitCode {
@@ -188,7 +188,7 @@ fn bench_mpi(
 
 #[cfg(not(feature = "mpi"))]
 fn bench_mpi(
-    _: flashloss::Result<bench::BenchConfig>,
+    _: flashloss_tools::Result<bench::BenchConfig>,
     _: Option<usize>,
     _: Option<PathBuf>,
 ) -> ExitCode {
@@ -198,7 +198,10 @@ fn bench_mpi(
 
 /// This process's rank of an `mpirun` job runs the sharded gradcheck.
 #[cfg(feature = "mpi")]
-fn gradcheck_mpi(cfg: flashloss::Result<gradcheck::GradcheckConfig>, threads: Option<usize>) -> u8 {
+fn gradcheck_mpi(
+    cfg: flashloss_tools::Result<gradcheck::GradcheckConfig>,
+    threads: Option<usize>,
+) -> u8 {
     let runtime = match flashloss::collective::MpiRuntime::init() {
         Ok(r) => r,
         Err(e) => {
@@ -215,7 +218,7 @@ fn gradcheck_mpi(cfg: flashloss::Result<gradcheck::GradcheckConfig>, threads: Op
 }
 
 #[cfg(not(feature = "mpi"))]
-fn gradcheck_mpi(_: flashloss::Result<gradcheck::GradcheckConfig>, _: Option<usize>) -> u8 {
+fn gradcheck_mpi(_: flashloss_tools::Result<gradcheck::GradcheckConfig>, _: Option<usize>) -> u8 {
     eprintln!("error: --collective mpi needs a build with `--features mpi`");
     2
 }
@@ -223,20 +226,20 @@ fn gradcheck_mpi(_: flashloss::Result<gradcheck::GradcheckConfig>, _: Option<usi
 /// A world of one NCCL rank on GPU 0 runs the sharded gradcheck.
 #[cfg(feature = "cuda")]
 fn gradcheck_nccl(
-    cfg: flashloss::Result<gradcheck::GradcheckConfig>,
+    cfg: flashloss_tools::Result<gradcheck::GradcheckConfig>,
     threads: Option<usize>,
 ) -> u8 {
     let world = flashloss::cuda::Gpu::new(0)
         .map(std::sync::Arc::new)
         .and_then(flashloss::collective::Nccl::solo);
-    let result = world.and_then(|world| {
+    let result = world.map_err(Into::into).and_then(|world| {
         cfg.and_then(|cfg| with_threads(threads, || sharded_check::run_on(&cfg, &world)))
     });
     print_rank(0, &result)
 }
 
 #[cfg(not(feature = "cuda"))]
-fn gradcheck_nccl(_: flashloss::Result<gradcheck::GradcheckConfig>, _: Option<usize>) -> u8 {
+fn gradcheck_nccl(_: flashloss_tools::Result<gradcheck::GradcheckConfig>, _: Option<usize>) -> u8 {
     eprintln!("error: --collective nccl needs a build with `--features cuda`");
     2
 }

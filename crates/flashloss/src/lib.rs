@@ -3,8 +3,8 @@
 //!
 //! Layers: the spec layer knows no backend ([`config`], [`cross_entropy`], [`batch`], [`error`],
 //! [`element`], [`policy`], [`reference`]); backends live in folders ([`cpu`]); sharded runs exchange data through
-//! [`collective`]; the
-//! [`tools`] drive them for the command-line tool (gradcheck, bench).
+//! [`collective`]. The command-line tool's drivers (YAML configs, random inputs,
+//! gradcheck, bench) are the `flashloss-tools` crate.
 //! The math is `shared/spec/losses.md`.
 
 #![warn(missing_docs)]
@@ -21,7 +21,6 @@ pub mod error;
 pub mod memory;
 pub mod policy;
 pub mod reference;
-pub mod tools;
 
 pub use batch::{
     GrpoBatch, GrpoBatchData, LinearInputs, LogitsLayout, PerSeqOrToken, PerSeqOrTokenBuf,

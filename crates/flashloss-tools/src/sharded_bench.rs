@@ -9,21 +9,21 @@
 //! the peak is the rank's own process; in-process it is the one process of all ranks.
 //! The one-rank run is rank 0's, before the sharded steps, while the others wait.
 
-use super::bench::{BenchConfig, LossKind, Timing, time_steps};
-use super::inputs::{GrpoInputs, InputSpec};
-use crate::batch::LinearInputs;
-use crate::collective::{Collective, agree, run_in_process};
-use crate::config::GrpoLoss;
-use crate::cpu::{
+use crate::bench::{BenchConfig, LossKind, Timing, time_steps};
+use crate::inputs::{GrpoInputs, InputSpec};
+use flashloss::batch::LinearInputs;
+use flashloss::collective::{Collective, agree, run_in_process};
+use flashloss::config::GrpoLoss;
+use flashloss::cpu::{
     FusedOptions, Grid, LinearGrads, Parallel, VocabShard, Workspace, ce_linear_grid,
     ce_linear_into, ce_linear_token_parallel, grpo_linear_grid, grpo_linear_into,
     grpo_linear_token_parallel, shard_range,
 };
-use crate::cross_entropy::CrossEntropy;
-use crate::element::{DType, Element};
-use crate::error::{Error, Result};
-use crate::memory;
-use crate::policy::Normalizers;
+use flashloss::cross_entropy::CrossEntropy;
+use flashloss::element::{DType, Element};
+use flashloss::memory;
+use flashloss::policy::Normalizers;
+use flashloss::{Error, Result};
 use half::bf16;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -83,30 +83,35 @@ pub struct RankBench {
 }
 
 /// Runs the sharded bench on `ranks` in-process ranks of `threads` threads each.
-pub fn run(cfg: &BenchConfig, ranks: usize, threads: usize) -> Result<Vec<RankBench>> {
+pub fn run(cfg: &BenchConfig, ranks: usize, threads: usize) -> crate::Result<Vec<RankBench>> {
     // Checked before spawning: with no rank there would be nobody to say so.
     cfg.parallel
         .grid_shape(ranks, cfg.vocab_groups, cfg.batch, cfg.vocab)?;
     let results = run_in_process(ranks, TIMEOUT, |comm| {
         run_rank(cfg, comm, threads, "in_process")
     });
-    results.into_iter().collect()
+    Ok(results.into_iter().collect::<Result<_>>()?)
 }
 
 /// Runs this rank's part over `comm`, a group of processes; returns every rank's
 /// numbers (all-gathered), the same on every rank.
-pub fn run_on(cfg: &BenchConfig, comm: &dyn Collective, threads: usize) -> Result<Vec<RankBench>> {
+pub fn run_on(
+    cfg: &BenchConfig,
+    comm: &dyn Collective,
+    threads: usize,
+) -> crate::Result<Vec<RankBench>> {
     let mine = run_rank(cfg, comm, threads, "mpi")?;
     let json = serde_json::to_vec(&mine).expect("serializable");
     let gathered = comm.all_gather_bytes(&json)?;
-    gathered
+    let benches = gathered
         .iter()
         .map(|b| {
             serde_json::from_slice(b).map_err(|e| Error::Collective {
                 reason: format!("a peer's bench report: {e}"),
             })
         })
-        .collect()
+        .collect::<Result<_>>()?;
+    Ok(benches)
 }
 
 fn run_rank(
@@ -191,8 +196,12 @@ impl<E: Element> RankInputs<E> {
         let mut all = GrpoInputs::random(&spec, cfg.seed);
         all.logits = Vec::new();
         // On-policy old logp (ratio 1), as in the one-rank bench.
-        all.old_logp = None;
-        all.ref_logp = all.ref_logp.take().filter(|_| loss.config().beta > 0.0);
+        all.data.old_logp = None;
+        all.data.ref_logp = all
+            .data
+            .ref_logp
+            .take()
+            .filter(|_| loss.config().beta > 0.0);
         RankInputs {
             hidden: normal_rows(cfg.seed, 0, rows.clone(), h, 1.0),
             weight: normal_rows(cfg.seed, 1 << 40, vocab.clone(), h, 2.0 / (h as f32).sqrt()),
@@ -275,7 +284,7 @@ fn rank_typed<E: Element>(
         let batch = inputs.tokens.batch();
         let norm = Normalizers::local(&batch);
         let (timing, (value, _), peak) =
-            timed(cfg, &crate::collective::Solo, base, true, &mut || {
+            timed(cfg, &flashloss::collective::Solo, base, true, &mut || {
                 grads.dhidden.fill(0.0);
                 grads.dweight.fill(0.0);
                 let lin = inputs.linear(h);

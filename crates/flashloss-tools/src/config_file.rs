@@ -1,7 +1,7 @@
 //! YAML configs (through `serde_yaml_ng`) with `--set dotted.key=value` overrides.
 //! Unknown keys and wrong types are errors that name the dotted key.
 
-use crate::error::{Error, Result};
+use crate::{Error, Result};
 use serde::de::DeserializeOwned;
 use serde_yaml_ng::{Mapping, Value};
 use std::path::Path;

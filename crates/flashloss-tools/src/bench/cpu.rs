@@ -1,241 +1,30 @@
-//! `flashloss bench`: A/B of the baseline (the plain path a framework runs) against the
-//! fused kernel, side by side in one run: step time (median, min, max), peak bytes in
-//! use (tracking allocator) and the peak above inputs and outputs, and the rate against
-//! a reference measured in the same run: memory copy bandwidth at logits level, the
-//! plain `[N,H]×[H,V]` GEMM rate at LM-head level.
+//! The bench on the CPU backend, under the tracking allocator: the rate of a step is
+//! set against a reference measured in the same run (memory copy bandwidth at logits
+//! level, the plain `[N,H]×[H,V]` GEMM at LM-head level).
 
-use super::gradcheck::Device;
-use super::inputs::{GrpoInputs, InputSpec};
-use crate::batch::{LinearInputs, LogitsLayout};
-use crate::config::{GrpoLoss, LossConfig};
-use crate::cpu::matmul::{MatRef, matmul};
-use crate::cpu::{
-    BaselineWorkspace, FusedOptions, LinearGrads, Mode, Parallel, Plan, UnfusedWorkspace,
-    Workspace, ce_linear_baseline_into, ce_linear_into, grpo_linear_baseline_into,
-    grpo_linear_into, grpo_logits_forward, grpo_logits_unfused_into,
+use super::config::{BenchConfig, Impl, Level, LossKind};
+use super::inputs::{linear_inputs, token_inputs};
+use super::report::{BenchReport, BenchResult, time_steps};
+use flashloss::batch::{LinearInputs, LogitsLayout};
+use flashloss::cpu::matmul::{MatRef, matmul};
+use flashloss::cpu::{
+    BaselineWorkspace, FusedOptions, LinearGrads, UnfusedWorkspace, Workspace,
+    ce_linear_baseline_into, ce_linear_into, grpo_linear_baseline_into, grpo_linear_into,
+    grpo_logits_forward, grpo_logits_unfused_into,
 };
-use crate::cross_entropy::{CeConfig, CrossEntropy};
-use crate::element::{DType, Element};
-use crate::error::{Error, Result};
-use crate::memory;
-use crate::policy::Normalizers;
+use flashloss::memory;
+use flashloss::policy::Normalizers;
+use flashloss::{CrossEntropy, DType, Element, Error, GrpoLoss, Result};
 use half::bf16;
-use rand::SeedableRng;
-use rand_chacha::ChaCha8Rng;
-use rand_distr::{Distribution, Normal};
 use rayon::prelude::*;
-use serde::{Deserialize, Serialize};
+use std::convert::Infallible;
 use std::time::Instant;
 
-/// Which implementations to run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Impl {
-    /// The plain path only.
-    Baseline,
-    /// The fused kernel only.
-    Fused,
-    /// Both, side by side.
-    Both,
-}
-
-/// What the kernel starts from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Level {
-    /// Logits `[N, V]` given (the logits-level kernel).
-    Logits,
-    /// Hidden states `[N, H]` and the LM head `[V, H]` given (the fused linear kernel).
-    Linear,
-}
-
-/// Which loss.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum LossKind {
-    /// The GRPO policy loss (`grpo:` holds its config).
-    Grpo,
-    /// Cross-entropy (`ce:` holds its config; level `linear` only).
-    Ce,
-}
-
-/// The bench config file (`configs/bench/*.yaml`).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct BenchConfig {
-    /// Where the step starts.
-    pub level: Level,
-    /// Which implementations.
-    #[serde(rename = "impl")]
-    pub implementation: Impl,
-    /// Which loss.
-    pub loss: LossKind,
-    /// N, tokens per step.
-    pub tokens: usize,
-    /// Sequences the N tokens form (sharded runs split them over token groups).
-    pub batch: usize,
-    /// How `--ranks P` or `--collective mpi` splits the step.
-    pub parallel: Parallel,
-    /// Vocab groups of a `2d` grid (they must divide P).
-    pub vocab_groups: Option<usize>,
-    /// H (level `linear`).
-    pub hidden: usize,
-    /// V.
-    pub vocab: usize,
-    /// Storage dtype of the logits.
-    pub dtype: DType,
-    /// Untimed steps before timing.
-    pub warmup: usize,
-    /// Timed steps.
-    pub repeat: usize,
-    /// Seed of the inputs.
-    pub seed: u64,
-    /// Fused linear recomputation mode.
-    pub mode: Mode,
-    /// Fused linear workspace budget in MiB (includes the GEMM reserve, or on the GPU
-    /// the cuBLAS workspace).
-    pub budget_mib: f64,
-    /// Where the step runs (`cuda`: GPU 0, level `linear`, a build with feature `cuda`).
-    pub device: Device,
-    /// The GRPO loss.
-    pub grpo: LossConfig,
-    /// The cross-entropy loss.
-    pub ce: CeConfig,
-}
-
-impl Default for BenchConfig {
-    fn default() -> Self {
-        BenchConfig {
-            level: Level::Logits,
-            implementation: Impl::Both,
-            loss: LossKind::Grpo,
-            tokens: 256,
-            batch: 1,
-            parallel: Parallel::Vocab,
-            vocab_groups: None,
-            hidden: 256,
-            vocab: 32000,
-            dtype: DType::F32,
-            warmup: 1,
-            repeat: 5,
-            seed: 0,
-            mode: Mode::Auto,
-            budget_mib: 64.0,
-            device: Device::Cpu,
-            grpo: LossConfig::default(),
-            ce: CeConfig::default(),
-        }
-    }
-}
-
-/// Step times in seconds.
-#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
-pub struct Timing {
-    /// Median.
-    pub median: f64,
-    /// Fastest.
-    pub min: f64,
-    /// Slowest.
-    pub max: f64,
-}
-
-/// One implementation's numbers.
-#[derive(Debug, Clone, Serialize)]
-pub struct BenchResult {
-    /// `baseline` or `fused`.
-    pub implementation: &'static str,
-    /// The config's level.
-    pub level: Level,
-    /// The config's loss.
-    pub loss_kind: LossKind,
-    /// N.
-    pub tokens: usize,
-    /// H (level `linear`).
-    pub hidden: Option<usize>,
-    /// V.
-    pub vocab: usize,
-    /// Storage dtype of logits or hidden states and weight.
-    pub dtype: DType,
-    /// Rayon threads.
-    pub threads: usize,
-    /// Forward + backward step time.
-    pub step_seconds: Timing,
-    /// The loss (the same for every implementation).
-    pub loss: f64,
-    /// Peak bytes in use during a step (whole process).
-    pub peak_bytes: usize,
-    /// Bytes of inputs and outputs.
-    pub io_bytes: usize,
-    /// `peak_bytes` less the bytes in use before the inputs were made and `io_bytes`.
-    pub peak_above_io_bytes: i64,
-    /// Logits level: the least bytes a step moves (read logits twice, write dlogits once).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub bytes_moved: Option<f64>,
-    /// Logits level: `bytes_moved / median`, GB/s.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub gbytes_per_s: Option<f64>,
-    /// Logits level: parallel copy of a logits-sized buffer, same run (read + write), GB/s.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub copy_gbytes_per_s: Option<f64>,
-    /// Linear level: FLOPs done (6NHV, or 8NHV for two-pass).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub flops: Option<f64>,
-    /// Linear level: `flops / median`, GFLOP/s.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub gflops_per_s: Option<f64>,
-    /// Linear level: the plain `[N,H]×[H,V]` GEMM, same run, GFLOP/s.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub gemm_gflops_per_s: Option<f64>,
-    /// Linear level, fused: the plan that ran.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub plan: Option<Plan>,
-    /// Bytes in use on the device by `cudaMemGetInfo` after the run (device `cuda`:
-    /// the CUDA context, cuBLAS and the backend's buffers together).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub device_used_bytes: Option<usize>,
-}
-
-/// What [`run`] returns: one result per implementation that ran, and notes (e.g. a
-/// baseline skipped for lack of memory).
-#[derive(Debug, Clone, Serialize)]
-pub struct BenchReport {
-    /// Per implementation.
-    pub results: Vec<BenchResult>,
-    /// Why something did not run.
-    pub notes: Vec<String>,
-}
-
-/// Times `repeat` calls of `step` after `warmup` calls; `progress(done, total)` after each.
-pub fn time_steps(
-    warmup: usize,
-    repeat: usize,
-    mut step: impl FnMut() -> Result<()>,
-    progress: &mut dyn FnMut(usize, usize),
-) -> Result<Timing> {
-    for k in 0..warmup {
-        step()?;
-        progress(k + 1, warmup + repeat);
-    }
-    let mut times = Vec::with_capacity(repeat);
-    for k in 0..repeat.max(1) {
-        let start = Instant::now();
-        step()?;
-        times.push(start.elapsed().as_secs_f64());
-        progress(warmup + k + 1, warmup + repeat);
-    }
-    times.sort_by(f64::total_cmp);
-    Ok(Timing {
-        median: times[times.len() / 2],
-        min: times[0],
-        max: times[times.len() - 1],
-    })
-}
-
-/// Runs the bench; `progress(label, done, total)` reports long runs.
-pub fn run(cfg: &BenchConfig, progress: &mut dyn FnMut(&str, usize, usize)) -> Result<BenchReport> {
-    if cfg.device == Device::Cuda {
-        return super::gpu_bench::run(cfg, progress);
-    }
+/// Runs the bench on the CPU backend.
+pub(super) fn run(
+    cfg: &BenchConfig,
+    progress: &mut dyn FnMut(&str, usize, usize),
+) -> Result<BenchReport> {
     if !memory::is_tracking() {
         return Err(Error::InvalidArgument {
             arg: "bench",
@@ -309,42 +98,6 @@ fn available_memory() -> Option<usize> {
     let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib * 1024)
-}
-
-/// Per-token GRPO inputs of one sequence of N tokens over V (logits not kept).
-fn token_inputs(cfg: &BenchConfig) -> GrpoInputs {
-    let spec = InputSpec {
-        batch: 1,
-        seq_len: cfg.tokens,
-        vocab: cfg.vocab,
-        masked_fraction: 0.0,
-        ..InputSpec::default()
-    };
-    GrpoInputs::random(&spec, cfg.seed)
-}
-
-/// The inputs of a level-`linear` bench: hidden `[N, H]` ~ N(0, 1), weight `[V, H]`
-/// ~ N(0, 4/H) (never zeros), and one sequence's per-token GRPO inputs, on-policy (old
-/// logp unset: ratio 1 keeps the loss meaningful without a logits pass).
-pub(crate) fn linear_inputs<E: Element>(
-    cfg: &BenchConfig,
-    loss: &GrpoLoss,
-) -> (Vec<E>, Vec<E>, GrpoInputs) {
-    let (n, h, v) = (cfg.tokens, cfg.hidden, cfg.vocab);
-    let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed);
-    let normal = Normal::new(0.0f32, 1.0).expect("valid");
-    let w_scale = 2.0 / (h as f32).sqrt();
-    let hidden: Vec<E> = (0..n * h)
-        .map(|_| E::from_f32(normal.sample(&mut rng)))
-        .collect();
-    let weight: Vec<E> = (0..v * h)
-        .map(|_| E::from_f32(normal.sample(&mut rng) * w_scale))
-        .collect();
-    let mut tokens = token_inputs(cfg);
-    tokens.logits = Vec::new();
-    tokens.old_logp = None;
-    tokens.ref_logp = tokens.ref_logp.take().filter(|_| loss.config().beta > 0.0);
-    (hidden, weight, tokens)
 }
 
 fn run_linear<E: Element>(
@@ -470,7 +223,7 @@ fn gemm_rate(
     let a: Vec<f32> = (0..n * h).map(|i| ((i % 7) as f32 - 3.0) * 0.1).collect();
     let b: Vec<f32> = (0..v * h).map(|i| ((i % 5) as f32 - 2.0) * 0.1).collect();
     let mut c = vec![0.0f32; n * v];
-    let timing = time_steps(
+    let Ok(timing) = time_steps::<Infallible>(
         1,
         repeat,
         || {
@@ -484,8 +237,7 @@ fn gemm_rate(
             Ok(())
         },
         &mut |d, t| progress("gemm", d, t),
-    )
-    .expect("the GEMM step cannot fail");
+    );
     2.0 * n as f64 * h as f64 * v as f64 / timing.median / 1e9
 }
 

@@ -6,37 +6,44 @@
 //! dH + dW in f32 + per-row state) and what `cudaMemGetInfo` says is in use. The
 //! baseline materializes the `[N, V]` logits (f32) and their gradient (in place for
 //! f32 heads, bf16 for bf16 heads) and runs the same row kernels and products.
+//! `bench::run` dispatches here, so this module takes the bench's config, report and
+//! inputs from their own modules (`bench::{config, report, inputs}`), not from `bench`.
 
-use super::bench::{BenchConfig, BenchReport};
+use crate::Result;
+use crate::bench::config::BenchConfig;
 #[cfg(feature = "cuda")]
-use super::bench::{BenchResult, Impl, Level, LossKind, Timing};
-use crate::error::{Error, Result};
+use crate::bench::config::{Impl, Level, LossKind};
+use crate::bench::report::BenchReport;
+#[cfg(feature = "cuda")]
+use crate::bench::report::{BenchResult, Timing};
 
 /// Runs a level-`linear` bench on GPU 0.
 #[cfg(feature = "cuda")]
 pub fn run(cfg: &BenchConfig, progress: &mut dyn FnMut(&str, usize, usize)) -> Result<BenchReport> {
-    use crate::element::DType;
+    use flashloss::DType;
     use half::bf16;
     if cfg.level != Level::Linear {
-        return Err(Error::InvalidArgument {
+        return Err(flashloss::Error::InvalidArgument {
             arg: "level",
             reason: "device cuda benchmarks level `linear` (the logits-level GPU kernel is \
                      checked by gradcheck)"
                 .into(),
-        });
+        }
+        .into());
     }
-    match cfg.dtype {
+    Ok(match cfg.dtype {
         DType::F32 => typed::<f32>(cfg, progress),
         DType::Bf16 => typed::<bf16>(cfg, progress),
-    }
+    }?)
 }
 
 /// Without feature `cuda`: an error saying so.
 #[cfg(not(feature = "cuda"))]
 pub fn run(_: &BenchConfig, _: &mut dyn FnMut(&str, usize, usize)) -> Result<BenchReport> {
-    Err(Error::Device {
+    Err(flashloss::Error::Device {
         reason: "this build has no CUDA backend: build with `--features cuda`".into(),
-    })
+    }
+    .into())
 }
 
 /// Median, min and max of step times.
@@ -51,20 +58,21 @@ fn timing(mut times: Vec<f64>) -> Timing {
 }
 
 #[cfg(feature = "cuda")]
-fn typed<E: crate::cuda::GpuElement>(
+fn typed<E: flashloss::cuda::GpuElement>(
     cfg: &BenchConfig,
     progress: &mut dyn FnMut(&str, usize, usize),
-) -> Result<BenchReport> {
-    use super::bench::linear_inputs;
-    use crate::batch::LinearInputs;
-    use crate::config::GrpoLoss;
-    use crate::cpu::{FusedOptions, Plan};
-    use crate::cross_entropy::CrossEntropy;
-    use crate::cuda::{
+) -> flashloss::Result<BenchReport> {
+    use crate::bench::inputs::linear_inputs;
+    use flashloss::Result;
+    use flashloss::batch::LinearInputs;
+    use flashloss::config::GrpoLoss;
+    use flashloss::cpu::{FusedOptions, Plan};
+    use flashloss::cross_entropy::CrossEntropy;
+    use flashloss::cuda::{
         Gpu, GpuGrads, GpuHead, GpuWorkspace, ce_linear_planned, grpo_linear_planned, head_logits,
         materialized_plan, plan,
     };
-    use crate::policy::Normalizers;
+    use flashloss::policy::Normalizers;
 
     let loss = GrpoLoss::new(cfg.grpo.clone())?;
     let ce = CrossEntropy::new(cfg.ce.clone())?;

@@ -5,20 +5,20 @@
 //! its own gates; sharding changes only summation order, so the gates are f32
 //! rounding: 1e-5 relative to the largest entry.
 
-use super::gradcheck::{
+use crate::gradcheck::{
     Device, FaultKind, Gate, GradcheckConfig, GradcheckReport, Kernel, LinearCase, Objective,
     Tolerance, ce_targets, grad_gate,
 };
-use super::inputs::HeadInputs;
-use crate::collective::{Collective, agree, run_in_process};
-use crate::config::GrpoLoss;
-use crate::cpu::{
+use crate::inputs::HeadInputs;
+use flashloss::collective::{Collective, agree, run_in_process};
+use flashloss::config::GrpoLoss;
+use flashloss::cpu::{
     Grid, LinearGrads, Parallel, VocabShard, ce_linear, ce_linear_grid, ce_linear_token_parallel,
     grpo_linear, grpo_linear_grid, grpo_linear_token_parallel, shard_range,
 };
-use crate::cross_entropy::CrossEntropy;
-use crate::element::{DType, Element};
-use crate::error::{Error, Result};
+use flashloss::cross_entropy::CrossEntropy;
+use flashloss::element::{DType, Element};
+use flashloss::{Error, Result};
 use half::bf16;
 use serde::Serialize;
 use std::ops::Range;
@@ -43,18 +43,22 @@ pub struct RankReport {
 
 /// Runs the sharded check on `ranks` in-process ranks; one result per rank (a failure
 /// on any rank is the same error on all).
-pub fn run(cfg: &GradcheckConfig, ranks: usize) -> Result<Vec<Result<RankReport>>> {
+pub fn run(cfg: &GradcheckConfig, ranks: usize) -> crate::Result<Vec<crate::Result<RankReport>>> {
     check_ranks(cfg, ranks)?;
-    match cfg.dtype {
+    let results = match cfg.dtype {
         DType::F32 => {
             let check = Check::<f32>::new(cfg)?;
-            Ok(run_in_process(ranks, timeout(cfg), |comm| check.rank(comm)))
+            run_in_process(ranks, timeout(cfg), |comm| check.rank(comm))
         }
         DType::Bf16 => {
             let check = Check::<bf16>::new(cfg)?;
-            Ok(run_in_process(ranks, timeout(cfg), |comm| check.rank(comm)))
+            run_in_process(ranks, timeout(cfg), |comm| check.rank(comm))
         }
-    }
+    };
+    Ok(results
+        .into_iter()
+        .map(|r| r.map_err(crate::Error::from))
+        .collect())
 }
 
 /// How long a rank waits for its peers in one collective (config `timeout_s`).
@@ -65,7 +69,7 @@ pub fn timeout(cfg: &GradcheckConfig) -> Duration {
 /// Runs this rank's part of the sharded check over `comm`, a group of processes (every
 /// rank of `comm` calls it; an injected `exit` fault ends this process). A bad config
 /// is the same error on every rank.
-pub fn run_on(cfg: &GradcheckConfig, comm: &dyn Collective) -> Result<RankReport> {
+pub fn run_on(cfg: &GradcheckConfig, comm: &dyn Collective) -> crate::Result<RankReport> {
     if cfg
         .fault
         .is_some_and(|f| f.rank == comm.rank() && f.kind == FaultKind::Exit)
@@ -74,10 +78,11 @@ pub fn run_on(cfg: &GradcheckConfig, comm: &dyn Collective) -> Result<RankReport
         std::process::exit(1);
     }
     agree(comm, check_ranks(cfg, comm.world_size()))?;
-    match cfg.dtype {
+    let report = match cfg.dtype {
         DType::F32 => Check::<f32>::new(cfg)?.rank(comm),
         DType::Bf16 => Check::<bf16>::new(cfg)?.rank(comm),
-    }
+    };
+    Ok(report?)
 }
 
 /// `(token groups, vocab groups)` of `ranks` in the config's mode, checked.

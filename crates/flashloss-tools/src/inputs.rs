@@ -3,9 +3,9 @@
 //! right-padded masks, old and reference logp near the current policy's; random LM
 //! heads.
 
-use crate::batch::{GrpoBatch, LinearInputs, PerSeqOrToken};
-use crate::element::Element;
-use crate::reference::row_softmax;
+use flashloss::batch::{GrpoBatch, GrpoBatchData, LinearInputs, PerSeqOrTokenBuf};
+use flashloss::element::Element;
+use flashloss::reference::row_softmax;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Normal};
@@ -50,31 +50,16 @@ impl Default for InputSpec {
     }
 }
 
-/// Owned random inputs; [`GrpoInputs::batch`] borrows them as a [`GrpoBatch`].
+/// Random inputs: dense logits and the per-token inputs they go with;
+/// [`GrpoInputs::batch`] borrows the latter as a [`GrpoBatch`].
 #[derive(Debug, Clone)]
 pub struct GrpoInputs {
-    /// B.
-    pub batch: usize,
-    /// T.
-    pub seq_len: usize,
     /// V.
     pub vocab: usize,
-    /// Dense logits `[B, T, V]` in f32.
+    /// Dense logits `[B, T, V]` in f32 (empty when the logits come from an LM head).
     pub logits: Vec<f32>,
-    /// `[B, T]`.
-    pub target_ids: Vec<i64>,
-    /// `[B, T]`.
-    pub mask: Vec<bool>,
-    /// `[B]` or `[B, T]`.
-    pub advantages: Vec<f32>,
-    /// Whether `advantages` is per token.
-    pub per_token_advantages: bool,
-    /// `[B, T]`.
-    pub old_logp: Option<Vec<f32>>,
-    /// `[B, T]`.
-    pub ref_logp: Option<Vec<f32>>,
-    /// `[B, T]`.
-    pub sampler_ratio: Option<Vec<f32>>,
+    /// Target ids, mask, advantages, old and reference logp, sampler ratio.
+    pub data: GrpoBatchData,
 }
 
 /// The exact log-softmax of row `row` at `id`, in f64.
@@ -108,6 +93,11 @@ impl GrpoInputs {
         let advantages: Vec<f32> = (0..n_adv)
             .map(|_| Normal::new(0.0, 1.0).unwrap().sample(&mut rng))
             .collect();
+        let advantages = if spec.per_token_advantages {
+            PerSeqOrTokenBuf::Token(advantages)
+        } else {
+            PerSeqOrTokenBuf::Sequence(advantages)
+        };
         let logp: Vec<f64> = (0..b * t)
             .map(|i| logp_of(&logits[i * v..(i + 1) * v], target_ids[i] as usize))
             .collect();
@@ -121,21 +111,22 @@ impl GrpoInputs {
         };
         let old_logp = near(spec.old_logp, 0.15);
         let ref_logp = near(spec.ref_logp, 0.3);
-        let sampler_ratio = spec
-            .sampler_ratio
-            .then(|| (0..b * t).map(|_| rng.random_range(0.5..1.5f32)).collect());
+        let sampler_ratio = spec.sampler_ratio.then(|| {
+            PerSeqOrTokenBuf::Token((0..b * t).map(|_| rng.random_range(0.5..1.5f32)).collect())
+        });
         GrpoInputs {
-            batch: b,
-            seq_len: t,
             vocab: v,
             logits,
-            target_ids,
-            mask,
-            advantages,
-            per_token_advantages: spec.per_token_advantages,
-            old_logp,
-            ref_logp,
-            sampler_ratio,
+            data: GrpoBatchData {
+                batch: b,
+                seq_len: t,
+                target_ids,
+                mask,
+                advantages,
+                old_logp,
+                ref_logp,
+                sampler_ratio,
+            },
         }
     }
 
@@ -143,15 +134,15 @@ impl GrpoInputs {
     /// at `temperature` (ratios near 1, as in training), for inputs whose logits come
     /// from elsewhere (an LM head).
     pub fn follow_policy(&mut self, z: &[f64], temperature: f64) {
-        let v = self.vocab;
-        for i in 0..self.batch * self.seq_len {
+        let (v, data) = (self.vocab, &mut self.data);
+        for i in 0..data.batch * data.seq_len {
             let row = row_softmax(&z[i * v..(i + 1) * v], temperature);
-            let lp = row.log_probs[self.target_ids[i] as usize] as f32;
+            let lp = row.log_probs[data.target_ids[i] as usize] as f32;
             let wiggle = ((i * 7) % 5) as f32 * 0.06 - 0.12;
-            if let Some(old) = self.old_logp.as_mut() {
+            if let Some(old) = data.old_logp.as_mut() {
                 old[i] = lp + wiggle;
             }
-            if let Some(reference) = self.ref_logp.as_mut() {
+            if let Some(reference) = data.ref_logp.as_mut() {
                 reference[i] = lp - 0.5 * wiggle + 0.05;
             }
         }
@@ -159,48 +150,36 @@ impl GrpoInputs {
 
     /// The sequences `seqs` alone (a token-parallel rank's share), logits included.
     pub fn sequences(&self, seqs: Range<usize>) -> GrpoInputs {
-        let (t, v) = (self.seq_len, self.vocab);
+        let (data, t, v) = (&self.data, self.data.seq_len, self.vocab);
         let rows = seqs.start * t..seqs.end * t;
         let per_token = |x: &Option<Vec<f32>>| x.as_ref().map(|x| x[rows.clone()].to_vec());
+        let either = |x: &PerSeqOrTokenBuf| match x {
+            PerSeqOrTokenBuf::Sequence(x) => PerSeqOrTokenBuf::Sequence(x[seqs.clone()].to_vec()),
+            PerSeqOrTokenBuf::Token(x) => PerSeqOrTokenBuf::Token(x[rows.clone()].to_vec()),
+        };
         GrpoInputs {
-            batch: seqs.len(),
-            seq_len: t,
             vocab: v,
             logits: if self.logits.is_empty() {
                 Vec::new()
             } else {
                 self.logits[rows.start * v..rows.end * v].to_vec()
             },
-            target_ids: self.target_ids[rows.clone()].to_vec(),
-            mask: self.mask[rows.clone()].to_vec(),
-            advantages: if self.per_token_advantages {
-                self.advantages[rows.clone()].to_vec()
-            } else {
-                self.advantages[seqs].to_vec()
+            data: GrpoBatchData {
+                batch: seqs.len(),
+                seq_len: t,
+                target_ids: data.target_ids[rows.clone()].to_vec(),
+                mask: data.mask[rows.clone()].to_vec(),
+                advantages: either(&data.advantages),
+                old_logp: per_token(&data.old_logp),
+                ref_logp: per_token(&data.ref_logp),
+                sampler_ratio: data.sampler_ratio.as_ref().map(either),
             },
-            per_token_advantages: self.per_token_advantages,
-            old_logp: per_token(&self.old_logp),
-            ref_logp: per_token(&self.ref_logp),
-            sampler_ratio: per_token(&self.sampler_ratio),
         }
     }
 
     /// Borrows the per-token inputs as a [`GrpoBatch`].
     pub fn batch(&self) -> GrpoBatch<'_> {
-        GrpoBatch {
-            batch: self.batch,
-            seq_len: self.seq_len,
-            target_ids: &self.target_ids,
-            mask: &self.mask,
-            advantages: if self.per_token_advantages {
-                PerSeqOrToken::Token(&self.advantages)
-            } else {
-                PerSeqOrToken::Sequence(&self.advantages)
-            },
-            old_logp: self.old_logp.as_deref(),
-            ref_logp: self.ref_logp.as_deref(),
-            sampler_ratio: self.sampler_ratio.as_deref().map(PerSeqOrToken::Token),
-        }
+        self.data.batch()
     }
 }
 
