@@ -2,8 +2,11 @@
 //! and the gradients that reach hidden states and the LM head.
 
 use candle_core::{DType, Device, Tensor, Var};
-use flashloss::{CeConfig, CrossEntropy, GrpoLoss, LossConfig, LossType, Reduction};
-use flashloss_candle::ops::{self, GrpoInputs, baseline};
+use flashloss::{
+    CeConfig, CrossEntropy, GrpoBatchData, GrpoLoss, LossConfig, LossType, PerSeqOrTokenBuf,
+    Reduction,
+};
+use flashloss_candle::ops::{self, baseline};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -14,13 +17,13 @@ fn random(rng: &mut ChaCha8Rng, shape: (usize, usize), scale: f32) -> Var {
     Var::from_tensor(&Tensor::from_vec(v, shape, &Device::Cpu).unwrap()).unwrap()
 }
 
-fn inputs(rng: &mut ChaCha8Rng, b: usize, t: usize, v: usize) -> GrpoInputs {
+fn inputs(rng: &mut ChaCha8Rng, b: usize, t: usize, v: usize) -> GrpoBatchData {
     let n = b * t;
     // Right-padded completions of random lengths; sequence 1 fully masked.
     let mask: Vec<bool> = (0..n)
         .map(|i| i / t != 1 && i % t < 1 + (i / t * 3) % t)
         .collect();
-    GrpoInputs {
+    GrpoBatchData {
         batch: b,
         seq_len: t,
         target_ids: (0..n)
@@ -33,9 +36,12 @@ fn inputs(rng: &mut ChaCha8Rng, b: usize, t: usize, v: usize) -> GrpoInputs {
             })
             .collect(),
         mask,
-        advantages: (0..b).map(|_| rng.random_range(-1.5..1.5)).collect(),
+        advantages: PerSeqOrTokenBuf::Sequence(
+            (0..b).map(|_| rng.random_range(-1.5..1.5)).collect(),
+        ),
         old_logp: Some((0..n).map(|_| rng.random_range(-4.0..-2.0)).collect()),
         ref_logp: Some((0..n).map(|_| rng.random_range(-4.0..-2.0)).collect()),
+        sampler_ratio: None,
     }
 }
 

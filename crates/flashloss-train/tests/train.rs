@@ -188,9 +188,9 @@ fn the_report_draws_charts_and_a_summary() {
 #[test]
 fn bad_configs_are_errors_naming_the_key() {
     let e =
-        flashloss::tools::config_file::parse::<TrainConfig>("loss: {impl: fast}", &[]).unwrap_err();
+        flashloss_tools::config_file::parse::<TrainConfig>("loss: {impl: fast}", &[]).unwrap_err();
     assert!(e.to_string().contains("loss.impl"), "{e}");
-    let e = flashloss::tools::config_file::parse::<TrainConfig>("grpo: {group_sise: 2}", &[])
+    let e = flashloss_tools::config_file::parse::<TrainConfig>("grpo: {group_sise: 2}", &[])
         .unwrap_err();
     assert!(e.to_string().contains("group_sise"), "{e}");
     let mut c = small(&tmp("bad"), LossImpl::Fused);

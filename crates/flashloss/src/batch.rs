@@ -255,6 +255,66 @@ impl GrpoBatch<'_> {
     }
 }
 
+/// An owned [`PerSeqOrToken`]: values once per sequence (`[B]`) or once per token
+/// (`[B, T]`).
+#[derive(Debug, Clone, PartialEq)]
+pub enum PerSeqOrTokenBuf {
+    /// One value per sequence, `[B]`.
+    Sequence(Vec<f32>),
+    /// One value per token, `[B, T]`.
+    Token(Vec<f32>),
+}
+
+impl PerSeqOrTokenBuf {
+    /// Borrows the values as a [`PerSeqOrToken`].
+    pub fn view(&self) -> PerSeqOrToken<'_> {
+        match self {
+            PerSeqOrTokenBuf::Sequence(v) => PerSeqOrToken::Sequence(v),
+            PerSeqOrTokenBuf::Token(v) => PerSeqOrToken::Token(v),
+        }
+    }
+}
+
+/// The per-token inputs of a GRPO step with owned buffers, for callers that build a
+/// batch and keep it (a trainer's rollout, random test inputs); [`GrpoBatchData::batch`]
+/// borrows it as the [`GrpoBatch`] the kernels take. Same fields, shapes and rules as
+/// [`GrpoBatch`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct GrpoBatchData {
+    /// B.
+    pub batch: usize,
+    /// T.
+    pub seq_len: usize,
+    /// Sampled token ids `[B, T]`, in `[0, V)` where the mask is set.
+    pub target_ids: Vec<i64>,
+    /// Completion mask `[B, T]`.
+    pub mask: Vec<bool>,
+    /// Advantages `[B]` or `[B, T]`, finite.
+    pub advantages: PerSeqOrTokenBuf,
+    /// Old-policy logp `[B, T]`; absent means on-policy (ratio 1).
+    pub old_logp: Option<Vec<f32>>,
+    /// Reference-policy logp `[B, T]`; required when β > 0.
+    pub ref_logp: Option<Vec<f32>>,
+    /// Detached sampler importance ratio ρ `[B]` or `[B, T]`.
+    pub sampler_ratio: Option<PerSeqOrTokenBuf>,
+}
+
+impl GrpoBatchData {
+    /// Borrows the buffers as a [`GrpoBatch`].
+    pub fn batch(&self) -> GrpoBatch<'_> {
+        GrpoBatch {
+            batch: self.batch,
+            seq_len: self.seq_len,
+            target_ids: &self.target_ids,
+            mask: &self.mask,
+            advantages: self.advantages.view(),
+            old_logp: self.old_logp.as_deref(),
+            ref_logp: self.ref_logp.as_deref(),
+            sampler_ratio: self.sampler_ratio.as_ref().map(PerSeqOrTokenBuf::view),
+        }
+    }
+}
+
 /// `(N, H, V)` of a head: `[N, H]` hidden states, `[V, H]` weight (V: the entries this
 /// head holds, a shard's `V_r` in a vocab-parallel run).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

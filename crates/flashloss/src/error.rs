@@ -98,14 +98,6 @@ pub enum Error {
         /// Its error.
         reason: String,
     },
-    /// A config file could not be read or parsed; `key` is the dotted path.
-    #[error("config {key}: {reason}")]
-    ConfigFile {
-        /// Dotted path of the offending key (`<file>` when the whole file is bad).
-        key: String,
-        /// What is wrong.
-        reason: String,
-    },
 }
 
 /// The crate's result type.

@@ -3,8 +3,8 @@
 //!
 //! Layers: the spec layer knows no backend ([`config`], [`cross_entropy`], [`batch`], [`error`],
 //! [`element`], [`policy`], [`reference`]); backends live in folders ([`cpu`]); sharded runs exchange data through
-//! [`collective`]; the
-//! [`tools`] drive them for the command-line tool (gradcheck, bench).
+//! [`collective`]. The command-line tool's drivers (YAML configs, random inputs,
+//! gradcheck, bench) are the `flashloss-tools` crate.
 //! The math is `shared/spec/losses.md`.
 
 #![warn(missing_docs)]
@@ -26,7 +26,10 @@ pub mod policy;
 pub mod reference;
 pub mod rows;
 
-pub use batch::{GrpoBatch, HeadShape, LinearInputs, LogitsLayout, PerSeqOrToken};
+pub use batch::{
+    GrpoBatch, GrpoBatchData, HeadShape, LinearInputs, LogitsLayout, PerSeqOrToken,
+    PerSeqOrTokenBuf,
+};
 pub use config::{GrpoLoss, ImportanceSamplingLevel, LossConfig, LossType};
 pub use cross_entropy::{CeConfig, CrossEntropy, Reduction};
 pub use device::Device;

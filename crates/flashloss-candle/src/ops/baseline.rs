@@ -2,9 +2,10 @@
 //! framework runs (TRL's formulas), the A/B baseline of training, and the oracle of the
 //! fused ops' tests. Autograd keeps every `[N, V]` intermediate for the backward.
 
-use super::grpo_linear::GrpoInputs;
 use candle_core::{D, DType, Result, Tensor};
-use flashloss::{CrossEntropy, GrpoLoss, ImportanceSamplingLevel, LossType, Reduction};
+use flashloss::{
+    CrossEntropy, GrpoBatchData, GrpoLoss, ImportanceSamplingLevel, LossType, Reduction,
+};
 
 /// `hidden · weightᵀ`: `[N, H] × [V, H]ᵀ → [N, V]`.
 pub fn head_logits(hidden: &Tensor, weight: &Tensor) -> Result<Tensor> {
@@ -32,7 +33,7 @@ pub fn log_softmax_stats(
 }
 
 /// Targets with masked rows set to 0, so that a gather over them stays in range.
-pub fn live_targets(inputs: &GrpoInputs) -> Vec<i64> {
+pub fn live_targets(inputs: &GrpoBatchData) -> Vec<i64> {
     inputs
         .target_ids
         .iter()
@@ -42,7 +43,7 @@ pub fn live_targets(inputs: &GrpoInputs) -> Vec<i64> {
 }
 
 /// Each token's reduction weight `w_i` (spec "Reduction weights"; 0 where masked).
-fn reduction_weights(loss: &GrpoLoss, inputs: &GrpoInputs) -> Vec<f32> {
+fn reduction_weights(loss: &GrpoLoss, inputs: &GrpoBatchData) -> Vec<f32> {
     let c = loss.config();
     let (b, t) = (inputs.batch, inputs.seq_len);
     let tokens = inputs.mask.iter().filter(|&&m| m).count().max(1) as f64;
@@ -70,12 +71,13 @@ fn reduction_weights(loss: &GrpoLoss, inputs: &GrpoInputs) -> Vec<f32> {
 /// The GRPO loss from per-token `logp` and `entropy` `[B·T]` (with autograd), written
 /// with candle ops as TRL writes it: token-level ratios, the clipped family (grpo,
 /// bnpo, dr_grpo, dapo, with δ), cispo and sapo, k3 KL (optionally bias-corrected)
-/// and the entropy bonus. Sequence-level ratios, luspo and vespo are an error here.
+/// and the entropy bonus. Sequence-level ratios, luspo, vespo and a sampler ratio are
+/// an error here.
 pub fn grpo_loss(
     logp: &Tensor,
     entropy: &Tensor,
     loss: &GrpoLoss,
-    inputs: &GrpoInputs,
+    inputs: &GrpoBatchData,
 ) -> Result<Tensor> {
     let c = loss.config();
     if c.importance_sampling_level == ImportanceSamplingLevel::Sequence
@@ -87,12 +89,16 @@ pub fn grpo_loss(
             c.importance_sampling_level
         )
     }
+    if inputs.sampler_ratio.is_some() {
+        candle_core::bail!(
+            "sampler_ratio: the candle-ops baseline has no sampler importance ratio; it runs with loss.impl = fused"
+        )
+    }
     let dev = logp.device();
     let n = inputs.batch * inputs.seq_len;
     let per_token = |v: Vec<f32>| Tensor::from_vec(v, n, dev);
-    let adv_values: Vec<f32> = (0..n)
-        .map(|i| inputs.advantages[i / inputs.seq_len])
-        .collect();
+    let advantages = inputs.advantages.view();
+    let adv_values: Vec<f32> = (0..n).map(|i| advantages.at(i, inputs.seq_len)).collect();
     let adv = per_token(adv_values.clone())?;
     let old = match &inputs.old_logp {
         Some(o) => per_token(o.clone())?,

@@ -3,44 +3,8 @@
 use super::{HeadLoss, HeadOp, SavedGrads, wrap};
 use candle_core::{Result, Tensor};
 use flashloss::policy::{GrpoMetrics, Normalizers};
-use flashloss::{Device, FusedOptions, RowStats};
-use flashloss::{Element, GrpoBatch, GrpoLoss, LinearInputs, PerSeqOrToken};
+use flashloss::{Device, Element, FusedOptions, GrpoBatchData, GrpoLoss, LinearInputs, RowStats};
 use std::sync::{Arc, Mutex};
-
-/// The per-token inputs of a GRPO step that the op does not differentiate, owned.
-#[derive(Debug, Clone)]
-pub struct GrpoInputs {
-    /// B sequences.
-    pub batch: usize,
-    /// T completion positions per sequence.
-    pub seq_len: usize,
-    /// Sampled completion tokens `[B, T]`.
-    pub target_ids: Vec<i64>,
-    /// Completion mask `[B, T]`.
-    pub mask: Vec<bool>,
-    /// One advantage per sequence `[B]`.
-    pub advantages: Vec<f32>,
-    /// Old-policy log-probs `[B, T]` (absent: on-policy, ratio 1).
-    pub old_logp: Option<Vec<f32>>,
-    /// Reference-policy log-probs `[B, T]` (required when β > 0).
-    pub ref_logp: Option<Vec<f32>>,
-}
-
-impl GrpoInputs {
-    /// The borrowed batch the kernels take.
-    pub fn batch(&self) -> GrpoBatch<'_> {
-        GrpoBatch {
-            batch: self.batch,
-            seq_len: self.seq_len,
-            target_ids: &self.target_ids,
-            mask: &self.mask,
-            advantages: PerSeqOrToken::Sequence(&self.advantages),
-            old_logp: self.old_logp.as_deref(),
-            ref_logp: self.ref_logp.as_deref(),
-            sampler_ratio: None,
-        }
-    }
-}
 
 /// What a GRPO forward reports besides the loss tensor.
 #[derive(Debug, Clone, Default)]
@@ -69,7 +33,7 @@ impl GrpoStep {
 
 struct FusedGrpoLinear {
     loss: GrpoLoss,
-    inputs: GrpoInputs,
+    inputs: GrpoBatchData,
     budget_bytes: usize,
     step: Arc<Mutex<GrpoStep>>,
 }
@@ -102,7 +66,7 @@ pub fn grpo_linear(
     hidden: &Tensor,
     weight: &Tensor,
     loss: &GrpoLoss,
-    inputs: GrpoInputs,
+    inputs: GrpoBatchData,
     budget_bytes: usize,
 ) -> Result<(Tensor, GrpoStep)> {
     let step = Arc::new(Mutex::new(GrpoStep::default()));

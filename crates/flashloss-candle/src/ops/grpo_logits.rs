@@ -1,16 +1,16 @@
 //! The logits-level GRPO loss as a candle `CustomOp1` on `logits [B·T, V]`.
 
-use super::grpo_linear::{GrpoInputs, GrpoStep};
+use super::grpo_linear::GrpoStep;
 use super::{contiguous, matrix_dims, wrap};
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 use flashloss::cpu::grpo_logits_forward;
-use flashloss::{GrpoLogitsForward, GrpoLoss, LogitsLayout};
+use flashloss::{GrpoBatchData, GrpoLogitsForward, GrpoLoss, LogitsLayout};
 use std::sync::{Arc, Mutex};
 
 struct GrpoLogits {
     loss: GrpoLoss,
-    inputs: GrpoInputs,
+    inputs: GrpoBatchData,
     forward: Arc<Mutex<Option<GrpoLogitsForward>>>,
 }
 
@@ -68,7 +68,7 @@ impl CustomOp1 for GrpoLogits {
 pub fn grpo_logits(
     logits: &Tensor,
     loss: &GrpoLoss,
-    inputs: GrpoInputs,
+    inputs: GrpoBatchData,
 ) -> Result<(Tensor, GrpoStep)> {
     let forward = Arc::new(Mutex::new(None));
     let op = GrpoLogits {

@@ -18,7 +18,7 @@ mod grpo_linear;
 mod grpo_logits;
 
 pub use ce_linear::ce_linear;
-pub use grpo_linear::{GrpoInputs, GrpoStep, grpo_linear};
+pub use grpo_linear::{GrpoStep, grpo_linear};
 pub use grpo_logits::grpo_logits;
 
 use candle_core::backend::BackendStorage;

@@ -4,8 +4,8 @@
 use super::config::LossImpl;
 use candle_core::{Result, Storage, Tensor};
 use flashloss::policy::{Normalizers, policy_stage};
-use flashloss::{CrossEntropy, Device, GrpoLoss, LinearInputs};
-use flashloss_candle::ops::{self, GrpoInputs, GrpoStep, baseline};
+use flashloss::{CrossEntropy, Device, GrpoBatchData, GrpoLoss, LinearInputs};
+use flashloss_candle::ops::{self, GrpoStep, baseline};
 
 pub(crate) struct LossPath {
     implementation: LossImpl,
@@ -64,7 +64,7 @@ impl LossPath {
         &self,
         hidden: &Tensor,
         head: &Tensor,
-        inputs: &GrpoInputs,
+        inputs: &GrpoBatchData,
     ) -> Result<(Tensor, GrpoStep)> {
         match self.implementation {
             LossImpl::Fused => {
@@ -113,7 +113,7 @@ impl LossPath {
         &self,
         hidden: &Tensor,
         head: &Tensor,
-        inputs: &GrpoInputs,
+        inputs: &GrpoBatchData,
     ) -> Result<Vec<f32>> {
         let (hidden, head) = (hidden.detach(), head.detach());
         let temperature = self.loss.config().temperature;

@@ -19,8 +19,7 @@ use crate::model::{Padded, Params, Qwen2, generate};
 use crate::task::{Problem, load_gsm8k, reward};
 use crate::tokenizer::Tokenizer;
 use candle_core::{Result, Tensor};
-use flashloss::{CrossEntropy, GrpoLoss};
-use flashloss_candle::ops::GrpoInputs;
+use flashloss::{CrossEntropy, GrpoBatchData, GrpoLoss, PerSeqOrTokenBuf};
 use losses::LossPath;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -72,7 +71,7 @@ pub struct StepMetrics {
 struct Rollout {
     padded: Padded,
     prompt_len: usize,
-    inputs: GrpoInputs,
+    inputs: GrpoBatchData,
     rewards: Vec<f64>,
     correct: Vec<bool>,
 }
@@ -349,14 +348,15 @@ impl Trainer {
         let mut rollout = Rollout {
             padded,
             prompt_len: p_len,
-            inputs: GrpoInputs {
+            inputs: GrpoBatchData {
                 batch: completions.len(),
                 seq_len: c_len,
                 target_ids,
                 mask,
-                advantages,
+                advantages: PerSeqOrTokenBuf::Sequence(advantages),
                 old_logp: None,
                 ref_logp: None,
+                sampler_ratio: None,
             },
             rewards,
             correct,

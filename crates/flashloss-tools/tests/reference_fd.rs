@@ -8,8 +8,8 @@ mod common;
 use common::*;
 use flashloss::policy::Normalizers;
 use flashloss::reference::grpo_reference;
-use flashloss::tools::inputs::{GrpoInputs, InputSpec};
 use flashloss::{GrpoLoss, LossType};
+use flashloss_tools::inputs::{GrpoInputs, InputSpec};
 
 #[test]
 fn reference_gradients_match_central_differences() {

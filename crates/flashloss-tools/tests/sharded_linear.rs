@@ -14,8 +14,8 @@ use flashloss::cpu::{
     grpo_linear_token_parallel, grpo_linear_vocab_parallel, shard_range,
 };
 use flashloss::reference::linear_logits;
-use flashloss::tools::inputs::GrpoInputs;
 use flashloss::{CeConfig, CrossEntropy, Error, GrpoLoss, ImportanceSamplingLevel, LossConfig};
+use flashloss_tools::inputs::GrpoInputs;
 use std::time::Duration;
 
 const TIMEOUT: Duration = Duration::from_secs(60);
@@ -37,7 +37,7 @@ fn opts() -> FusedOptions {
 fn inputs() -> (Head<f32>, GrpoInputs) {
     let head = Head::<f32>::random(B * T, H, V, true, 31);
     let mut x = draw(B, T, V, 32);
-    x.mask[T..2 * T].fill(false);
+    x.data.mask[T..2 * T].fill(false);
     let z = linear_logits(&head.inputs());
     x.follow_policy(&z, 1.0);
     (head, x)
@@ -196,7 +196,13 @@ fn ce_token_and_vocab_parallel_match_one_rank() {
     .unwrap();
     // Sequence 1 is masked: its rows are ignored.
     let targets: Vec<i64> = (0..B * T)
-        .map(|i| if x.mask[i] { x.target_ids[i] } else { -100 })
+        .map(|i| {
+            if x.data.mask[i] {
+                x.data.target_ids[i]
+            } else {
+                -100
+            }
+        })
         .collect();
     let one = ce_linear(&ce, &targets, &head.inputs(), &opts()).unwrap();
     let empty = LinearGrads::zeros(&head.inputs());
@@ -292,8 +298,8 @@ fn bad_input_on_one_rank_is_the_same_error_everywhere() {
             let seqs = shard_range(B, comm.world_size(), comm.rank());
             let mut part = x.sequences(seqs.clone());
             if comm.rank() == p - 1 {
-                part.target_ids[2] = V as i64;
-                part.mask[2] = true;
+                part.data.target_ids[2] = V as i64;
+                part.data.mask[2] = true;
             }
             let local_head = head.rows(seqs.start * T..seqs.end * T);
             grpo_linear_token_parallel(comm, loss, &part.batch(), &local_head.inputs(), &opts())
@@ -376,72 +382,6 @@ fn collectives_combine_in_rank_order() {
     );
 }
 
-#[test]
-fn sharded_gradcheck_passes_on_every_rank() {
-    use flashloss::cpu::Parallel;
-    use flashloss::tools::gradcheck::{GradcheckConfig, Kernel, Objective};
-    use flashloss::tools::sharded_check;
-    for objective in [Objective::Grpo, Objective::Ce] {
-        for parallel in [Parallel::Token, Parallel::Vocab] {
-            let cfg = GradcheckConfig {
-                kernel: Kernel::Linear,
-                objective,
-                parallel,
-                batch: 4,
-                seq_len: 5,
-                hidden: 21,
-                vocab: 701,
-                ..GradcheckConfig::default()
-            };
-            let results = sharded_check::run(&cfg, 3).unwrap();
-            assert_eq!(results.len(), 3);
-            for (rank, r) in results.into_iter().enumerate() {
-                let r = r.unwrap();
-                assert_eq!(r.rank, rank);
-                assert!(
-                    r.report.passed,
-                    "{objective:?} {parallel:?} rank {rank}: {:?}",
-                    r.report.gates
-                );
-                assert!(r.report.gate("dweight").is_some() && r.report.gate("dhidden").is_some());
-            }
-            // Five token groups for four sequences; vocab-parallel has one token group.
-            let five = sharded_check::run(&cfg, 5);
-            if parallel == Parallel::Vocab {
-                assert!(
-                    five.unwrap()
-                        .iter()
-                        .all(|r| r.as_ref().unwrap().report.passed)
-                );
-                continue;
-            }
-            let err = five.unwrap_err().to_string();
-            assert!(
-                err.starts_with("argument `ranks`: ")
-                    && err.contains("every token group needs a sequence (B = 4)"),
-                "{err}"
-            );
-        }
-        let cfg = GradcheckConfig {
-            kernel: Kernel::Linear,
-            objective,
-            parallel: Parallel::Grid2d,
-            vocab_groups: Some(2),
-            batch: 3,
-            seq_len: 5,
-            hidden: 21,
-            vocab: 701,
-            ..GradcheckConfig::default()
-        };
-        for r in sharded_check::run(&cfg, 4).unwrap() {
-            assert!(r.unwrap().report.passed, "{objective:?} 2d");
-        }
-        let err = sharded_check::run(&cfg, 3).unwrap_err().to_string();
-        assert!(err.starts_with("argument `vocab_groups`: "), "{err}");
-    }
-}
-
-/// `(token groups, vocab groups)` of every grid of 1 to 4 ranks.
 const GRIDS: [(usize, usize); 8] = [
     (1, 1),
     (2, 1),
@@ -476,7 +416,13 @@ fn grid_2d_matches_one_rank() {
     })
     .unwrap();
     let targets: Vec<i64> = (0..B * T)
-        .map(|i| if x.mask[i] { x.target_ids[i] } else { -100 })
+        .map(|i| {
+            if x.data.mask[i] {
+                x.data.target_ids[i]
+            } else {
+                -100
+            }
+        })
         .collect();
     let ce_one = ce_linear(&ce, &targets, &head.inputs(), &opts()).unwrap();
     for loss in grpo_losses() {
@@ -571,50 +517,4 @@ fn split_groups_are_independent_and_ordered_by_key() {
         err,
         "collective: rank 1 left while rank 0 waited in a collective"
     );
-}
-
-#[test]
-fn injected_faults_end_the_sharded_gradcheck_on_every_rank() {
-    use flashloss::cpu::Parallel;
-    use flashloss::tools::gradcheck::{Fault, FaultKind, GradcheckConfig, Kernel};
-    use flashloss::tools::sharded_check;
-    for kind in [
-        FaultKind::Nan,
-        FaultKind::Exit,
-        FaultKind::Panic,
-        FaultKind::Hang,
-    ] {
-        let cfg = GradcheckConfig {
-            kernel: Kernel::Linear,
-            parallel: Parallel::Grid2d,
-            vocab_groups: Some(2),
-            batch: 2,
-            seq_len: 5,
-            hidden: 21,
-            vocab: 301,
-            timeout_s: 0.5,
-            fault: Some(Fault { rank: 1, kind }),
-            ..GradcheckConfig::default()
-        };
-        let results = sharded_check::run(&cfg, 4).unwrap();
-        let errors: Vec<String> = results
-            .into_iter()
-            .map(|r| r.unwrap_err().to_string())
-            .collect();
-        if kind == FaultKind::Nan {
-            for e in &errors {
-                assert_eq!(
-                    e,
-                    "rank 1: argument `hidden`: value NaN at index 0 is not finite"
-                );
-            }
-        } else {
-            for (rank, e) in errors.iter().enumerate().filter(|&(r, _)| r != 1) {
-                assert!(
-                    e.starts_with("collective: rank "),
-                    "{kind:?} rank {rank}: {e}"
-                );
-            }
-        }
-    }
 }

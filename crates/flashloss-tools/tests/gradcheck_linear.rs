@@ -3,7 +3,7 @@
 
 use flashloss::DType;
 use flashloss::cpu::Mode;
-use flashloss::tools::gradcheck::{self, GradcheckConfig, Kernel, Objective, Tolerance};
+use flashloss_tools::gradcheck::{self, GradcheckConfig, Kernel, Objective, Tolerance};
 
 fn config(objective: Objective, dtype: DType, mode: Mode) -> GradcheckConfig {
     let mut cfg = GradcheckConfig {

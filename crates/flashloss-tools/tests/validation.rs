@@ -3,12 +3,12 @@
 
 mod common;
 use flashloss::cpu::{grpo_logits_forward, selective_log_softmax};
-use flashloss::tools::config_file;
-use flashloss::tools::gradcheck::GradcheckConfig;
-use flashloss::tools::inputs::{GrpoInputs, InputSpec};
 use flashloss::{
     GrpoLoss, ImportanceSamplingLevel, LogitsLayout, LossConfig, LossType, PerSeqOrToken,
 };
+use flashloss_tools::config_file;
+use flashloss_tools::gradcheck::GradcheckConfig;
+use flashloss_tools::inputs::{GrpoInputs, InputSpec};
 
 type Edit = Box<dyn FnOnce(&mut LossConfig)>;
 
@@ -141,20 +141,20 @@ fn bad_inputs_name_the_argument_and_index() {
         forward_error(&x, |b| b.sampler_ratio = Some(PerSeqOrToken::Token(&rho))),
         "argument `sampler_ratio`: value -0.5 at index 2 is negative"
     );
-    let mut old = x.old_logp.clone().unwrap();
+    let mut old = x.data.old_logp.clone().unwrap();
     old[5] = f32::INFINITY;
     assert_eq!(
         forward_error(&x, |b| b.old_logp = Some(&old)),
         "argument `old_logp`: value inf at index 5 is not finite"
     );
-    x.target_ids[6] = 50;
+    x.data.target_ids[6] = 50;
     assert_eq!(
         forward_error(&x, |_| {}),
         "argument `target_ids`: id 50 at index 6 (sequence 1, position 2) is outside [0, 50)"
     );
     // Masked positions are never read: padding ids and NaN logp there are fine.
-    x.mask[6] = false;
-    x.old_logp.as_mut().unwrap()[6] = f32::NAN;
+    x.data.mask[6] = false;
+    x.data.old_logp.as_mut().unwrap()[6] = f32::NAN;
     let loss = GrpoLoss::new(LossConfig::default()).unwrap();
     let layout = LogitsLayout::contiguous(2, 4, 50);
     assert!(grpo_logits_forward(&loss, &x.batch(), &x.logits, &layout).is_ok());
@@ -222,7 +222,7 @@ fn bad_layouts_and_backward_arguments() {
         selective_log_softmax(
             &x.logits,
             &LogitsLayout::contiguous(2, 4, 50),
-            &x.target_ids,
+            &x.data.target_ids,
             None,
             0.0
         )
@@ -277,7 +277,7 @@ fn config_files_reject_unknown_keys_and_wrong_types() {
 #[test]
 fn gradient_buffers_must_match_the_head() {
     use flashloss::cpu::LinearGrads;
-    use flashloss::tools::inputs::HeadInputs;
+    use flashloss_tools::inputs::HeadInputs;
     let head = HeadInputs::<f32>::random(5, 3, 7, false, 0);
     let inputs = head.inputs();
     let good = LinearGrads::zeros(&inputs);

@@ -3,9 +3,9 @@
 
 mod common;
 use common::*;
-use flashloss::tools::gradcheck::{self, GradcheckConfig};
-use flashloss::tools::inputs::GrpoInputs;
 use flashloss::{Error, GrpoLoss, ImportanceSamplingLevel, LogitsLayout, LossType};
+use flashloss_tools::gradcheck::{self, GradcheckConfig};
+use flashloss_tools::inputs::GrpoInputs;
 
 fn check(inputs: &GrpoInputs, cfg: &GradcheckConfig, case: &str) -> gradcheck::GradcheckReport {
     let loss = GrpoLoss::new(cfg.loss.clone()).unwrap();
@@ -31,9 +31,9 @@ fn fully_masked_sequence_and_all_rows_masked() {
         cfg.loss.beta = 0.04;
         cfg.loss.entropy_coef = 0.01;
         let mut x = draw(3, 6, 2100, 5);
-        x.mask[6..12].fill(false);
+        x.data.mask[6..12].fill(false);
         check(&x, &cfg, &format!("one masked sequence {}", t.name()));
-        x.mask.fill(false);
+        x.data.mask.fill(false);
         let r = check(&x, &cfg, &format!("all masked {}", t.name()));
         assert_eq!(r.loss_kernel, 0.0);
         assert_eq!(r.gate("dlogits").unwrap().value, 0.0);
@@ -53,7 +53,7 @@ fn huge_logits_and_small_temperature() {
                 *z = if (k * 7919) % 3 == 0 { 1e4 } else { -1e4 } + (k % 13) as f32;
             }
             // Sampled tokens have non-negligible probability: put each target at the top.
-            for (row, &id) in x.target_ids.iter().enumerate() {
+            for (row, &id) in x.data.target_ids.iter().enumerate() {
                 x.logits[row * 3001 + id as usize] = 1e4 + 12.5;
             }
             // Keep the ratios near 1 for the new, sharper policy.
@@ -61,14 +61,14 @@ fn huge_logits_and_small_temperature() {
             let fresh = flashloss::cpu::selective_log_softmax(
                 &x.logits,
                 &layout,
-                &x.target_ids,
+                &x.data.target_ids,
                 None,
                 temperature,
             )
             .unwrap();
             for (i, st) in fresh.iter().enumerate() {
-                x.old_logp.as_mut().unwrap()[i] = st.logp + 0.05 * ((i % 3) as f32 - 1.0);
-                x.ref_logp.as_mut().unwrap()[i] = st.logp + 0.1;
+                x.data.old_logp.as_mut().unwrap()[i] = st.logp + 0.05 * ((i % 3) as f32 - 1.0);
+                x.data.ref_logp.as_mut().unwrap()[i] = st.logp + 0.1;
             }
             check(&x, &cfg, &format!("±1e4 T={temperature} {}", t.name()));
         }
@@ -84,7 +84,7 @@ fn banned_tokens_with_neg_inf_logits() {
         let mut x = draw(3, 4, 2500, 11);
         for row in 0..12 {
             for j in (row % 5..2500).step_by(5) {
-                if j as i64 != x.target_ids[row] {
+                if j as i64 != x.data.target_ids[row] {
                     x.logits[row * 2500 + j] = f32::NEG_INFINITY;
                 }
             }
@@ -108,22 +108,22 @@ fn a_neg_inf_target_is_an_error_not_a_nan() {
         base_config(LossType::Grpo, ImportanceSamplingLevel::Token),
     );
     let mut x = draw(2, 3, 100, 1);
-    x.mask.fill(true);
+    x.data.mask.fill(true);
     let row = 4;
-    x.logits[row * 100 + x.target_ids[row] as usize] = f32::NEG_INFINITY;
+    x.logits[row * 100 + x.data.target_ids[row] as usize] = f32::NEG_INFINITY;
     let loss = GrpoLoss::new(cfg.loss.clone()).unwrap();
     let err = gradcheck::check_inputs(&cfg, &loss, &x, x.logits.clone()).unwrap_err();
     assert_eq!(
         err,
-        Error::ImpossibleTarget {
+        flashloss_tools::Error::Kernel(Error::ImpossibleTarget {
             row: 4,
             seq: 1,
             pos: 1,
-            id: x.target_ids[row]
-        }
+            id: x.data.target_ids[row]
+        })
     );
     let mut y = draw(2, 3, 100, 1);
-    y.mask.fill(true);
+    y.data.mask.fill(true);
     y.logits[2 * 100 + 17] = f32::NAN;
     let err = gradcheck::check_inputs(&cfg, &loss, &y, y.logits.clone()).unwrap_err();
     assert!(

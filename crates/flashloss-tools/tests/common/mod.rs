@@ -1,8 +1,8 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)]
 
-use flashloss::tools::gradcheck::{self, GradcheckConfig};
 use flashloss::{DType, ImportanceSamplingLevel, LossConfig, LossType};
+use flashloss_tools::gradcheck::{self, GradcheckConfig};
 
 /// A small gradcheck config at an odd shape (V not a multiple of the vocab tile).
 pub fn small(batch: usize, seq_len: usize, vocab: usize, loss: LossConfig) -> GradcheckConfig {
@@ -67,9 +67,9 @@ pub fn draw(
     seq_len: usize,
     vocab: usize,
     seed: u64,
-) -> flashloss::tools::inputs::GrpoInputs {
-    flashloss::tools::inputs::GrpoInputs::random(
-        &flashloss::tools::inputs::InputSpec {
+) -> flashloss_tools::inputs::GrpoInputs {
+    flashloss_tools::inputs::GrpoInputs::random(
+        &flashloss_tools::inputs::InputSpec {
             batch,
             seq_len,
             vocab,
@@ -80,7 +80,7 @@ pub fn draw(
 }
 
 #[allow(unused_imports)]
-pub use flashloss::tools::inputs::HeadInputs as Head;
+pub use flashloss_tools::inputs::HeadInputs as Head;
 
 pub fn max_abs(x: &[f64]) -> f64 {
     x.iter().fold(0.0, |m, v| m.max(v.abs()))

@@ -3,7 +3,7 @@
 
 mod common;
 use common::*;
-use flashloss::tools::gradcheck::GradcheckConfig;
+use flashloss_tools::gradcheck::GradcheckConfig;
 
 fn matrix_cases() -> Vec<(String, GradcheckConfig)> {
     let mut cases = Vec::new();

@@ -52,7 +52,7 @@ fn fused_kernels_stay_within_the_budget() {
                 .plan
         });
         measure(&format!("ce {mode:?}"), &|| {
-            ce_linear(&ce, &x.target_ids, &head.inputs(), &opts)
+            ce_linear(&ce, &x.data.target_ids, &head.inputs(), &opts)
                 .unwrap()
                 .plan
         });

@@ -6,8 +6,8 @@ use common::*;
 use flashloss::cpu::{grpo_logits_forward, grpo_logits_unfused, selective_log_softmax};
 use flashloss::policy::Normalizers;
 use flashloss::reference::{grpo_reference, row_softmax};
-use flashloss::tools::inputs::GrpoInputs;
 use flashloss::{GrpoLoss, ImportanceSamplingLevel, LogitsLayout, LossType};
+use flashloss_tools::inputs::GrpoInputs;
 
 fn loss(t: LossType, level: ImportanceSamplingLevel) -> GrpoLoss {
     let mut cfg = base_config(t, level);
@@ -24,7 +24,7 @@ fn run_bits(threads: usize, l: &GrpoLoss, x: &GrpoInputs) -> (u64, Vec<u32>, Vec
         .build()
         .unwrap();
     pool.install(|| {
-        let layout = LogitsLayout::contiguous(x.batch, x.seq_len, x.vocab);
+        let layout = LogitsLayout::contiguous(x.data.batch, x.data.seq_len, x.vocab);
         let f = grpo_logits_forward(l, &x.batch(), &x.logits, &layout).unwrap();
         let mut d = vec![f32::NAN; x.logits.len()];
         f.backward(&x.logits, 1.0, &mut d).unwrap();
@@ -104,14 +104,15 @@ fn selective_log_softmax_matches_the_reference() {
         let x = draw(2, 5, 4097, 8);
         let layout = LogitsLayout::contiguous(2, 5, 4097);
         let stats =
-            selective_log_softmax(&x.logits, &layout, &x.target_ids, None, temperature).unwrap();
+            selective_log_softmax(&x.logits, &layout, &x.data.target_ids, None, temperature)
+                .unwrap();
         for (i, st) in stats.iter().enumerate() {
             let row: Vec<f64> = x.logits[i * 4097..(i + 1) * 4097]
                 .iter()
                 .map(|&z| z as f64)
                 .collect();
             let r = row_softmax(&row, temperature);
-            let logp = r.log_probs[x.target_ids[i] as usize];
+            let logp = r.log_probs[x.data.target_ids[i] as usize];
             assert!((st.logp as f64 - logp).abs() <= 1e-5 * logp.abs().max(1.0));
             assert!((st.lse as f64 - r.lse).abs() <= 1e-5 * r.lse.abs().max(1.0));
             assert!((st.entropy as f64 - r.entropy).abs() <= 1e-5 * r.entropy.max(1.0));

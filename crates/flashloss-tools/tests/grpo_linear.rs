@@ -133,22 +133,30 @@ fn no_grad_logp_matches_the_reference_and_budget_errors_are_clear() {
     let head = Head::<f32>::random(9, 21, 777, true, 9);
     let x = draw(1, 9, 777, 10);
     let budget = flashloss::cpu::gemm_reserve_bytes() + (1 << 20);
-    let stats = logp_linear(&head.inputs(), &x.target_ids, None, 0.8, budget, 9).unwrap();
+    let stats = logp_linear(&head.inputs(), &x.data.target_ids, None, 0.8, budget, 9).unwrap();
     let z = linear_logits(&head.inputs());
     for (i, st) in stats.iter().enumerate() {
         let row = flashloss::reference::row_softmax(&z[i * 777..(i + 1) * 777], 0.8);
-        let want = row.log_probs[x.target_ids[i] as usize];
+        let want = row.log_probs[x.data.target_ids[i] as usize];
         assert!((st.logp as f64 - want).abs() <= 1e-5 * want.abs().max(1.0));
         assert!((st.entropy as f64 - row.entropy).abs() <= 1e-5 * row.entropy.max(1.0));
     }
-    let err = logp_linear(&head.inputs(), &x.target_ids, None, 1.0, 100, 9).unwrap_err();
+    let err = logp_linear(&head.inputs(), &x.data.target_ids, None, 1.0, 100, 9).unwrap_err();
     assert!(
         err.to_string()
             .starts_with("argument `budget_bytes`: 100 bytes is below the GEMM packing reserve"),
         "{err}"
     );
     let reserve = flashloss::cpu::gemm_reserve_bytes();
-    let err = logp_linear(&head.inputs(), &x.target_ids, None, 1.0, reserve + 100, 9).unwrap_err();
+    let err = logp_linear(
+        &head.inputs(),
+        &x.data.target_ids,
+        None,
+        1.0,
+        reserve + 100,
+        9,
+    )
+    .unwrap_err();
     assert!(
         err.to_string()
             .ends_with("cannot hold one row of 777 logits"),

@@ -1,0 +1,107 @@
+//! What a bench runs: the config file (`configs/bench/*.yaml`).
+
+use crate::gradcheck::Device;
+use flashloss::cpu::{Mode, Parallel};
+use flashloss::{CeConfig, DType, LossConfig};
+use serde::{Deserialize, Serialize};
+
+/// Which implementations to run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Impl {
+    /// The plain path only.
+    Baseline,
+    /// The fused kernel only.
+    Fused,
+    /// Both, side by side.
+    Both,
+}
+
+/// What the kernel starts from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Level {
+    /// Logits `[N, V]` given (the logits-level kernel).
+    Logits,
+    /// Hidden states `[N, H]` and the LM head `[V, H]` given (the fused linear kernel).
+    Linear,
+}
+
+/// Which loss.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LossKind {
+    /// The GRPO policy loss (`grpo:` holds its config).
+    Grpo,
+    /// Cross-entropy (`ce:` holds its config; level `linear` only).
+    Ce,
+}
+
+/// The bench config file (`configs/bench/*.yaml`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BenchConfig {
+    /// Where the step starts.
+    pub level: Level,
+    /// Which implementations.
+    #[serde(rename = "impl")]
+    pub implementation: Impl,
+    /// Which loss.
+    pub loss: LossKind,
+    /// N, tokens per step.
+    pub tokens: usize,
+    /// Sequences the N tokens form (sharded runs split them over token groups).
+    pub batch: usize,
+    /// How `--ranks P` or `--collective mpi` splits the step.
+    pub parallel: Parallel,
+    /// Vocab groups of a `2d` grid (they must divide P).
+    pub vocab_groups: Option<usize>,
+    /// H (level `linear`).
+    pub hidden: usize,
+    /// V.
+    pub vocab: usize,
+    /// Storage dtype of the logits.
+    pub dtype: DType,
+    /// Untimed steps before timing.
+    pub warmup: usize,
+    /// Timed steps.
+    pub repeat: usize,
+    /// Seed of the inputs.
+    pub seed: u64,
+    /// Fused linear recomputation mode.
+    pub mode: Mode,
+    /// Fused linear workspace budget in MiB (includes the GEMM reserve, or on the GPU
+    /// the cuBLAS workspace).
+    pub budget_mib: f64,
+    /// Where the step runs (`cuda`: GPU 0, level `linear`, a build with feature `cuda`).
+    pub device: Device,
+    /// The GRPO loss.
+    pub grpo: LossConfig,
+    /// The cross-entropy loss.
+    pub ce: CeConfig,
+}
+
+impl Default for BenchConfig {
+    fn default() -> Self {
+        BenchConfig {
+            level: Level::Logits,
+            implementation: Impl::Both,
+            loss: LossKind::Grpo,
+            tokens: 256,
+            batch: 1,
+            parallel: Parallel::Vocab,
+            vocab_groups: None,
+            hidden: 256,
+            vocab: 32000,
+            dtype: DType::F32,
+            warmup: 1,
+            repeat: 5,
+            seed: 0,
+            mode: Mode::Auto,
+            budget_mib: 64.0,
+            device: Device::Cpu,
+            grpo: LossConfig::default(),
+            ce: CeConfig::default(),
+        }
+    }
+}

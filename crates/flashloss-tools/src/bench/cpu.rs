@@ -1,0 +1,311 @@
+//! The bench on the CPU backend, under the tracking allocator: the rate of a step is
+//! set against a reference measured in the same run (memory copy bandwidth at logits
+//! level, the plain `[N,H]×[H,V]` GEMM at LM-head level).
+
+use super::config::{BenchConfig, Impl, Level, LossKind};
+use super::inputs::{linear_inputs, token_inputs};
+use super::report::{BenchReport, BenchResult, time_steps};
+use flashloss::batch::{LinearInputs, LogitsLayout};
+use flashloss::cpu::matmul::{MatRef, matmul};
+use flashloss::cpu::{
+    BaselineWorkspace, FusedOptions, LinearGrads, UnfusedWorkspace, Workspace,
+    ce_linear_baseline_into, ce_linear_into, grpo_linear_baseline_into, grpo_linear_into,
+    grpo_logits_forward, grpo_logits_unfused_into,
+};
+use flashloss::memory;
+use flashloss::policy::Normalizers;
+use flashloss::{CrossEntropy, DType, Element, Error, GrpoLoss, Result};
+use half::bf16;
+use rayon::prelude::*;
+use std::convert::Infallible;
+use std::time::Instant;
+
+/// Runs the bench on the CPU backend.
+pub(super) fn run(
+    cfg: &BenchConfig,
+    progress: &mut dyn FnMut(&str, usize, usize),
+) -> Result<BenchReport> {
+    if !memory::is_tracking() {
+        return Err(Error::InvalidArgument {
+            arg: "bench",
+            reason: "the tracking allocator is not installed in this binary".into(),
+        });
+    }
+    if cfg.level == Level::Logits && cfg.loss == LossKind::Ce {
+        return Err(Error::InvalidArgument {
+            arg: "loss",
+            reason: "ce is benchmarked at level `linear` (there is no logits-level CE kernel)"
+                .into(),
+        });
+    }
+    match (cfg.level, cfg.dtype) {
+        (Level::Logits, DType::F32) => run_logits::<f32>(cfg, progress),
+        (Level::Logits, DType::Bf16) => run_logits::<bf16>(cfg, progress),
+        (Level::Linear, DType::F32) => run_linear::<f32>(cfg, progress),
+        (Level::Linear, DType::Bf16) => run_linear::<bf16>(cfg, progress),
+    }
+}
+
+/// Times one implementation's step; fills the common fields of its result.
+fn measure(
+    cfg: &BenchConfig,
+    name: &'static str,
+    base: usize,
+    io_bytes: usize,
+    progress: &mut dyn FnMut(&str, usize, usize),
+    step: &mut dyn FnMut() -> Result<f64>,
+) -> Result<BenchResult> {
+    let mut loss_value = 0.0;
+    memory::reset_peak();
+    let timing = time_steps(
+        cfg.warmup,
+        cfg.repeat,
+        || {
+            loss_value = step()?;
+            Ok(())
+        },
+        &mut |d, t| progress(name, d, t),
+    )?;
+    let peak_bytes = memory::peak();
+    Ok(BenchResult {
+        implementation: name,
+        level: cfg.level,
+        loss_kind: cfg.loss,
+        tokens: cfg.tokens,
+        hidden: (cfg.level == Level::Linear).then_some(cfg.hidden),
+        vocab: cfg.vocab,
+        dtype: cfg.dtype,
+        threads: rayon::current_num_threads(),
+        step_seconds: timing,
+        loss: loss_value,
+        peak_bytes,
+        io_bytes,
+        peak_above_io_bytes: peak_bytes as i64 - base as i64 - io_bytes as i64,
+        bytes_moved: None,
+        gbytes_per_s: None,
+        copy_gbytes_per_s: None,
+        flops: None,
+        gflops_per_s: None,
+        gemm_gflops_per_s: None,
+        plan: None,
+        device_used_bytes: None,
+    })
+}
+
+/// Bytes the OS says are available (Linux), if known.
+fn available_memory() -> Option<usize> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+fn run_linear<E: Element>(
+    cfg: &BenchConfig,
+    progress: &mut dyn FnMut(&str, usize, usize),
+) -> Result<BenchReport> {
+    let loss = GrpoLoss::new(cfg.grpo.clone())?;
+    let ce = CrossEntropy::new(cfg.ce.clone())?;
+    let (n, h, v) = (cfg.tokens, cfg.hidden, cfg.vocab);
+    let base = memory::in_use();
+    let (hidden, weight, tokens) = linear_inputs::<E>(cfg, &loss);
+    let inputs = LinearInputs {
+        hidden: &hidden,
+        weight: &weight,
+        bias: None,
+        tokens: n,
+        hidden_size: h,
+        vocab: v,
+    };
+    let batch = tokens.batch();
+    let elem = E::DTYPE.size();
+    let per_token_bytes = n * (8 + 1 + 4 * 3) + 4;
+    let io_bytes = (n * h + v * h) * elem + (n * h + v * h) * 4 + per_token_bytes;
+    let gemm_gflops_per_s = gemm_rate(n, h, v, cfg.repeat.clamp(1, 3), progress);
+
+    let mut report = BenchReport {
+        results: Vec::new(),
+        notes: Vec::new(),
+    };
+    if cfg.implementation != Impl::Fused {
+        let need = 4 * n * v * 4 + (n * h + v * h) * 4;
+        let have = available_memory().unwrap_or(usize::MAX);
+        if need as f64 > 0.9 * have as f64 {
+            report.notes.push(format!(
+                "baseline skipped: it materializes 4 [N, V] f32 buffers and a widened copy of the inputs, about {:.1} GiB, and {:.1} GiB are available",
+                need as f64 / (1u64 << 30) as f64,
+                have as f64 / (1u64 << 30) as f64
+            ));
+        } else {
+            let mut ws = BaselineWorkspace::default();
+            let mut grads = LinearGrads::zeros(&inputs);
+            let mut r = measure(
+                cfg,
+                "baseline",
+                base,
+                io_bytes,
+                progress,
+                &mut || match cfg.loss {
+                    LossKind::Grpo => {
+                        grpo_linear_baseline_into(&loss, &batch, &inputs, 1.0, &mut ws, &mut grads)
+                    }
+                    LossKind::Ce => ce_linear_baseline_into(
+                        &ce,
+                        batch.target_ids,
+                        &inputs,
+                        1.0,
+                        &mut ws,
+                        &mut grads,
+                    ),
+                },
+            )?;
+            let flops = 6.0 * n as f64 * h as f64 * v as f64;
+            r.flops = Some(flops);
+            r.gflops_per_s = Some(flops / r.step_seconds.median / 1e9);
+            r.gemm_gflops_per_s = Some(gemm_gflops_per_s);
+            report.results.push(r);
+        }
+    }
+    if cfg.implementation != Impl::Baseline {
+        let opts = FusedOptions {
+            mode: cfg.mode,
+            budget_bytes: (cfg.budget_mib * (1u64 << 20) as f64) as usize,
+            grad_output: 1.0,
+        };
+        let mut plan = None;
+        let mut ws = Workspace::new();
+        let mut grads = LinearGrads::zeros(&inputs);
+        let norm = Normalizers::local(&batch);
+        let mut r = measure(cfg, "fused", base, io_bytes, progress, &mut || {
+            // A training step zeroes its gradients; the fused kernel adds into them.
+            grads.dhidden.fill(0.0);
+            grads.dweight.fill(0.0);
+            let (value, ran) = match cfg.loss {
+                LossKind::Grpo => {
+                    let out =
+                        grpo_linear_into(&loss, &batch, norm, &inputs, &opts, &mut ws, &mut grads)?;
+                    (out.loss, out.plan)
+                }
+                LossKind::Ce => {
+                    let out = ce_linear_into(
+                        &ce,
+                        batch.target_ids,
+                        None,
+                        &inputs,
+                        &opts,
+                        &mut ws,
+                        &mut grads,
+                    )?;
+                    (out.loss, out.plan)
+                }
+            };
+            plan = Some(ran);
+            Ok(value)
+        })?;
+        let flops = plan.map(|p| p.flops(n, h, v));
+        r.flops = flops;
+        r.gflops_per_s = flops.map(|f| f / r.step_seconds.median / 1e9);
+        r.gemm_gflops_per_s = Some(gemm_gflops_per_s);
+        r.plan = plan;
+        report.results.push(r);
+    }
+    Ok(report)
+}
+
+/// GFLOP/s of the plain `[N,H]×[H,V]` f32 GEMM (median of `repeat` after one warm-up).
+fn gemm_rate(
+    n: usize,
+    h: usize,
+    v: usize,
+    repeat: usize,
+    progress: &mut dyn FnMut(&str, usize, usize),
+) -> f64 {
+    let a: Vec<f32> = (0..n * h).map(|i| ((i % 7) as f32 - 3.0) * 0.1).collect();
+    let b: Vec<f32> = (0..v * h).map(|i| ((i % 5) as f32 - 2.0) * 0.1).collect();
+    let mut c = vec![0.0f32; n * v];
+    let Ok(timing) = time_steps::<Infallible>(
+        1,
+        repeat,
+        || {
+            matmul(
+                &mut c,
+                v,
+                MatRef::row_major(&a, n, h),
+                MatRef::row_major(&b, v, h).t(),
+                false,
+            );
+            Ok(())
+        },
+        &mut |d, t| progress("gemm", d, t),
+    );
+    2.0 * n as f64 * h as f64 * v as f64 / timing.median / 1e9
+}
+
+fn run_logits<E: Element>(
+    cfg: &BenchConfig,
+    progress: &mut dyn FnMut(&str, usize, usize),
+) -> Result<BenchReport> {
+    let loss = GrpoLoss::new(cfg.grpo.clone())?;
+    let (n, v) = (cfg.tokens, cfg.vocab);
+    let base = memory::in_use();
+    let mut inputs = token_inputs(cfg);
+    let logits: Vec<E> = std::mem::take(&mut inputs.logits)
+        .into_iter()
+        .map(E::from_f32)
+        .collect();
+    let batch = inputs.batch();
+    let layout = LogitsLayout::contiguous(1, n, v);
+    let per_token_bytes = n * (8 + 1 + 4 * 3) + 4;
+    let elem = E::DTYPE.size();
+    let io_bytes = 2 * n * v * elem + per_token_bytes;
+    let bytes_moved = 3.0 * (n * v * elem) as f64;
+    let copy_gbytes_per_s = copy_bandwidth(n * v, cfg.repeat.max(9));
+    let with_rates = |mut r: BenchResult| {
+        r.bytes_moved = Some(bytes_moved);
+        r.gbytes_per_s = Some(bytes_moved / r.step_seconds.median / 1e9);
+        r.copy_gbytes_per_s = Some(copy_gbytes_per_s);
+        r
+    };
+
+    let mut results = Vec::new();
+    if cfg.implementation != Impl::Fused {
+        let mut ws = UnfusedWorkspace::default();
+        let r = measure(cfg, "baseline", base, io_bytes, progress, &mut || {
+            grpo_logits_unfused_into(&loss, &batch, &logits, &layout, 1.0, &mut ws)
+        })?;
+        results.push(with_rates(r));
+    }
+    if cfg.implementation != Impl::Baseline {
+        let mut dlogits = vec![E::default(); n * v];
+        let r = measure(cfg, "fused", base, io_bytes, progress, &mut || {
+            let fwd = grpo_logits_forward(&loss, &batch, &logits, &layout)?;
+            fwd.backward(&logits, 1.0, &mut dlogits)?;
+            Ok(fwd.loss)
+        })?;
+        results.push(with_rates(r));
+    }
+    Ok(BenchReport {
+        results,
+        notes: Vec::new(),
+    })
+}
+
+/// GB/s of a parallel copy of `len` f32 (bytes read + bytes written), median of `repeat`.
+fn copy_bandwidth(len: usize, repeat: usize) -> f64 {
+    let src: Vec<f32> = (0..len).map(|i| i as f32).collect();
+    let mut dst = vec![0.0f32; len];
+    let chunk = 1 << 16;
+    let mut times: Vec<f64> = (0..repeat + 1)
+        .map(|_| {
+            let start = Instant::now();
+            dst.par_chunks_mut(chunk)
+                .zip(src.par_chunks(chunk))
+                .for_each(|(d, s)| d.copy_from_slice(s));
+            std::hint::black_box(&dst);
+            start.elapsed().as_secs_f64()
+        })
+        .skip(1)
+        .collect();
+    times.sort_by(f64::total_cmp);
+    2.0 * (len * 4) as f64 / times[times.len() / 2] / 1e9
+}

@@ -1,0 +1,49 @@
+//! The inputs of a bench: one sequence of per-token GRPO inputs, and for level
+//! `linear` hidden states and an LM head drawn from normals (never zeros).
+
+use super::config::BenchConfig;
+use crate::inputs::{GrpoInputs, InputSpec};
+use flashloss::{Element, GrpoLoss};
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use rand_distr::{Distribution, Normal};
+
+/// Per-token GRPO inputs of one sequence of N tokens over V (logits not kept).
+pub(crate) fn token_inputs(cfg: &BenchConfig) -> GrpoInputs {
+    let spec = InputSpec {
+        batch: 1,
+        seq_len: cfg.tokens,
+        vocab: cfg.vocab,
+        masked_fraction: 0.0,
+        ..InputSpec::default()
+    };
+    GrpoInputs::random(&spec, cfg.seed)
+}
+
+/// The inputs of a level-`linear` bench: hidden `[N, H]` ~ N(0, 1), weight `[V, H]`
+/// ~ N(0, 4/H) (never zeros), and one sequence's per-token GRPO inputs, on-policy (old
+/// logp unset: ratio 1 keeps the loss meaningful without a logits pass).
+pub(crate) fn linear_inputs<E: Element>(
+    cfg: &BenchConfig,
+    loss: &GrpoLoss,
+) -> (Vec<E>, Vec<E>, GrpoInputs) {
+    let (n, h, v) = (cfg.tokens, cfg.hidden, cfg.vocab);
+    let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed);
+    let normal = Normal::new(0.0f32, 1.0).expect("valid");
+    let w_scale = 2.0 / (h as f32).sqrt();
+    let hidden: Vec<E> = (0..n * h)
+        .map(|_| E::from_f32(normal.sample(&mut rng)))
+        .collect();
+    let weight: Vec<E> = (0..v * h)
+        .map(|_| E::from_f32(normal.sample(&mut rng) * w_scale))
+        .collect();
+    let mut tokens = token_inputs(cfg);
+    tokens.logits = Vec::new();
+    tokens.data.old_logp = None;
+    tokens.data.ref_logp = tokens
+        .data
+        .ref_logp
+        .take()
+        .filter(|_| loss.config().beta > 0.0);
+    (hidden, weight, tokens)
+}

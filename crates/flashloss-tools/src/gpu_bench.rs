@@ -1,0 +1,231 @@
+//! `flashloss bench` with `device: cuda` (feature `cuda`): the fused LM-head kernel
+//! against the unfused cuBLAS baseline on GPU 0, side by side in one run. Times are
+//! CUDA-event times (warm-up, then the median of `repeat` steps; inputs drawn from
+//! normals, never zeros); peak bytes are the backend's device accounting (head,
+//! gradients, per-row state, tiles, cuBLAS workspace), next to the floor (inputs +
+//! dH + dW in f32 + per-row state) and what `cudaMemGetInfo` says is in use. The
+//! baseline materializes the `[N, V]` logits (f32) and their gradient (in place for
+//! f32 heads, bf16 for bf16 heads) and runs the same row kernels and products.
+//! `bench::run` dispatches here, so this module takes the bench's config, report and
+//! inputs from their own modules (`bench::{config, report, inputs}`), not from `bench`.
+
+use crate::Result;
+use crate::bench::config::BenchConfig;
+#[cfg(feature = "cuda")]
+use crate::bench::config::{Impl, Level, LossKind};
+use crate::bench::report::BenchReport;
+#[cfg(feature = "cuda")]
+use crate::bench::report::{BenchResult, Timing};
+
+/// Runs a level-`linear` bench on GPU 0.
+#[cfg(feature = "cuda")]
+pub fn run(cfg: &BenchConfig, progress: &mut dyn FnMut(&str, usize, usize)) -> Result<BenchReport> {
+    use flashloss::DType;
+    use half::bf16;
+    if cfg.level != Level::Linear {
+        return Err(flashloss::Error::InvalidArgument {
+            arg: "level",
+            reason: "device cuda benchmarks level `linear` (the logits-level GPU kernel is \
+                     checked by gradcheck)"
+                .into(),
+        }
+        .into());
+    }
+    Ok(match cfg.dtype {
+        DType::F32 => typed::<f32>(cfg, progress),
+        DType::Bf16 => typed::<bf16>(cfg, progress),
+    }?)
+}
+
+/// Without feature `cuda`: an error saying so.
+#[cfg(not(feature = "cuda"))]
+pub fn run(_: &BenchConfig, _: &mut dyn FnMut(&str, usize, usize)) -> Result<BenchReport> {
+    Err(flashloss::Error::Device {
+        reason: "this build has no CUDA backend: build with `--features cuda`".into(),
+    }
+    .into())
+}
+
+/// Median, min and max of step times.
+#[cfg(feature = "cuda")]
+fn timing(mut times: Vec<f64>) -> Timing {
+    times.sort_by(f64::total_cmp);
+    Timing {
+        median: times[times.len() / 2],
+        min: times[0],
+        max: times[times.len() - 1],
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn typed<E: flashloss::cuda::GpuElement>(
+    cfg: &BenchConfig,
+    progress: &mut dyn FnMut(&str, usize, usize),
+) -> flashloss::Result<BenchReport> {
+    use crate::bench::inputs::linear_inputs;
+    use flashloss::Result;
+    use flashloss::batch::LinearInputs;
+    use flashloss::config::GrpoLoss;
+    use flashloss::cpu::{FusedOptions, Plan};
+    use flashloss::cross_entropy::CrossEntropy;
+    use flashloss::cuda::{
+        Gpu, GpuGrads, GpuHead, GpuWorkspace, ce_linear_planned, grpo_linear_planned, head_logits,
+        materialized_plan, plan,
+    };
+    use flashloss::policy::Normalizers;
+
+    let loss = GrpoLoss::new(cfg.grpo.clone())?;
+    let ce = CrossEntropy::new(cfg.ce.clone())?;
+    let (n, h, v) = (cfg.tokens, cfg.hidden, cfg.vocab);
+    let gpu = Gpu::new(0)?;
+    let (hidden, weight, tokens) = linear_inputs::<E>(cfg, &loss);
+    let head = GpuHead::upload(
+        &gpu,
+        &LinearInputs {
+            hidden: &hidden,
+            weight: &weight,
+            bias: None,
+            tokens: n,
+            hidden_size: h,
+            vocab: v,
+        },
+    )?;
+    drop((hidden, weight));
+    let batch = tokens.batch();
+    let norm = Normalizers::local(&batch);
+    let opts = FusedOptions {
+        mode: cfg.mode,
+        budget_bytes: (cfg.budget_mib * (1u64 << 20) as f64) as usize,
+        grad_output: 1.0,
+    };
+    let elem = E::DTYPE.size();
+    // Inputs, dH and dW in f32, and the per-row state: targets, live flags, five f32
+    // running statistics and a 40-byte gradient coefficient per row.
+    let per_row = 8 + 1 + 5 * 4 + 40;
+    let floor = (n * h + v * h) * (elem + 4) + n * per_row;
+    let nhv = n as f64 * h as f64 * v as f64;
+    let mut report = BenchReport {
+        results: Vec::new(),
+        notes: vec![format!("device: {} ({})", gpu.name()?, gpu.arch())],
+    };
+
+    // The plain logits product's rate, the reference of every achieved rate.
+    let gemm_tflops = {
+        let ws = GpuWorkspace::new(&gpu)?;
+        let mut logits = gpu.zeros::<f32>(n * v)?;
+        let mut times = Vec::new();
+        for k in 0..cfg.warmup + cfg.repeat.max(1) {
+            let t = gpu.timed(|| head_logits(&gpu, &head, &ws, &mut logits))?;
+            if k >= cfg.warmup {
+                times.push(t);
+            }
+            progress("gemm", k + 1, cfg.warmup + cfg.repeat.max(1));
+        }
+        2.0 * n as f64 * h as f64 * v as f64 / timing(times).median / 1e12
+    };
+
+    let mut run_one = |name: &'static str, fixed: Option<Plan>| -> Result<BenchResult> {
+        let mut ws = GpuWorkspace::new(&gpu)?;
+        let mut grads = GpuGrads::zeros(&gpu, &head)?;
+        gpu.memory().reset_peak();
+        let mut times = Vec::new();
+        let mut value = 0.0;
+        let mut ran = None;
+        let total = cfg.warmup + cfg.repeat.max(1);
+        for k in 0..total {
+            let t = gpu.timed(|| {
+                // A training step zeroes its gradients; the kernels add into them.
+                gpu.fill_zeros(&mut grads.dhidden)?;
+                gpu.fill_zeros(&mut grads.dweight)?;
+                let chosen = match fixed {
+                    Some(p) => p,
+                    None => plan(
+                        n,
+                        v,
+                        E::DTYPE,
+                        &opts,
+                        cfg.loss == LossKind::Ce || !loss.needs_sequence_reduction(),
+                    )?,
+                };
+                let (l, p) = match cfg.loss {
+                    LossKind::Grpo => {
+                        let out = grpo_linear_planned(
+                            &gpu, &loss, &batch, norm, &head, &opts, chosen, &mut ws, &mut grads,
+                        )?;
+                        (out.loss, out.plan)
+                    }
+                    LossKind::Ce => {
+                        let out = ce_linear_planned(
+                            &gpu,
+                            &ce,
+                            batch.target_ids,
+                            None,
+                            &head,
+                            &opts,
+                            chosen,
+                            &mut ws,
+                            &mut grads,
+                        )?;
+                        (out.loss, out.plan)
+                    }
+                };
+                value = l;
+                ran = Some(p);
+                Ok(())
+            })?;
+            if k >= cfg.warmup {
+                times.push(t);
+            }
+            progress(name, k + 1, total);
+        }
+        gpu.synchronize()?;
+        let (free, total_bytes) = gpu.mem_get_info()?;
+        let peak = gpu.memory().peak();
+        let step = timing(times);
+        let flops = ran.map(|p| p.flops(n, h, v)).unwrap_or(6.0 * nhv);
+        Ok(BenchResult {
+            implementation: name,
+            level: cfg.level,
+            loss_kind: cfg.loss,
+            tokens: n,
+            hidden: Some(h),
+            vocab: v,
+            dtype: cfg.dtype,
+            threads: 1,
+            step_seconds: step,
+            loss: value,
+            peak_bytes: peak,
+            io_bytes: floor,
+            peak_above_io_bytes: peak as i64 - floor as i64,
+            bytes_moved: None,
+            gbytes_per_s: None,
+            copy_gbytes_per_s: None,
+            flops: Some(flops),
+            gflops_per_s: Some(flops / step.median / 1e9),
+            gemm_gflops_per_s: Some(gemm_tflops * 1e3),
+            plan: ran,
+            device_used_bytes: Some(total_bytes - free),
+        })
+    };
+
+    if cfg.implementation != Impl::Fused {
+        let (free, _) = gpu.mem_get_info()?;
+        let need = materialized_plan(n, v, E::DTYPE).workspace_bytes + floor;
+        if need as f64 > 0.95 * free as f64 {
+            report.notes.push(format!(
+                "baseline skipped: it needs about {:.1} GiB and the device has {:.1} GiB free",
+                need as f64 / (1u64 << 30) as f64,
+                free as f64 / (1u64 << 30) as f64
+            ));
+        } else {
+            report.results.push(run_one(
+                "baseline",
+                Some(materialized_plan(n, v, E::DTYPE)),
+            )?);
+        }
+    }
+    if cfg.implementation != Impl::Baseline {
+        report.results.push(run_one("fused", None)?);
+    }
+    Ok(report)
+}

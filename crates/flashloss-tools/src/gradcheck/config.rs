@@ -1,0 +1,206 @@
+//! What gradcheck runs: the config file (`configs/gradcheck/*.yaml`) and its gates.
+
+use crate::inputs::InputSpec;
+use flashloss::cpu::{Mode, Parallel};
+use flashloss::{CeConfig, DType, LossConfig};
+use serde::{Deserialize, Serialize};
+
+/// Which kernel gradcheck runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Kernel {
+    /// The logits-level kernel: logits `[B, T, V]` in, `dlogits` out (GRPO).
+    #[default]
+    Logits,
+    /// The fused LM-head kernel: hidden `[N, H]` and weight `[V, H]` in, dH, dW, dbias out.
+    Linear,
+}
+
+/// Which loss gradcheck checks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Objective {
+    /// The GRPO policy loss (`loss:` holds its config).
+    #[default]
+    Grpo,
+    /// Cross-entropy (`ce:` holds its config; masked positions get `ignore_index`).
+    Ce,
+}
+
+/// A fault on one rank of a sharded gradcheck.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Fault {
+    /// The rank it hits.
+    pub rank: usize,
+    /// What happens there.
+    pub kind: FaultKind,
+}
+
+/// What an injected fault does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FaultKind {
+    /// A NaN in the rank's hidden states: every rank must return the same error.
+    Nan,
+    /// The rank panics before its step.
+    Panic,
+    /// The rank sleeps twice the timeout before its step.
+    Hang,
+    /// The rank leaves: in-process its closure returns, under MPI its process exits
+    /// at once (no `MPI_Finalize`), as a crashed process would.
+    Exit,
+}
+
+/// Where the kernel runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Device {
+    /// The CPU backend.
+    #[default]
+    Cpu,
+    /// GPU 0 through the CUDA backend (a build with feature `cuda`).
+    Cuda,
+}
+
+/// The gradcheck config file (`configs/gradcheck/*.yaml`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GradcheckConfig {
+    /// Which kernel.
+    pub kernel: Kernel,
+    /// Where it runs.
+    pub device: Device,
+    /// Which loss (`ce` needs kernel `linear`).
+    pub objective: Objective,
+    /// How `--ranks P` splits the work (kernel `linear`).
+    pub parallel: Parallel,
+    /// Vocab groups of a `2d` grid (they must divide P; token groups = P / vocab_groups).
+    pub vocab_groups: Option<usize>,
+    /// Seconds a rank of a sharded run waits for its peers in one collective.
+    pub timeout_s: f64,
+    /// A fault injected on one rank of a sharded run, to see the run fail together.
+    pub fault: Option<Fault>,
+    /// B.
+    pub batch: usize,
+    /// T.
+    pub seq_len: usize,
+    /// V.
+    pub vocab: usize,
+    /// Storage dtype of the logits.
+    pub dtype: DType,
+    /// Seed of the inputs.
+    pub seed: u64,
+    /// Expected fraction of padding positions.
+    pub masked_fraction: f64,
+    /// Standard deviation of the logits.
+    pub logit_std: f64,
+    /// Draw old-policy logp.
+    pub old_logp: bool,
+    /// Draw reference logp (needed when `loss.beta > 0`).
+    pub ref_logp: bool,
+    /// Draw a sampler importance ratio.
+    pub sampler_ratio: bool,
+    /// Per-token advantages.
+    pub per_token_advantages: bool,
+    /// Upstream gradient that scales `dlogits`.
+    pub grad_output: f64,
+    /// Write `dlogits` over the logits.
+    pub in_place: bool,
+    /// The GRPO loss.
+    pub loss: LossConfig,
+    /// The cross-entropy loss (objective `ce`).
+    pub ce: CeConfig,
+    /// H (kernel `linear`).
+    pub hidden: usize,
+    /// Give the LM head a bias (kernel `linear`).
+    pub bias: bool,
+    /// Recomputation mode (kernel `linear`).
+    pub mode: Mode,
+    /// Workspace budget in MiB, GEMM reserve included (kernel `linear`).
+    pub budget_mib: f64,
+    /// Gates; unset ones take the spec's value for `dtype`.
+    pub tolerance: Tolerance,
+}
+
+impl Default for GradcheckConfig {
+    fn default() -> Self {
+        let inputs = InputSpec::default();
+        GradcheckConfig {
+            kernel: Kernel::Logits,
+            device: Device::Cpu,
+            objective: Objective::Grpo,
+            parallel: Parallel::Token,
+            vocab_groups: None,
+            timeout_s: 600.0,
+            fault: None,
+            batch: inputs.batch,
+            seq_len: inputs.seq_len,
+            vocab: inputs.vocab,
+            dtype: DType::F32,
+            seed: 0,
+            masked_fraction: inputs.masked_fraction,
+            logit_std: inputs.logit_std,
+            old_logp: inputs.old_logp,
+            ref_logp: inputs.ref_logp,
+            sampler_ratio: inputs.sampler_ratio,
+            per_token_advantages: inputs.per_token_advantages,
+            grad_output: 1.0,
+            in_place: false,
+            loss: LossConfig::default(),
+            ce: CeConfig::default(),
+            hidden: 64,
+            bias: true,
+            mode: Mode::Auto,
+            budget_mib: 64.0,
+            tolerance: Tolerance::default(),
+        }
+    }
+}
+
+impl GradcheckConfig {
+    /// The inputs this config draws.
+    pub fn input_spec(&self) -> InputSpec {
+        InputSpec {
+            batch: self.batch,
+            seq_len: self.seq_len,
+            vocab: self.vocab,
+            masked_fraction: self.masked_fraction,
+            logit_std: self.logit_std,
+            old_logp: self.old_logp,
+            ref_logp: self.ref_logp,
+            sampler_ratio: self.sampler_ratio,
+            per_token_advantages: self.per_token_advantages,
+        }
+    }
+}
+
+/// Tolerance gates (spec defaults: f32 1e-5 / 1e-4 / 1e-6; bf16 1e-3 / 1e-2).
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Tolerance {
+    /// `|ΔL| ≤ loss_rel · max(|L_ref|, 1)`.
+    pub loss_rel: Option<f64>,
+    /// `|Δlogp_i| ≤ logp_rel · max(|logp_i|, 1)`, and the same for entropy.
+    pub logp_rel: Option<f64>,
+    /// `max|Δg| ≤ max(grad_rel · max|g_ref|, grad_atol)` for each gradient g.
+    pub grad_rel: Option<f64>,
+    /// Absolute floor of the gradient gate.
+    pub grad_atol: Option<f64>,
+}
+
+impl Tolerance {
+    /// Fills unset gates with the spec's values for `dtype`.
+    pub fn resolved(self, dtype: DType) -> Tolerance {
+        let (loss, grad) = match dtype {
+            DType::F32 => (1e-5, 1e-4),
+            DType::Bf16 => (1e-3, 1e-2),
+        };
+        Tolerance {
+            loss_rel: Some(self.loss_rel.unwrap_or(loss)),
+            logp_rel: Some(self.logp_rel.unwrap_or(1e-5)),
+            grad_rel: Some(self.grad_rel.unwrap_or(grad)),
+            grad_atol: Some(self.grad_atol.unwrap_or(1e-6)),
+        }
+    }
+}

@@ -1,0 +1,204 @@
+//! The fused LM-head kernels (GRPO and cross-entropy) against the reference: loss,
+//! logp (and entropy for GRPO), dH, dW, dbias.
+
+use super::config::{Device, GradcheckConfig, Objective};
+use super::gpu;
+use super::report::{Gate, GradcheckReport, grad_gate, worst_rel};
+use crate::Result;
+use crate::inputs::{GrpoInputs, HeadInputs};
+use flashloss::cpu::{FusedOptions, LinearGrads, Workspace, ce_linear_into, grpo_linear_into};
+use flashloss::policy::Normalizers;
+use flashloss::reference::{ce_reference, grpo_reference, linear_grads, linear_logits};
+use flashloss::{CrossEntropy, Element, GrpoLoss};
+use std::time::Instant;
+
+/// The fused LM-head kernel (GRPO or CE) vs the reference on a random head of shape
+/// `[N = B·T, H] × [V, H]`: loss, logp (and entropy for GRPO), dH, dW, dbias. The
+/// gradient buffers start as NaN-free zeros (the kernel adds into them).
+pub(super) fn check_linear<E: Element>(cfg: &GradcheckConfig) -> Result<GradcheckReport> {
+    let (n, v) = (cfg.batch * cfg.seq_len, cfg.vocab);
+    let LinearCase {
+        head,
+        tokens,
+        z,
+        opts,
+    } = LinearCase::<E>::new(cfg);
+    let inputs = head.inputs();
+    let tol = cfg.tolerance.resolved(E::DTYPE);
+    let mut grads = LinearGrads::zeros(&inputs);
+    let start = Instant::now();
+    let (name, loss_pair, metrics, mut gates, dlogits_ref) = match cfg.objective {
+        Objective::Grpo => {
+            let loss = GrpoLoss::new(cfg.loss.clone())?;
+            let batch = tokens.batch();
+            let norm = Normalizers::local(&batch);
+            let out = match cfg.device {
+                Device::Cpu => grpo_linear_into(
+                    &loss,
+                    &batch,
+                    norm,
+                    &inputs,
+                    &opts,
+                    &mut Workspace::new(),
+                    &mut grads,
+                )?,
+                Device::Cuda => {
+                    let (done, g) = gpu::linear::step(
+                        &head,
+                        gpu::linear::Job::Grpo(&loss, &batch, norm),
+                        &opts,
+                    )?;
+                    grads = g;
+                    done.grpo()?
+                }
+            };
+            let r = grpo_reference(&loss, &batch, norm, &z, v, cfg.grad_output);
+            let live: Vec<usize> = (0..n).filter(|&i| batch.mask[i]).collect();
+            let gates = vec![
+                Gate::new(
+                    "logp",
+                    worst_rel(live.iter().map(|&i| (out.stats[i].logp, r.logp[i]))),
+                    tol.logp_rel.unwrap_or_default(),
+                ),
+                Gate::new(
+                    "entropy",
+                    worst_rel(live.iter().map(|&i| (out.stats[i].entropy, r.entropy[i]))),
+                    tol.logp_rel.unwrap_or_default(),
+                ),
+            ];
+            let name = format!(
+                "linear grpo {:?} {}",
+                E::DTYPE,
+                mode_name(out.plan.single_pass)
+            );
+            (
+                name,
+                (r.loss, out.loss),
+                Some((r.metrics, out.metrics)),
+                gates,
+                r.dlogits,
+            )
+        }
+        Objective::Ce => {
+            let ce = CrossEntropy::new(cfg.ce.clone())?;
+            let targets = ce_targets(&tokens, &ce);
+            let out = match cfg.device {
+                Device::Cpu => ce_linear_into(
+                    &ce,
+                    &targets,
+                    None,
+                    &inputs,
+                    &opts,
+                    &mut Workspace::new(),
+                    &mut grads,
+                )?,
+                Device::Cuda => {
+                    let (done, g) =
+                        gpu::linear::step(&head, gpu::linear::Job::Ce(&ce, &targets), &opts)?;
+                    grads = g;
+                    done.ce()?
+                }
+            };
+            let r = ce_reference(&ce, &targets, &z, v, cfg.grad_output, None);
+            let live: Vec<usize> = (0..n).filter(|&i| ce.counts(targets[i])).collect();
+            let gates = vec![Gate::new(
+                "logp",
+                worst_rel(live.iter().map(|&i| (out.stats[i].logp, r.logp[i]))),
+                tol.logp_rel.unwrap_or_default(),
+            )];
+            let name = format!(
+                "linear ce {:?} {}",
+                E::DTYPE,
+                mode_name(out.plan.single_pass)
+            );
+            (name, (r.loss, out.loss), None, gates, r.dlogits)
+        }
+    };
+    let kernel_seconds = start.elapsed().as_secs_f64();
+    let (dh, dw, db) = linear_grads(&inputs, &dlogits_ref);
+    gates.insert(
+        0,
+        Gate::new(
+            "loss",
+            (loss_pair.1 - loss_pair.0).abs() / loss_pair.0.abs().max(1.0),
+            tol.loss_rel.unwrap_or_default(),
+        ),
+    );
+    let f64s = |x: &[f32]| x.iter().map(|&v| v as f64).collect::<Vec<_>>();
+    gates.push(grad_gate(
+        "dhidden",
+        f64s(&grads.dhidden).into_iter(),
+        &dh,
+        &tol,
+    ));
+    gates.push(grad_gate(
+        "dweight",
+        f64s(&grads.dweight).into_iter(),
+        &dw,
+        &tol,
+    ));
+    if let Some(got) = &grads.dbias {
+        gates.push(grad_gate("dbias", f64s(got).into_iter(), &db, &tol));
+    }
+    Ok(GradcheckReport::new(
+        name,
+        loss_pair,
+        metrics,
+        kernel_seconds,
+        gates,
+    ))
+}
+
+/// The random inputs of a fused LM-head check: a head, per-token GRPO inputs whose old
+/// and reference logp follow the head's policy, the head's f64 logits, the options.
+pub(crate) struct LinearCase<E> {
+    pub(crate) head: HeadInputs<E>,
+    pub(crate) tokens: GrpoInputs,
+    pub(crate) z: Vec<f64>,
+    pub(crate) opts: FusedOptions,
+}
+
+impl<E: Element> LinearCase<E> {
+    pub(crate) fn new(cfg: &GradcheckConfig) -> Self {
+        let (n, h, v) = (cfg.batch * cfg.seq_len, cfg.hidden, cfg.vocab);
+        let head = HeadInputs::<E>::random(n, h, v, cfg.bias, cfg.seed);
+        let mut tokens = GrpoInputs::random(&cfg.input_spec(), cfg.seed + 1);
+        tokens.logits = Vec::new();
+        let z = linear_logits(&head.inputs());
+        tokens.follow_policy(&z, cfg.loss.temperature);
+        let opts = FusedOptions {
+            mode: cfg.mode,
+            budget_bytes: (cfg.budget_mib * (1u64 << 20) as f64) as usize,
+            grad_output: cfg.grad_output as f32,
+        };
+        LinearCase {
+            head,
+            tokens,
+            z,
+            opts,
+        }
+    }
+}
+
+/// CE targets of GRPO inputs: the target ids, `ignore_index` at masked positions.
+pub(crate) fn ce_targets(tokens: &GrpoInputs, ce: &CrossEntropy) -> Vec<i64> {
+    let ignore = ce.config().ignore_index;
+    let data = &tokens.data;
+    (0..data.mask.len())
+        .map(|i| {
+            if data.mask[i] {
+                data.target_ids[i]
+            } else {
+                ignore
+            }
+        })
+        .collect()
+}
+
+fn mode_name(single_pass: bool) -> &'static str {
+    if single_pass {
+        "single_pass"
+    } else {
+        "two_pass"
+    }
+}

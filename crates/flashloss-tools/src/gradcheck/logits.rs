@@ -1,0 +1,81 @@
+//! The logits-level GRPO kernel against the reference: loss, logp, entropy, `dlogits`.
+
+use super::config::{Device, GradcheckConfig};
+use super::gpu;
+use super::report::{Gate, GradcheckReport, grad_gate, worst_rel};
+use crate::Result;
+use crate::inputs::GrpoInputs;
+use flashloss::cpu::grpo_logits_forward;
+use flashloss::policy::Normalizers;
+use flashloss::reference::{dense_f64, grpo_reference};
+use flashloss::{Element, GrpoLoss, LogitsLayout};
+use std::time::Instant;
+
+/// Compares kernel and reference on given inputs (`logits` in the storage dtype,
+/// dense `[B, T, V]`); `cfg` gives `grad_output`, `in_place` and the gates.
+pub fn check_inputs<E: Element>(
+    cfg: &GradcheckConfig,
+    loss: &GrpoLoss,
+    inputs: &GrpoInputs,
+    mut logits: Vec<E>,
+) -> Result<GradcheckReport> {
+    let batch = inputs.batch();
+    let layout = LogitsLayout::contiguous(batch.batch, batch.seq_len, inputs.vocab);
+    batch.validate(layout.vocab, loss)?;
+    let reference = grpo_reference(
+        loss,
+        &batch,
+        Normalizers::local(&batch),
+        &dense_f64(&logits, &layout),
+        layout.vocab,
+        cfg.grad_output,
+    );
+
+    let start = Instant::now();
+    let (fwd, dlogits) = match cfg.device {
+        Device::Cpu => {
+            let fwd = grpo_logits_forward(loss, &batch, &logits, &layout)?;
+            let dlogits: Vec<E> = if cfg.in_place {
+                fwd.backward_in_place(&mut logits, cfg.grad_output as f32)?;
+                logits
+            } else {
+                let mut out = vec![E::from_f32(f32::NAN); layout.rows() * layout.vocab];
+                fwd.backward(&logits, cfg.grad_output as f32, &mut out)?;
+                out
+            };
+            (fwd, dlogits)
+        }
+        Device::Cuda => gpu::logits::step(cfg, loss, &batch, &logits, &layout)?,
+    };
+    let kernel_seconds = start.elapsed().as_secs_f64();
+
+    let live: Vec<usize> = (0..layout.rows()).filter(|&i| batch.mask[i]).collect();
+    let tol = cfg.tolerance.resolved(E::DTYPE);
+    let logp_err = worst_rel(live.iter().map(|&i| (fwd.stats[i].logp, reference.logp[i])));
+    let entropy_err = worst_rel(
+        live.iter()
+            .map(|&i| (fwd.stats[i].entropy, reference.entropy[i])),
+    );
+    let gates = vec![
+        Gate::new(
+            "loss",
+            (fwd.loss - reference.loss).abs() / reference.loss.abs().max(1.0),
+            tol.loss_rel.unwrap_or_default(),
+        ),
+        Gate::new("logp", logp_err, tol.logp_rel.unwrap_or_default()),
+        Gate::new("entropy", entropy_err, tol.logp_rel.unwrap_or_default()),
+        grad_gate(
+            "dlogits",
+            dlogits.iter().map(|x| x.to_f32() as f64),
+            &reference.dlogits,
+            &tol,
+        ),
+    ];
+    Ok(GradcheckReport::new(
+        format!("logits grpo {:?}", E::DTYPE),
+        (reference.loss, fwd.loss),
+        Some((reference.metrics, fwd.metrics)),
+        kernel_seconds,
+        gates,
+    ))
+}

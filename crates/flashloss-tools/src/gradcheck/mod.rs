@@ -1,0 +1,47 @@
+//! `flashloss gradcheck`: random inputs, the f64 reference and a kernel side by side,
+//! and tolerance gates (spec: "Numerical tolerances"). Kernels: the logits-level GRPO
+//! kernel (gradient w.r.t. logits), and the fused LM-head GRPO and cross-entropy
+//! kernels (gradients w.r.t. hidden states, weight and bias).
+
+use crate::inputs::GrpoInputs;
+use crate::{Error, Result};
+use flashloss::{DType, GrpoLoss};
+use half::bf16;
+use linear::check_linear;
+
+mod config;
+mod gpu;
+mod linear;
+mod logits;
+mod report;
+
+pub use config::{Device, Fault, FaultKind, GradcheckConfig, Kernel, Objective, Tolerance};
+pub(crate) use linear::{LinearCase, ce_targets};
+pub use logits::check_inputs;
+pub(crate) use report::grad_gate;
+pub use report::{Gate, GradcheckReport};
+
+/// Runs gradcheck as configured.
+pub fn run(cfg: &GradcheckConfig) -> Result<GradcheckReport> {
+    match (cfg.kernel, cfg.objective) {
+        (Kernel::Logits, Objective::Ce) => Err(Error::from(flashloss::Error::InvalidArgument {
+            arg: "objective",
+            reason: "ce is checked on kernel `linear` (there is no logits-level CE kernel)".into(),
+        })),
+        (Kernel::Logits, Objective::Grpo) => {
+            let loss = GrpoLoss::new(cfg.loss.clone())?;
+            let inputs = GrpoInputs::random(&cfg.input_spec(), cfg.seed);
+            match cfg.dtype {
+                DType::F32 => check_inputs(cfg, &loss, &inputs, inputs.logits.clone()),
+                DType::Bf16 => {
+                    let data = inputs.logits.iter().map(|&x| bf16::from_f32(x)).collect();
+                    check_inputs(cfg, &loss, &inputs, data)
+                }
+            }
+        }
+        (Kernel::Linear, _) => match cfg.dtype {
+            DType::F32 => check_linear::<f32>(cfg),
+            DType::Bf16 => check_linear::<bf16>(cfg),
+        },
+    }
+}
