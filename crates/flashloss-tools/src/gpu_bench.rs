@@ -63,15 +63,15 @@ fn typed<E: flashloss::cuda::GpuElement>(
     progress: &mut dyn FnMut(&str, usize, usize),
 ) -> flashloss::Result<BenchReport> {
     use crate::bench::inputs::linear_inputs;
+    use flashloss::FusedOptions;
     use flashloss::Result;
     use flashloss::batch::LinearInputs;
     use flashloss::config::GrpoLoss;
-    use flashloss::cpu::{FusedOptions, Plan};
     use flashloss::cross_entropy::CrossEntropy;
     use flashloss::cuda::{
-        Gpu, GpuGrads, GpuHead, GpuWorkspace, ce_linear_planned, grpo_linear_planned, head_logits,
-        materialized_plan, plan,
+        DeviceHead, Gpu, GpuGrads, GpuHead, GpuWorkspace, head_logits, materialized_plan,
     };
+    use flashloss::fused::{ce_linear, grpo_linear, mib};
     use flashloss::policy::Normalizers;
 
     let loss = GrpoLoss::new(cfg.grpo.clone())?;
@@ -95,7 +95,7 @@ fn typed<E: flashloss::cuda::GpuElement>(
     let norm = Normalizers::local(&batch);
     let opts = FusedOptions {
         mode: cfg.mode,
-        budget_bytes: (cfg.budget_mib * (1u64 << 20) as f64) as usize,
+        budget_bytes: (cfg.budget_mib * mib(1) as f64) as usize,
         grad_output: 1.0,
     };
     let elem = E::DTYPE.size();
@@ -124,7 +124,7 @@ fn typed<E: flashloss::cuda::GpuElement>(
         2.0 * n as f64 * h as f64 * v as f64 / timing(times).median / 1e12
     };
 
-    let mut run_one = |name: &'static str, fixed: Option<Plan>| -> Result<BenchResult> {
+    let mut run_one = |name: &'static str, materialized: bool| -> Result<BenchResult> {
         let mut ws = GpuWorkspace::new(&gpu)?;
         let mut grads = GpuGrads::zeros(&gpu, &head)?;
         gpu.memory().reset_peak();
@@ -137,35 +137,20 @@ fn typed<E: flashloss::cuda::GpuElement>(
                 // A training step zeroes its gradients; the kernels add into them.
                 gpu.fill_zeros(&mut grads.dhidden)?;
                 gpu.fill_zeros(&mut grads.dweight)?;
-                let chosen = match fixed {
-                    Some(p) => p,
-                    None => plan(
-                        n,
-                        v,
-                        E::DTYPE,
-                        &opts,
-                        cfg.loss == LossKind::Ce || !loss.needs_sequence_reduction(),
-                    )?,
+                let head = &mut DeviceHead {
+                    gpu: &gpu,
+                    head: &head,
+                    ws: &mut ws,
+                    grads: &mut grads,
+                    materialized,
                 };
                 let (l, p) = match cfg.loss {
                     LossKind::Grpo => {
-                        let out = grpo_linear_planned(
-                            &gpu, &loss, &batch, norm, &head, &opts, chosen, &mut ws, &mut grads,
-                        )?;
+                        let out = grpo_linear(head, &loss, &batch, norm, &opts)?;
                         (out.loss, out.plan)
                     }
                     LossKind::Ce => {
-                        let out = ce_linear_planned(
-                            &gpu,
-                            &ce,
-                            batch.target_ids,
-                            None,
-                            &head,
-                            &opts,
-                            chosen,
-                            &mut ws,
-                            &mut grads,
-                        )?;
+                        let out = ce_linear(head, &ce, batch.target_ids, None, &opts)?;
                         (out.loss, out.plan)
                     }
                 };
@@ -218,14 +203,11 @@ fn typed<E: flashloss::cuda::GpuElement>(
                 free as f64 / (1u64 << 30) as f64
             ));
         } else {
-            report.results.push(run_one(
-                "baseline",
-                Some(materialized_plan(n, v, E::DTYPE)),
-            )?);
+            report.results.push(run_one("baseline", true)?);
         }
     }
     if cfg.implementation != Impl::Baseline {
-        report.results.push(run_one("fused", None)?);
+        report.results.push(run_one("fused", false)?);
     }
     Ok(report)
 }

@@ -14,15 +14,13 @@ use crate::inputs::{GrpoInputs, InputSpec};
 use flashloss::batch::LinearInputs;
 use flashloss::collective::{Collective, agree, run_in_process};
 use flashloss::config::GrpoLoss;
-use flashloss::cpu::{
-    FusedOptions, Grid, LinearGrads, Parallel, VocabShard, Workspace, ce_linear_grid,
-    ce_linear_into, ce_linear_token_parallel, grpo_linear_grid, grpo_linear_into,
-    grpo_linear_token_parallel, shard_range,
-};
+use flashloss::cpu::{HostHead, Workspace};
 use flashloss::cross_entropy::CrossEntropy;
 use flashloss::element::{DType, Element};
+use flashloss::fused::{ce_linear, grpo_linear, mib, shard_range};
 use flashloss::memory;
 use flashloss::policy::Normalizers;
+use flashloss::{Device, FusedOptions, Grid, LinearGrads, Parallel, Shard};
 use flashloss::{Error, Result};
 use half::bf16;
 use rand::SeedableRng;
@@ -269,7 +267,7 @@ fn rank_typed<E: Element>(
     let ce = CrossEntropy::new(cfg.ce.clone())?;
     let opts = FusedOptions {
         mode: cfg.mode,
-        budget_bytes: (cfg.budget_mib * (1u64 << 20) as f64) as usize,
+        budget_bytes: (cfg.budget_mib * mib(1) as f64) as usize,
         grad_output: 1.0,
     };
     let in_process = engine == "in_process";
@@ -288,23 +286,14 @@ fn rank_typed<E: Element>(
                 grads.dhidden.fill(0.0);
                 grads.dweight.fill(0.0);
                 let lin = inputs.linear(h);
+                let head = &mut HostHead {
+                    inputs: &lin,
+                    ws: &mut ws,
+                    grads: &mut grads,
+                };
                 let value = match cfg.loss {
-                    LossKind::Grpo => {
-                        grpo_linear_into(&loss, &batch, norm, &lin, &opts, &mut ws, &mut grads)?
-                            .loss
-                    }
-                    LossKind::Ce => {
-                        ce_linear_into(
-                            &ce,
-                            batch.target_ids,
-                            None,
-                            &lin,
-                            &opts,
-                            &mut ws,
-                            &mut grads,
-                        )?
-                        .loss
-                    }
+                    LossKind::Grpo => grpo_linear(head, &loss, &batch, norm, &opts)?.loss,
+                    LossKind::Ce => ce_linear(head, &ce, batch.target_ids, None, &opts)?.loss,
                 };
                 Ok((value, grads.dweight.len()))
             })?;
@@ -326,36 +315,25 @@ fn rank_typed<E: Element>(
     let seqs = shard_range(cfg.batch, token_groups, tg);
     let vocab = shard_range(v, vocab_groups, vg);
     let inputs = RankInputs::<E>::new(cfg, &loss, seqs, vocab.clone());
-    let grid = match cfg.parallel {
-        Parallel::Token => None,
-        Parallel::Vocab => Some(Grid::vocab(comm)),
-        Parallel::Grid2d => Some(Grid::split(comm, vocab_groups)?),
-    };
+    let grid = Grid::of(comm, cfg.parallel, vocab_groups)?;
     let batch = inputs.tokens.batch();
     comm.barrier()?;
     let reset = !in_process || comm.rank() == 0;
     let (timing, (value, dweight_len), peak) = timed(cfg, comm, base, reset, &mut || {
         let lin = inputs.linear(h);
-        let shard = VocabShard {
-            inputs: lin,
+        let shard = Shard {
             offset: vocab.start,
             vocab: v,
         };
-        let (value, grads) = match (&grid, cfg.loss) {
-            (None, LossKind::Grpo) => {
-                let o = grpo_linear_token_parallel(comm, &loss, &batch, &lin, &opts)?;
+        let (value, grads) = match cfg.loss {
+            LossKind::Grpo => {
+                let o =
+                    Device::Cpu.grpo_linear_sharded(&grid, shard, &loss, &batch, &lin, &opts)?;
                 (o.loss, o.grads)
             }
-            (None, LossKind::Ce) => {
-                let o = ce_linear_token_parallel(comm, &ce, batch.target_ids, &lin, &opts)?;
-                (o.loss, o.grads)
-            }
-            (Some(g), LossKind::Grpo) => {
-                let o = grpo_linear_grid(g, &loss, &batch, &shard, &opts)?;
-                (o.loss, o.grads)
-            }
-            (Some(g), LossKind::Ce) => {
-                let o = ce_linear_grid(g, &ce, batch.target_ids, &shard, &opts)?;
+            LossKind::Ce => {
+                let targets = batch.target_ids;
+                let o = Device::Cpu.ce_linear_sharded(&grid, shard, &ce, targets, &lin, &opts)?;
                 (o.loss, o.grads)
             }
         };

@@ -6,19 +6,18 @@
 //! rounding: 1e-5 relative to the largest entry.
 
 use crate::gradcheck::{
-    Device, FaultKind, Gate, GradcheckConfig, GradcheckReport, Kernel, LinearCase, Objective,
-    Tolerance, ce_targets, grad_gate,
+    FaultKind, Gate, GradcheckConfig, GradcheckReport, Kernel, LinearCase, Objective, Tolerance,
+    ce_targets, grad_gate,
 };
 use crate::inputs::HeadInputs;
 use flashloss::collective::{Collective, agree, run_in_process};
 use flashloss::config::GrpoLoss;
-use flashloss::cpu::{
-    Grid, LinearGrads, Parallel, VocabShard, ce_linear, ce_linear_grid, ce_linear_token_parallel,
-    grpo_linear, grpo_linear_grid, grpo_linear_token_parallel, shard_range,
-};
 use flashloss::cross_entropy::CrossEntropy;
 use flashloss::element::{DType, Element};
+use flashloss::fused::shard_range;
+use flashloss::policy::Normalizers;
 use flashloss::{Error, Result};
+use flashloss::{Grid, LinearGrads, Parallel, Shard};
 use half::bf16;
 use serde::Serialize;
 use std::ops::Range;
@@ -92,12 +91,6 @@ fn grid_shape(cfg: &GradcheckConfig, ranks: usize) -> Result<(usize, usize)> {
 }
 
 fn check_ranks(cfg: &GradcheckConfig, ranks: usize) -> Result<()> {
-    if cfg.device != Device::Cpu {
-        return Err(Error::InvalidArgument {
-            arg: "device",
-            reason: "sharded runs use the CPU backend".into(),
-        });
-    }
     if cfg.kernel != Kernel::Linear {
         return Err(Error::InvalidArgument {
             arg: "ranks",
@@ -134,14 +127,16 @@ impl<'c, E: Element> Check<'c, E> {
         let grpo = GrpoLoss::new(cfg.loss.clone())?;
         let ce = CrossEntropy::new(cfg.ce.clone())?;
         let targets = ce_targets(&case.tokens, &ce);
+        let device = cfg.device.open()?;
+        let (batch, inputs) = (case.tokens.batch(), case.head.inputs());
         let (one_loss, one) = match cfg.objective {
             Objective::Grpo => {
-                let out =
-                    grpo_linear(&grpo, &case.tokens.batch(), &case.head.inputs(), &case.opts)?;
+                let norm = Normalizers::local(&batch);
+                let out = device.grpo_linear(&grpo, &batch, norm, &inputs, &case.opts)?;
                 (out.loss, out.grads)
             }
             Objective::Ce => {
-                let out = ce_linear(&ce, &targets, &case.head.inputs(), &case.opts)?;
+                let out = device.ce_linear(&ce, &targets, None, &inputs, &case.opts)?;
                 (out.loss, out.grads)
             }
         };
@@ -192,46 +187,8 @@ impl<'c, E: Element> Check<'c, E> {
     fn step(&self, comm: &dyn Collective) -> Result<Held> {
         let (cfg, case) = (self.cfg, &self.case);
         let t = cfg.seq_len;
-        if cfg.parallel == Parallel::Token {
-            let seqs = shard_range(cfg.batch, comm.world_size(), comm.rank());
-            let rows = seqs.start * t..seqs.end * t;
-            let part = case.tokens.sequences(seqs);
-            let head = self.held_head(comm, case.head.rows(rows.clone()));
-            let (loss, grads) = match cfg.objective {
-                Objective::Grpo => {
-                    let o = grpo_linear_token_parallel(
-                        comm,
-                        &self.grpo,
-                        &part.batch(),
-                        &head.inputs(),
-                        &case.opts,
-                    )?;
-                    (o.loss, o.grads)
-                }
-                Objective::Ce => {
-                    let o = ce_linear_token_parallel(
-                        comm,
-                        &self.ce,
-                        &self.targets[rows.clone()],
-                        &head.inputs(),
-                        &case.opts,
-                    )?;
-                    (o.loss, o.grads)
-                }
-            };
-            return Ok(Held {
-                loss,
-                grads,
-                rows,
-                vocab: 0..cfg.vocab,
-            });
-        }
         let (token_groups, vocab_groups) = grid_shape(cfg, comm.world_size())?;
-        let grid = if cfg.parallel == Parallel::Vocab {
-            Grid::vocab(comm)
-        } else {
-            Grid::split(comm, vocab_groups)?
-        };
+        let grid = Grid::of(comm, cfg.parallel, vocab_groups)?;
         let seqs = shard_range(cfg.batch, token_groups, grid.token_group());
         let rows = seqs.start * t..seqs.end * t;
         let vocab = shard_range(cfg.vocab, vocab_groups, grid.vocab_group());
@@ -240,19 +197,34 @@ impl<'c, E: Element> Check<'c, E> {
             comm,
             case.head.rows(rows.clone()).vocab_shard(vocab.clone()),
         );
-        let shard = VocabShard {
-            inputs: head.inputs(),
+        let shard = Shard {
             offset: vocab.start,
             vocab: cfg.vocab,
         };
+        let (device, opts) = (cfg.device.open()?, &case.opts);
         let (loss, grads) = match cfg.objective {
             Objective::Grpo => {
-                let o = grpo_linear_grid(&grid, &self.grpo, &part.batch(), &shard, &case.opts)?;
+                let batch = part.batch();
+                let o = device.grpo_linear_sharded(
+                    &grid,
+                    shard,
+                    &self.grpo,
+                    &batch,
+                    &head.inputs(),
+                    opts,
+                )?;
                 (o.loss, o.grads)
             }
             Objective::Ce => {
                 let targets = &self.targets[rows.clone()];
-                let o = ce_linear_grid(&grid, &self.ce, targets, &shard, &case.opts)?;
+                let o = device.ce_linear_sharded(
+                    &grid,
+                    shard,
+                    &self.ce,
+                    targets,
+                    &head.inputs(),
+                    opts,
+                )?;
                 (o.loss, o.grads)
             }
         };

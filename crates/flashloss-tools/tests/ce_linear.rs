@@ -6,13 +6,12 @@
 //! (the workspace budget is tested in fused_budget.rs).
 
 mod common;
+use common::cpu_steps::{ce_linear, ce_linear_into};
 use common::*;
-use flashloss::cpu::{
-    BaselineWorkspace, FusedOptions, LinearGrads, Mode, Workspace, ce_linear,
-    ce_linear_baseline_into, ce_linear_into,
-};
+use flashloss::cpu::{BaselineWorkspace, Workspace, ce_linear_baseline_into};
 use flashloss::reference::{ce_reference, linear_grads, linear_logits};
 use flashloss::{CeConfig, CrossEntropy, Element, Reduction};
+use flashloss::{FusedOptions, LinearGrads, Mode};
 use half::bf16;
 use rand::{Rng, SeedableRng};
 
@@ -368,7 +367,7 @@ fn bad_input_is_a_clear_error() {
     let head = Head::<f32>::random(4, 8, 50, false, 16);
     let ce = CrossEntropy::new(CeConfig::default()).unwrap();
     let opts = FusedOptions::default();
-    let err = |r: flashloss::Result<flashloss::cpu::CeLinearOutput>| r.unwrap_err().to_string();
+    let err = |r: flashloss::Result<flashloss::CeLinearOutput>| r.unwrap_err().to_string();
     assert_eq!(
         err(ce_linear(&ce, &[1, 2, 50, 3], &head.inputs(), &opts)),
         "argument `target_ids`: id 50 at index 2 (sequence 0, position 2) is outside [0, 50)"

@@ -3,10 +3,11 @@
 //! tracking allocator counts the whole process, so nothing else may run beside it.
 
 mod common;
+use common::cpu_steps::{ce_linear, grpo_linear};
 use common::*;
-use flashloss::cpu::{FusedOptions, Mode, Plan, ce_linear, grpo_linear};
 use flashloss::memory::{self, TrackingAllocator};
 use flashloss::{CeConfig, CrossEntropy, GrpoLoss, LossConfig};
+use flashloss::{FusedOptions, Mode, Plan};
 
 #[global_allocator]
 static ALLOCATOR: TrackingAllocator = TrackingAllocator;

@@ -2,7 +2,7 @@
 //! passes for GRPO and CE in both modes and dtypes, and a gate can fail.
 
 use flashloss::DType;
-use flashloss::cpu::Mode;
+use flashloss::Mode;
 use flashloss_tools::gradcheck::{self, GradcheckConfig, Kernel, Objective, Tolerance};
 
 fn config(objective: Objective, dtype: DType, mode: Mode) -> GradcheckConfig {

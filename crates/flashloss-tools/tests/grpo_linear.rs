@@ -3,11 +3,12 @@
 //! the workspace budget is tested in fused_budget.rs.
 
 mod common;
+use common::cpu_steps::{grpo_linear, logp_linear};
 use common::*;
-use flashloss::cpu::{FusedOptions, Mode, grpo_linear, logp_linear};
 use flashloss::policy::Normalizers;
 use flashloss::reference::{grpo_reference, linear_grads, linear_logits};
 use flashloss::{Element, GrpoLoss, LossConfig, LossType};
+use flashloss::{FusedOptions, Mode};
 use half::bf16;
 
 /// Runs the fused kernel and the reference; checks loss, logp, dH, dW, dbias.

@@ -2,7 +2,7 @@
 //! rank for token, vocab and 2-D splits, a bad split is an error naming the key, and an
 //! injected fault (NaN, exit, panic, hang) on one rank ends the run on every rank.
 
-use flashloss::cpu::Parallel;
+use flashloss::Parallel;
 use flashloss_tools::gradcheck::{Fault, FaultKind, GradcheckConfig, Kernel, Objective};
 use flashloss_tools::sharded_check;
 

@@ -6,15 +6,16 @@
 //! independent.
 
 mod common;
+use common::cpu_steps::{
+    VocabShard, ce_linear, ce_linear_grid, ce_linear_token_parallel, ce_linear_vocab_parallel,
+    grpo_linear, grpo_linear_grid, grpo_linear_token_parallel, grpo_linear_vocab_parallel,
+};
 use common::*;
 use flashloss::collective::{Collective, run_in_process};
-use flashloss::cpu::{
-    FusedOptions, Grid, LinearGrads, Mode, VocabShard, ce_linear, ce_linear_grid,
-    ce_linear_token_parallel, ce_linear_vocab_parallel, grpo_linear, grpo_linear_grid,
-    grpo_linear_token_parallel, grpo_linear_vocab_parallel, shard_range,
-};
+use flashloss::fused::shard_range;
 use flashloss::reference::linear_logits;
 use flashloss::{CeConfig, CrossEntropy, Error, GrpoLoss, ImportanceSamplingLevel, LossConfig};
+use flashloss::{FusedOptions, Grid, LinearGrads, Mode};
 use flashloss_tools::inputs::GrpoInputs;
 use std::time::Duration;
 

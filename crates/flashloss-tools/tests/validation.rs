@@ -276,7 +276,7 @@ fn config_files_reject_unknown_keys_and_wrong_types() {
 /// naming the buffer and the head's shape (the check every backend's fused kernel runs).
 #[test]
 fn gradient_buffers_must_match_the_head() {
-    use flashloss::cpu::LinearGrads;
+    use flashloss::LinearGrads;
     use flashloss_tools::inputs::HeadInputs;
     let head = HeadInputs::<f32>::random(5, 3, 7, false, 0);
     let inputs = head.inputs();

@@ -1,8 +1,8 @@
 //! What a bench runs: the config file (`configs/bench/*.yaml`).
 
 use crate::gradcheck::Device;
-use flashloss::cpu::{Mode, Parallel};
 use flashloss::{CeConfig, DType, LossConfig};
+use flashloss::{Mode, Parallel};
 use serde::{Deserialize, Serialize};
 
 /// Which implementations to run.

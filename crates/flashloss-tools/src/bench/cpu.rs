@@ -8,13 +8,14 @@ use super::report::{BenchReport, BenchResult, time_steps};
 use flashloss::batch::{LinearInputs, LogitsLayout};
 use flashloss::cpu::matmul::{MatRef, matmul};
 use flashloss::cpu::{
-    BaselineWorkspace, FusedOptions, LinearGrads, UnfusedWorkspace, Workspace,
-    ce_linear_baseline_into, ce_linear_into, grpo_linear_baseline_into, grpo_linear_into,
-    grpo_logits_forward, grpo_logits_unfused_into,
+    BaselineWorkspace, HostHead, UnfusedWorkspace, Workspace, ce_linear_baseline_into,
+    grpo_linear_baseline_into, grpo_logits_forward, grpo_logits_unfused_into,
 };
+use flashloss::fused::{ce_linear, grpo_linear, mib};
 use flashloss::memory;
 use flashloss::policy::Normalizers;
 use flashloss::{CrossEntropy, DType, Element, Error, GrpoLoss, Result};
+use flashloss::{FusedOptions, LinearGrads};
 use half::bf16;
 use rayon::prelude::*;
 use std::convert::Infallible;
@@ -169,7 +170,7 @@ fn run_linear<E: Element>(
     if cfg.implementation != Impl::Baseline {
         let opts = FusedOptions {
             mode: cfg.mode,
-            budget_bytes: (cfg.budget_mib * (1u64 << 20) as f64) as usize,
+            budget_bytes: (cfg.budget_mib * mib(1) as f64) as usize,
             grad_output: 1.0,
         };
         let mut plan = None;
@@ -180,22 +181,18 @@ fn run_linear<E: Element>(
             // A training step zeroes its gradients; the fused kernel adds into them.
             grads.dhidden.fill(0.0);
             grads.dweight.fill(0.0);
+            let head = &mut HostHead {
+                inputs: &inputs,
+                ws: &mut ws,
+                grads: &mut grads,
+            };
             let (value, ran) = match cfg.loss {
                 LossKind::Grpo => {
-                    let out =
-                        grpo_linear_into(&loss, &batch, norm, &inputs, &opts, &mut ws, &mut grads)?;
+                    let out = grpo_linear(head, &loss, &batch, norm, &opts)?;
                     (out.loss, out.plan)
                 }
                 LossKind::Ce => {
-                    let out = ce_linear_into(
-                        &ce,
-                        batch.target_ids,
-                        None,
-                        &inputs,
-                        &opts,
-                        &mut ws,
-                        &mut grads,
-                    )?;
+                    let out = ce_linear(head, &ce, batch.target_ids, None, &opts)?;
                     (out.loss, out.plan)
                 }
             };

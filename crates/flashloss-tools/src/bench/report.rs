@@ -3,7 +3,7 @@
 
 use super::config::{Level, LossKind};
 use flashloss::DType;
-use flashloss::cpu::Plan;
+use flashloss::Plan;
 use serde::{Deserialize, Serialize};
 use std::time::Instant;
 

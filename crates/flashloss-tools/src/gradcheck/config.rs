@@ -1,8 +1,8 @@
 //! What gradcheck runs: the config file (`configs/gradcheck/*.yaml`) and its gates.
 
 use crate::inputs::InputSpec;
-use flashloss::cpu::{Mode, Parallel};
 use flashloss::{CeConfig, DType, LossConfig};
+use flashloss::{Mode, Parallel};
 use serde::{Deserialize, Serialize};
 
 /// Which kernel gradcheck runs.
@@ -61,6 +61,17 @@ pub enum Device {
     Cpu,
     /// GPU 0 through the CUDA backend (a build with feature `cuda`).
     Cuda,
+}
+
+impl Device {
+    /// The library's device (GPU 0 for `cuda`): an error without the `cuda` feature or
+    /// a driver.
+    pub fn open(self) -> flashloss::Result<flashloss::Device> {
+        match self {
+            Device::Cpu => Ok(flashloss::Device::Cpu),
+            Device::Cuda => flashloss::Device::cuda(0),
+        }
+    }
 }
 
 /// The gradcheck config file (`configs/gradcheck/*.yaml`).

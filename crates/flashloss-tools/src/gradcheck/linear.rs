@@ -1,15 +1,15 @@
 //! The fused LM-head kernels (GRPO and cross-entropy) against the reference: loss,
 //! logp (and entropy for GRPO), dH, dW, dbias.
 
-use super::config::{Device, GradcheckConfig, Objective};
-use super::gpu;
+use super::config::{GradcheckConfig, Objective};
 use super::report::{Gate, GradcheckReport, grad_gate, worst_rel};
 use crate::Result;
 use crate::inputs::{GrpoInputs, HeadInputs};
-use flashloss::cpu::{FusedOptions, LinearGrads, Workspace, ce_linear_into, grpo_linear_into};
+use flashloss::fused::mib;
 use flashloss::policy::Normalizers;
 use flashloss::reference::{ce_reference, grpo_reference, linear_grads, linear_logits};
 use flashloss::{CrossEntropy, Element, GrpoLoss};
+use flashloss::{FusedOptions, LinearGrads};
 use std::time::Instant;
 
 /// The fused LM-head kernel (GRPO or CE) vs the reference on a random head of shape
@@ -25,33 +25,16 @@ pub(super) fn check_linear<E: Element>(cfg: &GradcheckConfig) -> Result<Gradchec
     } = LinearCase::<E>::new(cfg);
     let inputs = head.inputs();
     let tol = cfg.tolerance.resolved(E::DTYPE);
-    let mut grads = LinearGrads::zeros(&inputs);
+    let device = cfg.device.open()?;
+    let grads: LinearGrads;
     let start = Instant::now();
     let (name, loss_pair, metrics, mut gates, dlogits_ref) = match cfg.objective {
         Objective::Grpo => {
             let loss = GrpoLoss::new(cfg.loss.clone())?;
             let batch = tokens.batch();
             let norm = Normalizers::local(&batch);
-            let out = match cfg.device {
-                Device::Cpu => grpo_linear_into(
-                    &loss,
-                    &batch,
-                    norm,
-                    &inputs,
-                    &opts,
-                    &mut Workspace::new(),
-                    &mut grads,
-                )?,
-                Device::Cuda => {
-                    let (done, g) = gpu::linear::step(
-                        &head,
-                        gpu::linear::Job::Grpo(&loss, &batch, norm),
-                        &opts,
-                    )?;
-                    grads = g;
-                    done.grpo()?
-                }
-            };
+            let mut out = device.grpo_linear(&loss, &batch, norm, &inputs, &opts)?;
+            grads = std::mem::replace(&mut out.grads, LinearGrads::empty());
             let r = grpo_reference(&loss, &batch, norm, &z, v, cfg.grad_output);
             let live: Vec<usize> = (0..n).filter(|&i| batch.mask[i]).collect();
             let gates = vec![
@@ -82,23 +65,8 @@ pub(super) fn check_linear<E: Element>(cfg: &GradcheckConfig) -> Result<Gradchec
         Objective::Ce => {
             let ce = CrossEntropy::new(cfg.ce.clone())?;
             let targets = ce_targets(&tokens, &ce);
-            let out = match cfg.device {
-                Device::Cpu => ce_linear_into(
-                    &ce,
-                    &targets,
-                    None,
-                    &inputs,
-                    &opts,
-                    &mut Workspace::new(),
-                    &mut grads,
-                )?,
-                Device::Cuda => {
-                    let (done, g) =
-                        gpu::linear::step(&head, gpu::linear::Job::Ce(&ce, &targets), &opts)?;
-                    grads = g;
-                    done.ce()?
-                }
-            };
+            let mut out = device.ce_linear(&ce, &targets, None, &inputs, &opts)?;
+            grads = std::mem::replace(&mut out.grads, LinearGrads::empty());
             let r = ce_reference(&ce, &targets, &z, v, cfg.grad_output, None);
             let live: Vec<usize> = (0..n).filter(|&i| ce.counts(targets[i])).collect();
             let gates = vec![Gate::new(
@@ -168,7 +136,7 @@ impl<E: Element> LinearCase<E> {
         tokens.follow_policy(&z, cfg.loss.temperature);
         let opts = FusedOptions {
             mode: cfg.mode,
-            budget_bytes: (cfg.budget_mib * (1u64 << 20) as f64) as usize,
+            budget_bytes: (cfg.budget_mib * mib(1) as f64) as usize,
             grad_output: cfg.grad_output as f32,
         };
         LinearCase {

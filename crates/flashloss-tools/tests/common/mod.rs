@@ -103,16 +103,16 @@ pub fn assert_close(name: &str, got: &[f32], want: &[f64], rel: f64) {
 /// What [`assert_modes_agree_and_threads_invariant`] compares of a fused step.
 pub struct FusedRun {
     pub loss: f64,
-    pub grads: flashloss::cpu::LinearGrads,
+    pub grads: flashloss::LinearGrads,
     pub single_pass: bool,
 }
 
 /// Single-pass equals two-pass within f32 rounding, and 1, 2 and 8 threads give
 /// identical bits in each mode. `run(opts)` runs the fused step with `opts`.
 pub fn assert_modes_agree_and_threads_invariant(
-    run: &(dyn Fn(&flashloss::cpu::FusedOptions) -> FusedRun + Sync),
+    run: &(dyn Fn(&flashloss::FusedOptions) -> FusedRun + Sync),
 ) {
-    use flashloss::cpu::{FusedOptions, Mode};
+    use flashloss::{FusedOptions, Mode};
     let run_with = |mode: Mode, threads: usize| {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
@@ -146,5 +146,139 @@ pub fn assert_modes_agree_and_threads_invariant(
             assert_eq!(one.grads.dweight, other.grads.dweight, "{case}: dW");
             assert_eq!(one.grads.dbias, other.grads.dbias, "{case}: dbias");
         }
+    }
+}
+
+/// The fused LM-head steps on the CPU backend in the call shapes these tests use: fresh
+/// buffers through [`flashloss::Device::Cpu`], caller's buffers through a
+/// [`flashloss::cpu::HostHead`], sharded runs on a [`flashloss::Grid`].
+pub mod cpu_steps {
+    use flashloss::collective::Collective;
+    use flashloss::cpu::{HostHead, Workspace};
+    use flashloss::fused;
+    use flashloss::policy::Normalizers;
+    use flashloss::{
+        CeLinearOutput, CrossEntropy, Device, Element, FusedOptions, Grid, GrpoBatch,
+        GrpoLinearOutput, GrpoLoss, LinearGrads, LinearInputs, Result, RowStats, Shard,
+    };
+
+    /// A rank's shard of the head: its weight rows are entries `offset..` of `vocab`.
+    pub struct VocabShard<'a, E> {
+        pub inputs: LinearInputs<'a, E>,
+        pub offset: usize,
+        pub vocab: usize,
+    }
+
+    impl<E> VocabShard<'_, E> {
+        fn shard(&self) -> Shard {
+            Shard {
+                offset: self.offset,
+                vocab: self.vocab,
+            }
+        }
+    }
+
+    pub fn grpo_linear<E: Element>(
+        loss: &GrpoLoss,
+        batch: &GrpoBatch,
+        inputs: &LinearInputs<E>,
+        opts: &FusedOptions,
+    ) -> Result<GrpoLinearOutput> {
+        Device::Cpu.grpo_linear(loss, batch, Normalizers::local(batch), inputs, opts)
+    }
+
+    pub fn ce_linear<E: Element>(
+        ce: &CrossEntropy,
+        targets: &[i64],
+        inputs: &LinearInputs<E>,
+        opts: &FusedOptions,
+    ) -> Result<CeLinearOutput> {
+        Device::Cpu.ce_linear(ce, targets, None, inputs, opts)
+    }
+
+    pub fn ce_linear_into<E: Element>(
+        ce: &CrossEntropy,
+        targets: &[i64],
+        grad_rows: Option<&[f32]>,
+        inputs: &LinearInputs<E>,
+        opts: &FusedOptions,
+        ws: &mut Workspace,
+        grads: &mut LinearGrads,
+    ) -> Result<CeLinearOutput> {
+        let head = &mut HostHead { inputs, ws, grads };
+        fused::ce_linear(head, ce, targets, grad_rows, opts)
+    }
+
+    pub fn logp_linear<E: Element>(
+        inputs: &LinearInputs<E>,
+        targets: &[i64],
+        mask: Option<&[bool]>,
+        temperature: f64,
+        budget_bytes: usize,
+        seq_len: usize,
+    ) -> Result<Vec<RowStats>> {
+        Device::Cpu.logp_linear(inputs, targets, mask, temperature, budget_bytes, seq_len)
+    }
+
+    pub fn grpo_linear_token_parallel<E: Element>(
+        comm: &dyn Collective,
+        loss: &GrpoLoss,
+        batch: &GrpoBatch,
+        inputs: &LinearInputs<E>,
+        opts: &FusedOptions,
+    ) -> Result<GrpoLinearOutput> {
+        let shard = Shard::whole(inputs.vocab);
+        Device::Cpu.grpo_linear_sharded(&Grid::token(comm), shard, loss, batch, inputs, opts)
+    }
+
+    pub fn ce_linear_token_parallel<E: Element>(
+        comm: &dyn Collective,
+        ce: &CrossEntropy,
+        targets: &[i64],
+        inputs: &LinearInputs<E>,
+        opts: &FusedOptions,
+    ) -> Result<CeLinearOutput> {
+        let shard = Shard::whole(inputs.vocab);
+        Device::Cpu.ce_linear_sharded(&Grid::token(comm), shard, ce, targets, inputs, opts)
+    }
+
+    pub fn grpo_linear_grid<E: Element>(
+        grid: &Grid,
+        loss: &GrpoLoss,
+        batch: &GrpoBatch,
+        shard: &VocabShard<E>,
+        opts: &FusedOptions,
+    ) -> Result<GrpoLinearOutput> {
+        Device::Cpu.grpo_linear_sharded(grid, shard.shard(), loss, batch, &shard.inputs, opts)
+    }
+
+    pub fn ce_linear_grid<E: Element>(
+        grid: &Grid,
+        ce: &CrossEntropy,
+        targets: &[i64],
+        shard: &VocabShard<E>,
+        opts: &FusedOptions,
+    ) -> Result<CeLinearOutput> {
+        Device::Cpu.ce_linear_sharded(grid, shard.shard(), ce, targets, &shard.inputs, opts)
+    }
+
+    pub fn grpo_linear_vocab_parallel<E: Element>(
+        comm: &dyn Collective,
+        loss: &GrpoLoss,
+        batch: &GrpoBatch,
+        shard: &VocabShard<E>,
+        opts: &FusedOptions,
+    ) -> Result<GrpoLinearOutput> {
+        grpo_linear_grid(&Grid::vocab(comm), loss, batch, shard, opts)
+    }
+
+    pub fn ce_linear_vocab_parallel<E: Element>(
+        comm: &dyn Collective,
+        ce: &CrossEntropy,
+        targets: &[i64],
+        shard: &VocabShard<E>,
+        opts: &FusedOptions,
+    ) -> Result<CeLinearOutput> {
+        ce_linear_grid(&Grid::vocab(comm), ce, targets, shard, opts)
     }
 }

@@ -10,6 +10,7 @@
 use super::plan::{FusedOptions, Plan};
 use crate::batch::{HeadShape, LinearInputs};
 use crate::collective::Collective;
+use crate::element::Element;
 use crate::error::{Error, Result};
 use crate::rows::{PartialStats, RowInputs, RowStats};
 use std::ops::Range;
@@ -130,6 +131,12 @@ impl LinearGrads {
             dweight: vec![0.0; v * h],
             dbias: inputs.bias.map(|_| vec![0.0; v]),
         }
+    }
+
+    /// `dW` rounded to the weight's dtype `E` (round to nearest even; the
+    /// accumulation stays f32).
+    pub fn dweight_as<E: Element>(&self) -> Vec<E> {
+        self.dweight.iter().map(|&x| E::from_f32(x)).collect()
     }
 
     /// No buffers (what the drivers return; the gradients went to the head's buffers).
