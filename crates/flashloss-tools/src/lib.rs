@@ -1,6 +1,6 @@
 //! flashloss-tools: the drivers of the `flashloss` command-line tool, in a library so
 //! that they are tested and the CLI only parses, calls and prints. A gradcheck puts a
-//! kernel's loss and gradients next to the f64 reference (`shared/spec/losses.md`)
+//! kernel's loss and gradients next to the f64 reference (`docs/spec/losses.md`)
 //! on random inputs and gates the differences at the spec's tolerances; a bench times
 //! the fused kernels against the plain path that materializes the `[tokens × vocab]`
 //! logits.

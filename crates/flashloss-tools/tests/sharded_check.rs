@@ -110,3 +110,42 @@ fn injected_faults_end_the_sharded_gradcheck_on_every_rank() {
         }
     }
 }
+
+#[test]
+fn sharded_logits_gradcheck_passes_and_a_nan_ends_every_rank() {
+    for (parallel, ranks, vocab_groups) in [
+        (Parallel::Token, 2, None),
+        (Parallel::Vocab, 3, None),
+        (Parallel::Grid2d, 4, Some(2)),
+    ] {
+        let cfg = GradcheckConfig {
+            kernel: Kernel::Logits,
+            parallel,
+            vocab_groups,
+            batch: 4,
+            seq_len: 5,
+            vocab: 301,
+            ..GradcheckConfig::default()
+        };
+        for r in sharded_check::run(&cfg, ranks).unwrap() {
+            let r = r.unwrap();
+            assert!(
+                r.report.passed,
+                "{parallel:?} rank {}: {:?}",
+                r.rank, r.report.gates
+            );
+            assert!(r.report.gate("dlogits").is_some());
+        }
+        let bad = GradcheckConfig {
+            fault: Some(Fault {
+                rank: 1,
+                kind: FaultKind::Nan,
+            }),
+            ..cfg
+        };
+        for r in sharded_check::run(&bad, ranks).unwrap() {
+            let e = r.unwrap_err().to_string();
+            assert!(e.starts_with("rank 1: "), "{parallel:?}: {e}");
+        }
+    }
+}

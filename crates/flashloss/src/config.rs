@@ -1,4 +1,4 @@
-//! The GRPO loss configuration of `shared/spec/losses.md`, with its defaults and the
+//! The GRPO loss configuration of `docs/spec/losses.md`, with its defaults and the
 //! rules on which combinations are valid. [`GrpoLoss::new`] is the one place a config is
 //! checked; kernels take a [`GrpoLoss`], so they never see an invalid one.
 

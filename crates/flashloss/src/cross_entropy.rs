@@ -1,4 +1,4 @@
-//! The cross-entropy (SFT) loss configuration of `shared/spec/losses.md`, section
+//! The cross-entropy (SFT) loss configuration of `docs/spec/losses.md`, section
 //! "Cross-entropy": `ℓ_i = (1-ε_ls)·(lse_i - s_{i,y_i}) + ε_ls·(lse_i - mean_j s_ij)
 //! + λ_z·lse_i²` on `s = softcap(z) / T_temp`, for rows whose target is not
 //! `ignore_index`. [`CrossEntropy::new`] is the one place a config is checked.

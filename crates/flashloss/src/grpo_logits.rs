@@ -143,6 +143,7 @@ pub(crate) fn grpo_logits_forward_sharded(
         transform: RowTransform::grpo(loss),
     };
     let partial = row_states(&targets);
+    agree(grid.world, check_partial(&partial, batch.mask))?;
     let stats =
         merge_partial(split.comm, &partial, rows.transform.inv_temp)?.finish(&rows, shard.vocab);
     let checked = check_row_stats(&stats, |i| batch.mask[i], batch.target_ids, batch.seq_len);
@@ -157,4 +158,19 @@ pub(crate) fn grpo_logits_forward_sharded(
         norm.token_count,
     )?;
     Ok(fwd)
+}
+
+/// Checks a shard's partial states before they are merged, so that NaN or `+inf`
+/// logits are reported by the rank that holds them.
+fn check_partial(partial: &PartialStats, live: &[bool]) -> Result<()> {
+    let bad = |st: &crate::rows::OnlineSoftmax| {
+        st.max == f32::INFINITY || st.max.is_nan() || st.sum.is_nan() || st.weighted.is_nan()
+    };
+    match (0..partial.states.len()).find(|&i| live[i] && bad(&partial.states[i])) {
+        Some(row) => Err(Error::InvalidArgument {
+            arg: "logits",
+            reason: format!("row {row} holds NaN or +inf logits"),
+        }),
+        None => Ok(()),
+    }
 }

@@ -1,11 +1,14 @@
 //! flashloss: fused GRPO and cross-entropy losses for LLM training that never hold the
 //! `[tokens × vocab]` logits or their gradient.
 //!
-//! Layers: the spec layer knows no backend ([`config`], [`cross_entropy`], [`batch`], [`error`],
-//! [`element`], [`policy`], [`reference`]); backends live in folders ([`cpu`]); sharded runs exchange data through
-//! [`collective`]. The command-line tool's drivers (YAML configs, random inputs,
-//! gradcheck, bench) are the `flashloss-tools` crate.
-//! The math is `shared/spec/losses.md`.
+//! Layers: the spec layer knows no backend ([`config`], [`cross_entropy`], [`batch`],
+//! [`error`], [`element`], [`policy`], [`reference`], [`rows`]); the fused LM-head losses
+//! are written once in [`fused`] over a backend's [`fused::Head`]; the backends are
+//! sibling folders that never import each other ([`cpu`], and `cuda` with the feature);
+//! [`device`] is the one entry point per loss over a [`Device`]; sharded runs exchange
+//! data through [`collective`]. The command-line tool's drivers (YAML configs, random
+//! inputs, gradcheck, bench) are the `flashloss-tools` crate. The math is
+//! `docs/spec/losses.md`; `docs/design.md` maps the layout.
 
 #![warn(missing_docs)]
 

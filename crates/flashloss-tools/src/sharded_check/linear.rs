@@ -1,104 +1,21 @@
-//! `flashloss gradcheck --ranks P` (in-process ranks) and `--collective mpi` (one
-//! process per rank): the sharded fused LM-head kernel (token-parallel, vocab-parallel
-//! or a 2-D grid) against a single-rank run of the same inputs. Each rank compares what
-//! it holds (loss, its dH rows or the full dH, the full dW or its shard) and reports
-//! its own gates; sharding changes only summation order, so the gates are f32
-//! rounding: 1e-5 relative to the largest entry.
+//! The sharded fused LM-head kernel against one rank: each rank compares its loss, its
+//! dH rows (or the full dH) and its dW and dbias shard.
 
+use super::{RankReport, SHARDED_REL, before_step, grid_shape};
 use crate::gradcheck::{
-    FaultKind, Gate, GradcheckConfig, GradcheckReport, Kernel, LinearCase, Objective, Tolerance,
+    FaultKind, Gate, GradcheckConfig, GradcheckReport, LinearCase, Objective, Tolerance,
     ce_targets, grad_gate,
 };
 use crate::inputs::HeadInputs;
-use flashloss::collective::{Collective, agree, run_in_process};
+use flashloss::collective::Collective;
 use flashloss::config::GrpoLoss;
 use flashloss::cross_entropy::CrossEntropy;
-use flashloss::element::{DType, Element};
+use flashloss::element::Element;
 use flashloss::fused::shard_range;
 use flashloss::policy::Normalizers;
-use flashloss::{Error, Result};
-use flashloss::{Grid, LinearGrads, Parallel, Shard};
-use half::bf16;
-use serde::Serialize;
+use flashloss::{Grid, LinearGrads, Result, Shard};
 use std::ops::Range;
-use std::time::{Duration, Instant};
-
-/// Relative gate of sharded vs single-rank values (f32 rounding).
-const SHARDED_REL: f64 = 1e-5;
-
-/// One rank's result.
-#[derive(Debug, Clone, Serialize)]
-pub struct RankReport {
-    /// This rank.
-    pub rank: usize,
-    /// Ranks in the run.
-    pub world_size: usize,
-    /// The split.
-    pub parallel: Parallel,
-    /// Gates against the single-rank run (`loss_ref` is the single-rank loss).
-    #[serde(flatten)]
-    pub report: GradcheckReport,
-}
-
-/// Runs the sharded check on `ranks` in-process ranks; one result per rank (a failure
-/// on any rank is the same error on all).
-pub fn run(cfg: &GradcheckConfig, ranks: usize) -> crate::Result<Vec<crate::Result<RankReport>>> {
-    check_ranks(cfg, ranks)?;
-    let results = match cfg.dtype {
-        DType::F32 => {
-            let check = Check::<f32>::new(cfg)?;
-            run_in_process(ranks, timeout(cfg), |comm| check.rank(comm))
-        }
-        DType::Bf16 => {
-            let check = Check::<bf16>::new(cfg)?;
-            run_in_process(ranks, timeout(cfg), |comm| check.rank(comm))
-        }
-    };
-    Ok(results
-        .into_iter()
-        .map(|r| r.map_err(crate::Error::from))
-        .collect())
-}
-
-/// How long a rank waits for its peers in one collective (config `timeout_s`).
-pub fn timeout(cfg: &GradcheckConfig) -> Duration {
-    Duration::from_secs_f64(cfg.timeout_s.max(0.0))
-}
-
-/// Runs this rank's part of the sharded check over `comm`, a group of processes (every
-/// rank of `comm` calls it; an injected `exit` fault ends this process). A bad config
-/// is the same error on every rank.
-pub fn run_on(cfg: &GradcheckConfig, comm: &dyn Collective) -> crate::Result<RankReport> {
-    if cfg
-        .fault
-        .is_some_and(|f| f.rank == comm.rank() && f.kind == FaultKind::Exit)
-    {
-        eprintln!("flashloss: injected fault: rank {} exits", comm.rank());
-        std::process::exit(1);
-    }
-    agree(comm, check_ranks(cfg, comm.world_size()))?;
-    let report = match cfg.dtype {
-        DType::F32 => Check::<f32>::new(cfg)?.rank(comm),
-        DType::Bf16 => Check::<bf16>::new(cfg)?.rank(comm),
-    };
-    Ok(report?)
-}
-
-/// `(token groups, vocab groups)` of `ranks` in the config's mode, checked.
-fn grid_shape(cfg: &GradcheckConfig, ranks: usize) -> Result<(usize, usize)> {
-    cfg.parallel
-        .grid_shape(ranks, cfg.vocab_groups, cfg.batch, cfg.vocab)
-}
-
-fn check_ranks(cfg: &GradcheckConfig, ranks: usize) -> Result<()> {
-    if cfg.kernel != Kernel::Linear {
-        return Err(Error::InvalidArgument {
-            arg: "ranks",
-            reason: "sharded runs need kernel `linear`".into(),
-        });
-    }
-    grid_shape(cfg, ranks).map(|_| ())
-}
+use std::time::Instant;
 
 /// What one rank returns, with the parts of the single-rank run it corresponds to.
 struct Held {
@@ -111,7 +28,7 @@ struct Held {
 }
 
 /// The inputs and the single-rank result every rank compares with.
-struct Check<'c, E> {
+pub(super) struct Check<'c, E> {
     cfg: &'c GradcheckConfig,
     case: LinearCase<E>,
     grpo: GrpoLoss,
@@ -122,7 +39,7 @@ struct Check<'c, E> {
 }
 
 impl<'c, E: Element> Check<'c, E> {
-    fn new(cfg: &'c GradcheckConfig) -> Result<Self> {
+    pub(super) fn new(cfg: &'c GradcheckConfig) -> Result<Self> {
         let case = LinearCase::<E>::new(cfg);
         let grpo = GrpoLoss::new(cfg.loss.clone())?;
         let ce = CrossEntropy::new(cfg.ce.clone())?;
@@ -162,25 +79,6 @@ impl<'c, E: Element> Check<'c, E> {
             head.hidden[0] = E::from_f32(f32::NAN);
         }
         head
-    }
-
-    /// Runs the fault that hits this rank before its step, if any.
-    fn before_step(&self, comm: &dyn Collective) -> Result<()> {
-        let Some(fault) = self.cfg.fault.filter(|f| f.rank == comm.rank()) else {
-            return Ok(());
-        };
-        match fault.kind {
-            FaultKind::Panic => panic!("injected fault: rank {} panics", fault.rank),
-            FaultKind::Hang => std::thread::sleep(2 * timeout(self.cfg)),
-            FaultKind::Exit => {
-                return Err(Error::InvalidArgument {
-                    arg: "fault",
-                    reason: format!("injected: rank {} exits", fault.rank),
-                });
-            }
-            FaultKind::Nan => {}
-        }
-        Ok(())
     }
 
     /// This rank's sharded step.
@@ -237,10 +135,10 @@ impl<'c, E: Element> Check<'c, E> {
     }
 
     /// Runs this rank's step and gates it against the single-rank run.
-    fn rank(&self, comm: &dyn Collective) -> Result<RankReport> {
+    pub(super) fn rank(&self, comm: &dyn Collective) -> Result<RankReport> {
         let (cfg, one) = (self.cfg, &self.one);
         let h = cfg.hidden;
-        self.before_step(comm)?;
+        before_step(cfg, comm)?;
         let start = Instant::now();
         let held = self.step(comm)?;
         let seconds = start.elapsed().as_secs_f64();

@@ -1,0 +1,126 @@
+//! `flashloss gradcheck --ranks P` (in-process ranks) and `--collective mpi` (one
+//! process per rank): the sharded fused LM-head kernel ([`linear`]) or logits-level
+//! kernel ([`logits`]), token-parallel, vocab-parallel or on a 2-D grid, against a
+//! single-rank run of the same inputs. Each rank compares what
+//! it holds (loss, its dH rows or the full dH, the full dW or its shard) and reports
+//! its own gates; sharding changes only summation order, so the gates are f32
+//! rounding: 1e-5 relative to the largest entry.
+
+use crate::gradcheck::{Device, FaultKind, GradcheckConfig, GradcheckReport, Kernel};
+use flashloss::collective::{Collective, agree, run_in_process};
+use flashloss::element::DType;
+use flashloss::{Error, Parallel, Result};
+use half::bf16;
+use linear::Check;
+use logits::LogitsCheck;
+use serde::Serialize;
+use std::time::Duration;
+
+mod linear;
+mod logits;
+
+/// Relative gate of sharded vs single-rank values (f32 rounding).
+pub(super) const SHARDED_REL: f64 = 1e-5;
+
+/// One rank's result.
+#[derive(Debug, Clone, Serialize)]
+pub struct RankReport {
+    /// This rank.
+    pub rank: usize,
+    /// Ranks in the run.
+    pub world_size: usize,
+    /// The split.
+    pub parallel: Parallel,
+    /// Gates against the single-rank run (`loss_ref` is the single-rank loss).
+    #[serde(flatten)]
+    pub report: GradcheckReport,
+}
+
+/// Runs the sharded check on `ranks` in-process ranks; one result per rank (a failure
+/// on any rank is the same error on all).
+pub fn run(cfg: &GradcheckConfig, ranks: usize) -> crate::Result<Vec<crate::Result<RankReport>>> {
+    check_ranks(cfg, ranks)?;
+    let results = match (cfg.kernel, cfg.dtype) {
+        (Kernel::Linear, DType::F32) => {
+            let check = Check::<f32>::new(cfg)?;
+            run_in_process(ranks, timeout(cfg), |comm| check.rank(comm))
+        }
+        (Kernel::Linear, DType::Bf16) => {
+            let check = Check::<bf16>::new(cfg)?;
+            run_in_process(ranks, timeout(cfg), |comm| check.rank(comm))
+        }
+        (Kernel::Logits, DType::F32) => {
+            let check = LogitsCheck::<f32>::new(cfg)?;
+            run_in_process(ranks, timeout(cfg), |comm| check.rank(comm))
+        }
+        (Kernel::Logits, DType::Bf16) => {
+            let check = LogitsCheck::<bf16>::new(cfg)?;
+            run_in_process(ranks, timeout(cfg), |comm| check.rank(comm))
+        }
+    };
+    Ok(results
+        .into_iter()
+        .map(|r| r.map_err(crate::Error::from))
+        .collect())
+}
+
+/// How long a rank waits for its peers in one collective (config `timeout_s`).
+pub fn timeout(cfg: &GradcheckConfig) -> Duration {
+    Duration::from_secs_f64(cfg.timeout_s.max(0.0))
+}
+
+/// Runs this rank's part of the sharded check over `comm`, a group of processes (every
+/// rank of `comm` calls it; an injected `exit` fault ends this process). A bad config
+/// is the same error on every rank.
+pub fn run_on(cfg: &GradcheckConfig, comm: &dyn Collective) -> crate::Result<RankReport> {
+    if cfg
+        .fault
+        .is_some_and(|f| f.rank == comm.rank() && f.kind == FaultKind::Exit)
+    {
+        eprintln!("flashloss: injected fault: rank {} exits", comm.rank());
+        std::process::exit(1);
+    }
+    agree(comm, check_ranks(cfg, comm.world_size()))?;
+    let report = match (cfg.kernel, cfg.dtype) {
+        (Kernel::Linear, DType::F32) => Check::<f32>::new(cfg)?.rank(comm),
+        (Kernel::Linear, DType::Bf16) => Check::<bf16>::new(cfg)?.rank(comm),
+        (Kernel::Logits, DType::F32) => LogitsCheck::<f32>::new(cfg)?.rank(comm),
+        (Kernel::Logits, DType::Bf16) => LogitsCheck::<bf16>::new(cfg)?.rank(comm),
+    };
+    Ok(report?)
+}
+
+/// `(token groups, vocab groups)` of `ranks` in the config's mode, checked.
+pub(super) fn grid_shape(cfg: &GradcheckConfig, ranks: usize) -> Result<(usize, usize)> {
+    cfg.parallel
+        .grid_shape(ranks, cfg.vocab_groups, cfg.batch, cfg.vocab)
+}
+
+fn check_ranks(cfg: &GradcheckConfig, ranks: usize) -> Result<()> {
+    if cfg.kernel == Kernel::Logits && cfg.device != Device::Cpu {
+        return Err(Error::InvalidArgument {
+            arg: "device",
+            reason: "the sharded logits-level kernel runs on the CPU backend".into(),
+        });
+    }
+    grid_shape(cfg, ranks).map(|_| ())
+}
+
+/// Runs the fault that hits this rank before its step, if any.
+pub(super) fn before_step(cfg: &GradcheckConfig, comm: &dyn Collective) -> Result<()> {
+    let Some(fault) = cfg.fault.filter(|f| f.rank == comm.rank()) else {
+        return Ok(());
+    };
+    match fault.kind {
+        FaultKind::Panic => panic!("injected fault: rank {} panics", fault.rank),
+        FaultKind::Hang => std::thread::sleep(2 * timeout(cfg)),
+        FaultKind::Exit => {
+            return Err(Error::InvalidArgument {
+                arg: "fault",
+                reason: format!("injected: rank {} exits", fault.rank),
+            });
+        }
+        FaultKind::Nan => {}
+    }
+    Ok(())
+}
