@@ -71,7 +71,7 @@ fn typed<E: flashloss::cuda::GpuElement>(
     use flashloss::cuda::{
         DeviceHead, Gpu, GpuGrads, GpuHead, GpuWorkspace, head_logits, materialized_plan,
     };
-    use flashloss::fused::{ce_linear, grpo_linear, mib};
+    use flashloss::fused::{ce_linear, grpo_linear};
     use flashloss::policy::Normalizers;
 
     let loss = GrpoLoss::new(cfg.grpo.clone())?;
@@ -93,11 +93,7 @@ fn typed<E: flashloss::cuda::GpuElement>(
     drop((hidden, weight));
     let batch = tokens.batch();
     let norm = Normalizers::local(&batch);
-    let opts = FusedOptions {
-        mode: cfg.mode,
-        budget_bytes: (cfg.budget_mib * mib(1) as f64) as usize,
-        grad_output: 1.0,
-    };
+    let opts = FusedOptions::from_mib(cfg.mode, cfg.budget_mib, 1.0);
     let elem = E::DTYPE.size();
     // Inputs, dH and dW in f32, and the per-row state: targets, live flags, five f32
     // running statistics and a 40-byte gradient coefficient per row.

@@ -17,7 +17,7 @@ use flashloss::config::GrpoLoss;
 use flashloss::cpu::{HostHead, Workspace};
 use flashloss::cross_entropy::CrossEntropy;
 use flashloss::element::{DType, Element};
-use flashloss::fused::{ce_linear, grpo_linear, mib, shard_range};
+use flashloss::fused::{ce_linear, grpo_linear, shard_range};
 use flashloss::memory;
 use flashloss::policy::Normalizers;
 use flashloss::{Device, FusedOptions, Grid, LinearGrads, Parallel, Shard};
@@ -265,11 +265,7 @@ fn rank_typed<E: Element>(
     let (p, h, v) = (comm.world_size(), cfg.hidden, cfg.vocab);
     let loss = GrpoLoss::new(cfg.grpo.clone())?;
     let ce = CrossEntropy::new(cfg.ce.clone())?;
-    let opts = FusedOptions {
-        mode: cfg.mode,
-        budget_bytes: (cfg.budget_mib * mib(1) as f64) as usize,
-        grad_output: 1.0,
-    };
+    let opts = FusedOptions::from_mib(cfg.mode, cfg.budget_mib, 1.0);
     let in_process = engine == "in_process";
 
     // One rank, on rank 0, while the others wait in the barrier inside `timed`.

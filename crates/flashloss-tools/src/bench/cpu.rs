@@ -11,7 +11,7 @@ use flashloss::cpu::{
     BaselineWorkspace, HostHead, UnfusedWorkspace, Workspace, ce_linear_baseline_into,
     grpo_linear_baseline_into, grpo_logits_forward, grpo_logits_unfused_into,
 };
-use flashloss::fused::{ce_linear, grpo_linear, mib};
+use flashloss::fused::{ce_linear, grpo_linear};
 use flashloss::memory;
 use flashloss::policy::Normalizers;
 use flashloss::{CrossEntropy, DType, Element, Error, GrpoLoss, Result};
@@ -168,11 +168,7 @@ fn run_linear<E: Element>(
         }
     }
     if cfg.implementation != Impl::Baseline {
-        let opts = FusedOptions {
-            mode: cfg.mode,
-            budget_bytes: (cfg.budget_mib * mib(1) as f64) as usize,
-            grad_output: 1.0,
-        };
+        let opts = FusedOptions::from_mib(cfg.mode, cfg.budget_mib, 1.0);
         let mut plan = None;
         let mut ws = Workspace::new();
         let mut grads = LinearGrads::zeros(&inputs);

@@ -5,7 +5,6 @@ use super::config::{GradcheckConfig, Objective};
 use super::report::{Gate, GradcheckReport, grad_gate, worst_rel};
 use crate::Result;
 use crate::inputs::{GrpoInputs, HeadInputs};
-use flashloss::fused::mib;
 use flashloss::policy::Normalizers;
 use flashloss::reference::{ce_reference, grpo_reference, linear_grads, linear_logits};
 use flashloss::{CrossEntropy, Element, GrpoLoss};
@@ -134,11 +133,7 @@ impl<E: Element> LinearCase<E> {
         tokens.logits = Vec::new();
         let z = linear_logits(&head.inputs());
         tokens.follow_policy(&z, cfg.loss.temperature);
-        let opts = FusedOptions {
-            mode: cfg.mode,
-            budget_bytes: (cfg.budget_mib * mib(1) as f64) as usize,
-            grad_output: cfg.grad_output as f32,
-        };
+        let opts = FusedOptions::from_mib(cfg.mode, cfg.budget_mib, cfg.grad_output as f32);
         LinearCase {
             head,
             tokens,

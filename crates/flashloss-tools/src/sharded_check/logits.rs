@@ -117,7 +117,7 @@ impl<'c, E: Element> LogitsCheck<'c, E> {
             report: GradcheckReport::new(
                 kernel,
                 (self.one.loss, fwd.loss),
-                Some((self.one.metrics.clone(), fwd.metrics.clone())),
+                Some((self.one.metrics, fwd.metrics)),
                 seconds,
                 gates,
             ),

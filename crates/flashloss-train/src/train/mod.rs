@@ -19,6 +19,7 @@ use crate::model::{Padded, Params, Qwen2, generate};
 use crate::task::{Problem, load_gsm8k, reward};
 use crate::tokenizer::Tokenizer;
 use candle_core::{Result, Tensor};
+use flashloss::fused::mib_to_bytes;
 use flashloss::{CrossEntropy, GrpoBatchData, GrpoLoss, PerSeqOrTokenBuf};
 use losses::LossPath;
 use rand::{Rng, SeedableRng};
@@ -148,7 +149,12 @@ impl Trainer {
             )
         }
         let dataset = cfg.task.gsm8k.as_deref().map(load_gsm8k).transpose()?;
-        let path = LossPath::new(cfg.loss.implementation, loss, ce, cfg.loss.budget_mib << 20);
+        let path = LossPath::new(
+            cfg.loss.implementation,
+            loss,
+            ce,
+            mib_to_bytes(cfg.loss.budget_mib as f64),
+        );
         let mut trainer = Trainer {
             optim: AdamW::new(cfg.optim.clone()),
             cfg,

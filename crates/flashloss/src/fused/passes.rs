@@ -4,8 +4,8 @@
 //! vocabulary for each row's softmax state; pass B recomputes each tile, turns it into
 //! `dZ` with one [`RowGrad`] per row and adds `dH += dZ·W`, `dW += dZᵀ·H`,
 //! `dbias += Σ_rows dZ` (8NHV FLOPs in all); a single pass keeps a row block's logits
-//! whole between its statistics and its gradients (6NHV). The loss drivers
-//! ([`super::grpo`], [`super::ce`], [`super::sharded`]) are written once over these.
+//! whole between its statistics and its gradients (6NHV). The loss drivers (GRPO,
+//! cross-entropy, log-probs, sharded) are written once over these.
 
 use super::plan::{FusedOptions, Plan};
 use crate::batch::{HeadShape, LinearInputs};

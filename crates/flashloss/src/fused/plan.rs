@@ -51,24 +51,25 @@ pub struct FusedOptions {
 }
 
 impl FusedOptions {
-    /// Options with a budget of `budget_mib` MiB (`2^20` bytes), unit upstream gradient.
-    pub fn from_mib(mode: Mode, budget_mib: usize) -> Self {
+    /// Options with a budget of `budget_mib` MiB (`2^20` bytes, fractions allowed).
+    pub fn from_mib(mode: Mode, budget_mib: f64, grad_output: f32) -> Self {
         FusedOptions {
             mode,
-            budget_bytes: mib(budget_mib),
-            grad_output: 1.0,
+            budget_bytes: mib_to_bytes(budget_mib),
+            grad_output,
         }
     }
 }
 
-/// `mib` MiB in bytes.
-pub const fn mib(mib: usize) -> usize {
-    mib << 20
+/// `mib` MiB (`2^20` bytes) in bytes, rounded down: the one conversion of the configs'
+/// `budget_mib`.
+pub fn mib_to_bytes(mib: f64) -> usize {
+    (mib * (1u64 << 20) as f64) as usize
 }
 
 impl Default for FusedOptions {
     fn default() -> Self {
-        Self::from_mib(Mode::Auto, 64)
+        Self::from_mib(Mode::Auto, 64.0, 1.0)
     }
 }
 
