@@ -12,7 +12,7 @@
 use crate::Result;
 use crate::bench::config::BenchConfig;
 #[cfg(feature = "cuda")]
-use crate::bench::config::{Impl, Level, LossKind};
+use crate::bench::config::{Impl, Level};
 use crate::bench::report::BenchReport;
 #[cfg(feature = "cuda")]
 use crate::bench::report::{BenchResult, Timing};
@@ -63,6 +63,7 @@ fn typed<E: flashloss::cuda::GpuElement>(
     progress: &mut dyn FnMut(&str, usize, usize),
 ) -> flashloss::Result<BenchReport> {
     use crate::bench::inputs::linear_inputs;
+    use crate::bench::step::fused_step;
     use flashloss::FusedOptions;
     use flashloss::Result;
     use flashloss::batch::LinearInputs;
@@ -71,7 +72,6 @@ fn typed<E: flashloss::cuda::GpuElement>(
     use flashloss::cuda::{
         DeviceHead, Gpu, GpuGrads, GpuHead, GpuWorkspace, head_logits, materialized_plan,
     };
-    use flashloss::fused::{ce_linear, grpo_linear};
     use flashloss::policy::Normalizers;
 
     let loss = GrpoLoss::new(cfg.grpo.clone())?;
@@ -140,16 +140,7 @@ fn typed<E: flashloss::cuda::GpuElement>(
                     grads: &mut grads,
                     materialized,
                 };
-                let (l, p) = match cfg.loss {
-                    LossKind::Grpo => {
-                        let out = grpo_linear(head, &loss, &batch, norm, &opts)?;
-                        (out.loss, out.plan)
-                    }
-                    LossKind::Ce => {
-                        let out = ce_linear(head, &ce, batch.target_ids, None, &opts)?;
-                        (out.loss, out.plan)
-                    }
-                };
+                let (l, p) = fused_step(head, cfg.loss, (&loss, &ce), &batch, norm, &opts)?;
                 value = l;
                 ran = Some(p);
                 Ok(())

@@ -5,13 +5,13 @@
 use super::config::{BenchConfig, Impl, Level, LossKind};
 use super::inputs::{linear_inputs, token_inputs};
 use super::report::{BenchReport, BenchResult, time_steps};
+use super::step::fused_step;
 use flashloss::batch::{LinearInputs, LogitsLayout};
 use flashloss::cpu::matmul::{MatRef, matmul};
 use flashloss::cpu::{
     BaselineWorkspace, HostHead, UnfusedWorkspace, Workspace, ce_linear_baseline_into,
     grpo_linear_baseline_into, grpo_logits_forward, grpo_logits_unfused_into,
 };
-use flashloss::fused::{ce_linear, grpo_linear};
 use flashloss::memory;
 use flashloss::policy::Normalizers;
 use flashloss::{CrossEntropy, DType, Element, Error, GrpoLoss, Result};
@@ -182,16 +182,7 @@ fn run_linear<E: Element>(
                 ws: &mut ws,
                 grads: &mut grads,
             };
-            let (value, ran) = match cfg.loss {
-                LossKind::Grpo => {
-                    let out = grpo_linear(head, &loss, &batch, norm, &opts)?;
-                    (out.loss, out.plan)
-                }
-                LossKind::Ce => {
-                    let out = ce_linear(head, &ce, batch.target_ids, None, &opts)?;
-                    (out.loss, out.plan)
-                }
-            };
+            let (value, ran) = fused_step(head, cfg.loss, (&loss, &ce), &batch, norm, &opts)?;
             plan = Some(ran);
             Ok(value)
         })?;

@@ -11,6 +11,7 @@ pub(crate) mod config;
 mod cpu;
 pub(crate) mod inputs;
 pub(crate) mod report;
+pub(crate) mod step;
 
 pub use config::{BenchConfig, Impl, Level, LossKind};
 pub use report::{BenchReport, BenchResult, Timing, time_steps};

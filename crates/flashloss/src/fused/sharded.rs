@@ -251,13 +251,13 @@ pub(crate) fn reduce_policy_outputs(
 
 /// What a sharded step agrees on before it runs: the plan, and the vocabulary split of
 /// a shard (none when the rank holds the whole vocabulary).
-fn sharded_plan(
-    grid: &Grid,
+fn sharded_plan<'g>(
+    grid: &'g Grid,
     head: &dyn Head,
     shard: Shard,
     opts: &FusedOptions,
     single_pass_allowed: bool,
-) -> Result<(Plan, Option<Range<usize>>)> {
+) -> Result<(Plan, Option<VocabSplit<'g>>)> {
     let range = shard.range(head.shape().vocab)?;
     head.validate()?;
     if grid.vocab.world_size() == 1 && range.len() == shard.vocab {
@@ -269,7 +269,12 @@ fn sharded_plan(
             reason: "vocab-parallel runs two-pass (the global lse comes before any gradient); use auto or two_pass".into(),
         });
     }
-    Ok((head.plan(opts, false)?, Some(range)))
+    let split = VocabSplit {
+        comm: grid.vocab.as_ref(),
+        range,
+        vocab: shard.vocab,
+    };
+    Ok((head.plan(opts, false)?, Some(split)))
 }
 
 /// dH summed over the vocab group (vocabulary shards), dW and dbias over token groups.
@@ -294,14 +299,9 @@ pub fn grpo_linear_sharded(
 ) -> Result<GrpoLinearOutput> {
     let checked = check_batch(loss, batch, head.shape(), shard.vocab, opts)
         .and_then(|_| sharded_plan(grid, head, shard, opts, !loss.needs_sequence_reduction()));
-    let (plan, range) = agree(grid.world, checked)?;
+    let (plan, split) = agree(grid.world, checked)?;
     let local = Normalizers::local(batch);
     let norm = global_normalizers(grid.tokens.as_ref(), local)?;
-    let split = range.map(|range| VocabSplit {
-        comm: grid.vocab.as_ref(),
-        range,
-        vocab: shard.vocab,
-    });
     let out = grpo_linear_checked(head, loss, batch, norm, opts, plan, split.as_ref());
     let mut out = agree(grid.world, out)?;
     all_reduce_grads(grid, head, split.is_some())?;
@@ -338,15 +338,10 @@ pub fn ce_linear_sharded(
         None,
     )
     .and_then(|rows| Ok((rows, sharded_plan(grid, head, shard, opts, true)?)));
-    let (rows, (plan, range)) = agree(grid.world, checked)?;
+    let (rows, (plan, split)) = agree(grid.world, checked)?;
     let mut count = [rows.count as f64];
     grid.tokens.all_reduce_sum_f64(&mut count)?;
     let rows = rows.with_count(count[0] as usize);
-    let split = range.map(|range| VocabSplit {
-        comm: grid.vocab.as_ref(),
-        range,
-        vocab: shard.vocab,
-    });
     let out = ce_linear_checked(head, &rows, plan, split.as_ref());
     let mut out = agree(grid.world, out)?;
     all_reduce_grads(grid, head, split.is_some())?;
