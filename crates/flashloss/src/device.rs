@@ -4,6 +4,7 @@
 //! call the drivers of [`crate::fused`] directly; the tools and the candle ops call
 //! these.
 
+use crate::batch::LogitsLayout;
 use crate::batch::{GrpoBatch, LinearInputs};
 use crate::config::GrpoLoss;
 use crate::cpu::{HostHead, Workspace};
@@ -13,6 +14,7 @@ use crate::error::{Error, Result};
 use crate::fused::{
     self, CeLinearOutput, FusedOptions, Grid, GrpoLinearOutput, Head, LinearGrads, Shard,
 };
+use crate::grpo_logits::GrpoLogitsForward;
 use crate::policy::Normalizers;
 use crate::rows::RowStats;
 #[cfg(feature = "cuda")]
@@ -143,6 +145,35 @@ impl Device {
         Ok(stats)
     }
 
+    /// The logits-level GRPO loss of `batch` on host logits `[B, T, V]` laid out as
+    /// `layout`, forward and backward: `grad_output · ∂L/∂z` is written into `dlogits`
+    /// (dense `[N, V]`), or over `logits` when `dlogits` is `None`. Returns the
+    /// forward's outputs (loss, metrics, per-row statistics).
+    pub fn grpo_logits<E: Element>(
+        &self,
+        loss: &GrpoLoss,
+        batch: &GrpoBatch,
+        logits: &mut [E],
+        layout: &LogitsLayout,
+        grad_output: f32,
+        dlogits: Option<&mut [E]>,
+    ) -> Result<GrpoLogitsForward> {
+        match self {
+            Device::Cpu => {
+                let fwd = crate::cpu::grpo_logits_forward(loss, batch, logits, layout)?;
+                match dlogits {
+                    Some(d) => fwd.backward(logits, grad_output, d)?,
+                    None => fwd.backward_in_place(logits, grad_output)?,
+                }
+                Ok(fwd)
+            }
+            #[cfg(feature = "cuda")]
+            Device::Cuda(gpu) => {
+                gpu_head::grpo_logits(gpu, loss, batch, logits, layout, grad_output, dlogits)
+            }
+        }
+    }
+
     /// GRPO on a [`Grid`] of ranks: this rank's token group's `batch` and its head
     /// `inputs`, the [`Shard`] of the vocabulary its weight rows hold (see
     /// [`fused::grpo_linear_sharded`]).
@@ -181,7 +212,58 @@ impl Device {
 #[cfg(feature = "cuda")]
 mod gpu_head {
     use super::*;
-    use crate::cuda::{DeviceHead, Gpu, GpuElement, GpuGrads, GpuHead, GpuWorkspace};
+    use crate::cuda::{
+        DeviceHead, Gpu, GpuElement, GpuGrads, GpuHead, GpuWorkspace, grpo_logits_backward,
+        grpo_logits_forward,
+    };
+    use crate::element::DType;
+    use half::bf16;
+
+    /// The logits-level step on a device copy of `logits` (f32 or bf16; the copies are
+    /// exact), the gradient copied back into `dlogits` or `logits`.
+    pub(super) fn grpo_logits<E: Element>(
+        gpu: &Gpu,
+        loss: &GrpoLoss,
+        batch: &GrpoBatch,
+        logits: &mut [E],
+        layout: &LogitsLayout,
+        grad_output: f32,
+        dlogits: Option<&mut [E]>,
+    ) -> Result<GrpoLogitsForward> {
+        fn typed<T: GpuElement, E: Element>(
+            gpu: &Gpu,
+            loss: &GrpoLoss,
+            batch: &GrpoBatch,
+            logits: &mut [E],
+            layout: &LogitsLayout,
+            grad_output: f32,
+            dlogits: Option<&mut [E]>,
+        ) -> Result<GrpoLogitsForward> {
+            let to_t = |x: &[E]| -> Vec<T> { x.iter().map(|v| T::from_f32(v.to_f32())).collect() };
+            let mut device_logits = gpu.upload(&to_t(logits))?;
+            let fwd = grpo_logits_forward(gpu, loss, batch, &device_logits, layout)?;
+            let (grad, out) = match dlogits {
+                Some(d) => {
+                    let mut device_d = gpu.upload(&to_t(d))?;
+                    let g = Some(&mut device_d);
+                    grpo_logits_backward(gpu, &fwd, &mut device_logits, grad_output, g)?;
+                    (gpu.download(&device_d)?, d)
+                }
+                None => {
+                    grpo_logits_backward(gpu, &fwd, &mut device_logits, grad_output, None)?;
+                    (gpu.download(&device_logits)?, logits)
+                }
+            };
+            out.iter_mut()
+                .zip(grad)
+                .for_each(|(o, g)| *o = E::from_f32(g.to_f32()));
+            Ok(fwd)
+        }
+        match E::DTYPE {
+            DType::F32 => typed::<f32, E>(gpu, loss, batch, logits, layout, grad_output, dlogits),
+            DType::Bf16 => typed::<bf16, E>(gpu, loss, batch, logits, layout, grad_output, dlogits),
+        }
+    }
 
     /// `inputs` viewed as elements of type `T` (`as_t`: the slice itself when `E` is `T`).
     fn cast<'a, E, T>(

@@ -1,11 +1,9 @@
 //! The logits-level GRPO kernel against the reference: loss, logp, entropy, `dlogits`.
 
-use super::config::{Device, GradcheckConfig};
-use super::gpu;
+use super::config::GradcheckConfig;
 use super::report::{Gate, GradcheckReport, grad_gate, worst_rel};
 use crate::Result;
 use crate::inputs::GrpoInputs;
-use flashloss::cpu::grpo_logits_forward;
 use flashloss::policy::Normalizers;
 use flashloss::reference::{dense_f64, grpo_reference};
 use flashloss::{Element, GrpoLoss, LogitsLayout};
@@ -32,20 +30,15 @@ pub fn check_inputs<E: Element>(
     );
 
     let start = Instant::now();
-    let (fwd, dlogits) = match cfg.device {
-        Device::Cpu => {
-            let fwd = grpo_logits_forward(loss, &batch, &logits, &layout)?;
-            let dlogits: Vec<E> = if cfg.in_place {
-                fwd.backward_in_place(&mut logits, cfg.grad_output as f32)?;
-                logits
-            } else {
-                let mut out = vec![E::from_f32(f32::NAN); layout.rows() * layout.vocab];
-                fwd.backward(&logits, cfg.grad_output as f32, &mut out)?;
-                out
-            };
-            (fwd, dlogits)
-        }
-        Device::Cuda => gpu::logits::step(cfg, loss, &batch, &logits, &layout)?,
+    let device = cfg.device.open()?;
+    let g = cfg.grad_output as f32;
+    let (fwd, dlogits) = if cfg.in_place {
+        let fwd = device.grpo_logits(loss, &batch, &mut logits, &layout, g, None)?;
+        (fwd, logits)
+    } else {
+        let mut out = vec![E::from_f32(f32::NAN); layout.rows() * layout.vocab];
+        let fwd = device.grpo_logits(loss, &batch, &mut logits, &layout, g, Some(&mut out))?;
+        (fwd, out)
     };
     let kernel_seconds = start.elapsed().as_secs_f64();
 

@@ -10,7 +10,6 @@ use half::bf16;
 use linear::check_linear;
 
 mod config;
-mod gpu;
 mod linear;
 mod logits;
 mod report;
