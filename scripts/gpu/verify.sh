@@ -38,10 +38,13 @@ if [ "$what" = gradcheck ] || [ "$what" = all ]; then
     for loss in grpo bnpo dr_grpo dapo cispo sapo luspo vespo; do
       level=token
       [ $loss = luspo ] && level=sequence  # luspo is sequence-level by definition
+      extra=()
+      [ $loss = dr_grpo ] && extra=(--set loss.max_completion_length=17)  # dr_grpo's normalizer
       for mode in auto two_pass; do
         run "gc_linear_${loss}_${mode}_$dtype" $BIN gradcheck \
           --config configs/gradcheck/gpu/linear_grpo.yaml --set dtype=$dtype \
-          --set loss.loss_type=$loss --set loss.importance_sampling_level=$level --set mode=$mode
+          --set loss.loss_type=$loss --set loss.importance_sampling_level=$level --set mode=$mode \
+          "${extra[@]}"
       done
     done
     run "gc_linear_grpo_sequence_$dtype" $BIN gradcheck \
@@ -52,8 +55,11 @@ if [ "$what" = gradcheck ] || [ "$what" = all ]; then
         --config configs/gradcheck/gpu/linear_ce.yaml --set dtype=$dtype --set mode=$mode
     done
   done
-  run gc_nccl_world_of_one $BIN gradcheck --collective nccl \
-    --config configs/gradcheck/linear_grpo.yaml --set parallel=vocab
+  # The CUDA kernels sharded through NCCL (a world of one): vocab-parallel and token.
+  for parallel in vocab token; do
+    run "gc_nccl_world_of_one_$parallel" $BIN gradcheck --collective nccl \
+      --config configs/gradcheck/linear_grpo.yaml --set parallel=$parallel --set device=cuda
+  done
 fi
 
 if [ "$what" = bench ] || [ "$what" = all ]; then
