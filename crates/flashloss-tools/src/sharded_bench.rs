@@ -9,6 +9,7 @@
 //! the peak is the rank's own process; in-process it is the one process of all ranks.
 //! The one-rank run is rank 0's, before the sharded steps, while the others wait.
 
+use crate::bench::inputs::on_policy_head_step;
 use crate::bench::{BenchConfig, LossKind, Timing, time_steps};
 use crate::inputs::{GrpoInputs, InputSpec};
 use flashloss::batch::LinearInputs;
@@ -192,14 +193,7 @@ impl<E: Element> RankInputs<E> {
             ..InputSpec::default()
         };
         let mut all = GrpoInputs::random(&spec, cfg.seed);
-        all.logits = Vec::new();
-        // On-policy old logp (ratio 1), as in the one-rank bench.
-        all.data.old_logp = None;
-        all.data.ref_logp = all
-            .data
-            .ref_logp
-            .take()
-            .filter(|_| loss.config().beta > 0.0);
+        on_policy_head_step(&mut all, loss);
         RankInputs {
             hidden: normal_rows(cfg.seed, 0, rows.clone(), h, 1.0),
             weight: normal_rows(cfg.seed, 1 << 40, vocab.clone(), h, 2.0 / (h as f32).sqrt()),

@@ -38,6 +38,13 @@ pub(crate) fn linear_inputs<E: Element>(
         .map(|_| E::from_f32(normal.sample(&mut rng) * w_scale))
         .collect();
     let mut tokens = token_inputs(cfg);
+    on_policy_head_step(&mut tokens, loss);
+    (hidden, weight, tokens)
+}
+
+/// Per-token inputs of a benched LM-head step: no logits (the head makes them),
+/// on-policy (old logp absent, ratio 1), reference logp only where β > 0 needs it.
+pub(crate) fn on_policy_head_step(tokens: &mut GrpoInputs, loss: &GrpoLoss) {
     tokens.logits = Vec::new();
     tokens.data.old_logp = None;
     tokens.data.ref_logp = tokens
@@ -45,5 +52,4 @@ pub(crate) fn linear_inputs<E: Element>(
         .ref_logp
         .take()
         .filter(|_| loss.config().beta > 0.0);
-    (hidden, weight, tokens)
 }
