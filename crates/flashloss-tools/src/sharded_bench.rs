@@ -279,7 +279,7 @@ fn rank_typed<E: Element>(
                 let head = &mut HostHead {
                     inputs: &lin,
                     ws: &mut ws,
-                    grads: &mut grads,
+                    grads: grads.view(),
                 };
                 let value = match cfg.loss {
                     LossKind::Grpo => grpo_linear(head, &loss, &batch, norm, &opts)?.loss,

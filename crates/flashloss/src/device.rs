@@ -86,7 +86,7 @@ impl Device {
                 let out = run(&mut HostHead {
                     inputs,
                     ws: &mut Workspace::new(),
-                    grads: &mut grads,
+                    grads: grads.view(),
                 })?;
                 Ok((out, grads))
             }

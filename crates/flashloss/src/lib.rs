@@ -39,7 +39,8 @@ pub use device::Device;
 pub use element::{DType, Element};
 pub use error::{Error, Result};
 pub use fused::{
-    CeLinearOutput, FusedOptions, Grid, GrpoLinearOutput, LinearGrads, Mode, Parallel, Plan, Shard,
+    CeLinearOutput, FusedOptions, Grid, GrpoLinearOutput, LinearGrads, LinearGradsMut, Mode,
+    Parallel, Plan, Shard,
 };
 pub use grpo_logits::GrpoLogitsForward;
 pub use rows::RowStats;

@@ -180,7 +180,7 @@ fn run_linear<E: Element>(
             let head = &mut HostHead {
                 inputs: &inputs,
                 ws: &mut ws,
-                grads: &mut grads,
+                grads: grads.view(),
             };
             let (value, ran) = fused_step(head, cfg.loss, (&loss, &ce), &batch, norm, &opts)?;
             plan = Some(ran);

@@ -205,7 +205,11 @@ pub mod cpu_steps {
         ws: &mut Workspace,
         grads: &mut LinearGrads,
     ) -> Result<CeLinearOutput> {
-        let head = &mut HostHead { inputs, ws, grads };
+        let head = &mut HostHead {
+            inputs,
+            ws,
+            grads: grads.view(),
+        };
         fused::ce_linear(head, ce, targets, grad_rows, opts)
     }
 

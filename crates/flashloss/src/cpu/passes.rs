@@ -12,7 +12,7 @@ use crate::collective::Collective;
 use crate::element::Element;
 use crate::error::Result;
 use crate::fused::{
-    FusedOptions, FusedPasses, GradPart, GradsOf, Head, LinearGrads, Plan, PlanLimits, RowGrad,
+    FusedOptions, FusedPasses, GradPart, GradsOf, Head, LinearGradsMut, Plan, PlanLimits, RowGrad,
     plan_blocks, tile_budget,
 };
 use crate::rows::{PartialStats, RowInputs, RowStats};
@@ -194,7 +194,7 @@ fn accumulate_grads<E: Element>(
     plan: &Plan,
     grads: &[RowGrad],
     ws: &mut Workspace,
-    out: &mut LinearGrads,
+    out: &mut LinearGradsMut,
 ) {
     let h = p.inputs.hidden_size;
     let t = &p.rows.transform;
@@ -224,7 +224,7 @@ fn single_pass<E: Element>(
     plan: &Plan,
     grads_of: &mut GradsOf,
     ws: &mut Workspace,
-    out: &mut LinearGrads,
+    out: &mut LinearGradsMut,
 ) -> Vec<RowStats> {
     let (n, h, v) = (p.inputs.tokens, p.inputs.hidden_size, p.inputs.vocab);
     let (vt, t) = (plan.vocab_tile, &p.rows.transform);
@@ -266,14 +266,14 @@ fn single_pass<E: Element>(
 }
 
 /// The CPU's [`FusedPasses`].
-struct CpuPasses<'a, E> {
+struct CpuPasses<'a, 'g, E> {
     problem: Problem<'a, E>,
     plan: Plan,
     ws: &'a mut Workspace,
-    out: &'a mut LinearGrads,
+    out: &'a mut LinearGradsMut<'g>,
 }
 
-impl<E: Element> FusedPasses for CpuPasses<'_, E> {
+impl<E: Element> FusedPasses for CpuPasses<'_, '_, E> {
     fn plan(&self) -> Plan {
         self.plan
     }
@@ -306,7 +306,7 @@ pub struct HostHead<'a, E> {
     /// Tiles and widened blocks.
     pub ws: &'a mut Workspace,
     /// Where the gradients are added.
-    pub grads: &'a mut LinearGrads,
+    pub grads: LinearGradsMut<'a>,
 }
 
 impl<E: Element> Head for HostHead<'_, E> {
@@ -344,7 +344,7 @@ impl<E: Element> Head for HostHead<'_, E> {
             },
             plan,
             ws: &mut *self.ws,
-            out: &mut *self.grads,
+            out: &mut self.grads,
         }))
     }
 

@@ -8,7 +8,7 @@ use super::matmul::{MatRef, matmul};
 use super::online_softmax::tile_state;
 use super::simd;
 use crate::element::Element;
-use crate::fused::{LinearGrads, RowGrad};
+use crate::fused::{LinearGradsMut, RowGrad};
 use crate::rows::{OnlineSoftmax, RowInputs};
 use rayon::prelude::*;
 use std::borrow::Cow;
@@ -181,7 +181,7 @@ pub(crate) fn grad_tile(
 /// for one `[rows, cols]` gradient tile `dz` (row stride `ld`).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn accumulate_tile(
-    grads: &mut LinearGrads,
+    grads: &mut LinearGradsMut,
     dz: &[f32],
     ld: usize,
     hidden: &[f32],
@@ -212,7 +212,7 @@ pub(crate) fn accumulate_tile(
         MatRef::row_major(hidden, nb, h),
         true,
     );
-    if let Some(db) = grads.dbias.as_mut() {
+    if let Some(db) = grads.dbias.as_deref_mut() {
         let db = &mut db[vocab.clone()];
         for row in dz.chunks(ld).take(nb) {
             db.iter_mut().zip(&row[..vt]).for_each(|(d, x)| *d += x);

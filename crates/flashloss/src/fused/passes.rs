@@ -159,13 +159,47 @@ impl LinearGrads {
         )
     }
 
+    /// A view of the buffers, for a head that adds into them.
+    pub fn view(&mut self) -> LinearGradsMut<'_> {
+        LinearGradsMut {
+            dhidden: &mut self.dhidden,
+            dweight: &mut self.dweight,
+            dbias: self.dbias.as_deref_mut(),
+        }
+    }
+}
+
+/// Gradient buffers of an LM head in host memory that a head adds into, in f32,
+/// wherever they were allocated (a [`LinearGrads`], or a caller's tensors).
+#[derive(Debug)]
+pub struct LinearGradsMut<'a> {
+    /// `dH` `[N, H]`.
+    pub dhidden: &'a mut [f32],
+    /// `dW` `[V, H]`.
+    pub dweight: &'a mut [f32],
+    /// `dbias` `[V]` (when the head has a bias).
+    pub dbias: Option<&'a mut [f32]>,
+}
+
+impl LinearGradsMut<'_> {
+    /// Checks that the buffers match `inputs`' shapes (and bias presence).
+    pub fn check<E>(&self, inputs: &LinearInputs<E>) -> Result<()> {
+        check_grad_lens(
+            inputs.shape(),
+            inputs.bias.is_some(),
+            self.dhidden.len(),
+            self.dweight.len(),
+            self.dbias.as_ref().map(|b| b.len()),
+        )
+    }
+
     /// Sums `part` over `comm`'s ranks.
     pub fn all_reduce(&mut self, comm: &dyn Collective, part: GradPart) -> Result<()> {
         match part {
-            GradPart::Hidden => comm.all_reduce_sum_f32(&mut self.dhidden),
+            GradPart::Hidden => comm.all_reduce_sum_f32(self.dhidden),
             GradPart::Head => {
-                comm.all_reduce_sum_f32(&mut self.dweight)?;
-                match self.dbias.as_mut() {
+                comm.all_reduce_sum_f32(self.dweight)?;
+                match self.dbias.as_deref_mut() {
                     Some(db) => comm.all_reduce_sum_f32(db),
                     None => Ok(()),
                 }
