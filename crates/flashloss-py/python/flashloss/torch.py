@@ -1,0 +1,557 @@
+"""PyTorch autograd functions over flashloss's fused kernels.
+
+Each loss runs its forward and backward in one fused call (the gradients are formed
+while each block of logits is on hand) and hands them to autograd, which scales them by
+the upstream gradient in ``backward``. Nothing ``[N, V]``-sized is ever allocated.
+Tensors are borrowed, not copied: ``hidden`` and ``weight`` must share a dtype
+(float32 or bfloat16; mixed dtypes are cast to bfloat16, as autocast would), and
+non-contiguous inputs are made contiguous. Every error is a ``ValueError`` naming the
+argument.
+
+Names and defaults are those of TRL's ``GRPOConfig`` and ``GRPOTrainer._compute_loss``
+(see ``docs/python.md`` for where each argument comes from and where flashloss differs).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from . import _native
+
+__all__ = [
+    "GRPOOutputs",
+    "LinearGRPOLoss",
+    "grpo_loss",
+    "linear_cross_entropy",
+    "linear_grpo_loss",
+    "linear_logprobs",
+]
+
+#: Workspace budget of the fused kernels (MiB) when a call gives none: the CLI's default.
+DEFAULT_BUDGET_MIB = 64.0
+
+_FLOATS = (torch.float32, torch.bfloat16)
+
+
+@dataclass
+class GRPOOutputs:
+    """What a GRPO call returns besides the loss (all detached)."""
+
+    #: Per-token log-probabilities of ``completion_ids`` ``[B, T]`` (float32).
+    logp: torch.Tensor
+    #: Per-token entropy ``[B, T]`` (float32).
+    entropy: torch.Tensor
+    #: Per-token KL as it enters the loss ``[B, T]`` (float32; zero without a reference).
+    kl: torch.Tensor
+    #: TRL's logged metrics: ``kl``, ``entropy``, ``clip_ratio/low_mean``,
+    #: ``clip_ratio/high_mean``, ``clip_ratio/region_mean`` (masked means).
+    metrics: dict
+
+
+def _check_tensor(arg: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"argument `{arg}`: expected a torch.Tensor, got {type(t).__name__}")
+
+
+def _same_device(tensors: dict) -> torch.device:
+    device = None
+    for arg, t in tensors.items():
+        if t is None:
+            continue
+        _check_tensor(arg, t)
+        if device is None:
+            device = t.device
+        elif t.device != device:
+            first = next(a for a, x in tensors.items() if x is not None)
+            raise ValueError(f"argument `{arg}` is on {t.device} but `{first}` is on {device}")
+    if device is not None and device.type != "cpu":
+        raise ValueError(
+            f"tensors on {device}: this build of flashloss runs CPU tensors "
+            "(CUDA tensors need the build with the `cuda` feature)"
+        )
+    return device
+
+
+def _head(hidden, weight, bias):
+    """``hidden``, ``weight``, ``bias`` as the kernels read them: one float dtype, contiguous."""
+    for arg, t in (("hidden", hidden), ("weight", weight), ("bias", bias)):
+        if t is not None and t.dtype not in _FLOATS:
+            raise ValueError(f"argument `{arg}`: expected dtype float32 or bfloat16, got {t.dtype}")
+    dtypes = {t.dtype for t in (hidden, weight, bias) if t is not None}
+    dtype = torch.float32 if dtypes == {torch.float32} else torch.bfloat16
+    cast = [None if t is None else t.to(dtype).contiguous() for t in (hidden, weight, bias)]
+    return cast
+
+
+def _f32(t):
+    return None if t is None else t.detach().to(torch.float32).contiguous()
+
+
+def _zeros_f32(t):
+    return None if t is None else torch.zeros(t.shape, dtype=torch.float32, device=t.device)
+
+
+class _FusedGrads(torch.autograd.Function):
+    """Attaches gradients computed in the forward to ``hidden``, ``weight``, ``bias``:
+    ``backward`` returns them times the upstream gradient, in the inputs' dtypes."""
+
+    @staticmethod
+    def forward(ctx, loss, hidden, weight, bias, dhidden, dweight, dbias):
+        ctx.grads = (dhidden, dweight, dbias)
+        ctx.dtypes = tuple(None if t is None else t.dtype for t in (hidden, weight, bias))
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        scale = None if float(grad_output) == 1.0 else grad_output.to(torch.float32)
+        out = []
+        for g, dtype, needed in zip(ctx.grads, ctx.dtypes, ctx.needs_input_grad[1:4]):
+            if g is None or not needed:
+                out.append(None)
+                continue
+            g = g if scale is None else g * scale
+            out.append(g.to(dtype))
+        ctx.grads = None
+        return (None, *out, None, None, None)
+
+
+def _loss_config(**kw) -> str:
+    return json.dumps({k: v for k, v in kw.items() if v is not None})
+
+
+def _grpo_config(
+    loss_type,
+    beta,
+    epsilon_low,
+    epsilon_high,
+    delta,
+    importance_sampling_level,
+    temperature,
+    use_bias_correction_kl,
+    entropy_coef,
+    num_items_in_batch,
+    max_completion_length,
+    sapo_temperature_pos,
+    sapo_temperature_neg,
+    vespo_k_pos,
+    vespo_lambda_pos,
+    vespo_k_neg,
+    vespo_lambda_neg,
+) -> str:
+    if isinstance(num_items_in_batch, torch.Tensor):
+        num_items_in_batch = float(num_items_in_batch)
+    return _loss_config(
+        loss_type=loss_type,
+        beta=float(beta),
+        epsilon_low=float(epsilon_low),
+        epsilon_high=float(epsilon_low if epsilon_high is None else epsilon_high),
+        delta=None if delta is None else float(delta),
+        importance_sampling_level=importance_sampling_level,
+        temperature=float(temperature),
+        use_bias_correction_kl=bool(use_bias_correction_kl),
+        entropy_coef=float(entropy_coef),
+        num_items_in_batch=None if num_items_in_batch is None else float(num_items_in_batch),
+        max_completion_length=None if max_completion_length is None else int(max_completion_length),
+        sapo_temperature_pos=float(sapo_temperature_pos),
+        sapo_temperature_neg=float(sapo_temperature_neg),
+        vespo_k_pos=float(vespo_k_pos),
+        vespo_lambda_pos=float(vespo_lambda_pos),
+        vespo_k_neg=float(vespo_k_neg),
+        vespo_lambda_neg=float(vespo_lambda_neg),
+    )
+
+
+def _grpo_batch(completion_ids, completion_mask, advantages):
+    _check_tensor("completion_ids", completion_ids)
+    if completion_ids.dim() != 2:
+        raise ValueError(f"argument `completion_ids`: expected shape [B, T], got {list(completion_ids.shape)}")
+    if completion_ids.dtype.is_floating_point or completion_ids.dtype == torch.bool:
+        raise ValueError(f"argument `completion_ids`: expected an integer dtype, got {completion_ids.dtype}")
+    ids = completion_ids.to(torch.int64).contiguous()
+    if completion_mask is None:
+        mask = torch.ones_like(ids, dtype=torch.bool)
+    else:
+        _check_tensor("completion_mask", completion_mask)
+        mask = (completion_mask != 0).contiguous()
+    _check_tensor("advantages", advantages)
+    if advantages.dim() == 2 and advantages.shape[1] == 1:
+        advantages = advantages[:, 0]  # TRL's unsqueezed [B, 1]
+    return ids, mask, _f32(advantages)
+
+
+def linear_grpo_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: Optional[torch.Tensor],
+    advantages: torch.Tensor,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    old_per_token_logps: Optional[torch.Tensor] = None,
+    ref_per_token_logps: Optional[torch.Tensor] = None,
+    importance_sampling_ratio: Optional[torch.Tensor] = None,
+    loss_type: str = "dapo",
+    beta: float = 0.0,
+    epsilon_low: float = 0.2,
+    epsilon_high: Optional[float] = None,
+    delta: Optional[float] = None,
+    importance_sampling_level: str = "token",
+    temperature: float = 1.0,
+    use_bias_correction_kl: bool = True,
+    entropy_coef: float = 0.0,
+    num_items_in_batch=None,
+    max_completion_length: Optional[int] = None,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+    vespo_k_pos: float = 2.0,
+    vespo_lambda_pos: float = 3.0,
+    vespo_k_neg: float = 3.0,
+    vespo_lambda_neg: float = 2.0,
+    mode: str = "auto",
+    budget_mib: Optional[float] = None,
+):
+    """TRL's GRPO loss from ``hidden`` ``[B, T, H]`` (or ``[B·T, H]``) and the LM head
+    ``weight`` ``[V, H]`` (+ ``bias`` ``[V]``) at ``completion_ids`` ``[B, T]``.
+
+    Returns ``(loss, GRPOOutputs)``; ``loss.backward()`` gives the gradients of
+    ``hidden``, ``weight`` and ``bias``. ``epsilon_high=None`` means ``epsilon_low`` (TRL's
+    ``epsilon``); ``old_per_token_logps=None`` means on-policy (ratio 1).
+    """
+    _same_device(
+        dict(
+            hidden=hidden,
+            weight=weight,
+            bias=bias,
+            completion_ids=completion_ids,
+            completion_mask=completion_mask,
+            advantages=advantages,
+            old_per_token_logps=old_per_token_logps,
+            ref_per_token_logps=ref_per_token_logps,
+            importance_sampling_ratio=importance_sampling_ratio,
+        )
+    )
+    h, w, b = _head(hidden, weight, bias)
+    ids, mask, adv = _grpo_batch(completion_ids, completion_mask, advantages)
+    config = _grpo_config(
+        loss_type, beta, epsilon_low, epsilon_high, delta, importance_sampling_level, temperature,
+        use_bias_correction_kl, entropy_coef, num_items_in_batch, max_completion_length,
+        sapo_temperature_pos, sapo_temperature_neg, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
+        vespo_lambda_neg,
+    )  # fmt: skip
+    dh, dw, db = _zeros_f32(h), _zeros_f32(w), _zeros_f32(b)
+    logp, entropy, kl = (torch.empty(ids.shape, dtype=torch.float32) for _ in range(3))
+    out = _native.grpo_linear(
+        h.detach(), w.detach(), None if b is None else b.detach(), ids, mask, adv,
+        _f32(old_per_token_logps), _f32(ref_per_token_logps), _f32(importance_sampling_ratio),
+        config, mode, DEFAULT_BUDGET_MIB if budget_mib is None else float(budget_mib),
+        dh, dw, db, logp, entropy, kl,
+    )  # fmt: skip
+    loss = _FusedGrads.apply(torch.tensor(out.pop("loss"), dtype=torch.float32), h, w, b, dh, dw, db)
+    metrics = {k: out[k] for k in ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")}
+    return loss, GRPOOutputs(logp=logp, entropy=entropy, kl=kl, metrics=metrics)
+
+
+class LinearGRPOLoss(torch.nn.Module):
+    """A drop-in for Liger-Kernel's ``LigerFusedLinearGRPOLoss``: the same constructor
+    and ``forward`` arguments, returning ``(loss, metrics)`` with ``metrics`` a list of
+    scalar tensors ``[kl_mean (when beta != 0), clip_ratio]`` as Liger does.
+
+    Liger-only knobs that do not change the result (``compiled``, ``chunk_size``) are
+    accepted and ignored; ``ref_input``/``ref_weight``/``ref_bias`` (a reference head run
+    inside the loss) are not supported: pass ``ref_per_token_logps`` (from
+    :func:`linear_logprobs` on the reference model's hidden states) instead.
+    """
+
+    def __init__(
+        self,
+        beta: float = 0.04,
+        compiled: bool = True,
+        use_ref_model: bool = True,
+        chunk_size: int = 1,
+        epsilon_low: float = 0.2,
+        epsilon_high: float = 0.2,
+        loss_type: str = "dapo",
+        max_completion_length: Optional[int] = None,
+        importance_sampling_level: str = "token",
+        sapo_temperature_pos: float = 1.0,
+        sapo_temperature_neg: float = 1.05,
+        temperature: float = 1.0,
+        delta: Optional[float] = None,
+        use_bias_correction_kl: bool = False,
+        vespo_k_pos: float = 2.0,
+        vespo_lambda_pos: float = 3.0,
+        vespo_k_neg: float = 3.0,
+        vespo_lambda_neg: float = 2.0,
+        budget_mib: Optional[float] = None,
+    ):
+        super().__init__()
+        self.beta = beta
+        self.use_ref_model = use_ref_model
+        self.kwargs = dict(
+            epsilon_low=epsilon_low,
+            epsilon_high=epsilon_high,
+            loss_type=loss_type,
+            max_completion_length=max_completion_length,
+            importance_sampling_level=importance_sampling_level,
+            sapo_temperature_pos=sapo_temperature_pos,
+            sapo_temperature_neg=sapo_temperature_neg,
+            temperature=temperature,
+            delta=delta,
+            use_bias_correction_kl=use_bias_correction_kl,
+            vespo_k_pos=vespo_k_pos,
+            vespo_lambda_pos=vespo_lambda_pos,
+            vespo_k_neg=vespo_k_neg,
+            vespo_lambda_neg=vespo_lambda_neg,
+            budget_mib=budget_mib,
+        )
+
+    def forward(
+        self,
+        _input,
+        lin_weight,
+        selected_token_ids,
+        attention_mask,
+        advantages,
+        bias=None,
+        ref_per_token_logps=None,
+        old_per_token_logps=None,
+        ref_input=None,
+        ref_weight=None,
+        ref_bias=None,
+        vllm_is_ratio=None,
+        num_items_in_batch=None,
+    ):
+        if ref_input is not None or ref_weight is not None or ref_bias is not None:
+            raise ValueError(
+                "argument `ref_input`: a reference head inside the loss is not supported; "
+                "pass ref_per_token_logps (flashloss.torch.linear_logprobs on the reference hidden states)"
+            )
+        beta = self.beta if self.use_ref_model else 0.0
+        b, t = selected_token_ids.shape
+        hidden = _input.reshape(b, t, -1) if _input.dim() == 2 else _input
+        loss, out = linear_grpo_loss(
+            hidden,
+            lin_weight,
+            selected_token_ids,
+            attention_mask,
+            advantages,
+            bias=bias,
+            old_per_token_logps=old_per_token_logps,
+            ref_per_token_logps=ref_per_token_logps,
+            importance_sampling_ratio=vllm_is_ratio,
+            beta=beta,
+            num_items_in_batch=num_items_in_batch,
+            **self.kwargs,
+        )
+        clip = torch.tensor(out.metrics["clip_ratio/region_mean"])
+        metrics = [torch.tensor(out.metrics["kl"]), clip] if beta != 0.0 else [clip]
+        return loss, metrics
+
+
+class _CrossEntropyRows(torch.autograd.Function):
+    """Per-row cross-entropy (reduction ``none``): the backward reruns the fused kernel
+    with the upstream gradient of each row (one more forward of the head)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, config, mode, budget_mib):
+        ctx.save_for_backward(hidden, weight, bias, targets)
+        ctx.config, ctx.mode, ctx.budget_mib = config, mode, budget_mib
+        rows = torch.empty(targets.shape, dtype=torch.float32)
+        zero = torch.zeros(targets.shape, dtype=torch.float32)
+        _native.ce_linear(
+            hidden, weight, bias, targets, config, mode, budget_mib, zero,
+            _zeros_f32(hidden), _zeros_f32(weight), _zeros_f32(bias), rows,
+        )  # fmt: skip
+        return rows
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        hidden, weight, bias, targets = ctx.saved_tensors
+        dh, dw, db = _zeros_f32(hidden), _zeros_f32(weight), _zeros_f32(bias)
+        rows = torch.empty(targets.shape, dtype=torch.float32)
+        _native.ce_linear(
+            hidden, weight, bias, targets, ctx.config, ctx.mode, ctx.budget_mib,
+            grad_rows.to(torch.float32).contiguous(), dh, dw, db, rows,
+        )  # fmt: skip
+        grads = [None if g is None else g.to(t.dtype) for g, t in ((dh, hidden), (dw, weight), (db, bias))]
+        return (*grads, None, None, None, None)
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: Optional[float] = None,
+    reduction: str = "mean",
+    temperature: float = 1.0,
+    *,
+    mode: str = "auto",
+    budget_mib: Optional[float] = None,
+) -> torch.Tensor:
+    """Cross-entropy of ``hidden @ weight.T + bias`` at ``targets``, as Cut Cross-Entropy's
+    ``linear_cross_entropy(e, c, targets, ...)`` and PyTorch's
+    ``F.linear_cross_entropy(input, linear_weight, target, ...)`` compute it (with the
+    options of ``docs/spec/losses.md``: label smoothing, z-loss, soft-cap, temperature).
+    ``hidden`` ``[..., H]`` and ``targets`` ``[...]``; reduction ``none`` returns ``[...]``."""
+    _same_device(dict(hidden=hidden, weight=weight, targets=targets, bias=bias))
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"argument `reduction`: expected 'mean', 'sum' or 'none', got {reduction!r}")
+    if targets.dtype.is_floating_point or targets.dtype == torch.bool:
+        raise ValueError(f"argument `targets`: expected an integer dtype, got {targets.dtype}")
+    if hidden.shape[:-1] != targets.shape:
+        raise ValueError(
+            f"argument `targets`: shape {list(targets.shape)} does not match hidden's rows {list(hidden.shape[:-1])}"
+        )
+    h, w, b = _head(hidden, weight, bias)
+    h2 = h.reshape(-1, h.shape[-1])
+    tgt = targets.reshape(-1).to(torch.int64).contiguous()
+    config = _loss_config(
+        ignore_index=int(ignore_index),
+        label_smoothing=float(label_smoothing),
+        z_loss=float(z_loss),
+        softcap=None if softcap is None else float(softcap),
+        reduction=reduction,
+        temperature=float(temperature),
+    )
+    budget = DEFAULT_BUDGET_MIB if budget_mib is None else float(budget_mib)
+    if reduction == "none":
+        rows = _CrossEntropyRows.apply(h2, w, b, tgt, config, mode, budget)
+        return rows.reshape(targets.shape)
+    dh, dw, db = _zeros_f32(h2), _zeros_f32(w), _zeros_f32(b)
+    rows = torch.empty(tgt.shape, dtype=torch.float32)
+    out = _native.ce_linear(
+        h2.detach(), w.detach(), None if b is None else b.detach(), tgt, config, mode, budget,
+        None, dh, dw, db, rows,
+    )  # fmt: skip
+    return _FusedGrads.apply(torch.tensor(out["loss"], dtype=torch.float32), h2, w, b, dh, dw, db)
+
+
+@torch.no_grad()
+def linear_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    ids: torch.Tensor,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    mask: Optional[torch.Tensor] = None,
+    budget_mib: Optional[float] = None,
+):
+    """Per-token log-probabilities of ``ids`` ``[...]`` under ``(hidden @ weight.T + bias) /
+    temperature`` (``hidden`` ``[..., H]``), without gradient: the old- and reference-policy
+    passes of GRPO. Returns ``logp`` (float32, ``ids``' shape), and the entropy too when
+    ``return_entropy``. Rows where ``mask`` is false are not computed (zero)."""
+    _same_device(dict(hidden=hidden, weight=weight, ids=ids, bias=bias, mask=mask))
+    if hidden.shape[:-1] != ids.shape:
+        raise ValueError(f"argument `ids`: shape {list(ids.shape)} does not match hidden's rows {list(hidden.shape[:-1])}")
+    h, w, b = _head(hidden, weight, bias)
+    ids64 = ids.to(torch.int64).contiguous()
+    m = None if mask is None else (mask != 0).contiguous()
+    logp = torch.empty(ids.shape, dtype=torch.float32)
+    entropy = torch.empty(ids.shape, dtype=torch.float32)
+    budget = DEFAULT_BUDGET_MIB if budget_mib is None else float(budget_mib)
+    _native.logp_linear(h.reshape(-1, h.shape[-1]), w, b, ids64, m, float(temperature), budget, logp, entropy)
+    return (logp, entropy) if return_entropy else logp
+
+
+class _GrpoLogits(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, dlogits, loss):
+        ctx.dlogits = dlogits
+        ctx.dtype = logits.dtype
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        d = ctx.dlogits if float(grad_output) == 1.0 else ctx.dlogits * grad_output.to(ctx.dtype)
+        ctx.dlogits = None
+        return d, None, None
+
+
+def grpo_loss(
+    logits: torch.Tensor,
+    old_logp: Optional[torch.Tensor],
+    ref_logp: Optional[torch.Tensor],
+    completion_ids: torch.Tensor,
+    advantages: torch.Tensor,
+    completion_mask: Optional[torch.Tensor] = None,
+    temperature: float = 0.9,
+    beta: float = 0.04,
+    eps_low: float = 0.2,
+    eps_high: float = 0.4,
+    inplace: bool = True,
+    loss_type: str = "dapo",
+    max_completion_length: Optional[int] = None,
+    importance_sampling_level: str = "token",
+    reduce: bool = True,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+    vllm_is_ratio: Optional[torch.Tensor] = None,
+    delta: Optional[float] = None,
+    use_bias_correction_kl: bool = False,
+    num_items_in_batch=None,
+    vespo_k_pos: float = 2.0,
+    vespo_lambda_pos: float = 3.0,
+    vespo_k_neg: float = 3.0,
+    vespo_lambda_neg: float = 2.0,
+):
+    """The logits-level GRPO loss in the call shape of Liger's ``triton_grpo_loss``:
+    ``logits`` ``[B, T+1, V]`` (the last position is not read) or ``[B, T, V]``. Returns
+    ``(loss, metrics)`` with ``metrics = [kl_mean, clip_ratio]`` (``[clip_ratio]`` when
+    ``beta == 0``). The gradient is formed in the forward; with ``inplace`` it overwrites
+    ``logits`` (which must then not be used again), else a ``[B, T, V]`` buffer is
+    allocated. Only ``reduce=True`` is provided (the reduced loss is what the fused
+    backward is of)."""
+    if not reduce:
+        raise ValueError("argument `reduce`: only reduce=True is provided (per-token losses are not returned)")
+    _same_device(
+        dict(
+            logits=logits,
+            old_logp=old_logp,
+            ref_logp=ref_logp,
+            completion_ids=completion_ids,
+            advantages=advantages,
+            completion_mask=completion_mask,
+            vllm_is_ratio=vllm_is_ratio,
+        )
+    )
+    if logits.dtype not in _FLOATS:
+        raise ValueError(f"argument `logits`: expected dtype float32 or bfloat16, got {logits.dtype}")
+    ids, mask, adv = _grpo_batch(completion_ids, completion_mask, advantages)
+    config = _grpo_config(
+        loss_type, beta, eps_low, eps_high, delta, importance_sampling_level, temperature,
+        use_bias_correction_kl, 0.0, num_items_in_batch, max_completion_length,
+        sapo_temperature_pos, sapo_temperature_neg, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
+        vespo_lambda_neg,
+    )  # fmt: skip
+    b, t = ids.shape
+    z = logits.detach()
+    if not z.is_contiguous():
+        z = z.contiguous()
+        inplace = False
+    dlogits = None if inplace else torch.empty((b, t, z.shape[-1]), dtype=z.dtype)
+    logp, entropy, kl = (torch.empty(ids.shape, dtype=torch.float32) for _ in range(3))
+    out = _native.grpo_logits(
+        z, ids, mask, adv, _f32(old_logp), _f32(ref_logp), _f32(vllm_is_ratio), config, dlogits,
+        logp, entropy, kl,
+    )  # fmt: skip
+    if inplace:
+        z[:, t:].zero_()
+        grad = z
+    elif z.shape[1] == t:
+        grad = dlogits
+    else:
+        grad = torch.nn.functional.pad(dlogits, (0, 0, 0, z.shape[1] - t))
+    loss = _GrpoLogits.apply(logits, grad, torch.tensor(out["loss"], dtype=torch.float32))
+    clip = torch.tensor(out["clip_ratio/region_mean"])
+    metrics = [torch.tensor(out["kl"]), clip] if beta != 0.0 else [clip]
+    return loss, metrics

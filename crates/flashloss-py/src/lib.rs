@@ -1,0 +1,21 @@
+//! `flashloss._native`: the fused losses of the `flashloss` crate for PyTorch tensors,
+//! called by `flashloss.torch` (which owns the autograd side). Every function borrows
+//! the tensors' memory (no copy), writes the gradients into tensors the caller
+//! allocated, runs with the GIL released, and turns every error, and any panic, into a
+//! `ValueError` with flashloss's message.
+
+mod losses;
+mod tensor;
+
+use pyo3::prelude::*;
+
+/// The native module.
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_function(wrap_pyfunction!(losses::grpo_linear, m)?)?;
+    m.add_function(wrap_pyfunction!(losses::ce_linear, m)?)?;
+    m.add_function(wrap_pyfunction!(losses::logp_linear, m)?)?;
+    m.add_function(wrap_pyfunction!(losses::grpo_logits, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,655 @@
+//! The four entry points of `flashloss._native`. Shapes follow PyTorch: `hidden`
+//! `[..., H]` with `N` rows in all, `weight` `[V, H]`, `bias` `[V]`, token ids and
+//! masks `[B, T]` (GRPO) or `[N]` (CE). Configs arrive as JSON of the Rust
+//! `LossConfig`/`CeConfig` (unknown keys are errors). Gradients are added into f32
+//! tensors the caller zeroed.
+
+use crate::tensor::{DType, Tensor, arg_error};
+use flashloss::cpu::{HostHead, Workspace};
+use flashloss::fused::{self, FusedOptions, LinearGradsMut, Mode, Plan};
+use flashloss::policy::{GrpoMetrics, Normalizers};
+use flashloss::{
+    CeConfig, CrossEntropy, Element, GrpoBatch, GrpoLoss, LinearInputs, LogitsLayout, LossConfig,
+    PerSeqOrToken, RowStats,
+};
+use half::bf16;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+
+const FLOAT: &[DType] = &[DType::F32, DType::Bf16];
+const F32: &[DType] = &[DType::F32];
+const I64: &[DType] = &[DType::I64];
+const BOOL: &[DType] = &[DType::Bool];
+
+/// Runs `work` without the GIL; a flashloss error or a panic becomes a `ValueError`.
+fn run<T: Send>(py: Python<'_>, work: impl FnOnce() -> flashloss::Result<T> + Send) -> PyResult<T> {
+    let result = py.detach(|| catch_unwind(AssertUnwindSafe(work)));
+    match result {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(e)) => Err(PyValueError::new_err(e.to_string())),
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            Err(PyValueError::new_err(format!(
+                "flashloss internal error (please report it): {what}"
+            )))
+        }
+    }
+}
+
+/// Parses a config; an error names the offending keyword (e.g. `loss_type`).
+fn parse_json<T: serde::de::DeserializeOwned>(arg: &str, json: &str) -> PyResult<T> {
+    let de = &mut serde_json::Deserializer::from_str(json);
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        let key = if path == "." { arg } else { &path };
+        arg_error(key, e.into_inner())
+    })
+}
+
+fn budget(mode: &str, budget_mib: f64) -> PyResult<FusedOptions> {
+    if !(budget_mib.is_finite() && budget_mib > 0.0) {
+        return Err(arg_error(
+            "budget_mib",
+            format!("must be a positive number, got {budget_mib}"),
+        ));
+    }
+    let mode: Mode = parse_json("mode", &format!("{mode:?}"))?;
+    Ok(FusedOptions::from_mib(mode, budget_mib, 1.0))
+}
+
+/// The kernels' element types, read from a tensor of that dtype.
+trait TorchElement: Element {
+    fn slice<'a>(t: &'a Tensor) -> PyResult<&'a [Self]>;
+}
+
+impl TorchElement for f32 {
+    fn slice<'a>(t: &'a Tensor) -> PyResult<&'a [f32]> {
+        t.f32s()
+    }
+}
+
+impl TorchElement for bf16 {
+    fn slice<'a>(t: &'a Tensor) -> PyResult<&'a [bf16]> {
+        t.bf16s()
+    }
+}
+
+/// The LM head: `hidden` `[..., H]` and `weight` `[V, H]` of one dtype, `bias` `[V]`.
+struct Head<'py> {
+    hidden: Tensor<'py>,
+    weight: Tensor<'py>,
+    bias: Option<Tensor<'py>>,
+    tokens: usize,
+    hidden_size: usize,
+    vocab: usize,
+}
+
+impl<'py> Head<'py> {
+    fn new(
+        hidden: &Bound<'py, PyAny>,
+        weight: &Bound<'py, PyAny>,
+        bias: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Self> {
+        let hidden = Tensor::new("hidden", hidden, FLOAT)?;
+        let weight = Tensor::new("weight", weight, FLOAT)?;
+        let bias = Tensor::optional("bias", bias, FLOAT)?;
+        if weight.shape.len() != 2 {
+            return Err(arg_error(
+                "weight",
+                format!("expected shape [V, H], got {:?}", weight.shape),
+            ));
+        }
+        let (vocab, hidden_size) = (weight.shape[0], weight.shape[1]);
+        if hidden.shape.last() != Some(&hidden_size) {
+            return Err(arg_error(
+                "hidden",
+                format!(
+                    "expected shape [..., H={hidden_size}] (H from weight [V, H]), got {:?}",
+                    hidden.shape
+                ),
+            ));
+        }
+        for t in std::iter::once(&weight).chain(&bias) {
+            if t.dtype != hidden.dtype {
+                return Err(arg_error(
+                    t.arg,
+                    format!(
+                        "dtype {:?} differs from hidden's {:?}",
+                        t.dtype, hidden.dtype
+                    ),
+                ));
+            }
+        }
+        if let Some(b) = &bias {
+            b.expect_shape(&[vocab])?;
+        }
+        Ok(Head {
+            tokens: hidden.numel() / hidden_size.max(1),
+            hidden,
+            weight,
+            bias,
+            hidden_size,
+            vocab,
+        })
+    }
+
+    fn inputs<E: TorchElement>(&self) -> PyResult<LinearInputs<'_, E>> {
+        Ok(LinearInputs {
+            hidden: E::slice(&self.hidden)?,
+            weight: E::slice(&self.weight)?,
+            bias: self.bias.as_ref().map(E::slice).transpose()?,
+            tokens: self.tokens,
+            hidden_size: self.hidden_size,
+            vocab: self.vocab,
+        })
+    }
+}
+
+/// f32 gradient tensors shaped like the head's inputs (`grad_bias` iff `bias`).
+struct Grads<'py> {
+    hidden: Tensor<'py>,
+    weight: Tensor<'py>,
+    bias: Option<Tensor<'py>>,
+}
+
+impl<'py> Grads<'py> {
+    fn new(
+        head: &Head,
+        hidden: &Bound<'py, PyAny>,
+        weight: &Bound<'py, PyAny>,
+        bias: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Self> {
+        let g = Grads {
+            hidden: Tensor::new("grad_hidden", hidden, F32)?,
+            weight: Tensor::new("grad_weight", weight, F32)?,
+            bias: Tensor::optional("grad_bias", bias, F32)?,
+        };
+        g.hidden.expect_shape(&head.hidden.shape)?;
+        g.weight.expect_shape(&head.weight.shape)?;
+        match (&g.bias, &head.bias) {
+            (Some(gb), Some(b)) => gb.expect_shape(&b.shape)?,
+            (None, None) => {}
+            _ => return Err(arg_error("grad_bias", "given exactly when bias is")),
+        }
+        Ok(g)
+    }
+
+    /// # Safety
+    /// The gradient tensors must not alias each other or any input.
+    unsafe fn view(&mut self) -> PyResult<LinearGradsMut<'_>> {
+        // SAFETY: the caller's promise.
+        unsafe {
+            Ok(LinearGradsMut {
+                dhidden: self.hidden.f32s_mut()?,
+                dweight: self.weight.f32s_mut()?,
+                dbias: self.bias.as_mut().map(|b| b.f32s_mut()).transpose()?,
+            })
+        }
+    }
+}
+
+/// Per-sequence `[B]` or per-token `[B, T]` f32 values.
+fn per_seq_or_token<'a>(t: &'a Tensor, b: usize, n: usize) -> PyResult<PerSeqOrToken<'a>> {
+    let v = t.f32s()?;
+    match t.shape.len() {
+        1 if v.len() == b => Ok(PerSeqOrToken::Sequence(v)),
+        2 if v.len() == n => Ok(PerSeqOrToken::Token(v)),
+        _ => Err(arg_error(
+            t.arg,
+            format!(
+                "expected shape [B={b}] or [B, T] with B·T = {n}, got {:?}",
+                t.shape
+            ),
+        )),
+    }
+}
+
+/// The per-token inputs of a GRPO step, borrowed from their tensors.
+struct BatchTensors<'py> {
+    ids: Tensor<'py>,
+    mask: Vec<bool>,
+    advantages: Tensor<'py>,
+    old_logp: Option<Tensor<'py>>,
+    ref_logp: Option<Tensor<'py>>,
+    sampler_ratio: Option<Tensor<'py>>,
+}
+
+impl<'py> BatchTensors<'py> {
+    fn new(
+        ids: &Bound<'py, PyAny>,
+        mask: &Bound<'py, PyAny>,
+        advantages: &Bound<'py, PyAny>,
+        old_logp: Option<&Bound<'py, PyAny>>,
+        ref_logp: Option<&Bound<'py, PyAny>>,
+        sampler_ratio: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Self> {
+        let ids = Tensor::new("completion_ids", ids, I64)?;
+        if ids.shape.len() != 2 {
+            return Err(arg_error(
+                "completion_ids",
+                format!("expected shape [B, T], got {:?}", ids.shape),
+            ));
+        }
+        let mask_t = Tensor::new("completion_mask", mask, BOOL)?;
+        mask_t.expect_shape(&ids.shape)?;
+        let per_token = |arg, t: Option<&Bound<'py, PyAny>>| -> PyResult<Option<Tensor<'py>>> {
+            let t = Tensor::optional(arg, t, F32)?;
+            if let Some(t) = &t {
+                t.expect_shape(&ids.shape)?;
+            }
+            Ok(t)
+        };
+        Ok(BatchTensors {
+            mask: mask_t.bools()?,
+            advantages: Tensor::new("advantages", advantages, F32)?,
+            old_logp: per_token("old_per_token_logps", old_logp)?,
+            ref_logp: per_token("ref_per_token_logps", ref_logp)?,
+            sampler_ratio: Tensor::optional("importance_sampling_ratio", sampler_ratio, F32)?,
+            ids,
+        })
+    }
+
+    fn batch(&self) -> PyResult<GrpoBatch<'_>> {
+        let (b, t) = (self.ids.shape[0], self.ids.shape[1]);
+        Ok(GrpoBatch {
+            batch: b,
+            seq_len: t,
+            target_ids: self.ids.i64s()?,
+            mask: &self.mask,
+            advantages: per_seq_or_token(&self.advantages, b, b * t)?,
+            old_logp: self.old_logp.as_ref().map(|t| t.f32s()).transpose()?,
+            ref_logp: self.ref_logp.as_ref().map(|t| t.f32s()).transpose()?,
+            sampler_ratio: self
+                .sampler_ratio
+                .as_ref()
+                .map(|r| per_seq_or_token(r, b, b * t))
+                .transpose()?,
+        })
+    }
+}
+
+/// Writes the per-row `logp` and entropy into `[N]`-sized f32 tensors.
+fn write_stats(stats: &[RowStats], logp: &mut Tensor, entropy: &mut Tensor) -> PyResult<()> {
+    for t in [&*logp, &*entropy] {
+        if t.numel() != stats.len() {
+            return Err(arg_error(
+                t.arg,
+                format!("expected {} elements, got {}", stats.len(), t.numel()),
+            ));
+        }
+    }
+    // SAFETY: fresh output tensors from the Python side.
+    let (lp, ent) = unsafe { (logp.f32s_mut()?, entropy.f32s_mut()?) };
+    for ((s, l), e) in stats.iter().zip(lp).zip(ent) {
+        *l = s.logp;
+        *e = s.entropy;
+    }
+    Ok(())
+}
+
+fn write_f32(values: &[f32], out: &mut Tensor) -> PyResult<()> {
+    if out.numel() != values.len() {
+        return Err(arg_error(
+            out.arg,
+            format!("expected {} elements, got {}", values.len(), out.numel()),
+        ));
+    }
+    // SAFETY: a fresh output tensor from the Python side.
+    unsafe { out.f32s_mut()? }.copy_from_slice(values);
+    Ok(())
+}
+
+fn grpo_result<'py>(
+    py: Python<'py>,
+    loss: f64,
+    m: &GrpoMetrics,
+    plan: Option<&Plan>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("loss", loss)?;
+    d.set_item("kl", m.kl_mean)?;
+    d.set_item("entropy", m.entropy_mean)?;
+    d.set_item("clip_ratio/low_mean", m.clip_ratio_low)?;
+    d.set_item("clip_ratio/high_mean", m.clip_ratio_high)?;
+    d.set_item("clip_ratio/region_mean", m.clip_ratio_region)?;
+    if let Some(p) = plan {
+        d.set_item("single_pass", p.single_pass)?;
+        d.set_item("block_rows", p.block_rows)?;
+        d.set_item("workspace_bytes", p.workspace_bytes + p.gemm_reserve_bytes)?;
+    }
+    Ok(d)
+}
+
+/// GRPO from hidden states: the loss of `config_json` (a `LossConfig`), `∂L/∂hidden`,
+/// `∂L/∂weight`, `∂L/∂bias` added into the `grad_*` tensors, per-token `logp`, entropy
+/// and KL written into `out_*` (`[B, T]` f32). Returns the loss and the metrics.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+#[pyo3(signature = (hidden, weight, bias, completion_ids, completion_mask, advantages,
+    old_per_token_logps, ref_per_token_logps, importance_sampling_ratio, config_json, mode,
+    budget_mib, grad_hidden, grad_weight, grad_bias, out_logp, out_entropy, out_kl))]
+pub fn grpo_linear<'py>(
+    py: Python<'py>,
+    hidden: &Bound<'py, PyAny>,
+    weight: &Bound<'py, PyAny>,
+    bias: Option<&Bound<'py, PyAny>>,
+    completion_ids: &Bound<'py, PyAny>,
+    completion_mask: &Bound<'py, PyAny>,
+    advantages: &Bound<'py, PyAny>,
+    old_per_token_logps: Option<&Bound<'py, PyAny>>,
+    ref_per_token_logps: Option<&Bound<'py, PyAny>>,
+    importance_sampling_ratio: Option<&Bound<'py, PyAny>>,
+    config_json: &str,
+    mode: &str,
+    budget_mib: f64,
+    grad_hidden: &Bound<'py, PyAny>,
+    grad_weight: &Bound<'py, PyAny>,
+    grad_bias: Option<&Bound<'py, PyAny>>,
+    out_logp: &Bound<'py, PyAny>,
+    out_entropy: &Bound<'py, PyAny>,
+    out_kl: &Bound<'py, PyAny>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let loss = GrpoLoss::new(parse_json::<LossConfig>("config", config_json)?)
+        .map_err(|e| PyValueError::new_err(e.to_string()))?;
+    let opts = budget(mode, budget_mib)?;
+    let head = Head::new(hidden, weight, bias)?;
+    let mut grads = Grads::new(&head, grad_hidden, grad_weight, grad_bias)?;
+    let tensors = BatchTensors::new(
+        completion_ids,
+        completion_mask,
+        advantages,
+        old_per_token_logps,
+        ref_per_token_logps,
+        importance_sampling_ratio,
+    )?;
+    let batch = tensors.batch()?;
+    if head.tokens != batch.rows() {
+        return Err(arg_error(
+            "hidden",
+            format!(
+                "has {} rows but completion_ids {:?} has {}",
+                head.tokens,
+                tensors.ids.shape,
+                batch.rows()
+            ),
+        ));
+    }
+    let norm = Normalizers::local(&batch);
+    // SAFETY: the gradient tensors are fresh allocations of the Python side.
+    let view = unsafe { grads.view()? };
+    let out = match head.hidden.dtype {
+        DType::F32 => {
+            let inputs = head.inputs::<f32>()?;
+            run(py, || grpo_on(&loss, &batch, norm, &inputs, view, &opts))?
+        }
+        _ => {
+            let inputs = head.inputs::<bf16>()?;
+            run(py, || grpo_on(&loss, &batch, norm, &inputs, view, &opts))?
+        }
+    };
+    write_stats(
+        &out.stats,
+        &mut Tensor::new("out_logp", out_logp, F32)?,
+        &mut Tensor::new("out_entropy", out_entropy, F32)?,
+    )?;
+    write_f32(&out.kl, &mut Tensor::new("out_kl", out_kl, F32)?)?;
+    grpo_result(py, out.loss, &out.metrics, Some(&out.plan))
+}
+
+fn grpo_on<E: Element>(
+    loss: &GrpoLoss,
+    batch: &GrpoBatch,
+    norm: Normalizers,
+    inputs: &LinearInputs<E>,
+    grads: LinearGradsMut,
+    opts: &FusedOptions,
+) -> flashloss::Result<fused::GrpoLinearOutput> {
+    let head = &mut HostHead {
+        inputs,
+        ws: &mut Workspace::new(),
+        grads,
+    };
+    fused::grpo_linear(head, loss, batch, norm, opts)
+}
+
+/// Cross-entropy from hidden states at `targets` `[N]` (`config_json`: a `CeConfig`);
+/// gradients added into `grad_*` (times `grad_rows` `[N]` for reduction `none`), the
+/// per-row losses written into `out_row_loss` `[N]`. Returns loss, z-loss and the count
+/// of rows that are not ignored.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+#[pyo3(signature = (hidden, weight, bias, targets, config_json, mode, budget_mib, grad_rows,
+    grad_hidden, grad_weight, grad_bias, out_row_loss))]
+pub fn ce_linear<'py>(
+    py: Python<'py>,
+    hidden: &Bound<'py, PyAny>,
+    weight: &Bound<'py, PyAny>,
+    bias: Option<&Bound<'py, PyAny>>,
+    targets: &Bound<'py, PyAny>,
+    config_json: &str,
+    mode: &str,
+    budget_mib: f64,
+    grad_rows: Option<&Bound<'py, PyAny>>,
+    grad_hidden: &Bound<'py, PyAny>,
+    grad_weight: &Bound<'py, PyAny>,
+    grad_bias: Option<&Bound<'py, PyAny>>,
+    out_row_loss: &Bound<'py, PyAny>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let ce = CrossEntropy::new(parse_json::<CeConfig>("config", config_json)?)
+        .map_err(|e| PyValueError::new_err(e.to_string()))?;
+    let opts = budget(mode, budget_mib)?;
+    let head = Head::new(hidden, weight, bias)?;
+    let mut grads = Grads::new(&head, grad_hidden, grad_weight, grad_bias)?;
+    let targets = Tensor::new("target", targets, I64)?;
+    targets.expect_shape(&[head.tokens])?;
+    let grad_rows = Tensor::optional("grad_rows", grad_rows, F32)?;
+    let (targets, grad_rows) = (
+        targets.i64s()?,
+        grad_rows.as_ref().map(|t| t.f32s()).transpose()?,
+    );
+    // SAFETY: the gradient tensors are fresh allocations of the Python side.
+    let view = unsafe { grads.view()? };
+    let out = match head.hidden.dtype {
+        DType::F32 => {
+            let inputs = head.inputs::<f32>()?;
+            run(py, || ce_on(&ce, targets, grad_rows, &inputs, view, &opts))?
+        }
+        _ => {
+            let inputs = head.inputs::<bf16>()?;
+            run(py, || ce_on(&ce, targets, grad_rows, &inputs, view, &opts))?
+        }
+    };
+    write_f32(
+        &out.row_loss,
+        &mut Tensor::new("out_row_loss", out_row_loss, F32)?,
+    )?;
+    let d = PyDict::new(py);
+    d.set_item("loss", out.loss)?;
+    d.set_item("z_loss", out.z_loss)?;
+    d.set_item("count", out.count)?;
+    d.set_item("single_pass", out.plan.single_pass)?;
+    Ok(d)
+}
+
+fn ce_on<E: Element>(
+    ce: &CrossEntropy,
+    targets: &[i64],
+    grad_rows: Option<&[f32]>,
+    inputs: &LinearInputs<E>,
+    grads: LinearGradsMut,
+    opts: &FusedOptions,
+) -> flashloss::Result<fused::CeLinearOutput> {
+    let head = &mut HostHead {
+        inputs,
+        ws: &mut Workspace::new(),
+        grads,
+    };
+    fused::ce_linear(head, ce, targets, grad_rows, opts)
+}
+
+/// Per-token `logp` and entropy of `(hidden·weightᵀ + bias)/temperature` at `ids`
+/// `[B, T]` (where `mask`, if given, is set), written into `out_logp`, `out_entropy`;
+/// no gradient.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+#[pyo3(signature = (hidden, weight, bias, ids, mask, temperature, budget_mib, out_logp, out_entropy))]
+pub fn logp_linear<'py>(
+    py: Python<'py>,
+    hidden: &Bound<'py, PyAny>,
+    weight: &Bound<'py, PyAny>,
+    bias: Option<&Bound<'py, PyAny>>,
+    ids: &Bound<'py, PyAny>,
+    mask: Option<&Bound<'py, PyAny>>,
+    temperature: f64,
+    budget_mib: f64,
+    out_logp: &Bound<'py, PyAny>,
+    out_entropy: &Bound<'py, PyAny>,
+) -> PyResult<()> {
+    let opts = budget("two_pass", budget_mib)?;
+    let head = Head::new(hidden, weight, bias)?;
+    let ids = Tensor::new("ids", ids, I64)?;
+    if ids.numel() != head.tokens {
+        return Err(arg_error(
+            "ids",
+            format!(
+                "has {} elements but hidden has {} rows",
+                ids.numel(),
+                head.tokens
+            ),
+        ));
+    }
+    let seq_len = ids.shape.last().copied().unwrap_or(1);
+    let mask = Tensor::optional("mask", mask, BOOL)?;
+    if let Some(m) = &mask {
+        m.expect_shape(&ids.shape)?;
+    }
+    let mask = mask.map(|m| m.bools()).transpose()?;
+    let (targets, mask) = (ids.i64s()?, mask.as_deref());
+    let stats = match head.hidden.dtype {
+        DType::F32 => {
+            let inputs = head.inputs::<f32>()?;
+            run(py, || {
+                let dev = flashloss::Device::Cpu;
+                dev.logp_linear(
+                    &inputs,
+                    targets,
+                    mask,
+                    temperature,
+                    opts.budget_bytes,
+                    seq_len,
+                )
+            })?
+        }
+        _ => {
+            let inputs = head.inputs::<bf16>()?;
+            run(py, || {
+                let dev = flashloss::Device::Cpu;
+                dev.logp_linear(
+                    &inputs,
+                    targets,
+                    mask,
+                    temperature,
+                    opts.budget_bytes,
+                    seq_len,
+                )
+            })?
+        }
+    };
+    write_stats(
+        &stats,
+        &mut Tensor::new("out_logp", out_logp, F32)?,
+        &mut Tensor::new("out_entropy", out_entropy, F32)?,
+    )
+}
+
+/// The logits-level GRPO loss on `logits` `[B, T', V]` (`T' ≥ T`; positions `t < T`
+/// are read, as in Liger's `triton_grpo_loss` where `T' = T + 1`): forward and
+/// backward at once, `∂L/∂logits` of the first T positions written into `dlogits`
+/// (dense `[B, T, V]`, `logits`' dtype) or, when it is `None`, over `logits`.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+#[pyo3(signature = (logits, completion_ids, completion_mask, advantages, old_per_token_logps,
+    ref_per_token_logps, importance_sampling_ratio, config_json, dlogits, out_logp,
+    out_entropy, out_kl))]
+pub fn grpo_logits<'py>(
+    py: Python<'py>,
+    logits: &Bound<'py, PyAny>,
+    completion_ids: &Bound<'py, PyAny>,
+    completion_mask: &Bound<'py, PyAny>,
+    advantages: &Bound<'py, PyAny>,
+    old_per_token_logps: Option<&Bound<'py, PyAny>>,
+    ref_per_token_logps: Option<&Bound<'py, PyAny>>,
+    importance_sampling_ratio: Option<&Bound<'py, PyAny>>,
+    config_json: &str,
+    dlogits: Option<&Bound<'py, PyAny>>,
+    out_logp: &Bound<'py, PyAny>,
+    out_entropy: &Bound<'py, PyAny>,
+    out_kl: &Bound<'py, PyAny>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let loss = GrpoLoss::new(parse_json::<LossConfig>("config", config_json)?)
+        .map_err(|e| PyValueError::new_err(e.to_string()))?;
+    let mut logits = Tensor::new("logits", logits, FLOAT)?;
+    let tensors = BatchTensors::new(
+        completion_ids,
+        completion_mask,
+        advantages,
+        old_per_token_logps,
+        ref_per_token_logps,
+        importance_sampling_ratio,
+    )?;
+    let batch = tensors.batch()?;
+    let (b, t) = (batch.batch, batch.seq_len);
+    let s = &logits.shape;
+    if s.len() != 3 || s[0] != b || s[1] < t {
+        return Err(arg_error(
+            "logits",
+            format!("expected shape [B={b}, T' >= {t}, V], got {s:?}"),
+        ));
+    }
+    let layout = LogitsLayout {
+        row_stride: s[2],
+        seq_stride: s[1] * s[2],
+        ..LogitsLayout::contiguous(b, t, s[2])
+    };
+    let mut dlogits = Tensor::optional("dlogits", dlogits, FLOAT)?;
+    if let Some(d) = &dlogits {
+        d.expect_shape(&[b, t, s[2]])?;
+    }
+    // SAFETY: `logits` is the caller's to overwrite (in place) or only read; `dlogits`
+    // is a fresh allocation.
+    let fwd = unsafe {
+        match logits.dtype {
+            DType::F32 => {
+                let (z, d) = (
+                    logits.f32s_mut()?,
+                    dlogits.as_mut().map(|d| d.f32s_mut()).transpose()?,
+                );
+                run(py, || {
+                    flashloss::Device::Cpu.grpo_logits(&loss, &batch, z, &layout, 1.0, d)
+                })?
+            }
+            _ => {
+                let (z, d): (&mut [bf16], _) = (
+                    logits.bf16s_mut()?,
+                    dlogits.as_mut().map(|d| d.bf16s_mut()).transpose()?,
+                );
+                run(py, || {
+                    flashloss::Device::Cpu.grpo_logits(&loss, &batch, z, &layout, 1.0, d)
+                })?
+            }
+        }
+    };
+    write_stats(
+        &fwd.stats,
+        &mut Tensor::new("out_logp", out_logp, F32)?,
+        &mut Tensor::new("out_entropy", out_entropy, F32)?,
+    )?;
+    write_f32(&fwd.kl, &mut Tensor::new("out_kl", out_kl, F32)?)?;
+    grpo_result(py, fwd.loss, &fwd.metrics, None)
+}

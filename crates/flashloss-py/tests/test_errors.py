@@ -1,0 +1,92 @@
+"""Bad inputs raise ValueError naming the argument (never a panic, a NaN or a hang)."""
+
+import pytest
+import torch
+
+import flashloss.torch as fl
+
+
+def batch(b=2, t=3, h=8, v=11):
+    g = torch.Generator().manual_seed(0)
+    return dict(
+        hidden=torch.randn(b, t, h, generator=g),
+        weight=torch.randn(v, h, generator=g),
+        ids=torch.randint(0, v, (b, t), generator=g),
+        mask=torch.ones(b, t, dtype=torch.bool),
+        adv=torch.randn(b, generator=g),
+    )
+
+
+def grpo(d, **kw):
+    return fl.linear_grpo_loss(d["hidden"], d["weight"], d["ids"], d["mask"], d["adv"], **kw)
+
+
+def test_shape_mismatch_names_the_argument():
+    d = batch()
+    d["weight"] = torch.randn(11, 7)
+    with pytest.raises(ValueError, match="`hidden`"):
+        grpo(d)
+    d = batch()
+    d["adv"] = torch.randn(5)
+    with pytest.raises(ValueError, match="`advantages`"):
+        grpo(d)
+    d = batch()
+    with pytest.raises(ValueError, match="`completion_mask`"):
+        fl.linear_grpo_loss(d["hidden"], d["weight"], d["ids"], d["mask"][:, :2], d["adv"])
+
+
+def test_token_id_out_of_range():
+    d = batch()
+    d["ids"][1, 2] = 11
+    with pytest.raises(ValueError, match="target_ids.*11"):
+        grpo(d)
+
+
+def test_nan_hidden_state():
+    d = batch()
+    d["hidden"][0, 1, 3] = float("nan")
+    with pytest.raises(ValueError, match="`hidden`.*NaN"):
+        grpo(d)
+
+
+def test_wrong_dtypes():
+    d = batch()
+    d["hidden"] = d["hidden"].half()
+    with pytest.raises(ValueError, match="`hidden`.*float16"):
+        grpo(d)
+    d = batch()
+    with pytest.raises(ValueError, match="`completion_ids`.*integer"):
+        fl.linear_grpo_loss(d["hidden"], d["weight"], d["ids"].float(), d["mask"], d["adv"])
+
+
+def test_not_a_tensor_and_bad_options():
+    d = batch()
+    with pytest.raises(ValueError, match="`advantages`"):
+        fl.linear_grpo_loss(d["hidden"], d["weight"], d["ids"], d["mask"], [1.0, 2.0])
+    with pytest.raises(ValueError, match="loss_type"):
+        grpo(d, loss_type="ppo")
+    with pytest.raises(ValueError, match="ref_logp"):
+        grpo(d, beta=0.1)
+    with pytest.raises(ValueError, match="max_completion_length"):
+        grpo(d, loss_type="dr_grpo")
+    with pytest.raises(ValueError, match="budget_mib"):
+        grpo(d, budget_mib=-1.0)
+    with pytest.raises(ValueError, match="reduction"):
+        fl.linear_cross_entropy(d["hidden"], d["weight"], d["ids"], reduction="avg")
+
+
+def test_non_contiguous_inputs_are_made_contiguous():
+    d = batch()
+    wide = torch.randn(2, 3, 16)
+    hidden = wide[:, :, ::2]
+    assert not hidden.is_contiguous()
+    a, _ = fl.linear_grpo_loss(hidden, d["weight"], d["ids"], d["mask"], d["adv"])
+    b, _ = fl.linear_grpo_loss(hidden.contiguous(), d["weight"], d["ids"], d["mask"], d["adv"])
+    assert a.item() == b.item()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cpu_and_cuda_mix():
+    d = batch()
+    with pytest.raises(ValueError, match="`weight` is on cuda"):
+        fl.linear_grpo_loss(d["hidden"], d["weight"].cuda(), d["ids"], d["mask"], d["adv"])

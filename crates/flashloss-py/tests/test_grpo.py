@@ -1,0 +1,220 @@
+"""flashloss.torch.linear_grpo_loss against TRL's formulas in float64 (trl_reference.py):
+loss, per-token logp and entropy, and the gradients of hidden, weight and bias, at the
+spec's tolerances (f32: loss 1e-5 relative, gradients 1e-4 of the largest entry; bf16:
+1e-3 and 1e-2 against the reference on the same rounded inputs)."""
+
+import itertools
+
+import pytest
+import torch
+
+import flashloss.torch as fl
+from trl_reference import grpo_reference
+
+LOSS_LEVELS = [
+    (lt, lvl)
+    for lt in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+    for lvl in ("token", "sequence")
+    if not (lt == "vespo" and lvl == "sequence")
+]
+
+
+def make_batch(seed, b=3, t=5, h=16, v=37, dtype=torch.float32, bias=True, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = (torch.randn(b, t, h, generator=g) * scale).to(dtype)
+    weight = (torch.randn(v, h, generator=g) / h**0.5).to(dtype)
+    bvec = (torch.randn(v, generator=g) * 0.1).to(dtype) if bias else None
+    ids = torch.randint(0, v, (b, t), generator=g)
+    mask = torch.rand(b, t, generator=g) > 0.25
+    mask[0] = True
+    mask[-1] = False  # a fully masked sequence
+    adv = torch.randn(b, generator=g)
+    return dict(hidden=hidden, weight=weight, bias=bvec, ids=ids, mask=mask, adv=adv, g=g)
+
+
+def policy_logps(d, temperature, noise, g):
+    """Old/reference log-probs near the current policy's (so ratios straddle the clips)."""
+    with torch.no_grad():
+        _, logp, _ = grpo_reference(
+            d["hidden"].double(), d["weight"].double(), None if d["bias"] is None else d["bias"].double(),
+            d["ids"], d["mask"], d["adv"], temperature=temperature,
+        )  # fmt: skip
+    return (logp + noise * torch.randn(logp.shape, generator=g, dtype=torch.float64)).float()
+
+
+def check(d, tol_loss=1e-5, tol_grad=1e-4, **kw):
+    leaves = [x.detach().double().requires_grad_() if x is not None else None for x in (d["hidden"], d["weight"], d["bias"])]
+    ref_kw = {k: v for k, v in kw.items() if k not in ("budget_mib", "mode")}
+    extra = dict(
+        old=kw.pop("old_per_token_logps", None),
+        ref=kw.pop("ref_per_token_logps", None),
+        rho=kw.pop("importance_sampling_ratio", None),
+    )
+    for k in ("old_per_token_logps", "ref_per_token_logps", "importance_sampling_ratio"):
+        ref_kw.pop(k, None)
+    ref_loss, ref_logp, ref_ent = grpo_reference(*leaves, d["ids"], d["mask"], d["adv"], **extra, **ref_kw)
+    ref_loss.backward()
+
+    inputs = [x.detach().clone().requires_grad_() if x is not None else None for x in (d["hidden"], d["weight"], d["bias"])]
+    loss, out = fl.linear_grpo_loss(
+        inputs[0], inputs[1], d["ids"], d["mask"], d["adv"], bias=inputs[2],
+        old_per_token_logps=extra["old"], ref_per_token_logps=extra["ref"],
+        importance_sampling_ratio=extra["rho"], **kw,
+    )  # fmt: skip
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert abs(loss.item() - ref_loss.item()) <= tol_loss * max(1.0, abs(ref_loss.item())), (loss.item(), ref_loss.item())
+    m = d["mask"]
+    assert torch.allclose(out.logp[m].double(), ref_logp[m], rtol=tol_loss * 10, atol=tol_loss * 10)
+    assert torch.allclose(out.entropy[m].double(), ref_ent[m], rtol=tol_loss * 10, atol=tol_loss * 10)
+    for name, ours, leaf in zip(("hidden", "weight", "bias"), inputs, leaves):
+        if leaf is None:
+            continue
+        assert ours.grad is not None and ours.grad.dtype == ours.dtype, name
+        scale = leaf.grad.abs().max().item()
+        err = (ours.grad.double() - leaf.grad).abs().max().item()
+        assert err <= tol_grad * scale + 1e-6, (name, err, scale)
+    return loss, out
+
+
+@pytest.mark.parametrize("loss_type,level", LOSS_LEVELS)
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_every_loss_type_and_level(loss_type, level, beta):
+    d = make_batch(hash((loss_type, level, beta)) % 1000)
+    temperature = 0.7
+    kw = dict(
+        loss_type=loss_type,
+        importance_sampling_level=level,
+        beta=beta,
+        temperature=temperature,
+        old_per_token_logps=policy_logps(d, temperature, 0.3, d["g"]),
+        max_completion_length=8,
+        epsilon_high=5.0 if loss_type == "cispo" else 0.28,
+    )
+    if beta:
+        kw["ref_per_token_logps"] = policy_logps(d, temperature, 0.2, d["g"])
+    check(d, **kw)
+
+
+@pytest.mark.parametrize("bias_correction", [False, True])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_kl_with_and_without_bias_correction(bias_correction, level):
+    d = make_batch(11)
+    check(
+        d,
+        loss_type="grpo",
+        importance_sampling_level=level,
+        beta=0.1,
+        use_bias_correction_kl=bias_correction,
+        old_per_token_logps=policy_logps(d, 1.0, 0.3, d["g"]),
+        ref_per_token_logps=policy_logps(d, 1.0, 0.3, d["g"]),
+    )
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "cispo", "luspo"])
+def test_entropy_bonus_is_a_token_mean(loss_type):
+    d = make_batch(12)
+    check(d, loss_type=loss_type, entropy_coef=0.05, importance_sampling_level="token")
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo", "cispo", "sapo"])
+def test_delta_sampler_ratio_and_num_items(loss_type):
+    d = make_batch(13)
+    rho = torch.rand(d["ids"].shape, generator=d["g"]) + 0.5
+    kw = dict(
+        loss_type=loss_type,
+        old_per_token_logps=policy_logps(d, 1.0, 0.4, d["g"]),
+        importance_sampling_ratio=rho,
+        num_items_in_batch=17.0,
+    )
+    if loss_type in ("grpo", "bnpo", "dapo"):
+        kw["delta"] = 1.1
+    check(d, **kw)
+
+
+def test_vespo_folds_the_sampler_ratio_into_phi():
+    d = make_batch(14)
+    rho = torch.rand(d["ids"].shape, generator=d["g"]) + 0.5
+    check(d, loss_type="vespo", old_per_token_logps=policy_logps(d, 1.0, 0.2, d["g"]), importance_sampling_ratio=rho)
+
+
+@pytest.mark.parametrize("mode,budget", [("auto", 64.0), ("two_pass", 6.01), ("single_pass", 6.01)])
+def test_modes_and_small_budgets_agree(mode, budget):
+    d = make_batch(15, b=4, t=9, h=24, v=301)
+    check(d, loss_type="bnpo", mode=mode, budget_mib=budget, old_per_token_logps=policy_logps(d, 1.0, 0.3, d["g"]))
+
+
+def test_bf16_inputs():
+    d = make_batch(16, dtype=torch.bfloat16)
+    check(d, tol_loss=1e-3, tol_grad=1e-2, loss_type="grpo", beta=0.04,
+          ref_per_token_logps=policy_logps(d, 1.0, 0.2, d["g"]))  # fmt: skip
+
+
+def test_hidden_as_rows_and_token_advantages():
+    d = make_batch(17, bias=False)
+    d["adv"] = torch.randn(d["ids"].shape, generator=d["g"])
+    check(d, loss_type="dr_grpo", max_completion_length=5)
+    b, t, h = d["hidden"].shape
+    loss, _ = fl.linear_grpo_loss(d["hidden"].reshape(b * t, h), d["weight"], d["ids"], d["mask"], d["adv"],
+                                  loss_type="dr_grpo", max_completion_length=5)  # fmt: skip
+    loss2, _ = fl.linear_grpo_loss(d["hidden"], d["weight"], d["ids"], d["mask"], d["adv"],
+                                   loss_type="dr_grpo", max_completion_length=5)  # fmt: skip
+    assert loss.item() == loss2.item()
+
+
+def test_upstream_gradient_scales_the_gradients():
+    d = make_batch(18)
+    w1 = d["weight"].clone().requires_grad_()
+    fl.linear_grpo_loss(d["hidden"], w1, d["ids"], d["mask"], d["adv"])[0].backward()
+    w3 = d["weight"].clone().requires_grad_()
+    (3.0 * fl.linear_grpo_loss(d["hidden"], w3, d["ids"], d["mask"], d["adv"])[0]).backward()
+    assert torch.allclose(w3.grad, 3.0 * w1.grad, rtol=1e-6, atol=0)
+    assert w1.grad.abs().max() > 0
+
+
+def test_metrics_are_trl_masked_means():
+    d = make_batch(19)
+    old = policy_logps(d, 1.0, 0.5, d["g"])
+    loss, out = fl.linear_grpo_loss(d["hidden"], d["weight"], d["ids"], d["mask"], d["adv"],
+                                    old_per_token_logps=old, loss_type="grpo")  # fmt: skip
+    m = d["mask"]
+    ratio = torch.exp(out.logp.double() - old.double())
+    adv = d["adv"].double().unsqueeze(1).expand_as(ratio)
+    low = ((ratio < 0.8) & (adv < 0))[m].double().mean().item()
+    high = ((ratio > 1.2) & (adv > 0))[m].double().mean().item()
+    assert out.metrics["clip_ratio/low_mean"] == pytest.approx(low, abs=1e-12)
+    assert out.metrics["clip_ratio/high_mean"] == pytest.approx(high, abs=1e-12)
+    assert out.metrics["entropy"] == pytest.approx(out.entropy[m].double().mean().item(), rel=1e-5)
+    assert low + high > 0  # the noise is large enough that some tokens clip
+
+
+def test_liger_drop_in_module():
+    d = make_batch(20)
+    old = policy_logps(d, 1.0, 0.3, d["g"])
+    ref = policy_logps(d, 1.0, 0.3, d["g"])
+    module = fl.LinearGRPOLoss(beta=0.04, loss_type="bnpo", use_bias_correction_kl=False)
+    b, t, h = d["hidden"].shape
+    loss, metrics = module(d["hidden"].reshape(b * t, h), d["weight"], d["ids"], d["mask"].long(), d["adv"],
+                           ref_per_token_logps=ref, old_per_token_logps=old)  # fmt: skip
+    ref_loss, _, _ = grpo_reference(d["hidden"], d["weight"], None, d["ids"], d["mask"], d["adv"], old=old, ref=ref,
+                                    loss_type="bnpo", beta=0.04, use_bias_correction_kl=False)  # fmt: skip
+    assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
+    assert len(metrics) == 2 and all(torch.isfinite(x) for x in metrics)
+
+
+def test_float64_gradcheck_of_the_f32_kernel_on_a_tiny_shape():
+    """Central differences of the float64 reference agree with the kernel's gradient."""
+    d = make_batch(21, b=2, t=3, h=4, v=5)
+    hidden = d["hidden"].double()
+    loss, _ = fl.linear_grpo_loss(d["hidden"].requires_grad_(), d["weight"], d["ids"], d["mask"], d["adv"],
+                                  loss_type="grpo", entropy_coef=0.1)  # fmt: skip
+    loss.backward()
+    eps = 1e-6
+    for idx in itertools.islice(itertools.product(range(2), range(3), range(4)), 0, None, 5):
+        plus, minus = hidden.clone(), hidden.clone()
+        plus[idx] += eps
+        minus[idx] -= eps
+        f = lambda x: grpo_reference(x, d["weight"], None, d["ids"], d["mask"], d["adv"],  # noqa: E731
+                                     loss_type="grpo", entropy_coef=0.1)[0].item()  # fmt: skip
+        fd = (f(plus) - f(minus)) / (2 * eps)
+        assert abs(d["hidden"].grad[idx].item() - fd) <= 1e-4 * max(1.0, abs(fd)), (idx, fd)
