@@ -1,0 +1,115 @@
+"""TRL's ``GRPOTrainer`` with its loss computed by flashloss from the last hidden states
+and the LM head, so the ``[B, T, V]`` logits are never formed::
+
+    from flashloss.trl import FlashlossGRPOTrainer
+    trainer = FlashlossGRPOTrainer(model=model, reward_funcs=..., args=GRPOConfig(...), ...)
+    trainer.train()
+
+Everything but ``_compute_loss`` is TRL's (generation, rewards, advantages, the old and
+reference log-probs). The loss is TRL 1.16's, including its scaling for gradient
+accumulation and its logged metrics. Supported: causal LMs whose ``get_decoder()``
+returns the hidden states that ``get_output_embeddings()`` maps to logits (Qwen2, Llama,
+Mistral, ...), text only, one process; the trainer refuses what it does not support
+(top-entropy and off-policy masks, auxiliary router losses, vision inputs) with a
+``ValueError``.
+"""
+
+from __future__ import annotations
+
+import torch
+from trl import GRPOTrainer
+
+from .torch import linear_grpo_loss
+
+__all__ = ["FlashlossGRPOTrainer"]
+
+_ACCUMULATED = ("grpo", "bnpo", "dr_grpo", "sapo", "luspo")
+_TOKEN_NORMALIZED = ("cispo", "dapo", "vespo")
+
+
+class FlashlossGRPOTrainer(GRPOTrainer):
+    """``GRPOTrainer`` whose ``_compute_loss`` calls :func:`flashloss.torch.linear_grpo_loss`."""
+
+    def _check_supported(self, inputs):
+        reasons = []
+        if self.top_entropy_quantile < 1.0:
+            reasons.append("top_entropy_quantile < 1")
+        if self.off_policy_mask_threshold is not None:
+            reasons.append("off_policy_mask_threshold")
+        if self.aux_loss_enabled:
+            reasons.append("router auxiliary loss")
+        if self.use_adaptive_entropy:
+            reasons.append("adaptive entropy")
+        if inputs.get("pixel_values") is not None:
+            reasons.append("vision inputs")
+        if self.accelerator.num_processes != 1:
+            reasons.append("more than one process")
+        if reasons:
+            raise ValueError("FlashlossGRPOTrainer does not support: " + ", ".join(reasons))
+
+    def _compute_loss(self, model, inputs):
+        self._check_supported(inputs)
+        prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        mask = inputs["completion_mask"]
+        if "tool_mask" in inputs:
+            mask = mask * inputs["tool_mask"]
+        t = completion_ids.size(1)
+
+        lm = self.accelerator.unwrap_model(model)
+        hidden = lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        hidden = hidden[:, -t - 1 : -1]  # the positions that predict the completion tokens
+        head = lm.get_output_embeddings()
+
+        mode = "train" if self.model.training else "eval"
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        num_items = None
+        entropy_coef = self.entropy_coef if self._entropy_bonus_enabled else 0.0
+        if self.loss_type in _TOKEN_NORMALIZED:
+            num_items = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+            if mode == "train":
+                num_items = num_items * self.current_gradient_accumulation_steps / self.args.steps_per_generation
+            entropy_coef = entropy_coef / accumulation  # TRL scales the bonus for accumulation only
+        ratio = None
+        if self.use_vllm and self.vllm_importance_sampling_correction:
+            ratio = inputs.get("importance_sampling_ratio")
+        loss, out = linear_grpo_loss(
+            hidden,
+            head.weight,
+            completion_ids,
+            mask,
+            inputs["advantages"],
+            bias=head.bias,
+            old_per_token_logps=inputs.get("old_per_token_logps"),
+            ref_per_token_logps=inputs.get("ref_per_token_logps") if self.beta != 0.0 else None,
+            importance_sampling_ratio=ratio,
+            loss_type=self.loss_type,
+            beta=self.beta,
+            epsilon_low=self.epsilon_low,
+            epsilon_high=self.epsilon_high,
+            delta=self.args.delta,
+            importance_sampling_level=self.importance_sampling_level,
+            temperature=self.temperature,
+            use_bias_correction_kl=self.args.use_bias_correction_kl,
+            entropy_coef=entropy_coef,
+            num_items_in_batch=num_items,
+            max_completion_length=self.max_completion_length,
+            sapo_temperature_pos=self.args.sapo_temperature_pos,
+            sapo_temperature_neg=self.args.sapo_temperature_neg,
+            vespo_k_pos=self.args.vespo_k_pos,
+            vespo_lambda_pos=self.args.vespo_lambda_pos,
+            vespo_k_neg=self.args.vespo_k_neg,
+            vespo_lambda_neg=self.args.vespo_lambda_neg,
+        )
+        if self.loss_type in _ACCUMULATED:
+            loss = loss / accumulation
+
+        metrics = self._metrics[mode]
+        if self.beta != 0.0:
+            metrics["kl"].append(out.metrics["kl"])
+        metrics["entropy"].append(out.metrics["entropy"])
+        if self.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+            for name in ("low_mean", "high_mean", "region_mean"):
+                metrics[f"clip_ratio/{name}"].append(out.metrics[f"clip_ratio/{name}"])
+        return loss.to(hidden.device)
