@@ -42,6 +42,8 @@ fn inputs(rng: &mut ChaCha8Rng, b: usize, t: usize, v: usize) -> GrpoBatchData {
         old_logp: Some((0..n).map(|_| rng.random_range(-4.0..-2.0)).collect()),
         ref_logp: Some((0..n).map(|_| rng.random_range(-4.0..-2.0)).collect()),
         sampler_ratio: None,
+        policy_mask: None,
+        entropy_mask: None,
     }
 }
 

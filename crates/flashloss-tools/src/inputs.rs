@@ -32,6 +32,12 @@ pub struct InputSpec {
     pub sampler_ratio: bool,
     /// Advantages per token `[B, T]` instead of per sequence `[B]`.
     pub per_token_advantages: bool,
+    /// Draw a policy mask (TRL's off-policy mask): each sequence is masked out whole
+    /// with this probability, and each remaining token with half of it. 0: no mask.
+    pub policy_mask_fraction: f64,
+    /// Draw an entropy mask (top-entropy tokens): each token is masked out with this
+    /// probability, and the last sequence entirely when it is ≥ 0.5. 0: no mask.
+    pub entropy_mask_fraction: f64,
 }
 
 impl Default for InputSpec {
@@ -46,6 +52,8 @@ impl Default for InputSpec {
             ref_logp: true,
             sampler_ratio: false,
             per_token_advantages: false,
+            policy_mask_fraction: 0.0,
+            entropy_mask_fraction: 0.0,
         }
     }
 }
@@ -114,6 +122,27 @@ impl GrpoInputs {
         let sampler_ratio = spec.sampler_ratio.then(|| {
             PerSeqOrTokenBuf::Token((0..b * t).map(|_| rng.random_range(0.5..1.5f32)).collect())
         });
+        let p = spec.policy_mask_fraction;
+        let policy_mask = (p > 0.0).then(|| {
+            let mut keep = vec![true; b * t];
+            for seq in keep.chunks_mut(t) {
+                if rng.random_bool(p.min(1.0)) {
+                    seq.fill(false);
+                }
+                for k in seq.iter_mut() {
+                    *k &= !rng.random_bool((p / 2.0).min(1.0));
+                }
+            }
+            keep
+        });
+        let q = spec.entropy_mask_fraction;
+        let entropy_mask = (q > 0.0).then(|| {
+            let mut keep: Vec<bool> = (0..b * t).map(|_| !rng.random_bool(q.min(1.0))).collect();
+            if q >= 0.5 {
+                keep[(b - 1) * t..].fill(false);
+            }
+            keep
+        });
         GrpoInputs {
             vocab: v,
             logits,
@@ -126,6 +155,8 @@ impl GrpoInputs {
                 old_logp,
                 ref_logp,
                 sampler_ratio,
+                policy_mask,
+                entropy_mask,
             },
         }
     }
@@ -153,6 +184,7 @@ impl GrpoInputs {
         let (data, t, v) = (&self.data, self.data.seq_len, self.vocab);
         let rows = seqs.start * t..seqs.end * t;
         let per_token = |x: &Option<Vec<f32>>| x.as_ref().map(|x| x[rows.clone()].to_vec());
+        let bools = |x: &Option<Vec<bool>>| x.as_ref().map(|x| x[rows.clone()].to_vec());
         let either = |x: &PerSeqOrTokenBuf| match x {
             PerSeqOrTokenBuf::Sequence(x) => PerSeqOrTokenBuf::Sequence(x[seqs.clone()].to_vec()),
             PerSeqOrTokenBuf::Token(x) => PerSeqOrTokenBuf::Token(x[rows.clone()].to_vec()),
@@ -173,6 +205,8 @@ impl GrpoInputs {
                 old_logp: per_token(&data.old_logp),
                 ref_logp: per_token(&data.ref_logp),
                 sampler_ratio: data.sampler_ratio.as_ref().map(either),
+                policy_mask: bools(&data.policy_mask),
+                entropy_mask: bools(&data.entropy_mask),
             },
         }
     }

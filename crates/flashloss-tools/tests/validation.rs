@@ -35,14 +35,10 @@ fn invalid_configs_are_rejected_at_construction() {
         ),
         (
             Box::new(|c| {
-                c.loss_type = LossType::Sapo;
+                c.loss_type = LossType::Vespo;
                 c.importance_sampling_level = Sequence;
             }),
-            "`importance_sampling_level`: sapo supports only importance_sampling_level = token",
-        ),
-        (
-            Box::new(|c| c.loss_type = LossType::Luspo),
-            "`importance_sampling_level`: luspo requires importance_sampling_level = sequence",
+            "`importance_sampling_level`: vespo supports only importance_sampling_level = token",
         ),
         (
             Box::new(|c| c.loss_type = LossType::DrGrpo),
@@ -80,6 +76,33 @@ fn invalid_configs_are_rejected_at_construction() {
         let got = config_error(f);
         assert_eq!(got, format!("invalid loss config: {want}"));
     }
+}
+
+#[test]
+fn trl_1_16_levels_and_defaults_are_accepted() {
+    use ImportanceSamplingLevel::*;
+    // Every loss type at token level, every one but vespo at sequence level.
+    for t in LossType::ALL {
+        for level in [Token, Sequence] {
+            let c = LossConfig {
+                loss_type: t,
+                importance_sampling_level: level,
+                max_completion_length: Some(8),
+                epsilon_high: if t == LossType::Cispo { 5.0 } else { 0.2 },
+                ..LossConfig::default()
+            };
+            let ok = GrpoLoss::new(c).is_ok();
+            assert_eq!(
+                ok,
+                !(t == LossType::Vespo && level == Sequence),
+                "{t:?} {level:?}"
+            );
+            assert_eq!(ok, t.allows_level(level), "{t:?} {level:?}");
+        }
+    }
+    let d = LossConfig::default();
+    assert!(d.use_bias_correction_kl, "TRL 1.16 default");
+    assert_eq!(d.beta, 0.0);
 }
 
 fn inputs() -> GrpoInputs {
@@ -140,6 +163,15 @@ fn bad_inputs_name_the_argument_and_index() {
     assert_eq!(
         forward_error(&x, |b| b.sampler_ratio = Some(PerSeqOrToken::Token(&rho))),
         "argument `sampler_ratio`: value -0.5 at index 2 is negative"
+    );
+    let short_mask = vec![true; 7];
+    assert_eq!(
+        forward_error(&x, |b| b.policy_mask = Some(&short_mask)),
+        "argument `policy_mask`: expected 8 elements for shape [B=2, T=4], got 7"
+    );
+    assert_eq!(
+        forward_error(&x, |b| b.entropy_mask = Some(&mask)),
+        "argument `entropy_mask`: expected 8 elements for shape [B=2, T=4], got 9"
     );
     let mut old = x.data.old_logp.clone().unwrap();
     old[5] = f32::INFINITY;

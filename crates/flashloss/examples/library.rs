@@ -37,6 +37,8 @@ fn main() -> flashloss::Result<()> {
         old_logp: Some(&old),
         ref_logp: Some(&reference),
         sampler_ratio: None,
+        policy_mask: None,
+        entropy_mask: None,
     };
     let layout = LogitsLayout::contiguous(b, t, v);
     let fwd = Device::Cpu.grpo_logits(&loss, &batch, &mut logits, &layout, 1.0, None)?;

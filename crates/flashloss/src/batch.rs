@@ -131,8 +131,18 @@ pub struct GrpoBatch<'a> {
     pub old_logp: Option<&'a [f32]>,
     /// Reference-policy logp `[B, T]`; required when β > 0.
     pub ref_logp: Option<&'a [f32]>,
-    /// Detached sampler importance ratio ρ `[B]` or `[B, T]` (vLLM-style correction).
+    /// Detached sampler importance ratio ρ `[B]` or `[B, T]` (vLLM-style correction,
+    /// TRL's `importance_sampling_ratio`): `ℓ_tot,i = ℓ_i·e_i·ρ_i + β·kl_i`; for vespo
+    /// it enters `log w_b` instead (`+ Σ_t m·clamp(log ρ_t, ln 1e-8, 20)`).
     pub sampler_ratio: Option<PerSeqOrToken<'a>>,
+    /// Per-token policy mask `[B, T]` (TRL's off-policy sequence mask, broadcast to
+    /// tokens): `false` zeroes the policy term `ℓ_i` only (not the KL, not the
+    /// entropy bonus). Absent means all `true`.
+    pub policy_mask: Option<&'a [bool]>,
+    /// Top-entropy-quantile mask `[B, T]` (TRL's `entropy_mask`): `false` zeroes the
+    /// policy term `ℓ_i` and drops the token from the entropy bonus's mean
+    /// (`m' = m · entropy_mask`). Absent means all `true`.
+    pub entropy_mask: Option<&'a [bool]>,
 }
 
 fn check_len(arg: &'static str, len: usize, expected: usize, shape: String) -> Result<()> {
@@ -152,6 +162,21 @@ impl GrpoBatch<'_> {
     /// N = B·T.
     pub fn rows(&self) -> usize {
         self.batch * self.seq_len
+    }
+
+    /// `e_i`: 1 where both [`GrpoBatch::policy_mask`] and [`GrpoBatch::entropy_mask`]
+    /// (when given) are set, else 0. It multiplies the policy term `ℓ_i`.
+    #[inline]
+    pub fn policy_weight(&self, row: usize) -> f64 {
+        let on = |m: Option<&[bool]>| m.is_none_or(|m| m[row]);
+        (on(self.policy_mask) && on(self.entropy_mask)) as u8 as f64
+    }
+
+    /// `m'_i`: whether row `row` counts in the entropy bonus (`mask`, and
+    /// [`GrpoBatch::entropy_mask`] when given).
+    #[inline]
+    pub fn in_entropy_bonus(&self, row: usize) -> bool {
+        self.mask[row] && self.entropy_mask.is_none_or(|e| e[row])
     }
 
     fn bt(&self) -> String {
@@ -176,6 +201,14 @@ impl GrpoBatch<'_> {
         self.check_per_seq_or_token("advantages", &self.advantages, false)?;
         if let Some(rho) = &self.sampler_ratio {
             self.check_per_seq_or_token("sampler_ratio", rho, true)?;
+        }
+        for (arg, values) in [
+            ("policy_mask", self.policy_mask),
+            ("entropy_mask", self.entropy_mask),
+        ] {
+            if let Some(v) = values {
+                check_len(arg, v.len(), n, self.bt())?;
+            }
         }
         for (arg, values) in [("old_logp", self.old_logp), ("ref_logp", self.ref_logp)] {
             if let Some(v) = values {
@@ -297,6 +330,10 @@ pub struct GrpoBatchData {
     pub ref_logp: Option<Vec<f32>>,
     /// Detached sampler importance ratio ρ `[B]` or `[B, T]`.
     pub sampler_ratio: Option<PerSeqOrTokenBuf>,
+    /// Per-token policy mask `[B, T]` (TRL's off-policy mask); absent means all `true`.
+    pub policy_mask: Option<Vec<bool>>,
+    /// Top-entropy-quantile mask `[B, T]`; absent means all `true`.
+    pub entropy_mask: Option<Vec<bool>>,
 }
 
 impl GrpoBatchData {
@@ -311,6 +348,8 @@ impl GrpoBatchData {
             old_logp: self.old_logp.as_deref(),
             ref_logp: self.ref_logp.as_deref(),
             sampler_ratio: self.sampler_ratio.as_ref().map(PerSeqOrTokenBuf::view),
+            policy_mask: self.policy_mask.as_deref(),
+            entropy_mask: self.entropy_mask.as_deref(),
         }
     }
 }

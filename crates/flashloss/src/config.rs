@@ -21,7 +21,8 @@ pub enum LossType {
     Cispo,
     /// Soft gate `-A·(4/τ)·σ(τ(r-1))`, reduced like grpo.
     Sapo,
-    /// Clipped surrogate at sequence level, weighted by sequence length.
+    /// Clipped surrogate (usually at sequence level), each sequence's token sum
+    /// averaged over the batch: `w_bt = m_bt / B` (TRL 1.16).
     Luspo,
     /// `-stopgrad(φ_b)·A·logp` with a sequence-level weight φ_b.
     Vespo,
@@ -62,15 +63,13 @@ impl LossType {
         )
     }
 
-    /// Whether this loss type may run at the given importance-sampling level.
+    /// Whether this loss type may run at the given importance-sampling level: every
+    /// type at token level, every type but vespo at sequence level (TRL 1.16; vespo's
+    /// φ_b is already a sequence weight).
     pub fn allows_level(self, level: ImportanceSamplingLevel) -> bool {
         !matches!(
             (self, level),
-            (LossType::Luspo, ImportanceSamplingLevel::Token)
-                | (
-                    LossType::Cispo | LossType::Sapo | LossType::Vespo,
-                    ImportanceSamplingLevel::Sequence
-                )
+            (LossType::Vespo, ImportanceSamplingLevel::Sequence)
         )
     }
 }
@@ -102,7 +101,8 @@ pub struct LossConfig {
     pub delta: Option<f64>,
     /// KL coefficient β (k3 estimator against the reference policy).
     pub beta: f64,
-    /// Multiply the KL by the (non-detached) importance ratio.
+    /// Multiply the KL by the (non-detached) importance ratio (`r_i`, or `R_b` at
+    /// sequence level). Default `true`, as TRL 1.16.
     pub use_bias_correction_kl: bool,
     /// Logits are divided by this before the softmax.
     pub temperature: f64,
@@ -120,9 +120,12 @@ pub struct LossConfig {
     pub vespo_lambda_neg: f64,
     /// dr_grpo's constant normalizer (required for dr_grpo).
     pub max_completion_length: Option<usize>,
-    /// dapo/cispo/vespo normalizer; when unset, the (global) number of unmasked tokens.
+    /// dapo/cispo/vespo normalizer, as the caller passes it; when unset, the number of
+    /// unmasked tokens of the batch (all-reduced over token groups in a sharded run).
     pub num_items_in_batch: Option<f64>,
-    /// Entropy bonus: adds `-entropy_coef · H_i` to each token's loss.
+    /// Entropy bonus, a token mean whatever the loss type:
+    /// `L = L_policy - entropy_coef · Σ_i m'_i H_i / max(1, Σ_i m'_i)` with `m' = m`, or
+    /// `m · entropy_mask` when the batch has one.
     pub entropy_coef: f64,
 }
 
@@ -135,7 +138,7 @@ impl Default for LossConfig {
             epsilon_high: 0.2,
             delta: None,
             beta: 0.0,
-            use_bias_correction_kl: false,
+            use_bias_correction_kl: true,
             temperature: 1.0,
             sapo_temperature_pos: 1.0,
             sapo_temperature_neg: 1.05,
@@ -173,8 +176,8 @@ fn check_finite(x: f64, field: &'static str) -> Result<()> {
 
 impl GrpoLoss {
     /// Validates `config`: finite parameters in range, and the spec's rules (δ only for
-    /// the clipped family; sequence level not for cispo, sapo, vespo; luspo only at
-    /// sequence level; dr_grpo needs `max_completion_length`).
+    /// the clipped family; sequence level not for vespo; dr_grpo needs
+    /// `max_completion_length`).
     pub fn new(config: LossConfig) -> Result<Self> {
         let c = &config;
         for (x, field) in [
@@ -228,12 +231,11 @@ impl GrpoLoss {
         check(
             c.loss_type.allows_level(c.importance_sampling_level),
             "importance_sampling_level",
-            || match c.loss_type {
-                LossType::Luspo => "luspo requires importance_sampling_level = sequence".into(),
-                t => format!(
+            || {
+                format!(
                     "{} supports only importance_sampling_level = token",
-                    t.name()
-                ),
+                    c.loss_type.name()
+                )
             },
         )?;
         if c.loss_type == LossType::DrGrpo {

@@ -4,7 +4,7 @@
 //! `∂L/∂s_ij = dlogp_i·(1[j=y_i] - p_ij) - dentropy_i·p_ij·(log p_ij + H_i)`.
 //! Computed in f64, serially in row order, so it is deterministic.
 
-use crate::batch::GrpoBatch;
+use crate::batch::{GrpoBatch, PerSeqOrToken};
 use crate::config::{GrpoLoss, ImportanceSamplingLevel, LossConfig, LossType};
 use serde::Serialize;
 use std::ops::Range;
@@ -23,6 +23,9 @@ pub struct Normalizers {
     /// Unmasked tokens in the (global) batch: bnpo's count, and dapo/cispo/vespo's
     /// `num_items_in_batch` when the config leaves it unset.
     pub token_count: f64,
+    /// `Σ_i m'_i`, the tokens of the entropy bonus's mean in the (global) batch:
+    /// unmasked tokens, within [`GrpoBatch::entropy_mask`] when one is given.
+    pub entropy_count: f64,
 }
 
 impl Normalizers {
@@ -31,6 +34,9 @@ impl Normalizers {
         Normalizers {
             batch_size: batch.batch as f64,
             token_count: batch.mask.iter().filter(|&&m| m).count() as f64,
+            entropy_count: (0..batch.rows())
+                .filter(|&i| batch.in_entropy_bonus(i))
+                .count() as f64,
         }
     }
 }
@@ -63,9 +69,10 @@ pub struct PolicyOutput {
     pub clip: Vec<u8>,
     /// `∂L/∂logp_i` `[N]` (0 where masked).
     pub dlogp: Vec<f32>,
-    /// `∂L/∂H_i = -entropy_coef · w_i` `[N]`.
+    /// `∂L/∂H_i = -entropy_coef · m'_i / max(1, Σ m')` `[N]`.
     pub dentropy: Vec<f32>,
-    /// Each token's share `w_i · ℓ_tot,i` of the loss `[N]`.
+    /// Each token's share `w_i · ℓ_tot,i - entropy_coef · m'_i H_i / max(1, Σ m')` of
+    /// the loss `[N]`.
     pub token_loss: Vec<f64>,
 }
 
@@ -193,6 +200,37 @@ fn vespo_phi(c: &LossConfig, log_w: f64, adv: f64) -> f64 {
     (lambda + k * log_w - lambda * log_w.exp()).exp()
 }
 
+/// `w_bt / m_bt`, the reduction weight of a live token of a sequence with `len_b`
+/// live tokens (spec "Reduction weights", luspo as TRL 1.16: `1/B`).
+fn reduction_weight(c: &LossConfig, norm: Normalizers, len_b: f64) -> f64 {
+    match c.loss_type {
+        LossType::Grpo | LossType::Sapo => 1.0 / (norm.batch_size * len_b),
+        LossType::Bnpo => 1.0 / norm.token_count.max(1.0),
+        LossType::DrGrpo => 1.0 / (norm.batch_size * c.max_completion_length.unwrap_or(1) as f64),
+        LossType::Dapo | LossType::Cispo | LossType::Vespo => {
+            1.0 / c.num_items_in_batch.unwrap_or(norm.token_count.max(1.0))
+        }
+        LossType::Luspo => 1.0 / norm.batch_size,
+    }
+}
+
+/// vespo's `log w_b = clamp(Σ_t m·clamp(log r_t, ±20) + log ρ, ln 1e-8, 20)`, where the
+/// sampler ratio adds `Σ_t m·clamp(log ρ_t, ln 1e-8, 20)` (per token) or
+/// `clamp(log ρ_b, ln 1e-8, 20)` once (per sequence).
+fn vespo_log_w(batch: &GrpoBatch, b: usize, log_ratio: impl Fn(usize) -> f64) -> f64 {
+    let t_len = batch.seq_len;
+    let lo = 1e-8f64.ln();
+    let live = (b * t_len..(b + 1) * t_len).filter(|&i| batch.mask[i]);
+    let mut sum: f64 = live.clone().map(|i| log_ratio(i).clamp(-20.0, 20.0)).sum();
+    let log_rho = |x: f32| (x as f64).ln().clamp(lo, 20.0);
+    match batch.sampler_ratio {
+        Some(PerSeqOrToken::Token(rho)) => sum += live.map(|i| log_rho(rho[i])).sum::<f64>(),
+        Some(PerSeqOrToken::Sequence(rho)) => sum += log_rho(rho[b]),
+        None => {}
+    }
+    sum.clamp(lo, 20.0)
+}
+
 /// Computes the loss, metrics and backward coefficients from per-token `logp` and
 /// `entropy` (`[N]`, f32 statistics of the kernel's forward). `batch` must have been
 /// validated.
@@ -212,6 +250,10 @@ pub fn policy_stage(
 /// The per-token part of [`policy_stage`] for `rows` only (their `logp` and `entropy`
 /// must be final; others are not read). When [`GrpoLoss::needs_sequence_reduction`],
 /// `rows` must cover whole sequences. Call [`PolicyOutput::finish`] once all rows are done.
+///
+/// Per live token: `ℓ_tot,i = ℓ_i·e_i·ρ_i + β·kl_i` (vespo: ρ is in φ_b, not a factor),
+/// with `e_i` = [`GrpoBatch::policy_weight`]; its share of the loss is
+/// `w_i·ℓ_tot,i - entropy_coef·m'_i·H_i / max(1, Σ m')`.
 pub fn policy_rows(
     loss: &GrpoLoss,
     batch: &GrpoBatch,
@@ -227,6 +269,9 @@ pub fn policy_rows(
     let lp = |i: usize| logp[i] as f64;
     let old = |i: usize| batch.old_logp.map_or(lp(i), |o| o[i] as f64);
     let needs_sequence = loss.needs_sequence_reduction();
+    let entropy_scale = -c.entropy_coef / norm.entropy_count.max(1.0);
+    // ℓ is a function of the ratio (its gradient goes through r), or linear in logp.
+    let ratio_based = !matches!(c.loss_type, LossType::Cispo | LossType::Vespo);
 
     for b in rows.start / t_len..rows.end.div_ceil(t_len) {
         let seq = b * t_len..(b + 1) * t_len;
@@ -237,12 +282,9 @@ pub fn policy_rows(
             r.filter(|&i| batch.mask[i])
         };
         // Sequence-level ratio R_b, and vespo's log w_b (need the whole sequence).
-        let (seq_ratio, vespo_log_w) = if needs_sequence {
+        let (seq_ratio, log_w) = if needs_sequence {
             let log_ratio_sum: f64 = live(&seq).map(|i| lp(i) - old(i)).sum();
-            let log_w = live(&seq)
-                .map(|i| (lp(i) - old(i)).clamp(-20.0, 20.0))
-                .sum::<f64>()
-                .clamp(1e-8f64.ln(), 20.0);
+            let log_w = vespo_log_w(batch, b, |i| lp(i) - old(i));
             ((log_ratio_sum / len_b).exp(), log_w)
         } else {
             (1.0, 0.0)
@@ -250,27 +292,22 @@ pub fn policy_rows(
         // Σ_s w_bs · ∂ℓ_tot,bs/∂R_b, the cross-token part of a sequence-level gradient.
         let mut seq_grad = 0.0f64;
         let here = seq.start.max(rows.start)..seq.end.min(rows.end);
+        let w = reduction_weight(c, norm, len_b);
 
         for i in live(&here) {
             let adv = batch.advantages.at(i, t_len) as f64;
-            let rho = batch.sampler_ratio.map_or(1.0, |s| s.at(i, t_len) as f64);
-            let w = match c.loss_type {
-                LossType::Grpo | LossType::Sapo => 1.0 / (norm.batch_size * len_b),
-                LossType::Bnpo => 1.0 / norm.token_count.max(1.0),
-                LossType::DrGrpo => {
-                    1.0 / (norm.batch_size * c.max_completion_length.unwrap_or(1) as f64)
-                }
-                LossType::Dapo | LossType::Cispo | LossType::Vespo => {
-                    1.0 / c.num_items_in_batch.unwrap_or(norm.token_count.max(1.0))
-                }
-                LossType::Luspo => len_b / (norm.batch_size * t_len as f64),
+            let rho = match (c.loss_type, batch.sampler_ratio) {
+                (LossType::Vespo, _) | (_, None) => 1.0,
+                (_, Some(s)) => s.at(i, t_len) as f64,
             };
+            // The policy term's factor e_i·ρ_i.
+            let scale = batch.policy_weight(i) * rho;
             let r = if sequence_level {
                 seq_ratio
             } else {
                 (lp(i) - old(i)).exp()
             };
-            let phi = vespo_phi(c, vespo_log_w, adv);
+            let phi = vespo_phi(c, log_w, adv);
             let term = policy_term(c, r, adv, lp(i), phi);
 
             // KL (k3) and its derivative w.r.t. this token's logp (direct part).
@@ -291,18 +328,22 @@ pub fn policy_rows(
             }
 
             let h = entropy[i] as f64;
-            out.token_loss[i] = w * (term.loss * rho + c.beta * kl - c.entropy_coef * h);
-            let ratio_based = !matches!(c.loss_type, LossType::Cispo | LossType::Vespo);
-            let mut dlogp = w * c.beta * dkl;
-            if sequence_level {
-                seq_grad += w * rho * term.grad;
-            } else if ratio_based {
-                dlogp += w * rho * term.grad * r;
+            let bonus = if batch.in_entropy_bonus(i) {
+                entropy_scale
             } else {
-                dlogp += w * rho * term.grad;
+                0.0
+            };
+            out.token_loss[i] = w * (term.loss * scale + c.beta * kl) + bonus * h;
+            let mut dlogp = w * c.beta * dkl;
+            if !ratio_based {
+                dlogp += w * scale * term.grad;
+            } else if sequence_level {
+                seq_grad += w * scale * term.grad;
+            } else {
+                dlogp += w * scale * term.grad * r;
             }
             out.dlogp[i] = dlogp as f32;
-            out.dentropy[i] = (-c.entropy_coef * w) as f32;
+            out.dentropy[i] = bonus as f32;
             out.kl[i] = kl as f32;
             out.clip[i] = clip_flags(c, r, adv);
         }

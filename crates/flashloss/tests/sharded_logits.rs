@@ -37,6 +37,10 @@ struct Inputs {
     adv: Vec<f32>,
     old: Vec<f32>,
     reference: Vec<f32>,
+    policy_mask: Vec<bool>,
+    entropy_mask: Vec<bool>,
+    /// Whether parts carry the policy and entropy masks.
+    masks: bool,
 }
 
 impl Inputs {
@@ -49,6 +53,9 @@ impl Inputs {
         let adv = (0..b).map(|_| (d.next() * 2.0 - 1.0) as f32).collect();
         let old = (0..n).map(|_| (-3.0 - d.next()) as f32).collect();
         let reference = (0..n).map(|_| (-3.0 - d.next()) as f32).collect();
+        // Uneven over sequences, so that each token group's count differs.
+        let policy_mask = (0..n).map(|i| i / t != 0 && d.next() > 0.2).collect();
+        let entropy_mask = (0..n).map(|i| i / t != 3 && d.next() > 0.5).collect();
         Inputs {
             b,
             t,
@@ -59,6 +66,9 @@ impl Inputs {
             adv,
             old,
             reference,
+            policy_mask,
+            entropy_mask,
+            masks: false,
         }
     }
 
@@ -76,7 +86,13 @@ impl Inputs {
             mask: self.mask[rows.clone()].to_vec(),
             adv: self.adv[seqs].to_vec(),
             old: self.old[rows.clone()].to_vec(),
-            reference: self.reference[rows].to_vec(),
+            reference: self.reference[rows.clone()].to_vec(),
+            masks: self.masks.then(|| {
+                (
+                    self.policy_mask[rows.clone()].to_vec(),
+                    self.entropy_mask[rows].to_vec(),
+                )
+            }),
         };
         (part, logits)
     }
@@ -91,6 +107,8 @@ struct Part {
     adv: Vec<f32>,
     old: Vec<f32>,
     reference: Vec<f32>,
+    /// Policy and entropy masks, when the case has them.
+    masks: Option<(Vec<bool>, Vec<bool>)>,
 }
 
 impl Part {
@@ -104,6 +122,8 @@ impl Part {
             old_logp: Some(&self.old),
             ref_logp: Some(&self.reference),
             sampler_ratio: None,
+            policy_mask: self.masks.as_ref().map(|m| &m.0[..]),
+            entropy_mask: self.masks.as_ref().map(|m| &m.1[..]),
         }
     }
 }
@@ -117,8 +137,9 @@ fn close(a: f64, b: f64, what: &str) {
 
 /// Runs `parallel` on `ranks` ranks (`vocab_groups` for 2-D) and checks every rank's
 /// part against one rank.
-fn check(loss: &GrpoLoss, parallel: Parallel, ranks: usize, vocab_groups: usize) {
-    let inputs = Inputs::new(4, 6, 37, 7);
+fn check(loss: &GrpoLoss, parallel: Parallel, ranks: usize, vocab_groups: usize, masks: bool) {
+    let mut inputs = Inputs::new(4, 6, 37, 7);
+    inputs.masks = masks;
     let (b, t, v) = (inputs.b, inputs.t, inputs.v);
     let (whole, logits) = inputs.part(0..b, 0..v);
     let layout = LogitsLayout::contiguous(b, t, v);
@@ -194,12 +215,28 @@ fn sharded_logits_match_one_rank() {
             temperature: 0.7,
             ..LossConfig::default()
         },
+        // TRL 1.16: the entropy bonus's Σ m' is global, luspo and sapo at sequence level.
+        LossConfig {
+            loss_type: LossType::Luspo,
+            beta: 0.04,
+            entropy_coef: 0.05,
+            ..LossConfig::default()
+        },
+        LossConfig {
+            loss_type: LossType::Sapo,
+            importance_sampling_level: ImportanceSamplingLevel::Sequence,
+            beta: 0.04,
+            entropy_coef: 0.05,
+            ..LossConfig::default()
+        },
     ];
     for config in configs {
         let loss = GrpoLoss::new(config).unwrap();
-        check(&loss, Parallel::Token, 2, 1);
-        check(&loss, Parallel::Vocab, 3, 3);
-        check(&loss, Parallel::Grid2d, 4, 2);
+        for masks in [false, true] {
+            check(&loss, Parallel::Token, 2, 1, masks);
+            check(&loss, Parallel::Vocab, 3, 3, masks);
+            check(&loss, Parallel::Grid2d, 4, 2, masks);
+        }
     }
 }
 

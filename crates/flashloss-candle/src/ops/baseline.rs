@@ -61,7 +61,7 @@ fn reduction_weights(loss: &GrpoLoss, inputs: &GrpoBatchData) -> Vec<f32> {
                 LossType::Dapo | LossType::Cispo | LossType::Vespo => {
                     1.0 / c.num_items_in_batch.unwrap_or(tokens)
                 }
-                LossType::Luspo => len / (b as f64 * t as f64),
+                LossType::Luspo => 1.0 / b as f64,
             };
             w as f32
         })
@@ -70,9 +70,10 @@ fn reduction_weights(loss: &GrpoLoss, inputs: &GrpoBatchData) -> Vec<f32> {
 
 /// The GRPO loss from per-token `logp` and `entropy` `[B·T]` (with autograd), written
 /// with candle ops as TRL writes it: token-level ratios, the clipped family (grpo,
-/// bnpo, dr_grpo, dapo, with δ), cispo and sapo, k3 KL (optionally bias-corrected)
-/// and the entropy bonus. Sequence-level ratios, luspo, vespo and a sampler ratio are
-/// an error here.
+/// bnpo, dr_grpo, dapo, with δ), cispo and sapo, the policy and entropy masks
+/// (`ℓ·e`), k3 KL (optionally bias-corrected) and the entropy bonus
+/// `-entropy_coef · Σ m'H / max(1, Σ m')`. Sequence-level ratios, luspo, vespo and a
+/// sampler ratio are an error here.
 pub fn grpo_loss(
     logp: &Tensor,
     entropy: &Tensor,
@@ -134,7 +135,13 @@ pub fn grpo_loss(
                 .neg()?
         }
     };
-    let mut token_loss = term;
+    let keep: Vec<f32> = (0..n)
+        .map(|i| {
+            let on = |m: &Option<Vec<bool>>| m.as_ref().is_none_or(|m| m[i]);
+            (on(&inputs.policy_mask) && on(&inputs.entropy_mask)) as u8 as f32
+        })
+        .collect();
+    let mut token_loss = (term * per_token(keep)?)?;
     if c.beta > 0.0 {
         let Some(r) = &inputs.ref_logp else {
             candle_core::bail!("ref_logp: required when beta > 0 (beta = {})", c.beta)
@@ -146,10 +153,19 @@ pub fn grpo_loss(
         }
         token_loss = (token_loss + (kl * c.beta)?)?;
     }
-    if c.entropy_coef != 0.0 {
-        token_loss = (token_loss - (entropy * c.entropy_coef)?)?;
+    let policy = (token_loss * per_token(reduction_weights(loss, inputs))?)?.sum_all()?;
+    if c.entropy_coef == 0.0 {
+        return Ok(policy);
     }
-    (token_loss * per_token(reduction_weights(loss, inputs))?)?.sum_all()
+    let bonus: Vec<f32> = (0..n)
+        .map(|i| {
+            let on = inputs.entropy_mask.as_ref().is_none_or(|e| e[i]);
+            (inputs.mask[i] && on) as u8 as f32
+        })
+        .collect();
+    let count = bonus.iter().sum::<f32>().max(1.0) as f64;
+    let mean_entropy = ((entropy * per_token(bonus)?)?.sum_all()? / count)?;
+    policy - (mean_entropy * c.entropy_coef)?
 }
 
 /// The cross-entropy of `logits` `[N, V]` at `targets` `[N]` with candle ops (spec

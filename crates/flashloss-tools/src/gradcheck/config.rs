@@ -114,6 +114,10 @@ pub struct GradcheckConfig {
     pub sampler_ratio: bool,
     /// Per-token advantages.
     pub per_token_advantages: bool,
+    /// Draw a policy mask (off-policy mask) with this masked fraction; 0: none.
+    pub policy_mask_fraction: f64,
+    /// Draw an entropy (top-entropy) mask with this masked fraction; 0: none.
+    pub entropy_mask_fraction: f64,
     /// Upstream gradient that scales `dlogits`.
     pub grad_output: f64,
     /// Write `dlogits` over the logits.
@@ -156,6 +160,8 @@ impl Default for GradcheckConfig {
             ref_logp: inputs.ref_logp,
             sampler_ratio: inputs.sampler_ratio,
             per_token_advantages: inputs.per_token_advantages,
+            policy_mask_fraction: inputs.policy_mask_fraction,
+            entropy_mask_fraction: inputs.entropy_mask_fraction,
             grad_output: 1.0,
             in_place: false,
             loss: LossConfig::default(),
@@ -182,6 +188,8 @@ impl GradcheckConfig {
             ref_logp: self.ref_logp,
             sampler_ratio: self.sampler_ratio,
             per_token_advantages: self.per_token_advantages,
+            policy_mask_fraction: self.policy_mask_fraction,
+            entropy_mask_fraction: self.entropy_mask_fraction,
         }
     }
 }

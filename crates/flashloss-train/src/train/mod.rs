@@ -363,6 +363,8 @@ impl Trainer {
                 old_logp: None,
                 ref_logp: None,
                 sampler_ratio: None,
+                policy_mask: None,
+                entropy_mask: None,
             },
             rewards,
             correct,

@@ -205,16 +205,18 @@ impl<'a> Grid<'a> {
     }
 }
 
-/// The batch's normalizers over every token group: `B` and the token count summed.
+/// The batch's normalizers over every token group: `B`, the token count and the
+/// entropy bonus's token count `Σ m'` summed.
 pub(crate) fn global_normalizers(
     tokens: &dyn Collective,
     local: Normalizers,
 ) -> Result<Normalizers> {
-    let mut totals = [local.batch_size, local.token_count];
+    let mut totals = [local.batch_size, local.token_count, local.entropy_count];
     tokens.all_reduce_sum_f64(&mut totals)?;
     Ok(Normalizers {
         batch_size: totals[0],
         token_count: totals[1],
+        entropy_count: totals[2],
     })
 }
 

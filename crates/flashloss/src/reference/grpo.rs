@@ -1,8 +1,10 @@
-//! The GRPO loss of the spec, literally, and its reference gradients.
+//! The GRPO loss of the spec, literally, and its reference gradients:
+//! `L = Σ_i w_i·(ℓ_i·e_i·ρ_i + β·kl_i) - entropy_coef·Σ_i m'_i·H_i / max(1, Σ_i m'_i)`
+//! (spec, "Alignment with TRL 1.16").
 
 use super::dual::{Dual, Num};
 use super::softmax::row_softmax;
-use crate::batch::GrpoBatch;
+use crate::batch::{GrpoBatch, PerSeqOrToken};
 use crate::config::{GrpoLoss, ImportanceSamplingLevel, LossConfig, LossType};
 use crate::policy::{GrpoMetrics, Normalizers};
 
@@ -29,14 +31,17 @@ pub struct GrpoReference {
     pub dlogits: Vec<f64>,
 }
 
-/// One token's share of the loss: `L = Σ weight · total`.
+/// One token's share of the loss: `L = Σ (weight · total + bonus)`.
 struct TokenTerm<N> {
     row: usize,
     weight: f64,
     ratio: N,
     advantage: f64,
     kl: N,
+    /// `ℓ·e·ρ + β·kl`.
     total: N,
+    /// The entropy bonus's share, `-entropy_coef · m'·H / max(1, Σ m')`.
+    bonus: N,
 }
 
 /// The terms of sequence `b`, given its T logp and entropy values.
@@ -59,9 +64,17 @@ fn sequence_terms<N: Num>(
     };
     let mut log_ratio_sum = N::c(0.0);
     let mut vespo_log_w = N::c(0.0);
+    let log_rho = |x: f32| (x as f64).ln().clamp(1e-8f64.ln(), 20.0);
     for &t in &live {
         log_ratio_sum = log_ratio_sum + (logp[t] - old(t));
         vespo_log_w = vespo_log_w + (logp[t] - old(t)).clamp_v(-20.0, 20.0);
+        // TRL's get_gamma_weights: log w += Σ_t log ρ_t (over live tokens here).
+        if let Some(PerSeqOrToken::Token(rho)) = batch.sampler_ratio {
+            vespo_log_w = vespo_log_w + N::c(log_rho(rho[row(t)]));
+        }
+    }
+    if let Some(PerSeqOrToken::Sequence(rho)) = batch.sampler_ratio {
+        vespo_log_w = vespo_log_w + N::c(log_rho(rho[b]));
     }
     let seq_ratio = (log_ratio_sum * N::c(1.0 / len_b)).exp();
     let vespo_log_w = vespo_log_w.clamp_v(1e-8f64.ln(), 20.0);
@@ -105,7 +118,18 @@ fn sequence_terms<N: Num>(
                 -((capped * a).min_v(clipped * a))
             }
         };
-        let rho = batch.sampler_ratio.map_or(1.0, |s| s.at(i, t_len) as f64);
+        // vespo: ρ is inside φ_b, not a factor of ℓ (TRL skips the product for vespo).
+        let rho = match batch.sampler_ratio {
+            Some(s) if c.loss_type != LossType::Vespo => s.at(i, t_len) as f64,
+            _ => 1.0,
+        };
+        let on = |m: Option<&[bool]>| m.is_none_or(|m| m[i]);
+        let e = if on(batch.policy_mask) && on(batch.entropy_mask) {
+            1.0
+        } else {
+            0.0
+        };
+        let in_bonus = on(batch.entropy_mask);
         let kl = match batch.ref_logp {
             Some(q) => {
                 let d = N::c(q[i] as f64) - logp[t];
@@ -123,9 +147,14 @@ fn sequence_terms<N: Num>(
             LossType::Dapo | LossType::Cispo | LossType::Vespo => {
                 1.0 / c.num_items_in_batch.unwrap_or(norm.token_count.max(1.0))
             }
-            LossType::Luspo => len_b / (norm.batch_size * t_len as f64),
+            LossType::Luspo => 1.0 / norm.batch_size,
         };
-        let total = policy * N::c(rho) + N::c(c.beta) * kl - N::c(c.entropy_coef) * entropy[t];
+        let total = policy * N::c(e) * N::c(rho) + N::c(c.beta) * kl;
+        let bonus = if in_bonus {
+            -(N::c(c.entropy_coef / norm.entropy_count.max(1.0)) * entropy[t])
+        } else {
+            N::c(0.0)
+        };
         terms.push(TokenTerm {
             row: i,
             weight,
@@ -133,6 +162,7 @@ fn sequence_terms<N: Num>(
             advantage: adv,
             kl,
             total,
+            bonus,
         });
     }
     terms
@@ -141,7 +171,7 @@ fn sequence_terms<N: Num>(
 fn sequence_loss<N: Num>(terms: &[TokenTerm<N>]) -> N {
     terms
         .iter()
-        .fold(N::c(0.0), |acc, t| acc + N::c(t.weight) * t.total)
+        .fold(N::c(0.0), |acc, t| acc + N::c(t.weight) * t.total + t.bonus)
 }
 
 /// Runs the reference on dense f64 logits `[N, V]` (N = B·T). `batch` must be valid;
