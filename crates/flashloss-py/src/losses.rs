@@ -218,6 +218,8 @@ struct BatchTensors<'py> {
     old_logp: Option<Tensor<'py>>,
     ref_logp: Option<Tensor<'py>>,
     sampler_ratio: Option<Tensor<'py>>,
+    policy_mask: Option<Vec<bool>>,
+    entropy_mask: Option<Vec<bool>>,
 }
 
 impl<'py> BatchTensors<'py> {
@@ -228,6 +230,8 @@ impl<'py> BatchTensors<'py> {
         old_logp: Option<&Bound<'py, PyAny>>,
         ref_logp: Option<&Bound<'py, PyAny>>,
         sampler_ratio: Option<&Bound<'py, PyAny>>,
+        policy_mask: Option<&Bound<'py, PyAny>>,
+        entropy_mask: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Self> {
         let ids = Tensor::new("completion_ids", ids, I64)?;
         if ids.shape.len() != 2 {
@@ -245,7 +249,16 @@ impl<'py> BatchTensors<'py> {
             }
             Ok(t)
         };
+        let token_mask = |arg, t: Option<&Bound<'py, PyAny>>| -> PyResult<Option<Vec<bool>>> {
+            let Some(t) = Tensor::optional(arg, t, BOOL)? else {
+                return Ok(None);
+            };
+            t.expect_shape(&ids.shape)?;
+            t.bools().map(Some)
+        };
         Ok(BatchTensors {
+            policy_mask: token_mask("policy_mask", policy_mask)?,
+            entropy_mask: token_mask("entropy_mask", entropy_mask)?,
             mask: mask_t.bools()?,
             advantages: Tensor::new("advantages", advantages, F32)?,
             old_logp: per_token("old_per_token_logps", old_logp)?,
@@ -270,6 +283,8 @@ impl<'py> BatchTensors<'py> {
                 .as_ref()
                 .map(|r| per_seq_or_token(r, b, b * t))
                 .transpose()?,
+            policy_mask: self.policy_mask.as_deref(),
+            entropy_mask: self.entropy_mask.as_deref(),
         })
     }
 }
@@ -332,8 +347,9 @@ fn grpo_result<'py>(
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
 #[pyo3(signature = (hidden, weight, bias, completion_ids, completion_mask, advantages,
-    old_per_token_logps, ref_per_token_logps, importance_sampling_ratio, config_json, mode,
-    budget_mib, grad_hidden, grad_weight, grad_bias, out_logp, out_entropy, out_kl))]
+    old_per_token_logps, ref_per_token_logps, importance_sampling_ratio, policy_mask,
+    entropy_mask, config_json, mode, budget_mib, grad_hidden, grad_weight, grad_bias, out_logp,
+    out_entropy, out_kl))]
 pub fn grpo_linear<'py>(
     py: Python<'py>,
     hidden: &Bound<'py, PyAny>,
@@ -345,6 +361,8 @@ pub fn grpo_linear<'py>(
     old_per_token_logps: Option<&Bound<'py, PyAny>>,
     ref_per_token_logps: Option<&Bound<'py, PyAny>>,
     importance_sampling_ratio: Option<&Bound<'py, PyAny>>,
+    policy_mask: Option<&Bound<'py, PyAny>>,
+    entropy_mask: Option<&Bound<'py, PyAny>>,
     config_json: &str,
     mode: &str,
     budget_mib: f64,
@@ -367,6 +385,8 @@ pub fn grpo_linear<'py>(
         old_per_token_logps,
         ref_per_token_logps,
         importance_sampling_ratio,
+        policy_mask,
+        entropy_mask,
     )?;
     let batch = tensors.batch()?;
     if head.tokens != batch.rows() {
@@ -602,6 +622,8 @@ pub fn grpo_logits<'py>(
         old_per_token_logps,
         ref_per_token_logps,
         importance_sampling_ratio,
+        None,
+        None,
     )?;
     let batch = tensors.batch()?;
     let (b, t) = (batch.batch, batch.seq_len);

@@ -110,8 +110,16 @@ def float64_truth(t, inputs, cfg):
     if loss_type in ("dapo", "cispo", "vespo"):
         kw["num_items_in_batch"] = inputs["num_items_in_batch"].double() * ACCUMULATION / t.args.steps_per_generation
         kw["entropy_coef"] /= ACCUMULATION
+    mask = inputs["completion_mask"]
+    if "top_entropy_quantile" in cfg:
+        with torch.no_grad():
+            _, _, entropy = grpo_reference(hidden, m.lm_head.weight, None, inputs["completion_ids"], mask != 0,
+                                           inputs["advantages"])  # fmt: skip
+        kw["entropy_mask"] = t.get_high_entropy_mask(entropy.float(), mask, 1 - cfg["top_entropy_quantile"]) != 0
+    if "off_policy_mask_threshold" in cfg:
+        kw["policy_mask"] = (inputs["advantages"] >= 0)[:, None].expand_as(mask)
     loss, _, _ = grpo_reference(
-        hidden, m.lm_head.weight, None, inputs["completion_ids"], inputs["completion_mask"] != 0,
+        hidden, m.lm_head.weight, None, inputs["completion_ids"], mask != 0,
         inputs["advantages"], ref=inputs.get("ref_per_token_logps"), **kw,
     )  # fmt: skip
     if loss_type not in ("dapo", "cispo", "vespo"):
@@ -127,6 +135,8 @@ def float64_truth(t, inputs, cfg):
         dict(loss_type="grpo", beta=0.04),
         dict(loss_type="bnpo", entropy_coef=0.01),
         dict(loss_type="luspo", importance_sampling_level="sequence"),
+        dict(loss_type="dapo", top_entropy_quantile=0.5, entropy_coef=0.01),
+        dict(loss_type="grpo", off_policy_mask_threshold=-1.0),  # drops negative-advantage sequences
     ],
 )
 def test_compute_loss_matches_trl(tmp_path, cfg):

@@ -91,6 +91,10 @@ def _f32(t):
     return None if t is None else t.detach().to(torch.float32).contiguous()
 
 
+def _bool(t):
+    return None if t is None else (t != 0).contiguous()
+
+
 def _zeros_f32(t):
     return None if t is None else torch.zeros(t.shape, dtype=torch.float32, device=t.device)
 
@@ -194,6 +198,8 @@ def linear_grpo_loss(
     old_per_token_logps: Optional[torch.Tensor] = None,
     ref_per_token_logps: Optional[torch.Tensor] = None,
     importance_sampling_ratio: Optional[torch.Tensor] = None,
+    policy_mask: Optional[torch.Tensor] = None,
+    entropy_mask: Optional[torch.Tensor] = None,
     loss_type: str = "dapo",
     beta: float = 0.0,
     epsilon_low: float = 0.2,
@@ -220,6 +226,9 @@ def linear_grpo_loss(
     Returns ``(loss, GRPOOutputs)``; ``loss.backward()`` gives the gradients of
     ``hidden``, ``weight`` and ``bias``. ``epsilon_high=None`` means ``epsilon_low`` (TRL's
     ``epsilon``); ``old_per_token_logps=None`` means on-policy (ratio 1).
+    ``policy_mask`` (TRL's off-policy mask) and ``entropy_mask`` (its top-entropy mask)
+    ``[B, T]`` multiply each token's policy loss (not the KL); the entropy bonus is the
+    mean over ``completion_mask * entropy_mask``.
     """
     _same_device(
         dict(
@@ -232,6 +241,8 @@ def linear_grpo_loss(
             old_per_token_logps=old_per_token_logps,
             ref_per_token_logps=ref_per_token_logps,
             importance_sampling_ratio=importance_sampling_ratio,
+            policy_mask=policy_mask,
+            entropy_mask=entropy_mask,
         )
     )
     h, w, b = _head(hidden, weight, bias)
@@ -247,7 +258,7 @@ def linear_grpo_loss(
     out = _native.grpo_linear(
         h.detach(), w.detach(), None if b is None else b.detach(), ids, mask, adv,
         _f32(old_per_token_logps), _f32(ref_per_token_logps), _f32(importance_sampling_ratio),
-        config, mode, DEFAULT_BUDGET_MIB if budget_mib is None else float(budget_mib),
+        _bool(policy_mask), _bool(entropy_mask), config, mode, DEFAULT_BUDGET_MIB if budget_mib is None else float(budget_mib),
         dh, dw, db, logp, entropy, kl,
     )  # fmt: skip
     loss = _FusedGrads.apply(torch.tensor(out.pop("loss"), dtype=torch.float32), h, w, b, dh, dw, db)

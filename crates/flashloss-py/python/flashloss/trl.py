@@ -10,8 +10,11 @@ reference log-probs). The loss is TRL 1.16's, including its scaling for gradient
 accumulation and its logged metrics. Supported: causal LMs whose ``get_decoder()``
 returns the hidden states that ``get_output_embeddings()`` maps to logits (Qwen2, Llama,
 Mistral, ...), text only, one process; the trainer refuses what it does not support
-(top-entropy and off-policy masks, auxiliary router losses, vision inputs) with a
-``ValueError``.
+(auxiliary router losses, adaptive entropy, vision inputs, several processes) with a
+``ValueError``. TRL's top-entropy mask (``top_entropy_quantile < 1``) and off-policy mask
+(``off_policy_mask_threshold``) need the current policy's entropies and log-probs before
+the loss: they come from one more forward of the head without gradient
+(``linear_logprobs``), 2NHV more FLOPs.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from __future__ import annotations
 import torch
 from trl import GRPOTrainer
 
-from .torch import linear_grpo_loss
+from .torch import linear_grpo_loss, linear_logprobs
 
 __all__ = ["FlashlossGRPOTrainer"]
 
@@ -32,10 +35,6 @@ class FlashlossGRPOTrainer(GRPOTrainer):
 
     def _check_supported(self, inputs):
         reasons = []
-        if self.top_entropy_quantile < 1.0:
-            reasons.append("top_entropy_quantile < 1")
-        if self.off_policy_mask_threshold is not None:
-            reasons.append("off_policy_mask_threshold")
         if self.aux_loss_enabled:
             reasons.append("router auxiliary loss")
         if self.use_adaptive_entropy:
@@ -61,6 +60,7 @@ class FlashlossGRPOTrainer(GRPOTrainer):
         hidden = lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         hidden = hidden[:, -t - 1 : -1]  # the positions that predict the completion tokens
         head = lm.get_output_embeddings()
+        entropy_mask, policy_mask = self._masks(inputs, hidden, head, completion_ids, mask)
 
         mode = "train" if self.model.training else "eval"
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
@@ -84,6 +84,8 @@ class FlashlossGRPOTrainer(GRPOTrainer):
             old_per_token_logps=inputs.get("old_per_token_logps"),
             ref_per_token_logps=inputs.get("ref_per_token_logps") if self.beta != 0.0 else None,
             importance_sampling_ratio=ratio,
+            policy_mask=policy_mask,
+            entropy_mask=entropy_mask,
             loss_type=self.loss_type,
             beta=self.beta,
             epsilon_low=self.epsilon_low,
@@ -113,3 +115,24 @@ class FlashlossGRPOTrainer(GRPOTrainer):
             for name in ("low_mean", "high_mean", "region_mean"):
                 metrics[f"clip_ratio/{name}"].append(out.metrics[f"clip_ratio/{name}"])
         return loss.to(hidden.device)
+
+    def _masks(self, inputs, hidden, head, completion_ids, mask):
+        """TRL's top-entropy mask and off-policy sequence mask, from one no-grad pass."""
+        if self.top_entropy_quantile >= 1.0 and self.off_policy_mask_threshold is None:
+            return None, None
+        bias = None if head.bias is None else head.bias.detach()
+        logp, entropy = linear_logprobs(
+            hidden.detach(), head.weight.detach(), completion_ids, self.temperature, True, bias=bias
+        )
+        entropy_mask = policy_mask = None
+        if self.top_entropy_quantile < 1.0:
+            entropy_mask = self.get_high_entropy_mask(entropy, mask, 1 - self.top_entropy_quantile)
+        if self.off_policy_mask_threshold is not None:
+            old = inputs.get("old_per_token_logps")
+            old = logp if old is None else old
+            sampling = inputs.get("sampling_per_token_logps", old)
+            advantages = inputs["advantages"]
+            advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+            keep = self.get_off_policy_mask(advantages, logp, sampling, mask, self.off_policy_mask_threshold)
+            policy_mask = keep.expand_as(mask)
+        return entropy_mask, policy_mask
