@@ -223,6 +223,7 @@ struct BatchTensors<'py> {
 }
 
 impl<'py> BatchTensors<'py> {
+    #[allow(clippy::too_many_arguments)]
     fn new(
         ids: &Bound<'py, PyAny>,
         mask: &Bound<'py, PyAny>,
