@@ -36,17 +36,23 @@ if [ "$what" = gradcheck ] || [ "$what" = all ]; then
     run "gc_logits_t8192_v151936_$dtype" $BIN gradcheck \
       --config configs/gradcheck/gpu/logits_b1_t8192_v151936_$dtype.yaml
     for loss in grpo bnpo dr_grpo dapo cispo sapo luspo vespo; do
-      level=token
-      [ $loss = luspo ] && level=sequence  # luspo is sequence-level by definition
       extra=()
       [ $loss = dr_grpo ] && extra=(--set loss.max_completion_length=17)  # dr_grpo's normalizer
       for mode in auto two_pass; do
         run "gc_linear_${loss}_${mode}_$dtype" $BIN gradcheck \
           --config configs/gradcheck/gpu/linear_grpo.yaml --set dtype=$dtype \
-          --set loss.loss_type=$loss --set loss.importance_sampling_level=$level --set mode=$mode \
-          "${extra[@]}"
+          --set loss.loss_type=$loss --set mode=$mode "${extra[@]}"
       done
+      # TRL 1.16: sequence level for every type but vespo, with policy and entropy masks.
+      [ $loss = vespo ] && continue
+      run "gc_linear_${loss}_sequence_masks_$dtype" $BIN gradcheck \
+        --config configs/gradcheck/gpu/linear_grpo.yaml --set dtype=$dtype \
+        --set loss.loss_type=$loss --set loss.importance_sampling_level=sequence \
+        --set policy_mask_fraction=0.3 --set entropy_mask_fraction=0.5 --set sampler_ratio=true \
+        "${extra[@]}"
     done
+    run "gc_logits_trl_1_16_$dtype" $BIN gradcheck \
+      --config configs/gradcheck/trl_1_16.yaml --set device=cuda --set dtype=$dtype
     run "gc_linear_grpo_sequence_$dtype" $BIN gradcheck \
       --config configs/gradcheck/gpu/linear_grpo.yaml --set dtype=$dtype \
       --set loss.importance_sampling_level=sequence

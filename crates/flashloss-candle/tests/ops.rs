@@ -79,7 +79,11 @@ fn grpo_ops_match_candle_ops_for_every_token_level_loss_type() {
     let mut rng = ChaCha8Rng::seed_from_u64(7);
     let hidden = random(&mut rng, (b * t, h), 1.0);
     let weight = random(&mut rng, (v, h), 0.5);
-    let batch = inputs(&mut rng, b, t, v);
+    let plain = inputs(&mut rng, b, t, v);
+    // TRL 1.16's policy (off-policy) and top-entropy masks; sequence 0 fully off-policy.
+    let mut masked = plain.clone();
+    masked.policy_mask = Some((0..b * t).map(|i| i / t != 0 && i % 3 != 1).collect());
+    masked.entropy_mask = Some((0..b * t).map(|i| i % 4 != 2).collect());
     let types = [
         LossType::Grpo,
         LossType::Bnpo,
@@ -88,7 +92,10 @@ fn grpo_ops_match_candle_ops_for_every_token_level_loss_type() {
         LossType::Cispo,
         LossType::Sapo,
     ];
-    for loss_type in types {
+    for (loss_type, batch) in types
+        .into_iter()
+        .flat_map(|t| [(t, plain.clone()), (t, masked.clone())])
+    {
         for (delta, bias_kl) in [(None, false), (Some(1.5), true)] {
             let delta = delta.filter(|_| loss_type.is_clipped());
             let loss = GrpoLoss::new(LossConfig {
@@ -131,7 +138,9 @@ fn grpo_ops_match_candle_ops_for_every_token_level_loss_type() {
                     .0
             });
             for (name, got) in [("fused", &fused), ("logits", &logits)] {
-                let what = format!("{name} {loss_type:?} delta {delta:?} bias_kl {bias_kl}");
+                let masks = batch.policy_mask.is_some();
+                let what =
+                    format!("{name} {loss_type:?} delta {delta:?} bias_kl {bias_kl} masks {masks}");
                 let rel = (got.0 - base.0).abs() / base.0.abs().max(1e-3);
                 assert!(rel < 1e-4, "{what}: loss {} vs {}", got.0, base.0);
                 assert!(

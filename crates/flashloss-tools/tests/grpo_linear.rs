@@ -202,3 +202,44 @@ fn baseline_matches_the_reference() {
     assert_close("baseline dW", &grads.dweight, &dw, 1e-4);
     assert_close("baseline dbias", grads.dbias.as_ref().unwrap(), &db, 1e-4);
 }
+
+/// TRL 1.16 on the fused LM-head kernel, every (type, level) and mode: policy and
+/// top-entropy masks (whole sequences off included), a sampler ratio, KL with the
+/// default bias correction and the entropy bonus, against the f64 reference
+/// (gradcheck's loss, logp, entropy, dH, dW, dbias gates).
+#[test]
+fn trl_masks_every_type_and_mode() {
+    use flashloss_tools::gradcheck::{GradcheckConfig, Kernel};
+    for (t, level) in valid_types() {
+        let mut loss = base_config(t, level);
+        loss.beta = 0.04;
+        loss.entropy_coef = 0.02;
+        loss.temperature = 0.9;
+        let token_level = !GrpoLoss::new(loss.clone())
+            .unwrap()
+            .needs_sequence_reduction();
+        for mode in [Mode::Auto, Mode::TwoPass, Mode::SinglePass] {
+            if mode == Mode::SinglePass && !token_level {
+                continue;
+            }
+            let cfg = GradcheckConfig {
+                kernel: Kernel::Linear,
+                batch: 4,
+                seq_len: 5,
+                hidden: 37,
+                vocab: 1031,
+                mode,
+                sampler_ratio: true,
+                policy_mask_fraction: 0.3,
+                entropy_mask_fraction: 0.5,
+                seed: 21,
+                loss: loss.clone(),
+                ..GradcheckConfig::default()
+            };
+            assert_passes(
+                &cfg,
+                &format!("linear masks {} {level:?} {mode:?}", t.name()),
+            );
+        }
+    }
+}

@@ -96,3 +96,58 @@ fn on_policy_without_old_logp() {
         assert_passes(&cfg, &format!("on-policy {} {level:?}", t.name()));
     }
 }
+
+/// TRL 1.16's optional per-token masks on every (type, level): the policy mask (whole
+/// sequences and single tokens off) and the top-entropy mask (the last sequence fully
+/// off), alone and together, with and without a sampler ratio (vespo: inside φ_b), KL
+/// with the default bias correction, and the entropy bonus. The gradcheck gates cover
+/// the loss, `∂L/∂logp`, `∂L/∂H` and `dlogits` against the reference.
+#[test]
+fn policy_and_entropy_masks_on_every_type() {
+    for (t, level) in valid_types() {
+        for (policy, entropy) in [(0.3, 0.0), (0.0, 0.6), (0.3, 0.4)] {
+            for rho in [false, true] {
+                let mut loss = base_config(t, level);
+                loss.beta = 0.04;
+                loss.entropy_coef = 0.02;
+                assert!(loss.use_bias_correction_kl);
+                let mut cfg = small(4, 6, 1031, loss);
+                cfg.policy_mask_fraction = policy;
+                cfg.entropy_mask_fraction = entropy;
+                cfg.sampler_ratio = rho;
+                cfg.seed = 11;
+                let case = format!(
+                    "masks {} {level:?} policy={policy} entropy={entropy} rho={rho}",
+                    t.name()
+                );
+                assert_passes(&cfg, &case);
+                if rho && policy > 0.0 && entropy > 0.0 {
+                    assert_passes(&bf16(cfg), &format!("bf16 {case}"));
+                }
+            }
+        }
+    }
+}
+
+/// The level rules of TRL 1.16: luspo at token level, cispo and sapo at sequence level
+/// are valid and match the reference; vespo at sequence level is a config error.
+#[test]
+fn trl_levels_luspo_token_cispo_and_sapo_sequence() {
+    use flashloss::{ImportanceSamplingLevel::*, LossType::*};
+    let cases = valid_types();
+    for want in [
+        (Luspo, Token),
+        (Luspo, Sequence),
+        (Cispo, Sequence),
+        (Sapo, Sequence),
+    ] {
+        assert!(cases.contains(&want), "{want:?} missing");
+        let mut loss = base_config(want.0, want.1);
+        loss.beta = 0.04;
+        loss.entropy_coef = 0.01;
+        loss.temperature = 0.8;
+        let cfg = small(3, 7, 2053, loss);
+        assert_passes(&cfg, &format!("{want:?}"));
+    }
+    assert!(!cases.contains(&(Vespo, Sequence)));
+}

@@ -149,3 +149,49 @@ fn sharded_logits_gradcheck_passes_and_a_nan_ends_every_rank() {
         }
     }
 }
+
+/// The entropy bonus's count `Σ m'` and B are global: with uneven policy and entropy
+/// masks over token groups (luspo at token level, sapo and cispo at sequence level,
+/// vespo with a sampler ratio), every rank still matches the one-rank reference.
+#[test]
+fn sharded_gradcheck_with_trl_masks() {
+    use flashloss::{ImportanceSamplingLevel::*, LossConfig, LossType::*};
+    for (t, level) in [
+        (Luspo, Token),
+        (Sapo, Sequence),
+        (Cispo, Sequence),
+        (Vespo, Token),
+    ] {
+        for parallel in [Parallel::Token, Parallel::Grid2d] {
+            let cfg = GradcheckConfig {
+                kernel: Kernel::Linear,
+                parallel,
+                vocab_groups: (parallel == Parallel::Grid2d).then_some(2),
+                batch: 4,
+                seq_len: 5,
+                hidden: 21,
+                vocab: 701,
+                sampler_ratio: true,
+                policy_mask_fraction: 0.3,
+                entropy_mask_fraction: 0.5,
+                loss: LossConfig {
+                    loss_type: t,
+                    importance_sampling_level: level,
+                    epsilon_high: if t == Cispo { 5.0 } else { 0.2 },
+                    beta: 0.04,
+                    entropy_coef: 0.05,
+                    ..LossConfig::default()
+                },
+                ..GradcheckConfig::default()
+            };
+            for (rank, r) in sharded_check::run(&cfg, 4).unwrap().into_iter().enumerate() {
+                let r = r.unwrap();
+                assert!(
+                    r.report.passed,
+                    "{t:?} {level:?} {parallel:?} rank {rank}: {:?}",
+                    r.report.gates
+                );
+            }
+        }
+    }
+}

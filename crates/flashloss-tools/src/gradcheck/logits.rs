@@ -1,4 +1,5 @@
-//! The logits-level GRPO kernel against the reference: loss, logp, entropy, `dlogits`.
+//! The logits-level GRPO kernel against the reference: loss, logp, entropy, the policy
+//! stage's `∂L/∂logp` and `∂L/∂H`, and `dlogits`.
 
 use super::config::GradcheckConfig;
 use super::report::{Gate, GradcheckReport, grad_gate, worst_rel};
@@ -57,6 +58,18 @@ pub fn check_inputs<E: Element>(
         ),
         Gate::new("logp", logp_err, tol.logp_rel.unwrap_or_default()),
         Gate::new("entropy", entropy_err, tol.logp_rel.unwrap_or_default()),
+        grad_gate(
+            "dlogp",
+            fwd.dlogp().iter().map(|&x| x as f64),
+            &reference.dlogp,
+            &tol,
+        ),
+        grad_gate(
+            "dentropy",
+            fwd.dentropy().iter().map(|&x| x as f64),
+            &reference.dentropy,
+            &tol,
+        ),
         grad_gate(
             "dlogits",
             dlogits.iter().map(|x| x.to_f32() as f64),
