@@ -76,6 +76,23 @@ pub enum Error {
         /// The target id.
         id: i64,
     },
+    /// A valid input whose loss, gradient or statistic lies beyond the f32 range at a
+    /// row (spec: "Numeric range"): the kernel stops before writing any gradient.
+    #[error(
+        "row {row} (sequence {seq}, position {pos}): {quantity} = {value:e} is beyond the f32 range (|x| <= 3.4e38); the policy is too far from its old/reference log-probs, or the logits or temperature too extreme"
+    )]
+    OutOfRange {
+        /// Flat row index.
+        row: usize,
+        /// Sequence b.
+        seq: usize,
+        /// Position t.
+        pos: usize,
+        /// Which quantity: `loss`, `kl`, `dlogp`, `dentropy`, `dlogits`, `lse`.
+        quantity: &'static str,
+        /// Its value (f64, or the f32 it became).
+        value: f64,
+    },
     /// The CUDA backend could not run: no driver or NVRTC library, a failed CUDA call, or
     /// a kernel that did not compile (what failed and why).
     #[error("cuda: {reason}")]

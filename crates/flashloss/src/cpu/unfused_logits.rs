@@ -9,6 +9,7 @@ use crate::config::GrpoLoss;
 use crate::element::Element;
 use crate::error::Result;
 use crate::policy::{Normalizers, policy_stage};
+use crate::range::check_policy_rows;
 use crate::rows::RowTransform;
 use rayon::prelude::*;
 
@@ -93,6 +94,16 @@ pub fn grpo_logits_unfused_into<E: Element>(
         })
         .unzip();
     let policy = policy_stage(loss, batch, Normalizers::local(batch), &logp, &entropy);
+    let scale = transform.grad_scale(grad_output as f64);
+    let live = |i: usize| batch.mask[i];
+    check_policy_rows(
+        &policy,
+        |i| entropy[i],
+        0..n,
+        live,
+        batch.seq_len,
+        Some(scale),
+    )?;
 
     // dlogits = (g/T)·[dlogp·(onehot - p) - dentropy·p·(log p + H)], materialized.
     let scale = grad_output * inv_temp;
