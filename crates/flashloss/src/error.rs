@@ -93,6 +93,17 @@ pub enum Error {
         /// Its value (f64, or the f32 it became).
         value: f64,
     },
+    /// An allocation whose size the input decides cannot be served: more bytes than
+    /// the machine has available, or than an address space holds.
+    #[error("out of memory: {what} needs {bytes} bytes ({:.2} GiB), {}", *.bytes as f64 / 1073741824.0, available_text(*.available))]
+    OutOfMemory {
+        /// What was being allocated, e.g. `logits [B, T, V]`.
+        what: String,
+        /// Bytes asked (`u64::MAX` when the size overflows).
+        bytes: u64,
+        /// Bytes available (Linux `MemAvailable`, or the device's free memory), if known.
+        available: Option<u64>,
+    },
     /// The CUDA backend could not run: no driver or NVRTC library, a failed CUDA call, or
     /// a kernel that did not compile (what failed and why).
     #[error("cuda: {reason}")]
@@ -115,6 +126,13 @@ pub enum Error {
         /// Its error.
         reason: String,
     },
+}
+
+fn available_text(available: Option<u64>) -> String {
+    match available {
+        Some(b) => format!("{b} bytes ({:.2} GiB) available", b as f64 / 1073741824.0),
+        None => "available memory unknown".into(),
+    }
 }
 
 /// The crate's result type.

@@ -182,6 +182,7 @@ impl GradcheckConfig {
             ref_logp: self.ref_logp,
             sampler_ratio: self.sampler_ratio,
             per_token_advantages: self.per_token_advantages,
+            draw_logits: true,
         }
     }
 }
