@@ -250,3 +250,43 @@ fn fused_linear_out_of_range_is_an_error_in_both_modes() {
         }
     }
 }
+
+/// Found by `prop_validation` (shrunk): with `grad_output = f32::MAX` the fused CE's
+/// gradient coefficients are in f32 but `dH = dZ·W` sums past it (it was `inf`); the
+/// fused heads now say so by row.
+#[test]
+fn grad_output_at_f32_max_is_out_of_range_not_inf() {
+    let (b, t, v, h) = (1, 2, 20, 1);
+    let loss = GrpoLoss::new(flashloss::LossConfig {
+        beta: 0.04,
+        entropy_coef: 0.01,
+        ..Default::default()
+    })
+    .unwrap();
+    let spec = flashloss_tools::inputs::InputSpec {
+        batch: b,
+        seq_len: t,
+        vocab: v,
+        sampler_ratio: true,
+        ..Default::default()
+    };
+    let x = GrpoInputs::random(&spec, 86);
+    let head = Head::<f32>::random(b * t, h, v, true, 86);
+    let batch = x.batch();
+    for mode in [Mode::SinglePass, Mode::TwoPass] {
+        let opts = FusedOptions {
+            mode,
+            budget_bytes: flashloss::cpu::gemm_reserve_bytes() + (1 << 20),
+            grad_output: f32::MAX,
+        };
+        match grpo_linear(&loss, &batch, &head.inputs(), &opts) {
+            Ok(out) => assert!(out.grads.dhidden.iter().all(|g| g.is_finite())),
+            Err(err) => assert_out_of_range(&err, &format!("{mode:?}")),
+        }
+        let ce = flashloss::CrossEntropy::new(Default::default()).unwrap();
+        let err = Device::Cpu
+            .ce_linear(&ce, batch.target_ids, None, &head.inputs(), &opts)
+            .unwrap_err();
+        assert_out_of_range(&err, &format!("ce {mode:?}"));
+    }
+}

@@ -79,16 +79,16 @@ pub enum Error {
     /// A valid input whose loss, gradient or statistic lies beyond the f32 range at a
     /// row (spec: "Numeric range"): the kernel stops before writing any gradient.
     #[error(
-        "row {row} (sequence {seq}, position {pos}): {quantity} = {value:e} is beyond the f32 range (|x| <= 3.4e38); the policy is too far from its old/reference log-probs, or the logits or temperature too extreme"
+        "{quantity} = {value:e} at row {row}{} is beyond the f32 range (|x| <= 3.4e38); the policy is too far from its old/reference log-probs, or the logits, temperature or grad_output too extreme",
+        position_text(*.position)
     )]
     OutOfRange {
-        /// Flat row index.
+        /// Flat token row (for `dweight` and `dbias`: the LM head's vocabulary row).
         row: usize,
-        /// Sequence b.
-        seq: usize,
-        /// Position t.
-        pos: usize,
-        /// Which quantity: `loss`, `kl`, `dlogp`, `dentropy`, `dlogits`, `lse`.
+        /// `(sequence b, position t)` of a token row.
+        position: Option<(usize, usize)>,
+        /// Which quantity: `loss`, `loss (running sum)`, `kl`, `dlogp`, `dentropy`,
+        /// `dlogits`, `dhidden`, `dweight`, `dbias`.
         quantity: &'static str,
         /// Its value (f64, or the f32 it became).
         value: f64,
@@ -126,6 +126,13 @@ pub enum Error {
         /// Its error.
         reason: String,
     },
+}
+
+fn position_text(position: Option<(usize, usize)>) -> String {
+    match position {
+        Some((b, t)) => format!(" (sequence {b}, position {t})"),
+        None => " of the LM head".into(),
+    }
 }
 
 fn available_text(available: Option<u64>) -> String {

@@ -7,6 +7,7 @@
 //! gradient is written. A NaN or infinite gradient never leaves a kernel.
 
 use crate::error::{Error, Result};
+use crate::fused::LinearGrads;
 use crate::policy::PolicyOutput;
 use crate::rows::RowStats;
 use std::ops::Range;
@@ -23,11 +24,45 @@ fn out_of_range(row: usize, seq_len: usize, quantity: &'static str, value: f64) 
     let seq_len = seq_len.max(1);
     Error::OutOfRange {
         row,
-        seq: row / seq_len,
-        pos: row % seq_len,
+        position: Some((row / seq_len, row % seq_len)),
         quantity,
         value,
     }
+}
+
+/// Checks a fused LM head's gradients in host memory: the first entry that is not
+/// finite (a sum over the vocabulary or the tokens can leave f32 even where every
+/// logit's gradient is in range, e.g. with an extreme `grad_output`) is an
+/// [`Error::OutOfRange`] at its token row (`dhidden`) or vocabulary row (`dweight`,
+/// `dbias`).
+pub fn check_linear_grads(grads: &LinearGrads, hidden_size: usize, seq_len: usize) -> Result<()> {
+    let h = hidden_size.max(1);
+    let first_bad = |xs: &[f32]| xs.iter().position(|x| !x.is_finite());
+    if let Some(k) = first_bad(&grads.dhidden) {
+        return Err(out_of_range(
+            k / h,
+            seq_len,
+            "dhidden",
+            grads.dhidden[k] as f64,
+        ));
+    }
+    let bad_head = |k: usize, row: usize, quantity, value: f32| Error::OutOfRange {
+        row: k / row,
+        position: None,
+        quantity,
+        value: value as f64,
+    };
+    if let Some(k) = first_bad(&grads.dweight) {
+        return Err(bad_head(k, h, "dweight", grads.dweight[k]));
+    }
+    if let Some((k, b)) = grads
+        .dbias
+        .as_deref()
+        .and_then(|b| Some((first_bad(b)?, b)))
+    {
+        return Err(bad_head(k, 1, "dbias", b[k]));
+    }
+    Ok(())
 }
 
 /// Bound on `|dz_j|` of a row whose gradient is
@@ -142,8 +177,7 @@ mod tests {
             err,
             Error::OutOfRange {
                 row: 2,
-                seq: 1,
-                pos: 0,
+                position: Some((1, 0)),
                 quantity: "dlogp",
                 value: f64::INFINITY
             }
