@@ -250,7 +250,8 @@ fn a_damaged_checkpoint_is_an_error_and_the_previous_one_is_kept() {
     );
     let last = dir.join("checkpoint-7.safetensors");
     let good = std::fs::read(&last).unwrap();
-    let cases: Vec<(&str, Box<dyn Fn()>)> = vec![
+    type Damage<'a> = Box<dyn Fn() + 'a>;
+    let cases: Vec<(&str, Damage)> = vec![
         (
             "is corrupted: checksum",
             Box::new(|| {
