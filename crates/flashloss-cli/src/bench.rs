@@ -49,7 +49,12 @@ fn single(cfg: Result<BenchConfig>, threads: Option<usize>, json: Option<PathBuf
     let bar = ProgressBar::new(0).with_style(
         ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} steps").expect("template"),
     );
+    // A stage (total 0) is a line on stderr at once, whether or not the bar is drawn.
     let mut progress = |label: &str, done: usize, total: usize| {
+        if total == 0 {
+            bar.suspend(|| eprintln!("bench: {label}"));
+            return;
+        }
         bar.set_length(total as u64);
         bar.set_position(done as u64);
         bar.set_message(label.to_string());

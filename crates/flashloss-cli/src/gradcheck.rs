@@ -38,7 +38,8 @@ pub fn run(
 
 /// One rank: the report as text or one JSON object.
 fn single(cfg: Result<GradcheckConfig>, json: bool, threads: Option<usize>) -> ExitCode {
-    let report = cfg.and_then(|cfg| with_threads(threads, || gradcheck::run(&cfg)));
+    let mut note = |msg: &str| eprintln!("gradcheck: {msg}");
+    let report = cfg.and_then(|cfg| with_threads(threads, || gradcheck::run_with(&cfg, &mut note)));
     let report = match report {
         Ok(r) => r,
         Err(e) => {

@@ -5,6 +5,7 @@
 
 use flashloss::batch::{GrpoBatch, GrpoBatchData, LinearInputs, PerSeqOrTokenBuf};
 use flashloss::element::Element;
+use flashloss::memory;
 use flashloss::reference::row_softmax;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -38,6 +39,9 @@ pub struct InputSpec {
     /// Draw an entropy mask (top-entropy tokens): each token is masked out with this
     /// probability, and the last sequence entirely when it is ≥ 0.5. 0: no mask.
     pub entropy_mask_fraction: f64,
+    /// Draw the dense logits `[B, T, V]` (unset where an LM head makes them: old and
+    /// reference logp are then drawn near a uniform policy's).
+    pub draw_logits: bool,
 }
 
 impl Default for InputSpec {
@@ -54,6 +58,7 @@ impl Default for InputSpec {
             per_token_advantages: false,
             policy_mask_fraction: 0.0,
             entropy_mask_fraction: 0.0,
+            draw_logits: true,
         }
     }
 }
@@ -78,18 +83,45 @@ fn logp_of(row: &[f32], id: usize) -> f64 {
 }
 
 impl GrpoInputs {
-    /// Draws inputs from `spec` with a seeded ChaCha8 generator.
+    /// Draws inputs from `spec` with a seeded ChaCha8 generator; panics where
+    /// [`GrpoInputs::try_random`] returns an error (tests).
     pub fn random(spec: &InputSpec, seed: u64) -> Self {
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        Self::try_random(spec, seed).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Draws inputs from `spec` with a seeded ChaCha8 generator. Sizes of zero, a
+    /// `[B, T, V]` that overflows, and logits that cannot be allocated are errors.
+    pub fn try_random(spec: &InputSpec, seed: u64) -> flashloss::Result<Self> {
         let (b, t, v) = (spec.batch, spec.seq_len, spec.vocab);
-        let normal = Normal::new(0.0f64, spec.logit_std.max(1e-3)).expect("std > 0");
-        let mut logits: Vec<f32> = (0..b * t * v)
-            .map(|_| normal.sample(&mut rng) as f32)
-            .collect();
+        if b == 0 || t == 0 || v == 0 {
+            return Err(flashloss::Error::InvalidArgument {
+                arg: "batch",
+                reason: format!("batch, seq_len and vocab must be >= 1, got [B={b}, T={t}, V={v}]"),
+            });
+        }
+        let len = match spec.draw_logits {
+            true => b
+                .checked_mul(t)
+                .and_then(|n| n.checked_mul(v))
+                .unwrap_or(usize::MAX),
+            false => 0,
+        };
+        let mut logits: Vec<f32> = memory::try_with_capacity("logits [B, T, V]", len)?;
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let normal = Normal::new(0.0f64, spec.logit_std.max(1e-3)).map_err(|e| {
+            flashloss::Error::InvalidArgument {
+                arg: "logit_std",
+                reason: format!("{e}, got {}", spec.logit_std),
+            }
+        })?;
+        logits.extend((0..len).map(|_| normal.sample(&mut rng) as f32));
         let mut target_ids = vec![0i64; b * t];
         for (i, id) in target_ids.iter_mut().enumerate() {
             *id = rng.random_range(0..v) as i64;
-            logits[i * v + *id as usize] += rng.random_range(1.0..5.0f32);
+            let lift = rng.random_range(1.0..5.0f32);
+            if let Some(z) = logits.get_mut(i * v + *id as usize) {
+                *z += lift;
+            }
         }
         let mut mask = vec![false; b * t];
         for seq in 0..b {
@@ -107,7 +139,10 @@ impl GrpoInputs {
             PerSeqOrTokenBuf::Sequence(advantages)
         };
         let logp: Vec<f64> = (0..b * t)
-            .map(|i| logp_of(&logits[i * v..(i + 1) * v], target_ids[i] as usize))
+            .map(|i| match logits.get(i * v..(i + 1) * v) {
+                Some(row) => logp_of(row, target_ids[i] as usize),
+                None => -(v as f64).ln(),
+            })
             .collect();
         let mut near = |on: bool, std: f64| {
             on.then(|| {
@@ -143,7 +178,7 @@ impl GrpoInputs {
             }
             keep
         });
-        GrpoInputs {
+        Ok(GrpoInputs {
             vocab: v,
             logits,
             data: GrpoBatchData {
@@ -158,7 +193,7 @@ impl GrpoInputs {
                 policy_mask,
                 entropy_mask,
             },
-        }
+        })
     }
 
     /// Sets old and reference logp near the policy of dense f64 logits `z` `[B·T, V]`
@@ -236,25 +271,43 @@ pub struct HeadInputs<E> {
 }
 
 impl<E: Element> HeadInputs<E> {
-    /// Draws a head with a seeded ChaCha8 generator.
+    /// Draws a head with a seeded ChaCha8 generator; panics where
+    /// [`HeadInputs::try_random`] returns an error (tests).
     pub fn random(n: usize, h: usize, v: usize, bias: bool, seed: u64) -> Self {
+        Self::try_random(n, h, v, bias, seed).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Draws a head with a seeded ChaCha8 generator; a head that cannot be allocated
+    /// is an error.
+    pub fn try_random(
+        n: usize,
+        h: usize,
+        v: usize,
+        bias: bool,
+        seed: u64,
+    ) -> flashloss::Result<Self> {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        let mut draw = |len: usize, scale: f32| -> Vec<E> {
-            (0..len)
-                .map(|_| E::from_f32(rng.random_range(-1.0..1.0f32) * scale))
-                .collect()
+        let mut draw = |what: &str, len: Option<usize>, scale: f32| -> flashloss::Result<Vec<E>> {
+            let len = len.unwrap_or(usize::MAX);
+            let mut out = memory::try_with_capacity(what, len)?;
+            out.extend((0..len).map(|_| E::from_f32(rng.random_range(-1.0..1.0f32) * scale)));
+            Ok(out)
         };
-        let hidden = draw(n * h, 1.0);
-        let weight = draw(v * h, 3.0 / (h as f32).sqrt());
-        let bias = bias.then(|| draw(v, 0.5));
-        HeadInputs {
+        let hidden = draw("hidden [N, H]", n.checked_mul(h), 1.0)?;
+        let weight = draw("weight [V, H]", v.checked_mul(h), 3.0 / (h as f32).sqrt())?;
+        let bias = if bias {
+            Some(draw("bias [V]", Some(v), 0.5)?)
+        } else {
+            None
+        };
+        Ok(HeadInputs {
             hidden,
             weight,
             bias,
             n,
             h,
             v,
-        }
+        })
     }
 
     /// Hidden rows `rows` with the whole weight and bias (a token-parallel rank's share).

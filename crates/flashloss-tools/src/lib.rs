@@ -13,6 +13,7 @@
 #![warn(missing_docs)]
 
 pub mod bench;
+pub mod checks;
 pub mod config_file;
 pub mod error;
 pub mod gpu_bench;

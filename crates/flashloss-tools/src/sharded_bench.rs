@@ -84,6 +84,7 @@ pub struct RankBench {
 /// Runs the sharded bench on `ranks` in-process ranks of `threads` threads each.
 pub fn run(cfg: &BenchConfig, ranks: usize, threads: usize) -> crate::Result<Vec<RankBench>> {
     // Checked before spawning: with no rank there would be nobody to say so.
+    cfg.check_plan()?;
     cfg.parallel
         .grid_shape(ranks, cfg.vocab_groups, cfg.batch, cfg.vocab)?;
     let results = run_in_process(ranks, TIMEOUT, |comm| {
@@ -99,6 +100,8 @@ pub fn run_on(
     comm: &dyn Collective,
     threads: usize,
 ) -> crate::Result<Vec<RankBench>> {
+    // The same config on every rank: the same verdict, no collective needed.
+    cfg.validate()?;
     let mine = run_rank(cfg, comm, threads, "mpi")?;
     let json = serde_json::to_vec(&mine).expect("serializable");
     let gathered = comm.all_gather_bytes(&json)?;
@@ -190,6 +193,7 @@ impl<E: Element> RankInputs<E> {
             seq_len: t,
             vocab: cfg.vocab,
             masked_fraction: 0.0,
+            draw_logits: false,
             ..InputSpec::default()
         };
         let mut all = GrpoInputs::random(&spec, cfg.seed);

@@ -52,6 +52,13 @@ fn key(m: &StepMetrics) -> String {
     serde_json::to_string(&m).unwrap()
 }
 
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap().flatten() {
+        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+    }
+}
+
 fn read_metrics(dir: &Path) -> Vec<StepMetrics> {
     std::fs::read_to_string(dir.join("metrics.jsonl"))
         .unwrap()
@@ -130,15 +137,7 @@ fn an_interrupted_run_resumes_with_no_lost_step() {
     trainer
         .run(|m| {
             if m.step == 4 {
-                std::fs::create_dir_all(&saved).unwrap();
-                for f in [
-                    "checkpoint.json",
-                    "checkpoint.safetensors",
-                    "metrics.jsonl",
-                    "config.yaml",
-                ] {
-                    std::fs::copy(cut.join(f), saved.join(f)).unwrap();
-                }
+                copy_dir(&cut, &saved);
             }
         })
         .unwrap();
@@ -197,4 +196,100 @@ fn bad_configs_are_errors_naming_the_key() {
     c.model.config.vocab_size = 10;
     let e = Trainer::new(c).err().unwrap().to_string();
     assert!(e.contains("vocab_size"), "{e}");
+}
+
+#[test]
+fn a_resume_refuses_a_config_that_changes_the_run() {
+    let dir = tmp("config_check");
+    run(small(&dir, LossImpl::Fused));
+    let mut changed = small(&dir, LossImpl::Fused);
+    changed.steps += 2;
+    changed.loss.grpo.beta = 0.1;
+    let e = Trainer::new(changed).err().unwrap().to_string();
+    assert!(e.contains("`loss.grpo.beta`"), "{e}");
+    let mut changed = small(&dir, LossImpl::Fused);
+    changed.grpo.lr *= 2.0;
+    let e = Trainer::new(changed).err().unwrap().to_string();
+    assert!(e.contains("`grpo.lr`"), "{e}");
+    // More steps, another checkpoint interval: the same run, continued.
+    let mut longer = small(&dir, LossImpl::Fused);
+    longer.steps += 2;
+    longer.checkpoint_every = 3;
+    let more = run(longer);
+    assert_eq!(more.len(), 2);
+    assert_eq!(read_metrics(&dir).len(), 9);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn a_damaged_checkpoint_is_an_error_and_the_previous_one_is_kept() {
+    let dir = tmp("damaged");
+    run(small(&dir, LossImpl::Fused));
+    let files = || {
+        let mut f: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().to_string())
+            .collect();
+        f.sort();
+        f
+    };
+    // The last checkpoint (7 steps) and the previous one (6 steps) are both there.
+    let before = files();
+    assert!(
+        before.contains(&"checkpoint-7.safetensors".to_string()),
+        "{before:?}"
+    );
+    assert!(
+        before.contains(&"checkpoint-6.safetensors".to_string()),
+        "{before:?}"
+    );
+    assert!(
+        before.contains(&"checkpoint.prev.json".to_string()),
+        "{before:?}"
+    );
+    let last = dir.join("checkpoint-7.safetensors");
+    let good = std::fs::read(&last).unwrap();
+    type Damage<'a> = Box<dyn Fn() + 'a>;
+    let cases: Vec<(&str, Damage)> = vec![
+        (
+            "is corrupted: checksum",
+            Box::new(|| {
+                let mut b = good.clone();
+                let k = b.len() / 2;
+                b[k] ^= 0x40;
+                std::fs::write(&last, b).unwrap();
+            }),
+        ),
+        (
+            "is truncated or damaged",
+            Box::new(|| std::fs::write(&last, &good[..good.len() / 3]).unwrap()),
+        ),
+        (
+            "checkpoint.json is corrupted",
+            Box::new(|| {
+                std::fs::write(&last, &good).unwrap();
+                std::fs::write(dir.join("checkpoint.json"), b"{\"done\": 7, \"adam_t").unwrap();
+            }),
+        ),
+    ];
+    for (msg, damage) in cases {
+        damage();
+        let e = Trainer::new(small(&dir, LossImpl::Fused))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains(msg), "{msg}: {e}");
+        assert!(e.contains("previous checkpoint (after 6 steps)"), "{e}");
+        assert_eq!(files(), before, "{msg}: nothing removed");
+    }
+    // The previous checkpoint resumes: the steps after it run again, as before.
+    std::fs::copy(
+        dir.join("checkpoint.prev.json"),
+        dir.join("checkpoint.json"),
+    )
+    .unwrap();
+    let resumed = Trainer::new(small(&dir, LossImpl::Fused)).unwrap();
+    assert_eq!(resumed.done, 6);
+    std::fs::remove_dir_all(dir).unwrap();
 }

@@ -16,6 +16,7 @@ use crate::fused::{
 };
 use crate::grpo_logits::GrpoLogitsForward;
 use crate::policy::Normalizers;
+use crate::range::check_linear_grads;
 use crate::rows::RowStats;
 #[cfg(feature = "cuda")]
 use std::sync::Arc;
@@ -109,6 +110,7 @@ impl Device {
         let (out, grads) = self.with_head(inputs, |head| {
             fused::grpo_linear(head, loss, batch, norm, opts)
         })?;
+        check_linear_grads(&grads, inputs.hidden_size, batch.seq_len)?;
         Ok(GrpoLinearOutput { grads, ..out })
     }
 
@@ -125,6 +127,7 @@ impl Device {
         let (out, grads) = self.with_head(inputs, |head| {
             fused::ce_linear(head, ce, targets, grad_rows, opts)
         })?;
+        check_linear_grads(&grads, inputs.hidden_size, targets.len())?;
         Ok(CeLinearOutput { grads, ..out })
     }
 

@@ -76,6 +76,34 @@ pub enum Error {
         /// The target id.
         id: i64,
     },
+    /// A valid input whose loss, gradient or statistic lies beyond the f32 range at a
+    /// row (spec: "Numeric range"): the kernel stops before writing any gradient.
+    #[error(
+        "{quantity} = {value:e} at row {row}{} is beyond the f32 range (|x| <= 3.4e38); the policy is too far from its old/reference log-probs, or the logits, temperature or grad_output too extreme",
+        position_text(*.position)
+    )]
+    OutOfRange {
+        /// Flat token row (for `dweight` and `dbias`: the LM head's vocabulary row).
+        row: usize,
+        /// `(sequence b, position t)` of a token row.
+        position: Option<(usize, usize)>,
+        /// Which quantity: `loss`, `loss (running sum)`, `kl`, `dlogp`, `dentropy`,
+        /// `dlogits`, `dhidden`, `dweight`, `dbias`.
+        quantity: &'static str,
+        /// Its value (f64, or the f32 it became).
+        value: f64,
+    },
+    /// An allocation whose size the input decides cannot be served: more bytes than
+    /// the machine has available, or than an address space holds.
+    #[error("out of memory: {what} needs {bytes} bytes ({:.2} GiB), {}", *.bytes as f64 / 1073741824.0, available_text(*.available))]
+    OutOfMemory {
+        /// What was being allocated, e.g. `logits [B, T, V]`.
+        what: String,
+        /// Bytes asked (`u64::MAX` when the size overflows).
+        bytes: u64,
+        /// Bytes available (Linux `MemAvailable`, or the device's free memory), if known.
+        available: Option<u64>,
+    },
     /// The CUDA backend could not run: no driver or NVRTC library, a failed CUDA call, or
     /// a kernel that did not compile (what failed and why).
     #[error("cuda: {reason}")]
@@ -98,6 +126,20 @@ pub enum Error {
         /// Its error.
         reason: String,
     },
+}
+
+fn position_text(position: Option<(usize, usize)>) -> String {
+    match position {
+        Some((b, t)) => format!(" (sequence {b}, position {t})"),
+        None => " of the LM head".into(),
+    }
+}
+
+fn available_text(available: Option<u64>) -> String {
+    match available {
+        Some(b) => format!("{b} bytes ({:.2} GiB) available", b as f64 / 1073741824.0),
+        None => "available memory unknown".into(),
+    }
 }
 
 /// The crate's result type.

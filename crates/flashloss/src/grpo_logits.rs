@@ -19,6 +19,7 @@ use crate::fused::sharded::{global_normalizers, reduce_policy_outputs};
 use crate::fused::two_pass::{VocabSplit, merge_partial};
 use crate::fused::{Grid, Shard};
 use crate::policy::{GrpoMetrics, Normalizers, policy_stage};
+use crate::range::{check_grad_coefs, check_policy_rows};
 use crate::rows::{PartialStats, RowInputs, RowStats, RowTransform, check_row_stats};
 
 /// The forward's outputs, and what the backward needs (O(N) in all).
@@ -63,18 +64,23 @@ impl GrpoLogitsForward {
         batch.validate(vocab, loss)
     }
 
-    /// The forward from any backend's per-row statistics: runs the policy stage.
+    /// The forward from any backend's per-row statistics: runs the policy stage and
+    /// checks its per-row outputs against the f32 range (spec: "Numeric range"; the
+    /// gradient's bound is checked by the backward, which knows `grad_output`).
     pub(crate) fn from_stats(
         loss: &GrpoLoss,
         batch: &GrpoBatch,
         norm: Normalizers,
         stats: Vec<RowStats>,
         layout: &LogitsLayout,
-    ) -> Self {
+    ) -> Result<Self> {
         let logp: Vec<f32> = stats.iter().map(|s| s.logp).collect();
         let entropy: Vec<f32> = stats.iter().map(|s| s.entropy).collect();
         let policy = policy_stage(loss, batch, norm, &logp, &entropy);
-        GrpoLogitsForward {
+        let live = |i: usize| batch.mask[i];
+        let n = batch.rows();
+        check_policy_rows(&policy, |i| entropy[i], 0..n, live, batch.seq_len, None)?;
+        Ok(GrpoLogitsForward {
             loss: policy.loss,
             metrics: policy.metrics,
             stats,
@@ -85,7 +91,7 @@ impl GrpoLogitsForward {
             targets: batch.target_ids.to_vec(),
             layout: *layout,
             transform: RowTransform::grpo(loss),
-        }
+        })
     }
 
     /// `∂L/∂logp_i` per row.
@@ -98,7 +104,8 @@ impl GrpoLogitsForward {
         &self.dentropy
     }
 
-    /// Checks a backward's logits length and `grad_output`.
+    /// Checks a backward's logits length and `grad_output`, and that no row's gradient
+    /// can leave the f32 range (spec: "Numeric range").
     pub(crate) fn check(&self, logits_len: usize, grad_output: f32) -> Result<()> {
         self.layout.validate("logits", logits_len)?;
         if !grad_output.is_finite() {
@@ -108,7 +115,9 @@ impl GrpoLogitsForward {
                 value: grad_output as f64,
             });
         }
-        Ok(())
+        let scale = self.transform.grad_scale(grad_output as f64);
+        let seq_len = self.layout.seq_len;
+        check_grad_coefs(&self.dlogp, &self.dentropy, &self.stats, seq_len, scale)
     }
 }
 
@@ -148,7 +157,8 @@ pub(crate) fn grpo_logits_forward_sharded(
         merge_partial(split.comm, &partial, rows.transform.inv_temp)?.finish(&rows, shard.vocab);
     let checked = check_row_stats(&stats, |i| batch.mask[i], batch.target_ids, batch.seq_len);
     agree(grid.world, checked)?;
-    let mut fwd = GrpoLogitsForward::from_stats(loss, batch, norm, stats, layout);
+    let fwd = GrpoLogitsForward::from_stats(loss, batch, norm, stats, layout);
+    let mut fwd = agree(grid.world, fwd)?;
     fwd.targets = targets;
     (fwd.loss, fwd.metrics) = reduce_policy_outputs(
         grid.tokens.as_ref(),

@@ -26,6 +26,7 @@ pub mod fused;
 pub mod grpo_logits;
 pub mod memory;
 pub mod policy;
+pub mod range;
 pub mod reference;
 pub mod rows;
 

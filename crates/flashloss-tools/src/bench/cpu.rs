@@ -109,7 +109,7 @@ fn run_linear<E: Element>(
     let ce = CrossEntropy::new(cfg.ce.clone())?;
     let (n, h, v) = (cfg.tokens, cfg.hidden, cfg.vocab);
     let base = memory::in_use();
-    let (hidden, weight, tokens) = linear_inputs::<E>(cfg, &loss);
+    let (hidden, weight, tokens) = linear_inputs::<E>(cfg, &loss)?;
     let inputs = LinearInputs {
         hidden: &hidden,
         weight: &weight,
@@ -232,7 +232,7 @@ fn run_logits<E: Element>(
     let loss = GrpoLoss::new(cfg.grpo.clone())?;
     let (n, v) = (cfg.tokens, cfg.vocab);
     let base = memory::in_use();
-    let mut inputs = token_inputs(cfg);
+    let mut inputs = token_inputs(cfg)?;
     let logits: Vec<E> = std::mem::take(&mut inputs.logits)
         .into_iter()
         .map(E::from_f32)

@@ -1,23 +1,25 @@
 //! The inputs of a bench: one sequence of per-token GRPO inputs, and for level
 //! `linear` hidden states and an LM head drawn from normals (never zeros).
 
-use super::config::BenchConfig;
+use super::config::{BenchConfig, Level};
 use crate::inputs::{GrpoInputs, InputSpec};
-use flashloss::{Element, GrpoLoss};
+use flashloss::{Element, GrpoLoss, memory};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Normal};
 
-/// Per-token GRPO inputs of one sequence of N tokens over V (logits not kept).
-pub(crate) fn token_inputs(cfg: &BenchConfig) -> GrpoInputs {
+/// Per-token GRPO inputs of one sequence of N tokens over V, with the logits `[N, V]`
+/// at level `logits` only (an LM head makes them at level `linear`).
+pub(crate) fn token_inputs(cfg: &BenchConfig) -> flashloss::Result<GrpoInputs> {
     let spec = InputSpec {
         batch: 1,
         seq_len: cfg.tokens,
         vocab: cfg.vocab,
         masked_fraction: 0.0,
+        draw_logits: cfg.level == Level::Logits,
         ..InputSpec::default()
     };
-    GrpoInputs::random(&spec, cfg.seed)
+    GrpoInputs::try_random(&spec, cfg.seed)
 }
 
 /// The inputs of a level-`linear` bench: hidden `[N, H]` ~ N(0, 1), weight `[V, H]`
@@ -26,20 +28,18 @@ pub(crate) fn token_inputs(cfg: &BenchConfig) -> GrpoInputs {
 pub(crate) fn linear_inputs<E: Element>(
     cfg: &BenchConfig,
     loss: &GrpoLoss,
-) -> (Vec<E>, Vec<E>, GrpoInputs) {
+) -> flashloss::Result<(Vec<E>, Vec<E>, GrpoInputs)> {
     let (n, h, v) = (cfg.tokens, cfg.hidden, cfg.vocab);
     let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed);
     let normal = Normal::new(0.0f32, 1.0).expect("valid");
     let w_scale = 2.0 / (h as f32).sqrt();
-    let hidden: Vec<E> = (0..n * h)
-        .map(|_| E::from_f32(normal.sample(&mut rng)))
-        .collect();
-    let weight: Vec<E> = (0..v * h)
-        .map(|_| E::from_f32(normal.sample(&mut rng) * w_scale))
-        .collect();
-    let mut tokens = token_inputs(cfg);
+    let mut hidden: Vec<E> = memory::try_with_capacity("hidden [N, H]", n * h)?;
+    hidden.extend((0..n * h).map(|_| E::from_f32(normal.sample(&mut rng))));
+    let mut weight: Vec<E> = memory::try_with_capacity("weight [V, H]", v * h)?;
+    weight.extend((0..v * h).map(|_| E::from_f32(normal.sample(&mut rng) * w_scale)));
+    let mut tokens = token_inputs(cfg)?;
     on_policy_head_step(&mut tokens, loss);
-    (hidden, weight, tokens)
+    Ok((hidden, weight, tokens))
 }
 
 /// Per-token inputs of a benched LM-head step: no logits (the head makes them),

@@ -190,6 +190,7 @@ impl GradcheckConfig {
             per_token_advantages: self.per_token_advantages,
             policy_mask_fraction: self.policy_mask_fraction,
             entropy_mask_fraction: self.entropy_mask_fraction,
+            draw_logits: true,
         }
     }
 }

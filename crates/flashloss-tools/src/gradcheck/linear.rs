@@ -21,7 +21,7 @@ pub(super) fn check_linear<E: Element>(cfg: &GradcheckConfig) -> Result<Gradchec
         tokens,
         z,
         opts,
-    } = LinearCase::<E>::new(cfg);
+    } = LinearCase::<E>::new(cfg)?;
     let inputs = head.inputs();
     let tol = cfg.tolerance.resolved(E::DTYPE);
     let device = cfg.device.open()?;
@@ -126,20 +126,20 @@ pub(crate) struct LinearCase<E> {
 }
 
 impl<E: Element> LinearCase<E> {
-    pub(crate) fn new(cfg: &GradcheckConfig) -> Self {
+    pub(crate) fn new(cfg: &GradcheckConfig) -> flashloss::Result<Self> {
         let (n, h, v) = (cfg.batch * cfg.seq_len, cfg.hidden, cfg.vocab);
-        let head = HeadInputs::<E>::random(n, h, v, cfg.bias, cfg.seed);
-        let mut tokens = GrpoInputs::random(&cfg.input_spec(), cfg.seed + 1);
+        let head = HeadInputs::<E>::try_random(n, h, v, cfg.bias, cfg.seed)?;
+        let mut tokens = GrpoInputs::try_random(&cfg.input_spec(), cfg.seed + 1)?;
         tokens.logits = Vec::new();
         let z = linear_logits(&head.inputs());
         tokens.follow_policy(&z, cfg.loss.temperature);
         let opts = FusedOptions::from_mib(cfg.mode, cfg.budget_mib, cfg.grad_output as f32);
-        LinearCase {
+        Ok(LinearCase {
             head,
             tokens,
             z,
             opts,
-        }
+        })
     }
 }
 

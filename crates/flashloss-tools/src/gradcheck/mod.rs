@@ -22,6 +22,28 @@ pub use report::{Gate, GradcheckReport};
 
 /// Runs gradcheck as configured.
 pub fn run(cfg: &GradcheckConfig) -> Result<GradcheckReport> {
+    run_with(cfg, &mut |_| {})
+}
+
+/// [`run`], telling `note` what it is doing: the config and the memory plan are
+/// checked first ([`GradcheckConfig::check_plan`]), before any input is drawn.
+pub fn run_with(cfg: &GradcheckConfig, note: &mut dyn FnMut(&str)) -> Result<GradcheckReport> {
+    let planned = cfg.check_plan()?;
+    note(&format!(
+        "{:?} {:?} [B={}, T={}, V={}{}] {:?}: drawing inputs, running the kernel and the f64 reference (about {:.1} MiB)",
+        cfg.kernel,
+        cfg.objective,
+        cfg.batch,
+        cfg.seq_len,
+        cfg.vocab,
+        if cfg.kernel == Kernel::Linear {
+            format!(", H={}", cfg.hidden)
+        } else {
+            String::new()
+        },
+        cfg.dtype,
+        planned as f64 / 1048576.0
+    ));
     match (cfg.kernel, cfg.objective) {
         (Kernel::Logits, Objective::Ce) => Err(Error::from(flashloss::Error::InvalidArgument {
             arg: "objective",
@@ -29,7 +51,7 @@ pub fn run(cfg: &GradcheckConfig) -> Result<GradcheckReport> {
         })),
         (Kernel::Logits, Objective::Grpo) => {
             let loss = GrpoLoss::new(cfg.loss.clone())?;
-            let inputs = GrpoInputs::random(&cfg.input_spec(), cfg.seed);
+            let inputs = GrpoInputs::try_random(&cfg.input_spec(), cfg.seed)?;
             match cfg.dtype {
                 DType::F32 => check_inputs(cfg, &loss, &inputs, inputs.logits.clone()),
                 DType::Bf16 => {

@@ -40,7 +40,7 @@ pub(super) struct Check<'c, E> {
 
 impl<'c, E: Element> Check<'c, E> {
     pub(super) fn new(cfg: &'c GradcheckConfig) -> Result<Self> {
-        let case = LinearCase::<E>::new(cfg);
+        let case = LinearCase::<E>::new(cfg)?;
         let grpo = GrpoLoss::new(cfg.loss.clone())?;
         let ce = CrossEntropy::new(cfg.ce.clone())?;
         let targets = ce_targets(&case.tokens, &ce);

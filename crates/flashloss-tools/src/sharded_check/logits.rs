@@ -26,7 +26,7 @@ impl<'c, E: Element> LogitsCheck<'c, E> {
     /// The inputs gradcheck draws for kernel `logits`, and one rank's run on them.
     pub(super) fn new(cfg: &'c GradcheckConfig) -> Result<Self> {
         let loss = GrpoLoss::new(cfg.loss.clone())?;
-        let inputs = GrpoInputs::random(&cfg.input_spec(), cfg.seed);
+        let inputs = GrpoInputs::try_random(&cfg.input_spec(), cfg.seed)?;
         let logits: Vec<E> = inputs.logits.iter().map(|&x| E::from_f32(x)).collect();
         let batch = inputs.batch();
         let layout = LogitsLayout::contiguous(batch.batch, batch.seq_len, inputs.vocab);

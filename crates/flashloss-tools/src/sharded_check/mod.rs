@@ -39,6 +39,7 @@ pub struct RankReport {
 /// Runs the sharded check on `ranks` in-process ranks; one result per rank (a failure
 /// on any rank is the same error on all).
 pub fn run(cfg: &GradcheckConfig, ranks: usize) -> crate::Result<Vec<crate::Result<RankReport>>> {
+    cfg.check_plan()?;
     check_ranks(cfg, ranks)?;
     let results = match (cfg.kernel, cfg.dtype) {
         (Kernel::Linear, DType::F32) => {
@@ -73,6 +74,8 @@ pub fn timeout(cfg: &GradcheckConfig) -> Duration {
 /// rank of `comm` calls it; an injected `exit` fault ends this process). A bad config
 /// is the same error on every rank.
 pub fn run_on(cfg: &GradcheckConfig, comm: &dyn Collective) -> crate::Result<RankReport> {
+    // The same config on every rank: the same verdict, no collective needed.
+    cfg.validate()?;
     if cfg
         .fault
         .is_some_and(|f| f.rank == comm.rank() && f.kind == FaultKind::Exit)

@@ -47,7 +47,7 @@ pub fn grpo_linear_baseline_into<E: Element>(
 ) -> Result<f64> {
     inputs.validate()?;
     grads.check(inputs)?;
-    head_logits(inputs, None, ws);
+    head_logits(inputs, None, ws)?;
     let layout = LogitsLayout::contiguous(batch.batch, batch.seq_len, inputs.vocab);
     let value = grpo_logits_unfused_into(
         loss,
@@ -82,14 +82,14 @@ pub fn ce_linear_baseline_into<E: Element>(
     let count = live.iter().filter(|&&l| l).count();
     let weight = ce.row_weight(count);
     let upstream = weight * grad_output as f64;
-    head_logits(inputs, c.softcap.map(|x| x as f32), ws);
+    head_logits(inputs, c.softcap.map(|x| x as f32), ws)?;
     let transform = RowTransform::ce(ce);
     let inv_temp = transform.inv_temp;
     let eps = c.label_smoothing as f32;
     let logp = &mut ws.unfused.log_probs;
-    logp.resize(n * v, 0.0);
+    crate::memory::try_resize(logp, "log_softmax [N, V]", n * v, 0.0)?;
     let dlogits = &mut ws.unfused.dlogits;
-    dlogits.resize(n * v, 0.0);
+    crate::memory::try_resize(dlogits, "dlogits [N, V]", n * v, 0.0)?;
     let inv_cap = transform.inv_cap();
     let row_loss: Vec<f64> = ws
         .logits
@@ -133,7 +133,7 @@ fn head_logits<E: Element>(
     inputs: &LinearInputs<E>,
     softcap: Option<f32>,
     ws: &mut BaselineWorkspace,
-) {
+) -> Result<()> {
     let (n, h, v) = (inputs.tokens, inputs.hidden_size, inputs.vocab);
     let widen = |m: &[E], buf: &mut Vec<f32>| {
         buf.clear();
@@ -142,7 +142,8 @@ fn head_logits<E: Element>(
     widen(inputs.hidden, &mut ws.hidden);
     widen(inputs.weight, &mut ws.weight);
     if ws.logits.len() != n * v {
-        ws.logits = vec![0.0f32; n * v];
+        ws.logits = Vec::new();
+        crate::memory::try_resize(&mut ws.logits, "logits [N, V]", n * v, 0.0)?;
     }
     matmul(
         &mut ws.logits,
@@ -161,6 +162,7 @@ fn head_logits<E: Element>(
             row.iter_mut().for_each(|z| *z = cap * (*z / cap).tanh());
         });
     }
+    Ok(())
 }
 
 /// `dH = dZ·W`, `dW = dZᵀ·H`, `dbias = Σ_rows dZ`, written into `grads`.

@@ -44,9 +44,7 @@ pub fn grpo_logits_forward_with<E: Element>(
         Some(batch.mask),
         loss.config().temperature,
     )?;
-    Ok(GrpoLogitsForward::from_stats(
-        loss, batch, norm, stats, layout,
-    ))
+    GrpoLogitsForward::from_stats(loss, batch, norm, stats, layout)
 }
 
 /// The logits-level GRPO forward on a [`Grid`] of ranks: this rank's token group's

@@ -9,6 +9,7 @@ use crate::config::GrpoLoss;
 use crate::element::Element;
 use crate::error::Result;
 use crate::policy::{Normalizers, policy_stage};
+use crate::range::check_policy_rows;
 use crate::rows::RowTransform;
 use rayon::prelude::*;
 
@@ -22,12 +23,12 @@ pub struct UnfusedWorkspace {
     pub dlogits: Vec<f32>,
 }
 
-fn sized(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
+fn sized<'a>(buf: &'a mut Vec<f32>, what: &str, len: usize) -> Result<&'a mut [f32]> {
     if buf.len() != len {
         *buf = Vec::new();
-        buf.resize(len, 0.0);
+        crate::memory::try_resize(buf, what, len, 0.0)?;
     }
-    buf
+    Ok(buf)
 }
 
 /// Loss and `grad_output · ∂L/∂z` (dense `[N, V]` f32) by the unfused path.
@@ -59,7 +60,7 @@ pub fn grpo_logits_unfused_into<E: Element>(
     let inv_temp = transform.inv_temp;
 
     // log_softmax(z / T), materialized.
-    let log_probs = sized(&mut ws.log_probs, n * v);
+    let log_probs = sized(&mut ws.log_probs, "log_softmax [N, V]", n * v)?;
     log_probs.par_chunks_mut(v).enumerate().for_each(|(i, lp)| {
         let start = layout.offset(i);
         simd::load_scaled(&logits[start..start + v], inv_temp, lp);
@@ -69,7 +70,7 @@ pub fn grpo_logits_unfused_into<E: Element>(
         lp.iter_mut().for_each(|x| *x -= lse);
     });
     // softmax, materialized.
-    let probs = sized(&mut ws.probs, n * v);
+    let probs = sized(&mut ws.probs, "softmax [N, V]", n * v)?;
     probs
         .par_chunks_mut(v)
         .zip(log_probs.par_chunks(v))
@@ -93,11 +94,21 @@ pub fn grpo_logits_unfused_into<E: Element>(
         })
         .unzip();
     let policy = policy_stage(loss, batch, Normalizers::local(batch), &logp, &entropy);
+    let scale = transform.grad_scale(grad_output as f64);
+    let live = |i: usize| batch.mask[i];
+    check_policy_rows(
+        &policy,
+        |i| entropy[i],
+        0..n,
+        live,
+        batch.seq_len,
+        Some(scale),
+    )?;
 
     // dlogits = (g/T)·[dlogp·(onehot - p) - dentropy·p·(log p + H)], materialized.
     let scale = grad_output * inv_temp;
     let (log_probs, probs) = (&ws.log_probs, &ws.probs);
-    let dlogits = sized(&mut ws.dlogits, n * v);
+    let dlogits = sized(&mut ws.dlogits, "dlogits [N, V]", n * v)?;
     dlogits.par_chunks_mut(v).enumerate().for_each(|(i, dz)| {
         let (p, lp) = (&probs[i * v..(i + 1) * v], &log_probs[i * v..(i + 1) * v]);
         let (dlogp, dent, h) = (policy.dlogp[i], policy.dentropy[i], entropy[i]);

@@ -10,6 +10,7 @@ use super::plan::{FusedOptions, Plan};
 use super::two_pass::{VocabSplit, grads_pass, stats_pass};
 use crate::cross_entropy::CrossEntropy;
 use crate::error::{Error, Result};
+use crate::range::check_ce_row;
 use crate::rows::{RowInputs, RowStats, RowTransform, check_row_stats, check_targets};
 
 /// Loss, per-row outputs and the LM head's gradients.
@@ -207,6 +208,10 @@ impl<'a> CeRows<'a> {
                 (1.0 - c.label_smoothing) * -(st.logp as f64) + c.label_smoothing * smooth + z_term;
             row_loss[i] = value as f32;
             loss += self.row_weight(i) * value;
+            let coef = self.row_grad(i, st);
+            let coef =
+                (coef.coef_p.abs() + coef.coef_uniform.abs() + coef.coef_target.abs()) as f64;
+            check_ce_row(i, value, loss, coef, n.max(1))?;
             z_loss += self.row_weight(i) * z_term;
         }
         Ok(CeLinearOutput {

@@ -13,6 +13,7 @@ use crate::batch::{GrpoBatch, HeadShape};
 use crate::config::GrpoLoss;
 use crate::error::{Error, Result};
 use crate::policy::{GrpoMetrics, Normalizers, PolicyOutput, policy_rows, policy_stage};
+use crate::range::check_policy_rows;
 use crate::rows::{RowInputs, RowStats, RowTransform, check_row_stats};
 use std::ops::Range;
 
@@ -133,12 +134,19 @@ pub(crate) fn grpo_linear_checked(
         let logp: Vec<f32> = stats.iter().map(|s| s.logp).collect();
         let entropy: Vec<f32> = stats.iter().map(|s| s.entropy).collect();
         let policy = policy_stage(loss, batch, norm, &logp, &entropy);
+        let live = |i: usize| batch.mask[i];
+        let (n, t) = (batch.rows(), batch.seq_len);
+        check_row_stats(&stats, live, batch.target_ids, t)?;
+        check_policy_rows(&policy, |i| entropy[i], 0..n, live, t, Some(scale as f64))?;
         let grads = row_grads(0..batch.rows(), &stats, &policy, batch.target_ids, scale);
         grads_pass(passes.as_mut(), grads, split)?;
         (stats, policy)
     };
     drop(passes);
-    check_row_stats(&stats, |i| batch.mask[i], batch.target_ids, batch.seq_len)?;
+    let live = |i: usize| batch.mask[i];
+    check_row_stats(&stats, live, batch.target_ids, batch.seq_len)?;
+    let entropy = |i: usize| stats[i].entropy;
+    check_policy_rows(&policy, entropy, 0..batch.rows(), live, batch.seq_len, None)?;
     Ok(GrpoLinearOutput {
         loss: policy.loss,
         metrics: policy.metrics,
@@ -162,6 +170,9 @@ fn single_pass(
     let mut policy = PolicyOutput::new(n);
     let mut logp = vec![0.0f32; n];
     let mut entropy = vec![0.0f32; n];
+    // The first row out of range (spec: "Numeric range"): from there on no gradient is
+    // added, and the error is returned once the pass ends.
+    let mut out_of_range: Option<Error> = None;
     let mut grads_of = |rows: Range<usize>, stats: &[RowStats]| {
         for i in rows.clone() {
             logp[i] = stats[i].logp;
@@ -176,9 +187,27 @@ fn single_pass(
             rows.clone(),
             &mut policy,
         );
+        if out_of_range.is_none() {
+            // Rows whose statistics are not finite are reported by `check_row_stats`.
+            let finite = |s: &RowStats| s.lse.is_finite() && s.logp.is_finite();
+            let live =
+                |i: usize| batch.mask[i] && finite(&stats[i]) && stats[i].entropy.is_finite();
+            let entropy = |i: usize| stats[i].entropy;
+            let t = batch.seq_len;
+            let checked =
+                check_policy_rows(&policy, entropy, rows.clone(), live, t, Some(scale as f64));
+            out_of_range = checked.err();
+        }
+        if out_of_range.is_some() {
+            return vec![RowGrad::default(); rows.len()];
+        }
         row_grads(rows, stats, &policy, batch.target_ids, scale)
     };
     let stats = passes.single_pass(&mut grads_of)?;
+    if let Some(err) = out_of_range {
+        check_row_stats(&stats, |i| batch.mask[i], batch.target_ids, batch.seq_len)?;
+        return Err(err);
+    }
     policy.finish(batch.mask, &entropy);
     Ok((stats, policy))
 }

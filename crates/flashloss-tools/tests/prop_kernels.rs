@@ -1,0 +1,347 @@
+//! Property tests: every kernel against the f64 reference over random tiny shapes
+//! (N from 1, V = 1..3 and sizes that are multiples of no tile, H from 1, a few rows
+//! past the 2048-wide vocab tile), every loss type and level, the knobs (β, entropy
+//! bonus, temperature, clip ranges, δ, bias correction, sampler ratio, per-token
+//! advantages, soft-cap, label smoothing, z-loss, reductions), random masks (all
+//! masked and one token included), both dtypes, in place or not, both fused modes and
+//! 1-3 threads. Each case passes the spec's gates (gradcheck's) with finite numbers.
+//!
+//! Case counts (per run): 1000 logits-level + 1000 fused GRPO + 1000 fused CE; change them
+//! with `PROPTEST_CASES`. A failure shrinks to a minimal case, which proptest records in
+//! `proptest-regressions/` (replayed first on every run) and which then becomes a
+//! regular test (`regressions` below).
+
+mod common;
+use common::valid_types;
+use flashloss::{CeConfig, DType, GrpoLoss, LogitsLayout, LossConfig, LossType, Mode, Reduction};
+use flashloss_tools::gradcheck::{self, GradcheckConfig, Kernel, Objective};
+use flashloss_tools::inputs::{GrpoInputs, InputSpec};
+use half::bf16;
+use proptest::prelude::*;
+
+fn cases(default: u32) -> ProptestConfig {
+    let n = std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default);
+    ProptestConfig {
+        cases: n,
+        max_shrink_iters: 2000,
+        ..ProptestConfig::default()
+    }
+}
+
+/// A valid GRPO loss config with random knobs, for a batch of `seq_len` tokens.
+#[derive(Debug, Clone)]
+struct Knobs {
+    kind: usize,
+    beta: bool,
+    entropy: bool,
+    temperature: f64,
+    eps_low: f64,
+    eps_high: f64,
+    delta: Option<f64>,
+    bias_correction: bool,
+    num_items: Option<f64>,
+}
+
+fn knobs() -> impl Strategy<Value = Knobs> {
+    (
+        0..valid_types().len(),
+        any::<bool>(),
+        any::<bool>(),
+        prop_oneof![Just(1.0), 0.3f64..2.0],
+        0.0f64..0.5,
+        0.0f64..0.6,
+        proptest::option::of(1.2f64..4.0),
+        any::<bool>(),
+        proptest::option::of(1.0f64..50.0),
+    )
+        .prop_map(
+            |(kind, beta, entropy, temperature, eps_low, eps_high, delta, bc, num_items)| Knobs {
+                kind,
+                beta,
+                entropy,
+                temperature,
+                eps_low,
+                eps_high,
+                delta,
+                bias_correction: bc,
+                num_items,
+            },
+        )
+}
+
+impl Knobs {
+    fn config(&self, seq_len: usize) -> LossConfig {
+        let (t, level) = valid_types()[self.kind];
+        LossConfig {
+            loss_type: t,
+            importance_sampling_level: level,
+            epsilon_low: self.eps_low,
+            epsilon_high: if t == LossType::Cispo {
+                1.0 + 4.0 * self.eps_high
+            } else {
+                self.eps_high
+            },
+            delta: self.delta.filter(|_| t.is_clipped()),
+            beta: if self.beta { 0.04 } else { 0.0 },
+            use_bias_correction_kl: self.bias_correction,
+            temperature: self.temperature,
+            max_completion_length: (t == LossType::DrGrpo).then_some(seq_len + 3),
+            num_items_in_batch: self.num_items,
+            entropy_coef: if self.entropy { 0.01 } else { 0.0 },
+            ..LossConfig::default()
+        }
+    }
+}
+
+/// Tiny shapes: V of 1..3, small odd sizes, or just past the 2048-wide vocab tile.
+fn vocab() -> impl Strategy<Value = usize> {
+    prop_oneof![4 => 1usize..4, 6 => 4usize..48, 1 => 2047usize..2052]
+}
+
+fn in_pool<T: Send>(threads: usize, f: impl FnOnce() -> T + Send) -> T {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .expect("pool")
+        .install(f)
+}
+
+/// One logits-level case: its inputs (mask given per token), old and reference logp
+/// near the kernel's own policy (ratios of e^±0.5 at most).
+#[allow(clippy::too_many_arguments)]
+fn logits_case(
+    b: usize,
+    t: usize,
+    v: usize,
+    knobs: &Knobs,
+    mask: &[bool],
+    seed: u64,
+    per_token: bool,
+    sampler: bool,
+    bf16_dtype: bool,
+    in_place: bool,
+    threads: usize,
+) -> Result<(), TestCaseError> {
+    let loss_cfg = knobs.config(t);
+    let loss = GrpoLoss::new(loss_cfg.clone()).map_err(|e| TestCaseError::fail(e.to_string()))?;
+    let mut x = GrpoInputs::random(
+        &InputSpec {
+            batch: b,
+            seq_len: t,
+            vocab: v,
+            per_token_advantages: per_token,
+            sampler_ratio: sampler,
+            ..InputSpec::default()
+        },
+        seed,
+    );
+    x.data.mask = mask.to_vec();
+    let layout = LogitsLayout::contiguous(b, t, v);
+    let own = flashloss::cpu::selective_log_softmax(
+        &x.logits,
+        &layout,
+        &x.data.target_ids,
+        None,
+        knobs.temperature,
+    )
+    .map_err(|e| TestCaseError::fail(e.to_string()))?;
+    for (i, st) in own.iter().enumerate() {
+        let wiggle = ((i * 7 + seed as usize) % 11) as f32 * 0.1 - 0.5;
+        x.data.old_logp.as_mut().unwrap()[i] = st.logp + wiggle;
+        x.data.ref_logp.as_mut().unwrap()[i] = st.logp - 0.5 * wiggle + 0.05;
+    }
+    let cfg = GradcheckConfig {
+        batch: b,
+        seq_len: t,
+        vocab: v,
+        in_place,
+        grad_output: 0.75,
+        dtype: if bf16_dtype { DType::Bf16 } else { DType::F32 },
+        loss: loss_cfg,
+        ..GradcheckConfig::default()
+    };
+    let report = in_pool(threads, || {
+        if bf16_dtype {
+            let data = x.logits.iter().map(|&z| bf16::from_f32(z)).collect();
+            gradcheck::check_inputs(&cfg, &loss, &x, data)
+        } else {
+            gradcheck::check_inputs(&cfg, &loss, &x, x.logits.clone())
+        }
+    })
+    .map_err(|e| TestCaseError::fail(e.to_string()))?;
+    prop_assert!(
+        report.loss_kernel.is_finite(),
+        "loss {}",
+        report.loss_kernel
+    );
+    prop_assert!(report.passed, "{:?}", report.gates);
+    Ok(())
+}
+
+fn mask_strategy(n: usize) -> impl Strategy<Value = Vec<bool>> {
+    prop_oneof![
+        2 => proptest::collection::vec(prop_oneof![4 => Just(true), 1 => Just(false)], n),
+        1 => Just(vec![false; n]),
+        1 => (0..n).prop_map(move |k| (0..n).map(|i| i == k).collect()),
+    ]
+}
+
+proptest! {
+    #![proptest_config(cases(1000))]
+    #[test]
+    fn logits_kernel_matches_the_reference(
+        (b, t, mask) in (1usize..4, 1usize..6).prop_flat_map(|(b, t)| (Just(b), Just(t), mask_strategy(b * t))),
+        v in vocab(),
+        knobs in knobs(),
+        seed in 0u64..1000,
+        per_token in any::<bool>(),
+        sampler in any::<bool>(),
+        bf16_dtype in any::<bool>(),
+        in_place in any::<bool>(),
+        threads in 1usize..4,
+    ) {
+        logits_case(b, t, v, &knobs, &mask, seed, per_token, sampler, bf16_dtype, in_place, threads)?;
+    }
+}
+
+/// A fused LM-head gradcheck config (GRPO or CE) of random shape and knobs.
+#[allow(clippy::too_many_arguments)]
+fn linear_cfg(
+    b: usize,
+    t: usize,
+    v: usize,
+    h: usize,
+    objective: Objective,
+    loss: LossConfig,
+    ce: CeConfig,
+    two_pass: bool,
+    bias: bool,
+    bf16_dtype: bool,
+    masked_fraction: f64,
+    seed: u64,
+) -> GradcheckConfig {
+    let single_ok = objective == Objective::Ce
+        || !GrpoLoss::new(loss.clone()).is_ok_and(|l| l.needs_sequence_reduction());
+    GradcheckConfig {
+        kernel: Kernel::Linear,
+        objective,
+        batch: b,
+        seq_len: t,
+        vocab: v,
+        hidden: h,
+        bias,
+        mode: if two_pass || !single_ok {
+            Mode::TwoPass
+        } else {
+            Mode::SinglePass
+        },
+        dtype: if bf16_dtype { DType::Bf16 } else { DType::F32 },
+        masked_fraction,
+        seed,
+        grad_output: 0.75,
+        loss,
+        ce,
+        ..GradcheckConfig::default()
+    }
+}
+
+fn run_linear(cfg: &GradcheckConfig, threads: usize) -> Result<(), TestCaseError> {
+    let report =
+        in_pool(threads, || gradcheck::run(cfg)).map_err(|e| TestCaseError::fail(e.to_string()))?;
+    prop_assert!(
+        report.loss_kernel.is_finite(),
+        "loss {}",
+        report.loss_kernel
+    );
+    prop_assert!(report.passed, "{:?}", report.gates);
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(cases(1000))]
+    #[test]
+    fn fused_grpo_matches_the_reference(
+        b in 1usize..4, t in 1usize..6, v in vocab(), h in 1usize..9,
+        knobs in knobs(),
+        two_pass in any::<bool>(), bias in any::<bool>(), bf16_dtype in any::<bool>(),
+        masked_fraction in 0.0f64..=1.0, seed in 0u64..1000, threads in 1usize..4,
+    ) {
+        let cfg = linear_cfg(b, t, v, h, Objective::Grpo, knobs.config(t), CeConfig::default(),
+            two_pass, bias, bf16_dtype, masked_fraction, seed);
+        run_linear(&cfg, threads)?;
+    }
+}
+
+fn ce_config() -> impl Strategy<Value = CeConfig> {
+    (
+        prop_oneof![Just(0.0), 0.0f64..1.0],
+        prop_oneof![Just(0.0), 0.0f64..0.01],
+        proptest::option::of(5.0f64..50.0),
+        0usize..3,
+        prop_oneof![Just(1.0), 0.5f64..2.0],
+    )
+        .prop_map(
+            |(label_smoothing, z_loss, softcap, reduction, temperature)| CeConfig {
+                label_smoothing,
+                z_loss,
+                softcap,
+                reduction: [Reduction::Mean, Reduction::Sum, Reduction::None][reduction],
+                temperature,
+                ..CeConfig::default()
+            },
+        )
+}
+
+proptest! {
+    #![proptest_config(cases(1000))]
+    #[test]
+    fn fused_ce_matches_the_reference(
+        b in 1usize..4, t in 1usize..6, v in vocab(), h in 1usize..9,
+        ce in ce_config(),
+        two_pass in any::<bool>(), bias in any::<bool>(), bf16_dtype in any::<bool>(),
+        masked_fraction in 0.0f64..=1.0, seed in 0u64..1000, threads in 1usize..4,
+    ) {
+        let cfg = linear_cfg(b, t, v, h, Objective::Ce, LossConfig::default(), ce,
+            two_pass, bias, bf16_dtype, masked_fraction, seed);
+        run_linear(&cfg, threads)?;
+    }
+}
+
+/// Minimal cases found by the property tests, kept as regular tests.
+mod regressions {
+    use super::*;
+
+    #[test]
+    fn one_token_one_entry_vocabulary() {
+        let knobs = Knobs {
+            kind: 0,
+            beta: true,
+            entropy: true,
+            temperature: 1.0,
+            eps_low: 0.2,
+            eps_high: 0.2,
+            delta: None,
+            bias_correction: true,
+            num_items: None,
+        };
+        logits_case(1, 1, 1, &knobs, &[true], 0, false, false, false, false, 1).unwrap();
+        let cfg = linear_cfg(
+            1,
+            1,
+            1,
+            1,
+            Objective::Grpo,
+            knobs.config(1),
+            CeConfig::default(),
+            false,
+            false,
+            false,
+            0.0,
+            0,
+        );
+        run_linear(&cfg, 1).unwrap();
+    }
+}
