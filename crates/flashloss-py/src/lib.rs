@@ -4,6 +4,8 @@
 //! allocated, runs with the GIL released, and turns every error, and any panic, into a
 //! `ValueError` with flashloss's message.
 
+#[cfg(feature = "cuda")]
+mod cuda;
 mod losses;
 mod tensor;
 
@@ -13,6 +15,7 @@ use pyo3::prelude::*;
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("cuda_build", cfg!(feature = "cuda"))?;
     m.add_function(wrap_pyfunction!(losses::grpo_linear, m)?)?;
     m.add_function(wrap_pyfunction!(losses::ce_linear, m)?)?;
     m.add_function(wrap_pyfunction!(losses::logp_linear, m)?)?;

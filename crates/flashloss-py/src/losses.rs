@@ -151,6 +151,15 @@ impl<'py> Head<'py> {
     }
 }
 
+fn device_mismatch(t: &Tensor, hidden: &Tensor) -> String {
+    let name = |d: Option<usize>| d.map_or("cpu".to_string(), |o| format!("cuda:{o}"));
+    format!(
+        "is on {} but `hidden` is on {}",
+        name(t.cuda),
+        name(hidden.cuda)
+    )
+}
+
 /// f32 gradient tensors shaped like the head's inputs (`grad_bias` iff `bias`).
 struct Grads<'py> {
     hidden: Tensor<'py>,
@@ -170,6 +179,11 @@ impl<'py> Grads<'py> {
             weight: Tensor::new("grad_weight", weight, F32)?,
             bias: Tensor::optional("grad_bias", bias, F32)?,
         };
+        for t in [&g.hidden, &g.weight].into_iter().chain(&g.bias) {
+            if t.cuda != head.hidden.cuda {
+                return Err(arg_error(t.arg, device_mismatch(t, &head.hidden)));
+            }
+        }
         g.hidden.expect_shape(&head.hidden.shape)?;
         g.weight.expect_shape(&head.weight.shape)?;
         match (&g.bias, &head.bias) {
@@ -342,6 +356,50 @@ fn grpo_result<'py>(
     Ok(d)
 }
 
+/// Runs `work` on the head's GPU (its tensors and the gradients' stay where they are),
+/// on PyTorch's `stream`.
+#[cfg(feature = "cuda")]
+fn on_gpu<R: Send>(
+    py: Python<'_>,
+    head: &Head,
+    grads: &Grads,
+    stream: usize,
+    work: impl FnOnce(&mut dyn fused::Head) -> flashloss::Result<R> + Send,
+) -> PyResult<R> {
+    let ptrs = crate::cuda::DevicePtrs {
+        ordinal: head.hidden.cuda.unwrap_or(0),
+        stream,
+        hidden: head.hidden.device_ptr(),
+        weight: head.weight.device_ptr(),
+        bias: head.bias.as_ref().map(Tensor::device_ptr),
+        dhidden: grads.hidden.device_ptr(),
+        dweight: grads.weight.device_ptr(),
+        dbias: grads.bias.as_ref().map(Tensor::device_ptr),
+        tokens: head.tokens,
+        hidden_size: head.hidden_size,
+        vocab: head.vocab,
+    };
+    match head.hidden.dtype {
+        DType::F32 => run(py, || crate::cuda::with_device_head::<f32, R>(ptrs, work)),
+        _ => run(py, || crate::cuda::with_device_head::<bf16, R>(ptrs, work)),
+    }
+}
+
+/// Without the `cuda` feature no tensor is on a GPU (`Tensor::new` refuses them).
+#[cfg(not(feature = "cuda"))]
+fn on_gpu<R: Send>(
+    _py: Python<'_>,
+    head: &Head,
+    _grads: &Grads,
+    _stream: usize,
+    _work: impl FnOnce(&mut dyn fused::Head) -> flashloss::Result<R> + Send,
+) -> PyResult<R> {
+    Err(arg_error(
+        head.hidden.arg,
+        "is on a GPU; this build runs CPU tensors",
+    ))
+}
+
 /// GRPO from hidden states: the loss of `config_json` (a `LossConfig`), `∂L/∂hidden`,
 /// `∂L/∂weight`, `∂L/∂bias` added into the `grad_*` tensors, per-token `logp`, entropy
 /// and KL written into `out_*` (`[B, T]` f32). Returns the loss and the metrics.
@@ -350,7 +408,7 @@ fn grpo_result<'py>(
 #[pyo3(signature = (hidden, weight, bias, completion_ids, completion_mask, advantages,
     old_per_token_logps, ref_per_token_logps, importance_sampling_ratio, policy_mask,
     entropy_mask, config_json, mode, budget_mib, grad_hidden, grad_weight, grad_bias, out_logp,
-    out_entropy, out_kl))]
+    out_entropy, out_kl, stream=0))]
 pub fn grpo_linear<'py>(
     py: Python<'py>,
     hidden: &Bound<'py, PyAny>,
@@ -373,6 +431,7 @@ pub fn grpo_linear<'py>(
     out_logp: &Bound<'py, PyAny>,
     out_entropy: &Bound<'py, PyAny>,
     out_kl: &Bound<'py, PyAny>,
+    stream: usize,
 ) -> PyResult<Bound<'py, PyDict>> {
     let loss = GrpoLoss::new(parse_json::<LossConfig>("config", config_json)?)
         .map_err(|e| PyValueError::new_err(e.to_string()))?;
@@ -402,6 +461,11 @@ pub fn grpo_linear<'py>(
         ));
     }
     let norm = Normalizers::local(&batch);
+    if head.hidden.cuda.is_some() {
+        let work = |h: &mut dyn fused::Head| fused::grpo_linear(h, &loss, &batch, norm, &opts);
+        let out = on_gpu(py, &head, &grads, stream, work)?;
+        return grpo_outputs(py, &out, out_logp, out_entropy, out_kl);
+    }
     // SAFETY: the gradient tensors are fresh allocations of the Python side.
     let view = unsafe { grads.view()? };
     let out = match head.hidden.dtype {
@@ -414,6 +478,16 @@ pub fn grpo_linear<'py>(
             run(py, || grpo_on(&loss, &batch, norm, &inputs, view, &opts))?
         }
     };
+    grpo_outputs(py, &out, out_logp, out_entropy, out_kl)
+}
+
+fn grpo_outputs<'py>(
+    py: Python<'py>,
+    out: &fused::GrpoLinearOutput,
+    out_logp: &Bound<'py, PyAny>,
+    out_entropy: &Bound<'py, PyAny>,
+    out_kl: &Bound<'py, PyAny>,
+) -> PyResult<Bound<'py, PyDict>> {
     write_stats(
         &out.stats,
         &mut Tensor::new("out_logp", out_logp, F32)?,
@@ -446,7 +520,7 @@ fn grpo_on<E: Element>(
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
 #[pyo3(signature = (hidden, weight, bias, targets, config_json, mode, budget_mib, grad_rows,
-    grad_hidden, grad_weight, grad_bias, out_row_loss))]
+    grad_hidden, grad_weight, grad_bias, out_row_loss, stream=0))]
 pub fn ce_linear<'py>(
     py: Python<'py>,
     hidden: &Bound<'py, PyAny>,
@@ -461,6 +535,7 @@ pub fn ce_linear<'py>(
     grad_weight: &Bound<'py, PyAny>,
     grad_bias: Option<&Bound<'py, PyAny>>,
     out_row_loss: &Bound<'py, PyAny>,
+    stream: usize,
 ) -> PyResult<Bound<'py, PyDict>> {
     let ce = CrossEntropy::new(parse_json::<CeConfig>("config", config_json)?)
         .map_err(|e| PyValueError::new_err(e.to_string()))?;
@@ -474,17 +549,11 @@ pub fn ce_linear<'py>(
         targets.i64s()?,
         grad_rows.as_ref().map(|t| t.f32s()).transpose()?,
     );
-    // SAFETY: the gradient tensors are fresh allocations of the Python side.
-    let view = unsafe { grads.view()? };
-    let out = match head.hidden.dtype {
-        DType::F32 => {
-            let inputs = head.inputs::<f32>()?;
-            run(py, || ce_on(&ce, targets, grad_rows, &inputs, view, &opts))?
-        }
-        _ => {
-            let inputs = head.inputs::<bf16>()?;
-            run(py, || ce_on(&ce, targets, grad_rows, &inputs, view, &opts))?
-        }
+    let out = if head.hidden.cuda.is_some() {
+        let work = |h: &mut dyn fused::Head| fused::ce_linear(h, &ce, targets, grad_rows, &opts);
+        on_gpu(py, &head, &grads, stream, work)?
+    } else {
+        ce_on_host(py, &ce, targets, grad_rows, &head, &mut grads, &opts)?
     };
     write_f32(
         &out.row_loss,
@@ -496,6 +565,29 @@ pub fn ce_linear<'py>(
     d.set_item("count", out.count)?;
     d.set_item("single_pass", out.plan.single_pass)?;
     Ok(d)
+}
+
+fn ce_on_host(
+    py: Python<'_>,
+    ce: &CrossEntropy,
+    targets: &[i64],
+    grad_rows: Option<&[f32]>,
+    head: &Head,
+    grads: &mut Grads,
+    opts: &FusedOptions,
+) -> PyResult<fused::CeLinearOutput> {
+    // SAFETY: the gradient tensors are fresh allocations of the Python side.
+    let view = unsafe { grads.view()? };
+    Ok(match head.hidden.dtype {
+        DType::F32 => {
+            let inputs = head.inputs::<f32>()?;
+            run(py, || ce_on(ce, targets, grad_rows, &inputs, view, opts))?
+        }
+        _ => {
+            let inputs = head.inputs::<bf16>()?;
+            run(py, || ce_on(ce, targets, grad_rows, &inputs, view, opts))?
+        }
+    })
 }
 
 fn ce_on<E: Element>(

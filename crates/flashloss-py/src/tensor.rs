@@ -43,7 +43,8 @@ impl DType {
     }
 }
 
-/// A contiguous CPU tensor borrowed from Python for the length of one call.
+/// A contiguous tensor borrowed from Python for the length of one call: on the CPU, or
+/// (in a build with the `cuda` feature) on a GPU.
 pub struct Tensor<'py> {
     /// The argument's name, for errors.
     pub arg: &'static str,
@@ -51,6 +52,8 @@ pub struct Tensor<'py> {
     pub dtype: DType,
     /// Its sizes.
     pub shape: Vec<usize>,
+    /// `None` on the CPU, else the CUDA device's ordinal.
+    pub cuda: Option<usize>,
     ptr: usize,
     /// Keeps the Python object (and so its storage) alive while the slice is in use.
     _owner: Bound<'py, PyAny>,
@@ -58,19 +61,29 @@ pub struct Tensor<'py> {
 
 impl<'py> Tensor<'py> {
     /// Reads `obj` (a `torch.Tensor`) as argument `arg`: it must be contiguous, on the
-    /// CPU, and of one of `allowed` dtypes.
+    /// CPU (or a GPU, in a build with the `cuda` feature), and of one of `allowed` dtypes.
     pub fn new(arg: &'static str, obj: &Bound<'py, PyAny>, allowed: &[DType]) -> PyResult<Self> {
         let not_tensor = |_| arg_error(arg, "expected a torch.Tensor");
         let dtype_name: String = obj.getattr("dtype").map_err(not_tensor)?.str()?.extract()?;
-        let device: String = obj.getattr("device")?.getattr("type")?.extract()?;
-        if device != "cpu" {
-            return Err(arg_error(
-                arg,
-                format!(
-                    "is on {device}; this build of flashloss runs CPU tensors (CUDA tensors need the `cuda` build)"
-                ),
-            ));
-        }
+        let device = obj.getattr("device")?;
+        let kind: String = device.getattr("type")?.extract()?;
+        let cuda = match kind.as_str() {
+            "cpu" => None,
+            "cuda" if cfg!(feature = "cuda") => Some(
+                device
+                    .getattr("index")?
+                    .extract::<Option<usize>>()?
+                    .unwrap_or(0),
+            ),
+            _ => {
+                return Err(arg_error(
+                    arg,
+                    format!(
+                        "is on {kind}; this build of flashloss runs CPU tensors (CUDA tensors need the build with the `cuda` feature)"
+                    ),
+                ));
+            }
+        };
         let dtype = DType::parse(&dtype_name)
             .filter(|d| allowed.contains(d))
             .ok_or_else(|| {
@@ -89,6 +102,7 @@ impl<'py> Tensor<'py> {
             arg,
             dtype,
             shape,
+            cuda,
             ptr,
             _owner: obj.clone(),
         })
@@ -120,7 +134,19 @@ impl<'py> Tensor<'py> {
         }
     }
 
+    /// The device address of a GPU tensor's first element.
+    #[cfg(feature = "cuda")]
+    pub fn device_ptr(&self) -> u64 {
+        self.ptr as u64
+    }
+
     fn slice_of<T>(&self, dtype: DType) -> PyResult<&[T]> {
+        if let Some(ordinal) = self.cuda {
+            return Err(arg_error(
+                self.arg,
+                format!("is on cuda:{ordinal}; expected a CPU tensor here"),
+            ));
+        }
         if self.dtype != dtype {
             return Err(arg_error(
                 self.arg,

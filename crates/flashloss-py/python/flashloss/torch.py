@@ -57,7 +57,7 @@ def _check_tensor(arg: str, t) -> None:
         raise ValueError(f"argument `{arg}`: expected a torch.Tensor, got {type(t).__name__}")
 
 
-def _same_device(tensors: dict) -> torch.device:
+def _same_device(tensors: dict, cuda: bool = True) -> torch.device:
     device = None
     for arg, t in tensors.items():
         if t is None:
@@ -69,11 +69,24 @@ def _same_device(tensors: dict) -> torch.device:
             first = next(a for a, x in tensors.items() if x is not None)
             raise ValueError(f"argument `{arg}` is on {t.device} but `{first}` is on {device}")
     if device is not None and device.type != "cpu":
-        raise ValueError(
-            f"tensors on {device}: this build of flashloss runs CPU tensors "
-            "(CUDA tensors need the build with the `cuda` feature)"
-        )
+        if device.type != "cuda" or not _native.cuda_build:
+            raise ValueError(
+                f"tensors on {device}: this build of flashloss runs CPU tensors "
+                "(CUDA tensors need the build with the `cuda` feature)"
+            )
+        if not cuda:
+            raise ValueError(f"tensors on {device}: this function runs CPU tensors only (so far)")
     return device
+
+
+def _host(t):
+    """A small per-token tensor as the kernels read it: on the CPU (a GPU tensor is copied)."""
+    return None if t is None else t.cpu()
+
+
+def _stream(device) -> int:
+    """PyTorch's current stream on ``device`` (0 on the CPU): the kernels run on it."""
+    return 0 if device.type == "cpu" else torch.cuda.current_stream(device).cuda_stream
 
 
 def _head(hidden, weight, bias):
@@ -88,11 +101,11 @@ def _head(hidden, weight, bias):
 
 
 def _f32(t):
-    return None if t is None else t.detach().to(torch.float32).contiguous()
+    return None if t is None else t.detach().to(device="cpu", dtype=torch.float32).contiguous()
 
 
 def _bool(t):
-    return None if t is None else (t != 0).contiguous()
+    return None if t is None else (t != 0).cpu().contiguous()
 
 
 def _zeros_f32(t):
@@ -175,12 +188,12 @@ def _grpo_batch(completion_ids, completion_mask, advantages):
         raise ValueError(f"argument `completion_ids`: expected shape [B, T], got {list(completion_ids.shape)}")
     if completion_ids.dtype.is_floating_point or completion_ids.dtype == torch.bool:
         raise ValueError(f"argument `completion_ids`: expected an integer dtype, got {completion_ids.dtype}")
-    ids = completion_ids.to(torch.int64).contiguous()
+    ids = completion_ids.to(device="cpu", dtype=torch.int64).contiguous()
     if completion_mask is None:
         mask = torch.ones_like(ids, dtype=torch.bool)
     else:
         _check_tensor("completion_mask", completion_mask)
-        mask = (completion_mask != 0).contiguous()
+        mask = (completion_mask != 0).cpu().contiguous()
     _check_tensor("advantages", advantages)
     if advantages.dim() == 2 and advantages.shape[1] == 1:
         advantages = advantages[:, 0]  # TRL's unsqueezed [B, 1]
@@ -230,7 +243,7 @@ def linear_grpo_loss(
     ``[B, T]`` multiply each token's policy loss (not the KL); the entropy bonus is the
     mean over ``completion_mask * entropy_mask``.
     """
-    _same_device(
+    device = _same_device(
         dict(
             hidden=hidden,
             weight=weight,
@@ -253,15 +266,18 @@ def linear_grpo_loss(
         sapo_temperature_pos, sapo_temperature_neg, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
         vespo_lambda_neg,
     )  # fmt: skip
+    if b is not None and device.type == "cuda":
+        b = b.float()  # the GPU kernels read the bias in f32
     dh, dw, db = _zeros_f32(h), _zeros_f32(w), _zeros_f32(b)
     logp, entropy, kl = (torch.empty(ids.shape, dtype=torch.float32) for _ in range(3))
     out = _native.grpo_linear(
         h.detach(), w.detach(), None if b is None else b.detach(), ids, mask, adv,
         _f32(old_per_token_logps), _f32(ref_per_token_logps), _f32(importance_sampling_ratio),
         _bool(policy_mask), _bool(entropy_mask), config, mode, DEFAULT_BUDGET_MIB if budget_mib is None else float(budget_mib),
-        dh, dw, db, logp, entropy, kl,
+        dh, dw, db, logp, entropy, kl, _stream(device),
     )  # fmt: skip
-    loss = _FusedGrads.apply(torch.tensor(out.pop("loss"), dtype=torch.float32), h, w, b, dh, dw, db)
+    loss = _FusedGrads.apply(torch.tensor(out.pop("loss"), dtype=torch.float32, device=device), h, w, b, dh, dw, db)
+    logp, entropy, kl = (x.to(device) for x in (logp, entropy, kl))
     metrics = {k: out[k] for k in ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")}
     return loss, GRPOOutputs(logp=logp, entropy=entropy, kl=kl, metrics=metrics)
 
@@ -375,9 +391,9 @@ class _CrossEntropyRows(torch.autograd.Function):
         zero = torch.zeros(targets.shape, dtype=torch.float32)
         _native.ce_linear(
             hidden, weight, bias, targets, config, mode, budget_mib, zero,
-            _zeros_f32(hidden), _zeros_f32(weight), _zeros_f32(bias), rows,
+            _zeros_f32(hidden), _zeros_f32(weight), _zeros_f32(bias), rows, _stream(hidden.device),
         )  # fmt: skip
-        return rows
+        return rows.to(hidden.device)
 
     @staticmethod
     def backward(ctx, grad_rows):
@@ -386,7 +402,7 @@ class _CrossEntropyRows(torch.autograd.Function):
         rows = torch.empty(targets.shape, dtype=torch.float32)
         _native.ce_linear(
             hidden, weight, bias, targets, ctx.config, ctx.mode, ctx.budget_mib,
-            grad_rows.to(torch.float32).contiguous(), dh, dw, db, rows,
+            _f32(grad_rows), dh, dw, db, rows, _stream(hidden.device),
         )  # fmt: skip
         grads = [None if g is None else g.to(t.dtype) for g, t in ((dh, hidden), (dw, weight), (db, bias))]
         return (*grads, None, None, None, None)
@@ -412,7 +428,7 @@ def linear_cross_entropy(
     ``F.linear_cross_entropy(input, linear_weight, target, ...)`` compute it (with the
     options of ``docs/spec/losses.md``: label smoothing, z-loss, soft-cap, temperature).
     ``hidden`` ``[..., H]`` and ``targets`` ``[...]``; reduction ``none`` returns ``[...]``."""
-    _same_device(dict(hidden=hidden, weight=weight, targets=targets, bias=bias))
+    device = _same_device(dict(hidden=hidden, weight=weight, targets=targets, bias=bias))
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"argument `reduction`: expected 'mean', 'sum' or 'none', got {reduction!r}")
     if targets.dtype.is_floating_point or targets.dtype == torch.bool:
@@ -422,8 +438,10 @@ def linear_cross_entropy(
             f"argument `targets`: shape {list(targets.shape)} does not match hidden's rows {list(hidden.shape[:-1])}"
         )
     h, w, b = _head(hidden, weight, bias)
+    if b is not None and device.type == "cuda":
+        b = b.float()  # the GPU kernels read the bias in f32
     h2 = h.reshape(-1, h.shape[-1])
-    tgt = targets.reshape(-1).to(torch.int64).contiguous()
+    tgt = targets.reshape(-1).to(device="cpu", dtype=torch.int64).contiguous()
     config = _loss_config(
         ignore_index=int(ignore_index),
         label_smoothing=float(label_smoothing),
@@ -440,9 +458,10 @@ def linear_cross_entropy(
     rows = torch.empty(tgt.shape, dtype=torch.float32)
     out = _native.ce_linear(
         h2.detach(), w.detach(), None if b is None else b.detach(), tgt, config, mode, budget,
-        None, dh, dw, db, rows,
+        None, dh, dw, db, rows, _stream(device),
     )  # fmt: skip
-    return _FusedGrads.apply(torch.tensor(out["loss"], dtype=torch.float32), h2, w, b, dh, dw, db)
+    loss = torch.tensor(out["loss"], dtype=torch.float32, device=device)
+    return _FusedGrads.apply(loss, h2, w, b, dh, dw, db)
 
 
 @torch.no_grad()
@@ -461,7 +480,7 @@ def linear_logprobs(
     temperature`` (``hidden`` ``[..., H]``), without gradient: the old- and reference-policy
     passes of GRPO. Returns ``logp`` (float32, ``ids``' shape), and the entropy too when
     ``return_entropy``. Rows where ``mask`` is false are not computed (zero)."""
-    _same_device(dict(hidden=hidden, weight=weight, ids=ids, bias=bias, mask=mask))
+    _same_device(dict(hidden=hidden, weight=weight, ids=ids, bias=bias, mask=mask), cuda=False)
     if hidden.shape[:-1] != ids.shape:
         raise ValueError(f"argument `ids`: shape {list(ids.shape)} does not match hidden's rows {list(hidden.shape[:-1])}")
     h, w, b = _head(hidden, weight, bias)
@@ -533,7 +552,8 @@ def grpo_loss(
             advantages=advantages,
             completion_mask=completion_mask,
             vllm_is_ratio=vllm_is_ratio,
-        )
+        ),
+        cuda=False,
     )
     if logits.dtype not in _FLOATS:
         raise ValueError(f"argument `logits`: expected dtype float32 or bfloat16, got {logits.dtype}")

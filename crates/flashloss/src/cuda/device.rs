@@ -12,6 +12,7 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 use half::bf16;
 use std::collections::HashMap;
+use std::mem::ManuallyDrop;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -80,11 +81,13 @@ impl DeviceMemory {
     }
 }
 
-/// A device buffer counted in its GPU's [`DeviceMemory`] until dropped.
+/// A device buffer counted in its GPU's [`DeviceMemory`] until dropped, or a view of
+/// memory another library owns ([`Gpu::borrow`]: neither counted nor freed here).
 #[derive(Debug)]
 pub struct DeviceBuffer<T> {
-    slice: CudaSlice<T>,
-    memory: Arc<DeviceMemory>,
+    slice: ManuallyDrop<CudaSlice<T>>,
+    /// `None` for a borrowed view.
+    memory: Option<Arc<DeviceMemory>>,
 }
 
 impl<T> DeviceBuffer<T> {
@@ -111,7 +114,18 @@ impl<T> DeviceBuffer<T> {
 
 impl<T> Drop for DeviceBuffer<T> {
     fn drop(&mut self) {
-        self.memory.freed(self.slice.num_bytes());
+        // SAFETY: `slice` is not used after this.
+        let slice = unsafe { ManuallyDrop::take(&mut self.slice) };
+        match &self.memory {
+            Some(memory) => {
+                memory.freed(slice.num_bytes());
+                drop(slice);
+            }
+            // Borrowed: its owner frees it.
+            None => {
+                slice.leak();
+            }
+        }
     }
 }
 
@@ -207,7 +221,7 @@ impl Gpu {
         buf: &mut DeviceBuffer<T>,
     ) -> Result<()> {
         self.stream
-            .memset_zeros(&mut buf.slice)
+            .memset_zeros(&mut *buf.slice)
             .map_err(|e| device_error("cuMemsetD8", e))
     }
 
@@ -233,8 +247,40 @@ impl Gpu {
     fn track<T>(&self, slice: CudaSlice<T>) -> DeviceBuffer<T> {
         self.memory.allocated(slice.num_bytes());
         DeviceBuffer {
-            slice,
+            slice: ManuallyDrop::new(slice),
+            memory: Some(self.memory.clone()),
+        }
+    }
+
+    /// A view of `len` elements of `T` at device address `ptr`, memory another library
+    /// owns (a PyTorch tensor): never freed nor counted here.
+    ///
+    /// # Safety
+    /// `ptr` must address `len` valid elements of `T` on this GPU, alive and not used by
+    /// anything else while the view is in use.
+    pub unsafe fn borrow<T>(&self, ptr: u64, len: usize) -> DeviceBuffer<T> {
+        // SAFETY: the caller's promise.
+        let slice = unsafe { self.stream.upgrade_device_ptr(ptr, len) };
+        DeviceBuffer {
+            slice: ManuallyDrop::new(slice),
+            memory: None,
+        }
+    }
+
+    /// This GPU's kernels and accounting on `stream`, a stream another library owns (e.g.
+    /// PyTorch's current stream), so the work is ordered with that library's.
+    ///
+    /// # Safety
+    /// `stream` must be a valid stream of this device's primary context, alive while
+    /// the returned `Gpu` (or anything made with it) is in use.
+    pub unsafe fn on_borrowed_stream(&self, stream: cudarc::driver::sys::CUstream) -> Gpu {
+        Gpu {
+            ctx: self.ctx.clone(),
+            // SAFETY: the caller's promise.
+            stream: unsafe { self.ctx.wrap_borrowed_stream(stream) },
+            kernels: self.kernels.clone(),
             memory: self.memory.clone(),
+            arch: self.arch.clone(),
         }
     }
 
@@ -261,7 +307,7 @@ impl Gpu {
         buf: &DeviceBuffer<T>,
     ) -> Result<Vec<T>> {
         self.stream
-            .clone_dtoh(&buf.slice)
+            .clone_dtoh(&*buf.slice)
             .map_err(|e| device_error(&format!("copying {} elements to the host", buf.len()), e))
     }
 
