@@ -3,7 +3,9 @@
 # no Rust): the binary built elsewhere with
 #   cargo build --release -p flashloss-cli --features cuda
 # is at target/release/flashloss. Writes every JSON line and log under ${OUT:-gpu_out}.
-# Usage: scripts/gpu/verify.sh [gradcheck|bench|peers|all]
+# The Python package's CUDA tests need its wheel built elsewhere with
+#   (cd crates/flashloss-py && maturin build --release --features cuda --out ../../target/wheels)
+# Usage: scripts/gpu/verify.sh [gradcheck|bench|peers|python|all]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-gpu_out}
@@ -88,5 +90,14 @@ if [ "$what" = peers ] || [ "$what" = all ]; then
     run "peer_${peer}_qwen" python3 scripts/gpu/peers.py $peer --n 8192 --h 4096 --v 151936
     run "peer_${peer}_gemma2" python3 scripts/gpu/peers.py $peer --n 8192 --h 2304 --v 256000
   done
+fi
+if [ "$what" = python ] || [ "$what" = all ]; then
+  WHEEL=$(ls target/wheels/flashloss-*.whl 2>/dev/null | head -n 1)
+  if [ -n "$WHEEL" ]; then
+    run py_install python3 -m pip install --no-deps --force-reinstall "$WHEEL"
+    run py_cuda_tests python3 -m pytest -q crates/flashloss-py/tests/test_cuda.py
+  else
+    echo "!! python: no wheel under target/wheels (build it with maturin --features cuda)"; status=1
+  fi
 fi
 exit $status
