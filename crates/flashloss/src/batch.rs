@@ -165,18 +165,22 @@ impl GrpoBatch<'_> {
     }
 
     /// `e_i`: 1 where both [`GrpoBatch::policy_mask`] and [`GrpoBatch::entropy_mask`]
-    /// (when given) are set, else 0. It multiplies the policy term `ℓ_i`.
+    /// (when given) are set, else 0. It multiplies the policy term `ℓ_i`. (A row past
+    /// a mask's end, in a batch not yet validated, counts as unset.)
     #[inline]
     pub fn policy_weight(&self, row: usize) -> f64 {
-        let on = |m: Option<&[bool]>| m.is_none_or(|m| m[row]);
+        let on = |m: Option<&[bool]>| m.is_none_or(|m| m.get(row) == Some(&true));
         (on(self.policy_mask) && on(self.entropy_mask)) as u8 as f64
     }
 
     /// `m'_i`: whether row `row` counts in the entropy bonus (`mask`, and
     /// [`GrpoBatch::entropy_mask`] when given).
+    /// Like [`GrpoBatch::policy_weight`], safe on a batch not yet validated (as
+    /// [`crate::policy::Normalizers::local`] may be called before the kernel checks it).
     #[inline]
     pub fn in_entropy_bonus(&self, row: usize) -> bool {
-        self.mask[row] && self.entropy_mask.is_none_or(|e| e[row])
+        self.mask.get(row) == Some(&true)
+            && self.entropy_mask.is_none_or(|e| e.get(row) == Some(&true))
     }
 
     fn bt(&self) -> String {
