@@ -313,3 +313,23 @@ fn a_run_from_step_0_starts_its_metrics_over() {
     assert_eq!(read_metrics(&dir).len(), 7);
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// Found by fuzzing (`fuzz/regressions/loaders/tokenizer-decoder-panic`): a
+/// tokenizer.json whose `decoder` the tokenizers library cannot deserialize made it
+/// panic; it is now this file's error.
+#[test]
+fn a_malformed_tokenizer_file_is_an_error_not_a_panic() {
+    let crash = std::fs::read(
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../fuzz/regressions/loaders/tokenizer-decoder-panic"),
+    )
+    .unwrap();
+    let path = tmp("bad_tokenizer").with_extension("json");
+    std::fs::write(&path, &crash[1..]).unwrap();
+    let e = flashloss_train::tokenizer::Tokenizer::from_file(&path, "<|endoftext|>")
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("malformed tokenizer file"), "{e}");
+    std::fs::remove_file(path).unwrap();
+}
