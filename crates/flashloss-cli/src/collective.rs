@@ -91,13 +91,15 @@ pub fn mpi(_: Duration) -> Result<World, String> {
     Err("--collective mpi needs a build with `--features mpi`".into())
 }
 
-/// A world of one NCCL rank on GPU 0. `Err` is the line to print (exit 2); the inner
-/// result is the device's, which the run reports as its rank's error.
+/// A world of one NCCL rank on GPU 0 whose collectives (and sub-groups') are aborted
+/// when they outlive `timeout`. `Err` is the line to print (exit 2); the inner result
+/// is the device's, which the run reports as its rank's error.
 #[cfg(feature = "cuda")]
-pub fn nccl() -> Result<flashloss::Result<World>, String> {
+pub fn nccl(timeout: Duration) -> Result<flashloss::Result<World>, String> {
     let world = flashloss::cuda::Gpu::new(0)
         .map(std::sync::Arc::new)
-        .and_then(flashloss::collective::Nccl::solo);
+        .and_then(flashloss::collective::Nccl::solo)
+        .map(|n| n.with_timeout(timeout));
     Ok(world.map(|comm| World {
         comm: Box::new(comm),
         #[cfg(feature = "mpi")]
@@ -107,7 +109,7 @@ pub fn nccl() -> Result<flashloss::Result<World>, String> {
 
 /// Without feature `cuda`: the line saying so.
 #[cfg(not(feature = "cuda"))]
-pub fn nccl() -> Result<flashloss::Result<World>, String> {
+pub fn nccl(_: Duration) -> Result<flashloss::Result<World>, String> {
     Err("--collective nccl needs a build with `--features cuda`".into())
 }
 

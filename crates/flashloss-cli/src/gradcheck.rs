@@ -103,7 +103,10 @@ fn mpi(cfg: Result<GradcheckConfig>, threads: Option<usize>) -> u8 {
 
 /// A world of one NCCL rank on GPU 0 runs the sharded gradcheck.
 fn nccl(cfg: Result<GradcheckConfig>, threads: Option<usize>) -> u8 {
-    let world = match collective::nccl() {
+    let timeout = cfg
+        .as_ref()
+        .map_or(std::time::Duration::ZERO, sharded_check::timeout);
+    let world = match collective::nccl(timeout) {
         Ok(w) => w,
         Err(e) => {
             eprintln!("error: {e}");

@@ -28,8 +28,23 @@ impl Tokenizer {
     /// Loads a `tokenizer.json`; `eos_token` (e.g. `<|endoftext|>`) must be in its
     /// vocabulary and also serves as padding.
     pub fn from_file(path: &Path, eos_token: &str) -> Result<Self> {
-        let inner = tokenizers::Tokenizer::from_file(path)
-            .map_err(|e| candle_core::Error::msg(format!("{}: {e}", path.display())))?;
+        // The tokenizers library panics on some malformed files (found by fuzzing, e.g.
+        // a `decoder` it cannot deserialize): that is this file's error, not a crash.
+        let loaded = std::panic::catch_unwind(|| tokenizers::Tokenizer::from_file(path)).map_err(
+            |panic| {
+                let why = panic
+                    .downcast_ref::<String>()
+                    .map(String::as_str)
+                    .or_else(|| panic.downcast_ref::<&str>().copied())
+                    .unwrap_or("the tokenizers library panicked");
+                candle_core::Error::msg(format!(
+                    "{}: malformed tokenizer file ({why})",
+                    path.display()
+                ))
+            },
+        )?;
+        let inner =
+            loaded.map_err(|e| candle_core::Error::msg(format!("{}: {e}", path.display())))?;
         let Some(eos) = inner.token_to_id(eos_token) else {
             candle_core::bail!(
                 "tokenizer.eos_token: {eos_token:?} is not in {}",

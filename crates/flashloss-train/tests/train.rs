@@ -293,3 +293,43 @@ fn a_damaged_checkpoint_is_an_error_and_the_previous_one_is_kept() {
     assert_eq!(resumed.done, 6);
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// Found by the kill test (`flashloss-cli/tests/kill_resume.rs`): a run killed after
+/// writing a step's metrics but before its first checkpoint resumed from step 0 and
+/// appended, doubling the step. A run from step 0 now starts its metrics over (and so
+/// does `resume: false`).
+#[test]
+fn a_run_from_step_0_starts_its_metrics_over() {
+    let dir = tmp("restart");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("metrics.jsonl"), "{\"step\":0}\n{\"ste").unwrap();
+    run(small(&dir, LossImpl::Fused));
+    let lines = read_metrics(&dir);
+    assert_eq!(lines.len(), 7);
+    assert!(lines.iter().enumerate().all(|(i, m)| m.step == i));
+    let mut again = small(&dir, LossImpl::Fused);
+    again.resume = false;
+    run(again);
+    assert_eq!(read_metrics(&dir).len(), 7);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// Found by fuzzing (`fuzz/regressions/loaders/tokenizer-decoder-panic`): a
+/// tokenizer.json whose `decoder` the tokenizers library cannot deserialize made it
+/// panic; it is now this file's error.
+#[test]
+fn a_malformed_tokenizer_file_is_an_error_not_a_panic() {
+    let crash = std::fs::read(
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../fuzz/regressions/loaders/tokenizer-decoder-panic"),
+    )
+    .unwrap();
+    let path = tmp("bad_tokenizer").with_extension("json");
+    std::fs::write(&path, &crash[1..]).unwrap();
+    let e = flashloss_train::tokenizer::Tokenizer::from_file(&path, "<|endoftext|>")
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("malformed tokenizer file"), "{e}");
+    std::fs::remove_file(path).unwrap();
+}

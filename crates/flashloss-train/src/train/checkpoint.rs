@@ -159,7 +159,13 @@ pub(super) fn save(trainer: &Trainer) -> Result<()> {
     }
     std::fs::rename(&tmp, &current).map_err(err)?;
     sync_dir(dir);
-    // Tensor files that neither record names.
+    remove_unreferenced(dir)
+}
+
+/// Removes tensor files that neither record names, and temporaries: what a `kill -9`
+/// between writing a file and committing or cleaning up left behind (called after a
+/// save and after a resume, never while a temporary is in use).
+fn remove_unreferenced(dir: &Path) -> Result<()> {
     let named: Vec<String> = ["checkpoint.json", "checkpoint.prev.json"]
         .iter()
         .filter_map(|r| std::fs::read(dir.join(r)).ok())
@@ -168,9 +174,10 @@ pub(super) fn save(trainer: &Trainer) -> Result<()> {
         .collect();
     for entry in std::fs::read_dir(dir).map_err(err)?.flatten() {
         let name = entry.file_name().to_string_lossy().to_string();
-        let stale = name.starts_with("checkpoint")
-            && (name.ends_with(".safetensors") || name.ends_with(".safetensors.tmp"))
-            && !named.contains(&name);
+        let ours = name.starts_with("checkpoint") || name.starts_with("metrics");
+        let stale = ours
+            && (name.ends_with(".tmp")
+                || (name.ends_with(".safetensors") && !named.contains(&name)));
         if stale {
             let _ = std::fs::remove_file(entry.path());
         }
@@ -266,7 +273,7 @@ pub(super) fn restore(trainer: &mut Trainer) -> Result<()> {
             .collect();
         write_atomic(&metrics, kept.as_bytes())?;
     }
-    Ok(())
+    remove_unreferenced(&dir)
 }
 
 #[cfg(test)]

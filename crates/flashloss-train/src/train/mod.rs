@@ -188,9 +188,13 @@ impl Trainer {
         std::fs::create_dir_all(&self.cfg.out_dir).map_err(err)?;
         let yaml = serde_yaml_ng::to_string(&self.cfg).map_err(err)?;
         std::fs::write(self.cfg.out_dir.join("config.yaml"), yaml).map_err(err)?;
+        // A run from step 0 (no checkpoint, or `resume: false`) starts its metrics over:
+        // lines a killed run wrote before its first checkpoint run again.
         let mut metrics = std::fs::OpenOptions::new()
             .create(true)
-            .append(true)
+            .append(self.done > 0)
+            .write(true)
+            .truncate(self.done == 0)
             .open(self.cfg.out_dir.join("metrics.jsonl"))
             .map_err(err)?;
         while self.done < self.total_steps() {

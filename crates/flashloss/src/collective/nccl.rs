@@ -4,13 +4,24 @@
 //! communicator is bootstrapped over another group ([`Nccl::over`]: rank 0 makes the
 //! NCCL id and the group shares it), so any engine that can start the processes or
 //! threads (MPI, in-process) can start NCCL; a group of one needs none ([`Nccl::solo`]).
+//!
+//! A dead or hung peer cannot block a rank forever: with a timeout
+//! ([`Nccl::with_timeout`]), a watchdog thread arms with each collective and, when the
+//! collective outlives the timeout, aborts the communicator (`ncclCommAbort`, which ends
+//! the collective's kernels), and the collective returns [`Error::Collective`] with the
+//! same message on every live rank (each rank's own watchdog fires on the same missing
+//! peer); the communicator then refuses further use. Joining a communicator
+//! (`ncclCommInitRank`, which waits for every rank) is bounded by the same timeout.
 
 use super::Collective;
 use crate::cuda::Gpu;
 use crate::error::{Error, Result};
-use cudarc::driver::CudaStream;
-use cudarc::nccl::{Comm, Id};
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::nccl::{Id, result, sys};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 fn nccl_error(what: &str, e: impl std::fmt::Debug) -> Error {
     Error::Collective {
@@ -25,16 +36,94 @@ pub fn nccl_present() -> bool {
     unsafe { cudarc::nccl::sys::is_culib_present() }
 }
 
-/// A communicator that may move between threads: NCCL allows a communicator to be used
-/// from any thread as long as calls on it do not overlap, which the mutex guarantees.
-struct SendComm(Comm);
+/// An NCCL communicator by its raw handle, so that a watchdog can abort it from another
+/// thread while a collective blocks on it (cudarc's `Comm` keeps its handle private).
+/// Aborted once: by the watchdog, or on drop.
+struct RawComm {
+    comm: sys::ncclComm_t,
+    aborted: AtomicBool,
+}
 
-// SAFETY: see above; every use goes through `Nccl::comm`'s mutex.
-unsafe impl Send for SendComm {}
+// SAFETY: NCCL allows a communicator to be used from any thread as long as calls on it
+// do not overlap (the `Nccl::busy` mutex orders collectives), and `ncclCommAbort` is
+// meant to be called from another thread while an operation blocks; `aborted` makes it
+// happen once.
+unsafe impl Send for RawComm {}
+unsafe impl Sync for RawComm {}
+
+impl RawComm {
+    /// `ncclCommInitRank`; it waits for every rank, so it runs on a helper thread and a
+    /// `timeout` bounds the wait (the helper stays blocked until the process ends).
+    fn init(rank: usize, world_size: usize, id: &Id, timeout: Option<Duration>) -> Result<Self> {
+        let unique = sys::ncclUniqueId {
+            internal: *id.internal(),
+        };
+        let what = format!("ncclCommInitRank (rank {rank} of {world_size})");
+        let join = move || -> Result<usize> {
+            let mut comm: sys::ncclComm_t = std::ptr::null_mut();
+            // SAFETY: `comm` is written by NCCL on success.
+            unsafe { result::comm_init_rank(&mut comm, world_size as i32, unique, rank as i32) }
+                .map_err(|e| {
+                    nccl_error(
+                        &format!("ncclCommInitRank (rank {rank} of {world_size})"),
+                        e,
+                    )
+                })?;
+            Ok(comm as usize)
+        };
+        let handle = match timeout {
+            None => join()?,
+            Some(t) => {
+                let (tx, rx) = mpsc::channel();
+                std::thread::spawn(move || {
+                    let _ = tx.send(join());
+                });
+                match rx.recv_timeout(t) {
+                    Ok(r) => r?,
+                    Err(_) => {
+                        return Err(Error::Collective {
+                            reason: format!(
+                                "NCCL {what}: not every rank joined within {:.1} s (a peer died or hangs)",
+                                t.as_secs_f64()
+                            ),
+                        });
+                    }
+                }
+            }
+        };
+        Ok(RawComm {
+            comm: handle as sys::ncclComm_t,
+            aborted: AtomicBool::new(false),
+        })
+    }
+
+    /// `ncclCommAbort`, once; whether this call did it.
+    fn abort(&self) -> bool {
+        if self.aborted.swap(true, Ordering::SeqCst) {
+            return false;
+        }
+        // SAFETY: the handle is live until the first abort, which this is.
+        let _ = unsafe { result::comm_abort(self.comm) };
+        true
+    }
+
+    fn is_aborted(&self) -> bool {
+        self.aborted.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for RawComm {
+    fn drop(&mut self) {
+        self.abort();
+    }
+}
 
 /// A group of ranks, one GPU each, that exchange data with NCCL.
 pub struct Nccl {
-    comm: Mutex<SendComm>,
+    comm: Arc<RawComm>,
+    /// Held for the length of a collective: calls on a communicator must not overlap.
+    busy: Mutex<()>,
+    timeout: Option<Duration>,
     stream: Arc<CudaStream>,
     gpu: Arc<Gpu>,
     rank: usize,
@@ -44,7 +133,7 @@ pub struct Nccl {
 impl Nccl {
     /// A group of one rank on `gpu` (what a single-GPU machine checks).
     pub fn solo(gpu: Arc<Gpu>) -> Result<Self> {
-        Self::from_id(gpu, 0, 1, None)
+        Self::from_id(gpu, 0, 1, None, None)
     }
 
     /// The ranks of `parent`, one per GPU (`gpu` is this rank's), with a communicator
@@ -57,10 +146,16 @@ impl Nccl {
         };
         let gathered = parent.all_gather_bytes(&local)?;
         let id = id_from(&gathered[0])?;
-        Self::from_id(gpu, parent.rank(), parent.world_size(), Some(id))
+        Self::from_id(gpu, parent.rank(), parent.world_size(), Some(id), None)
     }
 
-    fn from_id(gpu: Arc<Gpu>, rank: usize, world_size: usize, id: Option<Id>) -> Result<Self> {
+    fn from_id(
+        gpu: Arc<Gpu>,
+        rank: usize,
+        world_size: usize,
+        id: Option<Id>,
+        timeout: Option<Duration>,
+    ) -> Result<Self> {
         if !nccl_present() {
             return Err(Error::Collective {
                 reason: "no NCCL library found (libnccl.so): install the nvidia-nccl wheel, \
@@ -74,14 +169,11 @@ impl Nccl {
             None => new_id()?,
         };
         let stream = gpu.stream().clone();
-        let comm = Comm::from_rank(stream.clone(), rank, world_size, id).map_err(|e| {
-            nccl_error(
-                &format!("ncclCommInitRank (rank {rank} of {world_size})"),
-                e,
-            )
-        })?;
+        let comm = RawComm::init(rank, world_size, &id, timeout)?;
         Ok(Nccl {
-            comm: Mutex::new(SendComm(comm)),
+            comm: Arc::new(comm),
+            busy: Mutex::new(()),
+            timeout,
             stream,
             gpu,
             rank,
@@ -89,19 +181,70 @@ impl Nccl {
         })
     }
 
+    /// The same group with a watchdog: a collective (or the joining of a sub-group made
+    /// by `split`) that outlives `timeout` aborts the communicator and is an error.
+    /// (A zero timeout means none.)
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = Some(timeout).filter(|t| !t.is_zero());
+        self
+    }
+
+    /// Runs `f` (one collective: its calls and the wait for them) under the watchdog.
+    fn guarded<T>(&self, what: &str, f: impl FnOnce(sys::ncclComm_t) -> Result<T>) -> Result<T> {
+        let _busy = self.busy.lock().unwrap_or_else(|e| e.into_inner());
+        let aborted = || Error::Collective {
+            reason: format!(
+                "NCCL {what}: a collective did not complete within {:.1} s and the communicator was aborted (ncclCommAbort): a peer died or hangs",
+                self.timeout.unwrap_or_default().as_secs_f64()
+            ),
+        };
+        if self.comm.is_aborted() {
+            return Err(aborted());
+        }
+        let Some(timeout) = self.timeout else {
+            return f(self.comm.comm);
+        };
+        let (done, wait) = mpsc::channel::<()>();
+        let comm = self.comm.clone();
+        let watchdog = std::thread::spawn(move || match wait.recv_timeout(timeout) {
+            Err(RecvTimeoutError::Timeout) => comm.abort(),
+            _ => false,
+        });
+        let out = f(self.comm.comm);
+        let _ = done.send(());
+        let fired = watchdog.join().unwrap_or(false);
+        if fired || self.comm.is_aborted() {
+            return Err(aborted());
+        }
+        out
+    }
+
     /// `ncclAllGather` of `local` (the same length on every rank).
     fn all_gather_equal(&self, local: &[u8]) -> Result<Vec<u8>> {
         let send = self.gpu.upload(local)?;
         let mut recv = self.gpu.zeros::<u8>(local.len() * self.world_size)?;
-        {
-            let comm = self.comm.lock().unwrap_or_else(|e| e.into_inner());
-            comm.0
-                .all_gather(send.slice(), recv.slice_mut())
+        self.guarded("ncclAllGather", |comm| {
+            {
+                let (src, _src_sync) = send.slice().device_ptr(&self.stream);
+                let (dst, _dst_sync) = recv.slice_mut().device_ptr_mut(&self.stream);
+                // SAFETY: both buffers live on this rank's GPU for the call, with the
+                // lengths NCCL reads and writes; the stream is this GPU's.
+                unsafe {
+                    result::all_gather(
+                        src as _,
+                        dst as _,
+                        local.len(),
+                        sys::ncclDataType_t::ncclUint8,
+                        comm,
+                        self.stream.cu_stream() as _,
+                    )
+                }
                 .map_err(|e| nccl_error("ncclAllGather", e))?;
-        }
-        self.stream
-            .synchronize()
-            .map_err(|e| nccl_error("synchronizing after ncclAllGather", e))?;
+            }
+            self.stream
+                .synchronize()
+                .map_err(|e| nccl_error("synchronizing after ncclAllGather", e))
+        })?;
         self.gpu.download(&recv)
     }
 }
@@ -174,6 +317,7 @@ impl Collective for Nccl {
             sub_rank,
             members.len(),
             Some(id),
+            self.timeout,
         )?))
     }
 }
