@@ -4,6 +4,7 @@
 //! allocated, runs with the GIL released, and turns every error, and any panic, into a
 //! `ValueError` with flashloss's message.
 
+mod args;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod losses;

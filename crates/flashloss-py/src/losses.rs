@@ -4,24 +4,19 @@
 //! `LossConfig`/`CeConfig` (unknown keys are errors). Gradients are added into f32
 //! tensors the caller zeroed.
 
+use crate::args::{BOOL, BatchTensors, F32, FLOAT, Grads, Head, I64};
 use crate::tensor::{DType, Tensor, arg_error};
 use flashloss::cpu::{HostHead, Workspace};
 use flashloss::fused::{self, FusedOptions, LinearGradsMut, Mode, Plan};
 use flashloss::policy::{GrpoMetrics, Normalizers};
 use flashloss::{
-    CeConfig, CrossEntropy, Element, GrpoBatch, GrpoLoss, LinearInputs, LogitsLayout, LossConfig,
-    PerSeqOrToken, RowStats,
+    CeConfig, CrossEntropy, Element, GrpoLoss, LinearInputs, LogitsLayout, LossConfig, RowStats,
 };
 use half::bf16;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use std::panic::{AssertUnwindSafe, catch_unwind};
-
-const FLOAT: &[DType] = &[DType::F32, DType::Bf16];
-const F32: &[DType] = &[DType::F32];
-const I64: &[DType] = &[DType::I64];
-const BOOL: &[DType] = &[DType::Bool];
 
 /// Runs `work` without the GIL; a flashloss error or a panic becomes a `ValueError`.
 fn run<T: Send>(py: Python<'_>, work: impl FnOnce() -> flashloss::Result<T> + Send) -> PyResult<T> {
@@ -61,247 +56,6 @@ fn budget(mode: &str, budget_mib: f64) -> PyResult<FusedOptions> {
     }
     let mode: Mode = parse_json("mode", &format!("{mode:?}"))?;
     Ok(FusedOptions::from_mib(mode, budget_mib, 1.0))
-}
-
-/// The kernels' element types, read from a tensor of that dtype.
-trait TorchElement: Element {
-    fn slice<'a>(t: &'a Tensor) -> PyResult<&'a [Self]>;
-}
-
-impl TorchElement for f32 {
-    fn slice<'a>(t: &'a Tensor) -> PyResult<&'a [f32]> {
-        t.f32s()
-    }
-}
-
-impl TorchElement for bf16 {
-    fn slice<'a>(t: &'a Tensor) -> PyResult<&'a [bf16]> {
-        t.bf16s()
-    }
-}
-
-/// The LM head: `hidden` `[..., H]` and `weight` `[V, H]` of one dtype, `bias` `[V]`.
-struct Head<'py> {
-    hidden: Tensor<'py>,
-    weight: Tensor<'py>,
-    bias: Option<Tensor<'py>>,
-    tokens: usize,
-    hidden_size: usize,
-    vocab: usize,
-}
-
-impl<'py> Head<'py> {
-    fn new(
-        hidden: &Bound<'py, PyAny>,
-        weight: &Bound<'py, PyAny>,
-        bias: Option<&Bound<'py, PyAny>>,
-    ) -> PyResult<Self> {
-        let hidden = Tensor::new("hidden", hidden, FLOAT)?;
-        let weight = Tensor::new("weight", weight, FLOAT)?;
-        let bias = Tensor::optional("bias", bias, FLOAT)?;
-        if weight.shape.len() != 2 {
-            return Err(arg_error(
-                "weight",
-                format!("expected shape [V, H], got {:?}", weight.shape),
-            ));
-        }
-        let (vocab, hidden_size) = (weight.shape[0], weight.shape[1]);
-        if hidden.shape.last() != Some(&hidden_size) {
-            return Err(arg_error(
-                "hidden",
-                format!(
-                    "expected shape [..., H={hidden_size}] (H from weight [V, H]), got {:?}",
-                    hidden.shape
-                ),
-            ));
-        }
-        for t in std::iter::once(&weight).chain(&bias) {
-            if t.dtype != hidden.dtype {
-                return Err(arg_error(
-                    t.arg,
-                    format!(
-                        "dtype {:?} differs from hidden's {:?}",
-                        t.dtype, hidden.dtype
-                    ),
-                ));
-            }
-        }
-        if let Some(b) = &bias {
-            b.expect_shape(&[vocab])?;
-        }
-        Ok(Head {
-            tokens: hidden.numel() / hidden_size.max(1),
-            hidden,
-            weight,
-            bias,
-            hidden_size,
-            vocab,
-        })
-    }
-
-    fn inputs<E: TorchElement>(&self) -> PyResult<LinearInputs<'_, E>> {
-        Ok(LinearInputs {
-            hidden: E::slice(&self.hidden)?,
-            weight: E::slice(&self.weight)?,
-            bias: self.bias.as_ref().map(E::slice).transpose()?,
-            tokens: self.tokens,
-            hidden_size: self.hidden_size,
-            vocab: self.vocab,
-        })
-    }
-}
-
-fn device_mismatch(t: &Tensor, hidden: &Tensor) -> String {
-    let name = |d: Option<usize>| d.map_or("cpu".to_string(), |o| format!("cuda:{o}"));
-    format!(
-        "is on {} but `hidden` is on {}",
-        name(t.cuda),
-        name(hidden.cuda)
-    )
-}
-
-/// f32 gradient tensors shaped like the head's inputs (`grad_bias` iff `bias`).
-struct Grads<'py> {
-    hidden: Tensor<'py>,
-    weight: Tensor<'py>,
-    bias: Option<Tensor<'py>>,
-}
-
-impl<'py> Grads<'py> {
-    fn new(
-        head: &Head,
-        hidden: &Bound<'py, PyAny>,
-        weight: &Bound<'py, PyAny>,
-        bias: Option<&Bound<'py, PyAny>>,
-    ) -> PyResult<Self> {
-        let g = Grads {
-            hidden: Tensor::new("grad_hidden", hidden, F32)?,
-            weight: Tensor::new("grad_weight", weight, F32)?,
-            bias: Tensor::optional("grad_bias", bias, F32)?,
-        };
-        for t in [&g.hidden, &g.weight].into_iter().chain(&g.bias) {
-            if t.cuda != head.hidden.cuda {
-                return Err(arg_error(t.arg, device_mismatch(t, &head.hidden)));
-            }
-        }
-        g.hidden.expect_shape(&head.hidden.shape)?;
-        g.weight.expect_shape(&head.weight.shape)?;
-        match (&g.bias, &head.bias) {
-            (Some(gb), Some(b)) => gb.expect_shape(&b.shape)?,
-            (None, None) => {}
-            _ => return Err(arg_error("grad_bias", "given exactly when bias is")),
-        }
-        Ok(g)
-    }
-
-    /// # Safety
-    /// The gradient tensors must not alias each other or any input.
-    unsafe fn view(&mut self) -> PyResult<LinearGradsMut<'_>> {
-        // SAFETY: the caller's promise.
-        unsafe {
-            Ok(LinearGradsMut {
-                dhidden: self.hidden.f32s_mut()?,
-                dweight: self.weight.f32s_mut()?,
-                dbias: self.bias.as_mut().map(|b| b.f32s_mut()).transpose()?,
-            })
-        }
-    }
-}
-
-/// Per-sequence `[B]` or per-token `[B, T]` f32 values.
-fn per_seq_or_token<'a>(t: &'a Tensor, b: usize, n: usize) -> PyResult<PerSeqOrToken<'a>> {
-    let v = t.f32s()?;
-    match t.shape.len() {
-        1 if v.len() == b => Ok(PerSeqOrToken::Sequence(v)),
-        2 if v.len() == n => Ok(PerSeqOrToken::Token(v)),
-        _ => Err(arg_error(
-            t.arg,
-            format!(
-                "expected shape [B={b}] or [B, T] with B·T = {n}, got {:?}",
-                t.shape
-            ),
-        )),
-    }
-}
-
-/// The per-token inputs of a GRPO step, borrowed from their tensors.
-struct BatchTensors<'py> {
-    ids: Tensor<'py>,
-    mask: Vec<bool>,
-    advantages: Tensor<'py>,
-    old_logp: Option<Tensor<'py>>,
-    ref_logp: Option<Tensor<'py>>,
-    sampler_ratio: Option<Tensor<'py>>,
-    policy_mask: Option<Vec<bool>>,
-    entropy_mask: Option<Vec<bool>>,
-}
-
-impl<'py> BatchTensors<'py> {
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        ids: &Bound<'py, PyAny>,
-        mask: &Bound<'py, PyAny>,
-        advantages: &Bound<'py, PyAny>,
-        old_logp: Option<&Bound<'py, PyAny>>,
-        ref_logp: Option<&Bound<'py, PyAny>>,
-        sampler_ratio: Option<&Bound<'py, PyAny>>,
-        policy_mask: Option<&Bound<'py, PyAny>>,
-        entropy_mask: Option<&Bound<'py, PyAny>>,
-    ) -> PyResult<Self> {
-        let ids = Tensor::new("completion_ids", ids, I64)?;
-        if ids.shape.len() != 2 {
-            return Err(arg_error(
-                "completion_ids",
-                format!("expected shape [B, T], got {:?}", ids.shape),
-            ));
-        }
-        let mask_t = Tensor::new("completion_mask", mask, BOOL)?;
-        mask_t.expect_shape(&ids.shape)?;
-        let per_token = |arg, t: Option<&Bound<'py, PyAny>>| -> PyResult<Option<Tensor<'py>>> {
-            let t = Tensor::optional(arg, t, F32)?;
-            if let Some(t) = &t {
-                t.expect_shape(&ids.shape)?;
-            }
-            Ok(t)
-        };
-        let token_mask = |arg, t: Option<&Bound<'py, PyAny>>| -> PyResult<Option<Vec<bool>>> {
-            let Some(t) = Tensor::optional(arg, t, BOOL)? else {
-                return Ok(None);
-            };
-            t.expect_shape(&ids.shape)?;
-            t.bools().map(Some)
-        };
-        Ok(BatchTensors {
-            policy_mask: token_mask("policy_mask", policy_mask)?,
-            entropy_mask: token_mask("entropy_mask", entropy_mask)?,
-            mask: mask_t.bools()?,
-            advantages: Tensor::new("advantages", advantages, F32)?,
-            old_logp: per_token("old_per_token_logps", old_logp)?,
-            ref_logp: per_token("ref_per_token_logps", ref_logp)?,
-            sampler_ratio: Tensor::optional("importance_sampling_ratio", sampler_ratio, F32)?,
-            ids,
-        })
-    }
-
-    fn batch(&self) -> PyResult<GrpoBatch<'_>> {
-        let (b, t) = (self.ids.shape[0], self.ids.shape[1]);
-        Ok(GrpoBatch {
-            batch: b,
-            seq_len: t,
-            target_ids: self.ids.i64s()?,
-            mask: &self.mask,
-            advantages: per_seq_or_token(&self.advantages, b, b * t)?,
-            old_logp: self.old_logp.as_ref().map(|t| t.f32s()).transpose()?,
-            ref_logp: self.ref_logp.as_ref().map(|t| t.f32s()).transpose()?,
-            sampler_ratio: self
-                .sampler_ratio
-                .as_ref()
-                .map(|r| per_seq_or_token(r, b, b * t))
-                .transpose()?,
-            policy_mask: self.policy_mask.as_deref(),
-            entropy_mask: self.entropy_mask.as_deref(),
-        })
-    }
 }
 
 /// Writes the per-row `logp` and entropy into `[N]`-sized f32 tensors.
@@ -354,6 +108,42 @@ fn grpo_result<'py>(
         d.set_item("workspace_bytes", p.workspace_bytes + p.gemm_reserve_bytes)?;
     }
     Ok(d)
+}
+
+/// Runs `work` (a fused driver) on the head where its tensors are: the CPU backend
+/// over host memory, or the head's GPU on PyTorch's `stream`.
+fn on_device<R: Send>(
+    py: Python<'_>,
+    head: &Head,
+    grads: &mut Grads,
+    stream: usize,
+    work: impl FnOnce(&mut dyn fused::Head) -> flashloss::Result<R> + Send,
+) -> PyResult<R> {
+    if head.hidden.cuda.is_some() {
+        return on_gpu(py, head, grads, stream, work);
+    }
+    // SAFETY: the gradient tensors are fresh allocations of the Python side.
+    let grads = unsafe { grads.view()? };
+    match head.hidden.dtype {
+        DType::F32 => on_host(py, &head.inputs::<f32>()?, grads, work),
+        _ => on_host(py, &head.inputs::<bf16>()?, grads, work),
+    }
+}
+
+/// Runs `work` on a [`HostHead`] of `inputs` adding into `grads`, without the GIL.
+fn on_host<E: Element, R: Send>(
+    py: Python<'_>,
+    inputs: &LinearInputs<E>,
+    grads: LinearGradsMut,
+    work: impl FnOnce(&mut dyn fused::Head) -> flashloss::Result<R> + Send,
+) -> PyResult<R> {
+    run(py, || {
+        work(&mut HostHead {
+            inputs,
+            ws: &mut Workspace::new(),
+            grads,
+        })
+    })
 }
 
 /// Runs `work` on the head's GPU (its tensors and the gradients' stay where they are),
@@ -461,23 +251,8 @@ pub fn grpo_linear<'py>(
         ));
     }
     let norm = Normalizers::local(&batch);
-    if head.hidden.cuda.is_some() {
-        let work = |h: &mut dyn fused::Head| fused::grpo_linear(h, &loss, &batch, norm, &opts);
-        let out = on_gpu(py, &head, &grads, stream, work)?;
-        return grpo_outputs(py, &out, out_logp, out_entropy, out_kl);
-    }
-    // SAFETY: the gradient tensors are fresh allocations of the Python side.
-    let view = unsafe { grads.view()? };
-    let out = match head.hidden.dtype {
-        DType::F32 => {
-            let inputs = head.inputs::<f32>()?;
-            run(py, || grpo_on(&loss, &batch, norm, &inputs, view, &opts))?
-        }
-        _ => {
-            let inputs = head.inputs::<bf16>()?;
-            run(py, || grpo_on(&loss, &batch, norm, &inputs, view, &opts))?
-        }
-    };
+    let work = |h: &mut dyn fused::Head| fused::grpo_linear(h, &loss, &batch, norm, &opts);
+    let out = on_device(py, &head, &mut grads, stream, work)?;
     grpo_outputs(py, &out, out_logp, out_entropy, out_kl)
 }
 
@@ -495,22 +270,6 @@ fn grpo_outputs<'py>(
     )?;
     write_f32(&out.kl, &mut Tensor::new("out_kl", out_kl, F32)?)?;
     grpo_result(py, out.loss, &out.metrics, Some(&out.plan))
-}
-
-fn grpo_on<E: Element>(
-    loss: &GrpoLoss,
-    batch: &GrpoBatch,
-    norm: Normalizers,
-    inputs: &LinearInputs<E>,
-    grads: LinearGradsMut,
-    opts: &FusedOptions,
-) -> flashloss::Result<fused::GrpoLinearOutput> {
-    let head = &mut HostHead {
-        inputs,
-        ws: &mut Workspace::new(),
-        grads,
-    };
-    fused::grpo_linear(head, loss, batch, norm, opts)
 }
 
 /// Cross-entropy from hidden states at `targets` `[N]` (`config_json`: a `CeConfig`);
@@ -549,12 +308,8 @@ pub fn ce_linear<'py>(
         targets.i64s()?,
         grad_rows.as_ref().map(|t| t.f32s()).transpose()?,
     );
-    let out = if head.hidden.cuda.is_some() {
-        let work = |h: &mut dyn fused::Head| fused::ce_linear(h, &ce, targets, grad_rows, &opts);
-        on_gpu(py, &head, &grads, stream, work)?
-    } else {
-        ce_on_host(py, &ce, targets, grad_rows, &head, &mut grads, &opts)?
-    };
+    let work = |h: &mut dyn fused::Head| fused::ce_linear(h, &ce, targets, grad_rows, &opts);
+    let out = on_device(py, &head, &mut grads, stream, work)?;
     write_f32(
         &out.row_loss,
         &mut Tensor::new("out_row_loss", out_row_loss, F32)?,
@@ -565,45 +320,6 @@ pub fn ce_linear<'py>(
     d.set_item("count", out.count)?;
     d.set_item("single_pass", out.plan.single_pass)?;
     Ok(d)
-}
-
-fn ce_on_host(
-    py: Python<'_>,
-    ce: &CrossEntropy,
-    targets: &[i64],
-    grad_rows: Option<&[f32]>,
-    head: &Head,
-    grads: &mut Grads,
-    opts: &FusedOptions,
-) -> PyResult<fused::CeLinearOutput> {
-    // SAFETY: the gradient tensors are fresh allocations of the Python side.
-    let view = unsafe { grads.view()? };
-    Ok(match head.hidden.dtype {
-        DType::F32 => {
-            let inputs = head.inputs::<f32>()?;
-            run(py, || ce_on(ce, targets, grad_rows, &inputs, view, opts))?
-        }
-        _ => {
-            let inputs = head.inputs::<bf16>()?;
-            run(py, || ce_on(ce, targets, grad_rows, &inputs, view, opts))?
-        }
-    })
-}
-
-fn ce_on<E: Element>(
-    ce: &CrossEntropy,
-    targets: &[i64],
-    grad_rows: Option<&[f32]>,
-    inputs: &LinearInputs<E>,
-    grads: LinearGradsMut,
-    opts: &FusedOptions,
-) -> flashloss::Result<fused::CeLinearOutput> {
-    let head = &mut HostHead {
-        inputs,
-        ws: &mut Workspace::new(),
-        grads,
-    };
-    fused::ce_linear(head, ce, targets, grad_rows, opts)
 }
 
 /// Per-token `logp` and entropy of `(hidden·weightᵀ + bias)/temperature` at `ids`
