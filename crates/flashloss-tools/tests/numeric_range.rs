@@ -296,3 +296,83 @@ fn grad_output_at_f32_max_is_out_of_range_not_inf() {
         assert_out_of_range(&err, &format!("ce {mode:?}"));
     }
 }
+
+/// Found by fuzzing (`fuzz/regressions/batch_validation/logits-grad-not-finite`): the
+/// upstream scale `g/T` itself beyond f32 (`g = -1.9e15`, `T = 2.9e-24`) while every
+/// product `g/T·dlogp` is within it. The kernels formed `g/T` in f32 (infinite) and
+/// multiplied it by `1 - p = 0`: NaN. With one vocabulary entry the exact gradient is
+/// zero (a softmax over one logit is constant), so every path must give exactly zero.
+#[test]
+fn upstream_scale_beyond_f32_with_products_within_it() {
+    let (b, t, v, h) = (1, 4, 1, 1);
+    let loss = GrpoLoss::new(flashloss::LossConfig {
+        loss_type: LossType::DrGrpo,
+        beta: 0.04,
+        entropy_coef: 0.01,
+        temperature: 2.890_821e-24,
+        max_completion_length: Some(t),
+        ..Default::default()
+    })
+    .unwrap();
+    let mut x = draw(b, t, v, 95);
+    x.data.mask[0] = false;
+    let batch = x.batch();
+    let g = -1.905_826_2e15f32;
+    assert!(!((g as f64 / loss.config().temperature) as f32).is_finite());
+    let layout = LogitsLayout::contiguous(b, t, v);
+    let zero = |name: &str, xs: &[f32]| {
+        assert!(xs.iter().all(|&d| d == 0.0), "{name}: {xs:?}");
+    };
+    for in_place in [false, true] {
+        let mut logits = x.logits.clone();
+        let mut out = vec![f32::NAN; logits.len()];
+        let dst = (!in_place).then_some(out.as_mut_slice());
+        let fwd = Device::Cpu
+            .grpo_logits(&loss, &batch, &mut logits, &layout, g, dst)
+            .unwrap();
+        assert!(fwd.loss.is_finite());
+        zero("logits level", if in_place { &logits } else { &out });
+    }
+    let (value, dlogits) =
+        flashloss::cpu::grpo_logits_unfused(&loss, &batch, &x.logits, &layout, g).unwrap();
+    assert!(value.is_finite());
+    zero("unfused", &dlogits);
+    let head = Head::<f32>::random(b * t, h, v, true, 7);
+    for mode in [Mode::SinglePass, Mode::TwoPass] {
+        let opts = FusedOptions {
+            mode,
+            budget_bytes: flashloss::cpu::gemm_reserve_bytes() + (1 << 20),
+            grad_output: g,
+        };
+        let out = grpo_linear(&loss, &batch, &head.inputs(), &opts).unwrap();
+        zero("fused dhidden", &out.grads.dhidden);
+        zero("fused dweight", &out.grads.dweight);
+    }
+}
+
+/// A temperature whose inverse leaves f32 (the kernels scale logits by `1/T` in f32) is
+/// a config error naming it, for GRPO and cross-entropy.
+#[test]
+fn temperature_with_inverse_beyond_f32_is_a_config_error() {
+    for temperature in [1e-39, 1e-300] {
+        let err = GrpoLoss::new(flashloss::LossConfig {
+            temperature,
+            ..Default::default()
+        })
+        .unwrap_err();
+        assert!(err.to_string().contains("temperature"), "{err}");
+        let err = flashloss::CrossEntropy::new(flashloss::CeConfig {
+            temperature,
+            ..Default::default()
+        })
+        .unwrap_err();
+        assert!(err.to_string().contains("temperature"), "{err}");
+    }
+    assert!(
+        GrpoLoss::new(flashloss::LossConfig {
+            temperature: 1e-38,
+            ..Default::default()
+        })
+        .is_ok()
+    );
+}

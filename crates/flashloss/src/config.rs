@@ -5,6 +5,12 @@
 use crate::error::{Error, Result};
 use serde::{Deserialize, Serialize};
 
+/// Whether `temperature` is usable: finite, > 0, and `1/temperature` within f32 (the
+/// kernels scale logits by it in f32).
+pub fn valid_temperature(temperature: f64) -> bool {
+    temperature.is_finite() && temperature > 0.0 && ((1.0 / temperature) as f32).is_finite()
+}
+
 /// Which GRPO-family objective (spec: "GRPO per-token policy loss").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -209,8 +215,11 @@ impl GrpoLoss {
         check(c.beta >= 0.0, "beta", || {
             format!("must be >= 0, got {}", c.beta)
         })?;
-        check(c.temperature > 0.0, "temperature", || {
-            format!("must be > 0, got {}", c.temperature)
+        check(valid_temperature(c.temperature), "temperature", || {
+            format!(
+                "must be > 0 with 1/temperature within f32, got {}",
+                c.temperature
+            )
         })?;
         check(
             c.sapo_temperature_pos > 0.0 && c.sapo_temperature_neg > 0.0,

@@ -3,6 +3,7 @@
 //! + λ_z·lse_i²` on `s = softcap(z) / T_temp`, for rows whose target is not
 //! `ignore_index`. [`CrossEntropy::new`] is the one place a config is checked.
 
+use crate::config::valid_temperature;
 use crate::error::{Error, Result};
 use serde::{Deserialize, Serialize};
 
@@ -80,10 +81,13 @@ impl CrossEntropy {
         {
             return bad("softcap", format!("must be finite and > 0, got {cap}"));
         }
-        if !(c.temperature.is_finite() && c.temperature > 0.0) {
+        if !valid_temperature(c.temperature) {
             return bad(
                 "temperature",
-                format!("must be finite and > 0, got {}", c.temperature),
+                format!(
+                    "must be finite and > 0 with 1/temperature within f32, got {}",
+                    c.temperature
+                ),
             );
         }
         Ok(CrossEntropy { config })

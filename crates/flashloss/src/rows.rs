@@ -10,7 +10,7 @@
 //! [`RowTransform`] is the one place where a loss's options (temperature, soft-cap,
 //! label smoothing) become what the kernels apply per logit.
 
-use crate::config::GrpoLoss;
+use crate::config::{GrpoLoss, valid_temperature};
 use crate::cross_entropy::CrossEntropy;
 use crate::error::{Error, Result};
 
@@ -163,10 +163,35 @@ impl RowTransform {
         g / self.temperature
     }
 
+    /// The coefficients of a GRPO row's logits gradient for an upstream `g`
+    /// (`scale = g/T`): `dz_j = coef_p·p_j + coef_h·p_j·(log p_j + H) + coef_target·1[j=y]`
+    /// with `coef_p = -scale·dlogp`, `coef_h = -scale·dentropy`, `coef_target =
+    /// scale·dlogp`. Formed in f64, so only the products (bounded by
+    /// [`crate::range::grpo_grad_bound`]) need to fit in f32, not `scale` itself.
+    pub fn grpo_coefs(&self, g: f64, dlogp: f32, dentropy: f32) -> GrpoCoefs {
+        let scale = self.grad_scale(g);
+        GrpoCoefs {
+            p: (-scale * dlogp as f64) as f32,
+            h: (-scale * dentropy as f64) as f32,
+            target: (scale * dlogp as f64) as f32,
+        }
+    }
+
     /// `1 / cap` of the soft-cap (0: none).
     pub fn inv_cap(&self) -> f32 {
         self.softcap.map_or(0.0, |c| 1.0 / c)
     }
+}
+
+/// A GRPO row's gradient coefficients ([`RowTransform::grpo_coefs`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GrpoCoefs {
+    /// Of `p_j`: `-scale·dlogp`.
+    pub p: f32,
+    /// Of `p_j·(log p_j + H)`: `-scale·dentropy`.
+    pub h: f32,
+    /// Of the target's one-hot: `scale·dlogp`.
+    pub target: f32,
 }
 
 /// The per-row inputs of a pass over a head: which rows take part, their targets and
@@ -253,7 +278,7 @@ pub fn check_row_stats(
 }
 
 /// Checks `target_ids` and `mask` (`[N]`, N = B·T with T = `seq_len`), ids in
-/// `[0, vocab)` where the mask is set, and `temperature` finite and > 0.
+/// `[0, vocab)` where the mask is set, and `temperature` valid ([`valid_temperature`]).
 pub fn check_targets(
     target_ids: &[i64],
     mask: Option<&[bool]>,
@@ -276,10 +301,12 @@ pub fn check_targets(
             });
         }
     }
-    if !(temperature.is_finite() && temperature > 0.0) {
+    if !valid_temperature(temperature) {
         return Err(Error::InvalidArgument {
             arg: "temperature",
-            reason: format!("must be finite and > 0, got {temperature}"),
+            reason: format!(
+                "must be finite and > 0 with 1/temperature within f32, got {temperature}"
+            ),
         });
     }
     let live = |i: usize| mask.is_none_or(|m| m[i]);

@@ -85,7 +85,6 @@ pub fn ce_linear_baseline_into<E: Element>(
     head_logits(inputs, c.softcap.map(|x| x as f32), ws)?;
     let transform = RowTransform::ce(ce);
     let inv_temp = transform.inv_temp;
-    let eps = c.label_smoothing as f32;
     let logp = &mut ws.unfused.log_probs;
     crate::memory::try_resize(logp, "log_softmax [N, V]", n * v, 0.0)?;
     let dlogits = &mut ws.unfused.dlogits;
@@ -114,12 +113,15 @@ pub fn ce_linear_baseline_into<E: Element>(
             let value = (1.0 - c.label_smoothing) * -(lp[y] as f64)
                 + c.label_smoothing * (lse - mean_s)
                 + z_term;
-            let scale = transform.grad_scale(upstream) as f32;
-            let coef_p = scale * (1.0 + 2.0 * (c.z_loss * lse) as f32);
+            // Coefficients formed in f64: only they, not `g/T`, need to fit in f32.
+            let scale = transform.grad_scale(upstream);
+            let coef_p = (scale * (1.0 + 2.0 * c.z_loss * lse)) as f32;
+            let coef_uniform = (scale * c.label_smoothing / v as f64) as f32;
+            let coef_target = (scale * (1.0 - c.label_smoothing)) as f32;
             for (j, d) in dz.iter_mut().enumerate() {
-                let target = if j == y { 1.0 - eps } else { 0.0 };
+                let target = if j == y { coef_target } else { 0.0 };
                 let slope = 1.0 - (z[j] * inv_cap) * (z[j] * inv_cap);
-                *d = (coef_p * lp[j].exp() - scale * (target + eps / v as f32)) * slope;
+                *d = (coef_p * lp[j].exp() - target - coef_uniform) * slope;
             }
             value
         })

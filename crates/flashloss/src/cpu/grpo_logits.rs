@@ -122,15 +122,17 @@ impl GrpoLogitsForward {
             return;
         }
         let st = &self.stats[i];
-        let scale = self.transform.grad_scale(grad_output as f64) as f32;
+        let c = self
+            .transform
+            .grpo_coefs(grad_output as f64, dlogp, dentropy);
         let inv_temp = self.transform.inv_temp;
         let target = self.targets[i] as usize;
         let grad = simd::SoftmaxGrad {
             max: st.max,
             scale: inv_temp,
             log_sum: st.log_sum,
-            coef_p: -scale * dlogp,
-            coef_h: -scale * dentropy,
+            coef_p: c.p,
+            coef_h: c.h,
             entropy: st.entropy,
             ..Default::default()
         };
@@ -140,7 +142,7 @@ impl GrpoLogitsForward {
             simd::load(src.map_or(&dst[j0..j1], |s| &s[j0..j1]), buf);
             simd::softmax_grad(buf, &grad);
             if (j0..j1).contains(&target) {
-                buf[target - j0] += scale * dlogp;
+                buf[target - j0] += c.target;
             }
             simd::store(buf, &mut dst[j0..j1]);
         }

@@ -106,18 +106,21 @@ pub fn grpo_logits_unfused_into<E: Element>(
     )?;
 
     // dlogits = (g/T)·[dlogp·(onehot - p) - dentropy·p·(log p + H)], materialized.
-    let scale = grad_output * inv_temp;
     let (log_probs, probs) = (&ws.log_probs, &ws.probs);
     let dlogits = sized(&mut ws.dlogits, "dlogits [N, V]", n * v)?;
     dlogits.par_chunks_mut(v).enumerate().for_each(|(i, dz)| {
         let (p, lp) = (&probs[i * v..(i + 1) * v], &log_probs[i * v..(i + 1) * v]);
-        let (dlogp, dent, h) = (policy.dlogp[i], policy.dentropy[i], entropy[i]);
+        let c = transform.grpo_coefs(grad_output as f64, policy.dlogp[i], policy.dentropy[i]);
         for j in 0..v {
-            let ent = if p[j] > 0.0 { p[j] * (lp[j] + h) } else { 0.0 };
-            dz[j] = scale * (-dlogp * p[j] - dent * ent);
+            let ent = if p[j] > 0.0 {
+                p[j] * (lp[j] + entropy[i])
+            } else {
+                0.0
+            };
+            dz[j] = c.p * p[j] + c.h * ent;
         }
         if batch.mask[i] {
-            dz[batch.target_ids[i] as usize] += scale * dlogp;
+            dz[batch.target_ids[i] as usize] += c.target;
         }
     });
     Ok(policy.loss)

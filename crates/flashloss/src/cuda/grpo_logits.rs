@@ -64,19 +64,21 @@ pub fn grpo_logits_backward<E: GpuElement>(
     if n == 0 {
         return Ok(());
     }
-    let scale = fwd.transform.grad_scale(grad_output as f64) as f32;
     let inv_temp = fwd.transform.inv_temp;
     let coefs: Vec<RowCoef> = (0..n)
         .map(|i| {
             let (st, dlogp, dentropy) = (&fwd.stats[i], fwd.dlogp()[i], fwd.dentropy()[i]);
+            let c = fwd
+                .transform
+                .grpo_coefs(grad_output as f64, dlogp, dentropy);
             RowCoef {
                 max: st.max,
                 log_sum: st.log_sum,
                 entropy: st.entropy,
-                coef_p: -scale * dlogp,
-                coef_h: -scale * dentropy,
+                coef_p: c.p,
+                coef_h: c.h,
                 coef_uniform: 0.0,
-                coef_target: scale * dlogp,
+                coef_target: c.target,
                 target: fwd.targets[i],
             }
         })

@@ -38,21 +38,26 @@ pub struct GrpoLinearOutput {
 }
 
 /// The [`RowGrad`] of each row in `rows`:
-/// `dz = scale·[dlogp·(1[j=y] - p) - dentropy·p·(log p + H)]`, `scale = g/T`.
+/// `dz = scale·[dlogp·(1[j=y] - p) - dentropy·p·(log p + H)]`, `scale = g/T`
+/// ([`RowTransform::grpo_coefs`]).
 pub(crate) fn row_grads(
     rows: Range<usize>,
     stats: &[RowStats],
     policy: &PolicyOutput,
     targets: &[i64],
-    scale: f32,
+    transform: &RowTransform,
+    grad_output: f64,
 ) -> Vec<RowGrad> {
-    rows.map(|i| RowGrad {
-        stats: stats[i],
-        coef_p: -scale * policy.dlogp[i],
-        coef_h: -scale * policy.dentropy[i],
-        coef_uniform: 0.0,
-        coef_target: scale * policy.dlogp[i],
-        target: targets[i] as usize,
+    rows.map(|i| {
+        let c = transform.grpo_coefs(grad_output, policy.dlogp[i], policy.dentropy[i]);
+        RowGrad {
+            stats: stats[i],
+            coef_p: c.p,
+            coef_h: c.h,
+            coef_uniform: 0.0,
+            coef_target: c.target,
+            target: targets[i] as usize,
+        }
     })
     .collect()
 }
@@ -125,10 +130,11 @@ pub(crate) fn grpo_linear_checked(
         live: batch.mask,
         transform,
     };
-    let scale = transform.grad_scale(opts.grad_output as f64) as f32;
+    let g = opts.grad_output as f64;
+    let scale = transform.grad_scale(g);
     let mut passes = head.passes(rows, plan)?;
     let (stats, policy) = if plan.single_pass {
-        single_pass(passes.as_mut(), loss, batch, norm, scale)?
+        single_pass(passes.as_mut(), loss, batch, norm, &transform, g)?
     } else {
         let stats = stats_pass(passes.as_mut(), &rows, vocab, split)?;
         let logp: Vec<f32> = stats.iter().map(|s| s.logp).collect();
@@ -137,8 +143,9 @@ pub(crate) fn grpo_linear_checked(
         let live = |i: usize| batch.mask[i];
         let (n, t) = (batch.rows(), batch.seq_len);
         check_row_stats(&stats, live, batch.target_ids, t)?;
-        check_policy_rows(&policy, |i| entropy[i], 0..n, live, t, Some(scale as f64))?;
-        let grads = row_grads(0..batch.rows(), &stats, &policy, batch.target_ids, scale);
+        check_policy_rows(&policy, |i| entropy[i], 0..n, live, t, Some(scale))?;
+        let targets = batch.target_ids;
+        let grads = row_grads(0..batch.rows(), &stats, &policy, targets, &transform, g);
         grads_pass(passes.as_mut(), grads, split)?;
         (stats, policy)
     };
@@ -164,8 +171,10 @@ fn single_pass(
     loss: &GrpoLoss,
     batch: &GrpoBatch,
     norm: Normalizers,
-    scale: f32,
+    transform: &RowTransform,
+    grad_output: f64,
 ) -> Result<(Vec<RowStats>, PolicyOutput)> {
+    let scale = transform.grad_scale(grad_output);
     let n = batch.rows();
     let mut policy = PolicyOutput::new(n);
     let mut logp = vec![0.0f32; n];
@@ -194,14 +203,20 @@ fn single_pass(
                 |i: usize| batch.mask[i] && finite(&stats[i]) && stats[i].entropy.is_finite();
             let entropy = |i: usize| stats[i].entropy;
             let t = batch.seq_len;
-            let checked =
-                check_policy_rows(&policy, entropy, rows.clone(), live, t, Some(scale as f64));
+            let checked = check_policy_rows(&policy, entropy, rows.clone(), live, t, Some(scale));
             out_of_range = checked.err();
         }
         if out_of_range.is_some() {
             return vec![RowGrad::default(); rows.len()];
         }
-        row_grads(rows, stats, &policy, batch.target_ids, scale)
+        row_grads(
+            rows,
+            stats,
+            &policy,
+            batch.target_ids,
+            transform,
+            grad_output,
+        )
     };
     let stats = passes.single_pass(&mut grads_of)?;
     if let Some(err) = out_of_range {
