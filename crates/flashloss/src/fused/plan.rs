@@ -81,9 +81,14 @@ pub fn mib_to_bytes(mib: f64) -> usize {
     (mib * (1u64 << 20) as f64) as usize
 }
 
+/// The default workspace budget: 160 MiB. On the 2-core CPU of docs/bench/cpu.md it holds
+/// an f32 single-pass block of ~265 rows at V = 151936, which auto mode prefers to
+/// two-pass; 64 MiB (the earlier default) holds ~100 rows and falls back to two-pass.
+pub const DEFAULT_BUDGET_MIB: f64 = 160.0;
+
 impl Default for FusedOptions {
     fn default() -> Self {
-        Self::from_mib(Mode::Auto, 64.0, 1.0)
+        Self::from_mib(Mode::Auto, DEFAULT_BUDGET_MIB, 1.0)
     }
 }
 
