@@ -184,7 +184,9 @@ fn print_bench(report: &BenchReport) {
             println!(
                 "{:<10} plan: {} block_rows={} vocab_tile={} workspace={} gemm_reserve={}",
                 "",
-                if p.single_pass {
+                if p.compact {
+                    "compact"
+                } else if p.single_pass {
                     "single_pass"
                 } else {
                     "two_pass"
@@ -205,7 +207,8 @@ fn print_bench(report: &BenchReport) {
             );
         }
     }
-    if let [a, b] = &report.results[..] {
+    let named = |name: &str| report.results.iter().find(|r| r.implementation == name);
+    if let (Some(a), Some(b)) = (named("baseline"), named("fused")) {
         println!(
             "fused/baseline: time {:.3}x, peak {:.3}x, peak above io {:.3}x",
             b.step_seconds.median / a.step_seconds.median,

@@ -41,7 +41,7 @@ fn fused_kernels_stay_within_the_budget() {
             "{name}: peak {above} bytes above inputs, outputs {outputs} + budget {budget}"
         );
     };
-    for mode in [Mode::Auto, Mode::TwoPass] {
+    for mode in [Mode::Auto, Mode::TwoPass, Mode::Compact] {
         let opts = FusedOptions {
             mode,
             budget_bytes: budget,

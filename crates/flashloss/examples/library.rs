@@ -44,7 +44,7 @@ fn main() -> flashloss::Result<()> {
     let fwd = Device::Cpu.grpo_logits(&loss, &batch, &mut logits, &layout, 1.0, None)?;
     println!("logits-level GRPO loss {:.6}", fwd.loss); // logits now hold dL/dlogits
 
-    // From hidden states and the LM head, within a 64 MiB workspace, on any device
+    // From hidden states and the LM head, within the default 160 MiB workspace, on any device
     // (`Device::parse("cuda:0")` in a build with `--features cuda`):
     let head = LinearInputs {
         hidden: &h,

@@ -98,7 +98,7 @@ impl Default for BenchConfig {
             repeat: 5,
             seed: 0,
             mode: Mode::Auto,
-            budget_mib: 64.0,
+            budget_mib: flashloss::fused::plan::DEFAULT_BUDGET_MIB,
             device: Device::Cpu,
             grpo: LossConfig::default(),
             ce: CeConfig::default(),

@@ -10,7 +10,8 @@ use flashloss::batch::{LinearInputs, LogitsLayout};
 use flashloss::cpu::matmul::{MatRef, matmul};
 use flashloss::cpu::{
     BaselineWorkspace, HostHead, UnfusedWorkspace, Workspace, ce_linear_baseline_into,
-    grpo_linear_baseline_into, grpo_logits_forward, grpo_logits_unfused_into,
+    grpo_linear_baseline_into, grpo_logits_forward, grpo_logits_forward_staged,
+    grpo_logits_unfused_into,
 };
 use flashloss::memory;
 use flashloss::policy::Normalizers;
@@ -261,7 +262,22 @@ fn run_logits<E: Element>(
     }
     if cfg.implementation != Impl::Baseline {
         let mut dlogits = vec![E::default(); n * v];
+        if E::DTYPE == flashloss::DType::F32 {
+            // The two-`exp` kernel, for the same-run comparison.
+            let r = measure(cfg, "fused_2exp", base, io_bytes, progress, &mut || {
+                let fwd = grpo_logits_forward(&loss, &batch, &logits, &layout)?;
+                fwd.backward(&logits, 1.0, &mut dlogits)?;
+                Ok(fwd.loss)
+            })?;
+            results.push(with_rates(r));
+        }
+        // f32 gradients: one `exp` per logit (exponentials staged in `dlogits`).
         let r = measure(cfg, "fused", base, io_bytes, progress, &mut || {
+            if let Some(d) = E::as_f32_mut(&mut dlogits) {
+                let fwd = grpo_logits_forward_staged(&loss, &batch, &logits, &layout, d)?;
+                fwd.backward(&logits, 1.0, d)?;
+                return Ok(fwd.forward.loss);
+            }
             let fwd = grpo_logits_forward(&loss, &batch, &logits, &layout)?;
             fwd.backward(&logits, 1.0, &mut dlogits)?;
             Ok(fwd.loss)

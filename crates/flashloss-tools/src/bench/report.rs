@@ -21,7 +21,7 @@ pub struct Timing {
 /// One implementation's numbers.
 #[derive(Debug, Clone, Serialize)]
 pub struct BenchResult {
-    /// `baseline` or `fused`.
+    /// `baseline`, `fused` (or `fused_2exp`: the logits-level two-`exp` kernel).
     pub implementation: &'static str,
     /// The config's level.
     pub level: Level,

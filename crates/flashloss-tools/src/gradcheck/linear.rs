@@ -48,11 +48,7 @@ pub(super) fn check_linear<E: Element>(cfg: &GradcheckConfig) -> Result<Gradchec
                     tol.logp_rel.unwrap_or_default(),
                 ),
             ];
-            let name = format!(
-                "linear grpo {:?} {}",
-                E::DTYPE,
-                mode_name(out.plan.single_pass)
-            );
+            let name = format!("linear grpo {:?} {}", E::DTYPE, mode_name(&out.plan));
             (
                 name,
                 (r.loss, out.loss),
@@ -73,11 +69,7 @@ pub(super) fn check_linear<E: Element>(cfg: &GradcheckConfig) -> Result<Gradchec
                 worst_rel(live.iter().map(|&i| (out.stats[i].logp, r.logp[i]))),
                 tol.logp_rel.unwrap_or_default(),
             )];
-            let name = format!(
-                "linear ce {:?} {}",
-                E::DTYPE,
-                mode_name(out.plan.single_pass)
-            );
+            let name = format!("linear ce {:?} {}", E::DTYPE, mode_name(&out.plan));
             (name, (r.loss, out.loss), None, gates, r.dlogits)
         }
     };
@@ -158,8 +150,10 @@ pub(crate) fn ce_targets(tokens: &GrpoInputs, ce: &CrossEntropy) -> Vec<i64> {
         .collect()
 }
 
-fn mode_name(single_pass: bool) -> &'static str {
-    if single_pass {
+fn mode_name(plan: &flashloss::Plan) -> &'static str {
+    if plan.compact {
+        "compact"
+    } else if plan.single_pass {
         "single_pass"
     } else {
         "two_pass"

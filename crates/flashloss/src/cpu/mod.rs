@@ -5,6 +5,7 @@
 
 mod baseline_linear;
 mod grpo_logits;
+mod grpo_logits_staged;
 pub mod matmul;
 mod online_softmax;
 mod passes;
@@ -17,6 +18,7 @@ pub use baseline_linear::{
     BaselineWorkspace, ce_linear_baseline_into, grpo_linear_baseline, grpo_linear_baseline_into,
 };
 pub use grpo_logits::{grpo_logits_forward, grpo_logits_forward_sharded, grpo_logits_forward_with};
+pub use grpo_logits_staged::{StagedForward, grpo_logits_forward_staged};
 pub use online_softmax::{VOCAB_TILE, row_state, tile_state};
 pub use passes::{GEMM_SCRATCH_PER_THREAD, HostHead, gemm_reserve_bytes, plan};
 pub use selective_log_softmax::selective_log_softmax;

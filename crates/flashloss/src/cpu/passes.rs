@@ -5,7 +5,8 @@
 //! memory.
 
 use super::tiles::{
-    Workspace, accumulate_tile, grad_tile, logits_tile, merge_tile_stats, rows_f32,
+    Workspace, accumulate_tile, compact_grad_tile, grad_tile, logits_tile, merge_tile_stats,
+    rows_f32, store_compact,
 };
 use crate::batch::{HeadShape, LinearInputs};
 use crate::collective::Collective;
@@ -31,10 +32,11 @@ pub fn gemm_reserve_bytes() -> usize {
     GEMM_SCRATCH_PER_THREAD * (std::thread::available_parallelism().map_or(1, |c| c.get()) + 1)
 }
 
-/// Single-pass blocks with fewer rows than this make poor GEMMs (measured: 100-row
-/// blocks reach 47-58% of the GEMM rate, 512-row two-pass tiles 88%); auto mode then
-/// chooses two-pass.
-const MIN_SINGLE_PASS_ROWS: usize = 256;
+/// Auto mode's rate model (see [`PlanLimits::half_rate_rows`]): a block of `k` rows
+/// runs its products at about `k / (k + HALF_RATE_ROWS)` of the plain GEMM rate on this
+/// CPU (fitted to docs/bench/cpu.md: 100-row single-pass blocks at 47-58%, 512-row
+/// two-pass tiles at 81-95%).
+const HALF_RATE_ROWS: f64 = 96.0;
 /// Widest vocabulary tile of one GEMM call.
 const VOCAB_TILE_MAX: usize = 2048;
 /// Largest row block (beyond it GEMMs gain nothing and the workspace grows).
@@ -58,7 +60,9 @@ pub fn plan(
         ),
         vocab_tile: v.min(VOCAB_TILE_MAX),
         max_block_rows: MAX_BLOCK_ROWS,
-        min_single_pass_rows: MIN_SINGLE_PASS_ROWS,
+        min_single_pass_rows: 1,
+        half_rate_rows: HALF_RATE_ROWS,
+        compact_row_bytes: Some(v * 2 + v.div_ceil(v.clamp(1, VOCAB_TILE_MAX)) * 4),
         extra_name: if widen {
             " and a widened weight tile"
         } else {
@@ -228,6 +232,9 @@ fn single_pass<E: Element>(
 ) -> Vec<RowStats> {
     let (n, h, v) = (p.inputs.tokens, p.inputs.hidden_size, p.inputs.vocab);
     let (vt, t) = (plan.vocab_tile, &p.rows.transform);
+    if plan.compact {
+        return compact_single_pass(p, plan, grads_of, ws, out);
+    }
     let bias = p.bias_f32();
     let scratch = ws.prepare(plan.block_rows, v);
     let mut stats = vec![RowStats::default(); n];
@@ -260,6 +267,82 @@ fn single_pass<E: Element>(
         for vocab in p.vocab_tiles(vt) {
             let w = rows_f32(p.inputs.weight, h, vocab.clone(), &mut scratch.weight);
             accumulate_tile(out, &block[vocab.start..], v, &hid, &w, &rows, &vocab, h);
+        }
+    }
+    stats
+}
+
+/// [`single_pass`] with a compact block: each logits tile is formed in the f32 tile,
+/// merged into the rows' statistics and kept as f16 `exp((z - μ_tile)/T)` with its
+/// per-row max; the gradient pass expands each tile back into `dZ` in the f32 tile.
+fn compact_single_pass<E: Element>(
+    p: &Problem<E>,
+    plan: &Plan,
+    grads_of: &mut GradsOf,
+    ws: &mut Workspace,
+    out: &mut LinearGradsMut,
+) -> Vec<RowStats> {
+    let (n, h, v) = (p.inputs.tokens, p.inputs.hidden_size, p.inputs.vocab);
+    let (vt, t) = (plan.vocab_tile, &p.rows.transform);
+    let tiles = v.div_ceil(vt);
+    let bias = p.bias_f32();
+    ws.prepare_compact(plan.block_rows, v, tiles);
+    let scratch = ws.prepare(plan.block_rows, vt);
+    let mut stats = vec![RowStats::default(); n];
+    for rows in p.row_blocks(plan.block_rows) {
+        let nb = rows.len();
+        let hid = rows_f32(p.inputs.hidden, h, rows.clone(), &mut scratch.hidden);
+        let mut part = PartialStats::empty(nb, t.inv_temp);
+        for (k, vocab) in p.vocab_tiles(vt).enumerate() {
+            let cols = vocab.len();
+            let w = rows_f32(p.inputs.weight, h, vocab.clone(), &mut scratch.weight);
+            let z = &mut scratch.logits[..nb * cols];
+            let bias = bias.as_ref().map(|b| &b[vocab.clone()]);
+            logits_tile(z, cols, &hid, &w, bias, t.softcap, nb, h, cols);
+            merge_tile_stats(
+                &p.rows,
+                z,
+                cols,
+                rows.clone(),
+                &vocab,
+                &mut part.states,
+                &mut part.target_logits,
+                &mut part.sums,
+            );
+            let exps = &mut scratch.exps[vocab.start..];
+            store_compact(
+                z,
+                cols,
+                cols,
+                t.inv_temp,
+                exps,
+                v,
+                &mut scratch.tile_max,
+                tiles,
+                k,
+            );
+        }
+        for (r, i) in rows.clone().enumerate() {
+            stats[i] = part.finish_row(r, i, &p.rows, v);
+        }
+        let grads = grads_of(rows.clone(), &stats);
+        for (k, vocab) in p.vocab_tiles(vt).enumerate() {
+            let cols = vocab.len();
+            let dz = &mut scratch.logits[..nb * cols];
+            compact_grad_tile(
+                dz,
+                &scratch.exps,
+                v,
+                &scratch.tile_max,
+                tiles,
+                k,
+                &vocab,
+                &grads,
+                t.inv_temp,
+                t.inv_cap(),
+            );
+            let w = rows_f32(p.inputs.weight, h, vocab.clone(), &mut scratch.weight);
+            accumulate_tile(out, dz, cols, &hid, &w, &rows, &vocab, h);
         }
     }
     stats

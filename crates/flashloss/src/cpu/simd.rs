@@ -182,6 +182,78 @@ pub fn exp_sums(x: &[f32], shift: f32, scale: f32) -> (f64, f64) {
     (sum.iter().sum(), weighted.iter().sum())
 }
 
+/// `x_j ← exp((x_j - shift)·scale)` for `shift ≥ max_j x_j` (`-inf` entries give 0):
+/// the unnormalized exponentials of a compact single-pass block.
+#[multiversion(targets("x86_64+avx512f+avx512vl+avx2+fma", "x86_64+avx2+fma"))]
+pub fn exp_shifted(x: &mut [f32], shift: f32, scale: f32) {
+    for v in x.iter_mut() {
+        *v = exp_nonpositive((*v - shift) * scale);
+    }
+}
+
+/// `x_j ← a·x_j + b`.
+#[multiversion(targets("x86_64+avx512f+avx512vl+avx2+fma", "x86_64+avx2+fma"))]
+pub fn scale_add(x: &mut [f32], a: f32, b: f32) {
+    for v in x.iter_mut() {
+        *v = a * *v + b;
+    }
+}
+
+/// [`exp_sums`] that also writes `e_j` into `dst` (the one-`exp` logits kernel).
+#[multiversion(targets("x86_64+avx512f+avx512vl+avx2+fma", "x86_64+avx2+fma"))]
+pub fn exp_sums_store(x: &[f32], dst: &mut [f32], shift: f32, scale: f32) -> (f64, f64) {
+    let mut sum = [0.0f64; LANES];
+    let mut weighted = [0.0f64; LANES];
+    let n = x.len().min(dst.len());
+    let (x, dst) = (&x[..n], &mut dst[..n]);
+    let full = n - n % (LANES * F32_BLOCK);
+    for (block, out) in x[..full]
+        .chunks_exact(LANES * F32_BLOCK)
+        .zip(dst[..full].chunks_exact_mut(LANES * F32_BLOCK))
+    {
+        let mut s32 = [0.0f32; LANES];
+        let mut w32 = [0.0f32; LANES];
+        for (c, o) in block.chunks_exact(LANES).zip(out.chunks_exact_mut(LANES)) {
+            for k in 0..LANES {
+                let d = (c[k] - shift) * scale;
+                let e = exp_nonpositive(d);
+                o[k] = e;
+                s32[k] += e;
+                w32[k] += if e > 0.0 { e * d } else { 0.0 };
+            }
+        }
+        for k in 0..LANES {
+            sum[k] += s32[k] as f64;
+            weighted[k] += w32[k] as f64;
+        }
+    }
+    for (k, (&v, o)) in x[full..].iter().zip(&mut dst[full..]).enumerate() {
+        let d = (v - shift) * scale;
+        let e = exp_nonpositive(d);
+        *o = e;
+        sum[k % LANES] += e as f64;
+        weighted[k % LANES] += if e > 0.0 { (e * d) as f64 } else { 0.0 };
+    }
+    (sum.iter().sum(), weighted.iter().sum())
+}
+
+/// [`softmax_grad`]'s general formula (no soft-cap, no uniform term) from stored
+/// exponentials: `p_j = c·e_j`, `log p_j = (z_j - max)·scale - log_sum`; writes the
+/// gradient over `e`.
+#[multiversion(targets("x86_64+avx512f+avx512vl+avx2+fma", "x86_64+avx2+fma"))]
+pub fn rescaled_grad(e: &mut [f32], z: &[f32], c: f32, g: &SoftmaxGrad) {
+    for (v, &x) in e.iter_mut().zip(z) {
+        let p = c * *v;
+        let log_p = (x - g.max) * g.scale - g.log_sum;
+        let h = if p > 0.0 {
+            p * (log_p + g.entropy)
+        } else {
+            0.0
+        };
+        *v = g.coef_p * p + g.coef_h * h;
+    }
+}
+
 /// `tanh(x)` in f32 (within a few ulp): an odd polynomial below 0.625 in magnitude
 /// (Cephes `tanhf` coefficients), else `1 - 2/(exp(2|x|) + 1)` with the sign of x.
 #[inline(always)]

@@ -41,6 +41,10 @@ pub struct Workspace {
     pub(crate) logits: Vec<f32>,
     pub(crate) hidden: Vec<f32>,
     pub(crate) weight: Vec<f32>,
+    /// A compact single-pass block: each tile's `exp((z - μ_tile)/T)` in f16.
+    pub(crate) exps: Vec<half::f16>,
+    /// The per-(row, tile) maxima `μ_tile` of the compact block.
+    pub(crate) tile_max: Vec<f32>,
 }
 
 impl Workspace {
@@ -51,7 +55,11 @@ impl Workspace {
 
     /// Bytes held.
     pub fn bytes(&self) -> usize {
-        4 * (self.logits.capacity() + self.hidden.capacity() + self.weight.capacity())
+        4 * (self.logits.capacity()
+            + self.hidden.capacity()
+            + self.weight.capacity()
+            + self.tile_max.capacity())
+            + 2 * self.exps.capacity()
     }
 
     /// Sizes the logits buffer for `rows × cols` (a fresh buffer when it changes).
@@ -62,6 +70,19 @@ impl Workspace {
             self.logits.resize(need, 0.0);
         }
         self
+    }
+
+    /// Sizes the compact block for `rows` rows of `v` exponentials in `tiles` tiles (a
+    /// fresh buffer when it changes).
+    pub(crate) fn prepare_compact(&mut self, rows: usize, v: usize, tiles: usize) {
+        if self.exps.len() != rows * v {
+            self.exps = Vec::new();
+            self.exps.resize(rows * v, half::f16::ZERO);
+        }
+        if self.tile_max.len() != rows * tiles {
+            self.tile_max = Vec::new();
+            self.tile_max.resize(rows * tiles, 0.0);
+        }
     }
 }
 
@@ -218,4 +239,85 @@ pub(crate) fn accumulate_tile(
             db.iter_mut().zip(&row[..vt]).for_each(|(d, x)| *d += x);
         }
     }
+}
+
+/// Stores a `[rows, cols]` logits tile (row stride `ld`, statistics already merged) as
+/// a compact block's tile: row `r`'s `exp((z - μ)·inv_temp)` in f16 at
+/// `exps[r·v ..][..cols]`, its max `μ` at `tile_max[r·tiles + tile]`. The f32 tile is
+/// overwritten.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn store_compact(
+    z: &mut [f32],
+    ld: usize,
+    cols: usize,
+    inv_temp: f32,
+    exps: &mut [half::f16],
+    v: usize,
+    tile_max: &mut [f32],
+    tiles: usize,
+    tile: usize,
+) {
+    use half::slice::HalfFloatSliceExt;
+    z.par_chunks_mut(ld)
+        .zip(exps.par_chunks_mut(v))
+        .zip(tile_max.par_chunks_mut(tiles))
+        .for_each(|((row, e), mu)| {
+            let row = &mut row[..cols];
+            let max = simd::max(row);
+            mu[tile] = max;
+            if max == f32::NEG_INFINITY {
+                row.fill(0.0);
+            } else {
+                simd::exp_shifted(row, max, inv_temp);
+            }
+            e[..cols].convert_from_f32_slice(row);
+        });
+}
+
+/// Turns tile `tile` (vocabulary entries `vocab`) of a compact block into `dZ` in `dz`
+/// (`[rows, vocab.len()]`, dense): `p_j = e_j·exp((μ_tile - max)·inv_temp - log_sum)`;
+/// rows with an entropy term or a soft-cap get their logits back as
+/// `z_j = μ_tile + ln(e_j)·T` and go through [`grad_tile`]'s formula.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn compact_grad_tile(
+    dz: &mut [f32],
+    exps: &[half::f16],
+    v: usize,
+    tile_max: &[f32],
+    tiles: usize,
+    tile: usize,
+    vocab: &Range<usize>,
+    grads: &[RowGrad],
+    inv_temp: f32,
+    inv_cap: f32,
+) {
+    use half::slice::HalfFloatSliceExt;
+    let cols = vocab.len();
+    dz.par_chunks_mut(cols)
+        .zip(exps.par_chunks(v))
+        .zip(tile_max.par_chunks(tiles))
+        .zip(grads.par_iter())
+        .for_each(|(((row, e), mu), g)| {
+            let mu = mu[tile];
+            if g.is_zero() || g.stats.max == f32::NEG_INFINITY {
+                row.fill(0.0);
+                return;
+            }
+            e[vocab.start..vocab.end].convert_to_f32_slice(row);
+            let target = vocab.contains(&g.target).then(|| g.target - vocab.start);
+            if g.coef_h == 0.0 && inv_cap == 0.0 {
+                let c = simd::exp((mu - g.stats.max) * inv_temp - g.stats.log_sum);
+                simd::scale_add(row, g.coef_p * c, g.coef_uniform);
+                if let Some(t) = target {
+                    row[t] += g.coef_target;
+                }
+                return;
+            }
+            let temp = 1.0 / inv_temp;
+            row.iter_mut().for_each(|x| {
+                // An underflowed exponential (p = 0) gets a logit below exp's range.
+                *x = mu + if *x > 0.0 { x.ln() } else { -104.0 } * temp
+            });
+            grad_tile(row, cols, vocab, std::slice::from_ref(g), inv_temp, inv_cap);
+        });
 }

@@ -55,6 +55,8 @@ pub fn plan(
         vocab_tile: v.min(VOCAB_TILE_MAX),
         max_block_rows: MAX_BLOCK_ROWS,
         min_single_pass_rows: MIN_SINGLE_PASS_ROWS,
+        half_rate_rows: 0.0,
+        compact_row_bytes: None,
         extra_name: "",
     };
     let per = tile_bytes(dtype);
@@ -73,6 +75,7 @@ pub fn plan(
 pub fn materialized_plan(n: usize, v: usize, dtype: DType) -> Plan {
     Plan {
         single_pass: true,
+        compact: false,
         block_rows: n,
         vocab_tile: v,
         workspace_bytes: n * v * tile_bytes(dtype),

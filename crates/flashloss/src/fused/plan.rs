@@ -18,6 +18,13 @@ pub enum Mode {
     SinglePass,
     /// Statistics first, then recompute: 8NHV, smallest workspace.
     TwoPass,
+    /// Single-pass with a compact block (CPU): each `[rows, vocab_tile]` tile's
+    /// `exp((z - μ_tile)/T)` kept in f16 with its per-row max `μ_tile`, instead of the
+    /// f32 logits: about twice the rows per block at the same budget. The stored
+    /// probabilities are rounded to f16 (relative 2^-11; see docs/spec/losses.md), so it
+    /// is an explicit choice, never auto's for f32. Backends without a compact block run
+    /// it as [`Mode::SinglePass`].
+    Compact,
 }
 
 impl Mode {
@@ -27,11 +34,18 @@ impl Mode {
     /// single-pass where the loss does not allow it is an error.
     pub fn keeps_whole_rows(self, allowed: bool, rows_useful: bool) -> Result<bool> {
         match self {
-            Mode::SinglePass if !allowed => Err(Error::InvalidArgument {
+            Mode::SinglePass | Mode::Compact if !allowed => Err(Error::InvalidArgument {
                 arg: "mode",
-                reason: "single_pass needs a token-level loss (sequence-level ratios and vespo reduce over whole sequences first); use two_pass or auto".into(),
+                reason: format!(
+                    "{} needs a token-level loss (sequence-level ratios and vespo reduce over whole sequences first); use two_pass or auto",
+                    if self == Mode::Compact {
+                        "compact"
+                    } else {
+                        "single_pass"
+                    }
+                ),
             }),
-            Mode::SinglePass => Ok(true),
+            Mode::SinglePass | Mode::Compact => Ok(true),
             Mode::TwoPass => Ok(false),
             Mode::Auto => Ok(allowed && rows_useful),
         }
@@ -67,9 +81,14 @@ pub fn mib_to_bytes(mib: f64) -> usize {
     (mib * (1u64 << 20) as f64) as usize
 }
 
+/// The default workspace budget: 160 MiB. On the 2-core CPU of docs/bench/cpu.md it holds
+/// an f32 single-pass block of ~265 rows at V = 151936, which auto mode prefers to
+/// two-pass; 64 MiB (the earlier default) holds ~100 rows and falls back to two-pass.
+pub const DEFAULT_BUDGET_MIB: f64 = 160.0;
+
 impl Default for FusedOptions {
     fn default() -> Self {
-        Self::from_mib(Mode::Auto, 64.0, 1.0)
+        Self::from_mib(Mode::Auto, DEFAULT_BUDGET_MIB, 1.0)
     }
 }
 
@@ -78,6 +97,8 @@ impl Default for FusedOptions {
 pub struct Plan {
     /// True when a row block's logits over the whole vocabulary are kept at once.
     pub single_pass: bool,
+    /// Single-pass with the compact (f16 exponentials) block of [`Mode::Compact`].
+    pub compact: bool,
     /// Rows per block.
     pub block_rows: usize,
     /// Vocabulary entries per tile.
@@ -120,6 +141,15 @@ pub struct PlanLimits {
     /// Fewest rows of a useful single-pass block (thinner blocks make poor products;
     /// auto mode then chooses two-pass).
     pub min_single_pass_rows: usize,
+    /// The rate model of auto mode (0: none, the row threshold alone decides): a block
+    /// of `k` rows runs its products at `k / (k + half_rate_rows)` of the plain GEMM
+    /// rate, so a plan's time is its FLOPs (6NHV or 8NHV) times `1 + half_rate_rows/k`,
+    /// and auto takes the faster of single-pass and two-pass for the budget.
+    pub half_rate_rows: f64,
+    /// Bytes per row that a compact block ([`Mode::Compact`]) holds besides one f32
+    /// `[rows, vocab_tile]` tile; `None` where the backend has no compact block (compact
+    /// then runs as f32 single-pass).
+    pub compact_row_bytes: Option<usize>,
     /// What else a block holds, for error messages (" and a widened weight tile").
     pub extra_name: &'static str,
 }
@@ -137,11 +167,11 @@ pub fn plan_blocks(
     single_pass_allowed: bool,
 ) -> Result<Plan> {
     let budget = tile_budget(opts, limits)?;
-    let largest = |cols: usize| {
+    let largest_fit = |bytes: &dyn Fn(usize) -> usize| {
         let (mut lo, mut hi) = (0, n.min(limits.max_block_rows));
         while lo < hi {
             let mid = (lo + hi).div_ceil(2);
-            if block_bytes(mid, cols) <= budget {
+            if bytes(mid) <= budget {
                 lo = mid;
             } else {
                 hi = mid - 1;
@@ -149,15 +179,27 @@ pub fn plan_blocks(
         }
         lo
     };
+    let largest = |cols: usize| largest_fit(&|rows| block_bytes(rows, cols));
     let single_rows = largest(v);
-    let single = opts.mode.keeps_whole_rows(
-        single_pass_allowed,
-        single_rows >= limits.min_single_pass_rows.min(n),
-    )?;
-    let (rows, cols) = if single {
-        (single_rows, v)
+    let two_rows = largest(limits.vocab_tile);
+    let compact_rows = limits
+        .compact_row_bytes
+        .map(|per_row| largest_fit(&|rows| block_bytes(rows, limits.vocab_tile) + rows * per_row));
+    let useful = single_rows >= limits.min_single_pass_rows.min(n)
+        && (limits.half_rate_rows == 0.0
+            || modelled_time(6.0, single_rows, limits) <= modelled_time(8.0, two_rows, limits));
+    let single = opts.mode.keeps_whole_rows(single_pass_allowed, useful)?;
+    let compact = single && opts.mode == Mode::Compact && compact_rows.is_some();
+    let (rows, cols, bytes) = if compact {
+        let rows = compact_rows.unwrap_or(0);
+        let per_row = limits.compact_row_bytes.unwrap_or(0);
+        let bytes = block_bytes(rows, limits.vocab_tile) + rows * per_row;
+        (rows, v, bytes)
+    } else if single {
+        (single_rows, v, block_bytes(single_rows, v))
     } else {
-        (largest(limits.vocab_tile), limits.vocab_tile)
+        let bytes = block_bytes(two_rows, limits.vocab_tile);
+        (two_rows, limits.vocab_tile, bytes)
     };
     if rows == 0 {
         return Err(Error::InvalidArgument {
@@ -170,11 +212,18 @@ pub fn plan_blocks(
     }
     Ok(Plan {
         single_pass: single,
+        compact,
         block_rows: rows,
         vocab_tile: limits.vocab_tile,
-        workspace_bytes: block_bytes(rows, cols),
+        workspace_bytes: bytes,
         gemm_reserve_bytes: limits.reserve_bytes,
     })
+}
+
+/// Auto mode's model of a plan's time, in units of `NHV` FLOPs at the plain GEMM rate:
+/// `flops · (1 + half_rate_rows / rows)`.
+fn modelled_time(flops: f64, rows: usize, limits: &PlanLimits) -> f64 {
+    flops * (1.0 + limits.half_rate_rows / rows.max(1) as f64)
 }
 
 /// The budget left for tiles once the backend's reserve is taken.

@@ -265,7 +265,7 @@ fn sharded_plan<'g>(
     if grid.vocab.world_size() == 1 && range.len() == shard.vocab {
         return Ok((head.plan(opts, single_pass_allowed)?, None));
     }
-    if opts.mode == Mode::SinglePass {
+    if matches!(opts.mode, Mode::SinglePass | Mode::Compact) {
         return Err(Error::InvalidArgument {
             arg: "mode",
             reason: "vocab-parallel runs two-pass (the global lse comes before any gradient); use auto or two_pass".into(),
