@@ -109,7 +109,7 @@ fn check<E: Element>(
     let z = linear_logits(&head.inputs());
     let r = ce_reference(&ce, &y, &z, v, 0.75, grad_rows.as_deref());
     let (dh, dw, db) = linear_grads(&head.inputs(), &r.dlogits);
-    let (loss_tol, grad_tol) = if E::DTYPE == flashloss::DType::F32 && mode == Mode::Compact {
+    let (loss_tol, grad_tol) = if E::DTYPE == flashloss::DType::F32 && out.plan.compact {
         (1e-5, COMPACT_GRAD_TOL)
     } else if E::DTYPE == flashloss::DType::F32 {
         (1e-5, 1e-4)
@@ -154,7 +154,13 @@ fn check<E: Element>(
 #[test]
 fn every_option_both_modes_f32() {
     for cfg in option_sets() {
-        for mode in [Mode::Auto, Mode::TwoPass, Mode::SinglePass, Mode::Compact] {
+        for mode in [
+            Mode::Auto,
+            Mode::AutoF32,
+            Mode::TwoPass,
+            Mode::SinglePass,
+            Mode::Compact,
+        ] {
             check::<f32>(&cfg, (13, 37, 2053), true, mode, 1);
             check::<f32>(&cfg, (1, 19, 301), false, mode, 2);
         }

@@ -32,7 +32,7 @@ __all__ = [
 ]
 
 #: Workspace budget of the fused kernels (MiB) when a call gives none: the CLI's default.
-DEFAULT_BUDGET_MIB = 64.0
+DEFAULT_BUDGET_MIB = 160.0
 
 _FLOATS = (torch.float32, torch.bfloat16)
 

@@ -11,9 +11,13 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "snake_case")]
 pub enum Mode {
-    /// Single-pass when the loss allows it and the budget holds a useful row block.
+    /// The plan the rate model ([`PlanLimits::half_rate_rows`]) finds fastest for the
+    /// budget: two-pass, f32 single-pass, or (CPU) compact single-pass, whose gradients
+    /// carry the f16 rounding of the probabilities (docs/spec/losses.md).
     #[default]
     Auto,
+    /// [`Mode::Auto`] among the f32 plans only (two-pass or f32 single-pass).
+    AutoF32,
     /// Logits of a row block kept whole: 6NHV (token-level losses only).
     SinglePass,
     /// Statistics first, then recompute: 8NHV, smallest workspace.
@@ -21,9 +25,8 @@ pub enum Mode {
     /// Single-pass with a compact block (CPU): each `[rows, vocab_tile]` tile's
     /// `exp((z - μ_tile)/T)` kept in f16 with its per-row max `μ_tile`, instead of the
     /// f32 logits: about twice the rows per block at the same budget. The stored
-    /// probabilities are rounded to f16 (relative 2^-11; see docs/spec/losses.md), so it
-    /// is an explicit choice, never auto's for f32. Backends without a compact block run
-    /// it as [`Mode::SinglePass`].
+    /// probabilities are rounded to f16 (relative 2^-11; see docs/spec/losses.md).
+    /// Backends without a compact block run it as [`Mode::SinglePass`].
     Compact,
 }
 
@@ -47,7 +50,7 @@ impl Mode {
             }),
             Mode::SinglePass | Mode::Compact => Ok(true),
             Mode::TwoPass => Ok(false),
-            Mode::Auto => Ok(allowed && rows_useful),
+            Mode::Auto | Mode::AutoF32 => Ok(allowed && rows_useful),
         }
     }
 }
@@ -185,11 +188,24 @@ pub fn plan_blocks(
     let compact_rows = limits
         .compact_row_bytes
         .map(|per_row| largest_fit(&|rows| block_bytes(rows, limits.vocab_tile) + rows * per_row));
-    let useful = single_rows >= limits.min_single_pass_rows.min(n)
-        && (limits.half_rate_rows == 0.0
-            || modelled_time(6.0, single_rows, limits) <= modelled_time(8.0, two_rows, limits));
-    let single = opts.mode.keeps_whole_rows(single_pass_allowed, useful)?;
-    let compact = single && opts.mode == Mode::Compact && compact_rows.is_some();
+    let min_rows = limits.min_single_pass_rows.min(n);
+    let (t_single, t_two) = (
+        modelled_time(6.0, single_rows, limits),
+        modelled_time(8.0, two_rows, limits),
+    );
+    let useful = single_rows >= min_rows && (limits.half_rate_rows == 0.0 || t_single <= t_two);
+    // Auto takes the compact block only where the model says it is strictly faster (an
+    // f32 block of the same rows is preferred), so never without a rate model.
+    let compact_faster = opts.mode == Mode::Auto
+        && limits.half_rate_rows > 0.0
+        && compact_rows.is_some_and(|rows| {
+            rows >= min_rows && modelled_time(6.0, rows, limits) < t_single.min(t_two)
+        });
+    let single = opts
+        .mode
+        .keeps_whole_rows(single_pass_allowed, useful || compact_faster)?;
+    let compact =
+        single && (opts.mode == Mode::Compact || compact_faster) && compact_rows.is_some();
     let (rows, cols, bytes) = if compact {
         let rows = compact_rows.unwrap_or(0);
         let per_row = limits.compact_row_bytes.unwrap_or(0);
@@ -237,4 +253,49 @@ pub fn tile_budget(opts: &FusedOptions, limits: &PlanLimits) -> Result<usize> {
                 opts.budget_bytes, limits.reserve_name
             ),
         })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A CPU-like backend: 4 bytes per logit, compact rows at 2 bytes per entry.
+    fn limits(v: usize, half_rate_rows: f64) -> PlanLimits {
+        PlanLimits {
+            reserve_bytes: 0,
+            reserve_name: "no reserve".into(),
+            vocab_tile: 2048,
+            max_block_rows: 512,
+            min_single_pass_rows: 32,
+            half_rate_rows,
+            compact_row_bytes: Some(v * 2),
+            extra_name: "",
+        }
+    }
+
+    fn plan(n: usize, v: usize, mode: Mode, mib: f64, half_rate_rows: f64) -> Plan {
+        let opts = FusedOptions::from_mib(mode, mib, 1.0);
+        let bytes = |rows: usize, cols: usize| rows * cols * 4;
+        plan_blocks(n, v, &limits(v, half_rate_rows), bytes, &opts, true).unwrap()
+    }
+
+    #[test]
+    fn auto_takes_compact_only_where_the_model_says_it_is_faster() {
+        let v = 151_936;
+        // 160 MiB: ~275 f32 rows, ~545 compact rows (capped at 512).
+        let auto = plan(2048, v, Mode::Auto, 160.0, 96.0);
+        assert!(auto.single_pass && auto.compact && auto.block_rows == 512);
+        let f32_only = plan(2048, v, Mode::AutoF32, 160.0, 96.0);
+        assert!(f32_only.single_pass && !f32_only.compact);
+        assert!(f32_only.block_rows > 200 && f32_only.block_rows < 300);
+        // Few rows: an f32 block holds them all, as compact would; f32 is kept.
+        let few = plan(64, v, Mode::Auto, 160.0, 96.0);
+        assert!(few.single_pass && !few.compact && few.block_rows == 64);
+        // Without a rate model auto never takes compact; asked for, it is taken.
+        assert!(!plan(2048, v, Mode::Auto, 160.0, 0.0).compact);
+        assert!(plan(2048, v, Mode::Compact, 160.0, 0.0).compact);
+        // A budget too small for a useful compact block: two-pass.
+        let tight = plan(2048, v, Mode::Auto, 16.0, 96.0);
+        assert!(!tight.single_pass && !tight.compact);
+    }
 }
