@@ -46,7 +46,7 @@ fn invalid_configs_are_rejected_at_construction() {
         ),
         (
             Box::new(|c| c.temperature = 0.0),
-            "`temperature`: must be > 0, got 0",
+            "`temperature`: must be > 0 with 1/temperature within f32, got 0",
         ),
         (
             Box::new(|c| c.epsilon_low = 1.5),
@@ -260,7 +260,7 @@ fn bad_layouts_and_backward_arguments() {
         )
         .unwrap_err()
         .to_string(),
-        "argument `temperature`: must be finite and > 0, got 0"
+        "argument `temperature`: must be finite and > 0 with 1/temperature within f32, got 0"
     );
 }
 
