@@ -69,9 +69,11 @@ pub fn plan(
             ""
         },
     };
-    // Every GEMM runs on one vocabulary tile: `gemm` packs a whole `kc × vocab_tile`
-    // panel for dW, so the tile bounds its packing too. A widened bf16 weight tile holds
-    // vocab_tile × H f32; keep it within a quarter of the budget.
+    // Every GEMM runs on one vocabulary tile: `gemm` packs a whole `rows × vocab_tile`
+    // panel of dZ for dW (`k` = the block's rows ≤ 512 = its `kc`), a transient
+    // allocation besides its per-thread reserve (measured: 4 MiB per call at 512 rows),
+    // so each block counts it. A widened bf16 weight tile holds vocab_tile × H f32; keep
+    // it within a quarter of the budget.
     let budget = tile_budget(opts, &limits)?;
     while widen && limits.vocab_tile > 64 && limits.vocab_tile * h * 4 > budget / 4 {
         limits.vocab_tile /= 2;
@@ -88,7 +90,7 @@ pub fn plan(
         n,
         v,
         &limits,
-        |rows, cols| rows * cols * 4 + widened(rows),
+        |rows, cols| rows * cols * 4 + rows * vocab_tile * 4 + widened(rows),
         opts,
         single_pass_allowed,
     )
