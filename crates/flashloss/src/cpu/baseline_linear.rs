@@ -4,6 +4,8 @@
 //! cross-entropy.
 
 use super::matmul::{MatRef, matmul};
+use super::online_softmax::VOCAB_TILE;
+use super::tiles::add_head_tile_grads;
 use super::unfused_logits::{UnfusedWorkspace, grpo_logits_unfused_into};
 use crate::batch::{GrpoBatch, LinearInputs, LogitsLayout};
 use crate::config::GrpoLoss;
@@ -21,6 +23,8 @@ pub struct BaselineWorkspace {
     hidden: Vec<f32>,
     weight: Vec<f32>,
     unfused: UnfusedWorkspace,
+    /// A vocabulary tile of `dlogitsᵀ`, for the dW product.
+    dz_t: Vec<f32>,
 }
 
 /// Loss and gradients by the materializing path.
@@ -57,7 +61,14 @@ pub fn grpo_linear_baseline_into<E: Element>(
         grad_output,
         &mut ws.unfused,
     )?;
-    head_grads(inputs, &ws.unfused.dlogits, &ws.hidden, &ws.weight, grads);
+    head_grads(
+        inputs,
+        &ws.unfused.dlogits,
+        as_f32(inputs.hidden, &ws.hidden),
+        as_f32(inputs.weight, &ws.weight),
+        &mut ws.dz_t,
+        grads,
+    );
     Ok(value)
 }
 
@@ -126,7 +137,14 @@ pub fn ce_linear_baseline_into<E: Element>(
             value
         })
         .collect();
-    head_grads(inputs, &ws.unfused.dlogits, &ws.hidden, &ws.weight, grads);
+    head_grads(
+        inputs,
+        &ws.unfused.dlogits,
+        as_f32(inputs.hidden, &ws.hidden),
+        as_f32(inputs.weight, &ws.weight),
+        &mut ws.dz_t,
+        grads,
+    );
     Ok(weight * row_loss.iter().sum::<f64>())
 }
 
@@ -137,9 +155,12 @@ fn head_logits<E: Element>(
     ws: &mut BaselineWorkspace,
 ) -> Result<()> {
     let (n, h, v) = (inputs.tokens, inputs.hidden_size, inputs.vocab);
+    // bf16 inputs are widened once; f32 inputs are used where they are.
     let widen = |m: &[E], buf: &mut Vec<f32>| {
         buf.clear();
-        buf.extend(m.iter().map(|x| x.to_f32()));
+        if E::as_f32(m).is_none() {
+            buf.extend(m.iter().map(|x| x.to_f32()));
+        }
     };
     widen(inputs.hidden, &mut ws.hidden);
     widen(inputs.weight, &mut ws.weight);
@@ -150,8 +171,8 @@ fn head_logits<E: Element>(
     matmul(
         &mut ws.logits,
         v,
-        MatRef::row_major(&ws.hidden, n, h),
-        MatRef::row_major(&ws.weight, v, h).t(),
+        MatRef::row_major(as_f32(inputs.hidden, &ws.hidden), n, h),
+        MatRef::row_major(as_f32(inputs.weight, &ws.weight), v, h).t(),
         false,
     );
     if let Some(b) = inputs.bias {
@@ -167,12 +188,21 @@ fn head_logits<E: Element>(
     Ok(())
 }
 
-/// `dH = dZ·W`, `dW = dZᵀ·H`, `dbias = Σ_rows dZ`, written into `grads`.
+/// `m` as f32: itself, or its widened copy `widened`.
+fn as_f32<'a, E: Element>(m: &'a [E], widened: &'a [f32]) -> &'a [f32] {
+    E::as_f32(m).unwrap_or(widened)
+}
+
+/// `dH = dZ·W`, `dW = dZᵀ·H`, `dbias = Σ_rows dZ`, written into `grads`. dW and dbias
+/// go a vocabulary tile at a time through a transposed copy in `dz_t` (what a BLAS
+/// does inside; as a transposed view `gemm` copies the whole `[N, V]` into fresh
+/// memory on every call).
 fn head_grads<E: Element>(
     inputs: &LinearInputs<E>,
     dlogits: &[f32],
     hidden: &[f32],
     weight: &[f32],
+    dz_t: &mut Vec<f32>,
     grads: &mut LinearGrads,
 ) {
     let (n, h, v) = (inputs.tokens, inputs.hidden_size, inputs.vocab);
@@ -184,17 +214,22 @@ fn head_grads<E: Element>(
         MatRef::row_major(weight, v, h),
         false,
     );
-    matmul(
-        &mut grads.dweight,
-        h,
-        dz.t(),
-        MatRef::row_major(hidden, n, h),
-        false,
-    );
+    grads.dweight.fill(0.0);
     if let Some(db) = grads.dbias.as_mut() {
         db.fill(0.0);
-        for row in dlogits.chunks(v) {
-            db.iter_mut().zip(row).for_each(|(d, x)| *d += x);
-        }
+    }
+    for j0 in (0..v).step_by(VOCAB_TILE) {
+        let vocab = j0..(j0 + VOCAB_TILE).min(v);
+        add_head_tile_grads(
+            &dlogits[j0..],
+            v,
+            n,
+            vocab.len(),
+            hidden,
+            h,
+            &mut grads.dweight[j0 * h..vocab.end * h],
+            grads.dbias.as_mut().map(|db| &mut db[vocab.clone()]),
+            dz_t,
+        );
     }
 }

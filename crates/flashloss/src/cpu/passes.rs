@@ -128,6 +128,8 @@ struct Tile<'t> {
     z: &'t mut [f32],
     hidden: &'t [f32],
     weight: &'t [f32],
+    /// Scratch for the tile transposed.
+    dz_t: &'t mut Vec<f32>,
 }
 
 /// Forms every `[block_rows, vocab_tile]` logits tile in the workspace and hands it to
@@ -164,6 +166,7 @@ fn for_each_tile<E: Element>(
                 z,
                 hidden: &hid,
                 weight: &w,
+                dz_t: &mut scratch.dz_t,
             });
         }
     }
@@ -218,6 +221,7 @@ fn accumulate_grads<E: Element>(
             &tile.rows,
             &tile.vocab,
             h,
+            tile.dz_t,
         );
     });
 }
@@ -268,7 +272,8 @@ fn single_pass<E: Element>(
         grad_tile(block, v, &(0..v), &grads, t.inv_temp, t.inv_cap());
         for vocab in p.vocab_tiles(vt) {
             let w = rows_f32(p.inputs.weight, h, vocab.clone(), &mut scratch.weight);
-            accumulate_tile(out, &block[vocab.start..], v, &hid, &w, &rows, &vocab, h);
+            let dz = &block[vocab.start..];
+            accumulate_tile(out, dz, v, &hid, &w, &rows, &vocab, h, &mut scratch.dz_t);
         }
     }
     stats
@@ -344,7 +349,7 @@ fn compact_single_pass<E: Element>(
                 t.inv_cap(),
             );
             let w = rows_f32(p.inputs.weight, h, vocab.clone(), &mut scratch.weight);
-            accumulate_tile(out, dz, cols, &hid, &w, &rows, &vocab, h);
+            accumulate_tile(out, dz, cols, &hid, &w, &rows, &vocab, h, &mut scratch.dz_t);
         }
     }
     stats
