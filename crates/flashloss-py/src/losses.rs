@@ -9,6 +9,7 @@ use crate::tensor::{DType, Tensor, arg_error};
 use flashloss::cpu::{HostHead, Workspace};
 use flashloss::fused::{self, FusedOptions, LinearGradsMut, Mode, Plan};
 use flashloss::policy::{GrpoMetrics, Normalizers};
+use flashloss::range::check_linear_grads;
 use flashloss::{
     CeConfig, CrossEntropy, Element, GrpoLoss, LinearInputs, LogitsLayout, LossConfig, RowStats,
 };
@@ -111,12 +112,14 @@ fn grpo_result<'py>(
 }
 
 /// Runs `work` (a fused driver) on the head where its tensors are: the CPU backend
-/// over host memory, or the head's GPU on PyTorch's `stream`.
+/// over host memory, or the head's GPU on PyTorch's `stream`. `seq_len` places a bad
+/// `dhidden` row in its sequence in errors.
 fn on_device<R: Send>(
     py: Python<'_>,
     head: &Head,
     grads: &mut Grads,
     stream: usize,
+    seq_len: usize,
     work: impl FnOnce(&mut dyn fused::Head) -> flashloss::Result<R> + Send,
 ) -> PyResult<R> {
     if head.hidden.cuda.is_some() {
@@ -125,24 +128,40 @@ fn on_device<R: Send>(
     // SAFETY: the gradient tensors are fresh allocations of the Python side.
     let grads = unsafe { grads.view()? };
     match head.hidden.dtype {
-        DType::F32 => on_host(py, &head.inputs::<f32>()?, grads, work),
-        _ => on_host(py, &head.inputs::<bf16>()?, grads, work),
+        DType::F32 => on_host(py, &head.inputs::<f32>()?, grads, seq_len, work),
+        _ => on_host(py, &head.inputs::<bf16>()?, grads, seq_len, work),
     }
 }
 
-/// Runs `work` on a [`HostHead`] of `inputs` adding into `grads`, without the GIL.
+/// Runs `work` on a [`HostHead`] of `inputs` adding into `grads`, without the GIL, and
+/// checks that the gradients it returns are finite (as `Device::grpo_linear` does: a
+/// sum over the vocabulary or the tokens can leave f32 where each row is in range).
 fn on_host<E: Element, R: Send>(
     py: Python<'_>,
     inputs: &LinearInputs<E>,
-    grads: LinearGradsMut,
+    mut grads: LinearGradsMut,
+    seq_len: usize,
     work: impl FnOnce(&mut dyn fused::Head) -> flashloss::Result<R> + Send,
 ) -> PyResult<R> {
     run(py, || {
-        work(&mut HostHead {
+        let out = work(&mut HostHead {
             inputs,
             ws: &mut Workspace::new(),
-            grads,
-        })
+            grads: LinearGradsMut {
+                dhidden: &mut *grads.dhidden,
+                dweight: &mut *grads.dweight,
+                dbias: grads.dbias.as_deref_mut(),
+            },
+        })?;
+        let db = grads.dbias.as_deref();
+        check_linear_grads(
+            grads.dhidden,
+            grads.dweight,
+            db,
+            inputs.hidden_size,
+            seq_len,
+        )?;
+        Ok(out)
     })
 }
 
@@ -252,7 +271,7 @@ pub fn grpo_linear<'py>(
     }
     let norm = Normalizers::local(&batch);
     let work = |h: &mut dyn fused::Head| fused::grpo_linear(h, &loss, &batch, norm, &opts);
-    let out = on_device(py, &head, &mut grads, stream, work)?;
+    let out = on_device(py, &head, &mut grads, stream, batch.seq_len, work)?;
     grpo_outputs(py, &out, out_logp, out_entropy, out_kl)
 }
 
@@ -309,7 +328,7 @@ pub fn ce_linear<'py>(
         grad_rows.as_ref().map(|t| t.f32s()).transpose()?,
     );
     let work = |h: &mut dyn fused::Head| fused::ce_linear(h, &ce, targets, grad_rows, &opts);
-    let out = on_device(py, &head, &mut grads, stream, work)?;
+    let out = on_device(py, &head, &mut grads, stream, targets.len(), work)?;
     write_f32(
         &out.row_loss,
         &mut Tensor::new("out_row_loss", out_row_loss, F32)?,

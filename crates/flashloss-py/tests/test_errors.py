@@ -90,3 +90,18 @@ def test_cpu_and_cuda_mix():
     d = batch()
     with pytest.raises(ValueError, match="`weight` is on cuda"):
         fl.linear_grpo_loss(d["hidden"], d["weight"].cuda(), d["ids"], d["mask"], d["adv"])
+
+
+def test_a_gradient_sum_beyond_f32_is_an_error_not_inf():
+    # Every logit's gradient is in range (logits ±3, probabilities), but dH = dZ·W sums
+    # two terms of 3e38 of the same sign: beyond f32. CE and GRPO both say so by row.
+    hidden = torch.full((1, 1, 1), 1e-38)
+    weight = torch.tensor([[-3e38], [3e38]])
+    ids = torch.zeros(1, 1, dtype=torch.long)
+    hidden.requires_grad_(True)
+    with pytest.raises(ValueError, match="dhidden"):
+        fl.linear_cross_entropy(hidden, weight, ids).backward()
+    with pytest.raises(ValueError, match="dhidden"):
+        fl.linear_grpo_loss(
+            hidden, weight, ids, torch.ones(1, 1, dtype=torch.bool), torch.tensor([-1.0])
+        )[0].backward()

@@ -447,7 +447,7 @@ impl<E: Element> LinearInputs<'_, E> {
 /// parallel with a branch-free fold (it vectorizes; a per-element `position_first`
 /// costs more than the fused step's exponentials at an LM head's size), then the first
 /// bad chunk is searched.
-fn first_non_finite<E: Element>(values: &[E]) -> Option<usize> {
+pub(crate) fn first_non_finite<E: Element>(values: &[E]) -> Option<usize> {
     const CHUNK: usize = 1 << 14;
     let bad = |x: &E| !x.to_f32().is_finite();
     let chunk = values

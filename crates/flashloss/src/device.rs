@@ -110,7 +110,8 @@ impl Device {
         let (out, grads) = self.with_head(inputs, |head| {
             fused::grpo_linear(head, loss, batch, norm, opts)
         })?;
-        check_linear_grads(&grads, inputs.hidden_size, batch.seq_len)?;
+        let (dh, dw, db) = (&grads.dhidden, &grads.dweight, grads.dbias.as_deref());
+        check_linear_grads(dh, dw, db, inputs.hidden_size, batch.seq_len)?;
         Ok(GrpoLinearOutput { grads, ..out })
     }
 
@@ -127,7 +128,8 @@ impl Device {
         let (out, grads) = self.with_head(inputs, |head| {
             fused::ce_linear(head, ce, targets, grad_rows, opts)
         })?;
-        check_linear_grads(&grads, inputs.hidden_size, targets.len())?;
+        let (dh, dw, db) = (&grads.dhidden, &grads.dweight, grads.dbias.as_deref());
+        check_linear_grads(dh, dw, db, inputs.hidden_size, targets.len())?;
         Ok(CeLinearOutput { grads, ..out })
     }
 

@@ -6,8 +6,8 @@
 //! [`Error::OutOfRange`] naming the first row and quantity that is not, before any
 //! gradient is written. A NaN or infinite gradient never leaves a kernel.
 
+use crate::batch::first_non_finite;
 use crate::error::{Error, Result};
-use crate::fused::LinearGrads;
 use crate::policy::PolicyOutput;
 use crate::rows::RowStats;
 use std::ops::Range;
@@ -35,16 +35,17 @@ fn out_of_range(row: usize, seq_len: usize, quantity: &'static str, value: f64) 
 /// logit's gradient is in range, e.g. with an extreme `grad_output`) is an
 /// [`Error::OutOfRange`] at its token row (`dhidden`) or vocabulary row (`dweight`,
 /// `dbias`).
-pub fn check_linear_grads(grads: &LinearGrads, hidden_size: usize, seq_len: usize) -> Result<()> {
+pub fn check_linear_grads(
+    dhidden: &[f32],
+    dweight: &[f32],
+    dbias: Option<&[f32]>,
+    hidden_size: usize,
+    seq_len: usize,
+) -> Result<()> {
     let h = hidden_size.max(1);
-    let first_bad = |xs: &[f32]| xs.iter().position(|x| !x.is_finite());
-    if let Some(k) = first_bad(&grads.dhidden) {
-        return Err(out_of_range(
-            k / h,
-            seq_len,
-            "dhidden",
-            grads.dhidden[k] as f64,
-        ));
+    let first_bad = first_non_finite::<f32>;
+    if let Some(k) = first_bad(dhidden) {
+        return Err(out_of_range(k / h, seq_len, "dhidden", dhidden[k] as f64));
     }
     let bad_head = |k: usize, row: usize, quantity, value: f32| Error::OutOfRange {
         row: k / row,
@@ -52,14 +53,10 @@ pub fn check_linear_grads(grads: &LinearGrads, hidden_size: usize, seq_len: usiz
         quantity,
         value: value as f64,
     };
-    if let Some(k) = first_bad(&grads.dweight) {
-        return Err(bad_head(k, h, "dweight", grads.dweight[k]));
+    if let Some(k) = first_bad(dweight) {
+        return Err(bad_head(k, h, "dweight", dweight[k]));
     }
-    if let Some((k, b)) = grads
-        .dbias
-        .as_deref()
-        .and_then(|b| Some((first_bad(b)?, b)))
-    {
+    if let Some((k, b)) = dbias.and_then(|b| Some((first_bad(b)?, b))) {
         return Err(bad_head(k, 1, "dbias", b[k]));
     }
     Ok(())
