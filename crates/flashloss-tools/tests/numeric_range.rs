@@ -302,6 +302,7 @@ fn grad_output_at_f32_max_is_out_of_range_not_inf() {
 /// product `g/T·dlogp` is within it. The kernels formed `g/T` in f32 (infinite) and
 /// multiplied it by `1 - p = 0`: NaN. With one vocabulary entry the exact gradient is
 /// zero (a softmax over one logit is constant), so every path must give exactly zero.
+/// (The one-`exp` kernel, merged after the fix, still formed `g/T` in f32: NaN.)
 #[test]
 fn upstream_scale_beyond_f32_with_products_within_it() {
     let (b, t, v, h) = (1, 4, 1, 1);
@@ -333,6 +334,12 @@ fn upstream_scale_beyond_f32_with_products_within_it() {
         assert!(fwd.loss.is_finite());
         zero("logits level", if in_place { &logits } else { &out });
     }
+    let mut staged = vec![f32::NAN; x.logits.len()];
+    let fwd =
+        flashloss::cpu::grpo_logits_forward_staged(&loss, &batch, &x.logits, &layout, &mut staged)
+            .unwrap();
+    fwd.backward(&x.logits, g, &mut staged).unwrap();
+    zero("one-exp (staged)", &staged);
     let (value, dlogits) =
         flashloss::cpu::grpo_logits_unfused(&loss, &batch, &x.logits, &layout, g).unwrap();
     assert!(value.is_finite());

@@ -129,7 +129,6 @@ impl StagedForward {
         f.check(logits.len(), grad_output)?;
         let (n, v) = (f.layout.rows(), f.layout.vocab);
         check_dense(dlogits, n, v)?;
-        let scale = f.transform.grad_scale(grad_output as f64) as f32;
         let inv_temp = f.transform.inv_temp;
         dlogits
             .par_chunks_mut(v)
@@ -143,6 +142,7 @@ impl StagedForward {
                         dst.fill(0.0);
                         return;
                     }
+                    let coefs = f.transform.grpo_coefs(grad_output as f64, dlogp, dentropy);
                     let st = &f.stats[i];
                     let row = &logits[f.layout.offset(i)..f.layout.offset(i) + v];
                     let target = f.targets[i] as usize;
@@ -151,7 +151,7 @@ impl StagedForward {
                         let e = &mut dst[j0..j1];
                         let c = simd::exp((mu[k] - st.max) * inv_temp - st.log_sum);
                         if dentropy == 0.0 {
-                            simd::scale_add(e, -scale * dlogp * c, 0.0);
+                            simd::scale_add(e, coefs.p * c, 0.0);
                         } else {
                             let z = match E::as_f32(&row[j0..j1]) {
                                 Some(z) => z,
@@ -168,15 +168,15 @@ impl StagedForward {
                                     max: st.max,
                                     scale: inv_temp,
                                     log_sum: st.log_sum,
-                                    coef_p: -scale * dlogp,
-                                    coef_h: -scale * dentropy,
+                                    coef_p: coefs.p,
+                                    coef_h: coefs.h,
                                     entropy: st.entropy,
                                     ..Default::default()
                                 },
                             );
                         }
                         if (j0..j1).contains(&target) {
-                            e[target - j0] += scale * dlogp;
+                            e[target - j0] += coefs.target;
                         }
                     }
                 },
