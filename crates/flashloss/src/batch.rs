@@ -92,6 +92,21 @@ impl LogitsLayout {
         }
         Ok(())
     }
+
+    /// Checks that `len` elements are a dense `[N, V]` buffer of this layout's rows (a
+    /// gradient written dense whatever the logits' strides).
+    pub fn validate_dense(&self, arg: &'static str, len: usize) -> Result<()> {
+        let (n, v) = (self.rows(), self.vocab);
+        if len != n * v {
+            return Err(Error::ShapeMismatch {
+                arg,
+                shape: format!("[N={n}, V={v}]"),
+                expected: n * v,
+                actual: len,
+            });
+        }
+        Ok(())
+    }
 }
 
 /// A value given either once per sequence (`[B]`) or once per token (`[B, T]`).

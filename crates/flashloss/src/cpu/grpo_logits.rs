@@ -11,7 +11,7 @@ use crate::batch::{GrpoBatch, LogitsLayout};
 use crate::collective::agree;
 use crate::config::GrpoLoss;
 use crate::element::Element;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::fused::{Grid, Shard};
 use crate::grpo_logits::GrpoLogitsForward;
 use crate::policy::Normalizers;
@@ -75,15 +75,8 @@ impl GrpoLogitsForward {
         dlogits: &mut [E],
     ) -> Result<()> {
         self.check(logits.len(), grad_output)?;
-        let (n, v) = (self.layout.rows(), self.layout.vocab);
-        if dlogits.len() != n * v {
-            return Err(Error::ShapeMismatch {
-                arg: "dlogits",
-                shape: format!("[N={n}, V={v}]"),
-                expected: n * v,
-                actual: dlogits.len(),
-            });
-        }
+        self.layout.validate_dense("dlogits", dlogits.len())?;
+        let v = self.layout.vocab;
         dlogits.par_chunks_mut(v).enumerate().for_each_init(
             || vec![0.0f32; VOCAB_TILE],
             |tile, (i, dst)| {

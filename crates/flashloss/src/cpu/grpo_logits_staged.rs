@@ -12,7 +12,7 @@ use super::simd;
 use crate::batch::{GrpoBatch, LogitsLayout};
 use crate::config::GrpoLoss;
 use crate::element::Element;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::grpo_logits::GrpoLogitsForward;
 use crate::policy::Normalizers;
 use crate::rows::{OnlineSoftmax, RowStats, RowTransform, check_row_stats, check_targets};
@@ -40,8 +40,8 @@ pub fn grpo_logits_forward_staged<E: Element>(
 ) -> Result<StagedForward> {
     GrpoLogitsForward::check_batch(loss, batch, layout, layout.vocab)?;
     layout.validate("logits", logits.len())?;
+    layout.validate_dense("dlogits", dlogits.len())?;
     let (n, v) = (layout.rows(), layout.vocab);
-    check_dense(dlogits, n, v)?;
     let temperature = loss.config().temperature;
     check_targets(
         batch.target_ids,
@@ -103,18 +103,6 @@ pub fn grpo_logits_forward_staged<E: Element>(
     })
 }
 
-fn check_dense(dlogits: &[f32], n: usize, v: usize) -> Result<()> {
-    if dlogits.len() != n * v {
-        return Err(Error::ShapeMismatch {
-            arg: "dlogits",
-            shape: format!("[N={n}, V={v}]"),
-            expected: n * v,
-            actual: dlogits.len(),
-        });
-    }
-    Ok(())
-}
-
 impl StagedForward {
     /// Turns the exponentials in `dlogits` (written by the forward) into
     /// `grad_output · ∂L/∂z`; `logits` are read again only for rows with an entropy
@@ -127,8 +115,8 @@ impl StagedForward {
     ) -> Result<()> {
         let f = &self.forward;
         f.check(logits.len(), grad_output)?;
-        let (n, v) = (f.layout.rows(), f.layout.vocab);
-        check_dense(dlogits, n, v)?;
+        f.layout.validate_dense("dlogits", dlogits.len())?;
+        let v = f.layout.vocab;
         let inv_temp = f.transform.inv_temp;
         dlogits
             .par_chunks_mut(v)

@@ -10,7 +10,7 @@ use super::launch::{KernelLayout, RowCoef, cols_arg, rows_launch};
 use super::selective_log_softmax::row_stats;
 use crate::batch::{GrpoBatch, LogitsLayout};
 use crate::config::GrpoLoss;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::grpo_logits::GrpoLogitsForward;
 use crate::policy::Normalizers;
 use crate::rows::{RowTransform, check_row_stats};
@@ -51,15 +51,8 @@ pub fn grpo_logits_backward<E: GpuElement>(
     fwd.check(logits.len(), grad_output)?;
     let layout = &fwd.layout;
     let (n, v) = (layout.rows(), layout.vocab);
-    if let Some(d) = &dlogits
-        && d.len() != n * v
-    {
-        return Err(Error::ShapeMismatch {
-            arg: "dlogits",
-            shape: format!("[N={n}, V={v}]"),
-            expected: n * v,
-            actual: d.len(),
-        });
+    if let Some(d) = &dlogits {
+        layout.validate_dense("dlogits", d.len())?;
     }
     if n == 0 {
         return Ok(());
