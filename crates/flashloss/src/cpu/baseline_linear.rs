@@ -61,14 +61,7 @@ pub fn grpo_linear_baseline_into<E: Element>(
         grad_output,
         &mut ws.unfused,
     )?;
-    head_grads(
-        inputs,
-        &ws.unfused.dlogits,
-        as_f32(inputs.hidden, &ws.hidden),
-        as_f32(inputs.weight, &ws.weight),
-        &mut ws.dz_t,
-        grads,
-    );
+    head_grads(inputs, ws, grads);
     Ok(value)
 }
 
@@ -137,14 +130,7 @@ pub fn ce_linear_baseline_into<E: Element>(
             value
         })
         .collect();
-    head_grads(
-        inputs,
-        &ws.unfused.dlogits,
-        as_f32(inputs.hidden, &ws.hidden),
-        as_f32(inputs.weight, &ws.weight),
-        &mut ws.dz_t,
-        grads,
-    );
+    head_grads(inputs, ws, grads);
     Ok(weight * row_loss.iter().sum::<f64>())
 }
 
@@ -193,18 +179,18 @@ fn as_f32<'a, E: Element>(m: &'a [E], widened: &'a [f32]) -> &'a [f32] {
     E::as_f32(m).unwrap_or(widened)
 }
 
-/// `dH = dZ·W`, `dW = dZᵀ·H`, `dbias = Σ_rows dZ`, written into `grads`. dW and dbias
-/// go a vocabulary tile at a time through a transposed copy in `dz_t` (what a BLAS
-/// does inside; as a transposed view `gemm` copies the whole `[N, V]` into fresh
-/// memory on every call).
+/// `dH = dZ·W`, `dW = dZᵀ·H`, `dbias = Σ_rows dZ` of `ws`'s dlogits, written into
+/// `grads`. dW and dbias go a vocabulary tile at a time through a transposed copy in
+/// `ws.dz_t` (what a BLAS does inside; as a transposed view `gemm` copies the whole
+/// `[N, V]` into fresh memory on every call).
 fn head_grads<E: Element>(
     inputs: &LinearInputs<E>,
-    dlogits: &[f32],
-    hidden: &[f32],
-    weight: &[f32],
-    dz_t: &mut Vec<f32>,
+    ws: &mut BaselineWorkspace,
     grads: &mut LinearGrads,
 ) {
+    let (dlogits, dz_t) = (&ws.unfused.dlogits, &mut ws.dz_t);
+    let hidden = as_f32(inputs.hidden, &ws.hidden);
+    let weight = as_f32(inputs.weight, &ws.weight);
     let (n, h, v) = (inputs.tokens, inputs.hidden_size, inputs.vocab);
     let dz = MatRef::row_major(dlogits, n, v);
     matmul(
