@@ -104,6 +104,20 @@ fn every_loss_type_both_modes_f32() {
     }
 }
 
+/// A compact block of four vocabulary tiles (each lane takes two; the last is 7 wide)
+/// in two row blocks, with bias and masked rows, with and without the entropy term (the
+/// logits-back and the rescaling formulas).
+#[test]
+fn compact_block_over_several_tiles() {
+    for entropy_coef in [0.0, 0.01] {
+        let mut cfg = base_config(LossType::Grpo, flashloss::ImportanceSamplingLevel::Token);
+        cfg.beta = 0.04;
+        cfg.entropy_coef = entropy_coef;
+        cfg.temperature = 0.9;
+        check::<f32>(cfg, (3, 13, 24, 3 * 2048 + 7), true, Mode::Compact, 11);
+    }
+}
+
 #[test]
 fn bf16_inputs() {
     for (t, level) in [
@@ -129,8 +143,9 @@ fn single_pass_equals_two_pass_and_threads_do_not_change_bits() {
         ..LossConfig::default()
     })
     .unwrap();
-    let head = Head::<f32>::random(2 * 40, 64, 3001, true, 5);
-    let x = draw(2, 40, 3001, 6);
+    // Four vocabulary tiles: each lane of a compact block takes two.
+    let head = Head::<f32>::random(2 * 40, 64, 3 * 2048 + 7, true, 5);
+    let x = draw(2, 40, 3 * 2048 + 7, 6);
     assert_modes_agree_and_threads_invariant(&|opts| {
         let out = grpo_linear(&loss, &x.batch(), &head.inputs(), opts).unwrap();
         FusedRun {

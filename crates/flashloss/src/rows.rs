@@ -229,6 +229,20 @@ impl PartialStats {
         }
     }
 
+    /// Combines with the states of another, disjoint part of the same rows' vocabulary
+    /// (a row's target logit is in the part that saw it, 0 in the others).
+    pub fn merge(&mut self, other: &PartialStats) {
+        for (s, o) in self.states.iter_mut().zip(&other.states) {
+            s.merge(*o);
+        }
+        for (t, o) in self.target_logits.iter_mut().zip(&other.target_logits) {
+            *t += o;
+        }
+        for (s, o) in self.sums.iter_mut().zip(&other.sums) {
+            *s += o;
+        }
+    }
+
     /// The final statistics of row `r` of these states, which is row `i` of `rows`
     /// (zeroed where it does not take part); `vocab` is the whole vocabulary's size.
     pub fn finish_row(&self, r: usize, i: usize, rows: &RowInputs, vocab: usize) -> RowStats {

@@ -49,9 +49,24 @@ impl<'a> MatRef<'a> {
 }
 
 /// `dst = a · b` (or `dst += a · b` when `accumulate`), `dst` row-major
-/// `[a.rows, b.cols]` with rows `dst_stride` apart. Panics on inconsistent shapes:
-/// callers pass validated sizes.
+/// `[a.rows, b.cols]` with rows `dst_stride` apart, on the pool's threads. Panics on
+/// inconsistent shapes: callers pass validated sizes.
 pub fn matmul(dst: &mut [f32], dst_stride: usize, a: MatRef, b: MatRef, accumulate: bool) {
+    let threads = rayon::current_num_threads();
+    matmul_on(dst, dst_stride, a, b, accumulate, threads);
+}
+
+/// [`matmul`] on at most `threads` threads. `gemm` splits the output among threads and
+/// sums every entry's `k` terms in the same order, so the result does not depend on
+/// `threads`.
+pub fn matmul_on(
+    dst: &mut [f32],
+    dst_stride: usize,
+    a: MatRef,
+    b: MatRef,
+    accumulate: bool,
+    threads: usize,
+) {
     let (m, k, n) = (a.rows, a.cols, b.cols);
     assert_eq!(k, b.rows, "inner dimensions");
     if m == 0 || n == 0 {
@@ -69,7 +84,6 @@ pub fn matmul(dst: &mut [f32], dst_stride: usize, a: MatRef, b: MatRef, accumula
         }
         return;
     }
-    let threads = rayon::current_num_threads();
     let parallelism = if threads > 1 && m * n * k >= 1 << 18 {
         Parallelism::Rayon(threads)
     } else {

@@ -1,9 +1,11 @@
 //! The CPU backend: multithreaded (rayon, over rows) and vectorized kernels, one file
 //! per kernel. Results are bitwise identical for any thread count: every row is
-//! computed by one thread in a fixed order, and reductions across rows are serial.
+//! computed by one thread in a fixed order, reductions across rows are serial, and the
+//! compact block's lanes are a fixed number, merged in lane order.
 //! [`HostHead`] is its [`crate::fused::Head`] for the fused LM-head losses.
 
 mod baseline_linear;
+mod compact;
 mod grpo_logits;
 mod grpo_logits_staged;
 pub mod matmul;

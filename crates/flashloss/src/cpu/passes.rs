@@ -4,25 +4,26 @@
 //! packing buffers. [`HostHead`] is the CPU's [`Head`]: inputs and gradients in host
 //! memory.
 
+use super::compact::{DZ_T_PACK_ENTRIES, LANES, compact_single_pass};
 use super::tiles::{
-    Workspace, accumulate_tile, compact_grad_tile, grad_tile, logits_tile, merge_tile_stats,
-    rows_f32, store_compact,
+    Workspace, accumulate_tile, grad_tile, logits_tile, merge_tile_stats, rows_f32,
 };
 use crate::batch::{HeadShape, LinearInputs};
 use crate::collective::Collective;
 use crate::element::Element;
 use crate::error::Result;
 use crate::fused::{
-    FusedOptions, FusedPasses, GradPart, GradsOf, Head, LinearGradsMut, Plan, PlanLimits, RowGrad,
-    plan_blocks, tile_budget,
+    CompactBytes, FusedOptions, FusedPasses, GradPart, GradsOf, Head, LinearGradsMut, Plan,
+    PlanLimits, RowGrad, plan_blocks, tile_budget,
 };
 use crate::rows::{PartialStats, RowInputs, RowStats};
 use std::ops::Range;
 
-/// Packing buffers the `gemm` crate allocates per thread (measured: up to ~1.5 MiB; kept
-/// with a margin). The budget covers them for one thread per core of the machine, so
-/// they are reserved first; the plan then does not depend on the thread pool's size
-/// (results are bitwise identical for any thread count). A pool with more threads than
+/// Packing buffers the `gemm` crate allocates per thread (measured: 2 MiB at the
+/// target shape's tiles, `examples/gemm_scratch`). The budget covers them for one
+/// thread per core of the machine, so they are reserved first; the plan then does not
+/// depend on the thread pool's size (results are bitwise identical for any thread
+/// count). A pool with more threads than
 /// cores adds this much per extra thread beyond the budget.
 pub const GEMM_SCRATCH_PER_THREAD: usize = 2 << 20;
 
@@ -62,35 +63,43 @@ pub fn plan(
         max_block_rows: MAX_BLOCK_ROWS,
         min_single_pass_rows: 1,
         half_rate_rows: HALF_RATE_ROWS,
-        compact_row_bytes: Some(v * 2 + v.div_ceil(v.clamp(1, VOCAB_TILE_MAX)) * 4),
+        compact: None,
         extra_name: if widen {
             " and a widened weight tile"
         } else {
             ""
         },
     };
-    // Every GEMM runs on one vocabulary tile: `gemm` packs a whole `rows × vocab_tile`
-    // panel of dZ for dW (`k` = the block's rows ≤ 512 = its `kc`), a transient
-    // allocation besides its per-thread reserve (measured: 4 MiB per call at 512 rows),
-    // so each block counts it. A widened bf16 weight tile holds vocab_tile × H f32; keep
-    // it within a quarter of the budget.
+    // A widened bf16 weight tile holds vocab_tile × H f32; keep it within a quarter of
+    // the budget.
     let budget = tile_budget(opts, &limits)?;
     while widen && limits.vocab_tile > 64 && limits.vocab_tile * h * 4 > budget / 4 {
         limits.vocab_tile /= 2;
     }
     let vocab_tile = limits.vocab_tile;
-    let widened = |rows: usize| {
+    let widened = |rows: usize, tiles: usize| {
         if widen {
-            (vocab_tile + rows) * h * 4
+            (tiles * vocab_tile + rows) * h * 4
         } else {
             0
         }
     };
+    // A compact block: per row V f16 exponentials and a max per tile; per lane a
+    // `[rows, vocab_tile]` f32 tile, `gemm`'s packed dZᵀ (and a widened weight tile);
+    // dH rows for every lane but the first.
+    let lane_tile = vocab_tile + vocab_tile.min(DZ_T_PACK_ENTRIES);
+    let lane_bytes = LANES * lane_tile * 4 + (LANES - 1) * h * 4;
+    limits.compact = Some(CompactBytes {
+        per_row: v * 2 + v.div_ceil(vocab_tile.max(1)) * 4 + lane_bytes + widened(1, 0),
+        fixed: widened(0, LANES),
+    });
+    // Two-pass and f32 single-pass: the logits (a tile or the whole vocabulary) and a
+    // transposed `[rows, vocab_tile]` gradient tile for dW.
     plan_blocks(
         n,
         v,
         &limits,
-        |rows, cols| rows * cols * 4 + rows * vocab_tile * 4 + widened(rows),
+        |rows, cols| rows * cols * 4 + rows * vocab_tile * 4 + widened(rows, 1),
         opts,
         single_pass_allowed,
     )
@@ -159,6 +168,7 @@ fn for_each_tile<E: Element>(
                 rows.len(),
                 h,
                 vocab.len(),
+                rayon::current_num_threads(),
             );
             each(Tile {
                 rows: rows.clone(),
@@ -239,7 +249,7 @@ fn single_pass<E: Element>(
     let (n, h, v) = (p.inputs.tokens, p.inputs.hidden_size, p.inputs.vocab);
     let (vt, t) = (plan.vocab_tile, &p.rows.transform);
     if plan.compact {
-        return compact_single_pass(p, plan, grads_of, ws, out);
+        return compact_single_pass(p.inputs, &p.rows, plan, grads_of, ws, out);
     }
     let bias = p.bias_f32();
     let scratch = ws.prepare(plan.block_rows, v);
@@ -253,7 +263,8 @@ fn single_pass<E: Element>(
             let w = rows_f32(p.inputs.weight, h, vocab.clone(), &mut scratch.weight);
             let z = &mut block[vocab.start..];
             let bias = bias.as_ref().map(|b| &b[vocab.clone()]);
-            logits_tile(z, v, &hid, &w, bias, t.softcap, nb, h, vocab.len());
+            let threads = rayon::current_num_threads();
+            logits_tile(z, v, &hid, &w, bias, t.softcap, nb, h, vocab.len(), threads);
             merge_tile_stats(
                 &p.rows,
                 z,
@@ -274,82 +285,6 @@ fn single_pass<E: Element>(
             let w = rows_f32(p.inputs.weight, h, vocab.clone(), &mut scratch.weight);
             let dz = &block[vocab.start..];
             accumulate_tile(out, dz, v, &hid, &w, &rows, &vocab, h, &mut scratch.dz_t);
-        }
-    }
-    stats
-}
-
-/// [`single_pass`] with a compact block: each logits tile is formed in the f32 tile,
-/// merged into the rows' statistics and kept as f16 `exp((z - μ_tile)/T)` with its
-/// per-row max; the gradient pass expands each tile back into `dZ` in the f32 tile.
-fn compact_single_pass<E: Element>(
-    p: &Problem<E>,
-    plan: &Plan,
-    grads_of: &mut GradsOf,
-    ws: &mut Workspace,
-    out: &mut LinearGradsMut,
-) -> Vec<RowStats> {
-    let (n, h, v) = (p.inputs.tokens, p.inputs.hidden_size, p.inputs.vocab);
-    let (vt, t) = (plan.vocab_tile, &p.rows.transform);
-    let tiles = v.div_ceil(vt);
-    let bias = p.bias_f32();
-    ws.prepare_compact(plan.block_rows, v, tiles);
-    let scratch = ws.prepare(plan.block_rows, vt);
-    let mut stats = vec![RowStats::default(); n];
-    for rows in p.row_blocks(plan.block_rows) {
-        let nb = rows.len();
-        let hid = rows_f32(p.inputs.hidden, h, rows.clone(), &mut scratch.hidden);
-        let mut part = PartialStats::empty(nb, t.inv_temp);
-        for (k, vocab) in p.vocab_tiles(vt).enumerate() {
-            let cols = vocab.len();
-            let w = rows_f32(p.inputs.weight, h, vocab.clone(), &mut scratch.weight);
-            let z = &mut scratch.logits[..nb * cols];
-            let bias = bias.as_ref().map(|b| &b[vocab.clone()]);
-            logits_tile(z, cols, &hid, &w, bias, t.softcap, nb, h, cols);
-            merge_tile_stats(
-                &p.rows,
-                z,
-                cols,
-                rows.clone(),
-                &vocab,
-                &mut part.states,
-                &mut part.target_logits,
-                &mut part.sums,
-            );
-            let exps = &mut scratch.exps[vocab.start..];
-            store_compact(
-                z,
-                cols,
-                cols,
-                t.inv_temp,
-                exps,
-                v,
-                &mut scratch.tile_max,
-                tiles,
-                k,
-            );
-        }
-        for (r, i) in rows.clone().enumerate() {
-            stats[i] = part.finish_row(r, i, &p.rows, v);
-        }
-        let grads = grads_of(rows.clone(), &stats);
-        for (k, vocab) in p.vocab_tiles(vt).enumerate() {
-            let cols = vocab.len();
-            let dz = &mut scratch.logits[..nb * cols];
-            compact_grad_tile(
-                dz,
-                &scratch.exps,
-                v,
-                &scratch.tile_max,
-                tiles,
-                k,
-                &vocab,
-                &grads,
-                t.inv_temp,
-                t.inv_cap(),
-            );
-            let w = rows_f32(p.inputs.weight, h, vocab.clone(), &mut scratch.weight);
-            accumulate_tile(out, dz, cols, &hid, &w, &rows, &vocab, h, &mut scratch.dz_t);
         }
     }
     stats

@@ -4,7 +4,7 @@
 //! `dH += dZ·W`, `dW += dZᵀ·H`, `dbias += Σ_rows dZ`. bf16 hidden states and weights
 //! are widened one block or tile at a time into the [`Workspace`], never whole.
 
-use super::matmul::{MatRef, matmul};
+use super::matmul::{MatRef, matmul, matmul_on};
 use super::online_softmax::tile_state;
 use super::simd;
 use crate::element::Element;
@@ -41,12 +41,34 @@ pub struct Workspace {
     pub(crate) logits: Vec<f32>,
     pub(crate) hidden: Vec<f32>,
     pub(crate) weight: Vec<f32>,
-    /// A compact single-pass block: each tile's `exp((z - μ_tile)/T)` in f16.
+    /// A compact single-pass block: each tile's `exp((z - μ_tile)/T)` in f16, tile by
+    /// tile (tile `k`: `[rows, cols_k]` at `rows · vocab_start_k`).
     pub(crate) exps: Vec<half::f16>,
-    /// The per-(row, tile) maxima `μ_tile` of the compact block.
+    /// The per-(tile, row) maxima `μ_tile` of the compact block, `[tiles, rows]`.
     pub(crate) tile_max: Vec<f32>,
+    /// The compact block's lanes.
+    pub(crate) lanes: Vec<Lane>,
     /// A gradient tile transposed, `dZᵀ` `[vocab_tile, rows]`, for the dW product.
     pub(crate) dz_t: Vec<f32>,
+}
+
+/// One lane of a compact block (`super::compact`): its f32 tile (logits `[rows, cols]`,
+/// then `dZᵀ` `[cols, rows]`), its widened weight tile and, past the first lane, the
+/// dH rows it adds into.
+#[derive(Debug, Default)]
+pub(crate) struct Lane {
+    pub(crate) tile: Vec<f32>,
+    pub(crate) weight: Vec<f32>,
+    pub(crate) dhidden: Vec<f32>,
+}
+
+/// Sizes `buf` to `len` zeros when its length differs (a fresh buffer, so that a
+/// smaller plan does not keep the larger capacity).
+fn resize_fresh<T: Clone + Default>(buf: &mut Vec<T>, len: usize) {
+    if buf.len() != len {
+        *buf = Vec::new();
+        buf.resize(len, T::default());
+    }
 }
 
 impl Workspace {
@@ -57,39 +79,48 @@ impl Workspace {
 
     /// Bytes held.
     pub fn bytes(&self) -> usize {
+        let lanes: usize = self
+            .lanes
+            .iter()
+            .map(|l| l.tile.capacity() + l.weight.capacity() + l.dhidden.capacity())
+            .sum();
         4 * (self.logits.capacity()
             + self.hidden.capacity()
             + self.weight.capacity()
             + self.tile_max.capacity()
-            + self.dz_t.capacity())
+            + self.dz_t.capacity()
+            + lanes)
             + 2 * self.exps.capacity()
     }
 
-    /// Sizes the logits buffer for `rows × cols` (a fresh buffer when it changes).
+    /// Sizes the logits buffer for `rows × cols`.
     pub(crate) fn prepare(&mut self, rows: usize, cols: usize) -> &mut Self {
-        let need = rows * cols;
-        if self.logits.len() != need {
-            self.logits = Vec::new();
-            self.logits.resize(need, 0.0);
-        }
+        resize_fresh(&mut self.logits, rows * cols);
         self
     }
 
-    /// Sizes the compact block for `rows` rows of `v` exponentials in `tiles` tiles (a
-    /// fresh buffer when it changes).
-    pub(crate) fn prepare_compact(&mut self, rows: usize, v: usize, tiles: usize) {
-        if self.exps.len() != rows * v {
-            self.exps = Vec::new();
-            self.exps.resize(rows * v, half::f16::ZERO);
-        }
-        if self.tile_max.len() != rows * tiles {
-            self.tile_max = Vec::new();
-            self.tile_max.resize(rows * tiles, 0.0);
+    /// Sizes a compact block of `rows` rows of `v` exponentials in `tiles` tiles of up
+    /// to `vocab_tile` entries, with `lanes` lanes for a head of hidden size `h`.
+    pub(crate) fn prepare_compact(
+        &mut self,
+        rows: usize,
+        v: usize,
+        (tiles, vocab_tile): (usize, usize),
+        h: usize,
+        lanes: usize,
+    ) {
+        resize_fresh(&mut self.exps, rows * v);
+        resize_fresh(&mut self.tile_max, rows * tiles);
+        self.lanes.resize_with(lanes, Lane::default);
+        for (l, lane) in self.lanes.iter_mut().enumerate() {
+            resize_fresh(&mut lane.tile, rows * vocab_tile);
+            resize_fresh(&mut lane.dhidden, if l == 0 { 0 } else { rows * h });
         }
     }
 }
 
-/// `z[rows, 0..vt]` (row stride `ld`) = `softcap(hidden[rows] · weight[vocab]ᵀ + bias[vocab])`.
+/// `z[rows, 0..vt]` (row stride `ld`) = `softcap(hidden[rows] · weight[vocab]ᵀ + bias[vocab])`,
+/// the product on at most `threads` threads.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn logits_tile(
     z: &mut [f32],
@@ -101,13 +132,15 @@ pub(crate) fn logits_tile(
     rows: usize,
     h: usize,
     vt: usize,
+    threads: usize,
 ) {
-    matmul(
+    matmul_on(
         z,
         ld,
         MatRef::row_major(hidden, rows, h),
         MatRef::row_major(weight, vt, h).t(),
         false,
+        threads,
     );
     if bias.is_some() || softcap.is_some() {
         z.par_chunks_mut(ld).take(rows).for_each(|row| {
@@ -174,31 +207,39 @@ pub(crate) fn grad_tile(
     let cols = vocab.len();
     z.par_chunks_mut(ld)
         .zip(grads.par_iter())
-        .for_each(|(row, g)| {
-            let row = &mut row[..cols];
-            if g.is_zero() {
-                row.fill(0.0);
-                return;
-            }
-            let target = vocab.contains(&g.target).then(|| g.target - vocab.start);
-            let target_slope = target.map(|t| simd::softcap_slope(row[t], inv_cap));
-            simd::softmax_grad(
-                row,
-                &simd::SoftmaxGrad {
-                    max: g.stats.max,
-                    scale: inv_temp,
-                    log_sum: g.stats.log_sum,
-                    coef_p: g.coef_p,
-                    coef_h: g.coef_h,
-                    entropy: g.stats.entropy,
-                    uniform: g.coef_uniform,
-                    inv_cap,
-                },
-            );
-            if let (Some(t), Some(slope)) = (target, target_slope) {
-                row[t] += g.coef_target * slope;
-            }
-        });
+        .for_each(|(row, g)| grad_row(&mut row[..cols], vocab, g, inv_temp, inv_cap));
+}
+
+/// [`grad_tile`] for one row's logits `row` at vocabulary entries `vocab`.
+pub(crate) fn grad_row(
+    row: &mut [f32],
+    vocab: &Range<usize>,
+    g: &RowGrad,
+    inv_temp: f32,
+    inv_cap: f32,
+) {
+    if g.is_zero() {
+        row.fill(0.0);
+        return;
+    }
+    let target = vocab.contains(&g.target).then(|| g.target - vocab.start);
+    let target_slope = target.map(|t| simd::softcap_slope(row[t], inv_cap));
+    simd::softmax_grad(
+        row,
+        &simd::SoftmaxGrad {
+            max: g.stats.max,
+            scale: inv_temp,
+            log_sum: g.stats.log_sum,
+            coef_p: g.coef_p,
+            coef_h: g.coef_h,
+            entropy: g.stats.entropy,
+            uniform: g.coef_uniform,
+            inv_cap,
+        },
+    );
+    if let (Some(t), Some(slope)) = (target, target_slope) {
+        row[t] += g.coef_target * slope;
+    }
 }
 
 /// `dH[rows] += dZ·W[vocab]`, `dW[vocab] += dZᵀ·H[rows]`, `dbias[vocab] += Σ_rows dZ`
@@ -297,87 +338,6 @@ pub(crate) fn transpose_into(src: &[f32], ld: usize, rows: usize, cols: usize, d
                     out[jj * rows + i] = x;
                 }
             }
-        });
-}
-
-/// Stores a `[rows, cols]` logits tile (row stride `ld`, statistics already merged) as
-/// a compact block's tile: row `r`'s `exp((z - μ)·inv_temp)` in f16 at
-/// `exps[r·v ..][..cols]`, its max `μ` at `tile_max[r·tiles + tile]`. The f32 tile is
-/// overwritten.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn store_compact(
-    z: &mut [f32],
-    ld: usize,
-    cols: usize,
-    inv_temp: f32,
-    exps: &mut [half::f16],
-    v: usize,
-    tile_max: &mut [f32],
-    tiles: usize,
-    tile: usize,
-) {
-    use half::slice::HalfFloatSliceExt;
-    z.par_chunks_mut(ld)
-        .zip(exps.par_chunks_mut(v))
-        .zip(tile_max.par_chunks_mut(tiles))
-        .for_each(|((row, e), mu)| {
-            let row = &mut row[..cols];
-            let max = simd::max(row);
-            mu[tile] = max;
-            if max == f32::NEG_INFINITY {
-                row.fill(0.0);
-            } else {
-                simd::exp_shifted(row, max, inv_temp);
-            }
-            e[..cols].convert_from_f32_slice(row);
-        });
-}
-
-/// Turns tile `tile` (vocabulary entries `vocab`) of a compact block into `dZ` in `dz`
-/// (`[rows, vocab.len()]`, dense): `p_j = e_j·exp((μ_tile - max)·inv_temp - log_sum)`;
-/// rows with an entropy term or a soft-cap get their logits back as
-/// `z_j = μ_tile + ln(e_j)·T` and go through [`grad_tile`]'s formula.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn compact_grad_tile(
-    dz: &mut [f32],
-    exps: &[half::f16],
-    v: usize,
-    tile_max: &[f32],
-    tiles: usize,
-    tile: usize,
-    vocab: &Range<usize>,
-    grads: &[RowGrad],
-    inv_temp: f32,
-    inv_cap: f32,
-) {
-    use half::slice::HalfFloatSliceExt;
-    let cols = vocab.len();
-    dz.par_chunks_mut(cols)
-        .zip(exps.par_chunks(v))
-        .zip(tile_max.par_chunks(tiles))
-        .zip(grads.par_iter())
-        .for_each(|(((row, e), mu), g)| {
-            let mu = mu[tile];
-            if g.is_zero() || g.stats.max == f32::NEG_INFINITY {
-                row.fill(0.0);
-                return;
-            }
-            e[vocab.start..vocab.end].convert_to_f32_slice(row);
-            let target = vocab.contains(&g.target).then(|| g.target - vocab.start);
-            if g.coef_h == 0.0 && inv_cap == 0.0 {
-                let c = simd::exp((mu - g.stats.max) * inv_temp - g.stats.log_sum);
-                simd::scale_add(row, g.coef_p * c, g.coef_uniform);
-                if let Some(t) = target {
-                    row[t] += g.coef_target;
-                }
-                return;
-            }
-            let temp = 1.0 / inv_temp;
-            row.iter_mut().for_each(|x| {
-                // An underflowed exponential (p = 0) gets a logit below exp's range.
-                *x = mu + if *x > 0.0 { x.ln() } else { -104.0 } * temp
-            });
-            grad_tile(row, cols, vocab, std::slice::from_ref(g), inv_temp, inv_cap);
         });
 }
 

@@ -56,7 +56,7 @@ pub fn plan(
         max_block_rows: MAX_BLOCK_ROWS,
         min_single_pass_rows: MIN_SINGLE_PASS_ROWS,
         half_rate_rows: 0.0,
-        compact_row_bytes: None,
+        compact: None,
         extra_name: "",
     };
     let per = tile_bytes(dtype);

@@ -149,12 +149,26 @@ pub struct PlanLimits {
     /// rate, so a plan's time is its FLOPs (6NHV or 8NHV) times `1 + half_rate_rows/k`,
     /// and auto takes the faster of single-pass and two-pass for the budget.
     pub half_rate_rows: f64,
-    /// Bytes per row that a compact block ([`Mode::Compact`]) holds besides one f32
-    /// `[rows, vocab_tile]` tile; `None` where the backend has no compact block (compact
-    /// then runs as f32 single-pass).
-    pub compact_row_bytes: Option<usize>,
+    /// What a compact block ([`Mode::Compact`]) holds; `None` where the backend has no
+    /// compact block (compact then runs as f32 single-pass).
+    pub compact: Option<CompactBytes>,
     /// What else a block holds, for error messages (" and a widened weight tile").
     pub extra_name: &'static str,
+}
+
+/// The bytes of a compact block of `rows` rows: `rows·per_row + fixed`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CompactBytes {
+    /// Bytes per row, its tiles included.
+    pub per_row: usize,
+    /// Bytes that do not grow with the rows.
+    pub fixed: usize,
+}
+
+impl CompactBytes {
+    fn of(&self, rows: usize) -> usize {
+        rows * self.per_row + self.fixed
+    }
 }
 
 /// Chooses the mode and block sizes for `n` rows and `v` vocabulary entries: the
@@ -185,9 +199,7 @@ pub fn plan_blocks(
     let largest = |cols: usize| largest_fit(&|rows| block_bytes(rows, cols));
     let single_rows = largest(v);
     let two_rows = largest(limits.vocab_tile);
-    let compact_rows = limits
-        .compact_row_bytes
-        .map(|per_row| largest_fit(&|rows| block_bytes(rows, limits.vocab_tile) + rows * per_row));
+    let compact_rows = limits.compact.map(|c| largest_fit(&|rows| c.of(rows)));
     let min_rows = limits.min_single_pass_rows.min(n);
     let (t_single, t_two) = (
         modelled_time(6.0, single_rows, limits),
@@ -206,17 +218,15 @@ pub fn plan_blocks(
         .keeps_whole_rows(single_pass_allowed, useful || compact_faster)?;
     let compact =
         single && (opts.mode == Mode::Compact || compact_faster) && compact_rows.is_some();
-    let (rows, cols, bytes) = if compact {
-        let rows = compact_rows.unwrap_or(0);
-        let per_row = limits.compact_row_bytes.unwrap_or(0);
-        let bytes = block_bytes(rows, limits.vocab_tile) + rows * per_row;
-        (rows, v, bytes)
-    } else if single {
-        (single_rows, v, block_bytes(single_rows, v))
-    } else {
-        let bytes = block_bytes(two_rows, limits.vocab_tile);
-        (two_rows, limits.vocab_tile, bytes)
-    };
+    let (rows, cols, bytes) =
+        if let (true, Some(c), Some(rows)) = (compact, limits.compact, compact_rows) {
+            (rows, v, c.of(rows))
+        } else if single {
+            (single_rows, v, block_bytes(single_rows, v))
+        } else {
+            let bytes = block_bytes(two_rows, limits.vocab_tile);
+            (two_rows, limits.vocab_tile, bytes)
+        };
     if rows == 0 {
         return Err(Error::InvalidArgument {
             arg: "budget_bytes",
@@ -268,7 +278,10 @@ mod tests {
             max_block_rows: 512,
             min_single_pass_rows: 32,
             half_rate_rows,
-            compact_row_bytes: Some(v * 2),
+            compact: Some(CompactBytes {
+                per_row: v * 2 + 2048 * 4,
+                fixed: 0,
+            }),
             extra_name: "",
         }
     }

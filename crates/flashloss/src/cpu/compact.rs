@@ -1,0 +1,294 @@
+//! The compact single-pass block of the fused LM-head step on the CPU. Per block of
+//! rows, each vocabulary tile's logits `z` are formed once, merged into the rows'
+//! online-softmax states and kept as f16 `e = exp((z - μ)/T)` with the row's tile max
+//! `μ`: one `exp` per logit, 2 bytes a logit instead of 4. Once the block's `lse` is
+//! known, each tile comes back as `dZᵀ` `[cols, rows]`, with
+//! `p_j = e_j·exp((μ - max)/T - log_sum)`, for `dH += dZ·W`, `dW += dZᵀ·H` and
+//! `dbias += Σ_rows dZ`.
+//!
+//! The tiles are dealt to [`LANES`] lanes, tile `k` to lane `k mod LANES`; each lane has
+//! its own f32 tile and `1/LANES` of the threads for its products. On two cores, two
+//! single-threaded products side by side ran the logits and dH tiles 3% and 11% faster
+//! than one product on both cores (`examples/tile_gemm_rate`). The first lane adds into dH,
+//! the others into their own rows, which are added to dH after the block in lane order,
+//! and the lanes' row states merge in lane order: the result does not depend on the
+//! thread count.
+
+use super::matmul::{MatRef, matmul_on};
+use super::simd;
+use super::tiles::{Lane, Workspace, grad_row, logits_tile, rows_f32};
+use crate::batch::LinearInputs;
+use crate::element::Element;
+use crate::fused::{GradsOf, LinearGradsMut, Plan, RowGrad};
+use crate::rows::{OnlineSoftmax, PartialStats, RowInputs, RowStats};
+use half::f16;
+use half::slice::HalfFloatSliceExt;
+use rayon::prelude::*;
+use std::ops::Range;
+
+/// Lanes of a compact block (each holds one f32 `[rows, vocab_tile]` tile).
+pub const LANES: usize = 2;
+
+/// Vocabulary entries of `dZᵀ` per block row that `gemm` packs for a lane's dH
+/// product, beyond its per-thread buffer: its `kc` of at most 512 (measured: 1 MiB at
+/// 512 rows, `examples/gemm_scratch`).
+pub const DZ_T_PACK_ENTRIES: usize = 512;
+
+/// Vocabulary entries per task when a compact tile becomes `dZᵀ`, and rows transposed
+/// together (a 16 KiB group of row segments, in L1).
+const STRIP: usize = 256;
+const ROW_GROUP: usize = 16;
+
+/// The single pass over a compact block: per row block, every tile's logits, the rows'
+/// statistics, then `grads_of(rows, stats)` gives the block's [`RowGrad`]s and the
+/// gradients are added into `out` from the compact block.
+pub(crate) fn compact_single_pass<E: Element>(
+    inputs: &LinearInputs<E>,
+    p: &RowInputs,
+    plan: &Plan,
+    grads_of: &mut GradsOf,
+    ws: &mut Workspace,
+    out: &mut LinearGradsMut,
+) -> Vec<RowStats> {
+    let (n, h, v) = (inputs.tokens, inputs.hidden_size, inputs.vocab);
+    let (vt, t) = (plan.vocab_tile, &p.transform);
+    let tiles: Vec<Range<usize>> = (0..v).step_by(vt).map(|s| s..(s + vt).min(v)).collect();
+    let bias: Option<Vec<f32>> = inputs.bias.map(|b| b.iter().map(|x| x.to_f32()).collect());
+    let threads = (rayon::current_num_threads() / LANES).max(1);
+    ws.prepare_compact(plan.block_rows, v, (tiles.len(), vt), h, LANES);
+    let mut stats = vec![RowStats::default(); n];
+    for start in (0..n).step_by(plan.block_rows) {
+        let rows = start..(start + plan.block_rows).min(n);
+        let nb = rows.len();
+        let hid = rows_f32(inputs.hidden, h, rows.clone(), &mut ws.hidden);
+        let exps = deal(&mut ws.exps[..nb * v], tiles.iter().map(|c| nb * c.len()));
+        let maxima = deal(
+            &mut ws.tile_max[..nb * tiles.len()],
+            tiles.iter().map(|_| nb),
+        );
+        let parts: Vec<PartialStats> = (ws.lanes.par_iter_mut().zip(exps).zip(maxima))
+            .enumerate()
+            .map(|(l, ((lane, exps), maxima))| {
+                let mut part = PartialStats::empty(nb, t.inv_temp);
+                let lane_tiles = tiles.iter().skip(l).step_by(LANES);
+                for ((vocab, e), mu) in lane_tiles.zip(exps).zip(maxima) {
+                    let cols = vocab.len();
+                    let w = rows_f32(inputs.weight, h, vocab.clone(), &mut lane.weight);
+                    let z = &mut lane.tile[..nb * cols];
+                    let b = bias.as_ref().map(|b| &b[vocab.clone()]);
+                    logits_tile(z, cols, &hid, &w, b, t.softcap, nb, h, cols, threads);
+                    compact_tile(p, z, rows.clone(), vocab, e, mu, &mut part);
+                }
+                part
+            })
+            .collect();
+        let mut part = PartialStats::empty(nb, t.inv_temp);
+        parts.iter().for_each(|lane| part.merge(lane));
+        for (r, i) in rows.clone().enumerate() {
+            stats[i] = part.finish_row(r, i, p, v);
+        }
+        let grads = grads_of(rows.clone(), &stats);
+        if grads.iter().all(RowGrad::is_zero) {
+            continue;
+        }
+        let dweight = deal(&mut out.dweight[..], tiles.iter().map(|c| c.len() * h));
+        let mut dbias = match out.dbias.as_deref_mut() {
+            Some(db) => deal(db, tiles.iter().map(|c| c.len())),
+            None => (0..LANES).map(|_| Vec::new()).collect(),
+        };
+        let mut dhidden: Vec<Option<&mut [f32]>> = (0..LANES).map(|_| None).collect();
+        dhidden[0] = Some(&mut out.dhidden[rows.start * h..rows.end * h]);
+        let (exps, maxima) = (&ws.exps[..nb * v], &ws.tile_max[..nb * tiles.len()]);
+        (ws.lanes
+            .par_iter_mut()
+            .zip(dhidden)
+            .zip(dweight)
+            .zip(dbias.par_iter_mut()))
+        .enumerate()
+        .for_each(|(l, (((lane, dh), dweight), dbias))| {
+            let Lane {
+                tile,
+                weight,
+                dhidden,
+            } = lane;
+            let dh = match dh {
+                Some(dh) => dh,
+                None => {
+                    dhidden[..nb * h].fill(0.0);
+                    &mut dhidden[..nb * h]
+                }
+            };
+            let mut dbias = dbias.iter_mut();
+            let lane_tiles = tiles.iter().enumerate().skip(l).step_by(LANES);
+            for ((k, vocab), dw) in lane_tiles.zip(dweight) {
+                let cols = vocab.len();
+                let dz_t = &mut tile[..cols * nb];
+                let e = &exps[nb * vocab.start..nb * vocab.end];
+                let mu = &maxima[k * nb..(k + 1) * nb];
+                grad_tile_t(dz_t, e, mu, vocab, &grads, t.inv_temp, t.inv_cap());
+                let w = rows_f32(inputs.weight, h, vocab.clone(), weight);
+                let dz = MatRef {
+                    data: dz_t,
+                    rows: nb,
+                    cols,
+                    row_stride: 1,
+                    col_stride: nb,
+                };
+                matmul_on(dh, h, dz, MatRef::row_major(&w, cols, h), true, threads);
+                let dz_t = MatRef::row_major(dz_t, cols, nb);
+                matmul_on(dw, h, dz_t, MatRef::row_major(&hid, nb, h), true, threads);
+                if let Some(db) = dbias.next() {
+                    // Each entry sums its column in row order, as a loop over rows would.
+                    db.iter_mut()
+                        .zip(dz_t.data.chunks(nb))
+                        .for_each(|(d, col)| *d = col.iter().fold(*d, |s, x| s + x));
+                }
+            }
+        });
+        let dh = &mut out.dhidden[rows.start * h..rows.end * h];
+        for lane in &ws.lanes[1..] {
+            dh.par_chunks_mut(h)
+                .zip(lane.dhidden.par_chunks(h))
+                .for_each(|(d, x)| d.iter_mut().zip(x).for_each(|(d, x)| *d += x));
+        }
+    }
+    stats
+}
+
+/// Splits `buf` into consecutive pieces of `lens` elements and deals piece `k` to lane
+/// `k mod LANES`.
+fn deal<T>(mut buf: &mut [T], lens: impl Iterator<Item = usize>) -> Vec<Vec<&mut [T]>> {
+    let mut lanes: Vec<Vec<&mut [T]>> = (0..LANES).map(|_| Vec::new()).collect();
+    for (k, len) in lens.enumerate() {
+        let (piece, rest) = std::mem::take(&mut buf).split_at_mut(len);
+        lanes[k % LANES].push(piece);
+        buf = rest;
+    }
+    lanes
+}
+
+/// Merges a `[rows, cols]` logits tile `z` (vocabulary entries `vocab`) into the rows'
+/// states `part` and stores it as a compact tile: `e = exp((z - μ)/T)` in f16
+/// (`[rows, cols]`) and the row max `μ` in `tile_max` (`-inf` for rows that take no
+/// part, whose `e` is 0).
+fn compact_tile(
+    p: &RowInputs,
+    z: &[f32],
+    rows: Range<usize>,
+    vocab: &Range<usize>,
+    exps: &mut [f16],
+    tile_max: &mut [f32],
+    part: &mut PartialStats,
+) {
+    let cols = vocab.len();
+    let inv_temp = p.transform.inv_temp;
+    let states = part.states.par_iter_mut().zip(&mut part.target_logits);
+    (z.par_chunks(cols).zip(exps.par_chunks_mut(cols)))
+        .zip(tile_max.par_iter_mut().zip(states))
+        .zip(part.sums.par_iter_mut())
+        .enumerate()
+        .for_each_init(
+            || vec![0.0f32; cols],
+            |buf, (r, (((row, e), (mu, (state, target_logit))), sum))| {
+                let i = rows.start + r;
+                *mu = if p.live[i] {
+                    simd::max(row)
+                } else {
+                    f32::NEG_INFINITY
+                };
+                if p.live[i] {
+                    if p.transform.mean_logit {
+                        *sum += simd::sum(row);
+                    }
+                    let y = p.targets[i];
+                    if y >= 0 && vocab.contains(&(y as usize)) {
+                        *target_logit = row[y as usize - vocab.start];
+                    }
+                }
+                if *mu == f32::NEG_INFINITY {
+                    e.fill(f16::ZERO);
+                    return;
+                }
+                let (s, u) = simd::exp_sums_store(row, buf, *mu, inv_temp);
+                e.convert_from_f32_slice(buf);
+                state.merge(OnlineSoftmax {
+                    inv_temp,
+                    max: *mu,
+                    sum: s,
+                    weighted: u,
+                });
+            },
+        );
+}
+
+/// Turns a compact tile (`exps` `[rows, cols]`, maxima `tile_max`, vocabulary entries
+/// `vocab`) into `dZᵀ` `[cols, rows]` in `dz_t`. Strips of [`STRIP`] entries run in
+/// parallel; each forms [`ROW_GROUP`] rows' segments at a time and writes them
+/// transposed, a run of `ROW_GROUP` floats per entry.
+fn grad_tile_t(
+    dz_t: &mut [f32],
+    exps: &[f16],
+    tile_max: &[f32],
+    vocab: &Range<usize>,
+    grads: &[RowGrad],
+    inv_temp: f32,
+    inv_cap: f32,
+) {
+    let (rows, cols) = (grads.len(), vocab.len());
+    dz_t.par_chunks_mut(STRIP * rows).enumerate().for_each_init(
+        || vec![0.0f32; ROW_GROUP * STRIP],
+        |buf, (s, out)| {
+            let j0 = s * STRIP;
+            let width = out.len() / rows;
+            let part = vocab.start + j0..vocab.start + j0 + width;
+            for r0 in (0..rows).step_by(ROW_GROUP) {
+                let group = ROW_GROUP.min(rows - r0);
+                for (rr, seg) in buf.chunks_mut(width).take(group).enumerate() {
+                    let r = r0 + rr;
+                    let e = &exps[r * cols + j0..][..width];
+                    grad_segment(seg, e, tile_max[r], &part, &grads[r], inv_temp, inv_cap);
+                }
+                for j in 0..width {
+                    let dst = &mut out[j * rows + r0..][..group];
+                    for (rr, d) in dst.iter_mut().enumerate() {
+                        *d = buf[rr * width + j];
+                    }
+                }
+            }
+        },
+    );
+}
+
+/// One row's `dZ` over vocabulary entries `part` from its compact exponentials `e` and
+/// tile max `mu`: `p_j = e_j·exp((μ - max)/T - log_sum)`. Rows with an entropy term or
+/// a soft-cap get their logits back as `z_j = μ + ln(e_j)·T` and go through
+/// [`grad_row`]'s formula.
+fn grad_segment(
+    row: &mut [f32],
+    e: &[f16],
+    mu: f32,
+    part: &Range<usize>,
+    g: &RowGrad,
+    inv_temp: f32,
+    inv_cap: f32,
+) {
+    if g.is_zero() || g.stats.max == f32::NEG_INFINITY {
+        row.fill(0.0);
+        return;
+    }
+    e.convert_to_f32_slice(row);
+    if g.coef_h == 0.0 && inv_cap == 0.0 {
+        let c = simd::exp((mu - g.stats.max) * inv_temp - g.stats.log_sum);
+        simd::scale_add(row, g.coef_p * c, g.coef_uniform);
+        if part.contains(&g.target) {
+            row[g.target - part.start] += g.coef_target;
+        }
+        return;
+    }
+    let temp = 1.0 / inv_temp;
+    row.iter_mut().for_each(|x| {
+        // An underflowed exponential (p = 0) gets a logit below exp's range.
+        *x = mu + if *x > 0.0 { x.ln() } else { -104.0 } * temp
+    });
+    grad_row(row, part, g, inv_temp, inv_cap);
+}
