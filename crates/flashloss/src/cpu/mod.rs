@@ -5,7 +5,6 @@
 //! [`HostHead`] is its [`crate::fused::Head`] for the fused LM-head losses.
 
 mod baseline_linear;
-mod compact;
 mod grpo_logits;
 mod grpo_logits_staged;
 pub mod matmul;
@@ -13,6 +12,7 @@ mod online_softmax;
 mod passes;
 mod selective_log_softmax;
 pub mod simd;
+mod single_pass;
 mod tiles;
 mod unfused_logits;
 

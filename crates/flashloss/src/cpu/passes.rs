@@ -4,7 +4,7 @@
 //! packing buffers. [`HostHead`] is the CPU's [`Head`]: inputs and gradients in host
 //! memory.
 
-use super::compact::{DZ_T_PACK_ENTRIES, LANES, compact_single_pass};
+use super::single_pass::{DZ_T_PACK_ENTRIES, LANES, single_pass};
 use super::tiles::{
     Workspace, accumulate_tile, grad_tile, logits_tile, merge_tile_stats, rows_f32,
 };
@@ -13,10 +13,11 @@ use crate::collective::Collective;
 use crate::element::Element;
 use crate::error::Result;
 use crate::fused::{
-    CompactBytes, FusedOptions, FusedPasses, GradPart, GradsOf, Head, LinearGradsMut, Plan,
-    PlanLimits, RowGrad, plan_blocks, tile_budget,
+    Block, FusedOptions, FusedPasses, GradPart, GradsOf, Head, LinearGradsMut, Plan, PlanLimits,
+    RowGrad, plan_blocks, tile_budget,
 };
 use crate::rows::{PartialStats, RowInputs, RowStats};
+use half::f16;
 use std::ops::Range;
 
 /// Packing buffers the `gemm` crate allocates per thread (measured: 2 MiB at the
@@ -63,7 +64,7 @@ pub fn plan(
         max_block_rows: MAX_BLOCK_ROWS,
         min_single_pass_rows: 1,
         half_rate_rows: HALF_RATE_ROWS,
-        compact: None,
+        has_compact: true,
         extra_name: if widen {
             " and a widened weight tile"
         } else {
@@ -84,22 +85,22 @@ pub fn plan(
             0
         }
     };
-    // A compact block: per row V f16 exponentials and a max per tile; per lane a
-    // `[rows, vocab_tile]` f32 tile, `gemm`'s packed dZᵀ (and a widened weight tile);
-    // dH rows for every lane but the first.
+    // A single-pass block: per row V exponentials (f32, or f16 compact) and a max per
+    // tile; per lane a `[rows, vocab_tile]` f32 tile, `gemm`'s packed dZᵀ (and a widened
+    // weight tile); dH rows for every lane but the first.
     let lane_tile = vocab_tile + vocab_tile.min(DZ_T_PACK_ENTRIES);
-    let lane_bytes = LANES * lane_tile * 4 + (LANES - 1) * h * 4;
-    limits.compact = Some(CompactBytes {
-        per_row: v * 2 + v.div_ceil(vocab_tile.max(1)) * 4 + lane_bytes + widened(1, 0),
-        fixed: widened(0, LANES),
-    });
-    // Two-pass and f32 single-pass: the logits (a tile or the whole vocabulary) and a
-    // transposed `[rows, vocab_tile]` gradient tile for dW.
+    let lane_row = LANES * lane_tile * 4 + (LANES - 1) * h * 4;
+    let whole_row = v.div_ceil(vocab_tile.max(1)) * 4 + lane_row;
+    // Two-pass: the logits tile and a transposed `[rows, vocab_tile]` gradient tile.
     plan_blocks(
         n,
         v,
         &limits,
-        |rows, cols| rows * cols * 4 + rows * vocab_tile * 4 + widened(rows, 1),
+        |rows, block| match block {
+            Block::Tile => rows * vocab_tile * 8 + widened(rows, 1),
+            Block::Whole => rows * (v * 4 + whole_row) + widened(rows, LANES),
+            Block::Compact => rows * (v * 2 + whole_row) + widened(rows, LANES),
+        },
         opts,
         single_pass_allowed,
     )
@@ -236,60 +237,6 @@ fn accumulate_grads<E: Element>(
     });
 }
 
-/// Single pass: per row block, all its logits (tile by tile into a `[rows, V]` block),
-/// its statistics, then `grads_of(rows, stats)` gives the block's [`RowGrad`]s, and the
-/// gradients are added into `out` from the block still in memory.
-fn single_pass<E: Element>(
-    p: &Problem<E>,
-    plan: &Plan,
-    grads_of: &mut GradsOf,
-    ws: &mut Workspace,
-    out: &mut LinearGradsMut,
-) -> Vec<RowStats> {
-    let (n, h, v) = (p.inputs.tokens, p.inputs.hidden_size, p.inputs.vocab);
-    let (vt, t) = (plan.vocab_tile, &p.rows.transform);
-    if plan.compact {
-        return compact_single_pass(p.inputs, &p.rows, plan, grads_of, ws, out);
-    }
-    let bias = p.bias_f32();
-    let scratch = ws.prepare(plan.block_rows, v);
-    let mut stats = vec![RowStats::default(); n];
-    for rows in p.row_blocks(plan.block_rows) {
-        let nb = rows.len();
-        let hid = rows_f32(p.inputs.hidden, h, rows.clone(), &mut scratch.hidden);
-        let block = &mut scratch.logits[..nb * v];
-        let mut part = PartialStats::empty(nb, t.inv_temp);
-        for vocab in p.vocab_tiles(vt) {
-            let w = rows_f32(p.inputs.weight, h, vocab.clone(), &mut scratch.weight);
-            let z = &mut block[vocab.start..];
-            let bias = bias.as_ref().map(|b| &b[vocab.clone()]);
-            let threads = rayon::current_num_threads();
-            logits_tile(z, v, &hid, &w, bias, t.softcap, nb, h, vocab.len(), threads);
-            merge_tile_stats(
-                &p.rows,
-                z,
-                v,
-                rows.clone(),
-                &vocab,
-                &mut part.states,
-                &mut part.target_logits,
-                &mut part.sums,
-            );
-        }
-        for (r, i) in rows.clone().enumerate() {
-            stats[i] = part.finish_row(r, i, &p.rows, v);
-        }
-        let grads = grads_of(rows.clone(), &stats);
-        grad_tile(block, v, &(0..v), &grads, t.inv_temp, t.inv_cap());
-        for vocab in p.vocab_tiles(vt) {
-            let w = rows_f32(p.inputs.weight, h, vocab.clone(), &mut scratch.weight);
-            let dz = &block[vocab.start..];
-            accumulate_tile(out, dz, v, &hid, &w, &rows, &vocab, h, &mut scratch.dz_t);
-        }
-    }
-    stats
-}
-
 /// The CPU's [`FusedPasses`].
 struct CpuPasses<'a, 'g, E> {
     problem: Problem<'a, E>,
@@ -313,13 +260,12 @@ impl<E: Element> FusedPasses for CpuPasses<'_, '_, E> {
     }
 
     fn single_pass(&mut self, grads_of: &mut GradsOf) -> Result<Vec<RowStats>> {
-        Ok(single_pass(
-            &self.problem,
-            &self.plan,
-            grads_of,
-            self.ws,
-            self.out,
-        ))
+        let (p, plan) = (&self.problem, &self.plan);
+        Ok(if plan.compact {
+            single_pass::<E, f16>(p.inputs, &p.rows, plan, grads_of, self.ws, self.out)
+        } else {
+            single_pass::<E, f32>(p.inputs, &p.rows, plan, grads_of, self.ws, self.out)
+        })
     }
 }
 

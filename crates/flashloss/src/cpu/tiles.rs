@@ -41,18 +41,17 @@ pub struct Workspace {
     pub(crate) logits: Vec<f32>,
     pub(crate) hidden: Vec<f32>,
     pub(crate) weight: Vec<f32>,
-    /// A compact single-pass block: each tile's `exp((z - μ_tile)/T)` in f16, tile by
-    /// tile (tile `k`: `[rows, cols_k]` at `rows · vocab_start_k`).
+    /// A compact single-pass block (f16; an f32 block is kept in `logits`).
     pub(crate) exps: Vec<half::f16>,
-    /// The per-(tile, row) maxima `μ_tile` of the compact block, `[tiles, rows]`.
+    /// The per-(tile, row) maxima `μ_tile` of a single-pass block, `[tiles, rows]`.
     pub(crate) tile_max: Vec<f32>,
-    /// The compact block's lanes.
+    /// A single-pass block's lanes.
     pub(crate) lanes: Vec<Lane>,
     /// A gradient tile transposed, `dZᵀ` `[vocab_tile, rows]`, for the dW product.
     pub(crate) dz_t: Vec<f32>,
 }
 
-/// One lane of a compact block (`super::compact`): its f32 tile (logits `[rows, cols]`,
+/// One lane of a single-pass block (`super::single_pass`): its f32 tile (logits `[rows, cols]`,
 /// then `dZᵀ` `[cols, rows]`), its widened weight tile and, past the first lane, the
 /// dH rows it adds into.
 #[derive(Debug, Default)]
@@ -64,7 +63,7 @@ pub(crate) struct Lane {
 
 /// Sizes `buf` to `len` zeros when its length differs (a fresh buffer, so that a
 /// smaller plan does not keep the larger capacity).
-fn resize_fresh<T: Clone + Default>(buf: &mut Vec<T>, len: usize) {
+pub(crate) fn resize_fresh<T: Clone + Default>(buf: &mut Vec<T>, len: usize) {
     if buf.len() != len {
         *buf = Vec::new();
         buf.resize(len, T::default());
@@ -99,17 +98,15 @@ impl Workspace {
         self
     }
 
-    /// Sizes a compact block of `rows` rows of `v` exponentials in `tiles` tiles of up
-    /// to `vocab_tile` entries, with `lanes` lanes for a head of hidden size `h`.
-    pub(crate) fn prepare_compact(
+    /// Sizes the tile maxima and lanes of a single-pass block of `rows` rows in `tiles`
+    /// tiles of up to `vocab_tile` entries, with `lanes` lanes, for hidden size `h`.
+    pub(crate) fn prepare_lanes(
         &mut self,
         rows: usize,
-        v: usize,
         (tiles, vocab_tile): (usize, usize),
         h: usize,
         lanes: usize,
     ) {
-        resize_fresh(&mut self.exps, rows * v);
         resize_fresh(&mut self.tile_max, rows * tiles);
         self.lanes.resize_with(lanes, Lane::default);
         for (l, lane) in self.lanes.iter_mut().enumerate() {

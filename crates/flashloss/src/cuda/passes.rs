@@ -16,7 +16,8 @@ use crate::collective::Collective;
 use crate::element::DType;
 use crate::error::{Error, Result};
 use crate::fused::{
-    FusedOptions, FusedPasses, GradPart, GradsOf, Head, Plan, PlanLimits, RowGrad, plan_blocks,
+    Block, FusedOptions, FusedPasses, GradPart, GradsOf, Head, Plan, PlanLimits, RowGrad,
+    plan_blocks,
 };
 use crate::rows::{OnlineSoftmax, PartialStats, RowInputs, RowStats};
 use cudarc::cublas::sys::cudaDataType_t;
@@ -56,7 +57,7 @@ pub fn plan(
         max_block_rows: MAX_BLOCK_ROWS,
         min_single_pass_rows: MIN_SINGLE_PASS_ROWS,
         half_rate_rows: 0.0,
-        compact: None,
+        has_compact: false,
         extra_name: "",
     };
     let per = tile_bytes(dtype);
@@ -64,7 +65,10 @@ pub fn plan(
         n,
         v,
         &limits,
-        |rows, cols| rows * cols * per,
+        |rows, block| match block {
+            Block::Tile => rows * limits.vocab_tile * per,
+            Block::Whole | Block::Compact => rows * v * per,
+        },
         opts,
         single_pass_allowed,
     )

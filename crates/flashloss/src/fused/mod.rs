@@ -21,6 +21,6 @@ pub use passes::{
     FusedPasses, GradPart, GradsOf, Head, LinearGrads, LinearGradsMut, RowGrad, check_grad_lens,
 };
 pub use plan::{
-    CompactBytes, FusedOptions, Mode, Plan, PlanLimits, mib_to_bytes, plan_blocks, tile_budget,
+    Block, FusedOptions, Mode, Plan, PlanLimits, mib_to_bytes, plan_blocks, tile_budget,
 };
 pub use sharded::{Grid, Parallel, Shard, ce_linear_sharded, grpo_linear_sharded, shard_range};

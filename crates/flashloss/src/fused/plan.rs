@@ -149,37 +149,33 @@ pub struct PlanLimits {
     /// rate, so a plan's time is its FLOPs (6NHV or 8NHV) times `1 + half_rate_rows/k`,
     /// and auto takes the faster of single-pass and two-pass for the budget.
     pub half_rate_rows: f64,
-    /// What a compact block ([`Mode::Compact`]) holds; `None` where the backend has no
-    /// compact block (compact then runs as f32 single-pass).
-    pub compact: Option<CompactBytes>,
+    /// Whether the backend has a compact block ([`Mode::Compact`]; without one, compact
+    /// runs as f32 single-pass).
+    pub has_compact: bool,
     /// What else a block holds, for error messages (" and a widened weight tile").
     pub extra_name: &'static str,
 }
 
-/// The bytes of a compact block of `rows` rows: `rows·per_row + fixed`.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct CompactBytes {
-    /// Bytes per row, its tiles included.
-    pub per_row: usize,
-    /// Bytes that do not grow with the rows.
-    pub fixed: usize,
-}
-
-impl CompactBytes {
-    fn of(&self, rows: usize) -> usize {
-        rows * self.per_row + self.fixed
-    }
+/// The blocks of a plan, which a backend prices for `rows` rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Block {
+    /// A `[rows, vocab_tile]` logits tile (two-pass).
+    Tile,
+    /// Whole rows of the vocabulary in f32 (single-pass).
+    Whole,
+    /// Whole rows in a compact block.
+    Compact,
 }
 
 /// Chooses the mode and block sizes for `n` rows and `v` vocabulary entries: the
-/// largest blocks whose bytes (`block_bytes(rows, cols)`, increasing in `rows`) fit
+/// largest blocks whose bytes (`block_bytes(rows, block)`, increasing in `rows`) fit
 /// the budget less the reserve. `single_pass_allowed` is false for losses that reduce
 /// over sequences.
 pub fn plan_blocks(
     n: usize,
     v: usize,
     limits: &PlanLimits,
-    block_bytes: impl Fn(usize, usize) -> usize,
+    block_bytes: impl Fn(usize, Block) -> usize,
     opts: &FusedOptions,
     single_pass_allowed: bool,
 ) -> Result<Plan> {
@@ -196,10 +192,10 @@ pub fn plan_blocks(
         }
         lo
     };
-    let largest = |cols: usize| largest_fit(&|rows| block_bytes(rows, cols));
-    let single_rows = largest(v);
-    let two_rows = largest(limits.vocab_tile);
-    let compact_rows = limits.compact.map(|c| largest_fit(&|rows| c.of(rows)));
+    let largest = |block: Block| largest_fit(&|rows| block_bytes(rows, block));
+    let single_rows = largest(Block::Whole);
+    let two_rows = largest(Block::Tile);
+    let compact_rows = limits.has_compact.then(|| largest(Block::Compact));
     let min_rows = limits.min_single_pass_rows.min(n);
     let (t_single, t_two) = (
         modelled_time(6.0, single_rows, limits),
@@ -218,15 +214,11 @@ pub fn plan_blocks(
         .keeps_whole_rows(single_pass_allowed, useful || compact_faster)?;
     let compact =
         single && (opts.mode == Mode::Compact || compact_faster) && compact_rows.is_some();
-    let (rows, cols, bytes) =
-        if let (true, Some(c), Some(rows)) = (compact, limits.compact, compact_rows) {
-            (rows, v, c.of(rows))
-        } else if single {
-            (single_rows, v, block_bytes(single_rows, v))
-        } else {
-            let bytes = block_bytes(two_rows, limits.vocab_tile);
-            (two_rows, limits.vocab_tile, bytes)
-        };
+    let (rows, cols, block) = match (compact_rows, single) {
+        (Some(rows), true) if compact => (rows, v, Block::Compact),
+        (_, true) => (single_rows, v, Block::Whole),
+        _ => (two_rows, limits.vocab_tile, Block::Tile),
+    };
     if rows == 0 {
         return Err(Error::InvalidArgument {
             arg: "budget_bytes",
@@ -241,7 +233,7 @@ pub fn plan_blocks(
         compact,
         block_rows: rows,
         vocab_tile: limits.vocab_tile,
-        workspace_bytes: bytes,
+        workspace_bytes: block_bytes(rows, block),
         gemm_reserve_bytes: limits.reserve_bytes,
     })
 }
@@ -269,8 +261,8 @@ pub fn tile_budget(opts: &FusedOptions, limits: &PlanLimits) -> Result<usize> {
 mod tests {
     use super::*;
 
-    /// A CPU-like backend: 4 bytes per logit, compact rows at 2 bytes per entry.
-    fn limits(v: usize, half_rate_rows: f64) -> PlanLimits {
+    /// A CPU-like backend (its blocks priced in [`plan`]).
+    fn limits(half_rate_rows: f64) -> PlanLimits {
         PlanLimits {
             reserve_bytes: 0,
             reserve_name: "no reserve".into(),
@@ -278,18 +270,20 @@ mod tests {
             max_block_rows: 512,
             min_single_pass_rows: 32,
             half_rate_rows,
-            compact: Some(CompactBytes {
-                per_row: v * 2 + 2048 * 4,
-                fixed: 0,
-            }),
+            has_compact: true,
             extra_name: "",
         }
     }
 
     fn plan(n: usize, v: usize, mode: Mode, mib: f64, half_rate_rows: f64) -> Plan {
         let opts = FusedOptions::from_mib(mode, mib, 1.0);
-        let bytes = |rows: usize, cols: usize| rows * cols * 4;
-        plan_blocks(n, v, &limits(v, half_rate_rows), bytes, &opts, true).unwrap()
+        // 4 bytes per logit, compact rows at 2 bytes per entry and an f32 tile.
+        let bytes = |rows: usize, block: Block| match block {
+            Block::Tile => rows * 2048 * 4,
+            Block::Whole => rows * v * 4,
+            Block::Compact => rows * (v * 2 + 2048 * 4),
+        };
+        plan_blocks(n, v, &limits(half_rate_rows), bytes, &opts, true).unwrap()
     }
 
     #[test]

@@ -1,22 +1,23 @@
-//! The compact single-pass block of the fused LM-head step on the CPU. Per block of
-//! rows, each vocabulary tile's logits `z` are formed once, merged into the rows'
-//! online-softmax states and kept as f16 `e = exp((z - μ)/T)` with the row's tile max
-//! `μ`: one `exp` per logit, 2 bytes a logit instead of 4. Once the block's `lse` is
-//! known, each tile comes back as `dZᵀ` `[cols, rows]`, with
-//! `p_j = e_j·exp((μ - max)/T - log_sum)`, for `dH += dZ·W`, `dW += dZᵀ·H` and
-//! `dbias += Σ_rows dZ`.
+//! The single-pass block of the fused LM-head step on the CPU. Per block of rows, each
+//! vocabulary tile's logits `z` are formed once, merged into the rows' online-softmax
+//! states and kept as `e = exp((z - μ)/T)` with the row's tile max `μ` (one `exp` per
+//! logit): in f32, or in f16 in a compact block (2 bytes a logit instead of 4; `e ≤ 1`
+//! is rounded to a relative 2^-11). Once the block's `lse` is known, each tile comes
+//! back as `dZᵀ` `[cols, rows]`, with `p_j = e_j·exp((μ - max)/T - log_sum)`, for
+//! `dH += dZ·W`, `dW += dZᵀ·H` and `dbias += Σ_rows dZ`. The block is kept tile by tile
+//! (tile `k`: `[rows, cols_k]` at `rows · vocab_start_k`).
 //!
 //! The tiles are dealt to [`LANES`] lanes, tile `k` to lane `k mod LANES`; each lane has
 //! its own f32 tile and `1/LANES` of the threads for its products. On two cores, two
 //! single-threaded products side by side ran the logits and dH tiles 3% and 11% faster
-//! than one product on both cores (`examples/tile_gemm_rate`). The first lane adds into dH,
-//! the others into their own rows, which are added to dH after the block in lane order,
-//! and the lanes' row states merge in lane order: the result does not depend on the
-//! thread count.
+//! than one product on both cores (`examples/tile_gemm_rate`). The first lane adds into
+//! dH, the others into their own rows, which are added to dH after the block in lane
+//! order, and the lanes' row states merge in lane order: the result does not depend on
+//! the thread count.
 
 use super::matmul::{MatRef, matmul_on};
 use super::simd;
-use super::tiles::{Lane, Workspace, grad_row, logits_tile, rows_f32};
+use super::tiles::{Lane, Workspace, grad_row, logits_tile, resize_fresh, rows_f32};
 use crate::batch::LinearInputs;
 use crate::element::Element;
 use crate::fused::{GradsOf, LinearGradsMut, Plan, RowGrad};
@@ -26,7 +27,7 @@ use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 use std::ops::Range;
 
-/// Lanes of a compact block (each holds one f32 `[rows, vocab_tile]` tile).
+/// Lanes of a single-pass block (each holds one f32 `[rows, vocab_tile]` tile).
 pub const LANES: usize = 2;
 
 /// Vocabulary entries of `dZᵀ` per block row that `gemm` packs for a lane's dH
@@ -34,15 +35,49 @@ pub const LANES: usize = 2;
 /// 512 rows, `examples/gemm_scratch`).
 pub const DZ_T_PACK_ENTRIES: usize = 512;
 
-/// Vocabulary entries per task when a compact tile becomes `dZᵀ`, and rows transposed
+/// Vocabulary entries per task when a block's tile becomes `dZᵀ`, and rows transposed
 /// together (a 16 KiB group of row segments, in L1).
 const STRIP: usize = 256;
 const ROW_GROUP: usize = 16;
 
-/// The single pass over a compact block: per row block, every tile's logits, the rows'
-/// statistics, then `grads_of(rows, stats)` gives the block's [`RowGrad`]s and the
-/// gradients are added into `out` from the compact block.
-pub(crate) fn compact_single_pass<E: Element>(
+/// What a single-pass block keeps of each exponential `e`: f32, or f16 (compact).
+pub(crate) trait Stored: Copy + Default + Send + Sync {
+    /// `dst = src` rounded to this type.
+    fn store(src: &[f32], dst: &mut [Self]);
+    /// `dst = src` widened to f32.
+    fn load(src: &[Self], dst: &mut [f32]);
+    /// The workspace's block of this type: its f32 logits buffer or its f16 block.
+    fn block<'w>(f32s: &'w mut Vec<f32>, f16s: &'w mut Vec<f16>) -> &'w mut Vec<Self>;
+}
+
+impl Stored for f32 {
+    fn store(src: &[f32], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
+    }
+    fn load(src: &[f32], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
+    }
+    fn block<'w>(f32s: &'w mut Vec<f32>, _: &'w mut Vec<f16>) -> &'w mut Vec<f32> {
+        f32s
+    }
+}
+
+impl Stored for f16 {
+    fn store(src: &[f32], dst: &mut [f16]) {
+        dst.convert_from_f32_slice(src);
+    }
+    fn load(src: &[f16], dst: &mut [f32]) {
+        src.convert_to_f32_slice(dst);
+    }
+    fn block<'w>(_: &'w mut Vec<f32>, f16s: &'w mut Vec<f16>) -> &'w mut Vec<f16> {
+        f16s
+    }
+}
+
+/// The single pass: per row block, every tile's logits, the rows' statistics, then
+/// `grads_of(rows, stats)` gives the block's [`RowGrad`]s and the gradients are added
+/// into `out` from the block of `S`.
+pub(crate) fn single_pass<E: Element, S: Stored>(
     inputs: &LinearInputs<E>,
     p: &RowInputs,
     plan: &Plan,
@@ -55,18 +90,25 @@ pub(crate) fn compact_single_pass<E: Element>(
     let tiles: Vec<Range<usize>> = (0..v).step_by(vt).map(|s| s..(s + vt).min(v)).collect();
     let bias: Option<Vec<f32>> = inputs.bias.map(|b| b.iter().map(|x| x.to_f32()).collect());
     let threads = (rayon::current_num_threads() / LANES).max(1);
-    ws.prepare_compact(plan.block_rows, v, (tiles.len(), vt), h, LANES);
+    ws.prepare_lanes(plan.block_rows, (tiles.len(), vt), h, LANES);
+    let Workspace {
+        logits,
+        hidden,
+        exps,
+        tile_max,
+        lanes,
+        ..
+    } = ws;
+    let block = S::block(logits, exps);
+    resize_fresh(block, plan.block_rows * v);
     let mut stats = vec![RowStats::default(); n];
     for start in (0..n).step_by(plan.block_rows) {
         let rows = start..(start + plan.block_rows).min(n);
         let nb = rows.len();
-        let hid = rows_f32(inputs.hidden, h, rows.clone(), &mut ws.hidden);
-        let exps = deal(&mut ws.exps[..nb * v], tiles.iter().map(|c| nb * c.len()));
-        let maxima = deal(
-            &mut ws.tile_max[..nb * tiles.len()],
-            tiles.iter().map(|_| nb),
-        );
-        let parts: Vec<PartialStats> = (ws.lanes.par_iter_mut().zip(exps).zip(maxima))
+        let hid = rows_f32(inputs.hidden, h, rows.clone(), hidden);
+        let exps = deal(&mut block[..nb * v], tiles.iter().map(|c| nb * c.len()));
+        let maxima = deal(&mut tile_max[..nb * tiles.len()], tiles.iter().map(|_| nb));
+        let parts: Vec<PartialStats> = (lanes.par_iter_mut().zip(exps).zip(maxima))
             .enumerate()
             .map(|(l, ((lane, exps), maxima))| {
                 let mut part = PartialStats::empty(nb, t.inv_temp);
@@ -77,7 +119,7 @@ pub(crate) fn compact_single_pass<E: Element>(
                     let z = &mut lane.tile[..nb * cols];
                     let b = bias.as_ref().map(|b| &b[vocab.clone()]);
                     logits_tile(z, cols, &hid, &w, b, t.softcap, nb, h, cols, threads);
-                    compact_tile(p, z, rows.clone(), vocab, e, mu, &mut part);
+                    store_tile(p, z, rows.clone(), vocab, e, mu, &mut part);
                 }
                 part
             })
@@ -98,8 +140,8 @@ pub(crate) fn compact_single_pass<E: Element>(
         };
         let mut dhidden: Vec<Option<&mut [f32]>> = (0..LANES).map(|_| None).collect();
         dhidden[0] = Some(&mut out.dhidden[rows.start * h..rows.end * h]);
-        let (exps, maxima) = (&ws.exps[..nb * v], &ws.tile_max[..nb * tiles.len()]);
-        (ws.lanes
+        let (exps, maxima) = (&block[..nb * v], &tile_max[..nb * tiles.len()]);
+        (lanes
             .par_iter_mut()
             .zip(dhidden)
             .zip(dweight)
@@ -146,7 +188,7 @@ pub(crate) fn compact_single_pass<E: Element>(
             }
         });
         let dh = &mut out.dhidden[rows.start * h..rows.end * h];
-        for lane in &ws.lanes[1..] {
+        for lane in &lanes[1..] {
             dh.par_chunks_mut(h)
                 .zip(lane.dhidden.par_chunks(h))
                 .for_each(|(d, x)| d.iter_mut().zip(x).for_each(|(d, x)| *d += x));
@@ -168,15 +210,14 @@ fn deal<T>(mut buf: &mut [T], lens: impl Iterator<Item = usize>) -> Vec<Vec<&mut
 }
 
 /// Merges a `[rows, cols]` logits tile `z` (vocabulary entries `vocab`) into the rows'
-/// states `part` and stores it as a compact tile: `e = exp((z - μ)/T)` in f16
-/// (`[rows, cols]`) and the row max `μ` in `tile_max` (`-inf` for rows that take no
-/// part, whose `e` is 0).
-fn compact_tile(
+/// states `part` and stores it as the block's tile: `e = exp((z - μ)/T)` (`[rows, cols]`)
+/// and the row max `μ` in `tile_max` (`-inf` for rows that take no part, whose `e` is 0).
+fn store_tile<S: Stored>(
     p: &RowInputs,
     z: &[f32],
     rows: Range<usize>,
     vocab: &Range<usize>,
-    exps: &mut [f16],
+    exps: &mut [S],
     tile_max: &mut [f32],
     part: &mut PartialStats,
 ) {
@@ -206,11 +247,11 @@ fn compact_tile(
                     }
                 }
                 if *mu == f32::NEG_INFINITY {
-                    e.fill(f16::ZERO);
+                    e.fill(S::default());
                     return;
                 }
                 let (s, u) = simd::exp_sums_store(row, buf, *mu, inv_temp);
-                e.convert_from_f32_slice(buf);
+                S::store(buf, e);
                 state.merge(OnlineSoftmax {
                     inv_temp,
                     max: *mu,
@@ -221,13 +262,13 @@ fn compact_tile(
         );
 }
 
-/// Turns a compact tile (`exps` `[rows, cols]`, maxima `tile_max`, vocabulary entries
+/// Turns a block's tile (`exps` `[rows, cols]`, maxima `tile_max`, vocabulary entries
 /// `vocab`) into `dZᵀ` `[cols, rows]` in `dz_t`. Strips of [`STRIP`] entries run in
 /// parallel; each forms [`ROW_GROUP`] rows' segments at a time and writes them
 /// transposed, a run of `ROW_GROUP` floats per entry.
-fn grad_tile_t(
+fn grad_tile_t<S: Stored>(
     dz_t: &mut [f32],
-    exps: &[f16],
+    exps: &[S],
     tile_max: &[f32],
     vocab: &Range<usize>,
     grads: &[RowGrad],
@@ -259,13 +300,13 @@ fn grad_tile_t(
     );
 }
 
-/// One row's `dZ` over vocabulary entries `part` from its compact exponentials `e` and
+/// One row's `dZ` over vocabulary entries `part` from its stored exponentials `e` and
 /// tile max `mu`: `p_j = e_j·exp((μ - max)/T - log_sum)`. Rows with an entropy term or
 /// a soft-cap get their logits back as `z_j = μ + ln(e_j)·T` and go through
 /// [`grad_row`]'s formula.
-fn grad_segment(
+fn grad_segment<S: Stored>(
     row: &mut [f32],
-    e: &[f16],
+    e: &[S],
     mu: f32,
     part: &Range<usize>,
     g: &RowGrad,
@@ -276,7 +317,7 @@ fn grad_segment(
         row.fill(0.0);
         return;
     }
-    e.convert_to_f32_slice(row);
+    S::load(e, row);
     if g.coef_h == 0.0 && inv_cap == 0.0 {
         let c = simd::exp((mu - g.stats.max) * inv_temp - g.stats.log_sum);
         simd::scale_add(row, g.coef_p * c, g.coef_uniform);
