@@ -6,7 +6,7 @@
 
 use super::single_pass::{DZ_T_PACK_ENTRIES, LANES, single_pass};
 use super::tiles::{
-    Workspace, accumulate_tile, grad_tile, logits_tile, merge_tile_stats, rows_f32,
+    Problem, Workspace, accumulate_tile, grad_tile, logits_tile, merge_tile_stats, rows_f32,
 };
 use crate::batch::{HeadShape, LinearInputs};
 use crate::collective::Collective;
@@ -24,8 +24,8 @@ use std::ops::Range;
 /// target shape's tiles, `examples/gemm_scratch`). The budget covers them for one
 /// thread per core of the machine, so they are reserved first; the plan then does not
 /// depend on the thread pool's size (results are bitwise identical for any thread
-/// count). A pool with more threads than
-/// cores adds this much per extra thread beyond the budget.
+/// count). A pool with more threads than cores adds this much per extra thread beyond
+/// the budget.
 pub const GEMM_SCRATCH_PER_THREAD: usize = 2 << 20;
 
 /// The GEMM reserve of this machine: [`GEMM_SCRATCH_PER_THREAD`] per core, plus one for
@@ -104,30 +104,6 @@ pub fn plan(
         opts,
         single_pass_allowed,
     )
-}
-
-/// Inputs of a fused LM-head pass on the CPU.
-struct Problem<'a, E> {
-    inputs: &'a LinearInputs<'a, E>,
-    rows: RowInputs<'a>,
-}
-
-impl<E: Element> Problem<'_, E> {
-    fn bias_f32(&self) -> Option<Vec<f32>> {
-        self.inputs
-            .bias
-            .map(|b| b.iter().map(|x| x.to_f32()).collect())
-    }
-
-    fn vocab_tiles(&self, vt: usize) -> impl Iterator<Item = Range<usize>> + use<E> {
-        let v = self.inputs.vocab;
-        (0..v).step_by(vt).map(move |s| s..(s + vt).min(v))
-    }
-
-    fn row_blocks(&self, nb: usize) -> impl Iterator<Item = Range<usize>> + use<E> {
-        let n = self.inputs.tokens;
-        (0..n).step_by(nb).map(move |s| s..(s + nb).min(n))
-    }
 }
 
 /// One recomputed logits tile: rows `rows` × vocabulary entries `vocab`, dense
@@ -262,9 +238,9 @@ impl<E: Element> FusedPasses for CpuPasses<'_, '_, E> {
     fn single_pass(&mut self, grads_of: &mut GradsOf) -> Result<Vec<RowStats>> {
         let (p, plan) = (&self.problem, &self.plan);
         Ok(if plan.compact {
-            single_pass::<E, f16>(p.inputs, &p.rows, plan, grads_of, self.ws, self.out)
+            single_pass::<E, f16>(p, plan, grads_of, self.ws, self.out)
         } else {
-            single_pass::<E, f32>(p.inputs, &p.rows, plan, grads_of, self.ws, self.out)
+            single_pass::<E, f32>(p, plan, grads_of, self.ws, self.out)
         })
     }
 }

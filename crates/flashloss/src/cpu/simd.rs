@@ -182,15 +182,6 @@ pub fn exp_sums(x: &[f32], shift: f32, scale: f32) -> (f64, f64) {
     (sum.iter().sum(), weighted.iter().sum())
 }
 
-/// `x_j ← exp((x_j - shift)·scale)` for `shift ≥ max_j x_j` (`-inf` entries give 0):
-/// the unnormalized exponentials of a compact single-pass block.
-#[multiversion(targets("x86_64+avx512f+avx512vl+avx2+fma", "x86_64+avx2+fma"))]
-pub fn exp_shifted(x: &mut [f32], shift: f32, scale: f32) {
-    for v in x.iter_mut() {
-        *v = exp_nonpositive((*v - shift) * scale);
-    }
-}
-
 /// `x_j ← a·x_j + b`.
 #[multiversion(targets("x86_64+avx512f+avx512vl+avx2+fma", "x86_64+avx2+fma"))]
 pub fn scale_add(x: &mut [f32], a: f32, b: f32) {

@@ -17,8 +17,9 @@
 
 use super::matmul::{MatRef, matmul_on};
 use super::simd;
-use super::tiles::{Lane, Workspace, grad_row, logits_tile, resize_fresh, rows_f32};
-use crate::batch::LinearInputs;
+use super::tiles::{
+    Lane, Problem, Workspace, add_column_sums, grad_row, logits_tile, resize_fresh, rows_f32,
+};
 use crate::element::Element;
 use crate::fused::{GradsOf, LinearGradsMut, Plan, RowGrad};
 use crate::rows::{OnlineSoftmax, PartialStats, RowInputs, RowStats};
@@ -78,17 +79,17 @@ impl Stored for f16 {
 /// `grads_of(rows, stats)` gives the block's [`RowGrad`]s and the gradients are added
 /// into `out` from the block of `S`.
 pub(crate) fn single_pass<E: Element, S: Stored>(
-    inputs: &LinearInputs<E>,
-    p: &RowInputs,
+    problem: &Problem<E>,
     plan: &Plan,
     grads_of: &mut GradsOf,
     ws: &mut Workspace,
     out: &mut LinearGradsMut,
 ) -> Vec<RowStats> {
+    let (inputs, p) = (problem.inputs, &problem.rows);
     let (n, h, v) = (inputs.tokens, inputs.hidden_size, inputs.vocab);
     let (vt, t) = (plan.vocab_tile, &p.transform);
-    let tiles: Vec<Range<usize>> = (0..v).step_by(vt).map(|s| s..(s + vt).min(v)).collect();
-    let bias: Option<Vec<f32>> = inputs.bias.map(|b| b.iter().map(|x| x.to_f32()).collect());
+    let tiles: Vec<Range<usize>> = problem.vocab_tiles(vt).collect();
+    let bias = problem.bias_f32();
     let threads = (rayon::current_num_threads() / LANES).max(1);
     ws.prepare_lanes(plan.block_rows, (tiles.len(), vt), h, LANES);
     let Workspace {
@@ -102,8 +103,7 @@ pub(crate) fn single_pass<E: Element, S: Stored>(
     let block = S::block(logits, exps);
     resize_fresh(block, plan.block_rows * v);
     let mut stats = vec![RowStats::default(); n];
-    for start in (0..n).step_by(plan.block_rows) {
-        let rows = start..(start + plan.block_rows).min(n);
+    for rows in problem.row_blocks(plan.block_rows) {
         let nb = rows.len();
         let hid = rows_f32(inputs.hidden, h, rows.clone(), hidden);
         let exps = deal(&mut block[..nb * v], tiles.iter().map(|c| nb * c.len()));
@@ -180,10 +180,7 @@ pub(crate) fn single_pass<E: Element, S: Stored>(
                 let dz_t = MatRef::row_major(dz_t, cols, nb);
                 matmul_on(dw, h, dz_t, MatRef::row_major(&hid, nb, h), true, threads);
                 if let Some(db) = dbias.next() {
-                    // Each entry sums its column in row order, as a loop over rows would.
-                    db.iter_mut()
-                        .zip(dz_t.data.chunks(nb))
-                        .for_each(|(d, col)| *d = col.iter().fold(*d, |s, x| s + x));
+                    add_column_sums(db, dz_t.data, nb);
                 }
             }
         });

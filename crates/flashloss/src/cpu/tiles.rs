@@ -7,6 +7,7 @@
 use super::matmul::{MatRef, matmul, matmul_on};
 use super::online_softmax::tile_state;
 use super::simd;
+use crate::batch::LinearInputs;
 use crate::element::Element;
 use crate::fused::{LinearGradsMut, RowGrad};
 use crate::rows::{OnlineSoftmax, RowInputs};
@@ -30,6 +31,33 @@ pub(crate) fn rows_f32<'a, E: Element>(
             simd::load(src, buf);
             Cow::Borrowed(&buf[..])
         }
+    }
+}
+
+/// Inputs of a fused LM-head pass on the CPU.
+pub(crate) struct Problem<'a, E> {
+    pub(crate) inputs: &'a LinearInputs<'a, E>,
+    pub(crate) rows: RowInputs<'a>,
+}
+
+impl<E: Element> Problem<'_, E> {
+    /// The bias in f32 (`None` without one).
+    pub(crate) fn bias_f32(&self) -> Option<Vec<f32>> {
+        self.inputs
+            .bias
+            .map(|b| b.iter().map(|x| x.to_f32()).collect())
+    }
+
+    /// The vocabulary tiles of `vt` entries (the last may be narrower).
+    pub(crate) fn vocab_tiles(&self, vt: usize) -> impl Iterator<Item = Range<usize>> + use<E> {
+        let v = self.inputs.vocab;
+        (0..v).step_by(vt).map(move |s| s..(s + vt).min(v))
+    }
+
+    /// The row blocks of `nb` rows (the last may be shorter).
+    pub(crate) fn row_blocks(&self, nb: usize) -> impl Iterator<Item = Range<usize>> + use<E> {
+        let n = self.inputs.tokens;
+        (0..n).step_by(nb).map(move |s| s..(s + nb).min(n))
     }
 }
 
@@ -311,11 +339,17 @@ pub(crate) fn add_head_tile_grads(
         true,
     );
     if let Some(db) = dbias {
-        // Each entry sums its column in row order, as a loop over rows would.
-        db.par_iter_mut()
-            .zip(dz_t.par_chunks(rows))
-            .for_each(|(d, col)| *d = col.iter().fold(*d, |s, x| s + x));
+        add_column_sums(db, dz_t, rows);
     }
+}
+
+/// `dbias += Σ_rows dZ` from `dZᵀ` (`[cols, rows]`, dense): each entry sums its column
+/// in row order, as a loop over rows would.
+pub(crate) fn add_column_sums(dbias: &mut [f32], dz_t: &[f32], rows: usize) {
+    dbias
+        .par_iter_mut()
+        .zip(dz_t.par_chunks(rows))
+        .for_each(|(d, col)| *d = col.iter().fold(*d, |s, x| s + x));
 }
 
 /// `dst = srcᵀ`, dense `[cols, rows]`, of the `[rows, cols]` matrix `src` (row stride
