@@ -3,7 +3,6 @@
 //! workspace's tests (`crates/flashloss-cli/tests/fuzz_corpus.rs`). A body panics only
 //! where the code under test broke a promise: a panic, a NaN or infinite result.
 
-use flashloss::policy::Normalizers;
 use flashloss::{
     CeConfig, CrossEntropy, Device, FusedOptions, GrpoLoss, LogitsLayout, LossConfig, LossType,
     Mode, PerSeqOrTokenBuf,
@@ -196,8 +195,8 @@ pub fn batch_validation(data: &[u8]) {
     let batch = x.batch();
     let layout = LogitsLayout::contiguous(b, t, v);
     let mut logits = x.logits.clone();
-    if let Ok(fwd) = Device::Cpu.grpo_logits(&loss, &batch, &mut logits, &layout, grad_output, None)
-    {
+    let device = Device::cpu();
+    if let Ok(fwd) = device.grpo_logits_in_place(&loss, &batch, &mut logits, &layout, grad_output) {
         assert!(fwd.loss.is_finite(), "logits-level loss {}", fwd.loss);
         assert!(all_finite(&logits), "logits-level gradient not finite");
     }
@@ -208,13 +207,12 @@ pub fn batch_validation(data: &[u8]) {
             budget_bytes: flashloss::cpu::gemm_reserve_bytes() + (1 << 20),
             grad_output,
         };
-        let norm = Normalizers::local(&batch);
-        if let Ok(out) = Device::Cpu.grpo_linear(&loss, &batch, norm, &inputs, &opts) {
+        if let Ok(out) = device.grpo_linear(&loss, &batch, &inputs, &opts) {
             assert!(out.loss.is_finite(), "fused GRPO loss {}", out.loss);
             assert!(all_finite(&out.grads.dhidden) && all_finite(&out.grads.dweight));
         }
         let ce = CrossEntropy::new(CeConfig::default()).unwrap();
-        if let Ok(out) = Device::Cpu.ce_linear(&ce, batch.target_ids, None, &inputs, &opts) {
+        if let Ok(out) = device.ce_linear(&ce, batch.target_ids, None, &inputs, &opts) {
             assert!(out.loss.is_finite(), "fused CE loss {}", out.loss);
             assert!(all_finite(&out.grads.dhidden) && all_finite(&out.grads.dweight));
         }

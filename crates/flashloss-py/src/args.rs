@@ -17,17 +17,31 @@ pub(crate) const BOOL: &[DType] = &[DType::Bool];
 /// The kernels' element types, read from a tensor of that dtype.
 pub(crate) trait TorchElement: Element {
     fn slice<'a>(t: &'a Tensor) -> PyResult<&'a [Self]>;
+
+    /// # Safety
+    /// As [`Tensor::f32s_mut`].
+    unsafe fn slice_mut<'a>(t: &'a mut Tensor) -> PyResult<&'a mut [Self]>;
 }
 
 impl TorchElement for f32 {
     fn slice<'a>(t: &'a Tensor) -> PyResult<&'a [f32]> {
         t.f32s()
     }
+
+    unsafe fn slice_mut<'a>(t: &'a mut Tensor) -> PyResult<&'a mut [f32]> {
+        // SAFETY: the caller's promise.
+        unsafe { t.f32s_mut() }
+    }
 }
 
 impl TorchElement for bf16 {
     fn slice<'a>(t: &'a Tensor) -> PyResult<&'a [bf16]> {
         t.bf16s()
+    }
+
+    unsafe fn slice_mut<'a>(t: &'a mut Tensor) -> PyResult<&'a mut [bf16]> {
+        // SAFETY: the caller's promise.
+        unsafe { t.bf16s_mut() }
     }
 }
 

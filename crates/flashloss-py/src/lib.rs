@@ -5,8 +5,7 @@
 //! `ValueError` with flashloss's message.
 
 mod args;
-#[cfg(feature = "cuda")]
-mod cuda;
+mod front;
 mod losses;
 mod tensor;
 

@@ -4,39 +4,17 @@
 //! `LossConfig`/`CeConfig` (unknown keys are errors). Gradients are added into f32
 //! tensors the caller zeroed.
 
-use crate::args::{BOOL, BatchTensors, F32, FLOAT, Grads, Head, I64};
-use crate::tensor::{DType, Tensor, arg_error};
-use flashloss::cpu::{HostHead, Workspace};
-use flashloss::fused::{self, FusedOptions, LinearGradsMut, Mode, Plan};
-use flashloss::policy::{GrpoMetrics, Normalizers};
-use flashloss::range::check_linear_grads;
+use crate::args::{BOOL, BatchTensors, F32, FLOAT, Grads, Head, I64, TorchElement};
+use crate::front::{call_head, cpu, run, with_element};
+use crate::tensor::{Tensor, arg_error};
+use flashloss::fused::{self, FusedOptions, Mode, Plan};
+use flashloss::policy::GrpoMetrics;
 use flashloss::{
-    CeConfig, CrossEntropy, Element, GrpoLoss, LinearInputs, LogitsLayout, LossConfig, RowStats,
+    CeConfig, CrossEntropy, GrpoLoss, LogitsLayout, LossConfig, RowStats, Temperature,
 };
-use half::bf16;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
-use std::panic::{AssertUnwindSafe, catch_unwind};
-
-/// Runs `work` without the GIL; a flashloss error or a panic becomes a `ValueError`.
-fn run<T: Send>(py: Python<'_>, work: impl FnOnce() -> flashloss::Result<T> + Send) -> PyResult<T> {
-    let result = py.detach(|| catch_unwind(AssertUnwindSafe(work)));
-    match result {
-        Ok(Ok(value)) => Ok(value),
-        Ok(Err(e)) => Err(PyValueError::new_err(e.to_string())),
-        Err(panic) => {
-            let what = panic
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_default();
-            Err(PyValueError::new_err(format!(
-                "flashloss internal error (please report it): {what}"
-            )))
-        }
-    }
-}
 
 /// Parses a config; an error names the offending keyword (e.g. `loss_type`).
 fn parse_json<T: serde::de::DeserializeOwned>(arg: &str, json: &str) -> PyResult<T> {
@@ -111,104 +89,6 @@ fn grpo_result<'py>(
     Ok(d)
 }
 
-/// Runs `work` (a fused driver) on the head where its tensors are: the CPU backend
-/// over host memory, or the head's GPU on PyTorch's `stream`. `seq_len` places a bad
-/// `dhidden` row in its sequence in errors.
-fn on_device<R: Send>(
-    py: Python<'_>,
-    head: &Head,
-    grads: &mut Grads,
-    stream: usize,
-    seq_len: usize,
-    work: impl FnOnce(&mut dyn fused::Head) -> flashloss::Result<R> + Send,
-) -> PyResult<R> {
-    if head.hidden.cuda.is_some() {
-        return on_gpu(py, head, grads, stream, work);
-    }
-    // SAFETY: the gradient tensors are fresh allocations of the Python side.
-    let grads = unsafe { grads.view()? };
-    match head.hidden.dtype {
-        DType::F32 => on_host(py, &head.inputs::<f32>()?, grads, seq_len, work),
-        _ => on_host(py, &head.inputs::<bf16>()?, grads, seq_len, work),
-    }
-}
-
-/// Runs `work` on a [`HostHead`] of `inputs` adding into `grads`, without the GIL, and
-/// checks that the gradients it returns are finite (as `Device::grpo_linear` does: a
-/// sum over the vocabulary or the tokens can leave f32 where each row is in range).
-fn on_host<E: Element, R: Send>(
-    py: Python<'_>,
-    inputs: &LinearInputs<E>,
-    mut grads: LinearGradsMut,
-    seq_len: usize,
-    work: impl FnOnce(&mut dyn fused::Head) -> flashloss::Result<R> + Send,
-) -> PyResult<R> {
-    run(py, || {
-        let out = work(&mut HostHead {
-            inputs,
-            ws: &mut Workspace::new(),
-            grads: LinearGradsMut {
-                dhidden: &mut *grads.dhidden,
-                dweight: &mut *grads.dweight,
-                dbias: grads.dbias.as_deref_mut(),
-            },
-        })?;
-        let db = grads.dbias.as_deref();
-        check_linear_grads(
-            grads.dhidden,
-            grads.dweight,
-            db,
-            inputs.hidden_size,
-            seq_len,
-        )?;
-        Ok(out)
-    })
-}
-
-/// Runs `work` on the head's GPU (its tensors and the gradients' stay where they are),
-/// on PyTorch's `stream`.
-#[cfg(feature = "cuda")]
-fn on_gpu<R: Send>(
-    py: Python<'_>,
-    head: &Head,
-    grads: &Grads,
-    stream: usize,
-    work: impl FnOnce(&mut dyn fused::Head) -> flashloss::Result<R> + Send,
-) -> PyResult<R> {
-    let ptrs = crate::cuda::DevicePtrs {
-        ordinal: head.hidden.cuda.unwrap_or(0),
-        stream,
-        hidden: head.hidden.device_ptr(),
-        weight: head.weight.device_ptr(),
-        bias: head.bias.as_ref().map(Tensor::device_ptr),
-        dhidden: grads.hidden.device_ptr(),
-        dweight: grads.weight.device_ptr(),
-        dbias: grads.bias.as_ref().map(Tensor::device_ptr),
-        tokens: head.tokens,
-        hidden_size: head.hidden_size,
-        vocab: head.vocab,
-    };
-    match head.hidden.dtype {
-        DType::F32 => run(py, || crate::cuda::with_device_head::<f32, R>(ptrs, work)),
-        _ => run(py, || crate::cuda::with_device_head::<bf16, R>(ptrs, work)),
-    }
-}
-
-/// Without the `cuda` feature no tensor is on a GPU (`Tensor::new` refuses them).
-#[cfg(not(feature = "cuda"))]
-fn on_gpu<R: Send>(
-    _py: Python<'_>,
-    head: &Head,
-    _grads: &Grads,
-    _stream: usize,
-    _work: impl FnOnce(&mut dyn fused::Head) -> flashloss::Result<R> + Send,
-) -> PyResult<R> {
-    Err(arg_error(
-        head.hidden.arg,
-        "is on a GPU; this build runs CPU tensors",
-    ))
-}
-
 /// GRPO from hidden states: the loss of `config_json` (a `LossConfig`), `∂L/∂hidden`,
 /// `∂L/∂weight`, `∂L/∂bias` added into the `grad_*` tensors, per-token `logp`, entropy
 /// and KL written into `out_*` (`[B, T]` f32). Returns the loss and the metrics.
@@ -269,9 +149,10 @@ pub fn grpo_linear<'py>(
             ),
         ));
     }
-    let norm = Normalizers::local(&batch);
-    let work = |h: &mut dyn fused::Head| fused::grpo_linear(h, &loss, &batch, norm, &opts);
-    let out = on_device(py, &head, &mut grads, stream, batch.seq_len, work)?;
+    let out = with_element!(head.hidden.dtype, E => call_head::<E, _>(
+        py, &head, Some(&mut grads), stream,
+        |d, h| d.grpo_linear_into(&loss, &batch, h, &opts),
+    ))?;
     grpo_outputs(py, &out, out_logp, out_entropy, out_kl)
 }
 
@@ -327,8 +208,10 @@ pub fn ce_linear<'py>(
         targets.i64s()?,
         grad_rows.as_ref().map(|t| t.f32s()).transpose()?,
     );
-    let work = |h: &mut dyn fused::Head| fused::ce_linear(h, &ce, targets, grad_rows, &opts);
-    let out = on_device(py, &head, &mut grads, stream, targets.len(), work)?;
+    let out = with_element!(head.hidden.dtype, E => call_head::<E, _>(
+        py, &head, Some(&mut grads), stream,
+        |d, h| d.ce_linear_into(&ce, targets, grad_rows, h, &opts),
+    ))?;
     write_f32(
         &out.row_loss,
         &mut Tensor::new("out_row_loss", out_row_loss, F32)?,
@@ -379,36 +262,10 @@ pub fn logp_linear<'py>(
     }
     let mask = mask.map(|m| m.bools()).transpose()?;
     let (targets, mask) = (ids.i64s()?, mask.as_deref());
-    let stats = match head.hidden.dtype {
-        DType::F32 => {
-            let inputs = head.inputs::<f32>()?;
-            run(py, || {
-                let dev = flashloss::Device::Cpu;
-                dev.logp_linear(
-                    &inputs,
-                    targets,
-                    mask,
-                    temperature,
-                    opts.budget_bytes,
-                    seq_len,
-                )
-            })?
-        }
-        _ => {
-            let inputs = head.inputs::<bf16>()?;
-            run(py, || {
-                let dev = flashloss::Device::Cpu;
-                dev.logp_linear(
-                    &inputs,
-                    targets,
-                    mask,
-                    temperature,
-                    opts.budget_bytes,
-                    seq_len,
-                )
-            })?
-        }
-    };
+    let temperature = Temperature::new(temperature).map_err(|e| arg_error("temperature", e))?;
+    let stats = with_element!(head.hidden.dtype, E => call_head::<E, _>(py, &head, None, 0, |d, h| {
+        d.logp_linear(h, targets, mask, temperature, opts.budget_bytes, seq_len)
+    }))?;
     write_stats(
         &stats,
         &mut Tensor::new("out_logp", out_logp, F32)?,
@@ -471,30 +328,16 @@ pub fn grpo_logits<'py>(
     if let Some(d) = &dlogits {
         d.expect_shape(&[b, t, s[2]])?;
     }
+    let device = cpu();
     // SAFETY: `logits` is the caller's to overwrite (in place) or only read; `dlogits`
     // is a fresh allocation.
-    let fwd = unsafe {
-        match logits.dtype {
-            DType::F32 => {
-                let (z, d) = (
-                    logits.f32s_mut()?,
-                    dlogits.as_mut().map(|d| d.f32s_mut()).transpose()?,
-                );
-                run(py, || {
-                    flashloss::Device::Cpu.grpo_logits(&loss, &batch, z, &layout, 1.0, d)
-                })?
-            }
-            _ => {
-                let (z, d): (&mut [bf16], _) = (
-                    logits.bf16s_mut()?,
-                    dlogits.as_mut().map(|d| d.bf16s_mut()).transpose()?,
-                );
-                run(py, || {
-                    flashloss::Device::Cpu.grpo_logits(&loss, &batch, z, &layout, 1.0, d)
-                })?
-            }
+    let fwd = with_element!(logits.dtype, E => unsafe {
+        let z = E::slice_mut(&mut logits)?;
+        match dlogits.as_mut().map(|d| E::slice_mut(d)).transpose()? {
+            Some(d) => run(py, || device.grpo_logits(&loss, &batch, z, &layout, 1.0, d))?,
+            None => run(py, || device.grpo_logits_in_place(&loss, &batch, z, &layout, 1.0))?,
         }
-    };
+    });
     write_stats(
         &fwd.stats,
         &mut Tensor::new("out_logp", out_logp, F32)?,

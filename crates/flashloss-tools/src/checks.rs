@@ -6,7 +6,7 @@
 //! available) before its inputs are drawn.
 
 use crate::bench::{BenchConfig, Impl, Level};
-use crate::gradcheck::{Device, GradcheckConfig, Kernel};
+use crate::gradcheck::{Backend, GradcheckConfig, Kernel};
 use crate::{Error, Result};
 use flashloss::memory::{bytes_of, check_fits};
 use flashloss::{CrossEntropy, GrpoLoss};
@@ -177,7 +177,7 @@ impl BenchConfig {
         let (n, v, h) = (self.tokens as u128, self.vocab as u128, self.hidden as u128);
         let elem = self.dtype.size();
         let per_token = (n, 64);
-        if self.device == Device::Cuda {
+        if self.device == Backend::Cuda {
             // The host draws the head and the per-token inputs; the rest is on the
             // device (checked against its free memory by the GPU bench).
             return (bytes(&[((n + v) * h, elem), per_token]), 0);

@@ -167,7 +167,7 @@ fn typed<E: flashloss::cuda::GpuElement>(
                     gpu: &gpu,
                     head: &head,
                     ws: &mut ws,
-                    grads: &mut grads,
+                    grads: Some(&mut grads),
                     materialized,
                 };
                 let (l, p) = fused_step(head, cfg.loss, (&loss, &ce), &batch, norm, &opts)?;

@@ -313,6 +313,7 @@ fn rank_typed<E: Element>(
     let batch = inputs.tokens.batch();
     comm.barrier()?;
     let reset = !in_process || comm.rank() == 0;
+    let device = Device::cpu();
     let (timing, (value, dweight_len), peak) = timed(cfg, comm, base, reset, &mut || {
         let lin = inputs.linear(h);
         let shard = Shard {
@@ -321,13 +322,12 @@ fn rank_typed<E: Element>(
         };
         let (value, grads) = match cfg.loss {
             LossKind::Grpo => {
-                let o =
-                    Device::Cpu.grpo_linear_sharded(&grid, shard, &loss, &batch, &lin, &opts)?;
+                let o = device.grpo_linear_sharded(&grid, shard, &loss, &batch, &lin, &opts)?;
                 (o.loss, o.grads)
             }
             LossKind::Ce => {
                 let targets = batch.target_ids;
-                let o = Device::Cpu.ce_linear_sharded(&grid, shard, &ce, targets, &lin, &opts)?;
+                let o = device.ce_linear_sharded(&grid, shard, &ce, targets, &lin, &opts)?;
                 (o.loss, o.grads)
             }
         };

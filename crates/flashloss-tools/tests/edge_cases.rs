@@ -63,7 +63,7 @@ fn huge_logits_and_small_temperature() {
                 &layout,
                 &x.data.target_ids,
                 None,
-                temperature,
+                flashloss::Temperature::new(temperature).unwrap(),
             )
             .unwrap();
             for (i, st) in fresh.iter().enumerate() {

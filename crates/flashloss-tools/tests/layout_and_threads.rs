@@ -103,9 +103,14 @@ fn selective_log_softmax_matches_the_reference() {
     for temperature in [1.0, 0.6] {
         let x = draw(2, 5, 4097, 8);
         let layout = LogitsLayout::contiguous(2, 5, 4097);
-        let stats =
-            selective_log_softmax(&x.logits, &layout, &x.data.target_ids, None, temperature)
-                .unwrap();
+        let stats = selective_log_softmax(
+            &x.logits,
+            &layout,
+            &x.data.target_ids,
+            None,
+            flashloss::Temperature::new(temperature).unwrap(),
+        )
+        .unwrap();
         for (i, st) in stats.iter().enumerate() {
             let row: Vec<f64> = x.logits[i * 4097..(i + 1) * 4097]
                 .iter()

@@ -64,8 +64,8 @@ fn issue_case_small_temperature_with_far_old_logp_is_an_error() {
     let loss = GrpoLoss::new(cfg.loss.clone()).unwrap();
     let layout = LogitsLayout::contiguous(cfg.batch, cfg.seq_len, cfg.vocab);
     let mut logits = x.logits.clone();
-    let err = Device::Cpu
-        .grpo_logits(&loss, &x.batch(), &mut logits, &layout, 1.0, None)
+    let err = Device::cpu()
+        .grpo_logits_in_place(&loss, &x.batch(), &mut logits, &layout, 1.0)
         .unwrap_err();
     assert_out_of_range(&err, "in place");
     assert_eq!(logits, x.logits);
@@ -127,7 +127,7 @@ fn shifted(x: &mut GrpoInputs, temperature: f64, old_shift: f32, ref_shift: f32)
         &layout,
         &x.data.target_ids,
         None,
-        temperature,
+        flashloss::Temperature::new(temperature).unwrap(),
     )
     .unwrap();
     for (i, st) in stats.iter().enumerate() {
@@ -290,7 +290,7 @@ fn grad_output_at_f32_max_is_out_of_range_not_inf() {
             Err(err) => assert_out_of_range(&err, &format!("{mode:?}")),
         }
         let ce = flashloss::CrossEntropy::new(Default::default()).unwrap();
-        let err = Device::Cpu
+        let err = Device::cpu()
             .ce_linear(&ce, batch.target_ids, None, &head.inputs(), &opts)
             .unwrap_err();
         assert_out_of_range(&err, &format!("ce {mode:?}"));
@@ -327,10 +327,12 @@ fn upstream_scale_beyond_f32_with_products_within_it() {
     for in_place in [false, true] {
         let mut logits = x.logits.clone();
         let mut out = vec![f32::NAN; logits.len()];
-        let dst = (!in_place).then_some(out.as_mut_slice());
-        let fwd = Device::Cpu
-            .grpo_logits(&loss, &batch, &mut logits, &layout, g, dst)
-            .unwrap();
+        let device = Device::cpu();
+        let fwd = match in_place {
+            true => device.grpo_logits_in_place(&loss, &batch, &mut logits, &layout, g),
+            false => device.grpo_logits(&loss, &batch, &logits, &layout, g, &mut out),
+        }
+        .unwrap();
         assert!(fwd.loss.is_finite());
         zero("logits level", if in_place { &logits } else { &out });
     }

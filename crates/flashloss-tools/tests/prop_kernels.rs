@@ -145,7 +145,7 @@ fn logits_case(
         &layout,
         &x.data.target_ids,
         None,
-        knobs.temperature,
+        flashloss::Temperature::new(knobs.temperature).unwrap(),
     )
     .map_err(|e| TestCaseError::fail(e.to_string()))?;
     for (i, st) in own.iter().enumerate() {

@@ -5,7 +5,6 @@
 //! typed error, or finite loss and gradients. The YAML configs with random `--set`
 //! overrides never panic either. 1000 + 500 + 1000 cases per run (`PROPTEST_CASES`).
 
-use flashloss::policy::Normalizers;
 use flashloss::{
     CeConfig, CrossEntropy, Device, FusedOptions, GrpoLoss, LogitsLayout, LossConfig, Mode,
     PerSeqOrTokenBuf,
@@ -214,8 +213,12 @@ proptest! {
         // Logits level, out of place or in place.
         let mut logits = c.x.logits.clone();
         let mut out = vec![0.0f32; logits.len()];
-        let dst = (!in_place).then_some(&mut out[..]);
-        if let Ok(fwd) = Device::Cpu.grpo_logits(&loss, &batch, &mut logits, &c.layout, c.grad_output, dst) {
+        let device = Device::cpu();
+        let fwd = match in_place {
+            true => device.grpo_logits_in_place(&loss, &batch, &mut logits, &c.layout, c.grad_output),
+            false => device.grpo_logits(&loss, &batch, &logits, &c.layout, c.grad_output, &mut out),
+        };
+        if let Ok(fwd) = fwd {
             prop_assert!(fwd.loss.is_finite(), "logits loss {}", fwd.loss);
             let grad = if in_place { &logits } else { &out };
             prop_assert!(all_finite(grad), "logits gradient not finite");
@@ -229,12 +232,12 @@ proptest! {
         for mode in [Mode::SinglePass, Mode::TwoPass] {
             let opts = FusedOptions { mode, budget_bytes: flashloss::cpu::gemm_reserve_bytes() + (1 << 20), grad_output: c.grad_output };
             let inputs = c.head.inputs();
-            if let Ok(out) = Device::Cpu.grpo_linear(&loss, &batch, Normalizers::local(&batch), &inputs, &opts) {
+            if let Ok(out) = device.grpo_linear(&loss, &batch, &inputs, &opts) {
                 prop_assert!(out.loss.is_finite(), "linear loss {}", out.loss);
                 prop_assert!(all_finite(&out.grads.dhidden) && all_finite(&out.grads.dweight));
             }
             let ce = CrossEntropy::new(c.ce.clone());
-            let out = ce.and_then(|ce| Device::Cpu.ce_linear(&ce, batch.target_ids, None, &inputs, &opts));
+            let out = ce.and_then(|ce| device.ce_linear(&ce, batch.target_ids, None, &inputs, &opts));
             if let Ok(out) = out {
                 prop_assert!(out.loss.is_finite(), "ce loss {}", out.loss);
                 prop_assert!(all_finite(&out.grads.dhidden) && all_finite(&out.grads.dweight));

@@ -5,6 +5,7 @@ mod common;
 use flashloss::cpu::{grpo_logits_forward, selective_log_softmax};
 use flashloss::{
     GrpoLoss, ImportanceSamplingLevel, LogitsLayout, LossConfig, LossType, PerSeqOrToken,
+    Temperature,
 };
 use flashloss_tools::config_file;
 use flashloss_tools::gradcheck::GradcheckConfig;
@@ -46,7 +47,7 @@ fn invalid_configs_are_rejected_at_construction() {
         ),
         (
             Box::new(|c| c.temperature = 0.0),
-            "`temperature`: must be > 0 with 1/temperature within f32, got 0",
+            "`temperature`: must be finite and > 0 with 1/temperature within f32, got 0",
         ),
         (
             Box::new(|c| c.epsilon_low = 1.5),
@@ -245,21 +246,14 @@ fn bad_layouts_and_backward_arguments() {
     );
     let zero = LogitsLayout::contiguous(0, 4, 50);
     assert_eq!(
-        selective_log_softmax(&x.logits, &zero, &[], None, 1.0)
+        selective_log_softmax(&x.logits, &zero, &[], None, Temperature::default())
             .unwrap_err()
             .to_string(),
         "argument `logits`: batch, seq_len and vocab must be >= 1, got [B=0, T=4, V=50]"
     );
+    // The temperature is checked once, where it is made.
     assert_eq!(
-        selective_log_softmax(
-            &x.logits,
-            &LogitsLayout::contiguous(2, 4, 50),
-            &x.data.target_ids,
-            None,
-            0.0
-        )
-        .unwrap_err()
-        .to_string(),
+        Temperature::new(0.0).unwrap_err().to_string(),
         "argument `temperature`: must be finite and > 0 with 1/temperature within f32, got 0"
     );
 }

@@ -4,7 +4,6 @@
 
 use flashloss::collective::{Collective, run_in_process};
 use flashloss::fused::shard_range;
-use flashloss::policy::Normalizers;
 use flashloss::{
     CeConfig, CrossEntropy, Device, FusedOptions, Grid, GrpoBatch, GrpoLoss, LinearInputs,
     LogitsLayout, LossConfig, LossType, PerSeqOrToken, Shard,
@@ -41,7 +40,9 @@ fn main() -> flashloss::Result<()> {
         entropy_mask: None,
     };
     let layout = LogitsLayout::contiguous(b, t, v);
-    let fwd = Device::Cpu.grpo_logits(&loss, &batch, &mut logits, &layout, 1.0, None)?;
+    // One device per process: it keeps its workspace between calls.
+    let device = Device::cpu();
+    let fwd = device.grpo_logits_in_place(&loss, &batch, &mut logits, &layout, 1.0)?;
     println!("logits-level GRPO loss {:.6}", fwd.loss); // logits now hold dL/dlogits
 
     // From hidden states and the LM head, within the default 160 MiB workspace, on any device
@@ -55,8 +56,7 @@ fn main() -> flashloss::Result<()> {
         vocab: v,
     };
     let opts = FusedOptions::default();
-    let norm = Normalizers::local(&batch);
-    let out = Device::Cpu.grpo_linear(&loss, &batch, norm, &head, &opts)?;
+    let out = device.grpo_linear(&loss, &batch, &head, &opts)?;
     println!(
         "fused GRPO loss {:.6}, |dW| = {}",
         out.loss,
@@ -69,7 +69,7 @@ fn main() -> flashloss::Result<()> {
         softcap: Some(30.0),
         ..Default::default()
     })?;
-    let one = Device::Cpu.ce_linear(&ce, &ids, None, &head, &opts)?;
+    let one = device.ce_linear(&ce, &ids, None, &head, &opts)?;
 
     // Vocab-parallel over 2 in-process ranks, each holding half of the head:
     let results = run_in_process(2, std::time::Duration::from_secs(60), |comm| {
@@ -84,7 +84,7 @@ fn main() -> flashloss::Result<()> {
             vocab: v,
         };
         let grid = Grid::vocab(comm);
-        Device::Cpu.ce_linear_sharded(&grid, shard, &ce, &ids, &shard_head, &opts)
+        device.ce_linear_sharded(&grid, shard, &ce, &ids, &shard_head, &opts)
     });
     for r in results {
         println!("sharded CE loss {:.6} (one rank: {:.6})", r?.loss, one.loss);

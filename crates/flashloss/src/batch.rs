@@ -403,6 +403,22 @@ pub struct LinearInputs<'a, E> {
     pub vocab: usize,
 }
 
+impl HeadShape {
+    /// Checks that every dimension is at least 1.
+    pub fn check(&self) -> Result<()> {
+        let (n, h, v) = (self.tokens, self.hidden_size, self.vocab);
+        if n == 0 || h == 0 || v == 0 {
+            return Err(Error::InvalidArgument {
+                arg: "hidden",
+                reason: format!(
+                    "tokens, hidden_size and vocab must be >= 1, got [N={n}, H={h}, V={v}]"
+                ),
+            });
+        }
+        Ok(())
+    }
+}
+
 impl<E> LinearInputs<'_, E> {
     /// `(N, H, V)`.
     pub fn shape(&self) -> HeadShape {
@@ -417,15 +433,8 @@ impl<E> LinearInputs<'_, E> {
 impl<E: Element> LinearInputs<'_, E> {
     /// Checks sizes, buffer lengths, and that every value is finite.
     pub fn validate(&self) -> Result<()> {
+        self.shape().check()?;
         let (n, h, v) = (self.tokens, self.hidden_size, self.vocab);
-        if n == 0 || h == 0 || v == 0 {
-            return Err(Error::InvalidArgument {
-                arg: "hidden",
-                reason: format!(
-                    "tokens, hidden_size and vocab must be >= 1, got [N={n}, H={h}, V={v}]"
-                ),
-            });
-        }
         check_len(
             "hidden",
             self.hidden.len(),

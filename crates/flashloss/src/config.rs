@@ -5,10 +5,49 @@
 use crate::error::{Error, Result};
 use serde::{Deserialize, Serialize};
 
-/// Whether `temperature` is usable: finite, > 0, and `1/temperature` within f32 (the
-/// kernels scale logits by it in f32).
-pub fn valid_temperature(temperature: f64) -> bool {
-    temperature.is_finite() && temperature > 0.0 && ((1.0 / temperature) as f32).is_finite()
+/// A sampling temperature `T`, checked once ([`Temperature::new`]): finite, > 0, and
+/// `1/T` within f32 (the kernels scale logits by it in f32).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Temperature(f64);
+
+impl Temperature {
+    /// `temperature`, or an error naming `temperature`.
+    pub fn new(temperature: f64) -> Result<Self> {
+        let t = temperature;
+        if t.is_finite() && t > 0.0 && ((1.0 / t) as f32).is_finite() {
+            Ok(Temperature(t))
+        } else {
+            Err(Error::InvalidArgument {
+                arg: "temperature",
+                reason: format!("must be finite and > 0 with 1/temperature within f32, got {t}"),
+            })
+        }
+    }
+
+    /// A temperature of a config that [`Temperature::new`] has already accepted.
+    pub(crate) fn checked(temperature: f64) -> Self {
+        debug_assert!(Temperature::new(temperature).is_ok());
+        Temperature(temperature)
+    }
+
+    /// [`Temperature::new`] for a config's field: the error names the field.
+    pub(crate) fn of_config(temperature: f64) -> Result<Self> {
+        Temperature::new(temperature).map_err(|e| match e {
+            Error::InvalidArgument { arg, reason } => Error::InvalidConfig { field: arg, reason },
+            other => other,
+        })
+    }
+
+    /// `T`.
+    pub fn get(self) -> f64 {
+        self.0
+    }
+}
+
+impl Default for Temperature {
+    fn default() -> Self {
+        Temperature(1.0)
+    }
 }
 
 /// Which GRPO-family objective (spec: "GRPO per-token policy loss").
@@ -215,12 +254,7 @@ impl GrpoLoss {
         check(c.beta >= 0.0, "beta", || {
             format!("must be >= 0, got {}", c.beta)
         })?;
-        check(valid_temperature(c.temperature), "temperature", || {
-            format!(
-                "must be > 0 with 1/temperature within f32, got {}",
-                c.temperature
-            )
-        })?;
+        Temperature::of_config(c.temperature)?;
         check(
             c.sapo_temperature_pos > 0.0 && c.sapo_temperature_neg > 0.0,
             "sapo_temperature_pos",

@@ -3,7 +3,7 @@
 //! + λ_z·lse_i²` on `s = softcap(z) / T_temp`, for rows whose target is not
 //! `ignore_index`. [`CrossEntropy::new`] is the one place a config is checked.
 
-use crate::config::valid_temperature;
+use crate::config::Temperature;
 use crate::error::{Error, Result};
 use serde::{Deserialize, Serialize};
 
@@ -81,15 +81,7 @@ impl CrossEntropy {
         {
             return bad("softcap", format!("must be finite and > 0, got {cap}"));
         }
-        if !valid_temperature(c.temperature) {
-            return bad(
-                "temperature",
-                format!(
-                    "must be finite and > 0 with 1/temperature within f32, got {}",
-                    c.temperature
-                ),
-            );
-        }
+        Temperature::of_config(c.temperature)?;
         Ok(CrossEntropy { config })
     }
 

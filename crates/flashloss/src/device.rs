@@ -1,52 +1,110 @@
-//! One entry point per loss over a [`Device`]: the fused LM-head losses on inputs in
-//! host memory, run on the CPU or on a GPU (copied there and back), with the gradients
-//! returned in host memory. Callers with device buffers build a `cuda::DeviceHead` and
-//! call the drivers of [`crate::fused`] directly; the tools and the candle ops call
-//! these.
+//! The front door: a [`Device`] is a backend (the CPU, or a GPU of the CUDA backend)
+//! with the state it keeps between calls (the CPU's logits workspace; the GPU's cuBLAS
+//! handle and tiles), and one method per loss. Every binding goes through it: the
+//! tools, the candle ops, the training loop, the Python and JAX packages. Below it the
+//! drivers of [`crate::fused`] are written once over a backend's [`Head`], and they
+//! validate the inputs and check the gradients for every backend.
+//!
+//! A call takes the LM head where the caller holds it ([`HeadArgs`]): in host memory
+//! (on a GPU device, copied there and back), or borrowed device buffers. The
+//! workspace is sized by each call's plan and reused while the plan's sizes repeat,
+//! as a training loop's do (fresh multi-MiB buffers cost page faults on every step).
+//! Calls on one `Device` from several threads take turns.
 
-use crate::batch::LogitsLayout;
-use crate::batch::{GrpoBatch, LinearInputs};
+use crate::batch::{GrpoBatch, LinearInputs, LogitsLayout};
 use crate::config::GrpoLoss;
+use crate::config::Temperature;
 use crate::cpu::{HostHead, Workspace};
 use crate::cross_entropy::CrossEntropy;
 use crate::element::Element;
 use crate::error::{Error, Result};
 use crate::fused::{
-    self, CeLinearOutput, FusedOptions, Grid, GrpoLinearOutput, Head, LinearGrads, Shard,
+    self, CeLinearOutput, FusedOptions, Grid, GrpoLinearOutput, Head, LinearGrads, LinearGradsMut,
+    Shard,
 };
 use crate::grpo_logits::GrpoLogitsForward;
 use crate::policy::Normalizers;
-use crate::range::check_linear_grads;
 use crate::rows::RowStats;
-#[cfg(feature = "cuda")]
-use std::sync::Arc;
+use std::sync::{Mutex, MutexGuard};
 
-/// Where a kernel runs.
-#[derive(Clone)]
-pub enum Device {
-    /// The CPU backend (rayon over the global thread pool).
+/// A backend and the state it keeps between calls.
+pub struct Device {
+    backend: Backend,
+    state: Mutex<State>,
+}
+
+enum Backend {
     Cpu,
-    /// A GPU of the CUDA backend.
     #[cfg(feature = "cuda")]
-    Cuda(Arc<crate::cuda::Gpu>),
+    Cuda(std::sync::Arc<crate::cuda::Gpu>),
+}
+
+/// What a device keeps between calls.
+#[derive(Default)]
+struct State {
+    cpu: Workspace,
+    #[cfg(feature = "cuda")]
+    gpu: Option<crate::cuda::GpuWorkspace>,
+}
+
+/// An LM head (hidden `[N, H]`, weight `[V, H]`, bias `[V]`) and the f32 gradient
+/// buffers a call adds into, where the caller holds them.
+pub enum HeadArgs<'a, E> {
+    /// In host memory.
+    Host {
+        /// Hidden states, weight, bias.
+        inputs: &'a LinearInputs<'a, E>,
+        /// Where `dH`, `dW`, `dbias` are added (empty for a loss without gradients).
+        grads: LinearGradsMut<'a>,
+    },
+    /// In a GPU's memory, borrowed from the caller (elements of type `E`).
+    #[cfg(feature = "cuda")]
+    Cuda(crate::cuda::BorrowedHead),
+}
+
+impl<'a, E> HeadArgs<'a, E> {
+    /// Host inputs without gradient buffers (log-probs).
+    pub fn host(inputs: &'a LinearInputs<'a, E>) -> Self {
+        HeadArgs::Host {
+            inputs,
+            grads: LinearGradsMut {
+                dhidden: &mut [],
+                dweight: &mut [],
+                dbias: None,
+            },
+        }
+    }
 }
 
 impl std::fmt::Debug for Device {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Device::Cpu => write!(f, "cpu"),
+        match &self.backend {
+            Backend::Cpu => write!(f, "cpu"),
             #[cfg(feature = "cuda")]
-            Device::Cuda(gpu) => write!(f, "cuda ({})", gpu.arch()),
+            Backend::Cuda(gpu) => write!(f, "cuda ({})", gpu.arch()),
         }
     }
 }
 
 impl Device {
+    fn new(backend: Backend) -> Self {
+        Device {
+            backend,
+            state: Mutex::default(),
+        }
+    }
+
+    /// The CPU backend (rayon over the global thread pool), with an empty workspace.
+    pub fn cpu() -> Device {
+        Device::new(Backend::Cpu)
+    }
+
     /// GPU `ordinal` (a build with the `cuda` feature and an NVIDIA driver).
     pub fn cuda(ordinal: usize) -> Result<Device> {
         #[cfg(feature = "cuda")]
         {
-            Ok(Device::Cuda(Arc::new(crate::cuda::Gpu::new(ordinal)?)))
+            let gpu = crate::cuda::Gpu::new(ordinal)?;
+            Ok(Device::new(Backend::Cuda(std::sync::Arc::new(gpu))))
         }
         #[cfg(not(feature = "cuda"))]
         {
@@ -62,7 +120,7 @@ impl Device {
     /// `cpu`, `cuda` (GPU 0) or `cuda:N`.
     pub fn parse(name: &str) -> Result<Device> {
         match name {
-            "cpu" => Ok(Device::Cpu),
+            "cpu" => Ok(Device::cpu()),
             "cuda" => Device::cuda(0),
             _ => match name.strip_prefix("cuda:").map(str::parse::<usize>) {
                 Some(Ok(ordinal)) => Device::cuda(ordinal),
@@ -74,49 +132,88 @@ impl Device {
         }
     }
 
-    /// Runs `run` on a head of `inputs` on this device, with zeroed gradients; returns
-    /// its result and the gradients in host memory.
-    fn with_head<E: Element, R>(
+    /// Whether this is the CPU backend.
+    pub fn is_cpu(&self) -> bool {
+        matches!(self.backend, Backend::Cpu)
+    }
+
+    /// Bytes the device keeps between calls (its workspaces).
+    pub fn workspace_bytes(&self) -> Result<usize> {
+        let state = self.state()?;
+        #[cfg(feature = "cuda")]
+        let gpu = state.gpu.as_ref().map_or(0, |w| w.bytes());
+        #[cfg(not(feature = "cuda"))]
+        let gpu = 0;
+        Ok(state.cpu.bytes() + gpu)
+    }
+
+    fn state(&self) -> Result<MutexGuard<'_, State>> {
+        // A call that panicked left at worst a workspace of stale values, which every
+        // kernel overwrites before reading: take it back.
+        Ok(self
+            .state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner()))
+    }
+
+    /// Runs `work` on a head over `args` on this device, with the device's workspace.
+    fn run<E: Element, R>(
         &self,
-        inputs: &LinearInputs<E>,
-        run: impl FnOnce(&mut dyn Head) -> Result<R>,
-    ) -> Result<(R, LinearGrads)> {
-        match self {
-            Device::Cpu => {
-                let mut grads = LinearGrads::zeros(inputs);
-                let out = run(&mut HostHead {
-                    inputs,
-                    ws: &mut Workspace::new(),
-                    grads: grads.view(),
-                })?;
-                Ok((out, grads))
+        args: HeadArgs<E>,
+        work: impl FnOnce(&mut dyn Head) -> Result<R>,
+    ) -> Result<R> {
+        let mut state = self.state()?;
+        match (&self.backend, args) {
+            (Backend::Cpu, HeadArgs::Host { inputs, grads }) => work(&mut HostHead {
+                inputs,
+                ws: &mut state.cpu,
+                grads,
+            }),
+            #[cfg(feature = "cuda")]
+            (Backend::Cuda(gpu), HeadArgs::Host { inputs, grads }) => {
+                crate::cuda::run_on_host_buffers(gpu, &mut state.gpu, inputs, grads, work)
             }
             #[cfg(feature = "cuda")]
-            Device::Cuda(gpu) => gpu_head::with_device_head(gpu, inputs, run),
+            (Backend::Cuda(gpu), HeadArgs::Cuda(head)) => {
+                crate::cuda::run_on_borrowed(gpu, &mut state.gpu, head, E::DTYPE, work)
+            }
+            #[cfg(feature = "cuda")]
+            (Backend::Cpu, HeadArgs::Cuda(_)) => Err(Error::InvalidArgument {
+                arg: "hidden",
+                reason: "is in a GPU's memory but the device is the CPU".into(),
+            }),
         }
     }
 
-    /// The GRPO loss of `batch` (N = B·T rows) on logits `hidden · weightᵀ + bias`,
-    /// with normalizers `norm` (usually [`Normalizers::local`]), and `grad_output ·` its
-    /// gradients in `grads`.
+    /// The GRPO loss of `batch` (N = B·T rows) on logits `hidden · weightᵀ + bias`
+    /// (normalizers of the batch itself), with `grad_output ·` its gradients returned.
     pub fn grpo_linear<E: Element>(
         &self,
         loss: &GrpoLoss,
         batch: &GrpoBatch,
-        norm: Normalizers,
         inputs: &LinearInputs<E>,
         opts: &FusedOptions,
     ) -> Result<GrpoLinearOutput> {
-        let (out, grads) = self.with_head(inputs, |head| {
-            fused::grpo_linear(head, loss, batch, norm, opts)
-        })?;
-        let (dh, dw, db) = (&grads.dhidden, &grads.dweight, grads.dbias.as_deref());
-        check_linear_grads(dh, dw, db, inputs.hidden_size, batch.seq_len)?;
+        let mut grads = LinearGrads::zeros(inputs);
+        let grads_mut = grads.view();
+        let out = self.grpo_linear_into(loss, batch, host(inputs, grads_mut), opts)?;
         Ok(GrpoLinearOutput { grads, ..out })
     }
 
+    /// [`Device::grpo_linear`] adding the gradients into the caller's buffers.
+    pub fn grpo_linear_into<E: Element>(
+        &self,
+        loss: &GrpoLoss,
+        batch: &GrpoBatch,
+        head: HeadArgs<E>,
+        opts: &FusedOptions,
+    ) -> Result<GrpoLinearOutput> {
+        let norm = Normalizers::local(batch);
+        self.run(head, |h| fused::grpo_linear(h, loss, batch, norm, opts))
+    }
+
     /// The cross-entropy of `hidden · weightᵀ + bias` at `targets` `[N]`, with its
-    /// gradients; `grad_rows` as in [`fused::ce_linear`].
+    /// gradients returned; `grad_rows` as in [`fused::ce_linear`].
     pub fn ce_linear<E: Element>(
         &self,
         ce: &CrossEntropy,
@@ -125,63 +222,44 @@ impl Device {
         inputs: &LinearInputs<E>,
         opts: &FusedOptions,
     ) -> Result<CeLinearOutput> {
-        let (out, grads) = self.with_head(inputs, |head| {
-            fused::ce_linear(head, ce, targets, grad_rows, opts)
-        })?;
-        let (dh, dw, db) = (&grads.dhidden, &grads.dweight, grads.dbias.as_deref());
-        check_linear_grads(dh, dw, db, inputs.hidden_size, targets.len())?;
+        let mut grads = LinearGrads::zeros(inputs);
+        let grads_mut = grads.view();
+        let head = host(inputs, grads_mut);
+        let out = self.ce_linear_into(ce, targets, grad_rows, head, opts)?;
         Ok(CeLinearOutput { grads, ..out })
     }
 
+    /// [`Device::ce_linear`] adding the gradients into the caller's buffers.
+    pub fn ce_linear_into<E: Element>(
+        &self,
+        ce: &CrossEntropy,
+        targets: &[i64],
+        grad_rows: Option<&[f32]>,
+        head: HeadArgs<E>,
+        opts: &FusedOptions,
+    ) -> Result<CeLinearOutput> {
+        self.run(head, |h| fused::ce_linear(h, ce, targets, grad_rows, opts))
+    }
+
     /// Per-row `logp`, `lse` and entropy of `(hidden · weightᵀ + bias) / temperature`
-    /// at `targets` (see [`fused::logp_linear`]).
+    /// at `targets` (see [`fused::logp_linear`]); no gradient buffer is made.
     pub fn logp_linear<E: Element>(
         &self,
-        inputs: &LinearInputs<E>,
+        head: HeadArgs<E>,
         targets: &[i64],
         mask: Option<&[bool]>,
-        temperature: f64,
+        temperature: Temperature,
         budget_bytes: usize,
         seq_len: usize,
     ) -> Result<Vec<RowStats>> {
-        let (stats, _) = self.with_head(inputs, |head| {
-            fused::logp_linear(head, targets, mask, temperature, budget_bytes, seq_len)
-        })?;
-        Ok(stats)
+        self.run(head, |h| {
+            fused::logp_linear(h, targets, mask, temperature, budget_bytes, seq_len)
+        })
     }
 
-    /// The logits-level GRPO loss of `batch` on host logits `[B, T, V]` laid out as
-    /// `layout`, forward and backward: `grad_output · ∂L/∂z` is written into `dlogits`
-    /// (dense `[N, V]`), or over `logits` when `dlogits` is `None`. Returns the
-    /// forward's outputs (loss, metrics, per-row statistics).
-    pub fn grpo_logits<E: Element>(
-        &self,
-        loss: &GrpoLoss,
-        batch: &GrpoBatch,
-        logits: &mut [E],
-        layout: &LogitsLayout,
-        grad_output: f32,
-        dlogits: Option<&mut [E]>,
-    ) -> Result<GrpoLogitsForward> {
-        match self {
-            Device::Cpu => {
-                let fwd = crate::cpu::grpo_logits_forward(loss, batch, logits, layout)?;
-                match dlogits {
-                    Some(d) => fwd.backward(logits, grad_output, d)?,
-                    None => fwd.backward_in_place(logits, grad_output)?,
-                }
-                Ok(fwd)
-            }
-            #[cfg(feature = "cuda")]
-            Device::Cuda(gpu) => {
-                gpu_head::grpo_logits(gpu, loss, batch, logits, layout, grad_output, dlogits)
-            }
-        }
-    }
-
-    /// GRPO on a [`Grid`] of ranks: this rank's token group's `batch` and its head
-    /// `inputs`, the [`Shard`] of the vocabulary its weight rows hold (see
-    /// [`fused::grpo_linear_sharded`]).
+    /// GRPO on a [`Grid`] of ranks: this rank's token group's `batch` and its head,
+    /// the [`Shard`] of the vocabulary its weight rows hold (see
+    /// [`fused::grpo_linear_sharded`]), with its gradients returned.
     pub fn grpo_linear_sharded<E: Element>(
         &self,
         grid: &Grid,
@@ -191,13 +269,29 @@ impl Device {
         inputs: &LinearInputs<E>,
         opts: &FusedOptions,
     ) -> Result<GrpoLinearOutput> {
-        let (out, grads) = self.with_head(inputs, |head| {
-            fused::grpo_linear_sharded(grid, head, shard, loss, batch, opts)
-        })?;
+        let mut grads = LinearGrads::zeros(inputs);
+        let head = host(inputs, grads.view());
+        let out = self.grpo_linear_sharded_into(grid, shard, loss, batch, head, opts)?;
         Ok(GrpoLinearOutput { grads, ..out })
     }
 
-    /// Cross-entropy on a [`Grid`] of ranks (see [`fused::ce_linear_sharded`]).
+    /// [`Device::grpo_linear_sharded`] adding the gradients into the caller's buffers.
+    pub fn grpo_linear_sharded_into<E: Element>(
+        &self,
+        grid: &Grid,
+        shard: Shard,
+        loss: &GrpoLoss,
+        batch: &GrpoBatch,
+        head: HeadArgs<E>,
+        opts: &FusedOptions,
+    ) -> Result<GrpoLinearOutput> {
+        self.run(head, |h| {
+            fused::grpo_linear_sharded(grid, h, shard, loss, batch, opts)
+        })
+    }
+
+    /// Cross-entropy on a [`Grid`] of ranks (see [`fused::ce_linear_sharded`]), with
+    /// its gradients returned.
     pub fn ce_linear_sharded<E: Element>(
         &self,
         grid: &Grid,
@@ -207,119 +301,106 @@ impl Device {
         inputs: &LinearInputs<E>,
         opts: &FusedOptions,
     ) -> Result<CeLinearOutput> {
-        let (out, grads) = self.with_head(inputs, |head| {
-            fused::ce_linear_sharded(grid, head, shard, ce, targets, opts)
-        })?;
+        let mut grads = LinearGrads::zeros(inputs);
+        let head = host(inputs, grads.view());
+        let out = self.ce_linear_sharded_into(grid, shard, ce, targets, head, opts)?;
         Ok(CeLinearOutput { grads, ..out })
     }
-}
 
-#[cfg(feature = "cuda")]
-mod gpu_head {
-    use super::*;
-    use crate::cuda::{
-        DeviceHead, Gpu, GpuElement, GpuGrads, GpuHead, GpuWorkspace, grpo_logits_backward,
-        grpo_logits_forward,
-    };
-    use crate::element::DType;
-    use half::bf16;
+    /// [`Device::ce_linear_sharded`] adding the gradients into the caller's buffers.
+    pub fn ce_linear_sharded_into<E: Element>(
+        &self,
+        grid: &Grid,
+        shard: Shard,
+        ce: &CrossEntropy,
+        targets: &[i64],
+        head: HeadArgs<E>,
+        opts: &FusedOptions,
+    ) -> Result<CeLinearOutput> {
+        self.run(head, |h| {
+            fused::ce_linear_sharded(grid, h, shard, ce, targets, opts)
+        })
+    }
 
-    /// The logits-level step on a device copy of `logits` (f32 or bf16; the copies are
-    /// exact), the gradient copied back into `dlogits` or `logits`.
-    pub(super) fn grpo_logits<E: Element>(
-        gpu: &Gpu,
+    /// The logits-level GRPO loss of `batch` on host logits `[B, T, V]` laid out as
+    /// `layout`, forward and backward: `grad_output · ∂L/∂z` is written into `dlogits`
+    /// (dense `[N, V]`). Returns the forward's outputs (loss, metrics, per-row
+    /// statistics). On the CPU an f32 `dlogits` takes the one-`exp` kernel
+    /// (exponentials staged in `dlogits`, what `flashloss bench` times), bf16 the
+    /// two-`exp` kernel.
+    pub fn grpo_logits<E: Element>(
+        &self,
+        loss: &GrpoLoss,
+        batch: &GrpoBatch,
+        logits: &[E],
+        layout: &LogitsLayout,
+        grad_output: f32,
+        dlogits: &mut [E],
+    ) -> Result<GrpoLogitsForward> {
+        match &self.backend {
+            Backend::Cpu => match E::as_f32_mut(dlogits) {
+                Some(d) => {
+                    let staged =
+                        crate::cpu::grpo_logits_forward_staged(loss, batch, logits, layout, d)?;
+                    staged.backward(logits, grad_output, d)?;
+                    Ok(staged.forward)
+                }
+                None => {
+                    let fwd = crate::cpu::grpo_logits_forward(loss, batch, logits, layout)?;
+                    fwd.backward(logits, grad_output, dlogits)?;
+                    Ok(fwd)
+                }
+            },
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(gpu) => crate::cuda::grpo_logits_host(
+                gpu,
+                loss,
+                batch,
+                logits,
+                layout,
+                grad_output,
+                dlogits,
+            ),
+        }
+    }
+
+    /// [`Device::grpo_logits`] with the gradient written over `logits` (the two-`exp`
+    /// kernel: the logits are read again after the statistics).
+    pub fn grpo_logits_in_place<E: Element>(
+        &self,
         loss: &GrpoLoss,
         batch: &GrpoBatch,
         logits: &mut [E],
         layout: &LogitsLayout,
         grad_output: f32,
-        dlogits: Option<&mut [E]>,
     ) -> Result<GrpoLogitsForward> {
-        fn typed<T: GpuElement, E: Element>(
-            gpu: &Gpu,
-            loss: &GrpoLoss,
-            batch: &GrpoBatch,
-            logits: &mut [E],
-            layout: &LogitsLayout,
-            grad_output: f32,
-            dlogits: Option<&mut [E]>,
-        ) -> Result<GrpoLogitsForward> {
-            let to_t = |x: &[E]| -> Vec<T> { x.iter().map(|v| T::from_f32(v.to_f32())).collect() };
-            let mut device_logits = gpu.upload(&to_t(logits))?;
-            let fwd = grpo_logits_forward(gpu, loss, batch, &device_logits, layout)?;
-            let (grad, out) = match dlogits {
-                Some(d) => {
-                    let mut device_d = gpu.upload(&to_t(d))?;
-                    let g = Some(&mut device_d);
-                    grpo_logits_backward(gpu, &fwd, &mut device_logits, grad_output, g)?;
-                    (gpu.download(&device_d)?, d)
-                }
-                None => {
-                    grpo_logits_backward(gpu, &fwd, &mut device_logits, grad_output, None)?;
-                    (gpu.download(&device_logits)?, logits)
-                }
-            };
-            out.iter_mut()
-                .zip(grad)
-                .for_each(|(o, g)| *o = E::from_f32(g.to_f32()));
-            Ok(fwd)
-        }
-        match E::DTYPE {
-            DType::F32 => typed::<f32, E>(gpu, loss, batch, logits, layout, grad_output, dlogits),
-            DType::Bf16 => typed::<bf16, E>(gpu, loss, batch, logits, layout, grad_output, dlogits),
+        match &self.backend {
+            Backend::Cpu => {
+                let fwd = crate::cpu::grpo_logits_forward(loss, batch, logits, layout)?;
+                fwd.backward_in_place(logits, grad_output)?;
+                Ok(fwd)
+            }
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(gpu) => {
+                let z = logits.to_vec();
+                crate::cuda::grpo_logits_host(gpu, loss, batch, &z, layout, grad_output, logits)
+            }
         }
     }
+}
 
-    /// `inputs` viewed as elements of type `T` (`as_t`: the slice itself when `E` is `T`).
-    fn cast<'a, E, T>(
-        inputs: &LinearInputs<'a, E>,
-        as_t: fn(&'a [E]) -> Option<&'a [T]>,
-    ) -> Option<LinearInputs<'a, T>> {
-        Some(LinearInputs {
-            hidden: as_t(inputs.hidden)?,
-            weight: as_t(inputs.weight)?,
-            bias: match inputs.bias {
-                Some(b) => Some(as_t(b)?),
-                None => None,
-            },
-            tokens: inputs.tokens,
-            hidden_size: inputs.hidden_size,
-            vocab: inputs.vocab,
-        })
-    }
+fn host<'a, E>(inputs: &'a LinearInputs<'a, E>, grads: LinearGradsMut<'a>) -> HeadArgs<'a, E> {
+    HeadArgs::Host { inputs, grads }
+}
 
-    /// `run` on a device copy of `inputs` (f32 or bf16), the gradients copied back.
-    pub(super) fn with_device_head<E: Element, R>(
-        gpu: &Gpu,
-        inputs: &LinearInputs<E>,
-        run: impl FnOnce(&mut dyn Head) -> Result<R>,
-    ) -> Result<(R, LinearGrads)> {
-        fn typed<T: GpuElement, R>(
-            gpu: &Gpu,
-            inputs: &LinearInputs<T>,
-            run: impl FnOnce(&mut dyn Head) -> Result<R>,
-        ) -> Result<(R, LinearGrads)> {
-            let head = GpuHead::upload(gpu, inputs)?;
-            let mut ws = GpuWorkspace::new(gpu)?;
-            let mut grads = GpuGrads::zeros(gpu, &head)?;
-            let out = run(&mut DeviceHead {
-                gpu,
-                head: &head,
-                ws: &mut ws,
-                grads: &mut grads,
-                materialized: false,
-            })?;
-            Ok((out, grads.download(gpu)?))
-        }
-        if let Some(inputs) = cast(inputs, E::as_f32) {
-            return typed::<f32, R>(gpu, &inputs, run);
-        }
-        match cast(inputs, E::as_bf16) {
-            Some(inputs) => typed::<half::bf16, R>(gpu, &inputs, run),
-            None => Err(Error::InvalidArgument {
-                arg: "hidden",
-                reason: format!("the CUDA backend takes f32 or bf16, not {:?}", E::DTYPE),
-            }),
-        }
+#[cfg(test)]
+mod tests {
+    use super::Device;
+
+    /// A binding keeps one device per process and calls it from any thread.
+    #[test]
+    fn device_is_send_and_sync() {
+        fn shared<T: Send + Sync>() {}
+        shared::<Device>();
     }
 }

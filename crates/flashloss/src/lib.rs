@@ -34,9 +34,9 @@ pub use batch::{
     GrpoBatch, GrpoBatchData, HeadShape, LinearInputs, LogitsLayout, PerSeqOrToken,
     PerSeqOrTokenBuf,
 };
-pub use config::{GrpoLoss, ImportanceSamplingLevel, LossConfig, LossType};
+pub use config::{GrpoLoss, ImportanceSamplingLevel, LossConfig, LossType, Temperature};
 pub use cross_entropy::{CeConfig, CrossEntropy, Reduction};
-pub use device::Device;
+pub use device::{Device, HeadArgs};
 pub use element::{DType, Element};
 pub use error::{Error, Result};
 pub use fused::{

@@ -30,11 +30,36 @@ fn out_of_range(row: usize, seq_len: usize, quantity: &'static str, value: f64) 
     }
 }
 
-/// Checks a fused LM head's gradients in host memory: the first entry that is not
-/// finite (a sum over the vocabulary or the tokens can leave f32 even where every
-/// logit's gradient is in range, e.g. with an extreme `grad_output`) is an
-/// [`Error::OutOfRange`] at its token row (`dhidden`) or vocabulary row (`dweight`,
-/// `dbias`).
+/// The error of a fused LM head's gradient entry `index` of `quantity` (`dhidden`,
+/// `dweight` or `dbias`) that is not finite: an [`Error::OutOfRange`] at its token row
+/// (`dhidden`, placed in its sequence of `seq_len`) or vocabulary row.
+pub fn grad_out_of_range(
+    quantity: &'static str,
+    index: usize,
+    value: f32,
+    hidden_size: usize,
+    seq_len: usize,
+) -> Error {
+    let h = hidden_size.max(1);
+    match quantity {
+        "dhidden" => out_of_range(index / h, seq_len, quantity, value as f64),
+        _ => Error::OutOfRange {
+            row: if quantity == "dbias" {
+                index
+            } else {
+                index / h
+            },
+            position: None,
+            quantity,
+            value: value as f64,
+        },
+    }
+}
+
+/// Checks a fused LM head's gradients in host memory (scanned in parallel): the first
+/// entry that is not finite (a sum over the vocabulary or the tokens can leave f32 even
+/// where every logit's gradient is in range, e.g. with an extreme `grad_output`) is
+/// [`grad_out_of_range`]'s error.
 pub fn check_linear_grads(
     dhidden: &[f32],
     dweight: &[f32],
@@ -42,22 +67,20 @@ pub fn check_linear_grads(
     hidden_size: usize,
     seq_len: usize,
 ) -> Result<()> {
-    let h = hidden_size.max(1);
-    let first_bad = first_non_finite::<f32>;
-    if let Some(k) = first_bad(dhidden) {
-        return Err(out_of_range(k / h, seq_len, "dhidden", dhidden[k] as f64));
-    }
-    let bad_head = |k: usize, row: usize, quantity, value: f32| Error::OutOfRange {
-        row: k / row,
-        position: None,
-        quantity,
-        value: value as f64,
-    };
-    if let Some(k) = first_bad(dweight) {
-        return Err(bad_head(k, h, "dweight", dweight[k]));
-    }
-    if let Some((k, b)) = dbias.and_then(|b| Some((first_bad(b)?, b))) {
-        return Err(bad_head(k, 1, "dbias", b[k]));
+    for (quantity, values) in [
+        ("dhidden", dhidden),
+        ("dweight", dweight),
+        ("dbias", dbias.unwrap_or(&[])),
+    ] {
+        if let Some(k) = first_non_finite::<f32>(values) {
+            return Err(grad_out_of_range(
+                quantity,
+                k,
+                values[k],
+                hidden_size,
+                seq_len,
+            ));
+        }
     }
     Ok(())
 }

@@ -10,7 +10,7 @@
 //! [`RowTransform`] is the one place where a loss's options (temperature, soft-cap,
 //! label smoothing) become what the kernels apply per logit.
 
-use crate::config::{GrpoLoss, valid_temperature};
+use crate::config::{GrpoLoss, Temperature};
 use crate::cross_entropy::CrossEntropy;
 use crate::error::{Error, Result};
 
@@ -133,7 +133,8 @@ pub struct RowTransform {
 
 impl RowTransform {
     /// Temperature only.
-    pub fn with_temperature(temperature: f64) -> Self {
+    pub fn with_temperature(temperature: Temperature) -> Self {
+        let temperature = temperature.get();
         RowTransform {
             temperature,
             inv_temp: (1.0 / temperature) as f32,
@@ -144,7 +145,7 @@ impl RowTransform {
 
     /// The GRPO loss's transform (its temperature).
     pub fn grpo(loss: &GrpoLoss) -> Self {
-        Self::with_temperature(loss.config().temperature)
+        Self::with_temperature(Temperature::checked(loss.config().temperature))
     }
 
     /// Cross-entropy's transform: temperature, soft-cap, mean logit for label smoothing.
@@ -153,7 +154,7 @@ impl RowTransform {
         RowTransform {
             softcap: c.softcap.map(|x| x as f32),
             mean_logit: c.label_smoothing > 0.0,
-            ..Self::with_temperature(c.temperature)
+            ..Self::with_temperature(Temperature::checked(c.temperature))
         }
     }
 
@@ -292,14 +293,13 @@ pub fn check_row_stats(
 }
 
 /// Checks `target_ids` and `mask` (`[N]`, N = B·T with T = `seq_len`), ids in
-/// `[0, vocab)` where the mask is set, and `temperature` valid ([`valid_temperature`]).
+/// `[0, vocab)` where the mask is set.
 pub fn check_targets(
     target_ids: &[i64],
     mask: Option<&[bool]>,
     n: usize,
     vocab: usize,
     seq_len: usize,
-    temperature: f64,
 ) -> Result<()> {
     let shape = || format!("[B={}, T={seq_len}]", n / seq_len);
     for (arg, len) in [
@@ -314,14 +314,6 @@ pub fn check_targets(
                 actual: len,
             });
         }
-    }
-    if !valid_temperature(temperature) {
-        return Err(Error::InvalidArgument {
-            arg: "temperature",
-            reason: format!(
-                "must be finite and > 0 with 1/temperature within f32, got {temperature}"
-            ),
-        });
     }
     let live = |i: usize| mask.is_none_or(|m| m[i]);
     if let Some(i) = (0..n).find(|&i| live(i) && !(0..vocab as i64).contains(&target_ids[i])) {

@@ -1,8 +1,8 @@
 //! The fused linear cross-entropy as a candle `CustomOp2` on `(hidden, weight)`.
 
-use super::{HeadLoss, HeadOp, SavedGrads, wrap};
+use super::{HeadLoss, HeadOp, SavedGrads, device, wrap};
 use candle_core::{Result, Tensor};
-use flashloss::{CrossEntropy, Device, Element, FusedOptions, LinearInputs, Reduction};
+use flashloss::{CrossEntropy, Element, FusedOptions, LinearInputs, Reduction};
 
 struct FusedCeLinear {
     ce: CrossEntropy,
@@ -18,7 +18,7 @@ impl HeadLoss for FusedCeLinear {
             budget_bytes: self.budget_bytes,
             ..FusedOptions::default()
         };
-        let out = Device::Cpu
+        let out = device()
             .ce_linear(&self.ce, &self.targets, None, inputs, &opts)
             .map_err(wrap)?;
         grads.store(out.grads.dhidden, out.grads.dweight);

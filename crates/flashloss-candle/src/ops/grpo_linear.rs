@@ -1,9 +1,9 @@
 //! The fused linear GRPO loss as a candle `CustomOp2` on `(hidden, weight)`.
 
-use super::{HeadLoss, HeadOp, SavedGrads, wrap};
+use super::{HeadLoss, HeadOp, SavedGrads, device, wrap};
 use candle_core::{Result, Tensor};
-use flashloss::policy::{GrpoMetrics, Normalizers};
-use flashloss::{Device, Element, FusedOptions, GrpoBatchData, GrpoLoss, LinearInputs, RowStats};
+use flashloss::policy::GrpoMetrics;
+use flashloss::{Element, FusedOptions, GrpoBatchData, GrpoLoss, LinearInputs, RowStats};
 use std::sync::{Arc, Mutex};
 
 /// What a GRPO forward reports besides the loss tensor.
@@ -47,9 +47,8 @@ impl HeadLoss for FusedGrpoLinear {
             ..FusedOptions::default()
         };
         let batch = self.inputs.batch();
-        let norm = Normalizers::local(&batch);
-        let out = Device::Cpu
-            .grpo_linear(&self.loss, &batch, norm, inputs, &opts)
+        let out = device()
+            .grpo_linear(&self.loss, &batch, inputs, &opts)
             .map_err(wrap)?;
         grads.store(out.grads.dhidden, out.grads.dweight);
         *self.step.lock().expect("grpo step lock") =

@@ -10,7 +10,8 @@
 //!   the logits): the A/B baseline of training and the oracle of this module's tests.
 //!
 //! What the ops do not differentiate (targets, mask, advantages, old/ref log-probs)
-//! lives in the op.
+//! lives in the op. Every op runs on one CPU [`Device`] per process ([`device`]), whose
+//! workspace is reused from one training step to the next.
 
 pub mod baseline;
 mod ce_linear;
@@ -23,8 +24,15 @@ pub use grpo_logits::grpo_logits;
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, WithDType};
-use flashloss::Element;
-use std::sync::{Arc, Mutex};
+use flashloss::{Device, Element};
+use std::sync::{Arc, LazyLock, Mutex};
+
+/// The CPU device the ops run on (one per process: its workspace is kept between
+/// steps).
+pub fn device() -> &'static Device {
+    static CPU: LazyLock<Device> = LazyLock::new(Device::cpu);
+    &CPU
+}
 
 /// A flashloss error as a candle error (keeps the message: argument, shape, index).
 pub fn wrap(e: flashloss::Error) -> candle_core::Error {

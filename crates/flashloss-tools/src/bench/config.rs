@@ -1,6 +1,6 @@
 //! What a bench runs: the config file (`configs/bench/*.yaml`).
 
-use crate::gradcheck::Device;
+use crate::gradcheck::Backend;
 use flashloss::{CeConfig, DType, LossConfig};
 use flashloss::{Mode, Parallel};
 use serde::{Deserialize, Serialize};
@@ -74,7 +74,7 @@ pub struct BenchConfig {
     /// the cuBLAS workspace).
     pub budget_mib: f64,
     /// Where the step runs (`cuda`: GPU 0, level `linear`, a build with feature `cuda`).
-    pub device: Device,
+    pub device: Backend,
     /// The GRPO loss.
     pub grpo: LossConfig,
     /// The cross-entropy loss.
@@ -99,7 +99,7 @@ impl Default for BenchConfig {
             seed: 0,
             mode: Mode::Auto,
             budget_mib: flashloss::fused::plan::DEFAULT_BUDGET_MIB,
-            device: Device::Cpu,
+            device: Backend::Cpu,
             grpo: LossConfig::default(),
             ce: CeConfig::default(),
         }

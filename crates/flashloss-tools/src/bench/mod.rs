@@ -5,7 +5,7 @@
 //! plain `[N,H]×[H,V]` GEMM rate at LM-head level.
 
 use crate::Result;
-use crate::gradcheck::Device;
+use crate::gradcheck::Backend;
 
 pub(crate) mod config;
 mod cpu;
@@ -45,8 +45,8 @@ pub fn run(cfg: &BenchConfig, progress: &mut dyn FnMut(&str, usize, usize)) -> R
         0,
     );
     match cfg.device {
-        Device::Cuda => crate::gpu_bench::run(cfg, progress),
-        Device::Cpu if !baseline_fits && cfg.implementation == Impl::Both => {
+        Backend::Cuda => crate::gpu_bench::run(cfg, progress),
+        Backend::Cpu if !baseline_fits && cfg.implementation == Impl::Both => {
             let fused = BenchConfig {
                 implementation: Impl::Fused,
                 ..cfg.clone()
@@ -61,6 +61,6 @@ pub fn run(cfg: &BenchConfig, progress: &mut dyn FnMut(&str, usize, usize)) -> R
             report.notes.push(note);
             Ok(report)
         }
-        Device::Cpu => Ok(cpu::run(cfg, progress)?),
+        Backend::Cpu => Ok(cpu::run(cfg, progress)?),
     }
 }

@@ -55,7 +55,7 @@ pub enum FaultKind {
 /// Where the kernel runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
-pub enum Device {
+pub enum Backend {
     /// The CPU backend.
     #[default]
     Cpu,
@@ -63,13 +63,13 @@ pub enum Device {
     Cuda,
 }
 
-impl Device {
+impl Backend {
     /// The library's device (GPU 0 for `cuda`): an error without the `cuda` feature or
     /// a driver.
     pub fn open(self) -> flashloss::Result<flashloss::Device> {
         match self {
-            Device::Cpu => Ok(flashloss::Device::Cpu),
-            Device::Cuda => flashloss::Device::cuda(0),
+            Backend::Cpu => Ok(flashloss::Device::cpu()),
+            Backend::Cuda => flashloss::Device::cuda(0),
         }
     }
 }
@@ -81,7 +81,7 @@ pub struct GradcheckConfig {
     /// Which kernel.
     pub kernel: Kernel,
     /// Where it runs.
-    pub device: Device,
+    pub device: Backend,
     /// Which loss (`ce` needs kernel `linear`).
     pub objective: Objective,
     /// How `--ranks P` splits the work (kernel `linear`).
@@ -143,7 +143,7 @@ impl Default for GradcheckConfig {
         let inputs = InputSpec::default();
         GradcheckConfig {
             kernel: Kernel::Logits,
-            device: Device::Cpu,
+            device: Backend::Cpu,
             objective: Objective::Grpo,
             parallel: Parallel::Token,
             vocab_groups: None,

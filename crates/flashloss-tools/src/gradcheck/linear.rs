@@ -32,7 +32,7 @@ pub(super) fn check_linear<E: Element>(cfg: &GradcheckConfig) -> Result<Gradchec
             let loss = GrpoLoss::new(cfg.loss.clone())?;
             let batch = tokens.batch();
             let norm = Normalizers::local(&batch);
-            let mut out = device.grpo_linear(&loss, &batch, norm, &inputs, &opts)?;
+            let mut out = device.grpo_linear(&loss, &batch, &inputs, &opts)?;
             grads = std::mem::replace(&mut out.grads, LinearGrads::empty());
             let r = grpo_reference(&loss, &batch, norm, &z, v, cfg.grad_output);
             let live: Vec<usize> = (0..n).filter(|&i| batch.mask[i]).collect();

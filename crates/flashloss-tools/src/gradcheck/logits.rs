@@ -34,11 +34,11 @@ pub fn check_inputs<E: Element>(
     let device = cfg.device.open()?;
     let g = cfg.grad_output as f32;
     let (fwd, dlogits) = if cfg.in_place {
-        let fwd = device.grpo_logits(loss, &batch, &mut logits, &layout, g, None)?;
+        let fwd = device.grpo_logits_in_place(loss, &batch, &mut logits, &layout, g)?;
         (fwd, logits)
     } else {
         let mut out = vec![E::from_f32(f32::NAN); layout.rows() * layout.vocab];
-        let fwd = device.grpo_logits(loss, &batch, &mut logits, &layout, g, Some(&mut out))?;
+        let fwd = device.grpo_logits(loss, &batch, &logits, &layout, g, &mut out)?;
         (fwd, out)
     };
     let kernel_seconds = start.elapsed().as_secs_f64();

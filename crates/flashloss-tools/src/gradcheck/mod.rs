@@ -14,7 +14,7 @@ mod linear;
 mod logits;
 mod report;
 
-pub use config::{Device, Fault, FaultKind, GradcheckConfig, Kernel, Objective, Tolerance};
+pub use config::{Backend, Fault, FaultKind, GradcheckConfig, Kernel, Objective, Tolerance};
 pub(crate) use linear::{LinearCase, ce_targets};
 pub use logits::check_inputs;
 pub(crate) use report::grad_gate;

@@ -12,7 +12,6 @@ use flashloss::config::GrpoLoss;
 use flashloss::cross_entropy::CrossEntropy;
 use flashloss::element::Element;
 use flashloss::fused::shard_range;
-use flashloss::policy::Normalizers;
 use flashloss::{Grid, LinearGrads, Result, Shard};
 use std::ops::Range;
 use std::time::Instant;
@@ -48,8 +47,7 @@ impl<'c, E: Element> Check<'c, E> {
         let (batch, inputs) = (case.tokens.batch(), case.head.inputs());
         let (one_loss, one) = match cfg.objective {
             Objective::Grpo => {
-                let norm = Normalizers::local(&batch);
-                let out = device.grpo_linear(&grpo, &batch, norm, &inputs, &case.opts)?;
+                let out = device.grpo_linear(&grpo, &batch, &inputs, &case.opts)?;
                 (out.loss, out.grads)
             }
             Objective::Ce => {

@@ -6,7 +6,7 @@
 //! its own gates; sharding changes only summation order, so the gates are f32
 //! rounding: 1e-5 relative to the largest entry.
 
-use crate::gradcheck::{Device, FaultKind, GradcheckConfig, GradcheckReport, Kernel};
+use crate::gradcheck::{Backend, FaultKind, GradcheckConfig, GradcheckReport, Kernel};
 use flashloss::collective::{Collective, agree, run_in_process};
 use flashloss::element::DType;
 use flashloss::{Error, Parallel, Result};
@@ -100,7 +100,7 @@ pub(super) fn grid_shape(cfg: &GradcheckConfig, ranks: usize) -> Result<(usize, 
 }
 
 fn check_ranks(cfg: &GradcheckConfig, ranks: usize) -> Result<()> {
-    if cfg.kernel == Kernel::Logits && cfg.device != Device::Cpu {
+    if cfg.kernel == Kernel::Logits && cfg.device != Backend::Cpu {
         return Err(Error::InvalidArgument {
             arg: "device",
             reason: "the sharded logits-level kernel runs on the CPU backend".into(),

@@ -165,13 +165,12 @@ pub fn assert_modes_agree_and_threads_invariant(
 }
 
 /// The fused LM-head steps on the CPU backend in the call shapes these tests use: fresh
-/// buffers through [`flashloss::Device::Cpu`], caller's buffers through a
+/// buffers through a [`flashloss::Device`], caller's buffers through a
 /// [`flashloss::cpu::HostHead`], sharded runs on a [`flashloss::Grid`].
 pub mod cpu_steps {
     use flashloss::collective::Collective;
     use flashloss::cpu::{HostHead, Workspace};
     use flashloss::fused;
-    use flashloss::policy::Normalizers;
     use flashloss::{
         CeLinearOutput, CrossEntropy, Device, Element, FusedOptions, Grid, GrpoBatch,
         GrpoLinearOutput, GrpoLoss, LinearGrads, LinearInputs, Result, RowStats, Shard,
@@ -199,7 +198,7 @@ pub mod cpu_steps {
         inputs: &LinearInputs<E>,
         opts: &FusedOptions,
     ) -> Result<GrpoLinearOutput> {
-        Device::Cpu.grpo_linear(loss, batch, Normalizers::local(batch), inputs, opts)
+        Device::cpu().grpo_linear(loss, batch, inputs, opts)
     }
 
     pub fn ce_linear<E: Element>(
@@ -208,7 +207,7 @@ pub mod cpu_steps {
         inputs: &LinearInputs<E>,
         opts: &FusedOptions,
     ) -> Result<CeLinearOutput> {
-        Device::Cpu.ce_linear(ce, targets, None, inputs, opts)
+        Device::cpu().ce_linear(ce, targets, None, inputs, opts)
     }
 
     pub fn ce_linear_into<E: Element>(
@@ -236,7 +235,9 @@ pub mod cpu_steps {
         budget_bytes: usize,
         seq_len: usize,
     ) -> Result<Vec<RowStats>> {
-        Device::Cpu.logp_linear(inputs, targets, mask, temperature, budget_bytes, seq_len)
+        let t = flashloss::Temperature::new(temperature)?;
+        let head = flashloss::HeadArgs::host(inputs);
+        Device::cpu().logp_linear(head, targets, mask, t, budget_bytes, seq_len)
     }
 
     pub fn grpo_linear_token_parallel<E: Element>(
@@ -247,7 +248,7 @@ pub mod cpu_steps {
         opts: &FusedOptions,
     ) -> Result<GrpoLinearOutput> {
         let shard = Shard::whole(inputs.vocab);
-        Device::Cpu.grpo_linear_sharded(&Grid::token(comm), shard, loss, batch, inputs, opts)
+        Device::cpu().grpo_linear_sharded(&Grid::token(comm), shard, loss, batch, inputs, opts)
     }
 
     pub fn ce_linear_token_parallel<E: Element>(
@@ -258,7 +259,7 @@ pub mod cpu_steps {
         opts: &FusedOptions,
     ) -> Result<CeLinearOutput> {
         let shard = Shard::whole(inputs.vocab);
-        Device::Cpu.ce_linear_sharded(&Grid::token(comm), shard, ce, targets, inputs, opts)
+        Device::cpu().ce_linear_sharded(&Grid::token(comm), shard, ce, targets, inputs, opts)
     }
 
     pub fn grpo_linear_grid<E: Element>(
@@ -268,7 +269,7 @@ pub mod cpu_steps {
         shard: &VocabShard<E>,
         opts: &FusedOptions,
     ) -> Result<GrpoLinearOutput> {
-        Device::Cpu.grpo_linear_sharded(grid, shard.shard(), loss, batch, &shard.inputs, opts)
+        Device::cpu().grpo_linear_sharded(grid, shard.shard(), loss, batch, &shard.inputs, opts)
     }
 
     pub fn ce_linear_grid<E: Element>(
@@ -278,7 +279,7 @@ pub mod cpu_steps {
         shard: &VocabShard<E>,
         opts: &FusedOptions,
     ) -> Result<CeLinearOutput> {
-        Device::Cpu.ce_linear_sharded(grid, shard.shard(), ce, targets, &shard.inputs, opts)
+        Device::cpu().ce_linear_sharded(grid, shard.shard(), ce, targets, &shard.inputs, opts)
     }
 
     pub fn grpo_linear_vocab_parallel<E: Element>(

@@ -4,7 +4,7 @@
 use super::config::LossImpl;
 use candle_core::{Result, Storage, Tensor};
 use flashloss::policy::{Normalizers, policy_stage};
-use flashloss::{CrossEntropy, Device, GrpoBatchData, GrpoLoss, LinearInputs};
+use flashloss::{CrossEntropy, GrpoBatchData, GrpoLoss, HeadArgs, LinearInputs, Temperature};
 use flashloss_candle::ops::{self, GrpoStep, baseline};
 
 pub(crate) struct LossPath {
@@ -131,12 +131,12 @@ impl LossPath {
                             hidden_size: h,
                             vocab: v,
                         };
-                        let stats = Device::Cpu
+                        let stats = ops::device()
                             .logp_linear(
-                                &lin,
+                                HeadArgs::host(&lin),
                                 &inputs.target_ids,
                                 Some(&inputs.mask),
-                                temperature,
+                                Temperature::new(temperature).map_err(ops::wrap)?,
                                 self.budget_bytes,
                                 inputs.seq_len,
                             )

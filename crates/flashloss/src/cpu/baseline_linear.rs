@@ -82,7 +82,7 @@ pub fn ce_linear_baseline_into<E: Element>(
     let c = ce.config();
     let (n, v) = (inputs.tokens, inputs.vocab);
     let live: Vec<bool> = targets.iter().map(|&y| ce.counts(y)).collect();
-    check_targets(targets, Some(&live), n, v, n, c.temperature)?;
+    check_targets(targets, Some(&live), n, v, n)?;
     let count = live.iter().filter(|&&l| l).count();
     let weight = ce.row_weight(count);
     let upstream = weight * grad_output as f64;

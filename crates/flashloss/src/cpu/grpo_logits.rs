@@ -10,6 +10,7 @@ use super::simd;
 use crate::batch::{GrpoBatch, LogitsLayout};
 use crate::collective::agree;
 use crate::config::GrpoLoss;
+use crate::config::Temperature;
 use crate::element::Element;
 use crate::error::Result;
 use crate::fused::{Grid, Shard};
@@ -42,7 +43,7 @@ pub fn grpo_logits_forward_with<E: Element>(
         layout,
         batch.target_ids,
         Some(batch.mask),
-        loss.config().temperature,
+        Temperature::checked(loss.config().temperature),
     )?;
     GrpoLogitsForward::from_stats(loss, batch, norm, stats, layout)
 }

@@ -42,16 +42,8 @@ pub fn grpo_logits_forward_staged<E: Element>(
     layout.validate("logits", logits.len())?;
     layout.validate_dense("dlogits", dlogits.len())?;
     let (n, v) = (layout.rows(), layout.vocab);
-    let temperature = loss.config().temperature;
-    check_targets(
-        batch.target_ids,
-        Some(batch.mask),
-        n,
-        v,
-        layout.seq_len,
-        temperature,
-    )?;
-    let inv_temp = RowTransform::with_temperature(temperature).inv_temp;
+    check_targets(batch.target_ids, Some(batch.mask), n, v, layout.seq_len)?;
+    let inv_temp = RowTransform::grpo(loss).inv_temp;
     let tiles = v.div_ceil(VOCAB_TILE).max(1);
     let mut tile_max = vec![0.0f32; n * tiles];
     let stats: Vec<RowStats> = dlogits

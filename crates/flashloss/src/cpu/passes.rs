@@ -16,6 +16,7 @@ use crate::fused::{
     Block, FusedOptions, FusedPasses, GradPart, GradsOf, Head, LinearGradsMut, Plan, PlanLimits,
     RowGrad, plan_blocks, tile_budget,
 };
+use crate::range::check_linear_grads;
 use crate::rows::{PartialStats, RowInputs, RowStats};
 use half::f16;
 use std::ops::Range;
@@ -261,9 +262,18 @@ impl<E: Element> Head for HostHead<'_, E> {
         self.inputs.shape()
     }
 
-    fn validate(&self) -> Result<()> {
+    fn validate(&self, with_grads: bool) -> Result<()> {
         self.inputs.validate()?;
-        self.grads.check(self.inputs)
+        match with_grads {
+            true => self.grads.check(self.inputs),
+            false => Ok(()),
+        }
+    }
+
+    fn check_grads(&self, seq_len: usize) -> Result<()> {
+        let g = &self.grads;
+        let h = self.inputs.hidden_size;
+        check_linear_grads(g.dhidden, g.dweight, g.dbias.as_deref(), h, seq_len)
     }
 
     fn plan(&self, opts: &FusedOptions, single_pass_allowed: bool) -> Result<Plan> {

@@ -4,6 +4,7 @@
 
 use super::online_softmax::{VOCAB_TILE, row_state};
 use crate::batch::LogitsLayout;
+use crate::config::Temperature;
 use crate::element::Element;
 use crate::error::Result;
 use crate::rows::{
@@ -18,19 +19,12 @@ pub fn selective_log_softmax<E: Element>(
     layout: &LogitsLayout,
     target_ids: &[i64],
     mask: Option<&[bool]>,
-    temperature: f64,
+    temperature: Temperature,
 ) -> Result<Vec<RowStats>> {
     layout.validate("logits", logits.len())?;
     let n = layout.rows();
     let live = |i: usize| mask.is_none_or(|m| m[i]);
-    check_targets(
-        target_ids,
-        mask,
-        n,
-        layout.vocab,
-        layout.seq_len,
-        temperature,
-    )?;
+    check_targets(target_ids, mask, n, layout.vocab, layout.seq_len)?;
     let inv_temp = RowTransform::with_temperature(temperature).inv_temp;
     let stats: Vec<RowStats> = (0..n)
         .into_par_iter()

@@ -356,6 +356,62 @@ impl Gpu {
         Ok(buf)
     }
 
+    /// The index of the first entry of `buf` that is not finite (an infinity or a NaN),
+    /// scanned on the device; `T` is 4 or 2 bytes wide (f32, bf16). Waits for the stream.
+    pub fn first_non_finite<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        buf: &DeviceBuffer<T>,
+    ) -> Result<Option<usize>> {
+        let len = buf.len();
+        if len == 0 {
+            return Ok(None);
+        }
+        let first = self.upload(&[u64::MAX])?;
+        let (p, n, out) = (self.addr(buf, 0), len as i64, self.addr(&first, 0));
+        let kernel = match std::mem::size_of::<T>() {
+            4 => "first_non_finite_u32",
+            2 => "first_non_finite_u16",
+            w => {
+                return Err(Error::Device {
+                    reason: format!("no finite scan for {w}-byte elements"),
+                });
+            }
+        };
+        let (mask32, mask16) = (0x7f80_0000u32, 0x7f80u16);
+        let mut launch = self.stream.launch_builder(self.kernel(kernel)?);
+        launch.arg(&p).arg(&n);
+        if kernel == "first_non_finite_u32" {
+            launch.arg(&mask32);
+        } else {
+            launch.arg(&mask16);
+        }
+        launch.arg(&out);
+        let cfg = LaunchConfig {
+            grid_dim: (len.div_ceil(256).min(65_535) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: `p` holds `len` elements of the kernel's word width; `out` one u64.
+        unsafe { launch.launch(cfg) }
+            .map_err(|e| device_error(&format!("launching {kernel}"), e))?;
+        let index = self.download(&first)?[0];
+        Ok((index != u64::MAX).then_some(index as usize))
+    }
+
+    /// Element `index` of `buf`, copied to the host (waits for the stream).
+    pub fn value_at<T: DeviceRepr + Default + Clone>(
+        &self,
+        buf: &DeviceBuffer<T>,
+        index: usize,
+    ) -> Result<T> {
+        let one = buf.slice.slice(index..index + 1);
+        let host = self
+            .stream
+            .clone_dtoh(&one)
+            .map_err(|e| device_error(&format!("copying element {index} to the host"), e))?;
+        Ok(host[0].clone())
+    }
+
     /// Waits for the stream; surfaces any error of the kernels launched on it.
     pub fn synchronize(&self) -> Result<()> {
         self.stream

@@ -142,6 +142,16 @@ impl GpuWorkspace {
         })
     }
 
+    /// Issues the handle's products on `gpu`'s stream (the device's own, or a caller's
+    /// borrowed for one call).
+    pub(crate) fn bind(&mut self, gpu: &Gpu) -> Result<()> {
+        // SAFETY: the stream outlives the calls made on it: the device's own stream
+        // lives as long as the device, and a borrowed one is re-bound to the device's
+        // own before the call that borrowed it returns.
+        unsafe { self.blas.set_stream(gpu.stream().clone()) }
+            .map_err(|e| device_error("cublasSetStream", e))
+    }
+
     /// Bytes of tiles held (the cuBLAS workspace aside).
     pub fn bytes(&self) -> usize {
         self.logits.as_ref().map_or(0, |b| 4 * b.len())

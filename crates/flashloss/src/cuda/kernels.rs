@@ -20,7 +20,8 @@ pub struct KernelSource {
 }
 
 /// Row statistics and row gradients over logits (logits-level kernels, and the row
-/// stage between the fused kernels' tile products), column sums (dbias) and poison fills.
+/// stage between the fused kernels' tile products), column sums (dbias), poison fills
+/// and the finite scan.
 pub const SOFTMAX_ROWS: KernelSource = KernelSource {
     name: "softmax_rows.cu",
     source: include_str!("kernels/softmax_rows.cu"),
@@ -34,6 +35,8 @@ pub const SOFTMAX_ROWS: KernelSource = KernelSource {
         "col_sums_bf16",
         "fill_u32",
         "fill_u16",
+        "first_non_finite_u32",
+        "first_non_finite_u16",
     ],
 };
 

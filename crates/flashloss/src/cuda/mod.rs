@@ -12,6 +12,7 @@
 
 pub mod blas;
 mod device;
+mod front;
 mod grpo_logits;
 mod head;
 pub mod kernels;
@@ -21,6 +22,8 @@ mod selective_log_softmax;
 
 pub use blas::{CUBLAS_WORKSPACE_BYTES, GemmShape};
 pub use device::{DeviceBuffer, DeviceMemory, Gpu, GpuElement, driver_present};
+pub use front::BorrowedHead;
+pub(crate) use front::{grpo_logits_host, run_on_borrowed, run_on_host_buffers};
 pub use grpo_logits::{grpo_logits_backward, grpo_logits_forward};
 pub use head::{GpuGrads, GpuHead, GpuWorkspace, head_logits};
 pub use passes::{DeviceHead, materialized_plan, plan};

@@ -19,6 +19,7 @@ use crate::fused::{
     Block, FusedOptions, FusedPasses, GradPart, GradsOf, Head, Plan, PlanLimits, RowGrad,
     plan_blocks,
 };
+use crate::range::grad_out_of_range;
 use crate::rows::{OnlineSoftmax, PartialStats, RowInputs, RowStats};
 use cudarc::cublas::sys::cudaDataType_t;
 use cudarc::driver::{LaunchConfig, PushKernelArg};
@@ -103,7 +104,8 @@ struct GpuPasses<'a, E> {
     rows: RowInputs<'a>,
     plan: Plan,
     ws: &'a mut GpuWorkspace,
-    out: &'a mut GpuGrads,
+    /// Where the gradients are added (none for a pass without gradients, e.g. log-probs).
+    out: Option<&'a mut GpuGrads>,
     targets: DeviceBuffer<i64>,
     live: DeviceBuffer<u8>,
     states: DeviceStates,
@@ -117,9 +119,11 @@ impl<'a, E: GpuElement> GpuPasses<'a, E> {
         rows: RowInputs<'a>,
         plan: Plan,
         ws: &'a mut GpuWorkspace,
-        out: &'a mut GpuGrads,
+        out: Option<&'a mut GpuGrads>,
     ) -> Result<Self> {
-        out.check(head)?;
+        if let Some(out) = &out {
+            out.check(head)?;
+        }
         let n = head.tokens;
         ws.prepare(gpu, &plan, head.vocab, E::DTYPE == DType::Bf16)?;
         let live: Vec<u8> = rows.live.iter().map(|&l| u8::from(l)).collect();
@@ -332,6 +336,7 @@ impl<'a, E: GpuElement> GpuPasses<'a, E> {
             addr: dz,
             dtype: dz_type,
         };
+        let out = self.out.as_deref().ok_or_else(no_grads)?;
         gemm(
             &self.ws.blas,
             GemmShape::dhidden(rows.len(), vocab.len(), h, ldz),
@@ -340,7 +345,7 @@ impl<'a, E: GpuElement> GpuPasses<'a, E> {
                 dtype: E::BLAS_TYPE,
             },
             dz_op,
-            gpu.addr(&self.out.dhidden, rows.start * h),
+            gpu.addr(&out.dhidden, rows.start * h),
             1.0,
         )?;
         gemm(
@@ -351,10 +356,10 @@ impl<'a, E: GpuElement> GpuPasses<'a, E> {
                 dtype: E::BLAS_TYPE,
             },
             dz_op,
-            gpu.addr(&self.out.dweight, vocab.start * h),
+            gpu.addr(&out.dweight, vocab.start * h),
             1.0,
         )?;
-        if let Some(db) = &self.out.dbias {
+        if let Some(db) = &out.dbias {
             let sums = if dz_type == cudaDataType_t::CUDA_R_16BF {
                 "col_sums_bf16"
             } else {
@@ -444,6 +449,26 @@ impl<E: GpuElement> FusedPasses for GpuPasses<'_, E> {
     }
 }
 
+/// The error of a pass that adds gradients on a head made without gradient buffers.
+fn no_grads() -> Error {
+    Error::InvalidArgument {
+        arg: "grads",
+        reason: "this head has no gradient buffers (a log-prob head)".into(),
+    }
+}
+
+/// Checks that every entry of the device buffer `buf` (argument `arg`) is finite.
+fn check_finite<T: GpuElement>(gpu: &Gpu, arg: &'static str, buf: &DeviceBuffer<T>) -> Result<()> {
+    match gpu.first_non_finite(buf)? {
+        Some(index) => Err(Error::NonFinite {
+            arg,
+            index,
+            value: gpu.value_at(buf, index)?.to_f32() as f64,
+        }),
+        None => Ok(()),
+    }
+}
+
 /// An LM head in device memory with its gradients (added into, in f32) and a
 /// workspace kept across steps: the GPU's [`Head`]. The per-row inputs stay on the
 /// host; the per-row loss stages run there between the device passes.
@@ -454,8 +479,8 @@ pub struct DeviceHead<'a, E> {
     pub head: &'a GpuHead<E>,
     /// The cuBLAS handle and tiles.
     pub ws: &'a mut GpuWorkspace,
-    /// Where the gradients are added.
-    pub grads: &'a mut GpuGrads,
+    /// Where the gradients are added (none for a loss without gradients, e.g. log-probs).
+    pub grads: Option<&'a mut GpuGrads>,
     /// Run [`materialized_plan`] (the unfused baseline) instead of planning to the budget.
     pub materialized: bool,
 }
@@ -465,8 +490,35 @@ impl<E: GpuElement> Head for DeviceHead<'_, E> {
         self.head.shape()
     }
 
-    fn validate(&self) -> Result<()> {
-        self.grads.check(self.head)
+    fn validate(&self, with_grads: bool) -> Result<()> {
+        let (gpu, head) = (self.gpu, self.head);
+        check_finite(gpu, "hidden", &head.hidden)?;
+        check_finite(gpu, "weight", &head.weight)?;
+        if let Some(b) = &head.bias {
+            check_finite(gpu, "bias", b)?;
+        }
+        match (&self.grads, with_grads) {
+            (Some(g), true) => g.check(head),
+            (None, true) => Err(no_grads()),
+            (_, false) => Ok(()),
+        }
+    }
+
+    fn check_grads(&self, seq_len: usize) -> Result<()> {
+        let Some(g) = &self.grads else {
+            return Ok(());
+        };
+        let h = self.head.hidden_size;
+        for (quantity, buf) in [("dhidden", &g.dhidden), ("dweight", &g.dweight)]
+            .into_iter()
+            .chain(g.dbias.as_ref().map(|b| ("dbias", b)))
+        {
+            if let Some(k) = self.gpu.first_non_finite(buf)? {
+                let value = self.gpu.value_at(buf, k)?;
+                return Err(grad_out_of_range(quantity, k, value, h, seq_len));
+            }
+        }
+        Ok(())
     }
 
     fn plan(&self, opts: &FusedOptions, single_pass_allowed: bool) -> Result<Plan> {
@@ -488,17 +540,18 @@ impl<E: GpuElement> Head for DeviceHead<'_, E> {
             rows,
             plan,
             &mut *self.ws,
-            &mut *self.grads,
+            self.grads.as_deref_mut(),
         )?;
         Ok(Box::new(passes))
     }
 
     fn all_reduce(&mut self, comm: &dyn Collective, part: GradPart) -> Result<()> {
         let gpu = self.gpu;
+        let grads = self.grads.as_deref_mut().ok_or_else(no_grads)?;
         let bufs = match part {
-            GradPart::Hidden => vec![&mut self.grads.dhidden],
-            GradPart::Head => std::iter::once(&mut self.grads.dweight)
-                .chain(self.grads.dbias.as_mut())
+            GradPart::Hidden => vec![&mut grads.dhidden],
+            GradPart::Head => std::iter::once(&mut grads.dweight)
+                .chain(grads.dbias.as_mut())
                 .collect(),
         };
         for buf in bufs {

@@ -6,6 +6,7 @@
 use super::device::{DeviceBuffer, Gpu, GpuElement, device_error};
 use super::launch::{KernelLayout, cols_arg, rows_launch};
 use crate::batch::LogitsLayout;
+use crate::config::Temperature;
 use crate::error::Result;
 use crate::rows::{OnlineSoftmax, RowStats, RowTransform, check_row_stats, check_targets};
 use cudarc::driver::PushKernelArg;
@@ -85,18 +86,11 @@ pub fn selective_log_softmax<E: GpuElement>(
     layout: &LogitsLayout,
     target_ids: &[i64],
     mask: Option<&[bool]>,
-    temperature: f64,
+    temperature: Temperature,
 ) -> Result<Vec<RowStats>> {
     layout.validate("logits", logits.len())?;
     let n = layout.rows();
-    check_targets(
-        target_ids,
-        mask,
-        n,
-        layout.vocab,
-        layout.seq_len,
-        temperature,
-    )?;
+    check_targets(target_ids, mask, n, layout.vocab, layout.seq_len)?;
     let live: Vec<bool> = (0..n).map(|i| mask.is_none_or(|m| m[i])).collect();
     let stats = row_stats(
         gpu,

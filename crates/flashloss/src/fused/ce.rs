@@ -5,7 +5,7 @@
 //! loss, so single-pass (6NHV) whenever the plan holds a useful row block. Per row,
 //! `∂ℓ/∂s_j = (1 + 2λ_z·lse)·p_j - (1-ε)·[j = y] - ε/V`.
 
-use super::passes::{Head, LinearGrads, RowGrad};
+use super::passes::{Head, LinearGrads, RowGrad, check_head};
 use super::plan::{FusedOptions, Plan};
 use super::two_pass::{VocabSplit, grads_pass, stats_pass};
 use crate::cross_entropy::CrossEntropy;
@@ -45,7 +45,7 @@ pub fn ce_linear(
     grad_rows: Option<&[f32]>,
     opts: &FusedOptions,
 ) -> Result<CeLinearOutput> {
-    head.validate()?;
+    check_head(head, true)?;
     let shape = head.shape();
     let rows = CeRows::new(
         ce,
@@ -56,7 +56,9 @@ pub fn ce_linear(
         grad_rows,
     )?;
     let plan = head.plan(opts, true)?;
-    ce_linear_checked(head, &rows, plan, None)
+    let out = ce_linear_checked(head, &rows, plan, None)?;
+    head.check_grads(shape.tokens)?;
+    Ok(out)
 }
 
 /// The fused CE of checked `rows` with `plan`; in a vocab-parallel run, `split` merges
@@ -115,14 +117,7 @@ impl<'a> CeRows<'a> {
         grad_rows: Option<&'a [f32]>,
     ) -> Result<Self> {
         let live: Vec<bool> = targets.iter().map(|&y| ce.counts(y)).collect();
-        check_targets(
-            targets,
-            Some(&live),
-            n,
-            vocab,
-            n.max(1),
-            ce.config().temperature,
-        )?;
+        check_targets(targets, Some(&live), n, vocab, n.max(1))?;
         ce.check_grad_rows(grad_rows, n)?;
         if !grad_output.is_finite() {
             return Err(Error::NonFinite {

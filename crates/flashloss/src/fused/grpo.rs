@@ -6,7 +6,7 @@
 //! (the whole batch's policy stage between pass A and pass B, 8NHV). Per row,
 //! `dz = (g/T)·[dlogp·(1[j=y] - p) - dentropy·p·(log p + H)]`.
 
-use super::passes::{FusedPasses, Head, LinearGrads, RowGrad};
+use super::passes::{FusedPasses, Head, LinearGrads, RowGrad, check_head};
 use super::plan::{FusedOptions, Plan};
 use super::two_pass::{VocabSplit, grads_pass, stats_pass};
 use crate::batch::{GrpoBatch, HeadShape};
@@ -104,11 +104,13 @@ pub fn grpo_linear(
     norm: Normalizers,
     opts: &FusedOptions,
 ) -> Result<GrpoLinearOutput> {
-    head.validate()?;
+    check_head(head, true)?;
     let shape = head.shape();
     check_batch(loss, batch, shape, shape.vocab, opts)?;
     let plan = head.plan(opts, !loss.needs_sequence_reduction())?;
-    grpo_linear_checked(head, loss, batch, norm, opts, plan, None)
+    let out = grpo_linear_checked(head, loss, batch, norm, opts, plan, None)?;
+    head.check_grads(batch.seq_len)?;
+    Ok(out)
 }
 
 /// [`grpo_linear`] on inputs already checked, with `plan`; in a vocab-parallel run,

@@ -3,8 +3,9 @@
 //! vocabulary once per row block (2NHV FLOPs). The old- and reference-policy passes of
 //! GRPO, on any backend's [`Head`].
 
-use super::passes::Head;
+use super::passes::{Head, check_head};
 use super::plan::{FusedOptions, Mode};
+use crate::config::Temperature;
 use crate::error::Result;
 use crate::rows::{RowInputs, RowStats, RowTransform, check_row_stats, check_targets};
 
@@ -15,15 +16,15 @@ pub fn logp_linear(
     head: &mut dyn Head,
     target_ids: &[i64],
     mask: Option<&[bool]>,
-    temperature: f64,
+    temperature: Temperature,
     budget_bytes: usize,
     seq_len: usize,
 ) -> Result<Vec<RowStats>> {
-    head.validate()?;
+    check_head(head, false)?;
     let shape = head.shape();
     let n = shape.tokens;
-    let seq_len = seq_len.clamp(1, n);
-    check_targets(target_ids, mask, n, shape.vocab, seq_len, temperature)?;
+    let seq_len = seq_len.clamp(1, n.max(1));
+    check_targets(target_ids, mask, n, shape.vocab, seq_len)?;
     let all = vec![true; if mask.is_none() { n } else { 0 }];
     let live = mask.unwrap_or(&all);
     let opts = FusedOptions {

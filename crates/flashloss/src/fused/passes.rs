@@ -93,8 +93,15 @@ pub trait Head {
     /// Its shape.
     fn shape(&self) -> HeadShape;
 
-    /// Checks the head's inputs (finite values) and that the gradient buffers match it.
-    fn validate(&self) -> Result<()>;
+    /// Checks the head's inputs (finite values) and, `with_grads`, that the gradient
+    /// buffers match it. The drivers check the shape first ([`check_head`]).
+    fn validate(&self, with_grads: bool) -> Result<()>;
+
+    /// Checks the gradient buffers after a step: the first entry that is not finite is
+    /// the error of [`crate::range::grad_out_of_range`] (`seq_len` places a `dH` row in
+    /// its sequence). A sum over the vocabulary or the tokens can leave f32 where every
+    /// row's gradient is in range.
+    fn check_grads(&self, seq_len: usize) -> Result<()>;
 
     /// The plan of this backend for `opts`; `single_pass_allowed` is false for losses
     /// that reduce over sequences.
@@ -109,6 +116,13 @@ pub trait Head {
 
     /// Sums `part` of the gradients over `comm`'s ranks.
     fn all_reduce(&mut self, comm: &dyn Collective, part: GradPart) -> Result<()>;
+}
+
+/// Checks a head before a driver runs on it: its shape ([`HeadShape::check`]), then the
+/// backend's [`Head::validate`].
+pub(crate) fn check_head(head: &dyn Head, with_grads: bool) -> Result<()> {
+    head.shape().check()?;
+    head.validate(with_grads)
 }
 
 /// Gradients of an LM head in host memory, accumulated in f32.

@@ -14,7 +14,7 @@
 
 use super::ce::{CeLinearOutput, CeRows, ce_linear_checked};
 use super::grpo::{GrpoLinearOutput, check_batch, grpo_linear_checked};
-use super::passes::{GradPart, Head};
+use super::passes::{GradPart, Head, check_head};
 use super::plan::{FusedOptions, Mode, Plan};
 use super::two_pass::VocabSplit;
 use crate::batch::GrpoBatch;
@@ -261,7 +261,7 @@ fn sharded_plan<'g>(
     single_pass_allowed: bool,
 ) -> Result<(Plan, Option<VocabSplit<'g>>)> {
     let range = shard.range(head.shape().vocab)?;
-    head.validate()?;
+    check_head(head, true)?;
     if grid.vocab.world_size() == 1 && range.len() == shard.vocab {
         return Ok((head.plan(opts, single_pass_allowed)?, None));
     }
@@ -279,12 +279,17 @@ fn sharded_plan<'g>(
     Ok((head.plan(opts, false)?, Some(split)))
 }
 
-/// dH summed over the vocab group (vocabulary shards), dW and dbias over token groups.
-fn all_reduce_grads(grid: &Grid, head: &mut dyn Head, split: bool) -> Result<()> {
-    if split {
+/// dH summed over the ranks that split the vocabulary, dW and dbias over those that
+/// split the rows (a group of one reduces nothing); then the gradients are checked
+/// finite, and a failure on any rank is the same error on every rank.
+fn all_reduce_grads(grid: &Grid, head: &mut dyn Head, split: bool, seq_len: usize) -> Result<()> {
+    if split && grid.vocab.world_size() > 1 {
         head.all_reduce(grid.vocab.as_ref(), GradPart::Hidden)?;
     }
-    head.all_reduce(grid.tokens.as_ref(), GradPart::Head)
+    if grid.tokens.world_size() > 1 {
+        head.all_reduce(grid.tokens.as_ref(), GradPart::Head)?;
+    }
+    agree(grid.world, head.check_grads(seq_len))
 }
 
 /// GRPO on a [`Grid`]: each rank passes its token group's sequences `batch` and its
@@ -306,7 +311,7 @@ pub fn grpo_linear_sharded(
     let norm = global_normalizers(grid.tokens.as_ref(), local)?;
     let out = grpo_linear_checked(head, loss, batch, norm, opts, plan, split.as_ref());
     let mut out = agree(grid.world, out)?;
-    all_reduce_grads(grid, head, split.is_some())?;
+    all_reduce_grads(grid, head, split.is_some(), batch.seq_len)?;
     (out.loss, out.metrics) = reduce_policy_outputs(
         grid.tokens.as_ref(),
         out.loss,
@@ -346,7 +351,7 @@ pub fn ce_linear_sharded(
     let rows = rows.with_count(count[0] as usize);
     let out = ce_linear_checked(head, &rows, plan, split.as_ref());
     let mut out = agree(grid.world, out)?;
-    all_reduce_grads(grid, head, split.is_some())?;
+    all_reduce_grads(grid, head, split.is_some(), shape.tokens)?;
     let mut sums = [out.loss, out.z_loss];
     grid.tokens.all_reduce_sum_f64(&mut sums)?;
     (out.loss, out.z_loss) = (sums[0], sums[1]);

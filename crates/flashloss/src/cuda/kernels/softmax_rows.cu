@@ -283,3 +283,23 @@ fill_u16(unsigned short* p, long long n, unsigned short bits) {
          i += (long long)gridDim.x * BLOCK)
         p[i] = bits;
 }
+
+// The first index of a non-finite entry (exponent bits all set: an infinity or a NaN),
+// as an atomic minimum into `*first` (which starts at ~0: none). `mask` is the
+// exponent field of the word width (0x7f800000 for f32, 0x7f80 for bf16). Grid-stride
+// loop.
+extern "C" __global__ void __launch_bounds__(BLOCK)
+first_non_finite_u32(const unsigned int* p, long long n, unsigned int mask,
+                     unsigned long long* first) {
+    for (long long i = (long long)blockIdx.x * BLOCK + threadIdx.x; i < n;
+         i += (long long)gridDim.x * BLOCK)
+        if ((p[i] & mask) == mask) atomicMin(first, (unsigned long long)i);
+}
+
+extern "C" __global__ void __launch_bounds__(BLOCK)
+first_non_finite_u16(const unsigned short* p, long long n, unsigned short mask,
+                     unsigned long long* first) {
+    for (long long i = (long long)blockIdx.x * BLOCK + threadIdx.x; i < n;
+         i += (long long)gridDim.x * BLOCK)
+        if ((p[i] & mask) == mask) atomicMin(first, (unsigned long long)i);
+}

@@ -1,0 +1,154 @@
+//! The front door from Python: the [`Device`] of the tensors' device (one per process
+//! and device, kept between calls, so its workspace is reused from step to step), and a
+//! call's LM head as [`HeadArgs`]: host slices of CPU tensors, or (a build with the
+//! `cuda` feature) PyTorch's device buffers, borrowed, on PyTorch's current stream.
+
+use crate::args::{Grads, Head, TorchElement};
+use crate::tensor::arg_error;
+use flashloss::fused::LinearGradsMut;
+use flashloss::{Device, HeadArgs};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::LazyLock;
+
+/// `$body` with `$E` the kernels' element type of tensor dtype `$dtype` (f32 or bf16).
+macro_rules! with_element {
+    ($dtype:expr, $E:ident => $body:expr) => {
+        match $dtype {
+            $crate::tensor::DType::F32 => {
+                type $E = f32;
+                $body
+            }
+            _ => {
+                type $E = half::bf16;
+                $body
+            }
+        }
+    };
+}
+pub(crate) use with_element;
+
+/// Runs `work` without the GIL; a flashloss error or a panic becomes a `ValueError`.
+pub(crate) fn run<T: Send>(
+    py: Python<'_>,
+    work: impl FnOnce() -> flashloss::Result<T> + Send,
+) -> PyResult<T> {
+    let result = py.detach(|| catch_unwind(AssertUnwindSafe(work)));
+    match result {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(e)) => Err(PyValueError::new_err(e.to_string())),
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            Err(PyValueError::new_err(format!(
+                "flashloss internal error (please report it): {what}"
+            )))
+        }
+    }
+}
+
+/// The CPU device of this process.
+pub(crate) fn cpu() -> &'static Device {
+    static CPU: LazyLock<Device> = LazyLock::new(Device::cpu);
+    &CPU
+}
+
+/// GPU `ordinal`'s device, opened once per process (kernels loaded once).
+#[cfg(feature = "cuda")]
+fn gpu(ordinal: usize) -> flashloss::Result<&'static Device> {
+    use std::collections::HashMap;
+    use std::sync::Mutex;
+    static GPUS: LazyLock<Mutex<HashMap<usize, &'static Device>>> = LazyLock::new(Mutex::default);
+    let mut gpus = GPUS.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(d) = gpus.get(&ordinal) {
+        return Ok(d);
+    }
+    let device: &'static Device = Box::leak(Box::new(Device::cuda(ordinal)?));
+    gpus.insert(ordinal, device);
+    Ok(device)
+}
+
+/// Runs `call` on the head's device with the head (and `grads`, when the loss has
+/// gradients) as [`HeadArgs`] of element type `E`, without the GIL.
+pub(crate) fn call_head<E: TorchElement, R: Send>(
+    py: Python<'_>,
+    head: &Head,
+    grads: Option<&mut Grads>,
+    stream: usize,
+    call: impl FnOnce(&Device, HeadArgs<E>) -> flashloss::Result<R> + Send,
+) -> PyResult<R> {
+    if let Some(ordinal) = head.hidden.cuda {
+        return call_borrowed(py, ordinal, head, grads, stream, call);
+    }
+    let inputs = head.inputs::<E>()?;
+    let grads = match grads {
+        // SAFETY: the gradient tensors are fresh allocations of the Python side.
+        Some(g) => unsafe { g.view()? },
+        None => LinearGradsMut {
+            dhidden: &mut [],
+            dweight: &mut [],
+            dbias: None,
+        },
+    };
+    let args = HeadArgs::Host {
+        inputs: &inputs,
+        grads,
+    };
+    run(py, || call(cpu(), args))
+}
+
+/// [`call_head`] on device tensors: borrowed, with PyTorch's `stream`.
+#[cfg(feature = "cuda")]
+fn call_borrowed<E: TorchElement, R: Send>(
+    py: Python<'_>,
+    ordinal: usize,
+    head: &Head,
+    grads: Option<&mut Grads>,
+    stream: usize,
+    call: impl FnOnce(&Device, HeadArgs<E>) -> flashloss::Result<R> + Send,
+) -> PyResult<R> {
+    let device = gpu(ordinal).map_err(|e| arg_error("hidden", e))?;
+    let Some(g) = grads else {
+        return Err(arg_error(
+            "hidden",
+            "is on a GPU; this function runs CPU tensors (so far)",
+        ));
+    };
+    // SAFETY: the Python side passes PyTorch's current stream of this device and
+    // contiguous tensors of these sizes and dtypes (checked there and in `Tensor`),
+    // which it keeps alive, and does not touch, for the length of the call; the
+    // gradient buffers are fresh f32 allocations.
+    let borrowed = unsafe {
+        flashloss::cuda::BorrowedHead::new(
+            stream,
+            head.hidden.device_ptr(),
+            head.weight.device_ptr(),
+            head.bias.as_ref().map(|b| b.device_ptr()),
+            g.hidden.device_ptr(),
+            g.weight.device_ptr(),
+            g.bias.as_ref().map(|b| b.device_ptr()),
+            (head.tokens, head.hidden_size, head.vocab),
+        )
+    };
+    run(py, || call(device, HeadArgs::Cuda(borrowed)))
+}
+
+/// Without the `cuda` feature no tensor is on a GPU (`Tensor::new` refuses them).
+#[cfg(not(feature = "cuda"))]
+fn call_borrowed<E: TorchElement, R: Send>(
+    _py: Python<'_>,
+    _ordinal: usize,
+    head: &Head,
+    _grads: Option<&mut Grads>,
+    _stream: usize,
+    _call: impl FnOnce(&Device, HeadArgs<E>) -> flashloss::Result<R> + Send,
+) -> PyResult<R> {
+    Err(arg_error(
+        head.hidden.arg,
+        "is on a GPU; this build runs CPU tensors",
+    ))
+}

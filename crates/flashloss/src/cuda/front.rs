@@ -1,0 +1,245 @@
+//! The GPU arm of the front door ([`crate::Device`]): a call's head in host memory
+//! (copied to the device, the gradients added back into the caller's buffers) or in
+//! borrowed device buffers (a framework's tensors, on its stream), run with the
+//! device's kept [`GpuWorkspace`] (cuBLAS handle and tiles), which is bound to the
+//! call's stream for the length of the call.
+
+use super::device::{Gpu, GpuElement};
+use super::grpo_logits::{grpo_logits_backward, grpo_logits_forward};
+use super::head::{GpuGrads, GpuHead, GpuWorkspace};
+use super::passes::DeviceHead;
+use crate::batch::{GrpoBatch, LinearInputs, LogitsLayout};
+use crate::config::GrpoLoss;
+use crate::element::{DType, Element};
+use crate::error::{Error, Result};
+use crate::fused::{Head, LinearGradsMut};
+use crate::grpo_logits::GrpoLogitsForward;
+use half::bf16;
+
+/// Device addresses of an LM head (`hidden [N, H]`, `weight [V, H]` in the call's
+/// element type, an f32 `bias [V]`) and of its f32 gradient buffers, memory the caller
+/// owns, with the stream the caller orders its work on.
+#[derive(Debug, Clone, Copy)]
+pub struct BorrowedHead {
+    stream: usize,
+    hidden: u64,
+    weight: u64,
+    bias: Option<u64>,
+    dhidden: u64,
+    dweight: u64,
+    dbias: Option<u64>,
+    tokens: usize,
+    hidden_size: usize,
+    vocab: usize,
+}
+
+impl BorrowedHead {
+    /// A head of `tokens × hidden_size` hidden states and `vocab` weight rows.
+    ///
+    /// # Safety
+    /// Every address must hold its buffer's elements (contiguous, on the GPU of the
+    /// device it is given to) alive and untouched by anything else until the call that
+    /// takes this head returns; `stream` (a `CUstream`) must be a live stream of that
+    /// GPU's primary context; the gradient buffers hold f32 and may be added into.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn new(
+        stream: usize,
+        hidden: u64,
+        weight: u64,
+        bias: Option<u64>,
+        dhidden: u64,
+        dweight: u64,
+        dbias: Option<u64>,
+        (tokens, hidden_size, vocab): (usize, usize, usize),
+    ) -> Self {
+        BorrowedHead {
+            stream,
+            hidden,
+            weight,
+            bias,
+            dhidden,
+            dweight,
+            dbias,
+            tokens,
+            hidden_size,
+            vocab,
+        }
+    }
+}
+
+/// The device's workspace (made on first use), bound to `gpu`'s stream.
+fn workspace<'w>(gpu: &Gpu, ws: &'w mut Option<GpuWorkspace>) -> Result<&'w mut GpuWorkspace> {
+    if ws.is_none() {
+        *ws = Some(GpuWorkspace::new(gpu)?);
+    }
+    let ws = ws.as_mut().expect("made above");
+    ws.bind(gpu)?;
+    Ok(ws)
+}
+
+/// `inputs` viewed as elements of type `T` (`as_t`: the slice itself when `E` is `T`).
+fn cast<'a, E, T>(
+    inputs: &LinearInputs<'a, E>,
+    as_t: fn(&'a [E]) -> Option<&'a [T]>,
+) -> Option<LinearInputs<'a, T>> {
+    Some(LinearInputs {
+        hidden: as_t(inputs.hidden)?,
+        weight: as_t(inputs.weight)?,
+        bias: match inputs.bias {
+            Some(b) => Some(as_t(b)?),
+            None => None,
+        },
+        tokens: inputs.tokens,
+        hidden_size: inputs.hidden_size,
+        vocab: inputs.vocab,
+    })
+}
+
+/// Runs `work` on a device copy of host `inputs` (f32 or bf16); the gradients (when
+/// `grads` has buffers) are added back into `grads`.
+pub(crate) fn run_on_host_buffers<E: Element, R>(
+    gpu: &Gpu,
+    ws: &mut Option<GpuWorkspace>,
+    inputs: &LinearInputs<E>,
+    grads: LinearGradsMut,
+    work: impl FnOnce(&mut dyn Head) -> Result<R>,
+) -> Result<R> {
+    fn typed<T: GpuElement, R>(
+        gpu: &Gpu,
+        ws: &mut Option<GpuWorkspace>,
+        inputs: &LinearInputs<T>,
+        grads: LinearGradsMut,
+        work: impl FnOnce(&mut dyn Head) -> Result<R>,
+    ) -> Result<R> {
+        let head = GpuHead::upload(gpu, inputs)?;
+        let with_grads = !(grads.dhidden.is_empty() && grads.dweight.is_empty());
+        let mut device_grads = match with_grads {
+            true => {
+                grads.check(inputs)?;
+                Some(GpuGrads::zeros(gpu, &head)?)
+            }
+            false => None,
+        };
+        let out = work(&mut DeviceHead {
+            gpu,
+            head: &head,
+            ws: workspace(gpu, ws)?,
+            grads: device_grads.as_mut(),
+            materialized: false,
+        })?;
+        if let Some(d) = device_grads {
+            let host = d.download(gpu)?;
+            let add = |dst: &mut [f32], src: &[f32]| {
+                dst.iter_mut().zip(src).for_each(|(a, b)| *a += b);
+            };
+            add(grads.dhidden, &host.dhidden);
+            add(grads.dweight, &host.dweight);
+            if let (Some(dst), Some(src)) = (grads.dbias, host.dbias.as_deref()) {
+                add(dst, src);
+            }
+        }
+        Ok(out)
+    }
+    if let Some(inputs) = cast(inputs, E::as_f32) {
+        return typed::<f32, R>(gpu, ws, &inputs, grads, work);
+    }
+    match cast(inputs, E::as_bf16) {
+        Some(inputs) => typed::<bf16, R>(gpu, ws, &inputs, grads, work),
+        None => Err(Error::InvalidArgument {
+            arg: "hidden",
+            reason: format!("the CUDA backend takes f32 or bf16, not {:?}", E::DTYPE),
+        }),
+    }
+}
+
+/// Runs `work` on a [`DeviceHead`] over the borrowed buffers of `b` (elements of
+/// `dtype`), on the caller's stream, and waits for that stream so that errors of the
+/// kernels surface here.
+pub(crate) fn run_on_borrowed<R>(
+    base: &Gpu,
+    ws: &mut Option<GpuWorkspace>,
+    b: BorrowedHead,
+    dtype: DType,
+    work: impl FnOnce(&mut dyn Head) -> Result<R>,
+) -> Result<R> {
+    fn typed<T: GpuElement, R>(
+        base: &Gpu,
+        ws: &mut Option<GpuWorkspace>,
+        b: BorrowedHead,
+        work: impl FnOnce(&mut dyn Head) -> Result<R>,
+    ) -> Result<R> {
+        let (n, h, v) = (b.tokens, b.hidden_size, b.vocab);
+        // SAFETY: `BorrowedHead::new`'s contract: live buffers of these sizes on this
+        // GPU, and a live stream of its primary context, for the length of the call.
+        unsafe {
+            let gpu = base.on_borrowed_stream(b.stream as cudarc::driver::sys::CUstream);
+            let head = GpuHead::<T> {
+                hidden: gpu.borrow(b.hidden, n * h),
+                weight: gpu.borrow(b.weight, v * h),
+                bias: b.bias.map(|p| gpu.borrow(p, v)),
+                tokens: n,
+                hidden_size: h,
+                vocab: v,
+            };
+            let mut grads = GpuGrads {
+                dhidden: gpu.borrow(b.dhidden, n * h),
+                dweight: gpu.borrow(b.dweight, v * h),
+                dbias: b.dbias.map(|p| gpu.borrow(p, v)),
+            };
+            let result = work(&mut DeviceHead {
+                gpu: &gpu,
+                head: &head,
+                ws: workspace(&gpu, ws)?,
+                grads: Some(&mut grads),
+                materialized: false,
+            });
+            gpu.synchronize()?;
+            // The workspace goes back to the device's own stream, which outlives it.
+            workspace(base, ws)?;
+            result
+        }
+    }
+    match dtype {
+        DType::F32 => typed::<f32, R>(base, ws, b, work),
+        DType::Bf16 => typed::<bf16, R>(base, ws, b, work),
+    }
+}
+
+/// The logits-level step on a device copy of host `logits` (f32 or bf16; the copies are
+/// exact), turned into the gradient in place on the device and copied into `dlogits`
+/// (dense `[N, V]`).
+pub(crate) fn grpo_logits_host<E: Element>(
+    gpu: &Gpu,
+    loss: &GrpoLoss,
+    batch: &GrpoBatch,
+    logits: &[E],
+    layout: &LogitsLayout,
+    grad_output: f32,
+    dlogits: &mut [E],
+) -> Result<GrpoLogitsForward> {
+    fn typed<T: GpuElement, E: Element>(
+        gpu: &Gpu,
+        loss: &GrpoLoss,
+        batch: &GrpoBatch,
+        logits: &[E],
+        layout: &LogitsLayout,
+        grad_output: f32,
+        dlogits: &mut [E],
+    ) -> Result<GrpoLogitsForward> {
+        layout.validate_dense("dlogits", dlogits.len())?;
+        let z: Vec<T> = logits.iter().map(|v| T::from_f32(v.to_f32())).collect();
+        let mut device_logits = gpu.upload(&z)?;
+        let fwd = grpo_logits_forward(gpu, loss, batch, &device_logits, layout)?;
+        grpo_logits_backward(gpu, &fwd, &mut device_logits, grad_output, None)?;
+        let grad = gpu.download(&device_logits)?;
+        dlogits
+            .iter_mut()
+            .zip(grad)
+            .for_each(|(o, g)| *o = E::from_f32(g.to_f32()));
+        Ok(fwd)
+    }
+    match E::DTYPE {
+        DType::F32 => typed::<f32, E>(gpu, loss, batch, logits, layout, grad_output, dlogits),
+        DType::Bf16 => typed::<bf16, E>(gpu, loss, batch, logits, layout, grad_output, dlogits),
+    }
+}
