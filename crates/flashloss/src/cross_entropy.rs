@@ -90,6 +90,18 @@ impl CrossEntropy {
         &self.config
     }
 
+    /// `Σ_i c_i` over the rows of `targets` that take part, `c_i` each row's weight in
+    /// the reduction (mean `1/count`, sum and none 1): times `|grad_output|` it scales the
+    /// absolute floor of `dW` and `dbias` (spec: "Absolute floor of a summed gradient
+    /// entry").
+    pub fn reduction_weight_sum(&self, targets: &[i64]) -> f64 {
+        let counted = targets.iter().filter(|&&y| self.counts(y)).count() as f64;
+        match self.config.reduction {
+            Reduction::Mean => counted.min(1.0),
+            Reduction::Sum | Reduction::None => counted,
+        }
+    }
+
     /// True for rows that take part: target ≠ `ignore_index`.
     pub fn counts(&self, target: i64) -> bool {
         target != self.config.ignore_index

@@ -214,6 +214,22 @@ fn reduction_weight(c: &LossConfig, norm: Normalizers, len_b: f64) -> f64 {
     }
 }
 
+/// `Σ_i w_i` over the live rows of `batch`: the weights of the rows in the loss's
+/// reduction, whose sum times `|grad_output|` scales the absolute floor of a gradient
+/// entry that sums over rows (`dW`, `dbias`; spec: "Absolute floor of a summed gradient
+/// entry").
+pub fn reduction_weight_sum(loss: &GrpoLoss, batch: &GrpoBatch, norm: Normalizers) -> f64 {
+    let t = batch.seq_len.max(1);
+    batch
+        .mask
+        .chunks(t)
+        .map(|seq| {
+            let len = seq.iter().filter(|&&m| m).count();
+            len as f64 * reduction_weight(loss.config(), norm, len.max(1) as f64)
+        })
+        .sum()
+}
+
 /// vespo's `log w_b = clamp(Σ_t m·clamp(log r_t, ±20) + log ρ, ln 1e-8, 20)`, where the
 /// sampler ratio adds `Σ_t m·clamp(log ρ_t, ln 1e-8, 20)` (per token) or
 /// `clamp(log ρ_b, ln 1e-8, 20)` once (per sequence).
@@ -282,15 +298,17 @@ pub fn policy_rows(
             r.filter(|&i| batch.mask[i])
         };
         // Sequence-level ratio R_b, and vespo's log w_b (need the whole sequence).
-        let (seq_ratio, log_w) = if needs_sequence {
+        let (seq_log_ratio, log_w) = if needs_sequence {
             let log_ratio_sum: f64 = live(&seq).map(|i| lp(i) - old(i)).sum();
             let log_w = vespo_log_w(batch, b, |i| lp(i) - old(i));
-            ((log_ratio_sum / len_b).exp(), log_w)
+            (log_ratio_sum / len_b, log_w)
         } else {
-            (1.0, 0.0)
+            (0.0, 0.0)
         };
-        // Σ_s w_bs · ∂ℓ_tot,bs/∂R_b, the cross-token part of a sequence-level gradient.
-        let mut seq_grad = 0.0f64;
+        let seq_ratio = seq_log_ratio.exp();
+        // Σ_s w_bs · ∂ℓ_tot,bs/∂R_b, the cross-token part of a sequence-level gradient
+        // (the policy terms; `seq_grad_kl` holds the KL's, already times R_b).
+        let (mut seq_grad, mut seq_grad_kl) = (0.0f64, 0.0f64);
         let here = seq.start.max(rows.start)..seq.end.min(rows.end);
         let w = reduction_weight(c, norm, len_b);
 
@@ -302,28 +320,34 @@ pub fn policy_rows(
             };
             // The policy term's factor e_i·ρ_i.
             let scale = batch.policy_weight(i) * rho;
-            let r = if sequence_level {
-                seq_ratio
+            let log_r = if sequence_level {
+                seq_log_ratio
             } else {
-                (lp(i) - old(i)).exp()
+                lp(i) - old(i)
             };
+            let r = log_r.exp();
             let phi = vespo_phi(c, log_w, adv);
             let term = policy_term(c, r, adv, lp(i), phi);
 
-            // KL (k3) and its derivative w.r.t. this token's logp (direct part).
+            // KL (k3) and its derivative w.r.t. this token's logp (direct part); none
+            // when β = 0 (TRL computes it only then). With bias correction,
+            // `kl·r = exp(d + log r) - (d + 1)·r`, never `∞·0` where `exp(d)` leaves f64
+            // and r underflows.
             let (mut kl, mut dkl) = (0.0, 0.0);
-            if let Some(q) = batch.ref_logp {
+            if let (Some(q), true) = (batch.ref_logp, c.beta != 0.0) {
                 let d = q[i] as f64 - lp(i);
-                kl = d.exp() - d - 1.0;
-                dkl = 1.0 - d.exp();
-                if c.use_bias_correction_kl {
+                if !c.use_bias_correction_kl {
+                    kl = d.exp() - d - 1.0;
+                    dkl = 1.0 - d.exp();
+                } else {
+                    kl = (d + log_r).exp() - (d + 1.0) * r;
                     if sequence_level {
-                        seq_grad += w * c.beta * kl;
-                        dkl *= r;
+                        // ∂(k3·R)/∂R · R = k3·R.
+                        seq_grad_kl += w * c.beta * kl;
+                        dkl = r - (d + log_r).exp();
                     } else {
-                        dkl = r * (lp(i) - q[i] as f64);
+                        dkl = -r * d;
                     }
-                    kl *= r;
                 }
             }
 
@@ -349,8 +373,9 @@ pub fn policy_rows(
         }
         if sequence_level {
             // ∂R_b/∂logp_bt = R_b · m_bt / L_b.
+            let cross = (seq_grad * seq_ratio + seq_grad_kl) / len_b;
             for i in live(&here) {
-                out.dlogp[i] = (out.dlogp[i] as f64 + seq_grad * seq_ratio / len_b) as f32;
+                out.dlogp[i] = (out.dlogp[i] as f64 + cross) as f32;
             }
         }
     }

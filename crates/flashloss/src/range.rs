@@ -108,8 +108,8 @@ pub fn check_policy_rows(
     for i in rows.filter(|&i| live(i)) {
         total += policy.token_loss[i];
         let checks = [
-            ("loss", policy.token_loss[i]),
             ("kl", policy.kl[i] as f64),
+            ("loss", policy.token_loss[i]),
             ("dlogp", policy.dlogp[i] as f64),
             ("dentropy", policy.dentropy[i] as f64),
             ("loss (running sum)", total),

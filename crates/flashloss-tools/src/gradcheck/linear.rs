@@ -5,7 +5,7 @@ use super::config::{GradcheckConfig, Objective};
 use super::report::{Gate, GradcheckReport, grad_gate, worst_rel};
 use crate::Result;
 use crate::inputs::{GrpoInputs, HeadInputs};
-use flashloss::policy::Normalizers;
+use flashloss::policy::{Normalizers, reduction_weight_sum};
 use flashloss::reference::{ce_reference, grpo_reference, linear_grads, linear_logits};
 use flashloss::{CrossEntropy, Element, GrpoLoss};
 use flashloss::{FusedOptions, LinearGrads};
@@ -27,7 +27,7 @@ pub(super) fn check_linear<E: Element>(cfg: &GradcheckConfig) -> Result<Gradchec
     let device = cfg.device.open()?;
     let grads: LinearGrads;
     let start = Instant::now();
-    let (name, loss_pair, metrics, mut gates, dlogits_ref) = match cfg.objective {
+    let (name, loss_pair, metrics, mut gates, dlogits_ref, summed_rows) = match cfg.objective {
         Objective::Grpo => {
             let loss = GrpoLoss::new(cfg.loss.clone())?;
             let batch = tokens.batch();
@@ -49,12 +49,14 @@ pub(super) fn check_linear<E: Element>(cfg: &GradcheckConfig) -> Result<Gradchec
                 ),
             ];
             let name = format!("linear grpo {:?} {}", E::DTYPE, mode_name(&out.plan));
+            let rows = reduction_weight_sum(&loss, &batch, norm) * cfg.grad_output.abs();
             (
                 name,
                 (r.loss, out.loss),
                 Some((r.metrics, out.metrics)),
                 gates,
                 r.dlogits,
+                rows,
             )
         }
         Objective::Ce => {
@@ -70,7 +72,8 @@ pub(super) fn check_linear<E: Element>(cfg: &GradcheckConfig) -> Result<Gradchec
                 tol.logp_rel.unwrap_or_default(),
             )];
             let name = format!("linear ce {:?} {}", E::DTYPE, mode_name(&out.plan));
-            (name, (r.loss, out.loss), None, gates, r.dlogits)
+            let rows = ce.reduction_weight_sum(&targets) * cfg.grad_output.abs();
+            (name, (r.loss, out.loss), None, gates, r.dlogits, rows)
         }
     };
     let kernel_seconds = start.elapsed().as_secs_f64();
@@ -89,15 +92,23 @@ pub(super) fn check_linear<E: Element>(cfg: &GradcheckConfig) -> Result<Gradchec
         f64s(&grads.dhidden).into_iter(),
         &dh,
         &tol,
+        1.0,
     ));
     gates.push(grad_gate(
         "dweight",
         f64s(&grads.dweight).into_iter(),
         &dw,
         &tol,
+        summed_rows,
     ));
     if let Some(got) = &grads.dbias {
-        gates.push(grad_gate("dbias", f64s(got).into_iter(), &db, &tol));
+        gates.push(grad_gate(
+            "dbias",
+            f64s(got).into_iter(),
+            &db,
+            &tol,
+            summed_rows,
+        ));
     }
     Ok(GradcheckReport::new(
         name,

@@ -63,18 +63,21 @@ pub fn check_inputs<E: Element>(
             fwd.dlogp().iter().map(|&x| x as f64),
             &reference.dlogp,
             &tol,
+            1.0,
         ),
         grad_gate(
             "dentropy",
             fwd.dentropy().iter().map(|&x| x as f64),
             &reference.dentropy,
             &tol,
+            1.0,
         ),
         grad_gate(
             "dlogits",
             dlogits.iter().map(|x| x.to_f32() as f64),
             &reference.dlogits,
             &tol,
+            1.0,
         ),
     ];
     Ok(GradcheckReport::new(

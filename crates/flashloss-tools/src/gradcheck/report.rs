@@ -94,17 +94,22 @@ pub(crate) fn worst_rel(pairs: impl Iterator<Item = (f32, f64)>) -> f64 {
     max_abs_diff_by(pairs.map(|(g, w)| (g as f64 - w).abs() / w.abs().max(1.0)))
 }
 
-/// The gate of one gradient: `max|Δg| ≤ max(grad_rel · max|g_ref|, grad_atol)`.
+/// The gate of one gradient: `max|Δg| ≤ max(grad_rel · max|g_ref|, grad_atol · rows)`,
+/// where `rows` is 1 for an entry that holds one row's contribution (`dlogits`, `dH`)
+/// and `Σ_i |c_i|` for one that sums rows (`dW`, `dbias`: spec, "Absolute floor of a
+/// summed gradient entry").
 pub(crate) fn grad_gate(
     name: &'static str,
     got: impl Iterator<Item = f64>,
     want: &[f64],
     tol: &Tolerance,
+    rows: f64,
 ) -> Gate {
     let max_ref = want.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+    let floor = tol.grad_atol.unwrap_or_default() * rows;
     Gate::new(
         name,
         max_abs_diff(got, want.iter().cloned()),
-        (tol.grad_rel.unwrap_or_default() * max_ref).max(tol.grad_atol.unwrap_or_default()),
+        (tol.grad_rel.unwrap_or_default() * max_ref).max(floor),
     )
 }

@@ -147,7 +147,7 @@ impl<'c, E: Element> Check<'c, E> {
         };
         let gate = |name: &'static str, got: &[f32], want: &[f32]| {
             let want: Vec<f64> = want.iter().map(|&x| x as f64).collect();
-            grad_gate(name, got.iter().map(|&x| x as f64), &want, &tol)
+            grad_gate(name, got.iter().map(|&x| x as f64), &want, &tol, 1.0)
         };
         let mut gates = vec![
             Gate::new(

@@ -107,6 +107,7 @@ impl<'c, E: Element> LogitsCheck<'c, E> {
                 grad.iter().map(|x| x.to_f32() as f64),
                 &want,
                 &tol,
+                1.0,
             ),
         ];
         let kernel = format!("logits grpo {:?} {:?}-parallel", E::DTYPE, cfg.parallel);

@@ -76,7 +76,7 @@ fn sequence_terms<N: Num>(
     if let Some(PerSeqOrToken::Sequence(rho)) = batch.sampler_ratio {
         vespo_log_w = vespo_log_w + N::c(log_rho(rho[b]));
     }
-    let seq_ratio = (log_ratio_sum * N::c(1.0 / len_b)).exp();
+    let seq_log_ratio = log_ratio_sum * N::c(1.0 / len_b);
     let vespo_log_w = vespo_log_w.clamp_v(1e-8f64.ln(), 20.0);
 
     let mut terms = Vec::new();
@@ -84,10 +84,11 @@ fn sequence_terms<N: Num>(
         let i = row(t);
         let adv = batch.advantages.at(i, t_len) as f64;
         let a = N::c(adv);
-        let r = match c.importance_sampling_level {
-            ImportanceSamplingLevel::Token => (logp[t] - old(t)).exp(),
-            ImportanceSamplingLevel::Sequence => seq_ratio,
+        let log_r = match c.importance_sampling_level {
+            ImportanceSamplingLevel::Token => logp[t] - old(t),
+            ImportanceSamplingLevel::Sequence => seq_log_ratio,
         };
+        let r = log_r.exp();
         let policy = match c.loss_type {
             LossType::Cispo => -(r.min_v(N::c(c.epsilon_high)).stopgrad() * a * logp[t]),
             LossType::Sapo => {
@@ -130,13 +131,16 @@ fn sequence_terms<N: Num>(
             0.0
         };
         let in_bonus = on(batch.entropy_mask);
-        let kl = match batch.ref_logp {
-            Some(q) => {
+        // β·kl is absent when β = 0; k3·r is written exp(d + log r) - (d + 1)·r.
+        let kl = match (batch.ref_logp, c.beta != 0.0) {
+            (Some(q), true) => {
                 let d = N::c(q[i] as f64) - logp[t];
-                let k3 = d.exp() - d - N::c(1.0);
-                if c.use_bias_correction_kl { k3 * r } else { k3 }
+                match c.use_bias_correction_kl {
+                    true => (d + log_r).exp() - (d + N::c(1.0)) * r,
+                    false => d.exp() - d - N::c(1.0),
+                }
             }
-            None => N::c(0.0),
+            _ => N::c(0.0),
         };
         let weight = match c.loss_type {
             LossType::Grpo | LossType::Sapo => 1.0 / (norm.batch_size * len_b),
