@@ -4,7 +4,7 @@
 //! where the code under test broke a promise: a panic, a NaN or infinite result.
 
 use flashloss::{
-    CeConfig, CrossEntropy, Device, FusedOptions, GrpoLoss, LogitsLayout, LossConfig, LossType,
+    CeConfig, CrossEntropy, Device, FusedOptions, GrpoLoss, GrpoLossConfig, LogitsLayout, LossType,
     Mode, PerSeqOrTokenBuf,
 };
 use flashloss_tools::bench::BenchConfig;
@@ -142,12 +142,12 @@ pub fn batch_validation(data: &[u8]) {
     let mut x = GrpoInputs::random(&spec, r.byte() as u64);
     let mut head = HeadInputs::<f32>::random(b * t, h, v, true, 7);
     let types = LossType::ALL;
-    let mut loss = LossConfig {
+    let mut loss = GrpoLossConfig {
         loss_type: types[r.small(types.len() as u8)],
         beta: if r.byte() & 1 == 1 { 0.04 } else { 0.0 },
         entropy_coef: if r.byte() & 1 == 1 { 0.01 } else { 0.0 },
         max_completion_length: Some(t),
-        ..LossConfig::default()
+        ..GrpoLossConfig::default()
     };
     if loss.loss_type == LossType::Luspo {
         loss.importance_sampling_level = flashloss::ImportanceSamplingLevel::Sequence;

@@ -3,7 +3,7 @@
 
 use candle_core::{DType, Device, Tensor, Var};
 use flashloss::{
-    CeConfig, CrossEntropy, GrpoBatchData, GrpoLoss, LossConfig, LossType, PerSeqOrTokenBuf,
+    CeConfig, CrossEntropy, GrpoBatchData, GrpoLoss, GrpoLossConfig, LossType, PerSeqOrTokenBuf,
     Reduction,
 };
 use flashloss_candle::ops::{self, baseline};
@@ -98,7 +98,7 @@ fn grpo_ops_match_candle_ops_for_every_token_level_loss_type() {
     {
         for (delta, bias_kl) in [(None, false), (Some(1.5), true)] {
             let delta = delta.filter(|_| loss_type.is_clipped());
-            let loss = GrpoLoss::new(LossConfig {
+            let loss = GrpoLoss::new(GrpoLossConfig {
                 loss_type,
                 beta: 0.1,
                 delta,
@@ -111,7 +111,7 @@ fn grpo_ops_match_candle_ops_for_every_token_level_loss_type() {
                     0.28
                 },
                 max_completion_length: Some(t),
-                ..LossConfig::default()
+                ..GrpoLossConfig::default()
             })
             .unwrap();
             let base = value_and_grads(&hidden, &weight, |x, w| {
@@ -164,7 +164,7 @@ fn the_op_scales_its_gradients_by_the_upstream_gradient() {
     let hidden = random(&mut rng, (10, 8), 1.0);
     let weight = random(&mut rng, (33, 8), 1.0);
     let batch = inputs(&mut rng, 2, 5, 33);
-    let loss = GrpoLoss::new(LossConfig::default()).unwrap();
+    let loss = GrpoLoss::new(GrpoLossConfig::default()).unwrap();
     let once = value_and_grads(&hidden, &weight, |x, w| {
         ops::grpo_linear(x, w, &loss, batch.clone(), 64 << 20)
             .unwrap()
@@ -270,12 +270,12 @@ fn bad_inputs_are_errors_that_name_the_argument() {
     let e = ops::ce_linear(&hidden, &weight, &ce, vec![0, 1, 2, 99, 0, 0], 64 << 20).unwrap_err();
     assert!(e.to_string().contains("99"), "{e}");
     let batch = inputs(&mut rng, 2, 4, 20);
-    let loss = GrpoLoss::new(LossConfig::default()).unwrap();
+    let loss = GrpoLoss::new(GrpoLossConfig::default()).unwrap();
     let e = ops::grpo_linear(&hidden, &weight, &loss, batch, 64 << 20).unwrap_err();
     assert!(e.to_string().contains("hidden"), "{e}");
-    let vespo = GrpoLoss::new(LossConfig {
+    let vespo = GrpoLoss::new(GrpoLossConfig {
         loss_type: LossType::Vespo,
-        ..LossConfig::default()
+        ..GrpoLossConfig::default()
     })
     .unwrap();
     let batch = inputs(&mut rng, 2, 3, 20);

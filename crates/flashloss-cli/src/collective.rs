@@ -98,7 +98,7 @@ pub fn mpi(_: Duration) -> Result<World, String> {
 pub fn nccl(timeout: Duration) -> Result<flashloss::Result<World>, String> {
     let world = flashloss::cuda::Gpu::new(0)
         .map(std::sync::Arc::new)
-        .and_then(flashloss::collective::Nccl::solo)
+        .and_then(flashloss::cuda::Nccl::solo)
         .map(|n| n.with_timeout(timeout));
     Ok(world.map(|comm| World {
         comm: Box::new(comm),

@@ -1,5 +1,5 @@
 //! The arguments of the entry points, read from their tensors: the LM head
-//! ([`Head`]), its f32 gradient buffers ([`Grads`]) and a GRPO step's per-token inputs
+//! ([`HeadTensors`]), its f32 gradient buffers ([`Grads`]) and a GRPO step's per-token inputs
 //! ([`BatchTensors`]), each checked (shape, dtype, device) with errors naming the
 //! argument.
 
@@ -46,7 +46,7 @@ impl TorchElement for bf16 {
 }
 
 /// The LM head: `hidden` `[..., H]` and `weight` `[V, H]` of one dtype, `bias` `[V]`.
-pub(crate) struct Head<'py> {
+pub(crate) struct HeadTensors<'py> {
     pub(crate) hidden: Tensor<'py>,
     pub(crate) weight: Tensor<'py>,
     pub(crate) bias: Option<Tensor<'py>>,
@@ -55,7 +55,7 @@ pub(crate) struct Head<'py> {
     pub(crate) vocab: usize,
 }
 
-impl<'py> Head<'py> {
+impl<'py> HeadTensors<'py> {
     pub(crate) fn new(
         hidden: &Bound<'py, PyAny>,
         weight: &Bound<'py, PyAny>,
@@ -94,7 +94,7 @@ impl<'py> Head<'py> {
         if let Some(b) = &bias {
             b.expect_shape(&[vocab])?;
         }
-        Ok(Head {
+        Ok(HeadTensors {
             tokens: hidden.numel() / hidden_size.max(1),
             hidden,
             weight,
@@ -134,7 +134,7 @@ pub(crate) struct Grads<'py> {
 
 impl<'py> Grads<'py> {
     pub(crate) fn new(
-        head: &Head,
+        head: &HeadTensors,
         hidden: &Bound<'py, PyAny>,
         weight: &Bound<'py, PyAny>,
         bias: Option<&Bound<'py, PyAny>>,

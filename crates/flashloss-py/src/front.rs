@@ -3,7 +3,7 @@
 //! call's LM head as [`HeadArgs`]: host slices of CPU tensors, or (a build with the
 //! `cuda` feature) PyTorch's device buffers, borrowed, on PyTorch's current stream.
 
-use crate::args::{Grads, Head, TorchElement};
+use crate::args::{Grads, HeadTensors, TorchElement};
 use crate::tensor::arg_error;
 use flashloss::fused::LinearGradsMut;
 use flashloss::{Device, HeadArgs};
@@ -76,7 +76,7 @@ fn gpu(ordinal: usize) -> flashloss::Result<&'static Device> {
 /// gradients) as [`HeadArgs`] of element type `E`, without the GIL.
 pub(crate) fn call_head<E: TorchElement, R: Send>(
     py: Python<'_>,
-    head: &Head,
+    head: &HeadTensors,
     grads: Option<&mut Grads>,
     stream: usize,
     call: impl FnOnce(&Device, HeadArgs<E>) -> flashloss::Result<R> + Send,
@@ -106,7 +106,7 @@ pub(crate) fn call_head<E: TorchElement, R: Send>(
 fn call_borrowed<E: TorchElement, R: Send>(
     py: Python<'_>,
     ordinal: usize,
-    head: &Head,
+    head: &HeadTensors,
     grads: Option<&mut Grads>,
     stream: usize,
     call: impl FnOnce(&Device, HeadArgs<E>) -> flashloss::Result<R> + Send,
@@ -142,7 +142,7 @@ fn call_borrowed<E: TorchElement, R: Send>(
 fn call_borrowed<E: TorchElement, R: Send>(
     _py: Python<'_>,
     _ordinal: usize,
-    head: &Head,
+    head: &HeadTensors,
     _grads: Option<&mut Grads>,
     _stream: usize,
     _call: impl FnOnce(&Device, HeadArgs<E>) -> flashloss::Result<R> + Send,

@@ -1,16 +1,16 @@
 //! The four entry points of `flashloss._native`. Shapes follow PyTorch: `hidden`
 //! `[..., H]` with `N` rows in all, `weight` `[V, H]`, `bias` `[V]`, token ids and
 //! masks `[B, T]` (GRPO) or `[N]` (CE). Configs arrive as JSON of the Rust
-//! `LossConfig`/`CeConfig` (unknown keys are errors). Gradients are added into f32
+//! `GrpoLossConfig`/`CeConfig` (unknown keys are errors). Gradients are added into f32
 //! tensors the caller zeroed.
 
-use crate::args::{BOOL, BatchTensors, F32, FLOAT, Grads, Head, I64, TorchElement};
+use crate::args::{BOOL, BatchTensors, F32, FLOAT, Grads, HeadTensors, I64, TorchElement};
 use crate::front::{call_head, cpu, run, with_element};
 use crate::tensor::{Tensor, arg_error};
 use flashloss::fused::{self, FusedOptions, Mode, Plan};
 use flashloss::policy::GrpoMetrics;
 use flashloss::{
-    CeConfig, CrossEntropy, GrpoLoss, LogitsLayout, LossConfig, RowStats, Temperature,
+    CeConfig, CrossEntropy, GrpoLoss, GrpoLossConfig, LogitsLayout, RowStats, Temperature,
 };
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -89,7 +89,7 @@ fn grpo_result<'py>(
     Ok(d)
 }
 
-/// GRPO from hidden states: the loss of `config_json` (a `LossConfig`), `∂L/∂hidden`,
+/// GRPO from hidden states: the loss of `config_json` (a `GrpoLossConfig`), `∂L/∂hidden`,
 /// `∂L/∂weight`, `∂L/∂bias` added into the `grad_*` tensors, per-token `logp`, entropy
 /// and KL written into `out_*` (`[B, T]` f32). Returns the loss and the metrics.
 #[pyfunction]
@@ -122,10 +122,10 @@ pub fn grpo_linear<'py>(
     out_kl: &Bound<'py, PyAny>,
     stream: usize,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let loss = GrpoLoss::new(parse_json::<LossConfig>("config", config_json)?)
+    let loss = GrpoLoss::new(parse_json::<GrpoLossConfig>("config", config_json)?)
         .map_err(|e| PyValueError::new_err(e.to_string()))?;
     let opts = budget(mode, budget_mib)?;
-    let head = Head::new(hidden, weight, bias)?;
+    let head = HeadTensors::new(hidden, weight, bias)?;
     let mut grads = Grads::new(&head, grad_hidden, grad_weight, grad_bias)?;
     let tensors = BatchTensors::new(
         completion_ids,
@@ -199,7 +199,7 @@ pub fn ce_linear<'py>(
     let ce = CrossEntropy::new(parse_json::<CeConfig>("config", config_json)?)
         .map_err(|e| PyValueError::new_err(e.to_string()))?;
     let opts = budget(mode, budget_mib)?;
-    let head = Head::new(hidden, weight, bias)?;
+    let head = HeadTensors::new(hidden, weight, bias)?;
     let mut grads = Grads::new(&head, grad_hidden, grad_weight, grad_bias)?;
     let targets = Tensor::new("target", targets, I64)?;
     targets.expect_shape(&[head.tokens])?;
@@ -243,7 +243,7 @@ pub fn logp_linear<'py>(
     out_entropy: &Bound<'py, PyAny>,
 ) -> PyResult<()> {
     let opts = budget("two_pass", budget_mib)?;
-    let head = Head::new(hidden, weight, bias)?;
+    let head = HeadTensors::new(hidden, weight, bias)?;
     let ids = Tensor::new("ids", ids, I64)?;
     if ids.numel() != head.tokens {
         return Err(arg_error(
@@ -297,7 +297,7 @@ pub fn grpo_logits<'py>(
     out_entropy: &Bound<'py, PyAny>,
     out_kl: &Bound<'py, PyAny>,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let loss = GrpoLoss::new(parse_json::<LossConfig>("config", config_json)?)
+    let loss = GrpoLoss::new(parse_json::<GrpoLossConfig>("config", config_json)?)
         .map_err(|e| PyValueError::new_err(e.to_string()))?;
     let mut logits = Tensor::new("logits", logits, FLOAT)?;
     let tensors = BatchTensors::new(

@@ -65,12 +65,12 @@ fn typed<E: flashloss::cuda::GpuElement>(
     use crate::bench::inputs::linear_inputs;
     use crate::bench::step::fused_step;
     use flashloss::FusedOptions;
+    use flashloss::GrpoLoss;
     use flashloss::Result;
     use flashloss::batch::LinearInputs;
-    use flashloss::config::GrpoLoss;
     use flashloss::cross_entropy::CrossEntropy;
     use flashloss::cuda::{
-        DeviceHead, Gpu, GpuGrads, GpuHead, GpuWorkspace, head_logits, materialized_plan,
+        CudaHead, Gpu, GpuGrads, GpuInputs, GpuWorkspace, head_logits, materialized_plan,
     };
     use flashloss::policy::Normalizers;
 
@@ -80,7 +80,7 @@ fn typed<E: flashloss::cuda::GpuElement>(
     let gpu = Gpu::new(0)?;
     let (hidden, weight, tokens) = linear_inputs::<E>(cfg, &loss)?;
     progress("uploading the head", 0, 0);
-    let head = GpuHead::upload(
+    let head = GpuInputs::upload(
         &gpu,
         &LinearInputs {
             hidden: &hidden,
@@ -163,7 +163,7 @@ fn typed<E: flashloss::cuda::GpuElement>(
                 // A training step zeroes its gradients; the kernels add into them.
                 gpu.fill_zeros(&mut grads.dhidden)?;
                 gpu.fill_zeros(&mut grads.dweight)?;
-                let head = &mut DeviceHead {
+                let head = &mut CudaHead {
                     gpu: &gpu,
                     head: &head,
                     ws: &mut ws,

@@ -12,15 +12,16 @@
 use crate::bench::inputs::on_policy_head_step;
 use crate::bench::{BenchConfig, LossKind, Timing, time_steps};
 use crate::inputs::{GrpoInputs, InputSpec};
+use flashloss::GrpoLoss;
 use flashloss::batch::LinearInputs;
 use flashloss::collective::{Collective, agree, run_in_process};
-use flashloss::config::GrpoLoss;
-use flashloss::cpu::{HostHead, Workspace};
+use flashloss::cpu::{CpuHead, Workspace};
 use flashloss::cross_entropy::CrossEntropy;
 use flashloss::element::{DType, Element};
-use flashloss::fused::{ce_linear, grpo_linear, shard_range};
+use flashloss::fused::{ce_linear, grpo_linear};
 use flashloss::memory;
 use flashloss::policy::Normalizers;
+use flashloss::shard_range;
 use flashloss::{Device, FusedOptions, Grid, LinearGrads, Parallel, Shard};
 use flashloss::{Error, Result};
 use half::bf16;
@@ -280,7 +281,7 @@ fn rank_typed<E: Element>(
                 grads.dhidden.fill(0.0);
                 grads.dweight.fill(0.0);
                 let lin = inputs.linear(h);
-                let head = &mut HostHead {
+                let head = &mut CpuHead {
                     inputs: &lin,
                     ws: &mut ws,
                     grads: grads.view(),

@@ -7,14 +7,14 @@ use common::cpu_steps::{grpo_linear, logp_linear};
 use common::*;
 use flashloss::policy::Normalizers;
 use flashloss::reference::{grpo_reference, linear_grads, linear_logits};
-use flashloss::{Element, GrpoLoss, LossConfig, LossType};
+use flashloss::{Element, GrpoLoss, GrpoLossConfig, LossType};
 use flashloss::{FusedOptions, Mode};
 use half::bf16;
 
 /// Runs the fused kernel and the reference; checks loss, logp, dH, dW, dbias.
 /// `shape` = (B, T, H, V).
 fn check<E: Element>(
-    loss_cfg: LossConfig,
+    loss_cfg: GrpoLossConfig,
     shape: (usize, usize, usize, usize),
     bias: bool,
     mode: Mode,
@@ -137,10 +137,10 @@ fn bf16_inputs() {
 
 #[test]
 fn single_pass_equals_two_pass_and_threads_do_not_change_bits() {
-    let loss = GrpoLoss::new(LossConfig {
+    let loss = GrpoLoss::new(GrpoLossConfig {
         beta: 0.04,
         entropy_coef: 0.01,
-        ..LossConfig::default()
+        ..GrpoLossConfig::default()
     })
     .unwrap();
     // Four vocabulary tiles: each lane of a compact block takes two.
@@ -190,9 +190,9 @@ fn no_grad_logp_matches_the_reference_and_budget_errors_are_clear() {
             .ends_with("cannot hold one row of 777 logits"),
         "{err}"
     );
-    let loss = GrpoLoss::new(LossConfig {
+    let loss = GrpoLoss::new(GrpoLossConfig {
         importance_sampling_level: flashloss::ImportanceSamplingLevel::Sequence,
-        ..LossConfig::default()
+        ..GrpoLossConfig::default()
     })
     .unwrap();
     let opts = FusedOptions {
@@ -210,9 +210,9 @@ fn no_grad_logp_matches_the_reference_and_budget_errors_are_clear() {
 
 #[test]
 fn baseline_matches_the_reference() {
-    let loss = GrpoLoss::new(LossConfig {
+    let loss = GrpoLoss::new(GrpoLossConfig {
         beta: 0.04,
-        ..LossConfig::default()
+        ..GrpoLossConfig::default()
     })
     .unwrap();
     let head = Head::<f32>::random(2 * 6, 23, 1501, true, 11);
@@ -282,7 +282,7 @@ fn compact_on_confident_rows() {
     let (b, t, h, v) = (2, 6, 16, 1000);
     for sharpness in [1.0f32, 8.0, 32.0] {
         for entropy_coef in [0.0, 0.01] {
-            let loss = GrpoLoss::new(LossConfig {
+            let loss = GrpoLoss::new(GrpoLossConfig {
                 loss_type: LossType::Dapo,
                 beta: 0.04,
                 entropy_coef,

@@ -72,8 +72,8 @@ fn issue_case_small_temperature_with_far_old_logp_is_an_error() {
 }
 
 /// The loss of `configs/gradcheck/default.yaml`.
-fn yaml_loss() -> flashloss::LossConfig {
-    flashloss::LossConfig {
+fn yaml_loss() -> flashloss::GrpoLossConfig {
+    flashloss::GrpoLossConfig {
         temperature: 0.9,
         beta: 0.04,
         entropy_coef: 0.01,
@@ -288,7 +288,7 @@ fn fused_linear_out_of_range_is_an_error_in_both_modes() {
 #[test]
 fn grad_output_at_f32_max_is_out_of_range_not_inf() {
     let (b, t, v, h) = (1, 2, 20, 1);
-    let loss = GrpoLoss::new(flashloss::LossConfig {
+    let loss = GrpoLoss::new(flashloss::GrpoLossConfig {
         beta: 0.04,
         entropy_coef: 0.01,
         ..Default::default()
@@ -331,7 +331,7 @@ fn grad_output_at_f32_max_is_out_of_range_not_inf() {
 #[test]
 fn upstream_scale_beyond_f32_with_products_within_it() {
     let (b, t, v, h) = (1, 4, 1, 1);
-    let loss = GrpoLoss::new(flashloss::LossConfig {
+    let loss = GrpoLoss::new(flashloss::GrpoLossConfig {
         loss_type: LossType::DrGrpo,
         beta: 0.04,
         entropy_coef: 0.01,
@@ -389,7 +389,7 @@ fn upstream_scale_beyond_f32_with_products_within_it() {
 #[test]
 fn temperature_with_inverse_beyond_f32_is_a_config_error() {
     for temperature in [1e-39, 1e-300] {
-        let err = GrpoLoss::new(flashloss::LossConfig {
+        let err = GrpoLoss::new(flashloss::GrpoLossConfig {
             temperature,
             ..Default::default()
         })
@@ -403,7 +403,7 @@ fn temperature_with_inverse_beyond_f32_is_a_config_error() {
         assert!(err.to_string().contains("temperature"), "{err}");
     }
     assert!(
-        GrpoLoss::new(flashloss::LossConfig {
+        GrpoLoss::new(flashloss::GrpoLossConfig {
             temperature: 1e-38,
             ..Default::default()
         })

@@ -13,7 +13,9 @@
 
 mod common;
 use common::valid_types;
-use flashloss::{CeConfig, DType, GrpoLoss, LogitsLayout, LossConfig, LossType, Mode, Reduction};
+use flashloss::{
+    CeConfig, DType, GrpoLoss, GrpoLossConfig, LogitsLayout, LossType, Mode, Reduction,
+};
 use flashloss_tools::gradcheck::{self, GradcheckConfig, Kernel, Objective};
 use flashloss_tools::inputs::{GrpoInputs, InputSpec};
 use half::bf16;
@@ -73,9 +75,9 @@ fn knobs() -> impl Strategy<Value = Knobs> {
 }
 
 impl Knobs {
-    fn config(&self, seq_len: usize) -> LossConfig {
+    fn config(&self, seq_len: usize) -> GrpoLossConfig {
         let (t, level) = valid_types()[self.kind];
-        LossConfig {
+        GrpoLossConfig {
             loss_type: t,
             importance_sampling_level: level,
             epsilon_low: self.eps_low,
@@ -91,7 +93,7 @@ impl Knobs {
             max_completion_length: (t == LossType::DrGrpo).then_some(seq_len + 3),
             num_items_in_batch: self.num_items,
             entropy_coef: if self.entropy { 0.01 } else { 0.0 },
-            ..LossConfig::default()
+            ..GrpoLossConfig::default()
         }
     }
 }
@@ -215,7 +217,7 @@ fn linear_cfg(
     v: usize,
     h: usize,
     objective: Objective,
-    loss: LossConfig,
+    loss: GrpoLossConfig,
     ce: CeConfig,
     two_pass: bool,
     bias: bool,
@@ -306,7 +308,7 @@ proptest! {
         two_pass in any::<bool>(), bias in any::<bool>(), bf16_dtype in any::<bool>(),
         masked_fraction in 0.0f64..=1.0, seed in 0u64..1000, threads in 1usize..4,
     ) {
-        let cfg = linear_cfg(b, t, v, h, Objective::Ce, LossConfig::default(), ce,
+        let cfg = linear_cfg(b, t, v, h, Objective::Ce, GrpoLossConfig::default(), ce,
             two_pass, bias, bf16_dtype, masked_fraction, seed);
         run_linear(&cfg, threads)?;
     }
@@ -366,7 +368,7 @@ mod regressions {
             1,
             1,
             Objective::Ce,
-            LossConfig::default(),
+            GrpoLossConfig::default(),
             ce,
             false,
             true,

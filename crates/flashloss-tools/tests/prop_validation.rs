@@ -6,7 +6,7 @@
 //! overrides never panic either. 1000 + 500 + 1000 cases per run (`PROPTEST_CASES`).
 
 use flashloss::{
-    CeConfig, CrossEntropy, Device, FusedOptions, GrpoLoss, LogitsLayout, LossConfig, Mode,
+    CeConfig, CrossEntropy, Device, FusedOptions, GrpoLoss, GrpoLossConfig, LogitsLayout, Mode,
     PerSeqOrTokenBuf,
 };
 use flashloss_tools::bench::BenchConfig;
@@ -103,7 +103,7 @@ struct Case {
     head: HeadInputs<f32>,
     layout: LogitsLayout,
     grad_output: f32,
-    loss: LossConfig,
+    loss: GrpoLossConfig,
     ce: CeConfig,
 }
 
@@ -126,10 +126,10 @@ fn build(b: usize, t: usize, v: usize, h: usize, seed: u64, edits: &[Edit]) -> C
     let mut head = HeadInputs::<f32>::random(b * t, h, v, true, seed);
     let mut layout = LogitsLayout::contiguous(b, t, v);
     let mut grad_output = 1.0;
-    let mut loss = LossConfig {
+    let mut loss = GrpoLossConfig {
         beta: 0.04,
         entropy_coef: 0.01,
-        ..LossConfig::default()
+        ..GrpoLossConfig::default()
     };
     let mut ce = CeConfig::default();
     let d = &mut x.data;

@@ -155,7 +155,7 @@ fn sharded_logits_gradcheck_passes_and_a_nan_ends_every_rank() {
 /// vespo with a sampler ratio), every rank still matches the one-rank reference.
 #[test]
 fn sharded_gradcheck_with_trl_masks() {
-    use flashloss::{ImportanceSamplingLevel::*, LossConfig, LossType::*};
+    use flashloss::{GrpoLossConfig, ImportanceSamplingLevel::*, LossType::*};
     for (t, level) in [
         (Luspo, Token),
         (Sapo, Sequence),
@@ -174,13 +174,13 @@ fn sharded_gradcheck_with_trl_masks() {
                 sampler_ratio: true,
                 policy_mask_fraction: 0.3,
                 entropy_mask_fraction: 0.5,
-                loss: LossConfig {
+                loss: GrpoLossConfig {
                     loss_type: t,
                     importance_sampling_level: level,
                     epsilon_high: if t == Cispo { 5.0 } else { 0.2 },
                     beta: 0.04,
                     entropy_coef: 0.05,
-                    ..LossConfig::default()
+                    ..GrpoLossConfig::default()
                 },
                 ..GradcheckConfig::default()
             };

@@ -12,9 +12,9 @@ use common::cpu_steps::{
 };
 use common::*;
 use flashloss::collective::{Collective, run_in_process};
-use flashloss::fused::shard_range;
 use flashloss::reference::linear_logits;
-use flashloss::{CeConfig, CrossEntropy, Error, GrpoLoss, ImportanceSamplingLevel, LossConfig};
+use flashloss::shard_range;
+use flashloss::{CeConfig, CrossEntropy, Error, GrpoLoss, GrpoLossConfig, ImportanceSamplingLevel};
 use flashloss::{FusedOptions, Grid, LinearGrads, Mode};
 use flashloss_tools::inputs::GrpoInputs;
 use std::time::Duration;
@@ -71,11 +71,11 @@ fn grpo_losses() -> Vec<GrpoLoss> {
     ]
     .into_iter()
     .map(|level| {
-        GrpoLoss::new(LossConfig {
+        GrpoLoss::new(GrpoLossConfig {
             importance_sampling_level: level,
             beta: 0.04,
             entropy_coef: 0.01,
-            ..LossConfig::default()
+            ..GrpoLossConfig::default()
         })
         .unwrap()
     })

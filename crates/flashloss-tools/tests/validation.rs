@@ -4,17 +4,17 @@
 mod common;
 use flashloss::cpu::{grpo_logits_forward, selective_log_softmax};
 use flashloss::{
-    GrpoLoss, ImportanceSamplingLevel, LogitsLayout, LossConfig, LossType, PerSeqOrToken,
+    GrpoLoss, GrpoLossConfig, ImportanceSamplingLevel, LogitsLayout, LossType, PerSeqOrToken,
     Temperature,
 };
 use flashloss_tools::config_file;
 use flashloss_tools::gradcheck::GradcheckConfig;
 use flashloss_tools::inputs::{GrpoInputs, InputSpec};
 
-type Edit = Box<dyn FnOnce(&mut LossConfig)>;
+type Edit = Box<dyn FnOnce(&mut GrpoLossConfig)>;
 
-fn config_error(f: impl FnOnce(&mut LossConfig)) -> String {
-    let mut c = LossConfig::default();
+fn config_error(f: impl FnOnce(&mut GrpoLossConfig)) -> String {
+    let mut c = GrpoLossConfig::default();
     f(&mut c);
     GrpoLoss::new(c).unwrap_err().to_string()
 }
@@ -85,12 +85,12 @@ fn trl_1_16_levels_and_defaults_are_accepted() {
     // Every loss type at token level, every one but vespo at sequence level.
     for t in LossType::ALL {
         for level in [Token, Sequence] {
-            let c = LossConfig {
+            let c = GrpoLossConfig {
                 loss_type: t,
                 importance_sampling_level: level,
                 max_completion_length: Some(8),
                 epsilon_high: if t == LossType::Cispo { 5.0 } else { 0.2 },
-                ..LossConfig::default()
+                ..GrpoLossConfig::default()
             };
             let ok = GrpoLoss::new(c).is_ok();
             assert_eq!(
@@ -101,7 +101,7 @@ fn trl_1_16_levels_and_defaults_are_accepted() {
             assert_eq!(ok, t.allows_level(level), "{t:?} {level:?}");
         }
     }
-    let d = LossConfig::default();
+    let d = GrpoLossConfig::default();
     assert!(d.use_bias_correction_kl, "TRL 1.16 default");
     assert_eq!(d.beta, 0.0);
 }
@@ -120,9 +120,9 @@ fn inputs() -> GrpoInputs {
 }
 
 fn forward_error<'a>(x: &'a GrpoInputs, f: impl FnOnce(&mut flashloss::GrpoBatch<'a>)) -> String {
-    let loss = GrpoLoss::new(LossConfig {
+    let loss = GrpoLoss::new(GrpoLossConfig {
         beta: 0.04,
-        ..LossConfig::default()
+        ..GrpoLossConfig::default()
     })
     .unwrap();
     let mut batch = x.batch();
@@ -188,7 +188,7 @@ fn bad_inputs_name_the_argument_and_index() {
     // Masked positions are never read: padding ids and NaN logp there are fine.
     x.data.mask[6] = false;
     x.data.old_logp.as_mut().unwrap()[6] = f32::NAN;
-    let loss = GrpoLoss::new(LossConfig::default()).unwrap();
+    let loss = GrpoLoss::new(GrpoLossConfig::default()).unwrap();
     let layout = LogitsLayout::contiguous(2, 4, 50);
     assert!(grpo_logits_forward(&loss, &x.batch(), &x.logits, &layout).is_ok());
 }
@@ -196,7 +196,7 @@ fn bad_inputs_name_the_argument_and_index() {
 #[test]
 fn bad_layouts_and_backward_arguments() {
     let x = inputs();
-    let loss = GrpoLoss::new(LossConfig::default()).unwrap();
+    let loss = GrpoLoss::new(GrpoLossConfig::default()).unwrap();
     let batch = x.batch();
     let run = |layout: LogitsLayout, data: &[f32]| {
         grpo_logits_forward(&loss, &batch, data, &layout)

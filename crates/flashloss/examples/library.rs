@@ -3,10 +3,10 @@
 //! in-process ranks. Run with `cargo run --release -p flashloss --example library`.
 
 use flashloss::collective::{Collective, run_in_process};
-use flashloss::fused::shard_range;
+use flashloss::shard_range;
 use flashloss::{
-    CeConfig, CrossEntropy, Device, FusedOptions, Grid, GrpoBatch, GrpoLoss, LinearInputs,
-    LogitsLayout, LossConfig, LossType, PerSeqOrToken, Shard,
+    CeConfig, CrossEntropy, Device, FusedOptions, Grid, GrpoBatch, GrpoLoss, GrpoLossConfig,
+    LinearInputs, LogitsLayout, LossType, PerSeqOrToken, Shard,
 };
 
 fn main() -> flashloss::Result<()> {
@@ -22,7 +22,7 @@ fn main() -> flashloss::Result<()> {
     let (old, reference) = (vec![-3.9f32; b * t], vec![-4.0f32; b * t]);
 
     // The GRPO loss on materialized logits `[B, T, V]`, gradient written over them.
-    let loss = GrpoLoss::new(LossConfig {
+    let loss = GrpoLoss::new(GrpoLossConfig {
         loss_type: LossType::Dapo,
         beta: 0.04,
         ..Default::default()

@@ -4,9 +4,9 @@
 //! `row = b·T + t`. Rule for every `[B, T]` input: only positions with `mask = true`
 //! are read, so padding may hold anything (e.g. `-100` ids).
 
-use crate::config::GrpoLoss;
 use crate::element::Element;
 use crate::error::{Error, Result};
+use crate::grpo_config::GrpoLoss;
 use rayon::prelude::*;
 
 /// Where row `(b, t)` of a `[B, T, V]` logits buffer starts: `b·seq_stride + t·row_stride`.

@@ -3,8 +3,8 @@
 //! + λ_z·lse_i²` on `s = softcap(z) / T_temp`, for rows whose target is not
 //! `ignore_index`. [`CrossEntropy::new`] is the one place a config is checked.
 
-use crate::config::Temperature;
 use crate::error::{Error, Result};
+use crate::temperature::Temperature;
 use serde::{Deserialize, Serialize};
 
 /// How per-row losses become the loss.

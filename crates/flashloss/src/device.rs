@@ -12,19 +12,19 @@
 //! Calls on one `Device` from several threads take turns.
 
 use crate::batch::{GrpoBatch, LinearInputs, LogitsLayout};
-use crate::config::GrpoLoss;
-use crate::config::Temperature;
-use crate::cpu::{HostHead, Workspace};
+use crate::cpu::{CpuHead, Workspace};
 use crate::cross_entropy::CrossEntropy;
 use crate::element::Element;
 use crate::error::{Error, Result};
 use crate::fused::{
-    self, CeLinearOutput, FusedOptions, Grid, GrpoLinearOutput, Head, LinearGrads, LinearGradsMut,
-    Shard,
+    self, CeLinearOutput, FusedOptions, GrpoLinearOutput, Head, LinearGrads, LinearGradsMut,
 };
+use crate::grpo_config::GrpoLoss;
 use crate::grpo_logits::GrpoLogitsForward;
 use crate::policy::Normalizers;
 use crate::rows::RowStats;
+use crate::sharding::{Grid, Shard};
+use crate::temperature::Temperature;
 use std::sync::{Mutex, MutexGuard};
 
 /// A backend and the state it keeps between calls.
@@ -164,7 +164,7 @@ impl Device {
     ) -> Result<R> {
         let mut state = self.state()?;
         match (&self.backend, args) {
-            (Backend::Cpu, HeadArgs::Host { inputs, grads }) => work(&mut HostHead {
+            (Backend::Cpu, HeadArgs::Host { inputs, grads }) => work(&mut CpuHead {
                 inputs,
                 ws: &mut state.cpu,
                 grads,

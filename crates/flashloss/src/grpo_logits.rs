@@ -13,14 +13,13 @@
 
 use crate::batch::{GrpoBatch, LogitsLayout};
 use crate::collective::agree;
-use crate::config::GrpoLoss;
 use crate::error::{Error, Result};
-use crate::fused::sharded::{global_normalizers, reduce_policy_outputs};
-use crate::fused::two_pass::{VocabSplit, merge_partial};
-use crate::fused::{Grid, Shard};
+use crate::grpo_config::GrpoLoss;
 use crate::policy::{GrpoMetrics, Normalizers, policy_stage};
 use crate::range::{check_grad_coefs, check_policy_rows};
 use crate::rows::{PartialStats, RowInputs, RowStats, RowTransform, check_row_stats};
+use crate::sharding::{Grid, Shard};
+use crate::sharding::{VocabSplit, global_normalizers, merge_partial, reduce_policy_outputs};
 
 /// The forward's outputs, and what the backward needs (O(N) in all).
 #[derive(Debug, Clone)]

@@ -1,7 +1,7 @@
 //! flashloss: fused GRPO and cross-entropy losses for LLM training that never hold the
 //! `[tokens × vocab]` logits or their gradient.
 //!
-//! Layers: the spec layer knows no backend ([`config`], [`cross_entropy`], [`batch`],
+//! Layers: the spec layer knows no backend ([`grpo_config`], [`temperature`], [`cross_entropy`], [`batch`],
 //! [`error`], [`element`], [`policy`], [`reference`], [`rows`]); the fused LM-head losses
 //! are written once in [`fused`] over a backend's [`fused::Head`]; the backends are
 //! sibling folders that never import each other ([`cpu`], and `cuda` with the feature);
@@ -14,7 +14,6 @@
 
 pub mod batch;
 pub mod collective;
-pub mod config;
 pub mod cpu;
 pub mod cross_entropy;
 #[cfg(feature = "cuda")]
@@ -23,25 +22,29 @@ pub mod device;
 pub mod element;
 pub mod error;
 pub mod fused;
+pub mod grpo_config;
 pub mod grpo_logits;
 pub mod memory;
 pub mod policy;
 pub mod range;
 pub mod reference;
 pub mod rows;
+pub mod sharding;
+pub mod temperature;
 
 pub use batch::{
     GrpoBatch, GrpoBatchData, HeadShape, LinearInputs, LogitsLayout, PerSeqOrToken,
     PerSeqOrTokenBuf,
 };
-pub use config::{GrpoLoss, ImportanceSamplingLevel, LossConfig, LossType, Temperature};
 pub use cross_entropy::{CeConfig, CrossEntropy, Reduction};
 pub use device::{Device, HeadArgs};
 pub use element::{DType, Element};
 pub use error::{Error, Result};
 pub use fused::{
-    CeLinearOutput, FusedOptions, Grid, GrpoLinearOutput, LinearGrads, LinearGradsMut, Mode,
-    Parallel, Plan, Shard,
+    CeLinearOutput, FusedOptions, GrpoLinearOutput, LinearGrads, LinearGradsMut, Mode, Plan,
 };
+pub use grpo_config::{GrpoLoss, GrpoLossConfig, ImportanceSamplingLevel, LossType};
 pub use grpo_logits::GrpoLogitsForward;
 pub use rows::RowStats;
+pub use sharding::{Grid, Parallel, Shard, shard_range};
+pub use temperature::Temperature;

@@ -5,7 +5,7 @@
 //! Computed in f64, serially in row order, so it is deterministic.
 
 use crate::batch::{GrpoBatch, PerSeqOrToken};
-use crate::config::{GrpoLoss, ImportanceSamplingLevel, LossConfig, LossType};
+use crate::grpo_config::{GrpoLoss, GrpoLossConfig, ImportanceSamplingLevel, LossType};
 use serde::Serialize;
 use std::ops::Range;
 
@@ -124,7 +124,7 @@ struct PolicyTerm {
     grad: f64,
 }
 
-fn policy_term(c: &LossConfig, r: f64, adv: f64, logp: f64, vespo_phi: f64) -> PolicyTerm {
+fn policy_term(c: &GrpoLossConfig, r: f64, adv: f64, logp: f64, vespo_phi: f64) -> PolicyTerm {
     match c.loss_type {
         LossType::Cispo => {
             let w = r.min(c.epsilon_high);
@@ -172,7 +172,7 @@ fn policy_term(c: &LossConfig, r: f64, adv: f64, logp: f64, vespo_phi: f64) -> P
     }
 }
 
-fn clip_flags(c: &LossConfig, r: f64, adv: f64) -> u8 {
+fn clip_flags(c: &GrpoLossConfig, r: f64, adv: f64) -> u8 {
     match c.loss_type {
         LossType::Cispo => {
             if r > c.epsilon_high && adv > 0.0 {
@@ -191,7 +191,7 @@ fn clip_flags(c: &LossConfig, r: f64, adv: f64) -> u8 {
 }
 
 /// vespo's sequence weight `φ_b = exp(λ + k·log w_b - λ·w_b)` given `log w_b`.
-fn vespo_phi(c: &LossConfig, log_w: f64, adv: f64) -> f64 {
+fn vespo_phi(c: &GrpoLossConfig, log_w: f64, adv: f64) -> f64 {
     let (k, lambda) = if adv >= 0.0 {
         (c.vespo_k_pos, c.vespo_lambda_pos)
     } else {
@@ -202,7 +202,7 @@ fn vespo_phi(c: &LossConfig, log_w: f64, adv: f64) -> f64 {
 
 /// `w_bt / m_bt`, the reduction weight of a live token of a sequence with `len_b`
 /// live tokens (spec "Reduction weights", luspo as TRL 1.16: `1/B`).
-fn reduction_weight(c: &LossConfig, norm: Normalizers, len_b: f64) -> f64 {
+fn reduction_weight(c: &GrpoLossConfig, norm: Normalizers, len_b: f64) -> f64 {
     match c.loss_type {
         LossType::Grpo | LossType::Sapo => 1.0 / (norm.batch_size * len_b),
         LossType::Bnpo => 1.0 / norm.token_count.max(1.0),

@@ -10,9 +10,10 @@
 //! [`RowTransform`] is the one place where a loss's options (temperature, soft-cap,
 //! label smoothing) become what the kernels apply per logit.
 
-use crate::config::{GrpoLoss, Temperature};
 use crate::cross_entropy::CrossEntropy;
 use crate::error::{Error, Result};
+use crate::grpo_config::GrpoLoss;
+use crate::temperature::Temperature;
 
 /// Online softmax state; [`OnlineSoftmax::merge`] combines the states of disjoint
 /// parts of a row. A backend computes the state of one tile of logits.

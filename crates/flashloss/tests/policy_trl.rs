@@ -7,7 +7,7 @@
 
 use flashloss::policy::{Normalizers, policy_stage};
 use flashloss::reference::grpo_reference;
-use flashloss::{GrpoBatch, GrpoLoss, ImportanceSamplingLevel, LossConfig, LossType};
+use flashloss::{GrpoBatch, GrpoLoss, GrpoLossConfig, ImportanceSamplingLevel, LossType};
 use flashloss::{PerSeqOrToken, PerSeqOrTokenBuf};
 
 /// A small deterministic generator (xorshift64*), uniform in [0, 1).
@@ -111,7 +111,7 @@ fn max_abs(x: impl Iterator<Item = f64>) -> f64 {
 
 /// Runs the stage on the reference's f32-rounded logp and entropy; checks the loss,
 /// `dlogp`, `dentropy`, KL and metrics against the reference.
-fn check(config: LossConfig, x: Extras, seed: u64) {
+fn check(config: GrpoLossConfig, x: Extras, seed: u64) {
     let case_name = format!(
         "{} {:?} beta={} {x:?}",
         config.loss_type.name(),
@@ -166,15 +166,15 @@ fn check(config: LossConfig, x: Extras, seed: u64) {
     }
 }
 
-fn config(t: LossType, level: ImportanceSamplingLevel, beta: f64) -> LossConfig {
-    LossConfig {
+fn config(t: LossType, level: ImportanceSamplingLevel, beta: f64) -> GrpoLossConfig {
+    GrpoLossConfig {
         loss_type: t,
         importance_sampling_level: level,
         beta,
         entropy_coef: 0.01,
         max_completion_length: Some(7),
         epsilon_high: if t == LossType::Cispo { 1.02 } else { 0.2 },
-        ..LossConfig::default()
+        ..GrpoLossConfig::default()
     }
 }
 
@@ -281,7 +281,7 @@ fn vespo_sampler_ratio_enters_phi() {
     };
     let mut case = Case::new(5, x);
     let cfg = config(LossType::Vespo, ImportanceSamplingLevel::Token, 0.0);
-    let loss = GrpoLoss::new(LossConfig {
+    let loss = GrpoLoss::new(GrpoLossConfig {
         entropy_coef: 0.0,
         ..cfg
     })

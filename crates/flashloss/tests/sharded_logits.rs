@@ -3,12 +3,12 @@
 //! metrics on every rank, each rank's rows' statistics, and each rank's shard of the
 //! gradient (poisoned with NaN first, so an unwritten entry fails).
 
+use flashloss::Grid;
 use flashloss::collective::{Collective, run_in_process};
 use flashloss::cpu::{grpo_logits_forward, grpo_logits_forward_sharded};
-use flashloss::fused::Grid;
-use flashloss::fused::shard_range;
+use flashloss::shard_range;
 use flashloss::{
-    GrpoBatch, GrpoLoss, ImportanceSamplingLevel, LogitsLayout, LossConfig, LossType, Parallel,
+    GrpoBatch, GrpoLoss, GrpoLossConfig, ImportanceSamplingLevel, LogitsLayout, LossType, Parallel,
     PerSeqOrToken, Shard,
 };
 use std::time::Duration;
@@ -201,33 +201,33 @@ fn check(loss: &GrpoLoss, parallel: Parallel, ranks: usize, vocab_groups: usize,
 #[test]
 fn sharded_logits_match_one_rank() {
     let configs = [
-        LossConfig {
+        GrpoLossConfig {
             beta: 0.04,
-            ..LossConfig::default()
+            ..GrpoLossConfig::default()
         },
-        LossConfig {
+        GrpoLossConfig {
             loss_type: LossType::Dapo,
             entropy_coef: 0.01,
-            ..LossConfig::default()
+            ..GrpoLossConfig::default()
         },
-        LossConfig {
+        GrpoLossConfig {
             importance_sampling_level: ImportanceSamplingLevel::Sequence,
             temperature: 0.7,
-            ..LossConfig::default()
+            ..GrpoLossConfig::default()
         },
         // TRL 1.16: the entropy bonus's Σ m' is global, luspo and sapo at sequence level.
-        LossConfig {
+        GrpoLossConfig {
             loss_type: LossType::Luspo,
             beta: 0.04,
             entropy_coef: 0.05,
-            ..LossConfig::default()
+            ..GrpoLossConfig::default()
         },
-        LossConfig {
+        GrpoLossConfig {
             loss_type: LossType::Sapo,
             importance_sampling_level: ImportanceSamplingLevel::Sequence,
             beta: 0.04,
             entropy_coef: 0.05,
-            ..LossConfig::default()
+            ..GrpoLossConfig::default()
         },
     ];
     for config in configs {
@@ -243,7 +243,7 @@ fn sharded_logits_match_one_rank() {
 #[test]
 fn a_bad_shard_is_the_same_error_on_every_rank() {
     let inputs = Inputs::new(2, 3, 11, 3);
-    let loss = GrpoLoss::new(LossConfig::default()).unwrap();
+    let loss = GrpoLoss::new(GrpoLossConfig::default()).unwrap();
     let results = run_in_process(2, Duration::from_secs(30), |comm| {
         let grid = Grid::vocab(comm);
         let (part, logits) = inputs.part(0..2, 0..6);

@@ -1,7 +1,7 @@
 //! What a bench runs: the config file (`configs/bench/*.yaml`).
 
 use crate::gradcheck::Backend;
-use flashloss::{CeConfig, DType, LossConfig};
+use flashloss::{CeConfig, DType, GrpoLossConfig};
 use flashloss::{Mode, Parallel};
 use serde::{Deserialize, Serialize};
 
@@ -76,7 +76,7 @@ pub struct BenchConfig {
     /// Where the step runs (`cuda`: GPU 0, level `linear`, a build with feature `cuda`).
     pub device: Backend,
     /// The GRPO loss.
-    pub grpo: LossConfig,
+    pub grpo: GrpoLossConfig,
     /// The cross-entropy loss.
     pub ce: CeConfig,
 }
@@ -100,7 +100,7 @@ impl Default for BenchConfig {
             mode: Mode::Auto,
             budget_mib: flashloss::fused::plan::DEFAULT_BUDGET_MIB,
             device: Backend::Cpu,
-            grpo: LossConfig::default(),
+            grpo: GrpoLossConfig::default(),
             ce: CeConfig::default(),
         }
     }

@@ -9,13 +9,12 @@ use super::step::fused_step;
 use flashloss::batch::{LinearInputs, LogitsLayout};
 use flashloss::cpu::matmul::{MatRef, matmul};
 use flashloss::cpu::{
-    BaselineWorkspace, HostHead, UnfusedWorkspace, Workspace, ce_linear_baseline_into,
-    grpo_linear_baseline_into, grpo_logits_forward, grpo_logits_forward_staged,
-    grpo_logits_unfused_into,
+    BaselineWorkspace, CpuHead, UnfusedWorkspace, Workspace, ce_linear_baseline_into,
+    grpo_linear_baseline_into, grpo_logits_forward, grpo_logits_unfused_into,
 };
 use flashloss::memory;
 use flashloss::policy::Normalizers;
-use flashloss::{CrossEntropy, DType, Element, Error, GrpoLoss, Result};
+use flashloss::{CrossEntropy, DType, Device, Element, Error, GrpoLoss, Result};
 use flashloss::{FusedOptions, LinearGrads};
 use half::bf16;
 use rayon::prelude::*;
@@ -178,7 +177,7 @@ fn run_linear<E: Element>(
             // A training step zeroes its gradients; the fused kernel adds into them.
             grads.dhidden.fill(0.0);
             grads.dweight.fill(0.0);
-            let head = &mut HostHead {
+            let head = &mut CpuHead {
                 inputs: &inputs,
                 ws: &mut ws,
                 grads: grads.view(),
@@ -271,15 +270,10 @@ fn run_logits<E: Element>(
             })?;
             results.push(with_rates(r));
         }
-        // f32 gradients: one `exp` per logit (exponentials staged in `dlogits`).
+        // What users get: `Device::grpo_logits` (one `exp` per logit for f32 gradients).
+        let device = Device::cpu();
         let r = measure(cfg, "fused", base, io_bytes, progress, &mut || {
-            if let Some(d) = E::as_f32_mut(&mut dlogits) {
-                let fwd = grpo_logits_forward_staged(&loss, &batch, &logits, &layout, d)?;
-                fwd.backward(&logits, 1.0, d)?;
-                return Ok(fwd.forward.loss);
-            }
-            let fwd = grpo_logits_forward(&loss, &batch, &logits, &layout)?;
-            fwd.backward(&logits, 1.0, &mut dlogits)?;
+            let fwd = device.grpo_logits(&loss, &batch, &logits, &layout, 1.0, &mut dlogits)?;
             Ok(fwd.loss)
         })?;
         results.push(with_rates(r));

@@ -1,7 +1,7 @@
 //! What gradcheck runs: the config file (`configs/gradcheck/*.yaml`) and its gates.
 
 use crate::inputs::InputSpec;
-use flashloss::{CeConfig, DType, LossConfig};
+use flashloss::{CeConfig, DType, GrpoLossConfig};
 use flashloss::{Mode, Parallel};
 use serde::{Deserialize, Serialize};
 
@@ -123,7 +123,7 @@ pub struct GradcheckConfig {
     /// Write `dlogits` over the logits.
     pub in_place: bool,
     /// The GRPO loss.
-    pub loss: LossConfig,
+    pub loss: GrpoLossConfig,
     /// The cross-entropy loss (objective `ce`).
     pub ce: CeConfig,
     /// H (kernel `linear`).
@@ -164,7 +164,7 @@ impl Default for GradcheckConfig {
             entropy_mask_fraction: inputs.entropy_mask_fraction,
             grad_output: 1.0,
             in_place: false,
-            loss: LossConfig::default(),
+            loss: GrpoLossConfig::default(),
             ce: CeConfig::default(),
             hidden: 64,
             bias: true,

@@ -7,11 +7,11 @@ use crate::gradcheck::{
     ce_targets, grad_gate,
 };
 use crate::inputs::HeadInputs;
+use flashloss::GrpoLoss;
 use flashloss::collective::Collective;
-use flashloss::config::GrpoLoss;
 use flashloss::cross_entropy::CrossEntropy;
 use flashloss::element::Element;
-use flashloss::fused::shard_range;
+use flashloss::shard_range;
 use flashloss::{Grid, LinearGrads, Result, Shard};
 use std::ops::Range;
 use std::time::Instant;

@@ -7,7 +7,7 @@ use crate::gradcheck::{FaultKind, Gate, GradcheckConfig, GradcheckReport, Tolera
 use crate::inputs::GrpoInputs;
 use flashloss::collective::Collective;
 use flashloss::cpu::{grpo_logits_forward, grpo_logits_forward_sharded};
-use flashloss::fused::shard_range;
+use flashloss::shard_range;
 use flashloss::{Element, Grid, GrpoLogitsForward, GrpoLoss, LogitsLayout, Result, Shard};
 use std::ops::Range;
 use std::time::Instant;

@@ -1,11 +1,11 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)]
 
-use flashloss::{DType, ImportanceSamplingLevel, LossConfig, LossType};
+use flashloss::{DType, GrpoLossConfig, ImportanceSamplingLevel, LossType};
 use flashloss_tools::gradcheck::{self, GradcheckConfig};
 
 /// A small gradcheck config at an odd shape (V not a multiple of the vocab tile).
-pub fn small(batch: usize, seq_len: usize, vocab: usize, loss: LossConfig) -> GradcheckConfig {
+pub fn small(batch: usize, seq_len: usize, vocab: usize, loss: GrpoLossConfig) -> GradcheckConfig {
     GradcheckConfig {
         batch,
         seq_len,
@@ -45,13 +45,13 @@ pub fn valid_types() -> Vec<(LossType, ImportanceSamplingLevel)> {
 }
 
 /// A loss config of type `t` at `level` with what that type requires set.
-pub fn base_config(t: LossType, level: ImportanceSamplingLevel) -> LossConfig {
-    LossConfig {
+pub fn base_config(t: LossType, level: ImportanceSamplingLevel) -> GrpoLossConfig {
+    GrpoLossConfig {
         loss_type: t,
         importance_sampling_level: level,
         max_completion_length: (t == LossType::DrGrpo).then_some(24),
         epsilon_high: if t == LossType::Cispo { 5.0 } else { 0.2 },
-        ..LossConfig::default()
+        ..GrpoLossConfig::default()
     }
 }
 
@@ -166,10 +166,10 @@ pub fn assert_modes_agree_and_threads_invariant(
 
 /// The fused LM-head steps on the CPU backend in the call shapes these tests use: fresh
 /// buffers through a [`flashloss::Device`], caller's buffers through a
-/// [`flashloss::cpu::HostHead`], sharded runs on a [`flashloss::Grid`].
+/// [`flashloss::cpu::CpuHead`], sharded runs on a [`flashloss::Grid`].
 pub mod cpu_steps {
     use flashloss::collective::Collective;
-    use flashloss::cpu::{HostHead, Workspace};
+    use flashloss::cpu::{CpuHead, Workspace};
     use flashloss::fused;
     use flashloss::{
         CeLinearOutput, CrossEntropy, Device, Element, FusedOptions, Grid, GrpoBatch,
@@ -219,7 +219,7 @@ pub mod cpu_steps {
         ws: &mut Workspace,
         grads: &mut LinearGrads,
     ) -> Result<CeLinearOutput> {
-        let head = &mut HostHead {
+        let head = &mut CpuHead {
             inputs,
             ws,
             grads: grads.view(),

@@ -4,7 +4,7 @@
 use super::optim::OptimConfig;
 use crate::model::{Qwen2Config, Sampling};
 use crate::task::Arithmetic;
-use flashloss::{CeConfig, LossConfig};
+use flashloss::{CeConfig, GrpoLossConfig};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
@@ -30,7 +30,7 @@ pub struct LossSwitch {
     /// Logit workspace of the fused kernels, MiB.
     pub budget_mib: usize,
     /// The GRPO loss (TRL's keys: `loss_type`, `beta`, `epsilon_low`, ...).
-    pub grpo: LossConfig,
+    pub grpo: GrpoLossConfig,
     /// The SFT cross-entropy.
     pub ce: CeConfig,
 }
@@ -40,9 +40,9 @@ impl Default for LossSwitch {
         LossSwitch {
             implementation: LossImpl::Fused,
             budget_mib: 64,
-            grpo: LossConfig {
+            grpo: GrpoLossConfig {
                 beta: 0.04,
-                ..LossConfig::default()
+                ..GrpoLossConfig::default()
             },
             ce: CeConfig::default(),
         }

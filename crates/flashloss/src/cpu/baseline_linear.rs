@@ -8,11 +8,11 @@ use super::online_softmax::VOCAB_TILE;
 use super::tiles::add_head_tile_grads;
 use super::unfused_logits::{UnfusedWorkspace, grpo_logits_unfused_into};
 use crate::batch::{GrpoBatch, LinearInputs, LogitsLayout};
-use crate::config::GrpoLoss;
 use crate::cross_entropy::CrossEntropy;
 use crate::element::Element;
 use crate::error::Result;
 use crate::fused::LinearGrads;
+use crate::grpo_config::GrpoLoss;
 use crate::rows::{RowTransform, check_targets};
 use rayon::prelude::*;
 

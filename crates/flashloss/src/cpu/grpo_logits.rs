@@ -9,14 +9,14 @@ use super::selective_log_softmax::{logits_row_states, selective_log_softmax};
 use super::simd;
 use crate::batch::{GrpoBatch, LogitsLayout};
 use crate::collective::agree;
-use crate::config::GrpoLoss;
-use crate::config::Temperature;
 use crate::element::Element;
 use crate::error::Result;
-use crate::fused::{Grid, Shard};
+use crate::grpo_config::GrpoLoss;
 use crate::grpo_logits::GrpoLogitsForward;
 use crate::policy::Normalizers;
 use crate::rows::RowTransform;
+use crate::sharding::{Grid, Shard};
+use crate::temperature::Temperature;
 use rayon::prelude::*;
 
 /// Forward of the GRPO loss on logits `[B, T, V]` laid out as `layout`.

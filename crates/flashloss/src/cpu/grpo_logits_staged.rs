@@ -10,9 +10,9 @@
 use super::online_softmax::VOCAB_TILE;
 use super::simd;
 use crate::batch::{GrpoBatch, LogitsLayout};
-use crate::config::GrpoLoss;
 use crate::element::Element;
 use crate::error::Result;
+use crate::grpo_config::GrpoLoss;
 use crate::grpo_logits::GrpoLogitsForward;
 use crate::policy::Normalizers;
 use crate::rows::{OnlineSoftmax, RowStats, RowTransform, check_row_stats, check_targets};

@@ -2,7 +2,7 @@
 //! per kernel. Results are bitwise identical for any thread count: every row is
 //! computed by one thread in a fixed order, reductions across rows are serial, and the
 //! compact block's lanes are a fixed number, merged in lane order.
-//! [`HostHead`] is its [`crate::fused::Head`] for the fused LM-head losses.
+//! [`CpuHead`] is its [`crate::fused::Head`] for the fused LM-head losses.
 
 mod baseline_linear;
 mod grpo_logits;
@@ -22,7 +22,7 @@ pub use baseline_linear::{
 pub use grpo_logits::{grpo_logits_forward, grpo_logits_forward_sharded, grpo_logits_forward_with};
 pub use grpo_logits_staged::{StagedForward, grpo_logits_forward_staged};
 pub use online_softmax::{VOCAB_TILE, row_state, tile_state};
-pub use passes::{GEMM_SCRATCH_PER_THREAD, HostHead, gemm_reserve_bytes, plan};
+pub use passes::{CpuHead, GEMM_SCRATCH_PER_THREAD, gemm_reserve_bytes, plan};
 pub use selective_log_softmax::selective_log_softmax;
 pub use tiles::Workspace;
 pub use unfused_logits::{UnfusedWorkspace, grpo_logits_unfused, grpo_logits_unfused_into};

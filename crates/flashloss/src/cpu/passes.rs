@@ -1,7 +1,7 @@
 //! The fused LM-head passes on the CPU: logits exist only as a
 //! `[block_rows, vocab_tile]` tile (two-pass) or a `[block_rows, V]` block
 //! (single-pass) in a [`Workspace`] sized from the memory budget, less `gemm`'s
-//! packing buffers. [`HostHead`] is the CPU's [`Head`]: inputs and gradients in host
+//! packing buffers. [`CpuHead`] is the CPU's [`Head`]: inputs and gradients in host
 //! memory.
 
 use super::single_pass::{DZ_T_PACK_ENTRIES, LANES, single_pass};
@@ -248,7 +248,7 @@ impl<E: Element> FusedPasses for CpuPasses<'_, '_, E> {
 
 /// An LM head in host memory with its gradients (added into, in f32) and a workspace
 /// kept across steps, as a training loop does (fresh memory costs page faults).
-pub struct HostHead<'a, E> {
+pub struct CpuHead<'a, E> {
     /// Hidden states, weight, bias.
     pub inputs: &'a LinearInputs<'a, E>,
     /// Tiles and widened blocks.
@@ -257,7 +257,7 @@ pub struct HostHead<'a, E> {
     pub grads: LinearGradsMut<'a>,
 }
 
-impl<E: Element> Head for HostHead<'_, E> {
+impl<E: Element> Head for CpuHead<'_, E> {
     fn shape(&self) -> HeadShape {
         self.inputs.shape()
     }

@@ -4,12 +4,12 @@
 
 use super::online_softmax::{VOCAB_TILE, row_state};
 use crate::batch::LogitsLayout;
-use crate::config::Temperature;
 use crate::element::Element;
 use crate::error::Result;
 use crate::rows::{
     OnlineSoftmax, PartialStats, RowStats, RowTransform, check_row_stats, check_targets,
 };
+use crate::temperature::Temperature;
 use rayon::prelude::*;
 
 /// Per-row statistics of `logits / temperature` at `target_ids` (`[B, T]`). Rows where

@@ -5,9 +5,9 @@
 
 use super::simd;
 use crate::batch::{GrpoBatch, LogitsLayout};
-use crate::config::GrpoLoss;
 use crate::element::Element;
 use crate::error::Result;
+use crate::grpo_config::GrpoLoss;
 use crate::policy::{Normalizers, policy_stage};
 use crate::range::check_policy_rows;
 use crate::rows::RowTransform;

@@ -412,6 +412,14 @@ impl Gpu {
         Ok(host[0].clone())
     }
 
+    /// Makes this GPU's context current on the calling thread (a thread that calls a
+    /// CUDA library, e.g. NCCL, for this GPU).
+    pub fn bind_to_thread(&self) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| device_error("binding the GPU's context to a thread", e))
+    }
+
     /// Waits for the stream; surfaces any error of the kernels launched on it.
     pub fn synchronize(&self) -> Result<()> {
         self.stream

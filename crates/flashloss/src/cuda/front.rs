@@ -4,15 +4,15 @@
 //! device's kept [`GpuWorkspace`] (cuBLAS handle and tiles), which is bound to the
 //! call's stream for the length of the call.
 
-use super::device::{Gpu, GpuElement};
+use super::device::{Gpu, GpuElement, device_error};
 use super::grpo_logits::{grpo_logits_backward, grpo_logits_forward};
-use super::head::{GpuGrads, GpuHead, GpuWorkspace};
-use super::passes::DeviceHead;
+use super::head::{GpuGrads, GpuInputs, GpuWorkspace};
+use super::passes::CudaHead;
 use crate::batch::{GrpoBatch, LinearInputs, LogitsLayout};
-use crate::config::GrpoLoss;
 use crate::element::{DType, Element};
 use crate::error::{Error, Result};
 use crate::fused::{Head, LinearGradsMut};
+use crate::grpo_config::GrpoLoss;
 use crate::grpo_logits::GrpoLogitsForward;
 use half::bf16;
 
@@ -111,7 +111,7 @@ pub(crate) fn run_on_host_buffers<E: Element, R>(
         grads: LinearGradsMut,
         work: impl FnOnce(&mut dyn Head) -> Result<R>,
     ) -> Result<R> {
-        let head = GpuHead::upload(gpu, inputs)?;
+        let head = GpuInputs::upload(gpu, inputs)?;
         let with_grads = !(grads.dhidden.is_empty() && grads.dweight.is_empty());
         let mut device_grads = match with_grads {
             true => {
@@ -120,7 +120,7 @@ pub(crate) fn run_on_host_buffers<E: Element, R>(
             }
             false => None,
         };
-        let out = work(&mut DeviceHead {
+        let out = work(&mut CudaHead {
             gpu,
             head: &head,
             ws: workspace(gpu, ws)?,
@@ -152,7 +152,7 @@ pub(crate) fn run_on_host_buffers<E: Element, R>(
     }
 }
 
-/// Runs `work` on a [`DeviceHead`] over the borrowed buffers of `b` (elements of
+/// Runs `work` on a [`CudaHead`] over the borrowed buffers of `b` (elements of
 /// `dtype`), on the caller's stream, and waits for that stream so that errors of the
 /// kernels surface here.
 pub(crate) fn run_on_borrowed<R>(
@@ -173,7 +173,7 @@ pub(crate) fn run_on_borrowed<R>(
         // GPU, and a live stream of its primary context, for the length of the call.
         unsafe {
             let gpu = base.on_borrowed_stream(b.stream as cudarc::driver::sys::CUstream);
-            let head = GpuHead::<T> {
+            let head = GpuInputs::<T> {
                 hidden: gpu.borrow(b.hidden, n * h),
                 weight: gpu.borrow(b.weight, v * h),
                 bias: b.bias.map(|p| gpu.borrow(p, v)),
@@ -186,7 +186,7 @@ pub(crate) fn run_on_borrowed<R>(
                 dweight: gpu.borrow(b.dweight, v * h),
                 dbias: b.dbias.map(|p| gpu.borrow(p, v)),
             };
-            let result = work(&mut DeviceHead {
+            let result = work(&mut CudaHead {
                 gpu: &gpu,
                 head: &head,
                 ws: workspace(&gpu, ws)?,
@@ -199,10 +199,18 @@ pub(crate) fn run_on_borrowed<R>(
             result
         }
     }
-    match dtype {
+    let previous = cudarc::driver::result::ctx::get_current()
+        .map_err(|e| device_error("cuCtxGetCurrent", e))?;
+    let out = match dtype {
         DType::F32 => typed::<f32, R>(base, ws, b, work),
         DType::Bf16 => typed::<bf16, R>(base, ws, b, work),
+    };
+    if let Some(ctx) = previous {
+        // SAFETY: `ctx` was current on this thread when the call began.
+        unsafe { cudarc::driver::result::ctx::set_current(ctx) }
+            .map_err(|e| device_error("cuCtxSetCurrent", e))?;
     }
+    out
 }
 
 /// The logits-level step on a device copy of host `logits` (f32 or bf16; the copies are

@@ -1,4 +1,4 @@
-//! The fused LM-head's buffers on the device: the head ([`GpuHead`]), its gradients in
+//! The fused LM-head's buffers on the device: the head ([`GpuInputs`]), its gradients in
 //! f32 ([`GpuGrads`]), and the cuBLAS handle with the logits and `dZ` tiles
 //! ([`GpuWorkspace`]), kept across calls as a training loop would. Every allocation goes
 //! through [`Gpu`]'s accounting; new tiles are poisoned with NaN.
@@ -13,7 +13,7 @@ use half::bf16;
 
 /// An LM head on the device: hidden states `[N, H]`, weight `[V, H]` (row-major, in
 /// `E`), bias `[V]` (widened to f32).
-pub struct GpuHead<E> {
+pub struct GpuInputs<E> {
     /// `[N, H]`.
     pub hidden: DeviceBuffer<E>,
     /// `[V, H]`.
@@ -28,7 +28,7 @@ pub struct GpuHead<E> {
     pub vocab: usize,
 }
 
-impl<E> GpuHead<E> {
+impl<E> GpuInputs<E> {
     /// `(N, H, V)`.
     pub fn shape(&self) -> HeadShape {
         HeadShape {
@@ -39,7 +39,7 @@ impl<E> GpuHead<E> {
     }
 }
 
-impl<E: GpuElement> GpuHead<E> {
+impl<E: GpuElement> GpuInputs<E> {
     /// Checks `inputs` on the host (shapes, finite values) and copies them to the device.
     pub fn upload(gpu: &Gpu, inputs: &LinearInputs<E>) -> Result<Self> {
         inputs.validate()?;
@@ -47,7 +47,7 @@ impl<E: GpuElement> GpuHead<E> {
             Some(b) => Some(gpu.upload(&b.iter().map(|x| x.to_f32()).collect::<Vec<_>>())?),
             None => None,
         };
-        Ok(GpuHead {
+        Ok(GpuInputs {
             hidden: gpu.upload(inputs.hidden)?,
             weight: gpu.upload(inputs.weight)?,
             bias,
@@ -70,7 +70,7 @@ pub struct GpuGrads {
 
 impl GpuGrads {
     /// Zeroed gradients for `head`'s shapes.
-    pub fn zeros<E>(gpu: &Gpu, head: &GpuHead<E>) -> Result<Self> {
+    pub fn zeros<E>(gpu: &Gpu, head: &GpuInputs<E>) -> Result<Self> {
         let (n, h, v) = (head.tokens, head.hidden_size, head.vocab);
         Ok(GpuGrads {
             dhidden: gpu.zeros(n * h)?,
@@ -95,7 +95,7 @@ impl GpuGrads {
     }
 
     /// Checks that the buffers match `head`'s shapes (and bias presence).
-    pub fn check<E>(&self, head: &GpuHead<E>) -> Result<()> {
+    pub fn check<E>(&self, head: &GpuInputs<E>) -> Result<()> {
         check_grad_lens(
             head.shape(),
             head.bias.is_some(),
@@ -187,7 +187,7 @@ impl GpuWorkspace {
 /// product: the GEMM rate the fused kernels are measured against).
 pub fn head_logits<E: GpuElement>(
     gpu: &Gpu,
-    head: &GpuHead<E>,
+    head: &GpuInputs<E>,
     ws: &GpuWorkspace,
     out: &mut DeviceBuffer<f32>,
 ) -> Result<()> {

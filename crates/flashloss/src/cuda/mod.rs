@@ -4,7 +4,7 @@
 //!
 //! Kernels are CUDA C++ kept in `cuda/kernels/*.cu`, embedded with `include_str!` and
 //! compiled once per process by NVRTC for the device's architecture ([`kernels`]); tile
-//! products go through cuBLAS ([`blas`]). [`DeviceHead`] is the backend's
+//! products go through cuBLAS ([`blas`]). [`CudaHead`] is the backend's
 //! [`crate::fused::Head`]: the backend-neutral drivers run the O(N) per-row stages
 //! (policy, CE rows) on the host between the device passes, so each loss is written
 //! once. Every device allocation goes through [`Gpu`], which counts bytes in use and
@@ -17,14 +17,17 @@ mod grpo_logits;
 mod head;
 pub mod kernels;
 mod launch;
+mod nccl;
 mod passes;
 mod selective_log_softmax;
+mod watchdog;
 
 pub use blas::{CUBLAS_WORKSPACE_BYTES, GemmShape};
 pub use device::{DeviceBuffer, DeviceMemory, Gpu, GpuElement, driver_present};
 pub use front::BorrowedHead;
 pub(crate) use front::{grpo_logits_host, run_on_borrowed, run_on_host_buffers};
 pub use grpo_logits::{grpo_logits_backward, grpo_logits_forward};
-pub use head::{GpuGrads, GpuHead, GpuWorkspace, head_logits};
-pub use passes::{DeviceHead, materialized_plan, plan};
+pub use head::{GpuGrads, GpuInputs, GpuWorkspace, head_logits};
+pub use nccl::{Nccl, nccl_present};
+pub use passes::{CudaHead, materialized_plan, plan};
 pub use selective_log_softmax::selective_log_softmax;

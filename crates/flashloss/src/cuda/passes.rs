@@ -4,12 +4,12 @@
 //! ([`super::blas`]); the row kernels of `softmax_rows.cu` merge each tile's softmax
 //! state (pass A) and turn a tile into `dZ` (pass B, in place for f32 heads, into a
 //! bf16 tile for bf16 heads, the operand of the bf16 products); `dH += dZ·W` and
-//! `dW += dZᵀ·H` accumulate in f32. [`DeviceHead`] is the GPU's [`Head`]: the loss
+//! `dW += dZᵀ·H` accumulate in f32. [`CudaHead`] is the GPU's [`Head`]: the loss
 //! drivers of [`crate::fused`] run on it as on the CPU's.
 
 use super::blas::{CUBLAS_WORKSPACE_BYTES, GemmShape, Operand, gemm};
 use super::device::{DeviceBuffer, Gpu, GpuElement, device_error};
-use super::head::{GpuGrads, GpuHead, GpuWorkspace};
+use super::head::{GpuGrads, GpuInputs, GpuWorkspace};
 use super::launch::{KernelLayout, RowCoef, rows_launch};
 use crate::batch::HeadShape;
 use crate::collective::Collective;
@@ -100,7 +100,7 @@ struct DeviceStates {
 /// The GPU's [`FusedPasses`] over one head.
 struct GpuPasses<'a, E> {
     gpu: &'a Gpu,
-    head: &'a GpuHead<E>,
+    head: &'a GpuInputs<E>,
     rows: RowInputs<'a>,
     plan: Plan,
     ws: &'a mut GpuWorkspace,
@@ -115,7 +115,7 @@ impl<'a, E: GpuElement> GpuPasses<'a, E> {
     /// Uploads the per-row inputs, allocates the O(N) state and the plan's tiles.
     fn new(
         gpu: &'a Gpu,
-        head: &'a GpuHead<E>,
+        head: &'a GpuInputs<E>,
         rows: RowInputs<'a>,
         plan: Plan,
         ws: &'a mut GpuWorkspace,
@@ -472,11 +472,11 @@ fn check_finite<T: GpuElement>(gpu: &Gpu, arg: &'static str, buf: &DeviceBuffer<
 /// An LM head in device memory with its gradients (added into, in f32) and a
 /// workspace kept across steps: the GPU's [`Head`]. The per-row inputs stay on the
 /// host; the per-row loss stages run there between the device passes.
-pub struct DeviceHead<'a, E> {
+pub struct CudaHead<'a, E> {
     /// The GPU.
     pub gpu: &'a Gpu,
     /// Hidden states, weight, bias.
-    pub head: &'a GpuHead<E>,
+    pub head: &'a GpuInputs<E>,
     /// The cuBLAS handle and tiles.
     pub ws: &'a mut GpuWorkspace,
     /// Where the gradients are added (none for a loss without gradients, e.g. log-probs).
@@ -485,7 +485,7 @@ pub struct DeviceHead<'a, E> {
     pub materialized: bool,
 }
 
-impl<E: GpuElement> Head for DeviceHead<'_, E> {
+impl<E: GpuElement> Head for CudaHead<'_, E> {
     fn shape(&self) -> HeadShape {
         self.head.shape()
     }

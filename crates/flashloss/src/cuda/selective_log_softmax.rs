@@ -6,9 +6,9 @@
 use super::device::{DeviceBuffer, Gpu, GpuElement, device_error};
 use super::launch::{KernelLayout, cols_arg, rows_launch};
 use crate::batch::LogitsLayout;
-use crate::config::Temperature;
 use crate::error::Result;
 use crate::rows::{OnlineSoftmax, RowStats, RowTransform, check_row_stats, check_targets};
+use crate::temperature::Temperature;
 use cudarc::driver::PushKernelArg;
 
 /// Per-row statistics of `logits · inv_temp` (device, laid out as `layout`, already

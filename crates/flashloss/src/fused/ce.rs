@@ -7,11 +7,12 @@
 
 use super::passes::{Head, LinearGrads, RowGrad, check_head};
 use super::plan::{FusedOptions, Plan};
-use super::two_pass::{VocabSplit, grads_pass, stats_pass};
+use super::two_pass::{grads_pass, stats_pass};
 use crate::cross_entropy::CrossEntropy;
 use crate::error::{Error, Result};
 use crate::range::check_ce_row;
 use crate::rows::{RowInputs, RowStats, RowTransform, check_row_stats, check_targets};
+use crate::sharding::VocabSplit;
 
 /// Loss, per-row outputs and the LM head's gradients.
 #[derive(Debug, Clone)]

@@ -8,13 +8,14 @@
 
 use super::passes::{FusedPasses, Head, LinearGrads, RowGrad, check_head};
 use super::plan::{FusedOptions, Plan};
-use super::two_pass::{VocabSplit, grads_pass, stats_pass};
+use super::two_pass::{grads_pass, stats_pass};
 use crate::batch::{GrpoBatch, HeadShape};
-use crate::config::GrpoLoss;
 use crate::error::{Error, Result};
+use crate::grpo_config::GrpoLoss;
 use crate::policy::{GrpoMetrics, Normalizers, PolicyOutput, policy_rows, policy_stage};
 use crate::range::check_policy_rows;
 use crate::rows::{RowInputs, RowStats, RowTransform, check_row_stats};
+use crate::sharding::VocabSplit;
 use std::ops::Range;
 
 /// Loss, metrics, per-token outputs and the plan that ran.

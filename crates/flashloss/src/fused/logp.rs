@@ -5,9 +5,9 @@
 
 use super::passes::{Head, check_head};
 use super::plan::{FusedOptions, Mode};
-use crate::config::Temperature;
 use crate::error::Result;
 use crate::rows::{RowInputs, RowStats, RowTransform, check_row_stats, check_targets};
+use crate::temperature::Temperature;
 
 /// Per-row statistics of `head`'s logits divided by `temperature`, at `target_ids`
 /// `[N]`; rows where `mask` is false are skipped (zeroed stats). `seq_len` only names

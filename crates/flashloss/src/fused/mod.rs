@@ -11,8 +11,8 @@ mod grpo;
 mod logp;
 mod passes;
 pub mod plan;
-pub(crate) mod sharded;
-pub(crate) mod two_pass;
+mod sharded;
+mod two_pass;
 
 pub use ce::{CeLinearOutput, ce_linear};
 pub use grpo::{GrpoLinearOutput, grpo_linear};
@@ -23,4 +23,4 @@ pub use passes::{
 pub use plan::{
     Block, FusedOptions, Mode, Plan, PlanLimits, mib_to_bytes, plan_blocks, tile_budget,
 };
-pub use sharded::{Grid, Parallel, Shard, ce_linear_sharded, grpo_linear_sharded, shard_range};
+pub use sharded::{ce_linear_sharded, grpo_linear_sharded};

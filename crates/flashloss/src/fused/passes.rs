@@ -88,7 +88,7 @@ pub enum GradPart {
 }
 
 /// An LM head with its gradient buffers and workspace on one backend: host buffers on
-/// the CPU (`cpu::HostHead`), device buffers on the GPU (`cuda::DeviceHead`).
+/// the CPU (`cpu::CpuHead`), device buffers on the GPU (`cuda::CudaHead`).
 pub trait Head {
     /// Its shape.
     fn shape(&self) -> HeadShape;

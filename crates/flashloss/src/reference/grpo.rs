@@ -5,7 +5,7 @@
 use super::dual::{Dual, Num};
 use super::softmax::row_softmax;
 use crate::batch::{GrpoBatch, PerSeqOrToken};
-use crate::config::{GrpoLoss, ImportanceSamplingLevel, LossConfig, LossType};
+use crate::grpo_config::{GrpoLoss, GrpoLossConfig, ImportanceSamplingLevel, LossType};
 use crate::policy::{GrpoMetrics, Normalizers};
 
 /// Everything the reference computes; per-token vectors are `[N]` (0 where masked).
@@ -46,7 +46,7 @@ struct TokenTerm<N> {
 
 /// The terms of sequence `b`, given its T logp and entropy values.
 fn sequence_terms<N: Num>(
-    c: &LossConfig,
+    c: &GrpoLossConfig,
     batch: &GrpoBatch,
     norm: Normalizers,
     b: usize,

@@ -3,52 +3,8 @@
 //! checked; kernels take a [`GrpoLoss`], so they never see an invalid one.
 
 use crate::error::{Error, Result};
+use crate::temperature::Temperature;
 use serde::{Deserialize, Serialize};
-
-/// A sampling temperature `T`, checked once ([`Temperature::new`]): finite, > 0, and
-/// `1/T` within f32 (the kernels scale logits by it in f32).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Temperature(f64);
-
-impl Temperature {
-    /// `temperature`, or an error naming `temperature`.
-    pub fn new(temperature: f64) -> Result<Self> {
-        let t = temperature;
-        if t.is_finite() && t > 0.0 && ((1.0 / t) as f32).is_finite() {
-            Ok(Temperature(t))
-        } else {
-            Err(Error::InvalidArgument {
-                arg: "temperature",
-                reason: format!("must be finite and > 0 with 1/temperature within f32, got {t}"),
-            })
-        }
-    }
-
-    /// A temperature of a config that [`Temperature::new`] has already accepted.
-    pub(crate) fn checked(temperature: f64) -> Self {
-        debug_assert!(Temperature::new(temperature).is_ok());
-        Temperature(temperature)
-    }
-
-    /// [`Temperature::new`] for a config's field: the error names the field.
-    pub(crate) fn of_config(temperature: f64) -> Result<Self> {
-        Temperature::new(temperature).map_err(|e| match e {
-            Error::InvalidArgument { arg, reason } => Error::InvalidConfig { field: arg, reason },
-            other => other,
-        })
-    }
-
-    /// `T`.
-    pub fn get(self) -> f64 {
-        self.0
-    }
-}
-
-impl Default for Temperature {
-    fn default() -> Self {
-        Temperature(1.0)
-    }
-}
 
 /// Which GRPO-family objective (spec: "GRPO per-token policy loss").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -133,7 +89,7 @@ pub enum ImportanceSamplingLevel {
 /// the spec's. Construct a [`GrpoLoss`] from it to use it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
-pub struct LossConfig {
+pub struct GrpoLossConfig {
     /// The objective.
     pub loss_type: LossType,
     /// Token-level or sequence-level (GSPO) ratios.
@@ -174,9 +130,9 @@ pub struct LossConfig {
     pub entropy_coef: f64,
 }
 
-impl Default for LossConfig {
+impl Default for GrpoLossConfig {
     fn default() -> Self {
-        LossConfig {
+        GrpoLossConfig {
             loss_type: LossType::Grpo,
             importance_sampling_level: ImportanceSamplingLevel::Token,
             epsilon_low: 0.2,
@@ -198,10 +154,10 @@ impl Default for LossConfig {
     }
 }
 
-/// A validated [`LossConfig`]: the only form the kernels accept.
+/// A validated [`GrpoLossConfig`]: the only form the kernels accept.
 #[derive(Debug, Clone, PartialEq)]
 pub struct GrpoLoss {
-    config: LossConfig,
+    config: GrpoLossConfig,
 }
 
 fn check(ok: bool, field: &'static str, reason: impl FnOnce() -> String) -> Result<()> {
@@ -223,7 +179,7 @@ impl GrpoLoss {
     /// Validates `config`: finite parameters in range, and the spec's rules (δ only for
     /// the clipped family; sequence level not for vespo; dr_grpo needs
     /// `max_completion_length`).
-    pub fn new(config: LossConfig) -> Result<Self> {
+    pub fn new(config: GrpoLossConfig) -> Result<Self> {
         let c = &config;
         for (x, field) in [
             (c.epsilon_low, "epsilon_low"),
@@ -297,7 +253,7 @@ impl GrpoLoss {
     }
 
     /// The validated configuration.
-    pub fn config(&self) -> &LossConfig {
+    pub fn config(&self) -> &GrpoLossConfig {
         &self.config
     }
 

@@ -6,20 +6,22 @@
 //! threads (MPI, in-process) can start NCCL; a group of one needs none ([`Nccl::solo`]).
 //!
 //! A dead or hung peer cannot block a rank forever: with a timeout
-//! ([`Nccl::with_timeout`]), a watchdog thread arms with each collective and, when the
-//! collective outlives the timeout, aborts the communicator (`ncclCommAbort`, which ends
-//! the collective's kernels), and the collective returns [`Error::Collective`] with the
-//! same message on every live rank (each rank's own watchdog fires on the same missing
-//! peer); the communicator then refuses further use. Joining a communicator
-//! (`ncclCommInitRank`, which waits for every rank) is bounded by the same timeout.
+//! ([`Nccl::with_timeout`]), a watchdog ([`super::watchdog`]) arms with each collective
+//! and, when the collective outlives the timeout, aborts the communicator
+//! (`ncclCommAbort`, which ends the collective's kernels); the collective returns
+//! [`Error::Collective`] with the same message on every live rank (each rank's own
+//! watchdog fires on the same missing peer) and the communicator refuses further use. A
+//! collective that completed keeps its result. Joining a communicator
+//! (`ncclCommInitRank`, which waits for every rank) is bounded by the same timeout, on a
+//! thread bound to the rank's GPU.
 
-use super::Collective;
-use crate::cuda::Gpu;
+use super::device::Gpu;
+use super::watchdog::Watchdog;
+use crate::collective::{Collective, split_bytes, split_members};
 use crate::error::{Error, Result};
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 use cudarc::nccl::{Id, result, sys};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -36,30 +38,40 @@ pub fn nccl_present() -> bool {
     unsafe { cudarc::nccl::sys::is_culib_present() }
 }
 
-/// An NCCL communicator by its raw handle, so that a watchdog can abort it from another
-/// thread while a collective blocks on it (cudarc's `Comm` keeps its handle private).
-/// Aborted once: by the watchdog, or on drop.
+/// An NCCL communicator by its raw handle (cudarc's `Comm` keeps its handle private),
+/// with the [`Watchdog`] that may abort it from another thread while a collective
+/// blocks on it. Aborted (and so freed) once: by the watchdog, or on drop.
 struct RawComm {
     comm: sys::ncclComm_t,
-    aborted: AtomicBool,
+    watchdog: Arc<Watchdog>,
 }
 
 // SAFETY: NCCL allows a communicator to be used from any thread as long as calls on it
 // do not overlap (the `Nccl::busy` mutex orders collectives), and `ncclCommAbort` is
-// meant to be called from another thread while an operation blocks; `aborted` makes it
-// happen once.
+// meant to be called from another thread while an operation blocks; the watchdog calls
+// it once, and only while a collective runs or on drop.
 unsafe impl Send for RawComm {}
 unsafe impl Sync for RawComm {}
 
 impl RawComm {
-    /// `ncclCommInitRank`; it waits for every rank, so it runs on a helper thread and a
-    /// `timeout` bounds the wait (the helper stays blocked until the process ends).
-    fn init(rank: usize, world_size: usize, id: &Id, timeout: Option<Duration>) -> Result<Self> {
+    /// `ncclCommInitRank` on `gpu`; it waits for every rank, so with a `timeout` it runs
+    /// on a helper thread (bound to the GPU's context, so the communicator is made on
+    /// this GPU) and the timeout bounds the wait (the helper stays blocked until the
+    /// process ends).
+    fn init(
+        gpu: &Arc<Gpu>,
+        rank: usize,
+        world_size: usize,
+        id: &Id,
+        timeout: Option<Duration>,
+    ) -> Result<Self> {
         let unique = sys::ncclUniqueId {
             internal: *id.internal(),
         };
         let what = format!("ncclCommInitRank (rank {rank} of {world_size})");
+        let gpu = gpu.clone();
         let join = move || -> Result<usize> {
+            gpu.bind_to_thread()?;
             let mut comm: sys::ncclComm_t = std::ptr::null_mut();
             // SAFETY: `comm` is written by NCCL on success.
             unsafe { result::comm_init_rank(&mut comm, world_size as i32, unique, rank as i32) }
@@ -91,30 +103,20 @@ impl RawComm {
                 }
             }
         };
+        let watchdog = Watchdog::new(move || {
+            // SAFETY: the watchdog calls this once, while the handle is live.
+            let _ = unsafe { result::comm_abort(handle as sys::ncclComm_t) };
+        });
         Ok(RawComm {
             comm: handle as sys::ncclComm_t,
-            aborted: AtomicBool::new(false),
+            watchdog,
         })
-    }
-
-    /// `ncclCommAbort`, once; whether this call did it.
-    fn abort(&self) -> bool {
-        if self.aborted.swap(true, Ordering::SeqCst) {
-            return false;
-        }
-        // SAFETY: the handle is live until the first abort, which this is.
-        let _ = unsafe { result::comm_abort(self.comm) };
-        true
-    }
-
-    fn is_aborted(&self) -> bool {
-        self.aborted.load(Ordering::SeqCst)
     }
 }
 
 impl Drop for RawComm {
     fn drop(&mut self) {
-        self.abort();
+        self.watchdog.abort_now();
     }
 }
 
@@ -169,7 +171,7 @@ impl Nccl {
             None => new_id()?,
         };
         let stream = gpu.stream().clone();
-        let comm = RawComm::init(rank, world_size, &id, timeout)?;
+        let comm = RawComm::init(&gpu, rank, world_size, &id, timeout)?;
         Ok(Nccl {
             comm: Arc::new(comm),
             busy: Mutex::new(()),
@@ -198,25 +200,8 @@ impl Nccl {
                 self.timeout.unwrap_or_default().as_secs_f64()
             ),
         };
-        if self.comm.is_aborted() {
-            return Err(aborted());
-        }
-        let Some(timeout) = self.timeout else {
-            return f(self.comm.comm);
-        };
-        let (done, wait) = mpsc::channel::<()>();
-        let comm = self.comm.clone();
-        let watchdog = std::thread::spawn(move || match wait.recv_timeout(timeout) {
-            Err(RecvTimeoutError::Timeout) => comm.abort(),
-            _ => false,
-        });
-        let out = f(self.comm.comm);
-        let _ = done.send(());
-        let fired = watchdog.join().unwrap_or(false);
-        if fired || self.comm.is_aborted() {
-            return Err(aborted());
-        }
-        out
+        let comm = self.comm.comm;
+        self.comm.watchdog.run(self.timeout, aborted, || f(comm))
     }
 
     /// `ncclAllGather` of `local` (the same length on every rank).
@@ -298,8 +283,8 @@ impl Collective for Nccl {
     }
 
     fn split(&self, color: usize, key: usize) -> Result<Box<dyn Collective>> {
-        let gathered = self.all_gather_bytes(&super::split_bytes(color, key))?;
-        let members = super::split_members(&gathered, self.rank);
+        let gathered = self.all_gather_bytes(&split_bytes(color, key))?;
+        let members = split_members(&gathered, self.rank);
         let sub_rank = members
             .iter()
             .position(|&r| r == self.rank)
