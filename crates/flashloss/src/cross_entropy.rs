@@ -95,11 +95,8 @@ impl CrossEntropy {
     /// absolute floor of `dW` and `dbias` (spec: "Absolute floor of a summed gradient
     /// entry").
     pub fn reduction_weight_sum(&self, targets: &[i64]) -> f64 {
-        let counted = targets.iter().filter(|&&y| self.counts(y)).count() as f64;
-        match self.config.reduction {
-            Reduction::Mean => counted.min(1.0),
-            Reduction::Sum | Reduction::None => counted,
-        }
+        let counted = targets.iter().filter(|&&y| self.counts(y)).count();
+        counted as f64 * self.row_weight(counted)
     }
 
     /// True for rows that take part: target ≠ `ignore_index`.

@@ -1,0 +1,190 @@
+//! The front door (`flashloss::Device`): a kept workspace changes no bit of any result,
+//! across shapes that grow and shrink it; inputs are validated and gradients checked on
+//! every entry point (the neutral drivers, not the backend); log-probs need no gradient
+//! buffers; sharded runs fail together on a gradient that leaves f32.
+
+mod common;
+use common::*;
+use flashloss::collective::{Collective, run_in_process};
+use flashloss::fused::LinearGradsMut;
+use flashloss::{
+    Device, FusedOptions, Grid, GrpoLoss, GrpoLossConfig, HeadArgs, LinearInputs, LossType, Mode,
+    Shard, Temperature,
+};
+use std::time::Duration;
+
+fn loss() -> GrpoLoss {
+    GrpoLoss::new(GrpoLossConfig {
+        loss_type: LossType::Dapo,
+        beta: 0.04,
+        ..Default::default()
+    })
+    .unwrap()
+}
+
+fn opts(mode: Mode) -> FusedOptions {
+    FusedOptions {
+        mode,
+        budget_bytes: flashloss::cpu::gemm_reserve_bytes() + (1 << 20),
+        grad_output: 1.0,
+    }
+}
+
+#[test]
+fn a_kept_workspace_changes_no_bit_of_any_result() {
+    let kept = Device::cpu();
+    // Shapes that grow, shrink and grow the workspace, in both modes.
+    for (i, (b, t, h, v)) in [
+        (2, 5, 8, 3001),
+        (1, 3, 4, 17),
+        (3, 7, 16, 4099),
+        (2, 5, 8, 3001),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        for mode in [Mode::SinglePass, Mode::TwoPass, Mode::Compact] {
+            let head = Head::<f32>::random(b * t, h, v, i % 2 == 0, 7 + i as u64);
+            let x = draw(b, t, v, 11 + i as u64);
+            let (batch, inputs) = (x.batch(), head.inputs());
+            let again = kept
+                .grpo_linear(&loss(), &batch, &inputs, &opts(mode))
+                .unwrap();
+            let fresh = Device::cpu()
+                .grpo_linear(&loss(), &batch, &inputs, &opts(mode))
+                .unwrap();
+            let case = format!("{mode:?} [B={b},T={t},H={h},V={v}]");
+            assert_eq!(again.loss.to_bits(), fresh.loss.to_bits(), "{case}");
+            assert_eq!(again.grads.dhidden, fresh.grads.dhidden, "{case}: dH");
+            assert_eq!(again.grads.dweight, fresh.grads.dweight, "{case}: dW");
+            assert_eq!(again.grads.dbias, fresh.grads.dbias, "{case}: dbias");
+            assert!(kept.workspace_bytes().unwrap() > 0, "{case}: nothing kept");
+        }
+    }
+}
+
+#[test]
+fn a_nan_in_a_masked_row_and_an_empty_head_are_errors_on_every_entry_point() {
+    let (b, t, h, v) = (2, 4, 8, 33);
+    let mut head = Head::<f32>::random(b * t, h, v, false, 3);
+    let mut x = draw(b, t, v, 4);
+    x.data.mask[t - 1] = false;
+    head.hidden[(t - 1) * h] = f32::NAN;
+    let device = Device::cpu();
+    let batch = x.batch();
+    let err = device
+        .grpo_linear(&loss(), &batch, &head.inputs(), &opts(Mode::Auto))
+        .unwrap_err();
+    assert!(err.to_string().contains("`hidden`"), "{err}");
+    let mut grads = flashloss::LinearGrads::zeros(&head.inputs());
+    let inputs = head.inputs();
+    let args = HeadArgs::Host {
+        inputs: &inputs,
+        grads: grads.view(),
+    };
+    let err = device
+        .grpo_linear_into(&loss(), &batch, args, &opts(Mode::Auto))
+        .unwrap_err();
+    assert!(err.to_string().contains("`hidden`"), "{err}");
+    // N = 0 through log-probs (no gradient buffers): an error, never a panic.
+    let empty = LinearInputs::<f32> {
+        hidden: &[],
+        weight: &head.weight,
+        bias: None,
+        tokens: 0,
+        hidden_size: h,
+        vocab: v,
+    };
+    let t1 = Temperature::new(1.0).unwrap();
+    let err = device
+        .logp_linear(HeadArgs::host(&empty), &[], None, t1, 1 << 24, 1)
+        .unwrap_err();
+    assert!(err.to_string().contains("must be >= 1"), "{err}");
+}
+
+#[test]
+fn log_probs_need_no_gradient_buffers_and_match_the_loss_statistics() {
+    let (b, t, h, v) = (2, 5, 8, 301);
+    let head = Head::<f32>::random(b * t, h, v, true, 5);
+    let x = draw(b, t, v, 6);
+    let device = Device::cpu();
+    let inputs = head.inputs();
+    let stats = device
+        .logp_linear(
+            HeadArgs::host(&inputs),
+            &x.data.target_ids,
+            Some(&x.data.mask),
+            Temperature::default(),
+            1 << 24,
+            t,
+        )
+        .unwrap();
+    let out = device
+        .grpo_linear(&loss(), &x.batch(), &inputs, &opts(Mode::TwoPass))
+        .unwrap();
+    for i in (0..b * t).filter(|&i| x.data.mask[i]) {
+        assert_eq!(
+            stats[i].logp.to_bits(),
+            out.stats[i].logp.to_bits(),
+            "row {i}"
+        );
+    }
+    // A head without gradient buffers cannot take a loss with gradients.
+    let args = HeadArgs::Host {
+        inputs: &inputs,
+        grads: LinearGradsMut {
+            dhidden: &mut [],
+            dweight: &mut [],
+            dbias: None,
+        },
+    };
+    let err = device
+        .grpo_linear_into(&loss(), &x.batch(), args, &opts(Mode::Auto))
+        .unwrap_err();
+    assert!(err.to_string().contains("dhidden"), "{err}");
+}
+
+/// Every row's gradient in range, but dW (a sum over the tokens of both ranks) beyond
+/// f32: identical rows of hidden states of 10 with one target and one advantage sign, at
+/// `grad_output` 1e38. The sharded step scans the summed gradients and every rank returns
+/// the same error (before, the sharded entry points skipped the scan).
+#[test]
+fn a_summed_gradient_beyond_f32_fails_every_rank_of_a_sharded_step() {
+    let (b, t, h, v) = (4, 3, 6, 64);
+    let mut head = Head::<f32>::random(b * t, h, v, false, 8);
+    head.hidden.fill(10.0);
+    let mut x = draw(b, t, v, 9);
+    x.data.target_ids.fill(0);
+    x.data.mask.fill(true);
+    x.data.advantages = flashloss::PerSeqOrTokenBuf::Sequence(vec![1.0; b]);
+    (x.data.old_logp, x.data.ref_logp) = (None, None);
+    let loss = GrpoLoss::new(GrpoLossConfig {
+        loss_type: LossType::Dapo,
+        ..Default::default()
+    })
+    .unwrap();
+    let opts = FusedOptions {
+        grad_output: 1e38,
+        ..opts(Mode::TwoPass)
+    };
+    let results = run_in_process(2, Duration::from_secs(60), |comm| {
+        let rows = comm.rank() * 2..comm.rank() * 2 + 2;
+        let mine = x.sequences(rows.clone());
+        let n = mine.data.batch * t;
+        let inputs = LinearInputs {
+            hidden: &head.hidden[rows.start * t * h..rows.start * t * h + n * h],
+            tokens: n,
+            ..head.inputs()
+        };
+        let grid = Grid::token(comm);
+        Device::cpu()
+            .grpo_linear_sharded(&grid, Shard::whole(v), &loss, &mine.batch(), &inputs, &opts)
+            .map(|o| o.loss)
+    });
+    let errors: Vec<String> = results
+        .into_iter()
+        .map(|r| r.expect_err("a gradient beyond f32").to_string())
+        .collect();
+    assert_eq!(errors[0], errors[1]);
+    assert!(errors[0].contains("dweight"), "{}", errors[0]);
+}
