@@ -11,7 +11,7 @@ pub mod matmul;
 mod online_softmax;
 mod passes;
 mod selective_log_softmax;
-pub mod simd;
+pub(crate) mod simd;
 mod single_pass;
 mod tiles;
 mod unfused_logits;
