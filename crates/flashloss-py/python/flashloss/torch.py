@@ -45,7 +45,8 @@ class GRPOOutputs:
     logp: torch.Tensor
     #: Per-token entropy ``[B, T]`` (float32).
     entropy: torch.Tensor
-    #: Per-token KL as it enters the loss ``[B, T]`` (float32; zero without a reference or at ``beta=0``).
+    #: Per-token KL as it enters the loss ``[B, T]`` (float32; zero without a reference
+    #: or at ``beta=0``).
     kl: torch.Tensor
     #: TRL's logged metrics: ``kl``, ``entropy``, ``clip_ratio/low_mean``,
     #: ``clip_ratio/high_mean``, ``clip_ratio/region_mean`` (masked means).
