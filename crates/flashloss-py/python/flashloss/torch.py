@@ -14,13 +14,13 @@ Names and defaults are those of TRL's ``GRPOConfig`` and ``GRPOTrainer._compute_
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from . import _native
+from ._config import DEFAULT_BUDGET_MIB, ce_config, grpo_config
 
 __all__ = [
     "GRPOOutputs",
@@ -31,8 +31,6 @@ __all__ = [
     "linear_logprobs",
 ]
 
-#: Workspace budget of the fused kernels (MiB) when a call gives none: the CLI's default.
-DEFAULT_BUDGET_MIB = 160.0
 
 _FLOATS = (torch.float32, torch.bfloat16)
 
@@ -137,52 +135,6 @@ class _FusedGrads(torch.autograd.Function):
         return (None, *out, None, None, None)
 
 
-def _loss_config(**kw) -> str:
-    return json.dumps({k: v for k, v in kw.items() if v is not None})
-
-
-def _grpo_config(
-    loss_type,
-    beta,
-    epsilon_low,
-    epsilon_high,
-    delta,
-    importance_sampling_level,
-    temperature,
-    use_bias_correction_kl,
-    entropy_coef,
-    num_items_in_batch,
-    max_completion_length,
-    sapo_temperature_pos,
-    sapo_temperature_neg,
-    vespo_k_pos,
-    vespo_lambda_pos,
-    vespo_k_neg,
-    vespo_lambda_neg,
-) -> str:
-    if isinstance(num_items_in_batch, torch.Tensor):
-        num_items_in_batch = float(num_items_in_batch)
-    return _loss_config(
-        loss_type=loss_type,
-        beta=float(beta),
-        epsilon_low=float(epsilon_low),
-        epsilon_high=float(epsilon_low if epsilon_high is None else epsilon_high),
-        delta=None if delta is None else float(delta),
-        importance_sampling_level=importance_sampling_level,
-        temperature=float(temperature),
-        use_bias_correction_kl=bool(use_bias_correction_kl),
-        entropy_coef=float(entropy_coef),
-        num_items_in_batch=None if num_items_in_batch is None else float(num_items_in_batch),
-        max_completion_length=None if max_completion_length is None else int(max_completion_length),
-        sapo_temperature_pos=float(sapo_temperature_pos),
-        sapo_temperature_neg=float(sapo_temperature_neg),
-        vespo_k_pos=float(vespo_k_pos),
-        vespo_lambda_pos=float(vespo_lambda_pos),
-        vespo_k_neg=float(vespo_k_neg),
-        vespo_lambda_neg=float(vespo_lambda_neg),
-    )
-
-
 def _grpo_batch(completion_ids, completion_mask, advantages):
     _check_tensor("completion_ids", completion_ids)
     if completion_ids.dim() != 2:
@@ -261,7 +213,7 @@ def linear_grpo_loss(
     )
     h, w, b = _head(hidden, weight, bias)
     ids, mask, adv = _grpo_batch(completion_ids, completion_mask, advantages)
-    config = _grpo_config(
+    config = grpo_config(
         loss_type, beta, epsilon_low, epsilon_high, delta, importance_sampling_level, temperature,
         use_bias_correction_kl, entropy_coef, num_items_in_batch, max_completion_length,
         sapo_temperature_pos, sapo_temperature_neg, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
@@ -430,8 +382,7 @@ def linear_cross_entropy(
     options of ``docs/spec/losses.md``: label smoothing, z-loss, soft-cap, temperature).
     ``hidden`` ``[..., H]`` and ``targets`` ``[...]``; reduction ``none`` returns ``[...]``."""
     device = _same_device(dict(hidden=hidden, weight=weight, targets=targets, bias=bias))
-    if reduction not in ("mean", "sum", "none"):
-        raise ValueError(f"argument `reduction`: expected 'mean', 'sum' or 'none', got {reduction!r}")
+    config = ce_config(ignore_index, label_smoothing, z_loss, softcap, reduction, temperature)
     if targets.dtype.is_floating_point or targets.dtype == torch.bool:
         raise ValueError(f"argument `targets`: expected an integer dtype, got {targets.dtype}")
     if hidden.shape[:-1] != targets.shape:
@@ -443,14 +394,6 @@ def linear_cross_entropy(
         b = b.float()  # the GPU kernels read the bias in f32
     h2 = h.reshape(-1, h.shape[-1])
     tgt = targets.reshape(-1).to(device="cpu", dtype=torch.int64).contiguous()
-    config = _loss_config(
-        ignore_index=int(ignore_index),
-        label_smoothing=float(label_smoothing),
-        z_loss=float(z_loss),
-        softcap=None if softcap is None else float(softcap),
-        reduction=reduction,
-        temperature=float(temperature),
-    )
     budget = DEFAULT_BUDGET_MIB if budget_mib is None else float(budget_mib)
     if reduction == "none":
         rows = _CrossEntropyRows.apply(h2, w, b, tgt, config, mode, budget)
@@ -559,7 +502,7 @@ def grpo_loss(
     if logits.dtype not in _FLOATS:
         raise ValueError(f"argument `logits`: expected dtype float32 or bfloat16, got {logits.dtype}")
     ids, mask, adv = _grpo_batch(completion_ids, completion_mask, advantages)
-    config = _grpo_config(
+    config = grpo_config(
         loss_type, beta, eps_low, eps_high, delta, importance_sampling_level, temperature,
         use_bias_correction_kl, 0.0, num_items_in_batch, max_completion_length,
         sapo_temperature_pos, sapo_temperature_neg, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,

@@ -1,0 +1,326 @@
+"""JAX operations over flashloss's fused kernels (XLA FFI handlers, CPU).
+
+``linear_grpo_loss`` and ``linear_cross_entropy`` compute TRL's GRPO loss and the
+cross-entropy straight from the hidden states and the LM head, never holding the
+``[tokens x vocab]`` logits; ``grpo_loss`` is the logits-level GRPO loss. Each is a
+``jax.custom_vjp`` whose forward runs one fused kernel call that yields the loss and
+the gradients of ``hidden``, ``weight`` and ``bias`` together (the fastest path on the
+CPU); its backward scales them by the cotangent. They work under ``jax.jit``,
+``jax.grad`` / ``value_and_grad`` and ``jax.vmap`` (the handler runs once per batch
+element), in float32 and bfloat16. Argument names and defaults are TRL's, as in
+:mod:`flashloss.torch`. The per-token outputs (``logp``, ``entropy``, ``kl``) and the
+metrics carry no gradient.
+
+Errors of the kernels (shapes, ids out of range, values beyond f32) are raised by JAX
+as ``JaxRuntimeError`` with flashloss's message, which names the argument.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from .._config import DEFAULT_BUDGET_MIB, ce_config, grpo_config
+from . import _ops
+
+__all__ = ["GRPOOutputs", "grpo_loss", "linear_cross_entropy", "linear_grpo_loss", "linear_logprobs"]
+
+_ops.register()
+
+_METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class GRPOOutputs:
+    """What a GRPO call returns besides the loss (no gradient flows through it)."""
+
+    #: Per-token log-probabilities of ``completion_ids`` ``[B, T]`` (float32).
+    logp: jax.Array
+    #: Per-token entropy ``[B, T]`` (float32).
+    entropy: jax.Array
+    #: Per-token KL as it enters the loss ``[B, T]`` (zero without a reference or at beta=0).
+    kl: jax.Array
+    #: TRL's logged metrics (scalars): kl, entropy, clip_ratio/{low,high,region}_mean.
+    metrics: dict
+
+
+def _floats(arg: str, x) -> jax.Array:
+    x = jnp.asarray(x)
+    if x.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"argument `{arg}`: expected dtype float32 or bfloat16, got {x.dtype}")
+    return x
+
+
+def _head(hidden, weight, bias):
+    """One float dtype for the head (mixed dtypes become bfloat16, as autocast would)."""
+    hidden, weight = _floats("hidden", hidden), _floats("weight", weight)
+    bias = None if bias is None else _floats("bias", bias)
+    if weight.ndim != 2:
+        raise ValueError(f"argument `weight`: expected shape [V, H], got {list(weight.shape)}")
+    if hidden.shape[-1:] != weight.shape[1:]:
+        raise ValueError(f"argument `hidden`: expected shape [..., H={weight.shape[1]}], got {list(hidden.shape)}")
+    if bias is not None and bias.shape != weight.shape[:1]:
+        raise ValueError(f"argument `bias`: expected shape [V={weight.shape[0]}], got {list(bias.shape)}")
+    dtypes = {x.dtype for x in (hidden, weight, bias) if x is not None}
+    dtype = jnp.float32 if dtypes == {jnp.dtype(jnp.float32)} else jnp.bfloat16
+    cast = [None if x is None else x.astype(dtype) for x in (hidden, weight, bias)]
+    return cast
+
+
+def _ids(arg: str, x) -> jax.Array:
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise ValueError(f"argument `{arg}`: expected an integer dtype, got {x.dtype}")
+    return x.astype(jnp.int64 if x.dtype == jnp.int64 else jnp.int32)
+
+
+def _scaled(g, grads, like):
+    """``g · grad`` in each input's dtype (``None`` where the input is ``None``)."""
+    return tuple(None if d is None else (g * d).astype(x.dtype) for d, x in zip(grads, like))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
+def _grpo(hidden, weight, bias, ids, mask, adv, old, ref, config, mode, budget):
+    loss, *_, logp, entropy, kl, metrics = _ops.grpo_linear(
+        hidden, weight, bias, ids, mask, adv, old, ref, config=config, mode=mode, budget_mib=budget
+    )
+    return loss, (logp, entropy, kl, metrics)
+
+
+def _grpo_fwd(hidden, weight, bias, ids, mask, adv, old, ref, config, mode, budget):
+    loss, dh, dw, db, logp, entropy, kl, metrics = _ops.grpo_linear(
+        hidden, weight, bias, ids, mask, adv, old, ref, config=config, mode=mode, budget_mib=budget
+    )
+    like = (hidden, weight, bias)
+    protos = tuple(None if x is None else jnp.zeros((0,), x.dtype) for x in like)
+    return (loss, (logp, entropy, kl, metrics)), ((dh, dw, None if bias is None else db), protos)
+
+
+def _grads_bwd(res, g):
+    grads, protos = res
+    return _scaled(g, grads, protos)
+
+
+def _grpo_bwd(config, mode, budget, res, cts):
+    return (*_grads_bwd(res, cts[0]), None, None, None, None, None)
+
+
+_grpo.defvjp(_grpo_fwd, _grpo_bwd)
+
+
+def linear_grpo_loss(
+    hidden,
+    weight,
+    completion_ids,
+    completion_mask,
+    advantages,
+    *,
+    bias=None,
+    old_per_token_logps=None,
+    ref_per_token_logps=None,
+    loss_type: str = "dapo",
+    beta: float = 0.0,
+    epsilon_low: float = 0.2,
+    epsilon_high: Optional[float] = None,
+    delta: Optional[float] = None,
+    importance_sampling_level: str = "token",
+    temperature: float = 1.0,
+    use_bias_correction_kl: bool = True,
+    entropy_coef: float = 0.0,
+    num_items_in_batch: Optional[float] = None,
+    max_completion_length: Optional[int] = None,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+    vespo_k_pos: float = 2.0,
+    vespo_lambda_pos: float = 3.0,
+    vespo_k_neg: float = 3.0,
+    vespo_lambda_neg: float = 2.0,
+    mode: str = "auto",
+    budget_mib: Optional[float] = None,
+):
+    """TRL's GRPO loss from ``hidden`` ``[B, T, H]`` (or ``[B·T, H]``) and the LM head
+    ``weight`` ``[V, H]`` (+ ``bias`` ``[V]``) at ``completion_ids`` ``[B, T]``.
+
+    Returns ``(loss, GRPOOutputs)``, differentiable in ``hidden``, ``weight`` and
+    ``bias``. ``epsilon_high=None`` means ``epsilon_low``; ``old_per_token_logps=None``
+    means on-policy (ratio 1); ``num_items_in_batch`` must be a Python number (it is part
+    of the compiled call)."""
+    hidden, weight, bias = _head(hidden, weight, bias)
+    ids = _ids("completion_ids", completion_ids)
+    if ids.ndim != 2:
+        raise ValueError(f"argument `completion_ids`: expected shape [B, T], got {list(ids.shape)}")
+    b, t = ids.shape
+    if hidden.size // hidden.shape[-1] != b * t:
+        raise ValueError(f"argument `hidden`: has {hidden.size // hidden.shape[-1]} rows but completion_ids has B·T = {b * t}")
+    mask = jnp.ones((b, t), bool) if completion_mask is None else jnp.asarray(completion_mask) != 0
+    adv = jnp.asarray(advantages, jnp.float32)
+    if adv.ndim == 2 and adv.shape[1] == 1:
+        adv = adv[:, 0]  # TRL's unsqueezed [B, 1]
+    old = None if old_per_token_logps is None else jnp.asarray(old_per_token_logps, jnp.float32)
+    ref = None if ref_per_token_logps is None else jnp.asarray(ref_per_token_logps, jnp.float32)
+    config = grpo_config(
+        loss_type, beta, epsilon_low, epsilon_high, delta, importance_sampling_level, temperature,
+        use_bias_correction_kl, entropy_coef, num_items_in_batch, max_completion_length,
+        sapo_temperature_pos, sapo_temperature_neg, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
+        vespo_lambda_neg,
+    )  # fmt: skip
+    budget = DEFAULT_BUDGET_MIB if budget_mib is None else float(budget_mib)
+    loss, (logp, entropy, kl, metrics) = _grpo(hidden, weight, bias, ids, mask, adv, old, ref, config, mode, budget)
+    aux = jax.lax.stop_gradient((logp, entropy, kl, metrics))
+    return loss, GRPOOutputs(aux[0], aux[1], aux[2], dict(zip(_METRICS, aux[3])))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _ce(hidden, weight, bias, targets, config, mode, budget):
+    return _ops.ce_linear(hidden, weight, bias, targets, None, config=config, mode=mode, budget_mib=budget)[0]
+
+
+def _ce_fwd(hidden, weight, bias, targets, config, mode, budget):
+    loss, dh, dw, db, _, _ = _ops.ce_linear(hidden, weight, bias, targets, None, config=config, mode=mode, budget_mib=budget)
+    protos = tuple(None if x is None else jnp.zeros((0,), x.dtype) for x in (hidden, weight, bias))
+    return loss, ((dh, dw, None if bias is None else db), protos)
+
+
+def _ce_bwd(config, mode, budget, res, g):
+    return (*_grads_bwd(res, g), None)
+
+
+_ce.defvjp(_ce_fwd, _ce_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _ce_rows(hidden, weight, bias, targets, config, mode, budget):
+    zero = jnp.zeros(targets.shape, jnp.float32)
+    return _ops.ce_linear(hidden, weight, bias, targets, zero, config=config, mode=mode, budget_mib=budget)[4]
+
+
+def _ce_rows_fwd(hidden, weight, bias, targets, config, mode, budget):
+    return _ce_rows(hidden, weight, bias, targets, config, mode, budget), (hidden, weight, bias, targets)
+
+
+def _ce_rows_bwd(config, mode, budget, res, g):
+    hidden, weight, bias, targets = res
+    _, dh, dw, db, _, _ = _ops.ce_linear(
+        hidden, weight, bias, targets, g.astype(jnp.float32), config=config, mode=mode, budget_mib=budget
+    )
+    like = (hidden, weight, bias)
+    grads = (dh, dw, None if bias is None else db)
+    return (*(None if d is None else d.astype(x.dtype) for d, x in zip(grads, like)), None)
+
+
+_ce_rows.defvjp(_ce_rows_fwd, _ce_rows_bwd)
+
+
+def linear_cross_entropy(
+    hidden,
+    weight,
+    targets,
+    *,
+    bias=None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: Optional[float] = None,
+    reduction: str = "mean",
+    temperature: float = 1.0,
+    mode: str = "auto",
+    budget_mib: Optional[float] = None,
+):
+    """Cross-entropy of ``hidden @ weight.T + bias`` at ``targets`` (Cut Cross-Entropy's
+    call): ``hidden`` ``[..., H]``, ``targets`` ``[...]``; reduction ``mean``, ``sum`` or
+    ``none`` (``[...]``, whose backward reruns the kernel with each row's cotangent)."""
+    config = ce_config(ignore_index, label_smoothing, z_loss, softcap, reduction, temperature)
+    hidden, weight, bias = _head(hidden, weight, bias)
+    targets = _ids("targets", targets)
+    if hidden.shape[:-1] != targets.shape:
+        raise ValueError(f"argument `targets`: shape {list(targets.shape)} does not match hidden's rows {list(hidden.shape[:-1])}")
+    h2, t1 = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    budget = DEFAULT_BUDGET_MIB if budget_mib is None else float(budget_mib)
+    if reduction == "none":
+        return _ce_rows(h2, weight, bias, t1, config, mode, budget).reshape(targets.shape)
+    return _ce(h2, weight, bias, t1, config, mode, budget)
+
+
+def linear_logprobs(hidden, weight, ids, temperature: float = 1.0, return_entropy: bool = False, *, bias=None, mask=None, budget_mib=None):
+    """Per-token log-probabilities of ``ids`` ``[...]`` under ``(hidden @ weight.T + bias) /
+    temperature`` without gradient (the old- and reference-policy passes of GRPO);
+    ``(logp, entropy)`` when ``return_entropy``. Rows where ``mask`` is false are zero."""
+    hidden, weight, bias = _head(hidden, weight, bias)
+    ids = _ids("ids", ids)
+    if hidden.shape[:-1] != ids.shape:
+        raise ValueError(f"argument `ids`: shape {list(ids.shape)} does not match hidden's rows {list(hidden.shape[:-1])}")
+    m = jnp.ones(ids.shape, bool) if mask is None else jnp.asarray(mask) != 0
+    budget = DEFAULT_BUDGET_MIB if budget_mib is None else float(budget_mib)
+    logp, entropy = _ops.logp_linear(
+        jax.lax.stop_gradient(hidden.reshape(-1, hidden.shape[-1])), jax.lax.stop_gradient(weight),
+        None if bias is None else jax.lax.stop_gradient(bias), ids.reshape(-1), m.reshape(-1),
+        temperature=temperature, budget_mib=budget,
+    )  # fmt: skip
+    logp, entropy = logp.reshape(ids.shape), entropy.reshape(ids.shape)
+    return (logp, entropy) if return_entropy else logp
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _logits(logits, ids, mask, adv, old, ref, config):
+    loss, _, logp, entropy, kl, metrics = _ops.grpo_logits(logits, ids, mask, adv, old, ref, config=config)
+    return loss, (logp, entropy, kl, metrics)
+
+
+def _logits_fwd(logits, ids, mask, adv, old, ref, config):
+    loss, dz, logp, entropy, kl, metrics = _ops.grpo_logits(logits, ids, mask, adv, old, ref, config=config)
+    return (loss, (logp, entropy, kl, metrics)), dz
+
+
+def _logits_bwd(config, dz, cts):
+    return ((cts[0] * dz).astype(dz.dtype), None, None, None, None, None)
+
+
+_logits.defvjp(_logits_fwd, _logits_bwd)
+
+
+def grpo_loss(
+    logits,
+    completion_ids,
+    completion_mask,
+    advantages,
+    *,
+    old_per_token_logps=None,
+    ref_per_token_logps=None,
+    loss_type: str = "dapo",
+    beta: float = 0.0,
+    epsilon_low: float = 0.2,
+    epsilon_high: Optional[float] = None,
+    delta: Optional[float] = None,
+    importance_sampling_level: str = "token",
+    temperature: float = 1.0,
+    use_bias_correction_kl: bool = True,
+    num_items_in_batch: Optional[float] = None,
+    max_completion_length: Optional[int] = None,
+):
+    """TRL's GRPO loss on materialized ``logits`` ``[B, T, V]`` (float32 or bfloat16):
+    the loss and ``dlogits`` in one pass (the place of the original Pallas kernel), the
+    gradient in the logits' dtype with no float32 copy of bfloat16 logits. Returns
+    ``(loss, GRPOOutputs)``, differentiable in ``logits``."""
+    logits = _floats("logits", logits)
+    ids = _ids("completion_ids", completion_ids)
+    if logits.ndim != 3 or logits.shape[:2] != ids.shape:
+        raise ValueError(f"argument `logits`: expected shape [B, T, V] with [B, T] = {list(ids.shape)}, got {list(logits.shape)}")
+    mask = jnp.ones(ids.shape, bool) if completion_mask is None else jnp.asarray(completion_mask) != 0
+    adv = jnp.asarray(advantages, jnp.float32)
+    if adv.ndim == 2 and adv.shape[1] == 1:
+        adv = adv[:, 0]
+    old = None if old_per_token_logps is None else jnp.asarray(old_per_token_logps, jnp.float32)
+    ref = None if ref_per_token_logps is None else jnp.asarray(ref_per_token_logps, jnp.float32)
+    config = grpo_config(
+        loss_type, beta, epsilon_low, epsilon_high, delta, importance_sampling_level, temperature,
+        use_bias_correction_kl, 0.0, num_items_in_batch, max_completion_length,
+        1.0, 1.05, 2.0, 3.0, 3.0, 2.0,
+    )  # fmt: skip
+    loss, aux = _logits(logits, ids, mask, adv, old, ref, config)
+    aux = jax.lax.stop_gradient(aux)
+    return loss, GRPOOutputs(aux[0], aux[1], aux[2], dict(zip(_METRICS, aux[3])))

@@ -1,0 +1,103 @@
+"""The XLA FFI calls of flashloss's CPU handlers (``crates/flashloss-py/src/jax``),
+registered once when :mod:`flashloss.jax` is imported. Each fused call returns the loss
+and the gradients of ``hidden``, ``weight``, ``bias`` together; ``vmap`` runs the
+handler once per batch element (``vmap_method="sequential"``), since a GRPO batch's
+normalizers span its sequences."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from .. import _native
+
+_ZERO = jnp.zeros((0,), jnp.float32)
+
+
+def register() -> None:
+    """Registers every handler with XLA (platform ``cpu``)."""
+    for name, capsule in _native.jax_targets().items():
+        jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+
+
+def _f32(shape) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(shape), jnp.float32)
+
+
+def _call(name: str, results, *args, **attrs):
+    return jax.ffi.ffi_call(name, results, vmap_method="sequential")(*args, **attrs)
+
+
+def _or_empty(x: Optional[jax.Array], dtype) -> jax.Array:
+    return jnp.zeros((0,), dtype) if x is None else x
+
+
+def grpo_linear(hidden, weight, bias, ids, mask, advantages, old, ref, *, config: str, mode: str, budget_mib: float):
+    """``(loss, dhidden, dweight, dbias, logp, entropy, kl, metrics[5])``."""
+    b, t = ids.shape
+    v, h = weight.shape
+    results = (
+        _f32(()),
+        _f32(hidden.shape),
+        _f32(weight.shape),
+        _f32((0,) if bias is None else (v,)),
+        _f32((b, t)),
+        _f32((b, t)),
+        _f32((b, t)),
+        _f32((5,)),
+    )
+    return _call(
+        "flashloss_grpo_linear", results,
+        hidden, weight, _or_empty(bias, hidden.dtype), ids, mask, advantages,
+        _or_empty(old, jnp.float32), _or_empty(ref, jnp.float32),
+        budget_mib=float(budget_mib), config=config, mode=mode,
+    )  # fmt: skip
+
+
+def ce_linear(hidden, weight, bias, targets, grad_rows, *, config: str, mode: str, budget_mib: float):
+    """``(loss, dhidden, dweight, dbias, row_loss[N], count)``."""
+    v, h = weight.shape
+    n = targets.shape[0]
+    results = (
+        _f32(()),
+        _f32(hidden.shape),
+        _f32(weight.shape),
+        _f32((0,) if bias is None else (v,)),
+        _f32((n,)),
+        _f32(()),
+    )
+    return _call(
+        "flashloss_ce_linear", results,
+        hidden, weight, _or_empty(bias, hidden.dtype), targets, _or_empty(grad_rows, jnp.float32),
+        budget_mib=float(budget_mib), config=config, mode=mode,
+    )  # fmt: skip
+
+
+def logp_linear(hidden, weight, bias, ids, mask, *, temperature: float, budget_mib: float):
+    """``(logp[N], entropy[N])`` (no gradient)."""
+    n = ids.shape[0]
+    return _call(
+        "flashloss_logp_linear", (_f32((n,)), _f32((n,))),
+        hidden, weight, _or_empty(bias, hidden.dtype), ids, mask,
+        budget_mib=float(budget_mib), mode="two_pass", temperature=float(temperature),
+    )  # fmt: skip
+
+
+def grpo_logits(logits, ids, mask, advantages, old, ref, *, config: str):
+    """``(loss, dlogits (logits' dtype), logp, entropy, kl, metrics[5])``."""
+    b, t = ids.shape
+    results = (
+        _f32(()),
+        jax.ShapeDtypeStruct(logits.shape, logits.dtype),
+        _f32((b, t)),
+        _f32((b, t)),
+        _f32((b, t)),
+        _f32((5,)),
+    )
+    return _call(
+        "flashloss_grpo_logits", results,
+        logits, ids, mask, advantages, _or_empty(old, jnp.float32), _or_empty(ref, jnp.float32),
+        config=config,
+    )  # fmt: skip

@@ -1,0 +1,303 @@
+//! The XLA FFI handlers of `flashloss.jax` (CPU): each reads its call frame, calls the
+//! process's CPU [`flashloss::Device`] and writes its results. The loss and the
+//! gradients of `hidden`, `weight`, `bias` come out of one fused call (the backward of the
+//! JAX op only scales them by the cotangent). Argument order and attributes are those of
+//! `python/flashloss/jax/_ops.py`.
+
+use super::ffi::{CallFrame, dtype};
+use super::frame::{Frame, Named, Result, bad, handle};
+use crate::front::cpu;
+use flashloss::fused::{FusedOptions, LinearGradsMut, Mode};
+use flashloss::policy::GrpoMetrics;
+use flashloss::{
+    CeConfig, CrossEntropy, Element, GrpoBatch, GrpoLoss, GrpoLossConfig, HeadArgs, LinearInputs,
+    LogitsLayout, PerSeqOrToken, Temperature,
+};
+use half::bf16;
+use std::ffi::c_void;
+
+/// A config from its JSON attribute; an error names the offending key.
+fn parse<T: serde::de::DeserializeOwned>(json: &str) -> Result<T> {
+    let de = &mut serde_json::Deserializer::from_str(json);
+    serde_path_to_error::deserialize(de).map_err(|e| bad(&e.path().to_string(), e.inner()))
+}
+
+fn options(f: &Frame) -> Result<FusedOptions> {
+    let mode: Mode = parse(&format!("{:?}", f.attr_str("mode")?))?;
+    let mib = f.attr_f64("budget_mib")?;
+    if !(mib.is_finite() && mib > 0.0) {
+        return Err(bad("budget_mib", format!("must be a positive number, got {mib}")));
+    }
+    Ok(FusedOptions::from_mib(mode, mib, 1.0))
+}
+
+/// `hidden [..., H]`, `weight [V, H]`, `bias [V]` (or `[0]`: none) of element type `E`.
+fn head<'a, E: Element>(
+    hidden: &Named<'a>,
+    weight: &Named<'a>,
+    bias: &Named<'a>,
+    (code, name): (i32, &str),
+) -> Result<LinearInputs<'a, E>> {
+    let wd = weight.dims();
+    if wd.len() != 2 {
+        return Err(bad("weight", format!("expected shape [V, H], got {wd:?}")));
+    }
+    let (v, h) = (wd[0] as usize, wd[1] as usize);
+    if hidden.dims().last().map(|&x| x as usize) != Some(h) {
+        return Err(bad("hidden", format!("expected shape [..., H={h}], got {:?}", hidden.dims())));
+    }
+    // SAFETY: `E` is the element type of `code` (chosen by the caller from the dtype).
+    let (x, w, b) = unsafe {
+        (
+            hidden.slice::<E>(code, name)?,
+            weight.slice::<E>(code, name)?,
+            bias.slice::<E>(code, name)?,
+        )
+    };
+    if !b.is_empty() && b.len() != v {
+        return Err(bad("bias", format!("expected shape [V={v}], got {:?}", bias.dims())));
+    }
+    Ok(LinearInputs {
+        hidden: x,
+        weight: w,
+        bias: (!b.is_empty()).then_some(b),
+        tokens: x.len() / h.max(1),
+        hidden_size: h,
+        vocab: v,
+    })
+}
+
+/// The head's gradient results, zeroed (XLA's result buffers are uninitialized).
+fn grads<'a>(f: &Frame<'a>, first: usize) -> Result<LinearGradsMut<'a>> {
+    let dh = f.ret(first, "dhidden")?.f32s_mut()?;
+    let dw = f.ret(first + 1, "dweight")?.f32s_mut()?;
+    let db = f.ret(first + 2, "dbias")?.f32s_mut()?;
+    for g in [&mut *dh, &mut *dw, &mut *db] {
+        g.fill(0.0);
+    }
+    Ok(LinearGradsMut {
+        dhidden: dh,
+        dweight: dw,
+        dbias: (!db.is_empty()).then_some(db),
+    })
+}
+
+/// Per-token `[B, T]` f32 values, or `None` for an empty (`[0]`) argument.
+fn per_token<'a>(a: &Named<'a>, bt: [usize; 2]) -> Result<Option<&'a [f32]>> {
+    if a.numel() == 0 {
+        return Ok(None);
+    }
+    a.expect_dims(&bt)?;
+    a.f32s().map(Some)
+}
+
+/// The per-token inputs of a GRPO step: arguments `first..first + 5` (ids `[B, T]`,
+/// mask, advantages `[B]` or `[B, T]`, old and reference logp `[B, T]` or `[0]`).
+struct Tokens<'a> {
+    b: usize,
+    t: usize,
+    ids: Vec<i64>,
+    mask: Vec<bool>,
+    adv: &'a [f32],
+    old: Option<&'a [f32]>,
+    reference: Option<&'a [f32]>,
+}
+
+impl<'a> Tokens<'a> {
+    fn read(f: &Frame<'a>, first: usize) -> Result<Self> {
+        let ids = f.arg(first, "completion_ids")?;
+        let d = ids.dims();
+        if d.len() != 2 {
+            return Err(bad("completion_ids", format!("expected shape [B, T], got {d:?}")));
+        }
+        let (b, t) = (d[0] as usize, d[1] as usize);
+        let mask = f.arg(first + 1, "completion_mask")?;
+        mask.expect_dims(&[b, t])?;
+        let adv = f.arg(first + 2, "advantages")?;
+        if adv.numel() != b && adv.numel() != b * t {
+            return Err(bad("advantages", format!("expected shape [B={b}] or [B, T], got {:?}", adv.dims())));
+        }
+        Ok(Tokens {
+            b,
+            t,
+            ids: ids.ids()?,
+            mask: mask.bools()?,
+            adv: adv.f32s()?,
+            old: per_token(&f.arg(first + 3, "old_per_token_logps")?, [b, t])?,
+            reference: per_token(&f.arg(first + 4, "ref_per_token_logps")?, [b, t])?,
+        })
+    }
+
+    fn batch(&self) -> GrpoBatch<'_> {
+        GrpoBatch {
+            batch: self.b,
+            seq_len: self.t,
+            target_ids: &self.ids,
+            mask: &self.mask,
+            advantages: match self.adv.len() == self.b && self.b * self.t != self.b {
+                true => PerSeqOrToken::Sequence(self.adv),
+                false => PerSeqOrToken::Token(self.adv),
+            },
+            old_logp: self.old,
+            ref_logp: self.reference,
+            sampler_ratio: None,
+            policy_mask: None,
+            entropy_mask: None,
+        }
+    }
+}
+
+/// Writes a GRPO step's per-token outputs and its loss and metrics.
+fn grpo_outputs(
+    f: &Frame,
+    first: usize,
+    loss: f64,
+    m: &GrpoMetrics,
+    stats: &[flashloss::RowStats],
+    kl: &[f32],
+) -> Result<()> {
+    f.ret(0, "loss")?.f32s_mut()?[0] = loss as f32;
+    let (lp, ent) = (f.ret(first, "logp")?.f32s_mut()?, f.ret(first + 1, "entropy")?.f32s_mut()?);
+    for ((s, l), e) in stats.iter().zip(lp.iter_mut()).zip(ent.iter_mut()) {
+        (*l, *e) = (s.logp, s.entropy);
+    }
+    f.ret(first + 2, "kl")?.f32s_mut()?.copy_from_slice(kl);
+    let metrics = [m.kl_mean, m.entropy_mean, m.clip_ratio_low, m.clip_ratio_high, m.clip_ratio_region];
+    for (o, x) in f.ret(first + 3, "metrics")?.f32s_mut()?.iter_mut().zip(metrics) {
+        *o = x as f32;
+    }
+    Ok(())
+}
+
+/// `E` from the dtype of `x`: f32 or bf16.
+macro_rules! by_dtype {
+    ($x:expr, $E:ident, $code:ident => $body:expr) => {
+        match $x.dtype() {
+            dtype::F32 => {
+                type $E = f32;
+                let $code = (dtype::F32, "float32");
+                $body
+            }
+            dtype::BF16 => {
+                type $E = bf16;
+                let $code = (dtype::BF16, "bfloat16");
+                $body
+            }
+            other => Err(bad($x.name, format!("expected float32 or bfloat16, got XLA dtype {other}"))),
+        }
+    };
+}
+
+/// GRPO from hidden states. Arguments: hidden, weight, bias, completion_ids,
+/// completion_mask, advantages, old and ref logp; attributes: budget_mib, config (the
+/// JSON of `GrpoLossConfig`), mode. Results: loss, dhidden, dweight, dbias, logp,
+/// entropy, kl, metrics `[kl, entropy, clip low, high, region]`.
+unsafe extern "C" fn grpo_linear(frame: *mut CallFrame) -> *mut c_void {
+    // SAFETY: XLA's frame.
+    unsafe {
+        handle(frame, |f| {
+            let loss = GrpoLoss::new(parse::<GrpoLossConfig>(f.attr_str("config")?)?)?;
+            let opts = options(f)?;
+            let (x, w, bias) = (f.arg(0, "hidden")?, f.arg(1, "weight")?, f.arg(2, "bias")?);
+            let tokens = Tokens::read(f, 3)?;
+            let batch = tokens.batch();
+            let out = by_dtype!(x, E, code => {
+                let inputs = head::<E>(&x, &w, &bias, code)?;
+                let args = HeadArgs::Host { inputs: &inputs, grads: grads(f, 1)? };
+                Ok(cpu().grpo_linear_into(&loss, &batch, args, &opts)?)
+            })?;
+            grpo_outputs(f, 4, out.loss, &out.metrics, &out.stats, &out.kl)
+        })
+    }
+}
+
+/// Cross-entropy from hidden states. Arguments: hidden, weight, bias, targets `[N]`,
+/// grad_rows `[N]` (reduction none; `[0]` otherwise); attributes: budget_mib, config
+/// (the JSON of `CeConfig`), mode. Results: loss, dhidden, dweight, dbias, row_loss `[N]`,
+/// count.
+unsafe extern "C" fn ce_linear(frame: *mut CallFrame) -> *mut c_void {
+    // SAFETY: XLA's frame.
+    unsafe {
+        handle(frame, |f| {
+            let ce = CrossEntropy::new(parse::<CeConfig>(f.attr_str("config")?)?)?;
+            let opts = options(f)?;
+            let (x, w, bias) = (f.arg(0, "hidden")?, f.arg(1, "weight")?, f.arg(2, "bias")?);
+            let targets = f.arg(3, "targets")?.ids()?;
+            let rows = f.arg(4, "grad_rows")?;
+            let grad_rows = (rows.numel() > 0).then(|| rows.f32s()).transpose()?;
+            let out = by_dtype!(x, E, code => {
+                let inputs = head::<E>(&x, &w, &bias, code)?;
+                let args = HeadArgs::Host { inputs: &inputs, grads: grads(f, 1)? };
+                Ok(cpu().ce_linear_into(&ce, &targets, grad_rows, args, &opts)?)
+            })?;
+            f.ret(0, "loss")?.f32s_mut()?[0] = out.loss as f32;
+            f.ret(4, "row_loss")?.f32s_mut()?.copy_from_slice(&out.row_loss);
+            f.ret(5, "count")?.f32s_mut()?[0] = out.count as f32;
+            Ok(())
+        })
+    }
+}
+
+/// Per-row log-probs and entropy (no gradient). Arguments: hidden, weight, bias, ids
+/// `[N]`, mask `[N]`; attributes: budget_mib, temperature. Results: logp, entropy `[N]`.
+unsafe extern "C" fn logp_linear(frame: *mut CallFrame) -> *mut c_void {
+    // SAFETY: XLA's frame.
+    unsafe {
+        handle(frame, |f| {
+            let temperature = Temperature::new(f.attr_f64("temperature")?)?;
+            let budget = options(f)?.budget_bytes;
+            let (x, w, bias) = (f.arg(0, "hidden")?, f.arg(1, "weight")?, f.arg(2, "bias")?);
+            let ids = f.arg(3, "ids")?.ids()?;
+            let mask = f.arg(4, "mask")?.bools()?;
+            let n = ids.len();
+            let stats = by_dtype!(x, E, code => {
+                let inputs = head::<E>(&x, &w, &bias, code)?;
+                let device = cpu();
+                Ok(device.logp_linear(HeadArgs::host(&inputs), &ids, Some(&mask), temperature, budget, n)?)
+            })?;
+            let (lp, ent) = (f.ret(0, "logp")?.f32s_mut()?, f.ret(1, "entropy")?.f32s_mut()?);
+            for ((s, l), e) in stats.iter().zip(lp.iter_mut()).zip(ent.iter_mut()) {
+                (*l, *e) = (s.logp, s.entropy);
+            }
+            Ok(())
+        })
+    }
+}
+
+/// GRPO on materialized logits `[B, T, V]` (f32 or bf16; the gradient in their dtype,
+/// no f32 copy of bf16 logits). Arguments: logits, completion_ids, completion_mask,
+/// advantages, old and ref logp; attribute: config. Results: loss, dlogits, logp,
+/// entropy, kl, metrics.
+unsafe extern "C" fn grpo_logits(frame: *mut CallFrame) -> *mut c_void {
+    // SAFETY: XLA's frame.
+    unsafe {
+        handle(frame, |f| {
+            let loss = GrpoLoss::new(parse::<GrpoLossConfig>(f.attr_str("config")?)?)?;
+            let z = f.arg(0, "logits")?;
+            let tokens = Tokens::read(f, 1)?;
+            let d = z.dims();
+            if d.len() != 3 || d[0] as usize != tokens.b || d[1] as usize != tokens.t {
+                return Err(bad("logits", format!("expected shape [B={}, T={}, V], got {d:?}", tokens.b, tokens.t)));
+            }
+            let layout = LogitsLayout::contiguous(tokens.b, tokens.t, d[2] as usize);
+            let batch = tokens.batch();
+            let dz = f.ret(1, "dlogits")?;
+            let fwd = by_dtype!(z, E, code => {
+                let logits = z.slice::<E>(code.0, code.1)?;
+                let out = dz.slice_mut::<E>(code.0, code.1)?;
+                Ok(cpu().grpo_logits(&loss, &batch, logits, &layout, 1.0, out)?)
+            })?;
+            grpo_outputs(f, 2, fwd.loss, &fwd.metrics, &fwd.stats, &fwd.kl)
+        })
+    }
+}
+
+/// The handlers by target name.
+pub fn targets() -> Vec<(&'static str, super::ffi::Handler)> {
+    vec![
+        ("flashloss_grpo_linear", grpo_linear),
+        ("flashloss_ce_linear", ce_linear),
+        ("flashloss_logp_linear", logp_linear),
+        ("flashloss_grpo_logits", grpo_logits),
+    ]
+}

@@ -1,0 +1,208 @@
+"""flashloss.jax against pure-JAX references of TRL's formulas (f32, autodiff), under
+jit, grad and vmap, f32 and bf16; the FFI mirror's layout against jaxlib's header; bad
+input raises an error naming the argument, and the process goes on."""
+
+import os
+import subprocess
+import tempfile
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+jnp = pytest.importorskip("jax.numpy")
+fj = pytest.importorskip("flashloss.jax")
+
+from flashloss import _native  # noqa: E402
+
+
+def test_ffi_mirror_matches_the_installed_header():
+    layout = _native.jax_abi_layout()
+    lines = ['#include <stddef.h>', '#include <stdio.h>', '#include "xla/ffi/api/c_api.h"', "int main(void) {"]
+    for name, (size, fields) in layout.items():
+        if size:
+            lines.append(f'printf("{name} size %zu\\n", sizeof({name}));')
+        for field in fields:
+            lines.append(f'printf("{name} {field} %zu\\n", offsetof({name}, {field}));')
+    lines += ["return 0;", "}"]
+    with tempfile.TemporaryDirectory() as d:
+        src, exe = os.path.join(d, "abi.c"), os.path.join(d, "abi")
+        with open(src, "w") as f:
+            f.write("\n".join(lines))
+        subprocess.run(["cc", "-I", jax.ffi.include_dir(), src, "-o", exe], check=True)
+        out = subprocess.run([exe], check=True, capture_output=True, text=True).stdout
+    header = {tuple(line.split()[:2]): int(line.split()[2]) for line in out.splitlines()}
+    mirror = {}
+    for name, (size, fields) in layout.items():
+        if size:
+            mirror[(name, "size")] = size
+        mirror.update({(name, k): v for k, v in fields.items()})
+    assert header == mirror
+
+
+def _inputs(b, t, h, v, seed, dtype=jnp.float32, masked=True, bias=False):
+    rng = np.random.default_rng(seed)
+    hidden = jnp.asarray(rng.standard_normal((b, t, h)), dtype)
+    weight = jnp.asarray(rng.standard_normal((v, h)) * 0.5, dtype)
+    ids = jnp.asarray(rng.integers(0, v, (b, t)), jnp.int32)
+    lens = rng.integers(1, t + 1, b) if masked else np.full(b, t)
+    mask = jnp.asarray(np.arange(t)[None, :] < lens[:, None])
+    adv = jnp.asarray(rng.standard_normal(b), jnp.float32)
+    old = jnp.asarray(-np.log(v) + 0.3 * rng.standard_normal((b, t)), jnp.float32)
+    ref = jnp.asarray(-np.log(v) + 0.3 * rng.standard_normal((b, t)), jnp.float32)
+    bias_v = jnp.asarray(rng.standard_normal(v) * 0.1, dtype) if bias else None
+    return hidden, weight, bias_v, ids, mask, adv, old, ref
+
+
+def _trl_loss(hidden, weight, bias, ids, mask, adv, old, ref, loss_type, beta, temperature, bias_kl, eps=0.2, max_len=None):
+    """TRL's GRPOTrainer._compute_loss (token level) on materialized logits, in f32."""
+    b, t = ids.shape
+    z = hidden.reshape(b * t, -1).astype(jnp.float32) @ weight.astype(jnp.float32).T
+    if bias is not None:
+        z = z + bias.astype(jnp.float32)
+    lp = jax.nn.log_softmax(z / temperature, axis=-1)
+    logp = jnp.take_along_axis(lp, ids.reshape(-1, 1), 1).reshape(b, t)
+    o = jax.lax.stop_gradient(logp) if old is None else old
+    r = jnp.exp(logp - o)
+    a = adv[:, None]
+    loss = -jnp.minimum(r * a, jnp.clip(r, 1 - eps, 1 + eps) * a)
+    if beta:
+        kl = jnp.exp(ref - logp) - (ref - logp) - 1
+        loss = loss + beta * (kl * r if bias_kl else kl)
+    m = mask.astype(jnp.float32)
+    if loss_type == "grpo":
+        return ((loss * m).sum(-1) / jnp.maximum(m.sum(-1), 1)).mean()
+    if loss_type == "dr_grpo":
+        return (loss * m).sum() / (b * max_len)
+    return (loss * m).sum() / jnp.maximum(m.sum(), 1)  # bnpo, dapo
+
+
+def _close(got, want, rel, what):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    scale = max(np.abs(want).max(), 1e-6)
+    err = np.abs(got - want).max() / scale
+    assert err <= rel, f"{what}: {err:.3e} > {rel}"
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "bnpo", "dr_grpo"])
+@pytest.mark.parametrize("beta,bias_kl", [(0.0, True), (0.04, True), (0.04, False)])
+def test_linear_grpo_matches_trl_under_jit_and_grad(loss_type, beta, bias_kl):
+    hidden, weight, bias, ids, mask, adv, old, ref = _inputs(3, 7, 16, 1001, seed=1, bias=True)
+    kw = dict(loss_type=loss_type, beta=beta, temperature=0.9, use_bias_correction_kl=bias_kl, max_completion_length=7)
+
+    def ours(h, w, bb):
+        loss, _ = fj.linear_grpo_loss(
+            h, w, ids, mask, adv, bias=bb, old_per_token_logps=old, ref_per_token_logps=ref if beta else None, **kw
+        )
+        return loss
+
+    def theirs(h, w, bb):
+        return _trl_loss(h, w, bb, ids, mask, adv, old, ref, loss_type, beta, 0.9, bias_kl, max_len=7)
+
+    got, g_got = jax.jit(jax.value_and_grad(ours, argnums=(0, 1, 2)))(hidden, weight, bias)
+    want, g_want = jax.value_and_grad(theirs, argnums=(0, 1, 2))(hidden, weight, bias)
+    _close(got, want, 1e-5, "loss")
+    for name, a, b_ in zip(("dhidden", "dweight", "dbias"), g_got, g_want):
+        _close(a, b_, 1e-4, name)
+
+
+def test_outputs_metrics_and_bf16():
+    hidden, weight, _, ids, mask, adv, old, ref = _inputs(2, 5, 8, 257, seed=2)
+    loss, out = fj.linear_grpo_loss(hidden, weight, ids, mask, adv, old_per_token_logps=old, beta=0.0)
+    lp = jax.nn.log_softmax(hidden.reshape(10, -1) @ weight.T, -1)
+    want = jnp.take_along_axis(lp, ids.reshape(-1, 1), 1).reshape(2, 5)
+    _close(jnp.where(mask, out.logp, 0), jnp.where(mask, want, 0), 1e-5, "logp")
+    assert set(out.metrics) == {"kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"}
+    hb, wb = hidden.astype(jnp.bfloat16), weight.astype(jnp.bfloat16)
+    lb, grads = jax.value_and_grad(lambda h, w: fj.linear_grpo_loss(h, w, ids, mask, adv, old_per_token_logps=old)[0], (0, 1))(hb, wb)
+    assert grads[0].dtype == jnp.bfloat16 and grads[1].dtype == jnp.bfloat16
+    want = _trl_loss(hb, wb, None, ids, mask, adv, old, ref, "dapo", 0.0, 1.0, True)
+    _close(lb, want, 2e-2, "bf16 loss")
+
+
+def test_vmap_runs_each_batch_element_alone():
+    hidden, weight, _, ids, mask, adv, old, _ = _inputs(2, 4, 8, 129, seed=3)
+    hs = jnp.stack([hidden, hidden * 0.5, -hidden])
+
+    def one(h):
+        return fj.linear_grpo_loss(h, weight, ids, mask, adv, old_per_token_logps=old)[0]
+
+    batched = jax.vmap(one)(hs)
+    for k in range(3):
+        _close(batched[k], one(hs[k]), 1e-6, f"vmap {k}")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_linear_cross_entropy_matches_the_reference(reduction):
+    hidden, weight, bias, ids, _, _, _, _ = _inputs(3, 6, 16, 777, seed=4, bias=True)
+    targets = ids.at[0, :2].set(-100)
+    kw = dict(label_smoothing=0.1, z_loss=1e-3, softcap=30.0, temperature=0.8)
+
+    def ours(h, w, b):
+        out = fj.linear_cross_entropy(h, w, targets, bias=b, reduction=reduction, **kw)
+        return out.sum() if reduction == "none" else out
+
+    def theirs(h, w, b):
+        z = h.reshape(-1, h.shape[-1]) @ w.T + b
+        s = 30.0 * jnp.tanh(z / 30.0) / 0.8
+        lse = jax.nn.logsumexp(s, -1)
+        t = targets.reshape(-1)
+        keep = t != -100
+        st = jnp.take_along_axis(s, jnp.where(keep, t, 0)[:, None], 1)[:, 0]
+        rows = 0.9 * (lse - st) + 0.1 * (lse - s.mean(-1)) + 1e-3 * lse**2
+        rows = jnp.where(keep, rows, 0.0)
+        if reduction == "mean":
+            return rows.sum() / keep.sum()
+        return rows.sum()
+
+    got, g_got = jax.jit(jax.value_and_grad(ours, argnums=(0, 1, 2)))(hidden, weight, bias)
+    want, g_want = jax.value_and_grad(theirs, argnums=(0, 1, 2))(hidden, weight, bias)
+    _close(got, want, 1e-5, "loss")
+    for name, a, b_ in zip(("dhidden", "dweight", "dbias"), g_got, g_want):
+        _close(a, b_, 1e-4, name)
+
+
+def test_logits_level_grpo_and_logprobs():
+    hidden, weight, _, ids, mask, adv, old, ref = _inputs(2, 6, 8, 513, seed=5)
+    logits = (hidden.reshape(12, -1) @ weight.T).reshape(2, 6, -1)
+
+    def ours(z):
+        return fj.grpo_loss(z, ids, mask, adv, old_per_token_logps=old, ref_per_token_logps=ref, beta=0.04, temperature=0.7)[0]
+
+    def theirs(z):
+        lp = jax.nn.log_softmax(z / 0.7, -1)
+        logp = jnp.take_along_axis(lp, ids[..., None], -1)[..., 0]
+        r = jnp.exp(logp - old)
+        loss = -jnp.minimum(r * adv[:, None], jnp.clip(r, 0.8, 1.2) * adv[:, None])
+        kl = jnp.exp(ref - logp) - (ref - logp) - 1
+        loss = loss + 0.04 * kl * r
+        m = mask.astype(jnp.float32)
+        return (loss * m).sum() / m.sum()
+
+    got, g = jax.jit(jax.value_and_grad(ours))(logits)
+    want, gw = jax.value_and_grad(theirs)(logits)
+    _close(got, want, 1e-5, "loss")
+    _close(g, gw, 1e-4, "dlogits")
+    logp, entropy = fj.linear_logprobs(hidden, weight, ids, 0.7, return_entropy=True)
+    lp = jax.nn.log_softmax(logits / 0.7, -1)
+    _close(logp, jnp.take_along_axis(lp, ids[..., None], -1)[..., 0], 1e-5, "logprobs")
+    _close(entropy, -(jnp.exp(lp) * lp).sum(-1), 1e-5, "entropy")
+
+
+def test_bad_input_names_the_argument_and_the_process_goes_on():
+    hidden, weight, _, ids, mask, adv, old, _ = _inputs(2, 4, 8, 65, seed=6)
+    with pytest.raises(ValueError, match="`hidden`"):
+        fj.linear_grpo_loss(hidden[..., :5], weight, ids, mask, adv)
+    with pytest.raises(ValueError, match="`completion_ids`"):
+        fj.linear_grpo_loss(hidden, weight, ids.astype(jnp.float32), mask, adv)
+    runtime = jax.errors.JaxRuntimeError
+    with pytest.raises(runtime, match="`loss_type`: unknown variant `nope`"):
+        fj.linear_grpo_loss(hidden, weight, ids, mask, adv, loss_type="nope")
+    bad = ids.at[1, 2].set(65)
+    with pytest.raises(runtime, match="`target_ids`: id 65 at index 6 .* outside"):
+        jax.block_until_ready(fj.linear_grpo_loss(hidden, weight, bad, jnp.ones_like(mask), adv)[0])
+    nan = hidden.at[0, 0, 0].set(jnp.nan)
+    with pytest.raises(runtime, match="`hidden`: value NaN at index 0 is not finite"):
+        jax.block_until_ready(fj.linear_cross_entropy(nan, weight, ids))
+    # The process is intact: a good call still runs.
+    assert np.isfinite(float(fj.linear_cross_entropy(hidden, weight, ids)))
