@@ -206,3 +206,19 @@ def test_bad_input_names_the_argument_and_the_process_goes_on():
         jax.block_until_ready(fj.linear_cross_entropy(nan, weight, ids))
     # The process is intact: a good call still runs.
     assert np.isfinite(float(fj.linear_cross_entropy(hidden, weight, ids)))
+
+
+def test_bench_paths_agree_on_loss_and_gradients():
+    bench = pytest.importorskip("flashloss.jax.bench")
+    cfg = bench.load(None, ["tokens=96", "batch=3", "hidden=16", "vocab=3001", "vocab_tile=512", "temperature=0.8"])
+    args = bench.inputs(cfg)
+    results = {}
+    for name, fn in bench.IMPLS.items():
+        step = jax.jit(jax.value_and_grad(lambda h, w, *rest: fn(h, w, *rest, cfg), argnums=(0, 1)))
+        results[name] = step(*args)
+    want, (dh, dw) = results["baseline"]
+    for name in ("tiled", "fused"):
+        got, (gh, gw) = results[name]
+        _close(got, want, 1e-5, f"{name} loss")
+        _close(gh, dh, 1e-4, f"{name} dhidden")
+        _close(gw, dw, 1e-4, f"{name} dweight")
