@@ -142,6 +142,7 @@ def linear_grpo_loss(
     vespo_lambda_neg: float = 2.0,
     mode: str = "auto",
     budget_mib: Optional[float] = None,
+    token_axis: Optional[str] = None,
 ):
     """TRL's GRPO loss from ``hidden`` ``[B, T, H]`` (or ``[B·T, H]``) and the LM head
     ``weight`` ``[V, H]`` (+ ``bias`` ``[V]``) at ``completion_ids`` ``[B, T]``.
@@ -149,7 +150,14 @@ def linear_grpo_loss(
     Returns ``(loss, GRPOOutputs)``, differentiable in ``hidden``, ``weight`` and
     ``bias``. ``epsilon_high=None`` means ``epsilon_low``; ``old_per_token_logps=None``
     means on-policy (ratio 1); ``num_items_in_batch`` must be a Python number (it is part
-    of the compiled call)."""
+    of the compiled call).
+
+    ``token_axis``: inside ``jax.shard_map``, the mesh axis over which the sequences are
+    split (each device passes its own sequences and the whole head): the loss's
+    normalizers (the token count of dapo/bnpo, the sequence count of grpo/dr_grpo/luspo)
+    and the metrics are summed over it, so every device gets the one-device loss, its
+    ``hidden`` gradient, and the head's gradient summed over the axis. A
+    ``num_items_in_batch`` given is taken as already global, as TRL passes it."""
     hidden, weight, bias = _head(hidden, weight, bias)
     ids = _ids("completion_ids", completion_ids)
     if ids.ndim != 2:
@@ -170,9 +178,35 @@ def linear_grpo_loss(
         vespo_lambda_neg,
     )  # fmt: skip
     budget = DEFAULT_BUDGET_MIB if budget_mib is None else float(budget_mib)
+    if token_axis is not None:
+        if entropy_coef and loss_type not in ("dapo", "bnpo", "cispo", "vespo"):
+            raise ValueError(
+                f"argument `token_axis`: an entropy bonus with loss_type {loss_type!r} has a normalizer of its own; "
+                "not supported across devices yet"
+            )
+        weight = jax.lax.pcast(weight, token_axis, to="varying")
+        bias = None if bias is None else jax.lax.pcast(bias, token_axis, to="varying")
     loss, (logp, entropy, kl, metrics) = _grpo(hidden, weight, bias, ids, mask, adv, old, ref, config, mode, budget)
+    if token_axis is not None:
+        loss, metrics = _over_tokens(loss, metrics, mask, token_axis, loss_type, num_items_in_batch)
     aux = jax.lax.stop_gradient((logp, entropy, kl, metrics))
     return loss, GRPOOutputs(aux[0], aux[1], aux[2], dict(zip(_METRICS, aux[3])))
+
+
+def _over_tokens(loss, metrics, mask, axis, loss_type, num_items_in_batch):
+    """The one-device loss and metrics from each device's: the loss is a sum of row terms
+    over a normalizer, so `L = Σ_d L_d · n_d / Σ_d n_d` (`n_d` the device's normalizer);
+    the metrics are token means, so they are weighted by the devices' token counts."""
+    tokens = mask.sum().astype(jnp.float32)
+    if loss_type in ("dapo", "cispo", "vespo") and num_items_in_batch is not None:
+        norm = jnp.float32(1.0)  # already global: the device's losses add up
+        share = norm
+    else:
+        norm = tokens if loss_type in ("dapo", "bnpo", "cispo", "vespo") else jnp.float32(mask.shape[0])
+        share = norm / jax.lax.psum(norm, axis)
+    loss = jax.lax.psum(jax.lax.stop_gradient(share) * loss, axis)
+    metrics = jax.lax.psum(metrics * tokens, axis) / jnp.maximum(jax.lax.psum(tokens, axis), 1.0)
+    return loss, metrics
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))

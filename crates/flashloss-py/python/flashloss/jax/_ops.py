@@ -22,8 +22,10 @@ def register() -> None:
         jax.ffi.register_ffi_target(name, capsule, platform="cpu")
 
 
-def _f32(shape) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(tuple(shape), jnp.float32)
+def _like(x, shape, dtype=jnp.float32):
+    """A result type of ``shape`` and ``dtype`` that carries ``x``'s varying mesh axes
+    (inside ``shard_map``: custom_vjp checks them in the backward)."""
+    return jax.typeof(x).update(shape=tuple(shape), dtype=dtype)
 
 
 def _call(name: str, results, *args, **attrs):
@@ -38,15 +40,16 @@ def grpo_linear(hidden, weight, bias, ids, mask, advantages, old, ref, *, config
     """``(loss, dhidden, dweight, dbias, logp, entropy, kl, metrics[5])``."""
     b, t = ids.shape
     v, h = weight.shape
+    x = hidden
     results = (
-        _f32(()),
-        _f32(hidden.shape),
-        _f32(weight.shape),
-        _f32((0,) if bias is None else (v,)),
-        _f32((b, t)),
-        _f32((b, t)),
-        _f32((b, t)),
-        _f32((5,)),
+        _like(x, ()),
+        _like(x, hidden.shape),
+        _like(x, weight.shape),
+        _like(x, (0,) if bias is None else (v,)),
+        _like(x, (b, t)),
+        _like(x, (b, t)),
+        _like(x, (b, t)),
+        _like(x, (5,)),
     )
     return _call(
         "flashloss_grpo_linear", results,
@@ -60,13 +63,14 @@ def ce_linear(hidden, weight, bias, targets, grad_rows, *, config: str, mode: st
     """``(loss, dhidden, dweight, dbias, row_loss[N], count)``."""
     v, h = weight.shape
     n = targets.shape[0]
+    x = hidden
     results = (
-        _f32(()),
-        _f32(hidden.shape),
-        _f32(weight.shape),
-        _f32((0,) if bias is None else (v,)),
-        _f32((n,)),
-        _f32(()),
+        _like(x, ()),
+        _like(x, hidden.shape),
+        _like(x, weight.shape),
+        _like(x, (0,) if bias is None else (v,)),
+        _like(x, (n,)),
+        _like(x, ()),
     )
     return _call(
         "flashloss_ce_linear", results,
@@ -79,7 +83,7 @@ def logp_linear(hidden, weight, bias, ids, mask, *, temperature: float, budget_m
     """``(logp[N], entropy[N])`` (no gradient)."""
     n = ids.shape[0]
     return _call(
-        "flashloss_logp_linear", (_f32((n,)), _f32((n,))),
+        "flashloss_logp_linear", (_like(hidden, (n,)), _like(hidden, (n,))),
         hidden, weight, _or_empty(bias, hidden.dtype), ids, mask,
         budget_mib=float(budget_mib), mode="two_pass", temperature=float(temperature),
     )  # fmt: skip
@@ -88,13 +92,14 @@ def logp_linear(hidden, weight, bias, ids, mask, *, temperature: float, budget_m
 def grpo_logits(logits, ids, mask, advantages, old, ref, *, config: str):
     """``(loss, dlogits (logits' dtype), logp, entropy, kl, metrics[5])``."""
     b, t = ids.shape
+    z = logits
     results = (
-        _f32(()),
-        jax.ShapeDtypeStruct(logits.shape, logits.dtype),
-        _f32((b, t)),
-        _f32((b, t)),
-        _f32((b, t)),
-        _f32((5,)),
+        _like(z, ()),
+        _like(z, logits.shape, logits.dtype),
+        _like(z, (b, t)),
+        _like(z, (b, t)),
+        _like(z, (b, t)),
+        _like(z, (5,)),
     )
     return _call(
         "flashloss_grpo_logits", results,

@@ -1,0 +1,75 @@
+"""flashloss.jax's `token_axis` inside `jax.shard_map` on 8 simulated CPU devices (with
+JAX's varying-axis checks on): the sequences split over the axis give the one-device
+loss, metrics and gradients for every loss type. Runs in a subprocess, since the device
+count must be set before JAX starts."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("jax")
+pytest.importorskip("flashloss.jax")
+
+
+def test_token_axis_equals_one_device():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    out = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("ok") == 8, out.stdout
+
+
+def _main():
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import flashloss.jax as fj
+
+    assert len(jax.devices()) == 8
+    rng = np.random.default_rng(0)
+    b, t, h, v = 16, 5, 8, 301
+    hidden = jnp.asarray(rng.standard_normal((b, t, h)), jnp.float32)
+    weight = jnp.asarray(rng.standard_normal((v, h)) * 0.3, jnp.float32)
+    bias = jnp.asarray(rng.standard_normal(v) * 0.1, jnp.float32)
+    ids = jnp.asarray(rng.integers(0, v, (b, t)), jnp.int32)
+    mask = jnp.asarray(np.arange(t)[None, :] < rng.integers(1, t + 1, b)[:, None])
+    adv = jnp.asarray(rng.standard_normal(b), jnp.float32)
+    old = jnp.asarray(-np.log(v) + 0.3 * rng.standard_normal((b, t)), jnp.float32)
+    ref = jnp.asarray(-np.log(v) + 0.3 * rng.standard_normal((b, t)), jnp.float32)
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    data, rep = P("data"), P()
+    for loss_type in ["dapo", "grpo", "bnpo", "dr_grpo"]:
+        for beta in [0.0, 0.04]:
+            kw = dict(loss_type=loss_type, beta=beta, max_completion_length=t, temperature=0.9)
+
+            def loss(x, w, bb, i, m, a, o, r, axis=None):
+                out = fj.linear_grpo_loss(
+                    x, w, i, m, a, bias=bb, old_per_token_logps=o, ref_per_token_logps=r, token_axis=axis, **kw
+                )
+                return out[0], out[1].metrics
+
+            args = (hidden, weight, bias, ids, mask, adv, old, ref)
+            (want, wm), wg = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(*args)
+
+            def local(x, w, bb, i, m, a, o, r):
+                return jax.value_and_grad(lambda x, w, bb: loss(x, w, bb, i, m, a, o, r, "data"), (0, 1, 2), has_aux=True)(x, w, bb)
+
+            specs = (data, rep, rep, data, data, data, data, data)
+            f = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=((rep, rep), (data, rep, rep)))
+            placed = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(args, specs)]
+            (got, gm), gg = jax.jit(f)(*placed)
+            assert abs(float(got) - float(want)) <= 1e-5 * max(abs(float(want)), 1.0), (loss_type, beta, got, want)
+            for k in wm:
+                assert abs(float(gm[k]) - float(wm[k])) <= 1e-5 * max(abs(float(wm[k])), 1.0), (loss_type, k)
+            for name, a_, b_ in zip(("dhidden", "dweight", "dbias"), gg, wg):
+                err = float(jnp.abs(a_ - b_).max()) / max(float(jnp.abs(b_).max()), 1e-6)
+                assert err <= 1e-4, (loss_type, beta, name, err)
+            print("ok", loss_type, beta)
+
+
+if __name__ == "__main__":
+    _main()
