@@ -1,7 +1,7 @@
-"""flashloss.jax's `token_axis` inside `jax.shard_map` on 8 simulated CPU devices (with
-JAX's varying-axis checks on): the sequences split over the axis give the one-device
-loss, metrics and gradients for every loss type. Runs in a subprocess, since the device
-count must be set before JAX starts."""
+"""flashloss.jax inside `jax.shard_map` on 8 simulated CPU devices (with JAX's
+varying-axis checks on): `token_axis` (the sequences split over the axis) and
+`vocab_axis` (the head's rows split over it) give the one-device loss, metrics and
+gradients. Runs in a subprocess, since the device count must be set before JAX starts."""
 
 import os
 import subprocess
@@ -17,7 +17,8 @@ def test_token_axis_equals_one_device():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
     out = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert out.stdout.count("ok") == 8, out.stdout
+    done = [line for line in out.stdout.splitlines() if line.startswith("ok ")]
+    assert len(done) == 8 + 4, out.stdout
 
 
 def _main():
@@ -69,6 +70,47 @@ def _main():
                 err = float(jnp.abs(a_ - b_).max()) / max(float(jnp.abs(b_).max()), 1e-6)
                 assert err <= 1e-4, (loss_type, beta, name, err)
             print("ok", loss_type, beta)
+    _vocab_axis(jax, jnp, np, fj, mesh)
+
+
+def _vocab_axis(jax, jnp, np, fj, mesh):
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    rng = np.random.default_rng(1)
+    b, t, h, v = 3, 5, 8, 8 * 41
+    hidden = jnp.asarray(rng.standard_normal((b, t, h)), jnp.float32)
+    weight = jnp.asarray(rng.standard_normal((v, h)) * 0.3, jnp.float32)
+    bias = jnp.asarray(rng.standard_normal(v) * 0.1, jnp.float32)
+    ids = jnp.asarray(rng.integers(0, v, (b, t)), jnp.int32)
+    mask = jnp.asarray(np.arange(t)[None, :] < rng.integers(1, t + 1, b)[:, None])
+    adv = jnp.asarray(rng.standard_normal(b), jnp.float32)
+    old = jnp.asarray(-np.log(v) + 0.3 * rng.standard_normal((b, t)), jnp.float32)
+    ref = jnp.asarray(-np.log(v) + 0.3 * rng.standard_normal((b, t)), jnp.float32)
+    cases = [("dapo", 0.04, "token"), ("grpo", 0.0, "token"), ("bnpo", 0.04, "token"), ("grpo", 0.04, "sequence")]
+    for loss_type, beta, level in cases:
+        kw = dict(loss_type=loss_type, beta=beta, importance_sampling_level=level, temperature=0.9, entropy_coef=0.01)
+
+        def loss(x, w, bb, axis=None):
+            out = fj.linear_grpo_loss(
+                x, w, ids, mask, adv, bias=bb, old_per_token_logps=old, ref_per_token_logps=ref, vocab_axis=axis, **kw
+            )
+            return out[0], out[1].metrics
+
+        (want, wm), wg = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(hidden, weight, bias)
+        local = lambda x, w, bb: jax.value_and_grad(lambda *a: loss(*a, "v"), (0, 1, 2), has_aux=True)(x, w, bb)  # noqa: E731
+        specs = (P(), P("v"), P("v"))
+        vmesh = jax.make_mesh((8,), ("v",), axis_types=mesh.axis_types)
+        f = jax.shard_map(local, mesh=vmesh, in_specs=specs, out_specs=((P(), P()), (P(), P("v"), P("v"))))
+        placed = [jax.device_put(x, NamedSharding(vmesh, s)) for x, s in zip((hidden, weight, bias), specs)]
+        (got, gm), gg = jax.jit(f)(*placed)
+        assert abs(float(got) - float(want)) <= 1e-5 * max(abs(float(want)), 1.0), (loss_type, got, want)
+        for k in wm:
+            assert abs(float(gm[k]) - float(wm[k])) <= 1e-5 * max(abs(float(wm[k])), 1.0), (loss_type, k)
+        for name, a_, b_ in zip(("dhidden", "dweight", "dbias"), gg, wg):
+            err = float(jnp.abs(a_ - b_).max()) / max(float(jnp.abs(b_).max()), 1e-6)
+            assert err <= 1e-4, (loss_type, level, name, err)
+        print("ok vocab", loss_type, beta, level)
 
 
 if __name__ == "__main__":

@@ -18,11 +18,13 @@ use crate::element::Element;
 use crate::error::{Error, Result};
 use crate::fused::{
     self, CeLinearOutput, FusedOptions, GrpoLinearOutput, Head, LinearGrads, LinearGradsMut,
+    RowGrad,
 };
 use crate::grpo_config::GrpoLoss;
 use crate::grpo_logits::GrpoLogitsForward;
 use crate::policy::Normalizers;
 use crate::rows::RowStats;
+use crate::rows::{PartialStats, RowInputs};
 use crate::sharding::{Grid, Shard};
 use crate::temperature::Temperature;
 use std::sync::{Mutex, MutexGuard};
@@ -319,6 +321,32 @@ impl Device {
     ) -> Result<CeLinearOutput> {
         self.run(head, |h| {
             fused::ce_linear_sharded(grid, h, shard, ce, targets, opts)
+        })
+    }
+
+    /// Pass A of a fused step on this head (a vocabulary shard, for a caller that merges
+    /// the shards with its own collectives): see [`fused::partial_row_states`].
+    pub fn partial_row_states<E: Element>(
+        &self,
+        head: HeadArgs<E>,
+        rows: RowInputs,
+        opts: &FusedOptions,
+    ) -> Result<PartialStats> {
+        self.run(head, |h| fused::partial_row_states(h, rows, opts))
+    }
+
+    /// Pass B of a fused step on this head from one [`RowGrad`] per row: see
+    /// [`fused::accumulate_row_grads`].
+    pub fn accumulate_row_grads<E: Element>(
+        &self,
+        head: HeadArgs<E>,
+        rows: RowInputs,
+        grads: &[RowGrad],
+        opts: &FusedOptions,
+        seq_len: usize,
+    ) -> Result<()> {
+        self.run(head, |h| {
+            fused::accumulate_row_grads(h, rows, grads, opts, seq_len)
         })
     }
 

@@ -172,7 +172,10 @@ pub fn layout() -> Vec<StructLayout> {
         (
             "XLA_FFI_Rets",
             size_of::<Rets>(),
-            vec![("size", offset_of!(Rets, size)), ("rets", offset_of!(Rets, rets))],
+            vec![
+                ("size", offset_of!(Rets, size)),
+                ("rets", offset_of!(Rets, rets)),
+            ],
         ),
         (
             "XLA_FFI_Attrs",

@@ -37,7 +37,10 @@ pub type Result<T> = std::result::Result<T, HandlerError>;
 ///
 /// # Safety
 /// `frame` is the call frame XLA passes to a handler.
-pub unsafe fn handle(frame: *mut CallFrame, body: impl FnOnce(&Frame) -> Result<()>) -> *mut c_void {
+pub unsafe fn handle(
+    frame: *mut CallFrame,
+    body: impl FnOnce(&Frame) -> Result<()>,
+) -> *mut c_void {
     // SAFETY: XLA passes a valid frame; the probe is answered before anything else.
     let frame = unsafe { &*frame };
     if unsafe { probe(frame) } {
@@ -117,7 +120,10 @@ impl<'a> Frame<'a> {
     pub fn arg(&self, i: usize, name: &'static str) -> Result<Named<'a>> {
         let a = &self.0.args;
         if i >= a.size as usize {
-            return Err(bad(name, format!("missing (the call has {} arguments)", a.size)));
+            return Err(bad(
+                name,
+                format!("missing (the call has {} arguments)", a.size),
+            ));
         }
         // SAFETY: `i < size`; every argument is a buffer (the only argument type).
         let buf = unsafe { &*(*a.args.add(i) as *const Buffer) };
@@ -128,7 +134,10 @@ impl<'a> Frame<'a> {
     pub fn ret(&self, i: usize, name: &'static str) -> Result<Named<'a>> {
         let r = &self.0.rets;
         if i >= r.size as usize {
-            return Err(bad(name, format!("missing (the call has {} results)", r.size)));
+            return Err(bad(
+                name,
+                format!("missing (the call has {} results)", r.size),
+            ));
         }
         // SAFETY: `i < size`; every result is a buffer.
         let buf = unsafe { &*(*r.rets.add(i) as *const Buffer) };
@@ -161,6 +170,22 @@ impl<'a> Frame<'a> {
         std::str::from_utf8(bytes).map_err(|e| bad(name, e))
     }
 
+    /// An integer scalar attribute (a Python int).
+    pub fn attr_i64(&self, name: &str) -> Result<i64> {
+        let p = self.attr(name, ffi::ATTR_SCALAR)? as *const ffi::Scalar;
+        // SAFETY: a scalar attribute: a dtype and a pointer to one value of it.
+        unsafe {
+            match (*p).dtype {
+                dtype::S64 => Ok(*((*p).value as *const i64)),
+                dtype::S32 => Ok(*((*p).value as *const i32) as i64),
+                other => Err(bad(
+                    name,
+                    format!("expected an integer scalar, got dtype {other}"),
+                )),
+            }
+        }
+    }
+
     /// An f64 scalar attribute (a Python float).
     pub fn attr_f64(&self, name: &str) -> Result<f64> {
         let p = self.attr(name, ffi::ATTR_SCALAR)? as *const ffi::Scalar;
@@ -168,7 +193,10 @@ impl<'a> Frame<'a> {
         unsafe {
             match (*p).dtype {
                 dtype::F64 => Ok(*((*p).value as *const f64)),
-                other => Err(bad(name, format!("expected an f64 scalar, got dtype {other}"))),
+                other => Err(bad(
+                    name,
+                    format!("expected an f64 scalar, got dtype {other}"),
+                )),
             }
         }
     }
@@ -209,7 +237,10 @@ impl<'a> Named<'a> {
     pub fn expect_dims(&self, want: &[usize]) -> Result<()> {
         let got: Vec<usize> = self.dims().iter().map(|&d| d as usize).collect();
         if got != want {
-            return Err(bad(self.name, format!("expected shape {want:?}, got {got:?}")));
+            return Err(bad(
+                self.name,
+                format!("expected shape {want:?}, got {got:?}"),
+            ));
         }
         Ok(())
     }

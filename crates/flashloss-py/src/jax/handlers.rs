@@ -4,7 +4,7 @@
 //! JAX op only scales them by the cotangent). Argument order and attributes are those of
 //! `python/flashloss/jax/_ops.py`.
 
-use super::ffi::{CallFrame, dtype};
+use super::ffi::CallFrame;
 use super::frame::{Frame, Named, Result, bad, handle};
 use crate::front::cpu;
 use flashloss::fused::{FusedOptions, LinearGradsMut, Mode};
@@ -13,26 +13,28 @@ use flashloss::{
     CeConfig, CrossEntropy, Element, GrpoBatch, GrpoLoss, GrpoLossConfig, HeadArgs, LinearInputs,
     LogitsLayout, PerSeqOrToken, Temperature,
 };
-use half::bf16;
 use std::ffi::c_void;
 
 /// A config from its JSON attribute; an error names the offending key.
-fn parse<T: serde::de::DeserializeOwned>(json: &str) -> Result<T> {
+pub(super) fn parse<T: serde::de::DeserializeOwned>(json: &str) -> Result<T> {
     let de = &mut serde_json::Deserializer::from_str(json);
     serde_path_to_error::deserialize(de).map_err(|e| bad(&e.path().to_string(), e.inner()))
 }
 
-fn options(f: &Frame) -> Result<FusedOptions> {
+pub(super) fn options(f: &Frame) -> Result<FusedOptions> {
     let mode: Mode = parse(&format!("{:?}", f.attr_str("mode")?))?;
     let mib = f.attr_f64("budget_mib")?;
     if !(mib.is_finite() && mib > 0.0) {
-        return Err(bad("budget_mib", format!("must be a positive number, got {mib}")));
+        return Err(bad(
+            "budget_mib",
+            format!("must be a positive number, got {mib}"),
+        ));
     }
     Ok(FusedOptions::from_mib(mode, mib, 1.0))
 }
 
 /// `hidden [..., H]`, `weight [V, H]`, `bias [V]` (or `[0]`: none) of element type `E`.
-fn head<'a, E: Element>(
+pub(super) fn head<'a, E: Element>(
     hidden: &Named<'a>,
     weight: &Named<'a>,
     bias: &Named<'a>,
@@ -44,7 +46,10 @@ fn head<'a, E: Element>(
     }
     let (v, h) = (wd[0] as usize, wd[1] as usize);
     if hidden.dims().last().map(|&x| x as usize) != Some(h) {
-        return Err(bad("hidden", format!("expected shape [..., H={h}], got {:?}", hidden.dims())));
+        return Err(bad(
+            "hidden",
+            format!("expected shape [..., H={h}], got {:?}", hidden.dims()),
+        ));
     }
     // SAFETY: `E` is the element type of `code` (chosen by the caller from the dtype).
     let (x, w, b) = unsafe {
@@ -55,7 +60,10 @@ fn head<'a, E: Element>(
         )
     };
     if !b.is_empty() && b.len() != v {
-        return Err(bad("bias", format!("expected shape [V={v}], got {:?}", bias.dims())));
+        return Err(bad(
+            "bias",
+            format!("expected shape [V={v}], got {:?}", bias.dims()),
+        ));
     }
     Ok(LinearInputs {
         hidden: x,
@@ -68,7 +76,7 @@ fn head<'a, E: Element>(
 }
 
 /// The head's gradient results, zeroed (XLA's result buffers are uninitialized).
-fn grads<'a>(f: &Frame<'a>, first: usize) -> Result<LinearGradsMut<'a>> {
+pub(super) fn grads<'a>(f: &Frame<'a>, first: usize) -> Result<LinearGradsMut<'a>> {
     let dh = f.ret(first, "dhidden")?.f32s_mut()?;
     let dw = f.ret(first + 1, "dweight")?.f32s_mut()?;
     let db = f.ret(first + 2, "dbias")?.f32s_mut()?;
@@ -93,9 +101,9 @@ fn per_token<'a>(a: &Named<'a>, bt: [usize; 2]) -> Result<Option<&'a [f32]>> {
 
 /// The per-token inputs of a GRPO step: arguments `first..first + 5` (ids `[B, T]`,
 /// mask, advantages `[B]` or `[B, T]`, old and reference logp `[B, T]` or `[0]`).
-struct Tokens<'a> {
-    b: usize,
-    t: usize,
+pub(super) struct Tokens<'a> {
+    pub(super) b: usize,
+    pub(super) t: usize,
     ids: Vec<i64>,
     mask: Vec<bool>,
     adv: &'a [f32],
@@ -104,18 +112,24 @@ struct Tokens<'a> {
 }
 
 impl<'a> Tokens<'a> {
-    fn read(f: &Frame<'a>, first: usize) -> Result<Self> {
+    pub(super) fn read(f: &Frame<'a>, first: usize) -> Result<Self> {
         let ids = f.arg(first, "completion_ids")?;
         let d = ids.dims();
         if d.len() != 2 {
-            return Err(bad("completion_ids", format!("expected shape [B, T], got {d:?}")));
+            return Err(bad(
+                "completion_ids",
+                format!("expected shape [B, T], got {d:?}"),
+            ));
         }
         let (b, t) = (d[0] as usize, d[1] as usize);
         let mask = f.arg(first + 1, "completion_mask")?;
         mask.expect_dims(&[b, t])?;
         let adv = f.arg(first + 2, "advantages")?;
         if adv.numel() != b && adv.numel() != b * t {
-            return Err(bad("advantages", format!("expected shape [B={b}] or [B, T], got {:?}", adv.dims())));
+            return Err(bad(
+                "advantages",
+                format!("expected shape [B={b}] or [B, T], got {:?}", adv.dims()),
+            ));
         }
         Ok(Tokens {
             b,
@@ -128,7 +142,7 @@ impl<'a> Tokens<'a> {
         })
     }
 
-    fn batch(&self) -> GrpoBatch<'_> {
+    pub(super) fn batch(&self) -> GrpoBatch<'_> {
         GrpoBatch {
             batch: self.b,
             seq_len: self.t,
@@ -157,13 +171,27 @@ fn grpo_outputs(
     kl: &[f32],
 ) -> Result<()> {
     f.ret(0, "loss")?.f32s_mut()?[0] = loss as f32;
-    let (lp, ent) = (f.ret(first, "logp")?.f32s_mut()?, f.ret(first + 1, "entropy")?.f32s_mut()?);
+    let (lp, ent) = (
+        f.ret(first, "logp")?.f32s_mut()?,
+        f.ret(first + 1, "entropy")?.f32s_mut()?,
+    );
     for ((s, l), e) in stats.iter().zip(lp.iter_mut()).zip(ent.iter_mut()) {
         (*l, *e) = (s.logp, s.entropy);
     }
     f.ret(first + 2, "kl")?.f32s_mut()?.copy_from_slice(kl);
-    let metrics = [m.kl_mean, m.entropy_mean, m.clip_ratio_low, m.clip_ratio_high, m.clip_ratio_region];
-    for (o, x) in f.ret(first + 3, "metrics")?.f32s_mut()?.iter_mut().zip(metrics) {
+    let metrics = [
+        m.kl_mean,
+        m.entropy_mean,
+        m.clip_ratio_low,
+        m.clip_ratio_high,
+        m.clip_ratio_region,
+    ];
+    for (o, x) in f
+        .ret(first + 3, "metrics")?
+        .f32s_mut()?
+        .iter_mut()
+        .zip(metrics)
+    {
         *o = x as f32;
     }
     Ok(())
@@ -173,20 +201,24 @@ fn grpo_outputs(
 macro_rules! by_dtype {
     ($x:expr, $E:ident, $code:ident => $body:expr) => {
         match $x.dtype() {
-            dtype::F32 => {
+            $crate::jax::ffi::dtype::F32 => {
                 type $E = f32;
-                let $code = (dtype::F32, "float32");
+                let $code = ($crate::jax::ffi::dtype::F32, "float32");
                 $body
             }
-            dtype::BF16 => {
-                type $E = bf16;
-                let $code = (dtype::BF16, "bfloat16");
+            $crate::jax::ffi::dtype::BF16 => {
+                type $E = half::bf16;
+                let $code = ($crate::jax::ffi::dtype::BF16, "bfloat16");
                 $body
             }
-            other => Err(bad($x.name, format!("expected float32 or bfloat16, got XLA dtype {other}"))),
+            other => Err($crate::jax::frame::bad(
+                $x.name,
+                format!("expected float32 or bfloat16, got XLA dtype {other}"),
+            )),
         }
     };
 }
+pub(super) use by_dtype;
 
 /// GRPO from hidden states. Arguments: hidden, weight, bias, completion_ids,
 /// completion_mask, advantages, old and ref logp; attributes: budget_mib, config (the
@@ -231,7 +263,9 @@ unsafe extern "C" fn ce_linear(frame: *mut CallFrame) -> *mut c_void {
                 Ok(cpu().ce_linear_into(&ce, &targets, grad_rows, args, &opts)?)
             })?;
             f.ret(0, "loss")?.f32s_mut()?[0] = out.loss as f32;
-            f.ret(4, "row_loss")?.f32s_mut()?.copy_from_slice(&out.row_loss);
+            f.ret(4, "row_loss")?
+                .f32s_mut()?
+                .copy_from_slice(&out.row_loss);
             f.ret(5, "count")?.f32s_mut()?[0] = out.count as f32;
             Ok(())
         })
@@ -255,7 +289,10 @@ unsafe extern "C" fn logp_linear(frame: *mut CallFrame) -> *mut c_void {
                 let device = cpu();
                 Ok(device.logp_linear(HeadArgs::host(&inputs), &ids, Some(&mask), temperature, budget, n)?)
             })?;
-            let (lp, ent) = (f.ret(0, "logp")?.f32s_mut()?, f.ret(1, "entropy")?.f32s_mut()?);
+            let (lp, ent) = (
+                f.ret(0, "logp")?.f32s_mut()?,
+                f.ret(1, "entropy")?.f32s_mut()?,
+            );
             for ((s, l), e) in stats.iter().zip(lp.iter_mut()).zip(ent.iter_mut()) {
                 (*l, *e) = (s.logp, s.entropy);
             }
@@ -277,7 +314,13 @@ unsafe extern "C" fn grpo_logits(frame: *mut CallFrame) -> *mut c_void {
             let tokens = Tokens::read(f, 1)?;
             let d = z.dims();
             if d.len() != 3 || d[0] as usize != tokens.b || d[1] as usize != tokens.t {
-                return Err(bad("logits", format!("expected shape [B={}, T={}, V], got {d:?}", tokens.b, tokens.t)));
+                return Err(bad(
+                    "logits",
+                    format!(
+                        "expected shape [B={}, T={}, V], got {d:?}",
+                        tokens.b, tokens.t
+                    ),
+                ));
             }
             let layout = LogitsLayout::contiguous(tokens.b, tokens.t, d[2] as usize);
             let batch = tokens.batch();
@@ -292,12 +335,14 @@ unsafe extern "C" fn grpo_logits(frame: *mut CallFrame) -> *mut c_void {
     }
 }
 
-/// The handlers by target name.
+/// The handlers by target name (with the vocabulary-split ones of [`super::vocab`]).
 pub fn targets() -> Vec<(&'static str, super::ffi::Handler)> {
-    vec![
+    let mut all = super::vocab::targets();
+    all.extend([
         ("flashloss_grpo_linear", grpo_linear),
         ("flashloss_ce_linear", ce_linear),
         ("flashloss_logp_linear", logp_linear),
         ("flashloss_grpo_logits", grpo_logits),
-    ]
+    ] as [(&'static str, super::ffi::Handler); 4]);
+    all
 }

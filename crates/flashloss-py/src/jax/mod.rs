@@ -3,9 +3,10 @@
 //! function pointers for `jax.ffi.register_ffi_target`. JAX itself is not a dependency
 //! of the build: the handlers speak the C ABI that jaxlib loads.
 
-mod ffi;
-mod frame;
+pub(crate) mod ffi;
+pub(crate) mod frame;
 mod handlers;
+mod vocab;
 
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -18,7 +19,8 @@ pub fn jax_targets(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     for (name, handler) in handlers::targets() {
         // SAFETY: a capsule of a static function pointer, with no destructor.
         let capsule = unsafe {
-            let ptr = pyo3::ffi::PyCapsule_New(handler as *mut std::ffi::c_void, std::ptr::null(), None);
+            let ptr =
+                pyo3::ffi::PyCapsule_New(handler as *mut std::ffi::c_void, std::ptr::null(), None);
             Bound::from_owned_ptr_or_err(py, ptr)?
         };
         d.set_item(name, capsule)?;

@@ -12,6 +12,7 @@ mod logp;
 mod passes;
 pub mod plan;
 mod sharded;
+mod split;
 mod two_pass;
 
 pub use ce::{CeLinearOutput, ce_linear};
@@ -24,3 +25,4 @@ pub use plan::{
     Block, FusedOptions, Mode, Plan, PlanLimits, mib_to_bytes, plan_blocks, tile_budget,
 };
 pub use sharded::{ce_linear_sharded, grpo_linear_sharded};
+pub use split::{accumulate_row_grads, partial_row_states};

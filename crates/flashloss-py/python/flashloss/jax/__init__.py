@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from .._config import DEFAULT_BUDGET_MIB, ce_config, grpo_config
-from . import _ops
+from . import _ops, _vocab
 
 __all__ = ["GRPOOutputs", "grpo_loss", "linear_cross_entropy", "linear_grpo_loss", "linear_logprobs"]
 
@@ -143,6 +143,7 @@ def linear_grpo_loss(
     mode: str = "auto",
     budget_mib: Optional[float] = None,
     token_axis: Optional[str] = None,
+    vocab_axis: Optional[str] = None,
 ):
     """TRL's GRPO loss from ``hidden`` ``[B, T, H]`` (or ``[B·T, H]``) and the LM head
     ``weight`` ``[V, H]`` (+ ``bias`` ``[V]``) at ``completion_ids`` ``[B, T]``.
@@ -157,7 +158,13 @@ def linear_grpo_loss(
     normalizers (the token count of dapo/bnpo, the sequence count of grpo/dr_grpo/luspo)
     and the metrics are summed over it, so every device gets the one-device loss, its
     ``hidden`` gradient, and the head's gradient summed over the axis. A
-    ``num_items_in_batch`` given is taken as already global, as TRL passes it."""
+    ``num_items_in_batch`` given is taken as already global, as TRL passes it.
+
+    ``vocab_axis``: inside ``jax.shard_map``, the mesh axis over which ``weight`` (and
+    ``bias``) is split by rows in equal contiguous blocks, in axis order (a
+    tensor-parallel LM head); every device passes all the rows. The partial row
+    statistics merge over the axis, every device gets the loss and ``hidden``'s whole
+    gradient, and its own block's ``weight`` / ``bias`` gradients."""
     hidden, weight, bias = _head(hidden, weight, bias)
     ids = _ids("completion_ids", completion_ids)
     if ids.ndim != 2:
@@ -178,6 +185,15 @@ def linear_grpo_loss(
         vespo_lambda_neg,
     )  # fmt: skip
     budget = DEFAULT_BUDGET_MIB if budget_mib is None else float(budget_mib)
+    if vocab_axis is not None:
+        if token_axis is not None:
+            raise ValueError("argument `vocab_axis`: with `token_axis` too (a 2-D grid) is not supported yet")
+        vocab = weight.shape[0] * jax.lax.axis_size(vocab_axis)
+        hidden = jax.lax.pcast(hidden, vocab_axis, to="varying")
+        args = (hidden, weight, bias, ids, mask, adv, old, ref)
+        loss, aux = _vocab.grpo(*args, config, vocab_axis, float(temperature), int(vocab), mode, budget)
+        aux = jax.lax.stop_gradient(aux)
+        return loss, GRPOOutputs(aux[0], aux[1], aux[2], dict(zip(_METRICS, aux[3])))
     if token_axis is not None:
         if entropy_coef and loss_type not in ("dapo", "bnpo", "cispo", "vespo"):
             raise ValueError(

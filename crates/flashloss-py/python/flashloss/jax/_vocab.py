@@ -1,0 +1,102 @@
+"""GRPO over a head whose rows are split over a mesh axis (``vocab_axis`` inside
+``jax.shard_map``; a tensor-parallel LM head). The step is cut at the collectives, which
+JAX runs: pass A on each device's block gives per-row partial softmax states (max,
+``Σexp``, ``Σexp·s``, the target's raw logit); they merge with ``lax.pmax`` / ``psum``
+(as flashloss's ``sharding::merge_partial`` does); the O(N) policy stage runs on the
+merged statistics (the same on every device); pass B adds each block's ``dW`` and its
+part of ``dH``, which JAX sums over the axis (``hidden`` is cast to varying first, so
+the transpose of that cast is the sum)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from ._ops import _call, _like, _or_empty
+
+
+def _partial(x, w, bias, ids, mask, offset, temperature, budget, mode):
+    n = ids.shape[0]
+    results = tuple(_like(x, (n,)) for _ in range(4))
+    return _call(
+        "flashloss_vocab_partial", results, x, w, _or_empty(bias, x.dtype), ids, mask, offset,
+        budget_mib=budget, mode=mode, temperature=temperature,
+    )  # fmt: skip
+
+
+def _merge(part, mask, axis, temperature):
+    """The row statistics over the whole vocabulary from every block's partial state."""
+    mx, s, u, tgt = part
+    live = mask
+    top = jax.lax.pmax(jnp.where(live, mx, -jnp.inf), axis)
+    top = jnp.where(live, top, 0.0)
+    inv_t = jnp.float32(1.0 / temperature)
+    d = jnp.where(live & (s > 0), (mx - top) * inv_t, 0.0)
+    f = jnp.where(live & (s > 0), jnp.exp(d), 0.0)
+    total = jax.lax.psum(s * f, axis)
+    weighted = jax.lax.psum(f * (u + s * d), axis)
+    total = jnp.where(live, total, 1.0)
+    log_sum = jnp.log(total)
+    entropy = jnp.where(live, log_sum - weighted / total, 0.0)
+    logp = jnp.where(live, (jax.lax.psum(tgt, axis) - top) * inv_t - log_sum, 0.0)
+    return top, jnp.where(live, log_sum, 0.0), entropy, logp
+
+
+def _policy(logp, entropy, ids, mask, adv, old, ref, config, vocab):
+    b, t = ids.shape
+    results = (_like(logp, ()), _like(logp, (b, t)), _like(logp, (b, t)), _like(logp, (b, t)), _like(logp, (5,)))
+    return _call(
+        "flashloss_grpo_policy", results,
+        logp, entropy, ids, mask, adv, _or_empty(old, jnp.float32), _or_empty(ref, jnp.float32),
+        config=config, vocab=int(vocab),
+    )  # fmt: skip
+
+
+def _grads(x, w, bias, ids, mask, offset, stats, temperature, budget, mode):
+    v, _ = w.shape
+    results = (_like(x, x.shape), _like(x, w.shape), _like(x, (0,) if bias is None else (v,)))
+    return _call(
+        "flashloss_vocab_grads", results, x, w, _or_empty(bias, x.dtype), ids, mask, offset, *stats,
+        budget_mib=budget, mode=mode, temperature=temperature,
+    )  # fmt: skip
+
+
+def _step(hidden, weight, bias, ids, mask, adv, old, ref, config, axis, temperature, vocab, mode, budget):
+    b, t = ids.shape
+    x = hidden.reshape(b * t, hidden.shape[-1])
+    flat_ids, flat_mask = ids.reshape(-1), mask.reshape(-1)
+    offset = (jax.lax.axis_index(axis) * weight.shape[0]).astype(jnp.int32)
+    part = _partial(x, weight, bias, flat_ids, flat_mask, offset, temperature, budget, mode)
+    top, log_sum, entropy, logp = _merge(part, flat_mask, axis, temperature)
+    loss, dlogp, dentropy, kl, metrics = _policy(
+        logp.reshape(b, t), entropy.reshape(b, t), ids, mask, adv, old, ref, config, vocab
+    )
+    stats = (top, log_sum, entropy, dlogp.reshape(-1), dentropy.reshape(-1))
+    dh, dw, db = _grads(x, weight, bias, flat_ids, flat_mask, offset, stats, temperature, budget, mode)
+    aux = (logp.reshape(b, t), entropy.reshape(b, t), kl, metrics)
+    return loss, aux, (dh.reshape(hidden.shape), dw, None if bias is None else db)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12, 13))
+def grpo(hidden, weight, bias, ids, mask, adv, old, ref, config, axis, temperature, vocab, mode, budget):
+    """``(loss, (logp, entropy, kl, metrics))`` of this device's block of the head."""
+    loss, aux, _ = _step(hidden, weight, bias, ids, mask, adv, old, ref, config, axis, temperature, vocab, mode, budget)
+    return loss, aux
+
+
+def _fwd(hidden, weight, bias, ids, mask, adv, old, ref, config, axis, temperature, vocab, mode, budget):
+    loss, aux, grads = _step(hidden, weight, bias, ids, mask, adv, old, ref, config, axis, temperature, vocab, mode, budget)
+    protos = tuple(None if x is None else jnp.zeros((0,), x.dtype) for x in (hidden, weight, bias))
+    return (loss, aux), (grads, protos)
+
+
+def _bwd(config, axis, temperature, vocab, mode, budget, res, cts):
+    grads, protos = res
+    g = cts[0]
+    out = tuple(None if d is None else (g * d).astype(p.dtype) for d, p in zip(grads, protos))
+    return (*out, None, None, None, None, None)
+
+
+grpo.defvjp(_fwd, _bwd)

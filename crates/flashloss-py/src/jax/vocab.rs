@@ -1,0 +1,207 @@
+//! The handlers of a GRPO step over a vocabulary-split head (`vocab_axis` inside
+//! `jax.shard_map`): the step is cut at the collectives, which JAX runs between the
+//! calls. `flashloss_vocab_partial` is pass A on the device's shard (per-row max, `Σexp`,
+//! `Σexp·s`, the target's raw logit); JAX merges them with `lax.pmax`/`psum`;
+//! `flashloss_grpo_policy` is the O(N) policy stage on the merged statistics;
+//! `flashloss_vocab_grads` is pass B on the shard from the merged statistics and the
+//! policy's coefficients (dH is then summed over the axis by JAX).
+
+use super::ffi::CallFrame;
+use super::frame::{Named, Result, bad, handle};
+use super::handlers::{Tokens, by_dtype, grads, head, options};
+use crate::front::cpu;
+use flashloss::fused::RowGrad;
+use flashloss::policy::{Normalizers, policy_stage};
+use flashloss::range::check_policy_rows;
+use flashloss::rows::{RowInputs, RowStats, RowTransform};
+use flashloss::{GrpoLoss, HeadArgs, LinearInputs, Temperature};
+use std::ffi::c_void;
+use std::ops::Range;
+
+/// The shard's vocabulary range: `offset` (an int32 scalar argument) and its rows.
+fn shard(offset: &Named, rows: usize) -> Result<Range<usize>> {
+    let o = offset.ids()?;
+    match o.as_slice() {
+        [o] if *o >= 0 => Ok(*o as usize..*o as usize + rows),
+        _ => Err(bad(
+            "offset",
+            format!("expected one non-negative id, got {o:?}"),
+        )),
+    }
+}
+
+/// Ids local to `range` (-1 where another shard holds the target).
+fn local(ids: &[i64], range: &Range<usize>) -> Vec<i64> {
+    ids.iter()
+        .map(|&y| match y >= 0 && range.contains(&(y as usize)) {
+            true => y - range.start as i64,
+            false => -1,
+        })
+        .collect()
+}
+
+/// Pass A. Arguments: hidden, weight (shard), bias (shard or `[0]`), ids `[N]`, mask
+/// `[N]`, offset; attributes: budget_mib, mode, temperature. Results `[N]` each: max,
+/// sum, weighted, target logit.
+unsafe extern "C" fn vocab_partial(frame: *mut CallFrame) -> *mut c_void {
+    // SAFETY: XLA's frame.
+    unsafe {
+        handle(frame, |f| {
+            let transform =
+                RowTransform::with_temperature(Temperature::new(f.attr_f64("temperature")?)?);
+            let opts = options(f)?;
+            let (x, w, b) = (f.arg(0, "hidden")?, f.arg(1, "weight")?, f.arg(2, "bias")?);
+            let (ids, live) = (f.arg(3, "ids")?.ids()?, f.arg(4, "mask")?.bools()?);
+            let range = shard(
+                &f.arg(5, "offset")?,
+                w.dims().first().copied().unwrap_or(0) as usize,
+            )?;
+            let targets = local(&ids, &range);
+            let rows = RowInputs {
+                targets: &targets,
+                live: &live,
+                transform,
+            };
+            let part = by_dtype!(x, E, code => {
+                let inputs: LinearInputs<E> = head(&x, &w, &b, code)?;
+                Ok(cpu().partial_row_states(HeadArgs::host(&inputs), rows, &opts)?)
+            })?;
+            let outs = [
+                f.ret(0, "max")?,
+                f.ret(1, "sum")?,
+                f.ret(2, "weighted")?,
+                f.ret(3, "target_logit")?,
+            ];
+            let [mx, sum, wt, tgt] = outs.map(|o| o.f32s_mut());
+            let (mx, sum, wt, tgt) = (mx?, sum?, wt?, tgt?);
+            for (i, st) in part.states.iter().enumerate() {
+                (mx[i], sum[i], wt[i]) = (st.max, st.sum as f32, st.weighted as f32);
+                tgt[i] = part.target_logits[i];
+            }
+            Ok(())
+        })
+    }
+}
+
+/// The policy stage on merged statistics. Arguments: logp, entropy `[B, T]`,
+/// completion_ids, completion_mask, advantages, old and ref logp; attributes: config,
+/// vocab (the whole vocabulary's size, for the ids' check).
+/// Results: loss, dlogp, dentropy, kl `[B, T]`, metrics.
+unsafe extern "C" fn grpo_policy(frame: *mut CallFrame) -> *mut c_void {
+    // SAFETY: XLA's frame.
+    unsafe {
+        handle(frame, |f| {
+            let loss = GrpoLoss::new(super::handlers::parse(f.attr_str("config")?)?)?;
+            let tokens = Tokens::read(f, 2)?;
+            let batch = tokens.batch();
+            let n = tokens.b * tokens.t;
+            let (logp, entropy) = (f.arg(0, "logp")?, f.arg(1, "entropy")?);
+            logp.expect_dims(&[tokens.b, tokens.t])?;
+            entropy.expect_dims(&[tokens.b, tokens.t])?;
+            let (logp, entropy) = (logp.f32s()?, entropy.f32s()?);
+            let vocab = f.attr_i64("vocab")?;
+            if vocab < 1 {
+                return Err(bad("vocab", format!("must be >= 1, got {vocab}")));
+            }
+            batch.validate(vocab as usize, &loss)?;
+            let policy = policy_stage(&loss, &batch, Normalizers::local(&batch), logp, entropy);
+            let scale = RowTransform::grpo(&loss).grad_scale(1.0);
+            let live = |i: usize| batch.mask[i];
+            check_policy_rows(&policy, |i| entropy[i], 0..n, live, tokens.t, Some(scale))?;
+            f.ret(0, "loss")?.f32s_mut()?[0] = policy.loss as f32;
+            f.ret(1, "dlogp")?
+                .f32s_mut()?
+                .copy_from_slice(&policy.dlogp);
+            f.ret(2, "dentropy")?
+                .f32s_mut()?
+                .copy_from_slice(&policy.dentropy);
+            f.ret(3, "kl")?.f32s_mut()?.copy_from_slice(&policy.kl);
+            let m = &policy.metrics;
+            let metrics = [
+                m.kl_mean,
+                m.entropy_mean,
+                m.clip_ratio_low,
+                m.clip_ratio_high,
+                m.clip_ratio_region,
+            ];
+            for (o, x) in f.ret(4, "metrics")?.f32s_mut()?.iter_mut().zip(metrics) {
+                *o = x as f32;
+            }
+            Ok(())
+        })
+    }
+}
+
+/// Pass B. Arguments: hidden, weight (shard), bias, ids `[N]`, mask `[N]`, offset, and
+/// the merged max, log_sum, entropy with the policy's dlogp, dentropy (`[N]` each);
+/// attributes: budget_mib, mode, temperature. Results: dhidden (this shard's part),
+/// dweight, dbias (the shard's).
+unsafe extern "C" fn vocab_grads(frame: *mut CallFrame) -> *mut c_void {
+    // SAFETY: XLA's frame.
+    unsafe {
+        handle(frame, |f| {
+            let transform =
+                RowTransform::with_temperature(Temperature::new(f.attr_f64("temperature")?)?);
+            let opts = options(f)?;
+            let (x, w, b) = (f.arg(0, "hidden")?, f.arg(1, "weight")?, f.arg(2, "bias")?);
+            let (ids, live) = (f.arg(3, "ids")?.ids()?, f.arg(4, "mask")?.bools()?);
+            let range = shard(
+                &f.arg(5, "offset")?,
+                w.dims().first().copied().unwrap_or(0) as usize,
+            )?;
+            let n = ids.len();
+            let names = ["max", "log_sum", "entropy", "dlogp", "dentropy"];
+            let mut cols = Vec::with_capacity(5);
+            for (k, name) in names.into_iter().enumerate() {
+                let a = f.arg(6 + k, name)?;
+                a.expect_dims(&[n])?;
+                cols.push(a.f32s()?);
+            }
+            let grads_of: Vec<RowGrad> = (0..n)
+                .map(|i| {
+                    let (mx, ls) = (cols[0][i], cols[1][i]);
+                    let c = transform.grpo_coefs(1.0, cols[3][i], cols[4][i]);
+                    let stats = RowStats {
+                        max: mx,
+                        log_sum: ls,
+                        lse: (mx as f64 * transform.inv_temp as f64 + ls as f64) as f32,
+                        entropy: cols[2][i],
+                        ..RowStats::default()
+                    };
+                    let g = RowGrad {
+                        stats,
+                        coef_p: c.p,
+                        coef_h: c.h,
+                        coef_uniform: 0.0,
+                        coef_target: c.target,
+                        target: ids[i].max(0) as usize,
+                    };
+                    match live[i] {
+                        true => g.on_shard(&range),
+                        false => RowGrad::default(),
+                    }
+                })
+                .collect();
+            let targets = local(&ids, &range);
+            let rows = RowInputs {
+                targets: &targets,
+                live: &live,
+                transform,
+            };
+            by_dtype!(x, E, code => {
+                let inputs: LinearInputs<E> = head(&x, &w, &b, code)?;
+                let args = HeadArgs::Host { inputs: &inputs, grads: grads(f, 0)? };
+                Ok(cpu().accumulate_row_grads(args, rows, &grads_of, &opts, n)?)
+            })
+        })
+    }
+}
+
+/// The handlers by target name.
+pub fn targets() -> Vec<(&'static str, super::ffi::Handler)> {
+    vec![
+        ("flashloss_vocab_partial", vocab_partial),
+        ("flashloss_grpo_policy", grpo_policy),
+        ("flashloss_vocab_grads", vocab_grads),
+    ]
+}

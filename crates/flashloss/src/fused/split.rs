@@ -1,0 +1,97 @@
+//! The two passes of a fused step as separate calls, for a caller that runs the
+//! collective between them itself (JAX's `lax.pmax`/`psum` inside `shard_map`, where the
+//! kernel cannot call back into the framework): pass A gives each row's partial softmax
+//! state over the head's vocabulary shard ([`partial_row_states`]); the caller merges the
+//! shards (as [`crate::sharding::merge_partial`] does), runs the per-row stage, and pass B
+//! adds the gradients of one [`RowGrad`] per row ([`accumulate_row_grads`]). Both check
+//! the head and the rows like every driver.
+
+use super::passes::{Head, RowGrad, check_head};
+use super::plan::{FusedOptions, Mode};
+use crate::error::{Error, Result};
+use crate::rows::{PartialStats, RowInputs};
+
+/// Checks `rows` against a head of `n` rows and `v` vocabulary entries: targets in
+/// `[-1, v)` where live (-1: another shard holds the target).
+fn check_rows(rows: &RowInputs, n: usize, v: usize) -> Result<()> {
+    for (arg, len) in [("targets", rows.targets.len()), ("live", rows.live.len())] {
+        if len != n {
+            return Err(Error::ShapeMismatch {
+                arg,
+                shape: format!("[N={n}]"),
+                expected: n,
+                actual: len,
+            });
+        }
+    }
+    let bad = (0..n).find(|&i| rows.live[i] && !(-1..v as i64).contains(&rows.targets[i]));
+    match bad {
+        Some(i) => Err(Error::InvalidArgument {
+            arg: "targets",
+            reason: format!(
+                "local id {} at row {i} is outside [-1, {v}) (-1: another shard holds it)",
+                rows.targets[i]
+            ),
+        }),
+        None => Ok(()),
+    }
+}
+
+fn two_pass(opts: &FusedOptions) -> FusedOptions {
+    FusedOptions {
+        mode: Mode::TwoPass,
+        ..*opts
+    }
+}
+
+/// Pass A over `head`'s vocabulary: every live row's partial state (max, `Σexp`,
+/// `Σexp·s`, the target's raw logit where the head holds it, 0 elsewhere).
+pub fn partial_row_states(
+    head: &mut dyn Head,
+    rows: RowInputs,
+    opts: &FusedOptions,
+) -> Result<PartialStats> {
+    check_head(head, false)?;
+    let s = head.shape();
+    check_rows(&rows, s.tokens, s.vocab)?;
+    let plan = head.plan(&two_pass(opts), false)?;
+    head.passes(rows, plan)?.row_states()
+}
+
+/// Pass B: adds the gradients of `grads` (one per row; targets local to the head, a
+/// zero `coef_target` where another shard holds it) into the head's buffers, then
+/// checks them finite (`seq_len` places a `dH` row in its sequence).
+pub fn accumulate_row_grads(
+    head: &mut dyn Head,
+    rows: RowInputs,
+    grads: &[RowGrad],
+    opts: &FusedOptions,
+    seq_len: usize,
+) -> Result<()> {
+    check_head(head, true)?;
+    let s = head.shape();
+    check_rows(&rows, s.tokens, s.vocab)?;
+    if grads.len() != s.tokens {
+        return Err(Error::ShapeMismatch {
+            arg: "grads",
+            shape: format!("[N={}]", s.tokens),
+            expected: s.tokens,
+            actual: grads.len(),
+        });
+    }
+    if let Some(i) = grads
+        .iter()
+        .position(|g| g.coef_target != 0.0 && g.target >= s.vocab)
+    {
+        return Err(Error::InvalidArgument {
+            arg: "grads",
+            reason: format!(
+                "row {i}'s target {} is outside the head's {} entries",
+                grads[i].target, s.vocab
+            ),
+        });
+    }
+    let plan = head.plan(&two_pass(opts), false)?;
+    head.passes(rows, plan)?.accumulate_grads(grads)?;
+    head.check_grads(seq_len)
+}
