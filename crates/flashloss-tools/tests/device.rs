@@ -188,3 +188,110 @@ fn a_summed_gradient_beyond_f32_fails_every_rank_of_a_sharded_step() {
     assert_eq!(errors[0], errors[1]);
     assert!(errors[0].contains("dweight"), "{}", errors[0]);
 }
+
+/// The split passes (for a caller that runs the collective itself, as JAX does) over
+/// three vocabulary shards, merged and finished on the host, give the fused step's
+/// statistics, loss and gradients.
+#[test]
+fn split_passes_over_three_shards_equal_the_fused_step() {
+    use flashloss::fused::RowGrad;
+    use flashloss::policy::{Normalizers, policy_stage};
+    use flashloss::rows::{PartialStats, RowInputs, RowTransform};
+    let (b, t, h, v) = (2, 5, 8, 301);
+    let head = Head::<f32>::random(b * t, h, v, true, 12);
+    let x = draw(b, t, v, 13);
+    let batch = x.batch();
+    let device = Device::cpu();
+    let whole = device
+        .grpo_linear(&loss(), &batch, &head.inputs(), &opts(Mode::TwoPass))
+        .unwrap();
+    let transform = RowTransform::grpo(&loss());
+    let shards = [0..100, 100..201, 201..301];
+    let slice = |r: &std::ops::Range<usize>| LinearInputs {
+        weight: &head.weight[r.start * h..r.end * h],
+        bias: head.bias.as_deref().map(|bb| &bb[r.clone()]),
+        vocab: r.len(),
+        ..head.inputs()
+    };
+    let local = |r: &std::ops::Range<usize>| -> Vec<i64> {
+        let y = |id: i64| {
+            if r.contains(&(id as usize)) {
+                id - r.start as i64
+            } else {
+                -1
+            }
+        };
+        batch.target_ids.iter().map(|&id| y(id)).collect()
+    };
+    let mut merged = PartialStats::empty(b * t, transform.inv_temp);
+    for r in &shards {
+        let (inputs, targets) = (slice(r), local(r));
+        let rows = RowInputs {
+            targets: &targets,
+            live: batch.mask,
+            transform,
+        };
+        let part = device
+            .partial_row_states(HeadArgs::host(&inputs), rows, &opts(Mode::Auto))
+            .unwrap();
+        merged.merge(&part);
+    }
+    let all = RowInputs {
+        targets: batch.target_ids,
+        live: batch.mask,
+        transform,
+    };
+    let stats = merged.finish(&all, v);
+    let logp: Vec<f32> = stats.iter().map(|s| s.logp).collect();
+    let entropy: Vec<f32> = stats.iter().map(|s| s.entropy).collect();
+    let policy = policy_stage(&loss(), &batch, Normalizers::local(&batch), &logp, &entropy);
+    assert!((policy.loss - whole.loss).abs() <= 1e-6 * whole.loss.abs().max(1.0));
+    let mut dhidden = vec![0.0f32; b * t * h];
+    for r in &shards {
+        let (inputs, targets) = (slice(r), local(r));
+        let grads: Vec<RowGrad> = (0..b * t)
+            .map(|i| {
+                let c = transform.grpo_coefs(1.0, policy.dlogp[i], policy.dentropy[i]);
+                let g = RowGrad {
+                    stats: stats[i],
+                    coef_p: c.p,
+                    coef_h: c.h,
+                    coef_uniform: 0.0,
+                    coef_target: c.target,
+                    target: batch.target_ids[i] as usize,
+                };
+                g.on_shard(r)
+            })
+            .collect();
+        let mut part = flashloss::LinearGrads::zeros(&inputs);
+        let rows = RowInputs {
+            targets: &targets,
+            live: batch.mask,
+            transform,
+        };
+        let args = HeadArgs::Host {
+            inputs: &inputs,
+            grads: part.view(),
+        };
+        device
+            .accumulate_row_grads(args, rows, &grads, &opts(Mode::Auto), t)
+            .unwrap();
+        dhidden
+            .iter_mut()
+            .zip(&part.dhidden)
+            .for_each(|(a, p)| *a += p);
+        assert_close(
+            "dweight",
+            &part.dweight,
+            &f64s(&whole.grads.dweight[r.start * h..r.end * h]),
+            1e-5,
+        );
+        let db = &whole.grads.dbias.as_ref().unwrap()[r.clone()];
+        assert_close("dbias", part.dbias.as_ref().unwrap(), &f64s(db), 1e-5);
+    }
+    assert_close("dhidden", &dhidden, &f64s(&whole.grads.dhidden), 1e-5);
+}
+
+fn f64s(x: &[f32]) -> Vec<f64> {
+    x.iter().map(|&v| v as f64).collect()
+}
