@@ -3,6 +3,7 @@ varying-axis checks on): `token_axis` (the sequences split over the axis) and
 `vocab_axis` (the head's rows split over it) give the one-device loss, metrics and
 gradients. Runs in a subprocess, since the device count must be set before JAX starts."""
 
+import json
 import os
 import subprocess
 import sys
@@ -115,3 +116,15 @@ def _vocab_axis(jax, jnp, np, fj, mesh):
 
 if __name__ == "__main__":
     _main()
+
+
+@pytest.mark.parametrize("sets", [[], ["level=logits"], ["parallel=vocab"], ["loss_type=grpo", "parallel=vocab", "beta=0.0"]])
+def test_gradcheck_cli_passes_and_fails_with_its_gates(sets):
+    config = os.path.join(os.path.dirname(__file__), "..", "..", "..", "configs", "jax", "gradcheck.yaml")
+    cmd = [sys.executable, "-m", "flashloss.jax.gradcheck", "--config", config, "--json"]
+    cmd += [f"--set={s}" for s in sets]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert json.loads(out.stdout)["passed"]
+    strict = subprocess.run(cmd + ["--set=grad_rel=1e-12"], capture_output=True, text=True, timeout=600)
+    assert strict.returncode == 1 and not json.loads(strict.stdout)["passed"]

@@ -13,8 +13,6 @@ import jax.numpy as jnp
 
 from .. import _native
 
-_ZERO = jnp.zeros((0,), jnp.float32)
-
 
 def register() -> None:
     """Registers every handler with XLA (platform ``cpu``)."""

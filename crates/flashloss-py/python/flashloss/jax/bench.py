@@ -189,6 +189,8 @@ def load(path, overrides):
         if key not in DEFAULTS:
             raise ValueError(f"--set {key}: unknown key (known: {', '.join(DEFAULTS)})")
         cfg[key] = yaml.safe_load(value)
+        if isinstance(DEFAULTS[key], float) and isinstance(cfg[key], (int, str)):
+            cfg[key] = float(cfg[key])  # YAML reads 1e-2 as a string
     unknown = set(cfg) - set(DEFAULTS)
     if unknown:
         raise ValueError(f"{path}: unknown keys {sorted(unknown)}")

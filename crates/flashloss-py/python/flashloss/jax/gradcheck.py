@@ -1,0 +1,180 @@
+"""``flashloss.jax`` against an f64 JAX reference of TRL's GRPO loss on materialized
+logits (``jax.value_and_grad`` in float64): the loss and the gradients of the logits
+(logits level) or of ``hidden`` and ``weight`` (LM-head level), on one device or sharded
+over 8 simulated CPU devices (``parallel: token | vocab``). Prints ``loss_ref``,
+``loss_kernel``, ``abs_diff_loss``, ``max_abs_diff_*``, ``max_rel_diff_*`` and a PASS/FAIL
+line per gate (JSON with ``--json``); exits 0 only if every gate passes.
+
+    python -m flashloss.jax.gradcheck --config configs/jax/gradcheck.yaml [--set parallel=vocab] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import numpy as np
+import yaml
+
+DEFAULTS = dict(level="linear", loss_type="dapo", beta=0.04, temperature=0.9, use_bias_correction_kl=True,
+                batch=4, seq_len=7, hidden=16, vocab=1003, dtype="float32", seed=0, parallel="none",
+                devices=8, loss_rel=1e-5, grad_rel=1e-4)  # fmt: skip
+LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")
+
+
+def reference_loss(jnp, jax, logits, ids, mask, adv, old, ref, cfg):
+    """TRL's token-level clipped GRPO loss (with k3 KL) on ``logits`` ``[B, T, V]``."""
+    b, t = ids.shape
+    lp = jax.nn.log_softmax(logits / cfg["temperature"], axis=-1)
+    logp = jnp.take_along_axis(lp, ids[..., None], -1)[..., 0]
+    r = jnp.exp(logp - old)
+    a = adv[:, None]
+    loss = -jnp.minimum(r * a, jnp.clip(r, 0.8, 1.2) * a)
+    if cfg["beta"]:
+        d = ref - logp
+        kl = jnp.exp(d) - d - 1
+        loss = loss + cfg["beta"] * (kl * r if cfg["use_bias_correction_kl"] else kl)
+    m = mask.astype(loss.dtype)
+    if cfg["loss_type"] == "grpo":
+        return ((loss * m).sum(-1) / jnp.maximum(m.sum(-1), 1)).mean()
+    if cfg["loss_type"] == "dr_grpo":
+        return (loss * m).sum() / (b * t)
+    return (loss * m).sum() / jnp.maximum(m.sum(), 1)
+
+
+def draw(cfg):
+    rng = np.random.default_rng(cfg["seed"])
+    b, t, h, v = cfg["batch"], cfg["seq_len"], cfg["hidden"], cfg["vocab"]
+    hidden = rng.standard_normal((b, t, h))
+    weight = rng.standard_normal((v, h)) * (2.0 / np.sqrt(h))
+    ids = rng.integers(0, v, (b, t))
+    mask = np.arange(t)[None, :] < rng.integers(1, t + 1, b)[:, None]
+    adv = rng.standard_normal(b)
+    old = -np.log(v) + 0.3 * rng.standard_normal((b, t))
+    ref = -np.log(v) + 0.3 * rng.standard_normal((b, t))
+    return hidden, weight, ids, mask, adv, old, ref
+
+
+def _diffs(name, got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    abs_diff = float(np.abs(got - want).max())
+    return {f"max_abs_diff_{name}": abs_diff, f"max_rel_diff_{name}": abs_diff / max(float(np.abs(want).max()), 1e-30)}
+
+
+def run(cfg) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    import flashloss.jax as fj
+
+    if cfg["parallel"] != "none":
+        jax.config.update("jax_num_cpu_devices", cfg["devices"])  # before any JAX operation
+    jax.config.update("jax_enable_x64", True)
+    hidden, weight, ids, mask, adv, old, ref = draw(cfg)
+    dt = jnp.dtype(cfg["dtype"])
+    h, w = jnp.asarray(hidden, dt), jnp.asarray(weight, dt)
+    ids_j, mask_j = jnp.asarray(ids), jnp.asarray(mask)
+    adv_j, old_j, ref_j = (jnp.asarray(x, jnp.float32) for x in (adv, old, ref))
+    kw = dict(loss_type=cfg["loss_type"], beta=cfg["beta"], temperature=cfg["temperature"],
+              use_bias_correction_kl=cfg["use_bias_correction_kl"], max_completion_length=cfg["seq_len"],
+              old_per_token_logps=old_j, ref_per_token_logps=ref_j if cfg["beta"] else None)  # fmt: skip
+    f64 = [jnp.asarray(x, jnp.float64) for x in (hidden, weight, adv, old, ref)]
+    h64, w64 = jnp.asarray(h, jnp.float64), jnp.asarray(w, jnp.float64)
+
+    if cfg["level"] == "logits":
+        z = (h.astype(jnp.float32).reshape(-1, cfg["hidden"]) @ w.astype(jnp.float32).T).reshape(*ids.shape, -1)
+        got, dz = jax.value_and_grad(lambda z: fj.grpo_loss(z, ids_j, mask_j, adv_j, **kw)[0])(z)
+        ref_fn = lambda z: reference_loss(jnp, jax, z, ids_j, mask_j, *f64[2:], cfg)  # noqa: E731
+        want, dz_ref = jax.value_and_grad(ref_fn)(jnp.asarray(z, jnp.float64))
+        diffs = _diffs("dlogits", dz, dz_ref)
+    else:
+
+        def kernel(x, wt, axis=None):
+            axes = {"token": dict(token_axis=axis), "vocab": dict(vocab_axis=axis)}.get(cfg["parallel"], {})
+            return fj.linear_grpo_loss(x, wt, ids_j, mask_j, adv_j, **kw, **(axes if axis else {}))[0]
+
+        if cfg["parallel"] == "none":
+            got, (dh, dw) = jax.value_and_grad(kernel, (0, 1))(h, w)
+        else:
+            got, (dh, dw) = _sharded(jax, kernel, cfg, h, w)
+        ref_fn = lambda x, wt: reference_loss(  # noqa: E731
+            jnp, jax, (x.reshape(-1, cfg["hidden"]) @ wt.T).reshape(*ids.shape, -1), ids_j, mask_j, *f64[2:], cfg
+        )
+        want, (dh_ref, dw_ref) = jax.value_and_grad(ref_fn, (0, 1))(h64, w64)
+        diffs = {**_diffs("dhidden", dh, dh_ref), **_diffs("dweight", dw, dw_ref)}
+    loss_rel = abs(float(got) - float(want)) / max(abs(float(want)), 1.0)
+    gates = [{"name": "loss", "value": loss_rel, "limit": cfg["loss_rel"]}]
+    gates += [{"name": k[len("max_rel_diff_"):], "value": v, "limit": cfg["grad_rel"]} for k, v in diffs.items() if k.startswith("max_rel")]
+    for g in gates:
+        g["passed"] = bool(g["value"] <= g["limit"])
+    return {"config": cfg, "loss_ref": float(want), "loss_kernel": float(got), "abs_diff_loss": abs(float(got) - float(want)),
+            **diffs, "gates": gates, "passed": all(g["passed"] for g in gates)}  # fmt: skip
+
+
+def _sharded(jax, kernel, cfg, h, w):
+    """``kernel``'s loss and gradients inside ``shard_map`` over ``cfg["devices"]``."""
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    n = cfg["devices"]
+    mesh = jax.make_mesh((n,), ("x",), axis_types=(AxisType.Explicit,))
+    if cfg["parallel"] == "token":
+        raise ValueError("parallel: token needs the per-token inputs split too; use tests/test_jax_sharded.py")
+    if cfg["vocab"] % n:
+        raise ValueError(f"vocab: {cfg['vocab']} is not a multiple of the {n} devices (vocab_axis splits it evenly)")
+    specs = (P(), P("x"))
+    step = jax.shard_map(
+        lambda x, wt: jax.value_and_grad(lambda x, wt: kernel(x, wt, "x"), (0, 1))(x, wt),
+        mesh=mesh, in_specs=specs, out_specs=(P(), (P(), P("x"))),
+    )  # fmt: skip
+    placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((h, w), specs)]
+    return jax.jit(step)(*placed)
+
+
+def load(path, overrides):
+    cfg = dict(DEFAULTS)
+    if path:
+        with open(path) as f:
+            cfg.update(yaml.safe_load(f) or {})
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key not in DEFAULTS:
+            raise ValueError(f"--set {key}: unknown key (known: {', '.join(DEFAULTS)})")
+        cfg[key] = yaml.safe_load(value)
+        if isinstance(DEFAULTS[key], float) and isinstance(cfg[key], (int, str)):
+            cfg[key] = float(cfg[key])  # YAML reads 1e-2 as a string
+    if set(cfg) - set(DEFAULTS):
+        raise ValueError(f"{path}: unknown keys {sorted(set(cfg) - set(DEFAULTS))}")
+    if cfg["loss_type"] not in LOSS_TYPES:
+        raise ValueError(f"loss_type: the reference covers {LOSS_TYPES}, got {cfg['loss_type']!r}")
+    if cfg["parallel"] not in ("none", "token", "vocab"):
+        raise ValueError(f"parallel: expected none, token or vocab, got {cfg['parallel']!r}")
+    return cfg
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    cfg = load(a.config, a.set)
+    print(f"gradcheck: {cfg['level']} {cfg['loss_type']} [B={cfg['batch']}, T={cfg['seq_len']}, H={cfg['hidden']}, "
+          f"V={cfg['vocab']}] {cfg['dtype']} parallel={cfg['parallel']}", file=sys.stderr)  # fmt: skip
+    r = run(cfg)
+    if a.json:
+        print(json.dumps(r))
+    else:
+        for k in ("loss_ref", "loss_kernel", "abs_diff_loss"):
+            print(f"{k:<22} {r[k]:.9e}")
+        for k, v in r.items():
+            if k.startswith("max_"):
+                print(f"{k:<22} {v:.3e}")
+        for g in r["gates"]:
+            print(f"{'PASS' if g['passed'] else 'FAIL'} {g['name']:<9} {g['value']:.3e} <= {g['limit']:.3e}")
+    return 0 if r["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
