@@ -192,6 +192,9 @@ def test_bad_input_names_the_argument_and_the_process_goes_on():
     nan = hidden.at[0, 0, 0].set(jnp.nan)
     with pytest.raises(runtime, match="`hidden`: value NaN at index 0 is not finite"):
         jax.block_until_ready(fj.linear_cross_entropy(nan, weight, ids))
+    for axis in ("vocab_axis", "token_axis"):
+        with pytest.raises(ValueError, match=f"`{axis}`: no mesh axis 'x'"):
+            fj.linear_grpo_loss(hidden, weight, ids, mask, adv, **{axis: "x"})
     # The process is intact: a good call still runs.
     assert np.isfinite(float(fj.linear_cross_entropy(hidden, weight, ids)))
 

@@ -72,6 +72,15 @@ def _head(hidden, weight, bias):
     return cast
 
 
+def _axis_size(arg: str, name: str) -> int:
+    """The size of mesh axis ``name``; an error naming ``arg`` outside a ``shard_map``
+    over it."""
+    try:
+        return jax.lax.axis_size(name)
+    except NameError as e:
+        raise ValueError(f"argument `{arg}`: no mesh axis {name!r} here (call inside jax.shard_map over it)") from e
+
+
 def _ids(arg: str, x) -> jax.Array:
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.integer):
@@ -188,13 +197,14 @@ def linear_grpo_loss(
     if vocab_axis is not None:
         if token_axis is not None:
             raise ValueError("argument `vocab_axis`: with `token_axis` too (a 2-D grid) is not supported yet")
-        vocab = weight.shape[0] * jax.lax.axis_size(vocab_axis)
+        vocab = weight.shape[0] * _axis_size("vocab_axis", vocab_axis)
         hidden = jax.lax.pcast(hidden, vocab_axis, to="varying")
         args = (hidden, weight, bias, ids, mask, adv, old, ref)
         loss, aux = _vocab.grpo(*args, config, vocab_axis, float(temperature), int(vocab), mode, budget)
         aux = jax.lax.stop_gradient(aux)
         return loss, GRPOOutputs(aux[0], aux[1], aux[2], dict(zip(_METRICS, aux[3])))
     if token_axis is not None:
+        _axis_size("token_axis", token_axis)
         if entropy_coef and loss_type not in ("dapo", "bnpo", "cispo", "vespo"):
             raise ValueError(
                 f"argument `token_axis`: an entropy bonus with loss_type {loss_type!r} has a normalizer of its own; "
