@@ -19,7 +19,7 @@ from flashloss import _native  # noqa: E402
 
 def test_ffi_mirror_matches_the_installed_header():
     layout = _native.jax_abi_layout()
-    lines = ['#include <stddef.h>', '#include <stdio.h>', '#include "xla/ffi/api/c_api.h"', "int main(void) {"]
+    lines = ["#include <stddef.h>", "#include <stdio.h>", '#include "xla/ffi/api/c_api.h"', "int main(void) {"]
     for name, (size, fields) in layout.items():
         if size:
             lines.append(f'printf("{name} size %zu\\n", sizeof({name}));')
@@ -100,9 +100,17 @@ def test_outputs_metrics_and_bf16():
     lp = jax.nn.log_softmax(hidden.reshape(10, -1) @ weight.T, -1)
     want = jnp.take_along_axis(lp, ids.reshape(-1, 1), 1).reshape(2, 5)
     _close(jnp.where(mask, out.logp, 0), jnp.where(mask, want, 0), 1e-5, "logp")
-    assert set(out.metrics) == {"kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"}
+    assert set(out.metrics) == {
+        "kl",
+        "entropy",
+        "clip_ratio/low_mean",
+        "clip_ratio/high_mean",
+        "clip_ratio/region_mean",
+    }
     hb, wb = hidden.astype(jnp.bfloat16), weight.astype(jnp.bfloat16)
-    lb, grads = jax.value_and_grad(lambda h, w: fj.linear_grpo_loss(h, w, ids, mask, adv, old_per_token_logps=old)[0], (0, 1))(hb, wb)
+    lb, grads = jax.value_and_grad(
+        lambda h, w: fj.linear_grpo_loss(h, w, ids, mask, adv, old_per_token_logps=old)[0], (0, 1)
+    )(hb, wb)
     assert grads[0].dtype == jnp.bfloat16 and grads[1].dtype == jnp.bfloat16
     want = _trl_loss(hb, wb, None, ids, mask, adv, old, ref, "dapo", 0.0, 1.0, True)
     _close(lb, want, 2e-2, "bf16 loss")
@@ -155,7 +163,9 @@ def test_logits_level_grpo_and_logprobs():
     logits = (hidden.reshape(12, -1) @ weight.T).reshape(2, 6, -1)
 
     def ours(z):
-        return fj.grpo_loss(z, ids, mask, adv, old_per_token_logps=old, ref_per_token_logps=ref, beta=0.04, temperature=0.7)[0]
+        return fj.grpo_loss(
+            z, ids, mask, adv, old_per_token_logps=old, ref_per_token_logps=ref, beta=0.04, temperature=0.7
+        )[0]
 
     def theirs(z):
         lp = jax.nn.log_softmax(z / 0.7, -1)

@@ -58,7 +58,9 @@ def _main():
             (want, wm), wg = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(*args)
 
             def local(x, w, bb, i, m, a, o, r):
-                return jax.value_and_grad(lambda x, w, bb: loss(x, w, bb, i, m, a, o, r, "data"), (0, 1, 2), has_aux=True)(x, w, bb)
+                return jax.value_and_grad(
+                    lambda x, w, bb: loss(x, w, bb, i, m, a, o, r, "data"), (0, 1, 2), has_aux=True
+                )(x, w, bb)
 
             specs = (data, rep, rep, data, data, data, data, data)
             f = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=((rep, rep), (data, rep, rep)))
@@ -118,7 +120,9 @@ if __name__ == "__main__":
     _main()
 
 
-@pytest.mark.parametrize("sets", [[], ["level=logits"], ["parallel=vocab"], ["loss_type=grpo", "parallel=vocab", "beta=0.0"]])
+@pytest.mark.parametrize(
+    "sets", [[], ["level=logits"], ["parallel=vocab"], ["loss_type=grpo", "parallel=vocab", "beta=0.0"]]
+)
 def test_gradcheck_cli_passes_and_fails_with_its_gates(sets):
     config = os.path.join(os.path.dirname(__file__), "..", "..", "..", "configs", "jax", "gradcheck.yaml")
     cmd = [sys.executable, "-m", "flashloss.jax.gradcheck", "--config", config, "--json"]

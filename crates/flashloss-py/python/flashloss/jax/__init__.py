@@ -180,7 +180,9 @@ def linear_grpo_loss(
         raise ValueError(f"argument `completion_ids`: expected shape [B, T], got {list(ids.shape)}")
     b, t = ids.shape
     if hidden.size // hidden.shape[-1] != b * t:
-        raise ValueError(f"argument `hidden`: has {hidden.size // hidden.shape[-1]} rows but completion_ids has B·T = {b * t}")
+        raise ValueError(
+            f"argument `hidden`: has {hidden.size // hidden.shape[-1]} rows but completion_ids has B·T = {b * t}"
+        )
     mask = jnp.ones((b, t), bool) if completion_mask is None else jnp.asarray(completion_mask) != 0
     adv = jnp.asarray(advantages, jnp.float32)
     if adv.ndim == 2 and adv.shape[1] == 1:
@@ -241,7 +243,9 @@ def _ce(hidden, weight, bias, targets, config, mode, budget):
 
 
 def _ce_fwd(hidden, weight, bias, targets, config, mode, budget):
-    loss, dh, dw, db, _, _ = _ops.ce_linear(hidden, weight, bias, targets, None, config=config, mode=mode, budget_mib=budget)
+    loss, dh, dw, db, _, _ = _ops.ce_linear(
+        hidden, weight, bias, targets, None, config=config, mode=mode, budget_mib=budget
+    )
     protos = tuple(None if x is None else jnp.zeros((0,), x.dtype) for x in (hidden, weight, bias))
     return loss, ((dh, dw, None if bias is None else db), protos)
 
@@ -298,7 +302,9 @@ def linear_cross_entropy(
     hidden, weight, bias = _head(hidden, weight, bias)
     targets = _ids("targets", targets)
     if hidden.shape[:-1] != targets.shape:
-        raise ValueError(f"argument `targets`: shape {list(targets.shape)} does not match hidden's rows {list(hidden.shape[:-1])}")
+        raise ValueError(
+            f"argument `targets`: shape {list(targets.shape)} does not match hidden's rows {list(hidden.shape[:-1])}"
+        )
     h2, t1 = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     budget = DEFAULT_BUDGET_MIB if budget_mib is None else float(budget_mib)
     if reduction == "none":
@@ -306,14 +312,26 @@ def linear_cross_entropy(
     return _ce(h2, weight, bias, t1, config, mode, budget)
 
 
-def linear_logprobs(hidden, weight, ids, temperature: float = 1.0, return_entropy: bool = False, *, bias=None, mask=None, budget_mib=None):
+def linear_logprobs(
+    hidden,
+    weight,
+    ids,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    *,
+    bias=None,
+    mask=None,
+    budget_mib=None,
+):
     """Per-token log-probabilities of ``ids`` ``[...]`` under ``(hidden @ weight.T + bias) /
     temperature`` without gradient (the old- and reference-policy passes of GRPO);
     ``(logp, entropy)`` when ``return_entropy``. Rows where ``mask`` is false are zero."""
     hidden, weight, bias = _head(hidden, weight, bias)
     ids = _ids("ids", ids)
     if hidden.shape[:-1] != ids.shape:
-        raise ValueError(f"argument `ids`: shape {list(ids.shape)} does not match hidden's rows {list(hidden.shape[:-1])}")
+        raise ValueError(
+            f"argument `ids`: shape {list(ids.shape)} does not match hidden's rows {list(hidden.shape[:-1])}"
+        )
     m = jnp.ones(ids.shape, bool) if mask is None else jnp.asarray(mask) != 0
     budget = DEFAULT_BUDGET_MIB if budget_mib is None else float(budget_mib)
     logp, entropy = _ops.logp_linear(
@@ -369,7 +387,9 @@ def grpo_loss(
     logits = _floats("logits", logits)
     ids = _ids("completion_ids", completion_ids)
     if logits.ndim != 3 or logits.shape[:2] != ids.shape:
-        raise ValueError(f"argument `logits`: expected shape [B, T, V] with [B, T] = {list(ids.shape)}, got {list(logits.shape)}")
+        raise ValueError(
+            f"argument `logits`: expected shape [B, T, V] with [B, T] = {list(ids.shape)}, got {list(logits.shape)}"
+        )
     mask = jnp.ones(ids.shape, bool) if completion_mask is None else jnp.asarray(completion_mask) != 0
     adv = jnp.asarray(advantages, jnp.float32)
     if adv.ndim == 2 and adv.shape[1] == 1:

@@ -87,7 +87,9 @@ def grpo(hidden, weight, bias, ids, mask, adv, old, ref, config, axis, temperatu
 
 
 def _fwd(hidden, weight, bias, ids, mask, adv, old, ref, config, axis, temperature, vocab, mode, budget):
-    loss, aux, grads = _step(hidden, weight, bias, ids, mask, adv, old, ref, config, axis, temperature, vocab, mode, budget)
+    loss, aux, grads = _step(
+        hidden, weight, bias, ids, mask, adv, old, ref, config, axis, temperature, vocab, mode, budget
+    )
     protos = tuple(None if x is None else jnp.zeros((0,), x.dtype) for x in (hidden, weight, bias))
     return (loss, aux), (grads, protos)
 

@@ -163,7 +163,10 @@ def run(cfg) -> dict:
         jax.block_until_ready((loss, grads))
         if k >= cfg["warmup"]:
             times.append(time.perf_counter() - start)
-        print(f"{cfg['impl']}: step {k + 1}/{cfg['warmup'] + cfg['repeat']} {times[-1] if times else 0:.3f} s", file=sys.stderr)
+        print(
+            f"{cfg['impl']}: step {k + 1}/{cfg['warmup'] + cfg['repeat']} {times[-1] if times else 0:.3f} s",
+            file=sys.stderr,
+        )
     return {
         "impl": cfg["impl"],
         "config": cfg,

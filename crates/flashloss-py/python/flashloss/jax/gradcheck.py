@@ -98,18 +98,31 @@ def run(cfg) -> dict:
             got, (dh, dw) = jax.value_and_grad(kernel, (0, 1))(h, w)
         else:
             got, (dh, dw) = _sharded(jax, kernel, cfg, h, w)
-        ref_fn = lambda x, wt: reference_loss(  # noqa: E731
-            jnp, jax, (x.reshape(-1, cfg["hidden"]) @ wt.T).reshape(*ids.shape, -1), ids_j, mask_j, *f64[2:], cfg
-        )
+
+        def ref_fn(x, wt):
+            z = (x.reshape(-1, cfg["hidden"]) @ wt.T).reshape(*ids.shape, -1)
+            return reference_loss(jnp, jax, z, ids_j, mask_j, *f64[2:], cfg)
+
         want, (dh_ref, dw_ref) = jax.value_and_grad(ref_fn, (0, 1))(h64, w64)
         diffs = {**_diffs("dhidden", dh, dh_ref), **_diffs("dweight", dw, dw_ref)}
     loss_rel = abs(float(got) - float(want)) / max(abs(float(want)), 1.0)
     gates = [{"name": "loss", "value": loss_rel, "limit": cfg["loss_rel"]}]
-    gates += [{"name": k[len("max_rel_diff_"):], "value": v, "limit": cfg["grad_rel"]} for k, v in diffs.items() if k.startswith("max_rel")]
+    gates += [
+        {"name": k[len("max_rel_diff_") :], "value": v, "limit": cfg["grad_rel"]}
+        for k, v in diffs.items()
+        if k.startswith("max_rel")
+    ]
     for g in gates:
         g["passed"] = bool(g["value"] <= g["limit"])
-    return {"config": cfg, "loss_ref": float(want), "loss_kernel": float(got), "abs_diff_loss": abs(float(got) - float(want)),
-            **diffs, "gates": gates, "passed": all(g["passed"] for g in gates)}  # fmt: skip
+    return {
+        "config": cfg,
+        "loss_ref": float(want),
+        "loss_kernel": float(got),
+        "abs_diff_loss": abs(float(got) - float(want)),
+        **diffs,
+        "gates": gates,
+        "passed": all(g["passed"] for g in gates),
+    }
 
 
 def _sharded(jax, kernel, cfg, h, w):
