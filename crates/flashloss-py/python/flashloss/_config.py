@@ -76,3 +76,26 @@ def ce_config(
         reduction=reduction,
         temperature=float(temperature),
     )
+
+
+def load_yaml(path: Optional[str], overrides: list, defaults: dict) -> dict:
+    """``defaults`` updated from the YAML file at ``path`` and ``KEY=VALUE`` overrides
+    (as ``--set``); unknown keys are errors naming them. A float key given ``1e-2`` (which
+    YAML reads as a string) is read as a number."""
+    import yaml
+
+    cfg = dict(defaults)
+    if path:
+        with open(path) as f:
+            cfg.update(yaml.safe_load(f) or {})
+    unknown = set(cfg) - set(defaults)
+    if unknown:
+        raise ValueError(f"{path}: unknown keys {sorted(unknown)}")
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key not in defaults:
+            raise ValueError(f"--set {key}: unknown key (known: {', '.join(defaults)})")
+        cfg[key] = yaml.safe_load(value)
+        if isinstance(defaults[key], float) and isinstance(cfg[key], (int, str)):
+            cfg[key] = float(cfg[key])
+    return cfg

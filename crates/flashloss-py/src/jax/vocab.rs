@@ -7,10 +7,10 @@
 //! policy's coefficients (dH is then summed over the axis by JAX).
 
 use super::ffi::CallFrame;
-use super::frame::{Named, Result, bad, handle};
+use super::frame::{Frame, Named, Result, bad, handle};
 use super::handlers::{Tokens, by_dtype, grads, head, options};
 use crate::front::cpu;
-use flashloss::fused::RowGrad;
+use flashloss::fused::{FusedOptions, RowGrad};
 use flashloss::policy::{Normalizers, policy_stage};
 use flashloss::range::check_policy_rows;
 use flashloss::rows::{RowInputs, RowStats, RowTransform};
@@ -40,6 +40,54 @@ fn local(ids: &[i64], range: &Range<usize>) -> Vec<i64> {
         .collect()
 }
 
+/// The arguments both passes share: hidden, weight (shard), bias, ids `[N]`, mask
+/// `[N]`, offset, and the attributes budget_mib, mode, temperature.
+struct ShardCall<'a> {
+    x: Named<'a>,
+    w: Named<'a>,
+    b: Named<'a>,
+    ids: Vec<i64>,
+    live: Vec<bool>,
+    range: Range<usize>,
+    targets: Vec<i64>,
+    transform: RowTransform,
+    opts: FusedOptions,
+}
+
+impl<'a> ShardCall<'a> {
+    fn read(f: &Frame<'a>) -> Result<Self> {
+        let t = Temperature::new(f.attr_f64("temperature")?)?;
+        let (x, w, b) = (f.arg(0, "hidden")?, f.arg(1, "weight")?, f.arg(2, "bias")?);
+        let (ids, live) = (f.arg(3, "ids")?.ids()?, f.arg(4, "mask")?.bools()?);
+        let range = shard(
+            &f.arg(5, "offset")?,
+            w.dims().first().copied().unwrap_or(0) as usize,
+        )?;
+        let targets = local(&ids, &range);
+        let (transform, opts) = (RowTransform::with_temperature(t), options(f)?);
+        Ok(ShardCall {
+            x,
+            w,
+            b,
+            ids,
+            live,
+            range,
+            targets,
+            transform,
+            opts,
+        })
+    }
+
+    /// The rows of a pass: targets local to the shard.
+    fn rows(&self) -> RowInputs<'_> {
+        RowInputs {
+            targets: &self.targets,
+            live: &self.live,
+            transform: self.transform,
+        }
+    }
+}
+
 /// Pass A. Arguments: hidden, weight (shard), bias (shard or `[0]`), ids `[N]`, mask
 /// `[N]`, offset; attributes: budget_mib, mode, temperature. Results `[N]` each: max,
 /// sum, weighted, target logit.
@@ -47,24 +95,11 @@ unsafe extern "C" fn vocab_partial(frame: *mut CallFrame) -> *mut c_void {
     // SAFETY: XLA's frame.
     unsafe {
         handle(frame, |f| {
-            let transform =
-                RowTransform::with_temperature(Temperature::new(f.attr_f64("temperature")?)?);
-            let opts = options(f)?;
-            let (x, w, b) = (f.arg(0, "hidden")?, f.arg(1, "weight")?, f.arg(2, "bias")?);
-            let (ids, live) = (f.arg(3, "ids")?.ids()?, f.arg(4, "mask")?.bools()?);
-            let range = shard(
-                &f.arg(5, "offset")?,
-                w.dims().first().copied().unwrap_or(0) as usize,
-            )?;
-            let targets = local(&ids, &range);
-            let rows = RowInputs {
-                targets: &targets,
-                live: &live,
-                transform,
-            };
+            let c = ShardCall::read(f)?;
+            let (x, w, b, opts) = (&c.x, &c.w, &c.b, &c.opts);
             let part = by_dtype!(x, E, code => {
-                let inputs: LinearInputs<E> = head(&x, &w, &b, code)?;
-                Ok(cpu().partial_row_states(HeadArgs::host(&inputs), rows, &opts)?)
+                let inputs: LinearInputs<E> = head(x, w, b, code)?;
+                Ok(cpu().partial_row_states(HeadArgs::host(&inputs), c.rows(), opts)?)
             })?;
             let outs = [
                 f.ret(0, "max")?,
@@ -140,15 +175,9 @@ unsafe extern "C" fn vocab_grads(frame: *mut CallFrame) -> *mut c_void {
     // SAFETY: XLA's frame.
     unsafe {
         handle(frame, |f| {
-            let transform =
-                RowTransform::with_temperature(Temperature::new(f.attr_f64("temperature")?)?);
-            let opts = options(f)?;
-            let (x, w, b) = (f.arg(0, "hidden")?, f.arg(1, "weight")?, f.arg(2, "bias")?);
-            let (ids, live) = (f.arg(3, "ids")?.ids()?, f.arg(4, "mask")?.bools()?);
-            let range = shard(
-                &f.arg(5, "offset")?,
-                w.dims().first().copied().unwrap_or(0) as usize,
-            )?;
+            let c = ShardCall::read(f)?;
+            let (x, w, b, opts) = (&c.x, &c.w, &c.b, &c.opts);
+            let (ids, live, range, transform) = (&c.ids, &c.live, &c.range, c.transform);
             let n = ids.len();
             let names = ["max", "log_sum", "entropy", "dlogp", "dentropy"];
             let mut cols = Vec::with_capacity(5);
@@ -177,21 +206,15 @@ unsafe extern "C" fn vocab_grads(frame: *mut CallFrame) -> *mut c_void {
                         target: ids[i].max(0) as usize,
                     };
                     match live[i] {
-                        true => g.on_shard(&range),
+                        true => g.on_shard(range),
                         false => RowGrad::default(),
                     }
                 })
                 .collect();
-            let targets = local(&ids, &range);
-            let rows = RowInputs {
-                targets: &targets,
-                live: &live,
-                transform,
-            };
             by_dtype!(x, E, code => {
-                let inputs: LinearInputs<E> = head(&x, &w, &b, code)?;
+                let inputs: LinearInputs<E> = head(x, w, b, code)?;
                 let args = HeadArgs::Host { inputs: &inputs, grads: grads(f, 0)? };
-                Ok(cpu().accumulate_row_grads(args, rows, &grads_of, &opts, n)?)
+                Ok(cpu().accumulate_row_grads(args, c.rows(), &grads_of, opts, n)?)
             })
         })
     }

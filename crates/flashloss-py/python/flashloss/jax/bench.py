@@ -29,9 +29,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import yaml
 
 import flashloss.jax as fj
+from flashloss._config import load_yaml
 
 DEFAULTS = dict(impl="fused", tokens=2048, hidden=1024, vocab=151936, batch=4, dtype="float32",
                 beta=0.04, epsilon=0.2, temperature=1.0, warmup=1, repeat=3, vocab_tile=8192,
@@ -183,20 +183,7 @@ def run(cfg) -> dict:
 
 
 def load(path, overrides):
-    cfg = dict(DEFAULTS)
-    if path:
-        with open(path) as f:
-            cfg.update(yaml.safe_load(f) or {})
-    for item in overrides:
-        key, _, value = item.partition("=")
-        if key not in DEFAULTS:
-            raise ValueError(f"--set {key}: unknown key (known: {', '.join(DEFAULTS)})")
-        cfg[key] = yaml.safe_load(value)
-        if isinstance(DEFAULTS[key], float) and isinstance(cfg[key], (int, str)):
-            cfg[key] = float(cfg[key])  # YAML reads 1e-2 as a string
-    unknown = set(cfg) - set(DEFAULTS)
-    if unknown:
-        raise ValueError(f"{path}: unknown keys {sorted(unknown)}")
+    cfg = load_yaml(path, overrides, DEFAULTS)
     if cfg["impl"] not in IMPLS:
         raise ValueError(f"impl: expected one of {sorted(IMPLS)}, got {cfg['impl']!r}")
     if cfg["tokens"] % cfg["batch"]:

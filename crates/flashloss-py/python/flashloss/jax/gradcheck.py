@@ -15,7 +15,8 @@ import json
 import sys
 
 import numpy as np
-import yaml
+
+from .._config import load_yaml
 
 DEFAULTS = dict(level="linear", loss_type="dapo", beta=0.04, temperature=0.9, use_bias_correction_kl=True,
                 batch=4, seq_len=7, hidden=16, vocab=1003, dtype="float32", seed=0, parallel="none",
@@ -146,19 +147,7 @@ def _sharded(jax, kernel, cfg, h, w):
 
 
 def load(path, overrides):
-    cfg = dict(DEFAULTS)
-    if path:
-        with open(path) as f:
-            cfg.update(yaml.safe_load(f) or {})
-    for item in overrides:
-        key, _, value = item.partition("=")
-        if key not in DEFAULTS:
-            raise ValueError(f"--set {key}: unknown key (known: {', '.join(DEFAULTS)})")
-        cfg[key] = yaml.safe_load(value)
-        if isinstance(DEFAULTS[key], float) and isinstance(cfg[key], (int, str)):
-            cfg[key] = float(cfg[key])  # YAML reads 1e-2 as a string
-    if set(cfg) - set(DEFAULTS):
-        raise ValueError(f"{path}: unknown keys {sorted(set(cfg) - set(DEFAULTS))}")
+    cfg = load_yaml(path, overrides, DEFAULTS)
     if cfg["loss_type"] not in LOSS_TYPES:
         raise ValueError(f"loss_type: the reference covers {LOSS_TYPES}, got {cfg['loss_type']!r}")
     if cfg["parallel"] not in ("none", "token", "vocab"):
