@@ -5,6 +5,7 @@
 //! `ValueError` with flashloss's message.
 
 mod args;
+mod dist;
 mod front;
 mod jax;
 mod losses;

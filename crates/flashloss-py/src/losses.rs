@@ -5,12 +5,14 @@
 //! tensors the caller zeroed.
 
 use crate::args::{BOOL, BatchTensors, F32, FLOAT, Grads, HeadTensors, I64, TorchElement};
+use crate::dist::VocabGroup;
 use crate::front::{call_head, cpu, run, with_element};
 use crate::tensor::{Tensor, arg_error};
 use flashloss::fused::{self, FusedOptions, Mode, Plan};
 use flashloss::policy::GrpoMetrics;
 use flashloss::{
-    CeConfig, CrossEntropy, GrpoLoss, GrpoLossConfig, LogitsLayout, RowStats, Temperature,
+    CeConfig, CrossEntropy, Grid, GrpoLoss, GrpoLossConfig, LogitsLayout, RowStats, Shard,
+    Temperature,
 };
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -97,7 +99,7 @@ fn grpo_result<'py>(
 #[pyo3(signature = (hidden, weight, bias, completion_ids, completion_mask, advantages,
     old_per_token_logps, ref_per_token_logps, importance_sampling_ratio, policy_mask,
     entropy_mask, config_json, mode, budget_mib, grad_hidden, grad_weight, grad_bias, out_logp,
-    out_entropy, out_kl, stream=0))]
+    out_entropy, out_kl, stream=0, group=None))]
 pub fn grpo_linear<'py>(
     py: Python<'py>,
     hidden: &Bound<'py, PyAny>,
@@ -121,39 +123,67 @@ pub fn grpo_linear<'py>(
     out_entropy: &Bound<'py, PyAny>,
     out_kl: &Bound<'py, PyAny>,
     stream: usize,
+    group: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let loss = GrpoLoss::new(parse_json::<GrpoLossConfig>("config", config_json)?)
-        .map_err(|e| PyValueError::new_err(e.to_string()))?;
-    let opts = budget(mode, budget_mib)?;
-    let head = HeadTensors::new(hidden, weight, bias)?;
-    let mut grads = Grads::new(&head, grad_hidden, grad_weight, grad_bias)?;
-    let tensors = BatchTensors::new(
-        completion_ids,
-        completion_mask,
-        advantages,
-        old_per_token_logps,
-        ref_per_token_logps,
-        importance_sampling_ratio,
-        policy_mask,
-        entropy_mask,
-    )?;
+    let group = VocabGroup::new(group)?;
+    let parsed = (|| {
+        let loss = GrpoLoss::new(parse_json::<GrpoLossConfig>("config", config_json)?)
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let opts = budget(mode, budget_mib)?;
+        let head = HeadTensors::new(hidden, weight, bias)?;
+        let grads = Grads::new(&head, grad_hidden, grad_weight, grad_bias)?;
+        let tensors = BatchTensors::new(
+            completion_ids,
+            completion_mask,
+            advantages,
+            old_per_token_logps,
+            ref_per_token_logps,
+            importance_sampling_ratio,
+            policy_mask,
+            entropy_mask,
+        )?;
+        let rows = tensors.batch()?.rows();
+        if head.tokens != rows {
+            return Err(arg_error(
+                "hidden",
+                format!(
+                    "has {} rows but completion_ids {:?} has {rows}",
+                    head.tokens, tensors.ids.shape
+                ),
+            ));
+        }
+        Ok((loss, opts, head, grads, tensors))
+    })();
+    let (loss, opts, head, mut grads, tensors) = agreed(py, group.as_ref(), parsed)?;
     let batch = tensors.batch()?;
-    if head.tokens != batch.rows() {
-        return Err(arg_error(
-            "hidden",
-            format!(
-                "has {} rows but completion_ids {:?} has {}",
-                head.tokens,
-                tensors.ids.shape,
-                batch.rows()
-            ),
-        ));
-    }
-    let out = with_element!(head.hidden.dtype, E => call_head::<E, _>(
-        py, &head, Some(&mut grads), stream,
-        |d, h| d.grpo_linear_into(&loss, &batch, h, &opts),
-    ))?;
+    let out = match &group {
+        None => with_element!(head.hidden.dtype, E => call_head::<E, _>(
+            py, &head, Some(&mut grads), stream,
+            |d, h| d.grpo_linear_into(&loss, &batch, h, &opts),
+        ))?,
+        Some(g) => {
+            let shard = head_shard(py, g, &head)?;
+            with_element!(head.hidden.dtype, E => call_head::<E, _>(
+                py, &head, Some(&mut grads), stream,
+                |d, h| d.grpo_linear_sharded_into(&Grid::vocab(&g.0), shard, &loss, &batch, h, &opts),
+            ))?
+        }
+    };
     grpo_outputs(py, &out, out_logp, out_entropy, out_kl)
+}
+
+/// `parsed` as is without a group, else agreed over it (see [`VocabGroup::agree`]).
+fn agreed<T>(py: Python<'_>, group: Option<&VocabGroup>, parsed: PyResult<T>) -> PyResult<T> {
+    match group {
+        Some(g) => g.agree(py, parsed),
+        None => parsed,
+    }
+}
+
+/// This rank's shard of a head split over `group` (see [`VocabGroup::shard`]).
+fn head_shard(py: Python<'_>, group: &VocabGroup, head: &HeadTensors) -> PyResult<Shard> {
+    let dtype = matches!(head.hidden.dtype, crate::tensor::DType::F32) as u8;
+    group.shard(py, head.vocab, head.tokens, head.hidden_size, dtype)
 }
 
 fn grpo_outputs<'py>(
@@ -179,7 +209,7 @@ fn grpo_outputs<'py>(
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
 #[pyo3(signature = (hidden, weight, bias, targets, config_json, mode, budget_mib, grad_rows,
-    grad_hidden, grad_weight, grad_bias, out_row_loss, stream=0))]
+    grad_hidden, grad_weight, grad_bias, out_row_loss, stream=0, group=None))]
 pub fn ce_linear<'py>(
     py: Python<'py>,
     hidden: &Bound<'py, PyAny>,
@@ -195,23 +225,41 @@ pub fn ce_linear<'py>(
     grad_bias: Option<&Bound<'py, PyAny>>,
     out_row_loss: &Bound<'py, PyAny>,
     stream: usize,
+    group: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let ce = CrossEntropy::new(parse_json::<CeConfig>("config", config_json)?)
-        .map_err(|e| PyValueError::new_err(e.to_string()))?;
-    let opts = budget(mode, budget_mib)?;
-    let head = HeadTensors::new(hidden, weight, bias)?;
-    let mut grads = Grads::new(&head, grad_hidden, grad_weight, grad_bias)?;
-    let targets = Tensor::new("target", targets, I64)?;
-    targets.expect_shape(&[head.tokens])?;
-    let grad_rows = Tensor::optional("grad_rows", grad_rows, F32)?;
+    let group = VocabGroup::new(group)?;
+    let parsed = (|| {
+        let ce = CrossEntropy::new(parse_json::<CeConfig>("config", config_json)?)
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let opts = budget(mode, budget_mib)?;
+        let head = HeadTensors::new(hidden, weight, bias)?;
+        let grads = Grads::new(&head, grad_hidden, grad_weight, grad_bias)?;
+        let targets = Tensor::new("target", targets, I64)?;
+        targets.expect_shape(&[head.tokens])?;
+        let grad_rows = Tensor::optional("grad_rows", grad_rows, F32)?;
+        if let Some(g) = &grad_rows {
+            g.expect_shape(&[head.tokens])?;
+        }
+        Ok((ce, opts, head, grads, targets, grad_rows))
+    })();
+    let (ce, opts, head, mut grads, targets, grad_rows) = agreed(py, group.as_ref(), parsed)?;
     let (targets, grad_rows) = (
         targets.i64s()?,
         grad_rows.as_ref().map(|t| t.f32s()).transpose()?,
     );
-    let out = with_element!(head.hidden.dtype, E => call_head::<E, _>(
-        py, &head, Some(&mut grads), stream,
-        |d, h| d.ce_linear_into(&ce, targets, grad_rows, h, &opts),
-    ))?;
+    let out = match &group {
+        None => with_element!(head.hidden.dtype, E => call_head::<E, _>(
+            py, &head, Some(&mut grads), stream,
+            |d, h| d.ce_linear_into(&ce, targets, grad_rows, h, &opts),
+        ))?,
+        Some(g) => {
+            let shard = head_shard(py, g, &head)?;
+            with_element!(head.hidden.dtype, E => call_head::<E, _>(
+                py, &head, Some(&mut grads), stream,
+                |d, h| d.ce_linear_sharded_into(&Grid::vocab(&g.0), shard, &ce, targets, grad_rows, h, &opts),
+            ))?
+        }
+    };
     write_f32(
         &out.row_loss,
         &mut Tensor::new("out_row_loss", out_row_loss, F32)?,
@@ -229,7 +277,8 @@ pub fn ce_linear<'py>(
 /// no gradient.
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
-#[pyo3(signature = (hidden, weight, bias, ids, mask, temperature, budget_mib, out_logp, out_entropy))]
+#[pyo3(signature = (hidden, weight, bias, ids, mask, temperature, budget_mib, out_logp, out_entropy,
+    group=None))]
 pub fn logp_linear<'py>(
     py: Python<'py>,
     hidden: &Bound<'py, PyAny>,
@@ -241,31 +290,48 @@ pub fn logp_linear<'py>(
     budget_mib: f64,
     out_logp: &Bound<'py, PyAny>,
     out_entropy: &Bound<'py, PyAny>,
+    group: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<()> {
-    let opts = budget("two_pass", budget_mib)?;
-    let head = HeadTensors::new(hidden, weight, bias)?;
-    let ids = Tensor::new("ids", ids, I64)?;
-    if ids.numel() != head.tokens {
-        return Err(arg_error(
-            "ids",
-            format!(
-                "has {} elements but hidden has {} rows",
-                ids.numel(),
-                head.tokens
-            ),
-        ));
-    }
+    let group = VocabGroup::new(group)?;
+    let parsed = (|| {
+        let opts = budget("two_pass", budget_mib)?;
+        let head = HeadTensors::new(hidden, weight, bias)?;
+        let ids = Tensor::new("ids", ids, I64)?;
+        if ids.numel() != head.tokens {
+            return Err(arg_error(
+                "ids",
+                format!(
+                    "has {} elements but hidden has {} rows",
+                    ids.numel(),
+                    head.tokens
+                ),
+            ));
+        }
+        let mask = Tensor::optional("mask", mask, BOOL)?;
+        if let Some(m) = &mask {
+            m.expect_shape(&ids.shape)?;
+        }
+        let mask = mask.map(|m| m.bools()).transpose()?;
+        let t = Temperature::new(temperature).map_err(|e| arg_error("temperature", e))?;
+        Ok((opts, head, ids, mask, t))
+    })();
+    let (opts, head, ids, mask, temperature) = agreed(py, group.as_ref(), parsed)?;
     let seq_len = ids.shape.last().copied().unwrap_or(1);
-    let mask = Tensor::optional("mask", mask, BOOL)?;
-    if let Some(m) = &mask {
-        m.expect_shape(&ids.shape)?;
-    }
-    let mask = mask.map(|m| m.bools()).transpose()?;
     let (targets, mask) = (ids.i64s()?, mask.as_deref());
-    let temperature = Temperature::new(temperature).map_err(|e| arg_error("temperature", e))?;
-    let stats = with_element!(head.hidden.dtype, E => call_head::<E, _>(py, &head, None, 0, |d, h| {
-        d.logp_linear(h, targets, mask, temperature, opts.budget_bytes, seq_len)
-    }))?;
+    let budget = opts.budget_bytes;
+    let stats = match &group {
+        None => {
+            with_element!(head.hidden.dtype, E => call_head::<E, _>(py, &head, None, 0, |d, h| {
+                d.logp_linear(h, targets, mask, temperature, budget, seq_len)
+            }))?
+        }
+        Some(g) => {
+            let shard = head_shard(py, g, &head)?;
+            with_element!(head.hidden.dtype, E => call_head::<E, _>(py, &head, None, 0, |d, h| {
+                d.logp_linear_sharded(&Grid::vocab(&g.0), shard, h, targets, mask, temperature, budget, seq_len)
+            }))?
+        }
+    };
     write_stats(
         &stats,
         &mut Tensor::new("out_logp", out_logp, F32)?,

@@ -305,22 +305,53 @@ impl Device {
     ) -> Result<CeLinearOutput> {
         let mut grads = LinearGrads::zeros(inputs);
         let head = host(inputs, grads.view());
-        let out = self.ce_linear_sharded_into(grid, shard, ce, targets, head, opts)?;
+        let out = self.ce_linear_sharded_into(grid, shard, ce, targets, None, head, opts)?;
         Ok(CeLinearOutput { grads, ..out })
     }
 
-    /// [`Device::ce_linear_sharded`] adding the gradients into the caller's buffers.
+    /// [`Device::ce_linear_sharded`] adding the gradients into the caller's buffers;
+    /// `grad_rows` as in [`fused::ce_linear`].
+    #[allow(clippy::too_many_arguments)]
     pub fn ce_linear_sharded_into<E: Element>(
         &self,
         grid: &Grid,
         shard: Shard,
         ce: &CrossEntropy,
         targets: &[i64],
+        grad_rows: Option<&[f32]>,
         head: HeadArgs<E>,
         opts: &FusedOptions,
     ) -> Result<CeLinearOutput> {
         self.run(head, |h| {
-            fused::ce_linear_sharded(grid, h, shard, ce, targets, opts)
+            fused::ce_linear_sharded(grid, h, shard, ce, targets, grad_rows, opts)
+        })
+    }
+
+    /// [`Device::logp_linear`] of a head split over `grid`'s vocab groups (see
+    /// [`fused::logp_linear_sharded`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn logp_linear_sharded<E: Element>(
+        &self,
+        grid: &Grid,
+        shard: Shard,
+        head: HeadArgs<E>,
+        targets: &[i64],
+        mask: Option<&[bool]>,
+        temperature: Temperature,
+        budget_bytes: usize,
+        seq_len: usize,
+    ) -> Result<Vec<RowStats>> {
+        self.run(head, |h| {
+            fused::logp_linear_sharded(
+                grid,
+                h,
+                shard,
+                targets,
+                mask,
+                temperature,
+                budget_bytes,
+                seq_len,
+            )
         })
     }
 

@@ -1,12 +1,20 @@
-"""PyTorch autograd functions over flashloss's fused kernels.
+"""PyTorch's entry to flashloss's fused kernels.
 
-Each loss runs its forward and backward in one fused call (the gradients are formed
-while each block of logits is on hand) and hands them to autograd, which scales them by
-the upstream gradient in ``backward``. Nothing ``[N, V]``-sized is ever allocated.
-Tensors are borrowed, not copied: ``hidden`` and ``weight`` must share a dtype
-(float32 or bfloat16; mixed dtypes are cast to bfloat16, as autocast would), and
-non-contiguous inputs are made contiguous. Every error is a ``ValueError`` naming the
-argument.
+Each loss is a ``torch.library`` custom op (:mod:`flashloss._torch_ops`): it runs its
+forward and backward in one fused call (the gradients are formed while each block of
+logits is on hand) and autograd scales them by the upstream gradient, so nothing
+``[N, V]``-sized is ever allocated, and ``torch.compile(fullgraph=True)`` and
+``torch.export`` trace through the ops. Tensors are borrowed, not copied: ``hidden``
+and ``weight`` must share a dtype (float32 or bfloat16; mixed dtypes are cast to
+bfloat16, as autocast would), and non-contiguous inputs are made contiguous. Every
+error is a ``ValueError`` naming the argument.
+
+``vocab_parallel_group`` (a ``torch.distributed`` ``ProcessGroup``) splits the LM head
+over ranks by rows (tensor parallel): each rank passes every row of ``hidden`` and its
+own contiguous block of ``weight``/``bias``, in rank order (blocks may differ in size);
+the row statistics merge over the group, every rank gets the whole loss and ``hidden``
+gradient and its own block's gradients. A bad input on any rank is the same
+``ValueError`` on every rank.
 
 Names and defaults are those of TRL's ``GRPOConfig`` and ``GRPOTrainer._compute_loss``
 (see ``docs/python.md`` for where each argument comes from and where flashloss differs).
@@ -19,8 +27,16 @@ from typing import Optional
 
 import torch
 
-from . import _native
-from ._config import DEFAULT_BUDGET_MIB, ce_config, grpo_config
+from . import _dist, _native
+from . import _torch_ops as ops
+from ._config import DEFAULT_BUDGET_MIB
+from ._config import ce_config as _ce_config
+from ._config import grpo_config as _grpo_config
+
+# The configs are JSON built from Python numbers: constants to torch.compile, which
+# calls them while tracing instead of tracing into the JSON encoder.
+grpo_config = torch.compiler.assume_constant_result(_grpo_config)
+ce_config = torch.compiler.assume_constant_result(_ce_config)
 
 __all__ = [
     "GRPOOutputs",
@@ -47,7 +63,8 @@ class GRPOOutputs:
     #: or at ``beta=0``).
     kl: torch.Tensor
     #: TRL's logged metrics: ``kl``, ``entropy``, ``clip_ratio/low_mean``,
-    #: ``clip_ratio/high_mean``, ``clip_ratio/region_mean`` (masked means).
+    #: ``clip_ratio/high_mean``, ``clip_ratio/region_mean`` (masked means, 0-d float64
+    #: tensors: ``float()`` or ``.item()`` them to log).
     metrics: dict
 
 
@@ -78,16 +95,6 @@ def _same_device(tensors: dict, cuda: bool = True) -> torch.device:
     return device
 
 
-def _host(t):
-    """A small per-token tensor as the kernels read it: on the CPU (a GPU tensor is copied)."""
-    return None if t is None else t.cpu()
-
-
-def _stream(device) -> int:
-    """PyTorch's current stream on ``device`` (0 on the CPU): the kernels run on it."""
-    return 0 if device.type == "cpu" else torch.cuda.current_stream(device).cuda_stream
-
-
 def _head(hidden, weight, bias):
     """``hidden``, ``weight``, ``bias`` as the kernels read them: one float dtype, contiguous."""
     for arg, t in (("hidden", hidden), ("weight", weight), ("bias", bias)):
@@ -107,32 +114,12 @@ def _bool(t):
     return None if t is None else (t != 0).cpu().contiguous()
 
 
-def _zeros_f32(t):
-    return None if t is None else torch.zeros(t.shape, dtype=torch.float32, device=t.device)
-
-
-class _FusedGrads(torch.autograd.Function):
-    """Attaches gradients computed in the forward to ``hidden``, ``weight``, ``bias``:
-    ``backward`` returns them times the upstream gradient, in the inputs' dtypes."""
-
-    @staticmethod
-    def forward(ctx, loss, hidden, weight, bias, dhidden, dweight, dbias):
-        ctx.grads = (dhidden, dweight, dbias)
-        ctx.dtypes = tuple(None if t is None else t.dtype for t in (hidden, weight, bias))
-        return loss.clone()
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        scale = None if float(grad_output) == 1.0 else grad_output.to(torch.float32)
-        out = []
-        for g, dtype, needed in zip(ctx.grads, ctx.dtypes, ctx.needs_input_grad[1:4]):
-            if g is None or not needed:
-                out.append(None)
-                continue
-            g = g if scale is None else g * scale
-            out.append(g.to(dtype))
-        ctx.grads = None
-        return (None, *out, None, None, None)
+def _items(num_items_in_batch):
+    """``num_items_in_batch`` as (config value, tensor input): a tensor (TRL passes one)
+    is read inside the op, so that compiled code never reads it on the host."""
+    if isinstance(num_items_in_batch, torch.Tensor):
+        return None, num_items_in_batch.detach().reshape(())
+    return num_items_in_batch, None
 
 
 def _grpo_batch(completion_ids, completion_mask, advantages):
@@ -185,6 +172,7 @@ def linear_grpo_loss(
     vespo_lambda_neg: float = 2.0,
     mode: str = "auto",
     budget_mib: Optional[float] = None,
+    vocab_parallel_group=None,
 ):
     """TRL's GRPO loss from ``hidden`` ``[B, T, H]`` (or ``[B·T, H]``) and the LM head
     ``weight`` ``[V, H]`` (+ ``bias`` ``[V]``) at ``completion_ids`` ``[B, T]``.
@@ -196,43 +184,45 @@ def linear_grpo_loss(
     ``[B, T]`` multiply each token's policy loss (not the KL); the entropy bonus is the
     mean over ``completion_mask * entropy_mask``.
     """
-    device = _same_device(
-        dict(
-            hidden=hidden,
-            weight=weight,
-            bias=bias,
-            completion_ids=completion_ids,
-            completion_mask=completion_mask,
-            advantages=advantages,
-            old_per_token_logps=old_per_token_logps,
-            ref_per_token_logps=ref_per_token_logps,
-            importance_sampling_ratio=importance_sampling_ratio,
-            policy_mask=policy_mask,
-            entropy_mask=entropy_mask,
+    group = _dist.register(vocab_parallel_group)
+
+    def prepare():
+        device = _same_device(
+            dict(
+                hidden=hidden,
+                weight=weight,
+                bias=bias,
+                completion_ids=completion_ids,
+                completion_mask=completion_mask,
+                advantages=advantages,
+                old_per_token_logps=old_per_token_logps,
+                ref_per_token_logps=ref_per_token_logps,
+                importance_sampling_ratio=importance_sampling_ratio,
+                policy_mask=policy_mask,
+                entropy_mask=entropy_mask,
+            )
         )
-    )
-    h, w, b = _head(hidden, weight, bias)
-    ids, mask, adv = _grpo_batch(completion_ids, completion_mask, advantages)
-    config = grpo_config(
-        loss_type, beta, epsilon_low, epsilon_high, delta, importance_sampling_level, temperature,
-        use_bias_correction_kl, entropy_coef, num_items_in_batch, max_completion_length,
-        sapo_temperature_pos, sapo_temperature_neg, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
-        vespo_lambda_neg,
+        h, w, b = _head(hidden, weight, bias)
+        if b is not None and device.type == "cuda":
+            b = b.float()  # the GPU kernels read the bias in f32
+        items, items_tensor = _items(num_items_in_batch)
+        config = grpo_config(
+            loss_type, beta, epsilon_low, epsilon_high, delta, importance_sampling_level, temperature,
+            use_bias_correction_kl, entropy_coef, items, max_completion_length,
+            sapo_temperature_pos, sapo_temperature_neg, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
+            vespo_lambda_neg,
+        )  # fmt: skip
+        return h, w, b, _grpo_batch(completion_ids, completion_mask, advantages), items_tensor, config
+
+    h, w, b, (ids, mask, adv), items, config = _dist.agreed(group, prepare)
+    budget = DEFAULT_BUDGET_MIB if budget_mib is None else float(budget_mib)
+    loss, _, _, _, logp, entropy, kl, metrics = ops.grpo_linear(
+        h, w, b, ids, mask, adv, _f32(old_per_token_logps), _f32(ref_per_token_logps),
+        _f32(importance_sampling_ratio), _bool(policy_mask), _bool(entropy_mask), items, config, mode,
+        budget, group,
     )  # fmt: skip
-    if b is not None and device.type == "cuda":
-        b = b.float()  # the GPU kernels read the bias in f32
-    dh, dw, db = _zeros_f32(h), _zeros_f32(w), _zeros_f32(b)
-    logp, entropy, kl = (torch.empty(ids.shape, dtype=torch.float32) for _ in range(3))
-    out = _native.grpo_linear(
-        h.detach(), w.detach(), None if b is None else b.detach(), ids, mask, adv,
-        _f32(old_per_token_logps), _f32(ref_per_token_logps), _f32(importance_sampling_ratio),
-        _bool(policy_mask), _bool(entropy_mask), config, mode, DEFAULT_BUDGET_MIB if budget_mib is None else float(budget_mib),
-        dh, dw, db, logp, entropy, kl, _stream(device),
-    )  # fmt: skip
-    loss = _FusedGrads.apply(torch.tensor(out.pop("loss"), dtype=torch.float32, device=device), h, w, b, dh, dw, db)
-    logp, entropy, kl = (x.to(device) for x in (logp, entropy, kl))
-    metrics = {k: out[k] for k in ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")}
-    return loss, GRPOOutputs(logp=logp, entropy=entropy, kl=kl, metrics=metrics)
+    named = {k: metrics[i] for i, k in enumerate(ops.METRICS)}
+    return loss, GRPOOutputs(logp=logp, entropy=entropy, kl=kl, metrics=named)
 
 
 class LinearGRPOLoss(torch.nn.Module):
@@ -327,38 +317,9 @@ class LinearGRPOLoss(torch.nn.Module):
             num_items_in_batch=num_items_in_batch,
             **self.kwargs,
         )
-        clip = torch.tensor(out.metrics["clip_ratio/region_mean"])
-        metrics = [torch.tensor(out.metrics["kl"]), clip] if beta != 0.0 else [clip]
+        clip = out.metrics["clip_ratio/region_mean"]
+        metrics = [out.metrics["kl"], clip] if beta != 0.0 else [clip]
         return loss, metrics
-
-
-class _CrossEntropyRows(torch.autograd.Function):
-    """Per-row cross-entropy (reduction ``none``): the backward reruns the fused kernel
-    with the upstream gradient of each row (one more forward of the head)."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, config, mode, budget_mib):
-        ctx.save_for_backward(hidden, weight, bias, targets)
-        ctx.config, ctx.mode, ctx.budget_mib = config, mode, budget_mib
-        rows = torch.empty(targets.shape, dtype=torch.float32)
-        zero = torch.zeros(targets.shape, dtype=torch.float32)
-        _native.ce_linear(
-            hidden, weight, bias, targets, config, mode, budget_mib, zero,
-            _zeros_f32(hidden), _zeros_f32(weight), _zeros_f32(bias), rows, _stream(hidden.device),
-        )  # fmt: skip
-        return rows.to(hidden.device)
-
-    @staticmethod
-    def backward(ctx, grad_rows):
-        hidden, weight, bias, targets = ctx.saved_tensors
-        dh, dw, db = _zeros_f32(hidden), _zeros_f32(weight), _zeros_f32(bias)
-        rows = torch.empty(targets.shape, dtype=torch.float32)
-        _native.ce_linear(
-            hidden, weight, bias, targets, ctx.config, ctx.mode, ctx.budget_mib,
-            _f32(grad_rows), dh, dw, db, rows, _stream(hidden.device),
-        )  # fmt: skip
-        grads = [None if g is None else g.to(t.dtype) for g, t in ((dh, hidden), (dw, weight), (db, bias))]
-        return (*grads, None, None, None, None)
 
 
 def linear_cross_entropy(
@@ -375,37 +336,34 @@ def linear_cross_entropy(
     *,
     mode: str = "auto",
     budget_mib: Optional[float] = None,
+    vocab_parallel_group=None,
 ) -> torch.Tensor:
     """Cross-entropy of ``hidden @ weight.T + bias`` at ``targets``, as Cut Cross-Entropy's
     ``linear_cross_entropy(e, c, targets, ...)`` and PyTorch's
     ``F.linear_cross_entropy(input, linear_weight, target, ...)`` compute it (with the
     options of ``docs/spec/losses.md``: label smoothing, z-loss, soft-cap, temperature).
     ``hidden`` ``[..., H]`` and ``targets`` ``[...]``; reduction ``none`` returns ``[...]``."""
-    device = _same_device(dict(hidden=hidden, weight=weight, targets=targets, bias=bias))
-    config = ce_config(ignore_index, label_smoothing, z_loss, softcap, reduction, temperature)
-    if targets.dtype.is_floating_point or targets.dtype == torch.bool:
-        raise ValueError(f"argument `targets`: expected an integer dtype, got {targets.dtype}")
-    if hidden.shape[:-1] != targets.shape:
-        raise ValueError(
-            f"argument `targets`: shape {list(targets.shape)} does not match hidden's rows {list(hidden.shape[:-1])}"
-        )
-    h, w, b = _head(hidden, weight, bias)
-    if b is not None and device.type == "cuda":
-        b = b.float()  # the GPU kernels read the bias in f32
-    h2 = h.reshape(-1, h.shape[-1])
+    group = _dist.register(vocab_parallel_group)
+
+    def prepare():
+        device = _same_device(dict(hidden=hidden, weight=weight, targets=targets, bias=bias))
+        config = ce_config(ignore_index, label_smoothing, z_loss, softcap, reduction, temperature)
+        if targets.dtype.is_floating_point or targets.dtype == torch.bool:
+            raise ValueError(f"argument `targets`: expected an integer dtype, got {targets.dtype}")
+        if hidden.shape[:-1] != targets.shape:
+            rows = list(hidden.shape[:-1])
+            raise ValueError(f"argument `targets`: shape {list(targets.shape)} does not match hidden's rows {rows}")
+        h, w, b = _head(hidden, weight, bias)
+        if b is not None and device.type == "cuda":
+            b = b.float()  # the GPU kernels read the bias in f32
+        return h.reshape(-1, h.shape[-1]), w, b, config
+
+    h2, w, b, config = _dist.agreed(group, prepare)
     tgt = targets.reshape(-1).to(device="cpu", dtype=torch.int64).contiguous()
     budget = DEFAULT_BUDGET_MIB if budget_mib is None else float(budget_mib)
     if reduction == "none":
-        rows = _CrossEntropyRows.apply(h2, w, b, tgt, config, mode, budget)
-        return rows.reshape(targets.shape)
-    dh, dw, db = _zeros_f32(h2), _zeros_f32(w), _zeros_f32(b)
-    rows = torch.empty(tgt.shape, dtype=torch.float32)
-    out = _native.ce_linear(
-        h2.detach(), w.detach(), None if b is None else b.detach(), tgt, config, mode, budget,
-        None, dh, dw, db, rows, _stream(device),
-    )  # fmt: skip
-    loss = torch.tensor(out["loss"], dtype=torch.float32, device=device)
-    return _FusedGrads.apply(loss, h2, w, b, dh, dw, db)
+        return ops.ce_linear_rows(h2, w, b, tgt, config, mode, budget, group).reshape(targets.shape)
+    return ops.ce_linear(h2, w, b, tgt, config, mode, budget, group)[0]
 
 
 @torch.no_grad()
@@ -419,21 +377,26 @@ def linear_logprobs(
     bias: Optional[torch.Tensor] = None,
     mask: Optional[torch.Tensor] = None,
     budget_mib: Optional[float] = None,
+    vocab_parallel_group=None,
 ):
     """Per-token log-probabilities of ``ids`` ``[...]`` under ``(hidden @ weight.T + bias) /
     temperature`` (``hidden`` ``[..., H]``), without gradient: the old- and reference-policy
     passes of GRPO. Returns ``logp`` (float32, ``ids``' shape), and the entropy too when
     ``return_entropy``. Rows where ``mask`` is false are not computed (zero)."""
-    _same_device(dict(hidden=hidden, weight=weight, ids=ids, bias=bias, mask=mask), cuda=False)
-    if hidden.shape[:-1] != ids.shape:
-        raise ValueError(f"argument `ids`: shape {list(ids.shape)} does not match hidden's rows {list(hidden.shape[:-1])}")
-    h, w, b = _head(hidden, weight, bias)
-    ids64 = ids.to(torch.int64).contiguous()
+    group = _dist.register(vocab_parallel_group)
+
+    def prepare():
+        _same_device(dict(hidden=hidden, weight=weight, ids=ids, bias=bias, mask=mask), cuda=False)
+        if hidden.shape[:-1] != ids.shape:
+            raise ValueError(
+                f"argument `ids`: shape {list(ids.shape)} does not match hidden's rows {list(hidden.shape[:-1])}"
+            )
+        return _head(hidden, weight, bias)
+
+    h, w, b = _dist.agreed(group, prepare)
     m = None if mask is None else (mask != 0).contiguous()
-    logp = torch.empty(ids.shape, dtype=torch.float32)
-    entropy = torch.empty(ids.shape, dtype=torch.float32)
     budget = DEFAULT_BUDGET_MIB if budget_mib is None else float(budget_mib)
-    _native.logp_linear(h.reshape(-1, h.shape[-1]), w, b, ids64, m, float(temperature), budget, logp, entropy)
+    logp, entropy = ops.logp_linear(h, w, b, ids.to(torch.int64).contiguous(), m, float(temperature), budget, group)
     return (logp, entropy) if return_entropy else logp
 
 
@@ -484,7 +447,7 @@ def grpo_loss(
     ``beta == 0``). The gradient is formed in the forward; with ``inplace`` it overwrites
     ``logits`` (which must then not be used again), else a ``[B, T, V]`` buffer is
     allocated. Only ``reduce=True`` is provided (the reduced loss is what the fused
-    backward is of)."""
+    backward is of). Under ``torch.compile`` the call is never in place."""
     if not reduce:
         raise ValueError("argument `reduce`: only reduce=True is provided (per-token losses are not returned)")
     _same_device(
@@ -502,31 +465,30 @@ def grpo_loss(
     if logits.dtype not in _FLOATS:
         raise ValueError(f"argument `logits`: expected dtype float32 or bfloat16, got {logits.dtype}")
     ids, mask, adv = _grpo_batch(completion_ids, completion_mask, advantages)
+    items, items_tensor = _items(num_items_in_batch)
     config = grpo_config(
         loss_type, beta, eps_low, eps_high, delta, importance_sampling_level, temperature,
-        use_bias_correction_kl, 0.0, num_items_in_batch, max_completion_length,
+        use_bias_correction_kl, 0.0, items, max_completion_length,
         sapo_temperature_pos, sapo_temperature_neg, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
         vespo_lambda_neg,
     )  # fmt: skip
-    b, t = ids.shape
+    old, ref, ratio = _f32(old_logp), _f32(ref_logp), _f32(vllm_is_ratio)
+    if inplace and logits.is_contiguous() and not torch.compiler.is_compiling():
+        loss, metrics = _grpo_logits_in_place(logits, ids, mask, adv, old, ref, ratio, items_tensor, config)
+    else:
+        loss, _, _, _, _, metrics = ops.grpo_logits(logits, ids, mask, adv, old, ref, ratio, items_tensor, config)
+    clip = metrics[4]
+    return loss, ([metrics[0], clip] if beta != 0.0 else [clip])
+
+
+def _grpo_logits_in_place(logits, ids, mask, adv, old, ref, ratio, items, config):
+    """The logits-level call that writes ``∂L/∂logits`` over ``logits`` (eager only)."""
+    t = ids.shape[1]
     z = logits.detach()
-    if not z.is_contiguous():
-        z = z.contiguous()
-        inplace = False
-    dlogits = None if inplace else torch.empty((b, t, z.shape[-1]), dtype=z.dtype)
     logp, entropy, kl = (torch.empty(ids.shape, dtype=torch.float32) for _ in range(3))
     out = _native.grpo_logits(
-        z, ids, mask, adv, _f32(old_logp), _f32(ref_logp), _f32(vllm_is_ratio), config, dlogits,
-        logp, entropy, kl,
-    )  # fmt: skip
-    if inplace:
-        z[:, t:].zero_()
-        grad = z
-    elif z.shape[1] == t:
-        grad = dlogits
-    else:
-        grad = torch.nn.functional.pad(dlogits, (0, 0, 0, z.shape[1] - t))
-    loss = _GrpoLogits.apply(logits, grad, torch.tensor(out["loss"], dtype=torch.float32))
-    clip = torch.tensor(out["clip_ratio/region_mean"])
-    metrics = [torch.tensor(out["kl"]), clip] if beta != 0.0 else [clip]
-    return loss, metrics
+        z, ids, mask, adv, old, ref, ratio, ops._with_items(config, items), None, logp, entropy, kl
+    )
+    z[:, t:].zero_()
+    loss = _GrpoLogits.apply(logits, z, torch.tensor(out["loss"], dtype=torch.float32))
+    return loss, torch.tensor([out[k] for k in ops.METRICS], dtype=torch.float64)

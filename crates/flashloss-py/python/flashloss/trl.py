@@ -109,11 +109,11 @@ class FlashlossGRPOTrainer(GRPOTrainer):
 
         metrics = self._metrics[mode]
         if self.beta != 0.0:
-            metrics["kl"].append(out.metrics["kl"])
-        metrics["entropy"].append(out.metrics["entropy"])
+            metrics["kl"].append(float(out.metrics["kl"]))
+        metrics["entropy"].append(float(out.metrics["entropy"]))
         if self.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
             for name in ("low_mean", "high_mean", "region_mean"):
-                metrics[f"clip_ratio/{name}"].append(out.metrics[f"clip_ratio/{name}"])
+                metrics[f"clip_ratio/{name}"].append(float(out.metrics[f"clip_ratio/{name}"]))
         return loss.to(hidden.device)
 
     def _masks(self, inputs, hidden, head, completion_ids, mask):

@@ -22,7 +22,11 @@ use crate::cross_entropy::CrossEntropy;
 use crate::error::{Error, Result};
 use crate::grpo_config::GrpoLoss;
 use crate::policy::Normalizers;
-use crate::sharding::{Grid, Shard, VocabSplit, global_normalizers, reduce_policy_outputs};
+use crate::rows::{RowInputs, RowStats, RowTransform, check_row_stats, check_targets};
+use crate::sharding::{
+    Grid, Shard, VocabSplit, global_normalizers, merge_partial, reduce_policy_outputs,
+};
+use crate::temperature::Temperature;
 
 /// What a sharded step agrees on before it runs: the plan, and the vocabulary split of
 /// a shard (none when the rank holds the whole vocabulary).
@@ -99,13 +103,15 @@ pub fn grpo_linear_sharded(
 /// head (its vocab group's [`Shard`] of those rows). The counted rows, loss and z-loss
 /// are summed over token groups (the mean divides by the rows counted on all of them);
 /// statistics are merged and dH all-reduced within the token group; dW and dbias are
-/// all-reduced over token groups. Reduction `none` takes unit upstream gradients.
+/// all-reduced over token groups. `grad_rows` (reduction `none` only) as in
+/// [`super::ce_linear`]: the upstream gradient of each of this rank's rows.
 pub fn ce_linear_sharded(
     grid: &Grid,
     head: &mut dyn Head,
     shard: Shard,
     ce: &CrossEntropy,
     targets: &[i64],
+    grad_rows: Option<&[f32]>,
     opts: &FusedOptions,
 ) -> Result<CeLinearOutput> {
     let shape = head.shape();
@@ -115,7 +121,7 @@ pub fn ce_linear_sharded(
         shape.tokens,
         shard.vocab,
         opts.grad_output,
-        None,
+        grad_rows,
     )
     .and_then(|rows| Ok((rows, sharded_plan(grid, head, shard, opts, true)?)));
     let (rows, (plan, split)) = agree(grid.world, checked)?;
@@ -129,4 +135,63 @@ pub fn ce_linear_sharded(
     grid.tokens.all_reduce_sum_f64(&mut sums)?;
     (out.loss, out.z_loss) = (sums[0], sums[1]);
     Ok(out)
+}
+
+/// Per-row statistics (`logp`, `lse`, entropy; no gradient) of a head split over the
+/// vocab groups of `grid`: pass A on this rank's [`Shard`], the partial states merged
+/// in rank order. Every rank of a token group gets the same statistics of its rows.
+#[allow(clippy::too_many_arguments)]
+pub fn logp_linear_sharded(
+    grid: &Grid,
+    head: &mut dyn Head,
+    shard: Shard,
+    target_ids: &[i64],
+    mask: Option<&[bool]>,
+    temperature: Temperature,
+    budget_bytes: usize,
+    seq_len: usize,
+) -> Result<Vec<RowStats>> {
+    let n = head.shape().tokens;
+    let seq_len = seq_len.clamp(1, n.max(1));
+    let checked = check_head(head, false)
+        .and_then(|_| shard.range(head.shape().vocab))
+        .and_then(|range| {
+            check_targets(target_ids, mask, n, shard.vocab, seq_len)?;
+            Ok(range)
+        });
+    let range = agree(grid.world, checked)?;
+    let split = VocabSplit {
+        comm: grid.vocab.as_ref(),
+        range,
+        vocab: shard.vocab,
+    };
+    let all = vec![true; if mask.is_none() { n } else { 0 }];
+    let live = mask.unwrap_or(&all);
+    let rows = RowInputs {
+        targets: target_ids,
+        live,
+        transform: RowTransform::with_temperature(temperature),
+    };
+    let local_targets = split.local_targets(target_ids);
+    let opts = FusedOptions {
+        mode: Mode::TwoPass,
+        budget_bytes,
+        grad_output: 1.0,
+    };
+    let local = super::partial_row_states(
+        head,
+        RowInputs {
+            targets: &local_targets,
+            ..rows
+        },
+        &opts,
+    );
+    let local = agree(grid.world, local)?;
+    let stats =
+        merge_partial(split.comm, &local, rows.transform.inv_temp)?.finish(&rows, shard.vocab);
+    agree(
+        grid.world,
+        check_row_stats(&stats, |i| live[i], target_ids, seq_len),
+    )?;
+    Ok(stats)
 }

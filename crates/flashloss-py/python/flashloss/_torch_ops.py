@@ -1,0 +1,315 @@
+"""flashloss's losses as PyTorch custom operators (``torch.library.custom_op``), so that
+``torch.compile(fullgraph=True)`` and ``torch.export`` trace through them: each op has a
+fake (meta) implementation giving its outputs' shapes, and the differentiable ones an
+autograd formula (``register_autograd``).
+
+The fused ops form their gradients in the forward, while each block of logits is on
+hand: ``grpo_linear`` and ``ce_linear`` return the loss and ``∂loss/∂(hidden, weight,
+bias)`` in f32; their backward is ``grad_loss · ∂loss/∂x`` in ``x``'s dtype. Reduction
+``none`` (``ce_linear_rows``) runs the head again in its backward
+(``ce_linear_rows_backward``) with each row's upstream gradient. ``grpo_logits`` returns
+``∂loss/∂logits`` (zero at positions it does not read). Inputs arrive checked and
+converted by :mod:`flashloss.torch`: per-token tensors on the CPU, the head in one
+dtype, contiguous. ``group`` names a vocab-parallel group registered in
+:mod:`flashloss._dist` ("" for none).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import _dist, _native
+
+#: The metrics tensor's entries, in order (TRL's names).
+METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+
+
+def _stream(device: torch.device) -> int:
+    """PyTorch's current stream on ``device`` (0 on the CPU): the kernels run on it."""
+    return 0 if device.type == "cpu" else torch.cuda.current_stream(device).cuda_stream
+
+
+def _zeros_f32(t: Optional[Tensor]) -> Optional[Tensor]:
+    return None if t is None else torch.zeros(t.shape, dtype=torch.float32, device=t.device)
+
+
+def _grad_bias(bias: Optional[Tensor], like: Tensor) -> Tensor:
+    """The bias gradient's buffer (an empty tensor when there is no bias: an op returns tensors)."""
+    return like.new_empty((0,), dtype=torch.float32) if bias is None else _zeros_f32(bias)
+
+
+def _with_items(config: str, num_items: Optional[Tensor]) -> str:
+    """``config`` with ``num_items_in_batch`` read from a tensor (TRL passes one)."""
+    if num_items is None:
+        return config
+    c = json.loads(config)
+    c["num_items_in_batch"] = float(num_items)
+    return json.dumps(c)
+
+
+def _scale(grad: Tensor, grads: tuple, dtypes: tuple) -> list:
+    """``grad · g`` in each input's dtype (None where the input is absent)."""
+    return [None if dt is None else (grad * g).to(dt) for g, dt in zip(grads, dtypes)]
+
+
+def _head_setup(ctx, inputs, output) -> None:
+    """Saves the head's gradients (outputs 1-3; output 0 is the loss) for the backward."""
+    hidden, weight, bias = inputs[:3]
+    ctx.save_for_backward(*output[1:4])
+    ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+    ctx.mark_non_differentiable(*output[1:])
+
+
+# --- GRPO from hidden states -----------------------------------------------------------
+
+
+@torch.library.custom_op("flashloss::grpo_linear", mutates_args=())
+def grpo_linear(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    advantages: Tensor,
+    old_per_token_logps: Optional[Tensor],
+    ref_per_token_logps: Optional[Tensor],
+    importance_sampling_ratio: Optional[Tensor],
+    policy_mask: Optional[Tensor],
+    entropy_mask: Optional[Tensor],
+    num_items: Optional[Tensor],
+    config: str,
+    mode: str,
+    budget_mib: float,
+    group: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(loss, dhidden, dweight, dbias, logp, entropy, kl, metrics)``."""
+    device = hidden.device
+    dh, dw, db = _zeros_f32(hidden), _zeros_f32(weight), _grad_bias(bias, hidden)
+    logp, entropy, kl = (torch.empty(completion_ids.shape, dtype=torch.float32) for _ in range(3))
+    out = _native.grpo_linear(
+        hidden, weight, bias, completion_ids, completion_mask, advantages, old_per_token_logps,
+        ref_per_token_logps, importance_sampling_ratio, policy_mask, entropy_mask,
+        _with_items(config, num_items), mode, budget_mib, dh, dw, None if bias is None else db,
+        logp, entropy, kl, _stream(device), _dist.ops(group),
+    )  # fmt: skip
+    loss = torch.tensor(out["loss"], dtype=torch.float32, device=device)
+    metrics = torch.tensor([out[k] for k in METRICS], dtype=torch.float64, device=device)
+    return loss, dh, dw, db, logp.to(device), entropy.to(device), kl.to(device), metrics
+
+
+@grpo_linear.register_fake
+def _(hidden, weight, bias, completion_ids, *args):
+    f32 = dict(dtype=torch.float32)
+    per_token = tuple(hidden.new_empty(completion_ids.shape, **f32) for _ in range(3))
+    db = hidden.new_empty((0,) if bias is None else bias.shape, **f32)
+    return (
+        hidden.new_empty((), **f32),
+        hidden.new_empty(hidden.shape, **f32),
+        hidden.new_empty(weight.shape, **f32),
+        db,
+        *per_token,
+        hidden.new_empty((len(METRICS),), dtype=torch.float64),
+    )
+
+
+def _grpo_linear_backward(ctx, grad, *_):
+    return (*_scale(grad, ctx.saved_tensors, ctx.dtypes), *([None] * 13))
+
+
+grpo_linear.register_autograd(_grpo_linear_backward, setup_context=_head_setup)
+
+
+# --- Cross-entropy from hidden states --------------------------------------------------
+
+
+@torch.library.custom_op("flashloss::ce_linear", mutates_args=())
+def ce_linear(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    targets: Tensor,
+    config: str,
+    mode: str,
+    budget_mib: float,
+    group: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(loss, dhidden, dweight, dbias)`` of reduction ``mean`` or ``sum``."""
+    dh, dw, db = _zeros_f32(hidden), _zeros_f32(weight), _grad_bias(bias, hidden)
+    rows = torch.empty(targets.shape, dtype=torch.float32)
+    out = _native.ce_linear(
+        hidden, weight, bias, targets, config, mode, budget_mib, None, dh, dw,
+        None if bias is None else db, rows, _stream(hidden.device), _dist.ops(group),
+    )  # fmt: skip
+    return torch.tensor(out["loss"], dtype=torch.float32, device=hidden.device), dh, dw, db
+
+
+@ce_linear.register_fake
+def _(hidden, weight, bias, *args):
+    f32 = dict(dtype=torch.float32)
+    db = hidden.new_empty((0,) if bias is None else bias.shape, **f32)
+    return hidden.new_empty((), **f32), hidden.new_empty(hidden.shape, **f32), hidden.new_empty(weight.shape, **f32), db
+
+
+def _ce_linear_backward(ctx, grad, *_):
+    return (*_scale(grad, ctx.saved_tensors, ctx.dtypes), *([None] * 5))
+
+
+ce_linear.register_autograd(_ce_linear_backward, setup_context=_head_setup)
+
+
+@torch.library.custom_op("flashloss::ce_linear_rows_backward", mutates_args=())
+def ce_linear_rows_backward(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    targets: Tensor,
+    grad_rows: Tensor,
+    config: str,
+    mode: str,
+    budget_mib: float,
+    group: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``Σ_i grad_rows_i · ∂loss_i/∂(hidden, weight, bias)`` (f32)."""
+    dh, dw, db = _zeros_f32(hidden), _zeros_f32(weight), _grad_bias(bias, hidden)
+    rows = torch.empty(targets.shape, dtype=torch.float32)
+    g = grad_rows.detach().to(device="cpu", dtype=torch.float32).contiguous()
+    _native.ce_linear(
+        hidden, weight, bias, targets, config, mode, budget_mib, g, dh, dw,
+        None if bias is None else db, rows, _stream(hidden.device), _dist.ops(group),
+    )  # fmt: skip
+    return dh, dw, db
+
+
+@ce_linear_rows_backward.register_fake
+def _(hidden, weight, bias, *args):
+    f32 = dict(dtype=torch.float32)
+    db = hidden.new_empty((0,) if bias is None else bias.shape, **f32)
+    return hidden.new_empty(hidden.shape, **f32), hidden.new_empty(weight.shape, **f32), db
+
+
+@torch.library.custom_op("flashloss::ce_linear_rows", mutates_args=())
+def ce_linear_rows(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    targets: Tensor,
+    config: str,
+    mode: str,
+    budget_mib: float,
+    group: str,
+) -> Tensor:
+    """Each row's loss (reduction ``none``), f32 ``[N]``."""
+    rows = torch.empty(targets.shape, dtype=torch.float32)
+    zero = torch.zeros(targets.shape, dtype=torch.float32)
+    dh, dw, db = _zeros_f32(hidden), _zeros_f32(weight), _zeros_f32(bias)
+    _native.ce_linear(
+        hidden, weight, bias, targets, config, mode, budget_mib, zero, dh, dw, db, rows,
+        _stream(hidden.device), _dist.ops(group),
+    )  # fmt: skip
+    return rows.to(hidden.device)
+
+
+@ce_linear_rows.register_fake
+def _(hidden, weight, bias, targets, *args):
+    return hidden.new_empty(targets.shape, dtype=torch.float32)
+
+
+def _ce_rows_setup(ctx, inputs, output):
+    hidden, weight, bias, targets, config, mode, budget_mib, group = inputs
+    ctx.save_for_backward(hidden, weight, bias, targets)
+    ctx.args = (config, mode, budget_mib, group)
+
+
+def _ce_rows_backward(ctx, grad_rows):
+    hidden, weight, bias, targets = ctx.saved_tensors
+    grads = ce_linear_rows_backward(hidden, weight, bias, targets, grad_rows, *ctx.args)
+    dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+    out = [None if dt is None else g.to(dt) for g, dt in zip(grads, dtypes)]
+    return (*out, None, None, None, None, None)
+
+
+ce_linear_rows.register_autograd(_ce_rows_backward, setup_context=_ce_rows_setup)
+
+
+# --- Log-probabilities (no gradient) ---------------------------------------------------
+
+
+@torch.library.custom_op("flashloss::logp_linear", mutates_args=())
+def logp_linear(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    ids: Tensor,
+    mask: Optional[Tensor],
+    temperature: float,
+    budget_mib: float,
+    group: str,
+) -> tuple[Tensor, Tensor]:
+    """``(logp, entropy)`` f32 of ``ids``' shape, zero where ``mask`` is false."""
+    logp = torch.empty(ids.shape, dtype=torch.float32)
+    entropy = torch.empty(ids.shape, dtype=torch.float32)
+    h = hidden.reshape(-1, hidden.shape[-1])
+    _native.logp_linear(h, weight, bias, ids, mask, temperature, budget_mib, logp, entropy, _dist.ops(group))
+    return logp.to(hidden.device), entropy.to(hidden.device)
+
+
+@logp_linear.register_fake
+def _(hidden, weight, bias, ids, *args):
+    return tuple(hidden.new_empty(ids.shape, dtype=torch.float32) for _ in range(2))
+
+
+# --- GRPO on materialized logits -------------------------------------------------------
+
+
+@torch.library.custom_op("flashloss::grpo_logits", mutates_args=())
+def grpo_logits(
+    logits: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    advantages: Tensor,
+    old_per_token_logps: Optional[Tensor],
+    ref_per_token_logps: Optional[Tensor],
+    importance_sampling_ratio: Optional[Tensor],
+    num_items: Optional[Tensor],
+    config: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(loss, dlogits, logp, entropy, kl, metrics)``; ``dlogits`` has ``logits``' shape
+    and dtype (zero at positions ``t ≥ T``)."""
+    b, t = completion_ids.shape
+    dlogits = torch.empty((b, t, logits.shape[-1]), dtype=logits.dtype)
+    logp, entropy, kl = (torch.empty((b, t), dtype=torch.float32) for _ in range(3))
+    out = _native.grpo_logits(
+        logits.contiguous(), completion_ids, completion_mask, advantages, old_per_token_logps,
+        ref_per_token_logps, importance_sampling_ratio, _with_items(config, num_items), dlogits,
+        logp, entropy, kl,
+    )  # fmt: skip
+    if logits.shape[1] != t:
+        dlogits = torch.nn.functional.pad(dlogits, (0, 0, 0, logits.shape[1] - t))
+    loss = torch.tensor(out["loss"], dtype=torch.float32)
+    metrics = torch.tensor([out[k] for k in METRICS], dtype=torch.float64)
+    return loss, dlogits, logp, entropy, kl, metrics
+
+
+@grpo_logits.register_fake
+def _(logits, completion_ids, *args):
+    f32 = dict(dtype=torch.float32)
+    per_token = tuple(logits.new_empty(completion_ids.shape, **f32) for _ in range(3))
+    metrics = logits.new_empty((len(METRICS),), dtype=torch.float64)
+    return (logits.new_empty((), **f32), logits.new_empty(logits.shape), *per_token, metrics)
+
+
+def _grpo_logits_setup(ctx, inputs, output):
+    ctx.save_for_backward(output[1])
+    ctx.mark_non_differentiable(*output[1:])
+
+
+def _grpo_logits_backward(ctx, grad, *_):
+    (dlogits,) = ctx.saved_tensors
+    return (grad.to(dlogits.dtype) * dlogits, *([None] * 8))
+
+
+grpo_logits.register_autograd(_grpo_logits_backward, setup_context=_grpo_logits_setup)
