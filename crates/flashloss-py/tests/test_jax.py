@@ -187,6 +187,33 @@ def test_logits_level_grpo_and_logprobs():
     _close(entropy, -(jnp.exp(lp) * lp).sum(-1), 1e-5, "entropy")
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_linear_logprobs_is_differentiable(dtype):
+    hidden, weight, bias, ids, mask, _, _, _ = _inputs(3, 5, 8, 301, seed=7, bias=True)
+    hidden, weight, bias = (x.astype(dtype) for x in (hidden, weight, bias))
+    g = np.random.default_rng(8)
+    cl, ce = (jnp.asarray(g.standard_normal(ids.shape), jnp.float32) for _ in range(2))
+
+    def ours(x, w, b):
+        lp, ent = fj.linear_logprobs(x, w, ids, 0.8, True, bias=b, mask=mask)
+        return (lp * cl).sum() + (ent * ce).sum()
+
+    def theirs(x, w, b):
+        z = (x.astype(jnp.float32) @ w.astype(jnp.float32).T + b.astype(jnp.float32)) / 0.8
+        lp = jax.nn.log_softmax(z, -1)
+        logp = jnp.take_along_axis(lp, ids[..., None], -1)[..., 0]
+        ent = -(jnp.exp(lp) * lp).sum(-1)
+        return jnp.where(mask, logp * cl + ent * ce, 0.0).sum()
+
+    got, g_got = jax.jit(jax.value_and_grad(ours, (0, 1, 2)))(hidden, weight, bias)
+    want, g_want = jax.value_and_grad(theirs, (0, 1, 2))(hidden, weight, bias)
+    tol = 1e-5 if dtype == "float32" else 1e-2
+    _close(got, want, tol, "objective")
+    for name, a, b_ in zip(("dhidden", "dweight", "dbias"), g_got, g_want):
+        assert a.dtype == b_.dtype
+        _close(a.astype(jnp.float32), b_.astype(jnp.float32), 1e-4 if dtype == "float32" else 2e-2, name)
+
+
 def test_bad_input_names_the_argument_and_the_process_goes_on():
     hidden, weight, _, ids, mask, adv, old, _ = _inputs(2, 4, 8, 65, seed=6)
     with pytest.raises(ValueError, match="`hidden`"):

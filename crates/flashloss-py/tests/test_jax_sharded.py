@@ -1,6 +1,7 @@
 """flashloss.jax inside `jax.shard_map` on 8 simulated CPU devices (with JAX's
 varying-axis checks on): `token_axis` (the sequences split over the axis) and
-`vocab_axis` (the head's rows split over it) give the one-device loss, metrics and
+`vocab_axis` (the head's rows split over it), both on a 2 x 4 mesh, and the
+differentiable `linear_logprobs` over `vocab_axis` give the one-device loss, metrics and
 gradients. Runs in a subprocess, since the device count must be set before JAX starts."""
 
 import json
@@ -19,7 +20,7 @@ def test_token_axis_equals_one_device():
     out = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     done = [line for line in out.stdout.splitlines() if line.startswith("ok ")]
-    assert len(done) == 8 + 4, out.stdout
+    assert len(done) == 8 + 4 + 4 + 1, out.stdout
 
 
 def _main():
@@ -74,6 +75,89 @@ def _main():
                 assert err <= 1e-4, (loss_type, beta, name, err)
             print("ok", loss_type, beta)
     _vocab_axis(jax, jnp, np, fj, mesh)
+    _grid_2d(jax, jnp, np, fj)
+    _logprobs_vocab_axis(jax, jnp, np, fj)
+
+
+def _close(jnp, got, want, what, rel=1e-4):
+    err = float(jnp.abs(got - want).max()) / max(float(jnp.abs(want).max()), 1e-6)
+    assert err <= rel, (what, err)
+
+
+def _grid_2d(jax, jnp, np, fj):
+    """token_axis and vocab_axis together: sequences over "t" (2), head rows over "v" (4)."""
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    rng = np.random.default_rng(2)
+    b, t, h, v = 6, 5, 8, 4 * 43
+    hidden = jnp.asarray(rng.standard_normal((b, t, h)), jnp.float32)
+    weight = jnp.asarray(rng.standard_normal((v, h)) * 0.3, jnp.float32)
+    bias = jnp.asarray(rng.standard_normal(v) * 0.1, jnp.float32)
+    ids = jnp.asarray(rng.integers(0, v, (b, t)), jnp.int32)
+    mask = jnp.asarray(np.arange(t)[None, :] < rng.integers(1, t + 1, b)[:, None])
+    adv = jnp.asarray(rng.standard_normal(b), jnp.float32)
+    old = jnp.asarray(-np.log(v) + 0.3 * rng.standard_normal((b, t)), jnp.float32)
+    ref = jnp.asarray(-np.log(v) + 0.3 * rng.standard_normal((b, t)), jnp.float32)
+    mesh = jax.make_mesh((2, 4), ("t", "v"), axis_types=(AxisType.Explicit, AxisType.Explicit))
+    for loss_type, beta, level in [("dapo", 0.04, "token"), ("grpo", 0.0, "token"), ("bnpo", 0.04, "token"),
+                                   ("dr_grpo", 0.04, "sequence")]:  # fmt: skip
+        kw = dict(loss_type=loss_type, beta=beta, importance_sampling_level=level, temperature=0.9)
+
+        def loss(x, w, bb, i, m, a, o, r, axes=(None, None)):
+            kw2 = dict(token_axis=axes[0], vocab_axis=axes[1], max_completion_length=t, **kw)
+            out = fj.linear_grpo_loss(x, w, i, m, a, bias=bb, old_per_token_logps=o, ref_per_token_logps=r, **kw2)
+            return out[0], out[1].metrics
+
+        args = (hidden, weight, bias, ids, mask, adv, old, ref)
+        (want, wm), wg = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(*args)
+
+        def local(x, w, bb, i, m, a, o, r):
+            f = lambda x, w, bb: loss(x, w, bb, i, m, a, o, r, ("t", "v"))  # noqa: E731
+            return jax.value_and_grad(f, (0, 1, 2), has_aux=True)(x, w, bb)
+
+        rows, block = P("t"), P("v")
+        specs = (rows, block, block, rows, rows, rows, rows, rows)
+        f = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=((P(), P()), (rows, block, block)))
+        placed = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(args, specs)]
+        (got, gm), gg = jax.jit(f)(*placed)
+        assert abs(float(got) - float(want)) <= 1e-5 * max(abs(float(want)), 1.0), (loss_type, got, want)
+        for k in wm:
+            assert abs(float(gm[k]) - float(wm[k])) <= 1e-5 * max(abs(float(wm[k])), 1.0), (loss_type, k)
+        for name, a_, b_ in zip(("dhidden", "dweight", "dbias"), gg, wg):
+            _close(jnp, a_, b_, (loss_type, level, name))
+        print("ok 2d", loss_type, beta, level)
+
+
+def _logprobs_vocab_axis(jax, jnp, np, fj):
+    """linear_logprobs' gradient (both outputs weighted) with the head split over 8 devices."""
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    rng = np.random.default_rng(3)
+    n, h, v = 12, 8, 8 * 29
+    hidden = jnp.asarray(rng.standard_normal((n, h)), jnp.float32)
+    weight = jnp.asarray(rng.standard_normal((v, h)) * 0.3, jnp.float32)
+    bias = jnp.asarray(rng.standard_normal(v) * 0.1, jnp.float32)
+    ids = jnp.asarray(rng.integers(0, v, n), jnp.int32)
+    mask = jnp.asarray(rng.random(n) > 0.2)
+    cl, ce = jnp.asarray(rng.standard_normal(n), jnp.float32), jnp.asarray(rng.standard_normal(n), jnp.float32)
+
+    def obj(x, w, bb, axis=None):
+        lp, ent = fj.linear_logprobs(x, w, ids, 0.8, True, bias=bb, mask=mask, vocab_axis=axis)
+        return (lp * cl).sum() + (ent * ce).sum()
+
+    want, wg = jax.value_and_grad(obj, (0, 1, 2))(hidden, weight, bias)
+    mesh = jax.make_mesh((8,), ("v",), axis_types=(AxisType.Explicit,))
+    local = lambda x, w, bb: jax.value_and_grad(lambda *a: obj(*a, "v"), (0, 1, 2))(x, w, bb)  # noqa: E731
+    specs = (P(), P("v"), P("v"))
+    f = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(P(), (P(), P("v"), P("v"))))
+    placed = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip((hidden, weight, bias), specs)]
+    got, gg = jax.jit(f)(*placed)
+    assert abs(float(got) - float(want)) <= 1e-5 * max(abs(float(want)), 1.0), (got, want)
+    for name, a_, b_ in zip(("dhidden", "dweight", "dbias"), gg, wg):
+        _close(jnp, a_, b_, ("logprobs", name))
+    print("ok logprobs vocab")
 
 
 def _vocab_axis(jax, jnp, np, fj, mesh):

@@ -173,7 +173,11 @@ def linear_grpo_loss(
     ``bias``) is split by rows in equal contiguous blocks, in axis order (a
     tensor-parallel LM head); every device passes all the rows. The partial row
     statistics merge over the axis, every device gets the loss and ``hidden``'s whole
-    gradient, and its own block's ``weight`` / ``bias`` gradients."""
+    gradient, and its own block's ``weight`` / ``bias`` gradients.
+
+    Both (a 2-D mesh): each device holds its sequences and its block of the head; the
+    statistics merge over ``vocab_axis``, the normalizers and ``weight``'s gradient sum
+    over ``token_axis``."""
     hidden, weight, bias = _head(hidden, weight, bias)
     ids = _ids("completion_ids", completion_ids)
     if ids.ndim != 2:
@@ -196,15 +200,6 @@ def linear_grpo_loss(
         vespo_lambda_neg,
     )  # fmt: skip
     budget = DEFAULT_BUDGET_MIB if budget_mib is None else float(budget_mib)
-    if vocab_axis is not None:
-        if token_axis is not None:
-            raise ValueError("argument `vocab_axis`: with `token_axis` too (a 2-D grid) is not supported yet")
-        vocab = weight.shape[0] * _axis_size("vocab_axis", vocab_axis)
-        hidden = jax.lax.pcast(hidden, vocab_axis, to="varying")
-        args = (hidden, weight, bias, ids, mask, adv, old, ref)
-        loss, aux = _vocab.grpo(*args, config, vocab_axis, float(temperature), int(vocab), mode, budget)
-        aux = jax.lax.stop_gradient(aux)
-        return loss, GRPOOutputs(aux[0], aux[1], aux[2], dict(zip(_METRICS, aux[3])))
     if token_axis is not None:
         _axis_size("token_axis", token_axis)
         if entropy_coef and loss_type not in ("dapo", "bnpo", "cispo", "vespo"):
@@ -214,7 +209,15 @@ def linear_grpo_loss(
             )
         weight = jax.lax.pcast(weight, token_axis, to="varying")
         bias = None if bias is None else jax.lax.pcast(bias, token_axis, to="varying")
-    loss, (logp, entropy, kl, metrics) = _grpo(hidden, weight, bias, ids, mask, adv, old, ref, config, mode, budget)
+    if vocab_axis is not None:
+        vocab = weight.shape[0] * _axis_size("vocab_axis", vocab_axis)
+        hidden = jax.lax.pcast(hidden, vocab_axis, to="varying")
+        args = (hidden, weight, bias, ids, mask, adv, old, ref)
+        loss, (logp, entropy, kl, metrics) = _vocab.grpo(
+            *args, config, vocab_axis, float(temperature), int(vocab), mode, budget
+        )
+    else:
+        loss, (logp, entropy, kl, metrics) = _grpo(hidden, weight, bias, ids, mask, adv, old, ref, config, mode, budget)
     if token_axis is not None:
         loss, metrics = _over_tokens(loss, metrics, mask, token_axis, loss_type, num_items_in_batch)
     aux = jax.lax.stop_gradient((logp, entropy, kl, metrics))
@@ -322,10 +325,14 @@ def linear_logprobs(
     bias=None,
     mask=None,
     budget_mib=None,
+    mode: str = "auto",
+    vocab_axis: Optional[str] = None,
 ):
     """Per-token log-probabilities of ``ids`` ``[...]`` under ``(hidden @ weight.T + bias) /
-    temperature`` without gradient (the old- and reference-policy passes of GRPO);
-    ``(logp, entropy)`` when ``return_entropy``. Rows where ``mask`` is false are zero."""
+    temperature`` (``hidden`` ``[..., H]``); ``(logp, entropy)`` when ``return_entropy``.
+    Rows where ``mask`` is false are zero. Differentiable in ``hidden``, ``weight`` and
+    ``bias`` (the forward keeps each row's ``max``, ``log Σexp`` and entropy; the backward
+    is one more pass over the head); ``vocab_axis`` as in :func:`linear_grpo_loss`."""
     hidden, weight, bias = _head(hidden, weight, bias)
     ids = _ids("ids", ids)
     if hidden.shape[:-1] != ids.shape:
@@ -334,11 +341,13 @@ def linear_logprobs(
         )
     m = jnp.ones(ids.shape, bool) if mask is None else jnp.asarray(mask) != 0
     budget = DEFAULT_BUDGET_MIB if budget_mib is None else float(budget_mib)
-    logp, entropy = _ops.logp_linear(
-        jax.lax.stop_gradient(hidden.reshape(-1, hidden.shape[-1])), jax.lax.stop_gradient(weight),
-        None if bias is None else jax.lax.stop_gradient(bias), ids.reshape(-1), m.reshape(-1),
-        temperature=temperature, budget_mib=budget,
-    )  # fmt: skip
+    x = hidden.reshape(-1, hidden.shape[-1])
+    if vocab_axis is not None:
+        _axis_size("vocab_axis", vocab_axis)
+        x = jax.lax.pcast(x, vocab_axis, to="varying")
+    logp, entropy = _vocab.logprobs(
+        x, weight, bias, ids.reshape(-1), m.reshape(-1), vocab_axis, float(temperature), budget, mode
+    )
     logp, entropy = logp.reshape(ids.shape), entropy.reshape(ids.shape)
     return (logp, entropy) if return_entropy else logp
 

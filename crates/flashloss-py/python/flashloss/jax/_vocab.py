@@ -27,20 +27,23 @@ def _partial(x, w, bias, ids, mask, offset, temperature, budget, mode):
 
 
 def _merge(part, mask, axis, temperature):
-    """The row statistics over the whole vocabulary from every block's partial state."""
+    """The row statistics over the whole vocabulary from every block's partial state
+    (``axis`` None: one block, the whole head)."""
+    pmax = (lambda x: x) if axis is None else functools.partial(jax.lax.pmax, axis_name=axis)
+    psum = (lambda x: x) if axis is None else functools.partial(jax.lax.psum, axis_name=axis)
     mx, s, u, tgt = part
     live = mask
-    top = jax.lax.pmax(jnp.where(live, mx, -jnp.inf), axis)
+    top = pmax(jnp.where(live, mx, -jnp.inf))
     top = jnp.where(live, top, 0.0)
     inv_t = jnp.float32(1.0 / temperature)
     d = jnp.where(live & (s > 0), (mx - top) * inv_t, 0.0)
     f = jnp.where(live & (s > 0), jnp.exp(d), 0.0)
-    total = jax.lax.psum(s * f, axis)
-    weighted = jax.lax.psum(f * (u + s * d), axis)
+    total = psum(s * f)
+    weighted = psum(f * (u + s * d))
     total = jnp.where(live, total, 1.0)
     log_sum = jnp.log(total)
     entropy = jnp.where(live, log_sum - weighted / total, 0.0)
-    logp = jnp.where(live, (jax.lax.psum(tgt, axis) - top) * inv_t - log_sum, 0.0)
+    logp = jnp.where(live, (psum(tgt) - top) * inv_t - log_sum, 0.0)
     return top, jnp.where(live, log_sum, 0.0), entropy, logp
 
 
@@ -63,11 +66,18 @@ def _grads(x, w, bias, ids, mask, offset, stats, temperature, budget, mode):
     )  # fmt: skip
 
 
+def _offset(weight, axis):
+    """The first vocabulary id of this device's block of the head."""
+    if axis is None:
+        return jnp.int32(0)
+    return (jax.lax.axis_index(axis) * weight.shape[0]).astype(jnp.int32)
+
+
 def _step(hidden, weight, bias, ids, mask, adv, old, ref, config, axis, temperature, vocab, mode, budget):
     b, t = ids.shape
     x = hidden.reshape(b * t, hidden.shape[-1])
     flat_ids, flat_mask = ids.reshape(-1), mask.reshape(-1)
-    offset = (jax.lax.axis_index(axis) * weight.shape[0]).astype(jnp.int32)
+    offset = _offset(weight, axis)
     part = _partial(x, weight, bias, flat_ids, flat_mask, offset, temperature, budget, mode)
     top, log_sum, entropy, logp = _merge(part, flat_mask, axis, temperature)
     loss, dlogp, dentropy, kl, metrics = _policy(
@@ -102,3 +112,31 @@ def _bwd(config, axis, temperature, vocab, mode, budget, res, cts):
 
 
 grpo.defvjp(_fwd, _bwd)
+
+
+def _logprobs_fwd(x, w, bias, ids, mask, axis, temperature, budget, mode):
+    offset = _offset(w, axis)
+    part = _partial(x, w, bias, ids, mask, offset, temperature, budget, mode)
+    top, log_sum, entropy, logp = _merge(part, mask, axis, temperature)
+    return (logp, entropy), (x, w, bias, ids, mask, top, log_sum, entropy)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def logprobs(x, w, bias, ids, mask, axis, temperature, budget, mode):
+    """``(logp, entropy)`` ``[N]`` of rows ``x`` ``[N, H]`` at ``ids`` under this device's
+    block of the head (``axis``: the mesh axis the head is split over, or None),
+    differentiable: the backward is pass B with each row's cotangents as the
+    coefficients of ``∂logp/∂z`` and ``∂entropy/∂z``."""
+    return _logprobs_fwd(x, w, bias, ids, mask, axis, temperature, budget, mode)[0]
+
+
+def _logprobs_bwd(axis, temperature, budget, mode, res, cts):
+    x, w, bias, ids, mask, top, log_sum, entropy = res
+    g_logp, g_entropy = (jnp.where(mask, c, 0.0).astype(jnp.float32) for c in cts)
+    stats = (top, log_sum, entropy, g_logp, g_entropy)
+    dh, dw, db = _grads(x, w, bias, ids, mask, _offset(w, axis), stats, temperature, budget, mode)
+    db = None if bias is None else db.astype(bias.dtype)
+    return dh.astype(x.dtype), dw.astype(w.dtype), db, None, None
+
+
+logprobs.defvjp(_logprobs_fwd, _logprobs_bwd)
