@@ -20,7 +20,7 @@ def test_token_axis_equals_one_device():
     out = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     done = [line for line in out.stdout.splitlines() if line.startswith("ok ")]
-    assert len(done) == 8 + 4 + 4 + 1, out.stdout
+    assert len(done) == 8 + 4 + 4 + 1 + 4, out.stdout
 
 
 def _main():
@@ -77,6 +77,44 @@ def _main():
     _vocab_axis(jax, jnp, np, fj, mesh)
     _grid_2d(jax, jnp, np, fj)
     _logprobs_vocab_axis(jax, jnp, np, fj)
+    _ce_vocab_axis(jax, jnp, np, fj)
+
+
+def _ce_vocab_axis(jax, jnp, np, fj):
+    """linear_cross_entropy with the head split over 8 devices: every reduction and option."""
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    rng = np.random.default_rng(4)
+    n, h, v = 14, 8, 8 * 23
+    hidden = jnp.asarray(rng.standard_normal((n, h)), jnp.float32)
+    weight = jnp.asarray(rng.standard_normal((v, h)) * 0.5, jnp.float32)
+    bias = jnp.asarray(rng.standard_normal(v) * 0.1, jnp.float32)
+    targets = jnp.asarray(np.where(rng.random(n) > 0.2, rng.integers(0, v, n), -100), jnp.int32)
+    upstream = jnp.asarray(rng.standard_normal(n), jnp.float32)
+    mesh = jax.make_mesh((8,), ("v",), axis_types=(AxisType.Explicit,))
+    cases = [
+        ("mean", {}),
+        ("sum", dict(label_smoothing=0.1, z_loss=1e-3)),
+        ("none", dict(softcap=4.0, temperature=0.8)),
+        ("mean", dict(softcap=3.0, label_smoothing=0.05, z_loss=1e-4)),
+    ]
+    for reduction, options in cases:
+
+        def obj(x, w, bb, axis=None):
+            out = fj.linear_cross_entropy(x, w, targets, bias=bb, reduction=reduction, vocab_axis=axis, **options)
+            return (out * upstream).sum() if reduction == "none" else out
+
+        want, wg = jax.value_and_grad(obj, (0, 1, 2))(hidden, weight, bias)
+        local = lambda x, w, bb: jax.value_and_grad(lambda *a: obj(*a, "v"), (0, 1, 2))(x, w, bb)  # noqa: E731
+        specs = (P(), P("v"), P("v"))
+        f = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(P(), (P(), P("v"), P("v"))))
+        placed = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip((hidden, weight, bias), specs)]
+        got, gg = jax.jit(f)(*placed)
+        assert abs(float(got) - float(want)) <= 1e-5 * max(abs(float(want)), 1.0), (reduction, options, got, want)
+        for name, a_, b_ in zip(("dhidden", "dweight", "dbias"), gg, wg):
+            _close(jnp, a_, b_, ("ce", reduction, options, name))
+        print("ok ce vocab", reduction, options)
 
 
 def _close(jnp, got, want, what, rel=1e-4):

@@ -381,6 +381,39 @@ impl Device {
         })
     }
 
+    /// Cross-entropy's pass A on this head, the [`Shard`] of the vocabulary it holds
+    /// (see [`fused::ce_partial_row_states`]).
+    pub fn ce_partial_row_states<E: Element>(
+        &self,
+        head: HeadArgs<E>,
+        shard: Shard,
+        ce: &CrossEntropy,
+        targets: &[i64],
+        opts: &FusedOptions,
+    ) -> Result<PartialStats> {
+        self.run(head, |h| {
+            fused::ce_partial_row_states(h, shard, ce, targets, opts)
+        })
+    }
+
+    /// Cross-entropy's row stage and pass B on this head's [`Shard`] from merged
+    /// statistics (see [`fused::ce_accumulate_row_grads`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn ce_accumulate_row_grads<E: Element>(
+        &self,
+        head: HeadArgs<E>,
+        shard: Shard,
+        ce: &CrossEntropy,
+        targets: &[i64],
+        grad_rows: Option<&[f32]>,
+        stats: Vec<RowStats>,
+        opts: &FusedOptions,
+    ) -> Result<CeLinearOutput> {
+        self.run(head, |h| {
+            fused::ce_accumulate_row_grads(h, shard, ce, targets, grad_rows, stats, opts)
+        })
+    }
+
     /// The logits-level GRPO loss of `batch` on host logits `[B, T, V]` laid out as
     /// `layout`, forward and backward: `grad_output · ∂L/∂z` is written into `dlogits`
     /// (dense `[N, V]`). Returns the forward's outputs (loss, metrics, per-row

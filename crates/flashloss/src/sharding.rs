@@ -256,17 +256,19 @@ pub(crate) struct VocabSplit<'c> {
 impl VocabSplit<'_> {
     /// Target ids as shard-local ids (-1 where another shard holds the target).
     pub(crate) fn local_targets(&self, targets: &[i64]) -> Vec<i64> {
-        targets
-            .iter()
-            .map(|&y| {
-                if y >= 0 && self.range.contains(&(y as usize)) {
-                    y - self.range.start as i64
-                } else {
-                    -1
-                }
-            })
-            .collect()
+        local_ids(targets, &self.range)
     }
+}
+
+/// `ids` of the whole vocabulary as ids local to the shard `range` (-1 where another
+/// shard holds the id, or for negative ids).
+pub fn local_ids(ids: &[i64], range: &Range<usize>) -> Vec<i64> {
+    ids.iter()
+        .map(|&y| match y >= 0 && range.contains(&(y as usize)) {
+            true => y - range.start as i64,
+            false => -1,
+        })
+        .collect()
 }
 
 /// Merges every rank's partial states in rank order: the same global states on all.

@@ -338,6 +338,7 @@ unsafe extern "C" fn grpo_logits(frame: *mut CallFrame) -> *mut c_void {
 /// The handlers by target name (with the vocabulary-split ones of [`super::vocab`]).
 pub fn targets() -> Vec<(&'static str, super::ffi::Handler)> {
     let mut all = super::vocab::targets();
+    all.extend(super::ce_vocab::targets());
     all.extend([
         ("flashloss_grpo_linear", grpo_linear),
         ("flashloss_ce_linear", ce_linear),

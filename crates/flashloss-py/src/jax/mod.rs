@@ -3,6 +3,7 @@
 //! function pointers for `jax.ffi.register_ffi_target`. JAX itself is not a dependency
 //! of the build: the handlers speak the C ABI that jaxlib loads.
 
+mod ce_vocab;
 pub(crate) mod ffi;
 pub(crate) mod frame;
 mod handlers;

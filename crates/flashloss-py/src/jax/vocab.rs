@@ -14,6 +14,7 @@ use flashloss::fused::{FusedOptions, RowGrad};
 use flashloss::policy::{Normalizers, policy_stage};
 use flashloss::range::check_policy_rows;
 use flashloss::rows::{RowInputs, RowStats, RowTransform};
+use flashloss::sharding::local_ids;
 use flashloss::{GrpoLoss, HeadArgs, LinearInputs, Temperature};
 use std::ffi::c_void;
 use std::ops::Range;
@@ -28,16 +29,6 @@ fn shard(offset: &Named, rows: usize) -> Result<Range<usize>> {
             format!("expected one non-negative id, got {o:?}"),
         )),
     }
-}
-
-/// Ids local to `range` (-1 where another shard holds the target).
-fn local(ids: &[i64], range: &Range<usize>) -> Vec<i64> {
-    ids.iter()
-        .map(|&y| match y >= 0 && range.contains(&(y as usize)) {
-            true => y - range.start as i64,
-            false => -1,
-        })
-        .collect()
 }
 
 /// The arguments both passes share: hidden, weight (shard), bias, ids `[N]`, mask
@@ -63,7 +54,7 @@ impl<'a> ShardCall<'a> {
             &f.arg(5, "offset")?,
             w.dims().first().copied().unwrap_or(0) as usize,
         )?;
-        let targets = local(&ids, &range);
+        let targets = local_ids(&ids, &range);
         let (transform, opts) = (RowTransform::with_temperature(t), options(f)?);
         Ok(ShardCall {
             x,

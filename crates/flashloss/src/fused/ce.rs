@@ -143,7 +143,7 @@ impl<'a> CeRows<'a> {
 
     /// The pass inputs of these rows: `targets` as the head's ids (shard-local in a
     /// vocab-parallel run).
-    fn inputs<'p>(&'p self, targets: &'p [i64]) -> RowInputs<'p> {
+    pub(crate) fn inputs<'p>(&'p self, targets: &'p [i64]) -> RowInputs<'p> {
         RowInputs {
             targets,
             live: &self.live,

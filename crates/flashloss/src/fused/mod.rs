@@ -25,4 +25,6 @@ pub use plan::{
     Block, FusedOptions, Mode, Plan, PlanLimits, mib_to_bytes, plan_blocks, tile_budget,
 };
 pub use sharded::{ce_linear_sharded, grpo_linear_sharded, logp_linear_sharded};
-pub use split::{accumulate_row_grads, partial_row_states};
+pub use split::{
+    accumulate_row_grads, ce_accumulate_row_grads, ce_partial_row_states, partial_row_states,
+};

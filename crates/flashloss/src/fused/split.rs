@@ -4,12 +4,17 @@
 //! state over the head's vocabulary shard ([`partial_row_states`]); the caller merges the
 //! shards (as [`crate::sharding::merge_partial`] does), runs the per-row stage, and pass B
 //! adds the gradients of one [`RowGrad`] per row ([`accumulate_row_grads`]). Both check
-//! the head and the rows like every driver.
+//! the head and the rows like every driver. Cross-entropy's rows have their own forms
+//! ([`ce_partial_row_states`], [`ce_accumulate_row_grads`]): its row transform (soft-cap,
+//! logit sums for label smoothing) and its row stage (loss and coefficients).
 
+use super::ce::{CeLinearOutput, CeRows};
 use super::passes::{Head, RowGrad, check_head};
 use super::plan::{FusedOptions, Mode};
+use crate::cross_entropy::CrossEntropy;
 use crate::error::{Error, Result};
-use crate::rows::{PartialStats, RowInputs};
+use crate::rows::{PartialStats, RowInputs, RowStats};
+use crate::sharding::{Shard, local_ids};
 
 /// Checks `rows` against a head of `n` rows and `v` vocabulary entries: targets in
 /// `[-1, v)` where live (-1: another shard holds the target).
@@ -94,4 +99,64 @@ pub fn accumulate_row_grads(
     let plan = head.plan(&two_pass(opts), false)?;
     head.passes(rows, plan)?.accumulate_grads(grads)?;
     head.check_grads(seq_len)
+}
+
+/// Pass A of cross-entropy on `head`, the [`Shard`] of the vocabulary it holds:
+/// `targets` `[N]` are ids of the whole vocabulary (checked against it; ignored rows
+/// skipped), the row transform is the loss's (soft-cap, temperature), and the states
+/// carry the logit sums that label smoothing needs.
+pub fn ce_partial_row_states(
+    head: &mut dyn Head,
+    shard: Shard,
+    ce: &CrossEntropy,
+    targets: &[i64],
+    opts: &FusedOptions,
+) -> Result<PartialStats> {
+    check_head(head, false)?;
+    let n = head.shape().tokens;
+    let rows = CeRows::new(ce, targets, n, shard.vocab, 1.0, None)?;
+    let local = local_ids(targets, &shard.range(head.shape().vocab)?);
+    let plan = head.plan(&two_pass(opts), false)?;
+    head.passes(rows.inputs(&local), plan)?.row_states()
+}
+
+/// Cross-entropy's row stage and pass B on `head` (a [`Shard`]) from every row's
+/// statistics over the whole vocabulary (`stats`, merged by the caller): adds this
+/// shard's gradients (times `grad_rows` `[N]` for reduction `none`) into the head's
+/// buffers and returns the loss and the per-row losses (the same on every shard).
+pub fn ce_accumulate_row_grads(
+    head: &mut dyn Head,
+    shard: Shard,
+    ce: &CrossEntropy,
+    targets: &[i64],
+    grad_rows: Option<&[f32]>,
+    stats: Vec<RowStats>,
+    opts: &FusedOptions,
+) -> Result<CeLinearOutput> {
+    check_head(head, true)?;
+    let n = head.shape().tokens;
+    let rows = CeRows::new(ce, targets, n, shard.vocab, opts.grad_output, grad_rows)?;
+    if stats.len() != n {
+        return Err(Error::ShapeMismatch {
+            arg: "stats",
+            shape: format!("[N={n}]"),
+            expected: n,
+            actual: stats.len(),
+        });
+    }
+    let range = shard.range(head.shape().vocab)?;
+    let local = local_ids(targets, &range);
+    let grads: Vec<RowGrad> = (0..n)
+        .map(|i| rows.row_grad(i, &stats[i]).on_shard(&range))
+        .collect();
+    let plan = head.plan(&two_pass(opts), false)?;
+    let out = rows.output(stats, plan)?;
+    let zero = |g: &RowGrad| [g.coef_p, g.coef_h, g.coef_uniform, g.coef_target] == [0.0; 4];
+    if !grads.iter().all(zero) {
+        // (all zero: the per-row losses of reduction `none`'s forward; nothing to add)
+        head.passes(rows.inputs(&local), plan)?
+            .accumulate_grads(&grads)?;
+    }
+    head.check_grads(n)?;
+    Ok(out)
 }

@@ -297,10 +297,15 @@ def linear_cross_entropy(
     temperature: float = 1.0,
     mode: str = "auto",
     budget_mib: Optional[float] = None,
+    vocab_axis: Optional[str] = None,
 ):
     """Cross-entropy of ``hidden @ weight.T + bias`` at ``targets`` (Cut Cross-Entropy's
     call): ``hidden`` ``[..., H]``, ``targets`` ``[...]``; reduction ``mean``, ``sum`` or
-    ``none`` (``[...]``, whose backward reruns the kernel with each row's cotangent)."""
+    ``none`` (``[...]``, whose backward reruns the kernel with each row's cotangent).
+    ``vocab_axis``: inside ``jax.shard_map``, the mesh axis over which ``weight`` (and
+    ``bias``) is split by rows in equal contiguous blocks, as in
+    :func:`linear_grpo_loss`; every device passes all the rows and gets the loss, the
+    whole ``hidden`` gradient and its block's gradients."""
     config = ce_config(ignore_index, label_smoothing, z_loss, softcap, reduction, temperature)
     hidden, weight, bias = _head(hidden, weight, bias)
     targets = _ids("targets", targets)
@@ -310,6 +315,12 @@ def linear_cross_entropy(
         )
     h2, t1 = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     budget = DEFAULT_BUDGET_MIB if budget_mib is None else float(budget_mib)
+    if vocab_axis is not None:
+        vocab = weight.shape[0] * _axis_size("vocab_axis", vocab_axis)
+        h2 = jax.lax.pcast(h2, vocab_axis, to="varying")
+        args = (vocab_axis, config, float(temperature), int(ignore_index), int(vocab), reduction, budget, mode)
+        out = _vocab.cross_entropy(h2, weight, bias, t1, *args)
+        return out.reshape(targets.shape) if reduction == "none" else out
     if reduction == "none":
         return _ce_rows(h2, weight, bias, t1, config, mode, budget).reshape(targets.shape)
     return _ce(h2, weight, bias, t1, config, mode, budget)

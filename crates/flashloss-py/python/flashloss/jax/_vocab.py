@@ -140,3 +140,76 @@ def _logprobs_bwd(axis, temperature, budget, mode, res, cts):
 
 
 logprobs.defvjp(_logprobs_fwd, _logprobs_bwd)
+
+
+def _ce_partial(x, w, bias, targets, offset, config, vocab, budget, mode):
+    n = targets.shape[0]
+    results = tuple(_like(x, (n,)) for _ in range(5))
+    return _call(
+        "flashloss_ce_vocab_partial", results, x, w, _or_empty(bias, x.dtype), targets, offset,
+        budget_mib=budget, mode=mode, config=config, vocab=int(vocab),
+    )  # fmt: skip
+
+
+def _ce_grads(x, w, bias, targets, offset, stats, grad_rows, config, vocab, budget, mode):
+    n, v = targets.shape[0], w.shape[0]
+    results = (
+        _like(x, ()),
+        _like(x, (n,)),
+        _like(x, x.shape),
+        _like(x, w.shape),
+        _like(x, (0,) if bias is None else (v,)),
+    )
+    return _call(
+        "flashloss_ce_vocab_grads", results, x, w, _or_empty(bias, x.dtype), targets, offset, *stats,
+        _or_empty(grad_rows, jnp.float32), budget_mib=budget, mode=mode, config=config, vocab=int(vocab),
+    )  # fmt: skip
+
+
+def _ce_stats(x, w, bias, targets, axis, config, temperature, ignore_index, vocab, budget, mode):
+    """Every row's statistics over the whole vocabulary: max, log Σexp, entropy, logp,
+    mean logit (as the loss transforms the logits: soft-cap, temperature)."""
+    offset = _offset(w, axis)
+    part = _ce_partial(x, w, bias, targets, offset, config, vocab, budget, mode)
+    live = targets != ignore_index
+    top, log_sum, entropy, logp = _merge(part[:4], live, axis, temperature)
+    sums = part[4] if axis is None else jax.lax.psum(part[4], axis)
+    mean = jnp.where(live, sums / jnp.float32(vocab) / jnp.float32(temperature), 0.0)
+    return offset, (top, log_sum, entropy, logp, mean)
+
+
+def _ce_fwd(x, w, bias, targets, axis, config, temperature, ignore_index, vocab, reduction, budget, mode):
+    args = (axis, config, temperature, ignore_index, vocab, budget, mode)
+    offset, stats = _ce_stats(x, w, bias, targets, *args)
+    zero = jnp.zeros(targets.shape, jnp.float32) if reduction == "none" else None
+    loss, rows, dh, dw, db = _ce_grads(x, w, bias, targets, offset, stats, zero, config, vocab, budget, mode)
+    out = rows if reduction == "none" else loss
+    if axis is not None:  # the same on every device (from the merged statistics): say so
+        out = jax.lax.pmax(out, axis)
+    return out, (x, w, bias, targets, offset, stats, (dh, dw, None if bias is None else db))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9, 10, 11))
+def cross_entropy(x, w, bias, targets, axis, config, temperature, ignore_index, vocab, reduction, budget, mode):
+    """Cross-entropy of rows ``x`` ``[N, H]`` at ``targets`` ``[N]`` (ids of the whole
+    vocabulary) under this device's block of the head, its rows merged over ``axis``:
+    the loss (reduction mean, sum) or the per-row losses (none), the same on every
+    device. Mean and sum form the gradients in the forward; none runs pass B in its
+    backward with each row's cotangent."""
+    return _ce_fwd(x, w, bias, targets, axis, config, temperature, ignore_index, vocab, reduction, budget, mode)[0]
+
+
+def _ce_bwd(axis, config, temperature, ignore_index, vocab, reduction, budget, mode, res, g):
+    x, w, bias, targets, offset, stats, grads = res
+    if reduction == "none":
+        _, _, dh, dw, db = _ce_grads(
+            x, w, bias, targets, offset, stats, g.astype(jnp.float32), config, vocab, budget, mode
+        )
+        grads = (dh, dw, None if bias is None else db)
+    else:
+        grads = tuple(None if d is None else g * d for d in grads)
+    like = (x, w, bias)
+    return (*(None if d is None else d.astype(p.dtype) for d, p in zip(grads, like)), None)
+
+
+cross_entropy.defvjp(_ce_fwd, _ce_bwd)

@@ -1,0 +1,129 @@
+//! The handlers of cross-entropy over a vocabulary-split head (`vocab_axis` of
+//! `linear_cross_entropy` inside `jax.shard_map`), cut at the collectives as the GRPO
+//! step is ([`super::vocab`]): `flashloss_ce_vocab_partial` is pass A on the device's
+//! block (per-row max, `Σexp`, `Σexp·s`, the target's logit, `Σ s` for label
+//! smoothing, under the loss's soft-cap and temperature); JAX merges them over the axis;
+//! `flashloss_ce_vocab_grads` is the row stage (loss, per-row losses) and pass B on the
+//! block from the merged statistics.
+
+use super::ffi::CallFrame;
+use super::frame::{Frame, Named, Result, bad, handle};
+use super::handlers::{by_dtype, grads, head, options, parse};
+use crate::front::cpu;
+use flashloss::rows::RowStats;
+use flashloss::{CeConfig, CrossEntropy, HeadArgs, LinearInputs, Shard};
+use std::ffi::c_void;
+
+/// The loss (attribute `config`, a `CeConfig`) and the block's place: argument
+/// `offset` (one int) and attribute `vocab` (the whole vocabulary's size).
+fn loss_and_shard(f: &Frame, offset: &Named) -> Result<(CrossEntropy, Shard)> {
+    let ce = CrossEntropy::new(parse::<CeConfig>(f.attr_str("config")?)?)?;
+    let vocab = f.attr_i64("vocab")?;
+    let o = offset.ids()?;
+    match (o.as_slice(), vocab) {
+        ([o], v) if *o >= 0 && v >= 1 => Ok((
+            ce,
+            Shard {
+                offset: *o as usize,
+                vocab: v as usize,
+            },
+        )),
+        _ => Err(bad(
+            "offset",
+            format!("expected one non-negative id and vocab >= 1, got {o:?} and {vocab}"),
+        )),
+    }
+}
+
+/// Pass A. Arguments: hidden `[N, H]`, weight (block), bias (block or `[0]`), targets
+/// `[N]` (ids of the whole vocabulary), offset; attributes: budget_mib, config, mode,
+/// vocab. Results `[N]` each: max, sum, weighted, target logit, logit sum.
+unsafe extern "C" fn ce_vocab_partial(frame: *mut CallFrame) -> *mut c_void {
+    // SAFETY: XLA's frame.
+    unsafe {
+        handle(frame, |f| {
+            let (x, w, b) = (f.arg(0, "hidden")?, f.arg(1, "weight")?, f.arg(2, "bias")?);
+            let targets = f.arg(3, "targets")?.ids()?;
+            let (ce, shard) = loss_and_shard(f, &f.arg(4, "offset")?)?;
+            let opts = options(f)?;
+            let part = by_dtype!(x, E, code => {
+                let inputs: LinearInputs<E> = head(&x, &w, &b, code)?;
+                Ok(cpu().ce_partial_row_states(HeadArgs::host(&inputs), shard, &ce, &targets, &opts)?)
+            })?;
+            let names = ["max", "sum", "weighted", "target_logit", "logit_sum"];
+            let mut outs = Vec::with_capacity(names.len());
+            for (k, name) in names.into_iter().enumerate() {
+                outs.push(f.ret(k, name)?.f32s_mut()?);
+            }
+            for (i, st) in part.states.iter().enumerate() {
+                let row = [
+                    st.max,
+                    st.sum as f32,
+                    st.weighted as f32,
+                    part.target_logits[i],
+                    part.sums[i] as f32,
+                ];
+                for (o, v) in outs.iter_mut().zip(row) {
+                    o[i] = v;
+                }
+            }
+            Ok(())
+        })
+    }
+}
+
+/// The row stage and pass B. Arguments: hidden, weight (block), bias, targets `[N]`,
+/// offset, the merged max, log_sum, entropy, logp, mean_logit (`[N]` each), grad_rows
+/// (`[N]` for reduction none, `[0]` otherwise); attributes: budget_mib, config, mode,
+/// vocab. Results: loss, row_loss `[N]`, dhidden (the block's part),
+/// dweight, dbias (the block's).
+unsafe extern "C" fn ce_vocab_grads(frame: *mut CallFrame) -> *mut c_void {
+    // SAFETY: XLA's frame.
+    unsafe {
+        handle(frame, |f| {
+            let (x, w, b) = (f.arg(0, "hidden")?, f.arg(1, "weight")?, f.arg(2, "bias")?);
+            let targets = f.arg(3, "targets")?.ids()?;
+            let (ce, shard) = loss_and_shard(f, &f.arg(4, "offset")?)?;
+            let opts = options(f)?;
+            let inv_temp = (1.0 / ce.config().temperature) as f32;
+            let n = targets.len();
+            let names = ["max", "log_sum", "entropy", "logp", "mean_logit"];
+            let mut cols = Vec::with_capacity(names.len());
+            for (k, name) in names.into_iter().enumerate() {
+                let a = f.arg(5 + k, name)?;
+                a.expect_dims(&[n])?;
+                cols.push(a.f32s()?);
+            }
+            let stats = (0..n)
+                .map(|i| RowStats {
+                    max: cols[0][i],
+                    log_sum: cols[1][i],
+                    lse: (cols[0][i] as f64 * inv_temp as f64 + cols[1][i] as f64) as f32,
+                    entropy: cols[2][i],
+                    logp: cols[3][i],
+                    mean_logit: cols[4][i],
+                })
+                .collect();
+            let rows = f.arg(10, "grad_rows")?;
+            let grad_rows = (rows.numel() > 0).then(|| rows.f32s()).transpose()?;
+            let out = by_dtype!(x, E, code => {
+                let inputs: LinearInputs<E> = head(&x, &w, &b, code)?;
+                let args = HeadArgs::Host { inputs: &inputs, grads: grads(f, 2)? };
+                Ok(cpu().ce_accumulate_row_grads(args, shard, &ce, &targets, grad_rows, stats, &opts)?)
+            })?;
+            f.ret(0, "loss")?.f32s_mut()?[0] = out.loss as f32;
+            f.ret(1, "row_loss")?
+                .f32s_mut()?
+                .copy_from_slice(&out.row_loss);
+            Ok(())
+        })
+    }
+}
+
+/// The handlers by target name.
+pub fn targets() -> Vec<(&'static str, super::ffi::Handler)> {
+    vec![
+        ("flashloss_ce_vocab_partial", ce_vocab_partial),
+        ("flashloss_ce_vocab_grads", ce_vocab_grads),
+    ]
+}
