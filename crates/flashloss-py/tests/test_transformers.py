@@ -127,6 +127,11 @@ def test_without_labels_logits_unchanged(arch):
         torch.testing.assert_close(got.logits, want.logits, rtol=0, atol=0)
         last = model(ids, attention_mask=mask, logits_to_keep=1).logits
         torch.testing.assert_close(last, want.logits[:, -1:], rtol=1e-6, atol=1e-6)
+        prompt = ids[:1, :4]
+        torch.testing.assert_close(
+            model.generate(prompt, max_new_tokens=3, do_sample=False),
+            ref.generate(prompt, max_new_tokens=3, do_sample=False),
+        )
 
 
 def test_logits_to_keep_with_labels():
