@@ -163,10 +163,11 @@ def _make_forward(original: Callable, softcap_attr: Optional[str], mode: str, bu
                 past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
                 use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs,
             )  # fmt: skip
-        if self.loss_function.__name__ != "ForCausalLMLoss":
+        loss_name = getattr(self.loss_function, "__name__", repr(self.loss_function))
+        if loss_name != "ForCausalLMLoss":
             raise ValueError(
                 f"flashloss.transformers: {type(self).__name__} has the loss function "
-                f"{self.loss_function.__name__}, not transformers' ForCausalLMLoss that flashloss computes"
+                f"{loss_name}, not transformers' ForCausalLMLoss that flashloss computes"
             )
         return_dict = kwargs.pop("return_dict", None)
         if return_dict is None:
