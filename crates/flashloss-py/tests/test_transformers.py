@@ -200,8 +200,7 @@ def test_unsupported_models_refused():
 def test_trainer_gradient_accumulation(tmp_path):
     """Two steps of Trainer (plain SGD, gradient accumulation 2, so num_items_in_batch is passed): same
     losses and same weights after training as the unpatched model."""
-    from datasets import Dataset
-
+    Dataset = pytest.importorskip("datasets").Dataset
     ids, mask, labels = batch(seed=5, b=8, t=9)
     data = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": mask.tolist(), "labels": labels.tolist()})
     results = []
