@@ -59,7 +59,7 @@ pub(crate) fn cpu() -> &'static Device {
 
 /// GPU `ordinal`'s device, opened once per process (kernels loaded once).
 #[cfg(feature = "cuda")]
-fn gpu(ordinal: usize) -> flashloss::Result<&'static Device> {
+pub(crate) fn gpu(ordinal: usize) -> flashloss::Result<&'static Device> {
     use std::collections::HashMap;
     use std::sync::Mutex;
     static GPUS: LazyLock<Mutex<HashMap<usize, &'static Device>>> = LazyLock::new(Mutex::default);

@@ -68,7 +68,8 @@ pub struct ErrorCreateArgs {
     pub errc: i32,
 }
 
-/// The first fields of `XLA_FFI_Api`, up to the one function used.
+/// The first fields of `XLA_FFI_Api`, up to the functions used (`Error_Create`, and
+/// `Stream_Get` for the CUDA handlers).
 #[repr(C)]
 pub struct Api {
     pub struct_size: usize,
@@ -76,6 +77,19 @@ pub struct Api {
     pub api_version: ApiVersion,
     pub internal_api: *const c_void,
     pub error_create: Option<unsafe extern "C" fn(*mut ErrorCreateArgs) -> *mut c_void>,
+    pub error_get_message: *const c_void,
+    pub error_destroy: *const c_void,
+    pub handler_register: *const c_void,
+    pub stream_get: Option<unsafe extern "C" fn(*mut StreamGetArgs) -> *mut c_void>,
+}
+
+/// `XLA_FFI_Stream_Get_Args`: the call's platform stream (a `CUstream` on CUDA).
+#[repr(C)]
+pub struct StreamGetArgs {
+    pub struct_size: usize,
+    pub extension_start: *mut ExtensionBase,
+    pub ctx: *mut c_void,
+    pub stream: *mut c_void,
 }
 
 #[repr(C)]
@@ -204,7 +218,18 @@ pub fn layout() -> Vec<StructLayout> {
             "XLA_FFI_Api",
             // Only a prefix is mirrored: its size is not the header's.
             0,
-            vec![("XLA_FFI_Error_Create", offset_of!(Api, error_create))],
+            vec![
+                ("XLA_FFI_Error_Create", offset_of!(Api, error_create)),
+                ("XLA_FFI_Stream_Get", offset_of!(Api, stream_get)),
+            ],
+        ),
+        (
+            "XLA_FFI_Stream_Get_Args",
+            size_of::<StreamGetArgs>(),
+            vec![
+                ("ctx", offset_of!(StreamGetArgs, ctx)),
+                ("stream", offset_of!(StreamGetArgs, stream)),
+            ],
         ),
         (
             "XLA_FFI_Error_Create_Args",

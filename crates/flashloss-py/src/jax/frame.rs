@@ -116,6 +116,18 @@ pub struct Named<'a> {
 }
 
 impl<'a> Frame<'a> {
+    /// A frame over `frame` (the CUDA handlers read a staged copy of XLA's).
+    #[cfg(feature = "cuda")]
+    pub fn new(frame: &'a CallFrame) -> Self {
+        Frame(frame)
+    }
+
+    /// The call frame itself.
+    #[cfg(feature = "cuda")]
+    pub fn raw(&self) -> &'a CallFrame {
+        self.0
+    }
+
     /// Argument `i`, called `name` in errors.
     pub fn arg(&self, i: usize, name: &'static str) -> Result<Named<'a>> {
         let a = &self.0.args;
@@ -221,6 +233,12 @@ impl<'a> Named<'a> {
     /// The XLA dtype.
     pub fn dtype(&self) -> i32 {
         self.buf.dtype
+    }
+
+    /// The buffer's address (a device address in a CUDA handler).
+    #[cfg(feature = "cuda")]
+    pub fn address(&self) -> u64 {
+        self.buf.data as u64
     }
 
     fn check(&self, want: i32, what: &str) -> Result<()> {

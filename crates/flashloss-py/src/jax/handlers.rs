@@ -162,7 +162,7 @@ impl<'a> Tokens<'a> {
 }
 
 /// Writes a GRPO step's per-token outputs and its loss and metrics.
-fn grpo_outputs(
+pub(super) fn grpo_outputs(
     f: &Frame,
     first: usize,
     loss: f64,

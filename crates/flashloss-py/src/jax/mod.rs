@@ -4,6 +4,8 @@
 //! of the build: the handlers speak the C ABI that jaxlib loads.
 
 mod ce_vocab;
+#[cfg(feature = "cuda")]
+mod cuda;
 pub(crate) mod ffi;
 pub(crate) mod frame;
 mod handlers;
@@ -13,11 +15,19 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 /// `{target name: capsule of the handler's function pointer}` (the capsule's pointer is
-/// the function pointer itself, as `register_ffi_target` expects).
+/// the function pointer itself, as `register_ffi_target` expects) of the handlers of
+/// `platform`: "cpu", or "CUDA" (empty in a build without the `cuda` feature).
 #[pyfunction]
-pub fn jax_targets(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+#[pyo3(signature = (platform="cpu"))]
+pub fn jax_targets<'py>(py: Python<'py>, platform: &str) -> PyResult<Bound<'py, PyDict>> {
+    let handlers = match platform {
+        "cpu" => handlers::targets(),
+        #[cfg(feature = "cuda")]
+        "CUDA" => cuda::targets(),
+        _ => Vec::new(),
+    };
     let d = PyDict::new(py);
-    for (name, handler) in handlers::targets() {
+    for (name, handler) in handlers {
         // SAFETY: a capsule of a static function pointer, with no destructor.
         let capsule = unsafe {
             let ptr =

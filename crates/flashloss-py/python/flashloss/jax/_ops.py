@@ -1,5 +1,7 @@
-"""The XLA FFI calls of flashloss's CPU handlers (``crates/flashloss-py/src/jax``),
-registered once when :mod:`flashloss.jax` is imported. Each fused call returns the loss
+"""The XLA FFI calls of flashloss's handlers (``crates/flashloss-py/src/jax``),
+registered once when :mod:`flashloss.jax` is imported: every handler for the CPU, and
+in a build with the ``cuda`` feature the fused losses (``flashloss_grpo_linear``,
+``flashloss_ce_linear``) for CUDA too, under the same names (not yet run on a GPU). Each fused call returns the loss
 and the gradients of ``hidden``, ``weight``, ``bias`` together; ``vmap`` runs the
 handler once per batch element (``vmap_method="sequential"``), since a GRPO batch's
 normalizers span its sequences."""
@@ -15,9 +17,10 @@ from .. import _native
 
 
 def register() -> None:
-    """Registers every handler with XLA (platform ``cpu``)."""
-    for name, capsule in _native.jax_targets().items():
-        jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+    """Registers every handler with XLA (platforms ``cpu`` and, where built, ``CUDA``)."""
+    for platform in ("cpu", "CUDA"):
+        for name, capsule in _native.jax_targets(platform).items():
+            jax.ffi.register_ffi_target(name, capsule, platform=platform)
 
 
 def _like(x, shape, dtype=jnp.float32):
