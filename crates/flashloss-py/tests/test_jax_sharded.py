@@ -243,7 +243,15 @@ if __name__ == "__main__":
 
 
 @pytest.mark.parametrize(
-    "sets", [[], ["level=logits"], ["parallel=vocab"], ["loss_type=grpo", "parallel=vocab", "beta=0.0"]]
+    "sets",
+    [
+        [],
+        ["level=logits"],
+        ["parallel=vocab"],
+        ["loss_type=grpo", "parallel=vocab", "beta=0.0"],
+        ["parallel=token", "batch=8", "loss_type=bnpo"],
+        ["parallel=2d", "loss_type=dr_grpo"],
+    ],
 )
 def test_gradcheck_cli_passes_and_fails_with_its_gates(sets):
     config = os.path.join(os.path.dirname(__file__), "..", "..", "..", "configs", "jax", "gradcheck.yaml")

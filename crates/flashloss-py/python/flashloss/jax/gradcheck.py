@@ -1,7 +1,7 @@
 """``flashloss.jax`` against an f64 JAX reference of TRL's GRPO loss on materialized
 logits (``jax.value_and_grad`` in float64): the loss and the gradients of the logits
 (logits level) or of ``hidden`` and ``weight`` (LM-head level), on one device or sharded
-over 8 simulated CPU devices (``parallel: token | vocab``). Prints ``loss_ref``,
+over 8 simulated CPU devices (``parallel: token | vocab | 2d``; 2d is a 2 x 4 mesh). Prints ``loss_ref``,
 ``loss_kernel``, ``abs_diff_loss``, ``max_abs_diff_*``, ``max_rel_diff_*`` and a PASS/FAIL
 line per gate (JSON with ``--json``); exits 0 only if every gate passes.
 
@@ -78,27 +78,28 @@ def run(cfg) -> dict:
     ids_j, mask_j = jnp.asarray(ids), jnp.asarray(mask)
     adv_j, old_j, ref_j = (jnp.asarray(x, jnp.float32) for x in (adv, old, ref))
     kw = dict(loss_type=cfg["loss_type"], beta=cfg["beta"], temperature=cfg["temperature"],
-              use_bias_correction_kl=cfg["use_bias_correction_kl"], max_completion_length=cfg["seq_len"],
-              old_per_token_logps=old_j, ref_per_token_logps=ref_j if cfg["beta"] else None)  # fmt: skip
+              use_bias_correction_kl=cfg["use_bias_correction_kl"], max_completion_length=cfg["seq_len"])  # fmt: skip
     f64 = [jnp.asarray(x, jnp.float64) for x in (hidden, weight, adv, old, ref)]
     h64, w64 = jnp.asarray(h, jnp.float64), jnp.asarray(w, jnp.float64)
 
     if cfg["level"] == "logits":
         z = (h.astype(jnp.float32).reshape(-1, cfg["hidden"]) @ w.astype(jnp.float32).T).reshape(*ids.shape, -1)
-        got, dz = jax.value_and_grad(lambda z: fj.grpo_loss(z, ids_j, mask_j, adv_j, **kw)[0])(z)
+        kz = dict(kw, old_per_token_logps=old_j, ref_per_token_logps=ref_j if cfg["beta"] else None)
+        got, dz = jax.value_and_grad(lambda z: fj.grpo_loss(z, ids_j, mask_j, adv_j, **kz)[0])(z)
         ref_fn = lambda z: reference_loss(jnp, jax, z, ids_j, mask_j, *f64[2:], cfg)  # noqa: E731
         want, dz_ref = jax.value_and_grad(ref_fn)(jnp.asarray(z, jnp.float64))
         diffs = _diffs("dlogits", dz, dz_ref)
     else:
 
-        def kernel(x, wt, axis=None):
-            axes = {"token": dict(token_axis=axis), "vocab": dict(vocab_axis=axis)}.get(cfg["parallel"], {})
-            return fj.linear_grpo_loss(x, wt, ids_j, mask_j, adv_j, **kw, **(axes if axis else {}))[0]
+        def kernel(x, wt, i, m, a, o, r, token_axis=None, vocab_axis=None):
+            k = dict(kw, old_per_token_logps=o, ref_per_token_logps=r if cfg["beta"] else None)
+            return fj.linear_grpo_loss(x, wt, i, m, a, **k, token_axis=token_axis, vocab_axis=vocab_axis)[0]
 
+        tokens = (ids_j, mask_j, adv_j, old_j, ref_j)
         if cfg["parallel"] == "none":
-            got, (dh, dw) = jax.value_and_grad(kernel, (0, 1))(h, w)
+            got, (dh, dw) = jax.value_and_grad(kernel, (0, 1))(h, w, *tokens)
         else:
-            got, (dh, dw) = _sharded(jax, kernel, cfg, h, w)
+            got, (dh, dw) = _sharded(jax, kernel, cfg, h, w, tokens)
 
         def ref_fn(x, wt):
             z = (x.reshape(-1, cfg["hidden"]) @ wt.T).reshape(*ids.shape, -1)
@@ -126,23 +127,30 @@ def run(cfg) -> dict:
     }
 
 
-def _sharded(jax, kernel, cfg, h, w):
-    """``kernel``'s loss and gradients inside ``shard_map`` over ``cfg["devices"]``."""
+def _sharded(jax, kernel, cfg, h, w, tokens):
+    """``kernel``'s loss and gradients inside ``shard_map`` over ``cfg["devices"]``: the
+    sequences over axis "t" (token), the head's rows over "v" (vocab), or both (2d: 2 x
+    devices/2)."""
     from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
 
     n = cfg["devices"]
-    mesh = jax.make_mesh((n,), ("x",), axis_types=(AxisType.Explicit,))
-    if cfg["parallel"] == "token":
-        raise ValueError("parallel: token needs the per-token inputs split too; use tests/test_jax_sharded.py")
-    if cfg["vocab"] % n:
-        raise ValueError(f"vocab: {cfg['vocab']} is not a multiple of the {n} devices (vocab_axis splits it evenly)")
-    specs = (P(), P("x"))
-    step = jax.shard_map(
-        lambda x, wt: jax.value_and_grad(lambda x, wt: kernel(x, wt, "x"), (0, 1))(x, wt),
-        mesh=mesh, in_specs=specs, out_specs=(P(), (P(), P("x"))),
-    )  # fmt: skip
-    placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((h, w), specs)]
+    shape = {"token": (n, 1), "vocab": (1, n), "2d": (2, n // 2)}[cfg["parallel"]]
+    if cfg["batch"] % shape[0]:
+        raise ValueError(f"batch: {cfg['batch']} is not a multiple of the {shape[0]} token groups")
+    if cfg["vocab"] % shape[1]:
+        raise ValueError(f"vocab: {cfg['vocab']} is not a multiple of the {shape[1]} vocab groups")
+    names = tuple(a for a, k in zip(("t", "v"), shape) if k > 1)  # a 1-D mesh unless 2d
+    mesh = jax.make_mesh(tuple(k for k in shape if k > 1), names, axis_types=(AxisType.Explicit,) * len(names))
+    axes = dict(token_axis="t" if "t" in names else None, vocab_axis="v" if "v" in names else None)
+    rows, block = P(axes["token_axis"]), P(axes["vocab_axis"])
+    specs = (rows, block) + (rows,) * len(tokens)
+
+    def local(x, wt, *tok):
+        return jax.value_and_grad(lambda x, wt: kernel(x, wt, *tok, **axes), (0, 1))(x, wt)
+
+    step = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(P(), (rows, block)))
+    placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((h, w) + tokens, specs)]
     return jax.jit(step)(*placed)
 
 
@@ -150,8 +158,8 @@ def load(path, overrides):
     cfg = load_yaml(path, overrides, DEFAULTS)
     if cfg["loss_type"] not in LOSS_TYPES:
         raise ValueError(f"loss_type: the reference covers {LOSS_TYPES}, got {cfg['loss_type']!r}")
-    if cfg["parallel"] not in ("none", "token", "vocab"):
-        raise ValueError(f"parallel: expected none, token or vocab, got {cfg['parallel']!r}")
+    if cfg["parallel"] not in ("none", "token", "vocab", "2d"):
+        raise ValueError(f"parallel: expected none, token, vocab or 2d, got {cfg['parallel']!r}")
     return cfg
 
 
