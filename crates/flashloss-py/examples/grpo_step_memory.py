@@ -112,21 +112,21 @@ def main():
     if args.arm:
         print(json.dumps(arm(args.arm, args)))
         return
-    results = {}
+    results = []
     for name in args.arms.split(","):
         cmd = [sys.executable, __file__, "--arm", name] + sys.argv[1:]
         print(f"arm {name} ...", file=sys.stderr, flush=True)
-        results[name] = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
-    first = next(iter(results.values()))
+        results.append(json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout))
 
     def best(r):  # the fastest step after the first (compilation, warm-up)
         return min(r["step_seconds"][1:] or r["step_seconds"])
 
+    first = results[0]
     summary = dict(
-        results=list(results.values()),
-        step_memory_ratio_to_first={k: r["step_peak_above_model_mib"] / first["step_peak_above_model_mib"]
-                                    for k, r in results.items()},
-        step_time_ratio_to_first={k: best(r) / best(first) for k, r in results.items()},
+        results=results,
+        step_memory_ratio_to_first=[r["step_peak_above_model_mib"] / first["step_peak_above_model_mib"]
+                                    for r in results],
+        step_time_ratio_to_first=[best(r) / best(first) for r in results],
     )  # fmt: skip
     print(json.dumps(summary, indent=1))
 
