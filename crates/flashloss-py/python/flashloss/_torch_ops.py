@@ -56,6 +56,25 @@ def _scale(grad: Tensor, grads: tuple, dtypes: tuple) -> list:
     return [None if dt is None else (grad * g).to(dt) for g, dt in zip(grads, dtypes)]
 
 
+def _fake_grads(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """The fake (meta) gradient buffers of a head."""
+    f32 = dict(dtype=torch.float32)
+    db = hidden.new_empty((0,) if bias is None else bias.shape, **f32)
+    return hidden.new_empty(hidden.shape, **f32), hidden.new_empty(weight.shape, **f32), db
+
+
+def _ce_call(hidden, weight, bias, targets, grad_rows, config, mode, budget_mib, group):
+    """The native CE call: ``(result dict, per-row losses, dhidden, dweight, dbias)``,
+    gradients times ``grad_rows`` where given."""
+    dh, dw, db = _zeros_f32(hidden), _zeros_f32(weight), _grad_bias(bias, hidden)
+    rows = torch.empty(targets.shape, dtype=torch.float32)
+    out = _native.ce_linear(
+        hidden, weight, bias, targets, config, mode, budget_mib, grad_rows, dh, dw,
+        None if bias is None else db, rows, _stream(hidden.device), _dist.ops(group),
+    )  # fmt: skip
+    return out, rows, dh, dw, db
+
+
 def _head_setup(ctx, inputs, output) -> None:
     """Saves the head's gradients (outputs 1-3; output 0 is the loss) for the backward."""
     hidden, weight, bias = inputs[:3]
@@ -103,17 +122,9 @@ def grpo_linear(
 
 @grpo_linear.register_fake
 def _(hidden, weight, bias, completion_ids, *args):
-    f32 = dict(dtype=torch.float32)
-    per_token = tuple(hidden.new_empty(completion_ids.shape, **f32) for _ in range(3))
-    db = hidden.new_empty((0,) if bias is None else bias.shape, **f32)
-    return (
-        hidden.new_empty((), **f32),
-        hidden.new_empty(hidden.shape, **f32),
-        hidden.new_empty(weight.shape, **f32),
-        db,
-        *per_token,
-        hidden.new_empty((len(METRICS),), dtype=torch.float64),
-    )
+    per_token = tuple(hidden.new_empty(completion_ids.shape, dtype=torch.float32) for _ in range(3))
+    loss, metrics = hidden.new_empty((), dtype=torch.float32), hidden.new_empty((len(METRICS),), dtype=torch.float64)
+    return (loss, *_fake_grads(hidden, weight, bias), *per_token, metrics)
 
 
 def _grpo_linear_backward(ctx, grad, *_):
@@ -138,20 +149,13 @@ def ce_linear(
     group: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(loss, dhidden, dweight, dbias)`` of reduction ``mean`` or ``sum``."""
-    dh, dw, db = _zeros_f32(hidden), _zeros_f32(weight), _grad_bias(bias, hidden)
-    rows = torch.empty(targets.shape, dtype=torch.float32)
-    out = _native.ce_linear(
-        hidden, weight, bias, targets, config, mode, budget_mib, None, dh, dw,
-        None if bias is None else db, rows, _stream(hidden.device), _dist.ops(group),
-    )  # fmt: skip
+    out, _, dh, dw, db = _ce_call(hidden, weight, bias, targets, None, config, mode, budget_mib, group)
     return torch.tensor(out["loss"], dtype=torch.float32, device=hidden.device), dh, dw, db
 
 
 @ce_linear.register_fake
 def _(hidden, weight, bias, *args):
-    f32 = dict(dtype=torch.float32)
-    db = hidden.new_empty((0,) if bias is None else bias.shape, **f32)
-    return hidden.new_empty((), **f32), hidden.new_empty(hidden.shape, **f32), hidden.new_empty(weight.shape, **f32), db
+    return (hidden.new_empty((), dtype=torch.float32), *_fake_grads(hidden, weight, bias))
 
 
 def _ce_linear_backward(ctx, grad, *_):
@@ -174,21 +178,13 @@ def ce_linear_rows_backward(
     group: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``Σ_i grad_rows_i · ∂loss_i/∂(hidden, weight, bias)`` (f32)."""
-    dh, dw, db = _zeros_f32(hidden), _zeros_f32(weight), _grad_bias(bias, hidden)
-    rows = torch.empty(targets.shape, dtype=torch.float32)
     g = grad_rows.detach().to(device="cpu", dtype=torch.float32).contiguous()
-    _native.ce_linear(
-        hidden, weight, bias, targets, config, mode, budget_mib, g, dh, dw,
-        None if bias is None else db, rows, _stream(hidden.device), _dist.ops(group),
-    )  # fmt: skip
-    return dh, dw, db
+    return _ce_call(hidden, weight, bias, targets, g, config, mode, budget_mib, group)[2:]
 
 
 @ce_linear_rows_backward.register_fake
 def _(hidden, weight, bias, *args):
-    f32 = dict(dtype=torch.float32)
-    db = hidden.new_empty((0,) if bias is None else bias.shape, **f32)
-    return hidden.new_empty(hidden.shape, **f32), hidden.new_empty(weight.shape, **f32), db
+    return _fake_grads(hidden, weight, bias)
 
 
 @torch.library.custom_op("flashloss::ce_linear_rows", mutates_args=())
@@ -203,14 +199,8 @@ def ce_linear_rows(
     group: str,
 ) -> Tensor:
     """Each row's loss (reduction ``none``), f32 ``[N]``."""
-    rows = torch.empty(targets.shape, dtype=torch.float32)
     zero = torch.zeros(targets.shape, dtype=torch.float32)
-    dh, dw, db = _zeros_f32(hidden), _zeros_f32(weight), _zeros_f32(bias)
-    _native.ce_linear(
-        hidden, weight, bias, targets, config, mode, budget_mib, zero, dh, dw, db, rows,
-        _stream(hidden.device), _dist.ops(group),
-    )  # fmt: skip
-    return rows.to(hidden.device)
+    return _ce_call(hidden, weight, bias, targets, zero, config, mode, budget_mib, group)[1].to(hidden.device)
 
 
 @ce_linear_rows.register_fake

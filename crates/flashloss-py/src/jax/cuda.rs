@@ -9,7 +9,7 @@
 
 use super::ffi::{self, Buffer, CallFrame, StreamGetArgs};
 use super::frame::{Frame, Result, bad, handle};
-use super::handlers::{Tokens, grpo_outputs, options, parse};
+use super::handlers::{Tokens, ce_outputs, grpo_outputs, options, parse};
 use crate::front::gpu;
 use cudarc::driver::{result as cu, sys};
 use flashloss::cuda::BorrowedHead;
@@ -337,12 +337,7 @@ unsafe extern "C" fn ce_linear(frame: *mut CallFrame) -> *mut c_void {
                     &opts,
                 )?,
             };
-            f.ret(0, "loss")?.f32s_mut()?[0] = out.loss as f32;
-            f.ret(4, "row_loss")?
-                .f32s_mut()?
-                .copy_from_slice(&out.row_loss);
-            f.ret(5, "count")?.f32s_mut()?[0] = out.count as f32;
-            Ok(())
+            ce_outputs(f, &out)
         })
     }
 }

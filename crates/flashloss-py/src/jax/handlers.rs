@@ -262,14 +262,19 @@ unsafe extern "C" fn ce_linear(frame: *mut CallFrame) -> *mut c_void {
                 let args = HeadArgs::Host { inputs: &inputs, grads: grads(f, 1)? };
                 Ok(cpu().ce_linear_into(&ce, &targets, grad_rows, args, &opts)?)
             })?;
-            f.ret(0, "loss")?.f32s_mut()?[0] = out.loss as f32;
-            f.ret(4, "row_loss")?
-                .f32s_mut()?
-                .copy_from_slice(&out.row_loss);
-            f.ret(5, "count")?.f32s_mut()?[0] = out.count as f32;
-            Ok(())
+            ce_outputs(f, &out)
         })
     }
+}
+
+/// Writes a CE call's loss (result 0), per-row losses (4) and counted rows (5).
+pub(super) fn ce_outputs(f: &Frame, out: &flashloss::fused::CeLinearOutput) -> Result<()> {
+    f.ret(0, "loss")?.f32s_mut()?[0] = out.loss as f32;
+    f.ret(4, "row_loss")?
+        .f32s_mut()?
+        .copy_from_slice(&out.row_loss);
+    f.ret(5, "count")?.f32s_mut()?[0] = out.count as f32;
+    Ok(())
 }
 
 /// Per-row log-probs and entropy (no gradient). Arguments: hidden, weight, bias, ids
