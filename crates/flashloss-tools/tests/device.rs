@@ -1,7 +1,8 @@
 //! The front door (`flashloss::Device`): a kept workspace changes no bit of any result,
 //! across shapes that grow and shrink it; inputs are validated and gradients checked on
 //! every entry point (the neutral drivers, not the backend); log-probs need no gradient
-//! buffers; sharded runs fail together on a gradient that leaves f32.
+//! buffers; sharded runs fail together on a gradient that leaves f32; the split passes
+//! (GRPO, cross-entropy) and the sharded log-probs equal the whole head's results.
 
 mod common;
 use common::*;
@@ -290,6 +291,193 @@ fn split_passes_over_three_shards_equal_the_fused_step() {
         assert_close("dbias", part.dbias.as_ref().unwrap(), &f64s(db), 1e-5);
     }
     assert_close("dhidden", &dhidden, &f64s(&whole.grads.dhidden), 1e-5);
+}
+
+#[test]
+fn split_cross_entropy_over_three_shards_equals_the_fused_call() {
+    use flashloss::rows::PartialStats;
+    use flashloss::{CeConfig, CrossEntropy, Reduction};
+    let (n, h, v) = (11, 8, 301);
+    let head = Head::<f32>::random(n, h, v, true, 21);
+    let x = draw(1, n, v, 22);
+    let mut targets = x.batch().target_ids.to_vec();
+    targets[3] = -100; // an ignored row
+    let device = Device::cpu();
+    for (reduction, grad_rows) in [
+        (Reduction::Mean, None),
+        (Reduction::None, Some(vec![0.5f32; n])),
+    ] {
+        let ce = CrossEntropy::new(CeConfig {
+            label_smoothing: 0.1,
+            z_loss: 1e-3,
+            softcap: Some(4.0),
+            temperature: 0.8,
+            reduction,
+            ..Default::default()
+        })
+        .unwrap();
+        let g = grad_rows.as_deref();
+        let whole = device
+            .ce_linear(&ce, &targets, g, &head.inputs(), &opts(Mode::TwoPass))
+            .unwrap();
+        let shards = [0..100, 100..201, 201..301];
+        let slice = |r: &std::ops::Range<usize>| LinearInputs {
+            weight: &head.weight[r.start * h..r.end * h],
+            bias: head.bias.as_deref().map(|bb| &bb[r.clone()]),
+            vocab: r.len(),
+            ..head.inputs()
+        };
+        let shard = |r: &std::ops::Range<usize>| Shard {
+            offset: r.start,
+            vocab: v,
+        };
+        let inv_temp = (1.0 / 0.8f64) as f32;
+        let mut merged = PartialStats::empty(n, inv_temp);
+        for r in &shards {
+            let inputs = slice(r);
+            let part = device
+                .ce_partial_row_states(
+                    HeadArgs::host(&inputs),
+                    shard(r),
+                    &ce,
+                    &targets,
+                    &opts(Mode::Auto),
+                )
+                .unwrap();
+            merged.merge(&part);
+        }
+        let live: Vec<bool> = targets.iter().map(|&y| ce.counts(y)).collect();
+        let rows = flashloss::rows::RowInputs {
+            targets: &targets,
+            live: &live,
+            transform: flashloss::rows::RowTransform::ce(&ce),
+        };
+        let stats = merged.finish(&rows, v);
+        let mut dhidden = vec![0.0f32; n * h];
+        for r in &shards {
+            let inputs = slice(r);
+            let mut part = flashloss::LinearGrads::zeros(&inputs);
+            let args = HeadArgs::Host {
+                inputs: &inputs,
+                grads: part.view(),
+            };
+            let out = device
+                .ce_accumulate_row_grads(
+                    args,
+                    shard(r),
+                    &ce,
+                    &targets,
+                    g,
+                    stats.clone(),
+                    &opts(Mode::Auto),
+                )
+                .unwrap();
+            assert!((out.loss - whole.loss).abs() <= 1e-6 * whole.loss.abs().max(1.0));
+            assert_close("row_loss", &out.row_loss, &f64s(&whole.row_loss), 1e-6);
+            dhidden
+                .iter_mut()
+                .zip(&part.dhidden)
+                .for_each(|(a, p)| *a += p);
+            let dw = &whole.grads.dweight[r.start * h..r.end * h];
+            assert_close("dweight", &part.dweight, &f64s(dw), 1e-5);
+            let db = &whole.grads.dbias.as_ref().unwrap()[r.clone()];
+            assert_close("dbias", part.dbias.as_ref().unwrap(), &f64s(db), 1e-5);
+        }
+        assert_close("dhidden", &dhidden, &f64s(&whole.grads.dhidden), 1e-5);
+    }
+}
+
+#[test]
+fn sharded_log_probs_over_three_ranks_equal_the_whole_head() {
+    let (b, t, h, v) = (2, 5, 8, 301);
+    let head = Head::<f32>::random(b * t, h, v, true, 31);
+    let x = draw(b, t, v, 32);
+    let batch = x.batch();
+    let temperature = Temperature::new(0.7).unwrap();
+    let budget = opts(Mode::Auto).budget_bytes;
+    let (ids, mask) = (batch.target_ids, Some(batch.mask));
+    let whole = Device::cpu()
+        .logp_linear(
+            HeadArgs::host(&head.inputs()),
+            ids,
+            mask,
+            temperature,
+            budget,
+            t,
+        )
+        .unwrap();
+    let blocks = [0..90, 90..230, 230..301];
+    let results = run_in_process(3, Duration::from_secs(60), |comm| {
+        let r = blocks[comm.rank()].clone();
+        let inputs = LinearInputs {
+            weight: &head.weight[r.start * h..r.end * h],
+            bias: head.bias.as_deref().map(|bb| &bb[r.clone()]),
+            vocab: r.len(),
+            ..head.inputs()
+        };
+        let shard = Shard {
+            offset: r.start,
+            vocab: v,
+        };
+        let args = HeadArgs::host(&inputs);
+        Device::cpu().logp_linear_sharded(
+            &Grid::vocab(comm),
+            shard,
+            args,
+            ids,
+            mask,
+            temperature,
+            budget,
+            t,
+        )
+    });
+    for stats in results {
+        let stats = stats.unwrap();
+        for (i, (s, w)) in stats.iter().zip(&whole).enumerate() {
+            assert!(
+                (s.logp - w.logp).abs() <= 1e-5 * w.logp.abs().max(1.0),
+                "row {i}"
+            );
+            assert!(
+                (s.entropy - w.entropy).abs() <= 1e-5 * w.entropy.abs().max(1.0),
+                "row {i}"
+            );
+        }
+    }
+    let mut bad = batch.target_ids.to_vec();
+    let live = batch.mask.iter().position(|&m| m).unwrap();
+    bad[live] = v as i64; // beyond the whole vocabulary: the same error on every rank
+    let results = run_in_process(3, Duration::from_secs(60), |comm| {
+        let r = blocks[comm.rank()].clone();
+        let inputs = LinearInputs {
+            weight: &head.weight[r.start * h..r.end * h],
+            bias: None,
+            vocab: r.len(),
+            ..head.inputs()
+        };
+        let shard = Shard {
+            offset: r.start,
+            vocab: v,
+        };
+        Device::cpu().logp_linear_sharded(
+            &Grid::vocab(comm),
+            shard,
+            HeadArgs::host(&inputs),
+            &bad,
+            mask,
+            temperature,
+            budget,
+            t,
+        )
+    });
+    let errors: Vec<String> = results
+        .into_iter()
+        .map(|r| r.unwrap_err().to_string())
+        .collect();
+    assert!(
+        errors.iter().all(|e| e == &errors[0] && e.contains("301")),
+        "{errors:?}"
+    );
 }
 
 fn f64s(x: &[f32]) -> Vec<f64> {
