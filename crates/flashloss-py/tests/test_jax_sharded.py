@@ -262,3 +262,29 @@ def test_gradcheck_cli_passes_and_fails_with_its_gates(sets):
     assert json.loads(out.stdout)["passed"]
     strict = subprocess.run(cmd + ["--set=grad_rel=1e-12"], capture_output=True, text=True, timeout=600)
     assert strict.returncode == 1 and not json.loads(strict.stdout)["passed"]
+
+
+_EVERY_LOSS = """
+import itertools, sys
+from flashloss.jax import gradcheck
+types = gradcheck.LOSS_TYPES
+failed = []
+for lt, lvl, level in itertools.product(types, ("token", "sequence"), ("linear", "logits")):
+    if lt == "vespo" and lvl == "sequence":
+        continue  # refused, as TRL 1.16 does
+    cfg = gradcheck.load(sys.argv[1], [f"loss_type={lt}", f"importance_sampling_level={lvl}", f"level={level}"])
+    r = gradcheck.run(cfg)
+    print(lt, lvl, level, r["passed"], flush=True)
+    if not r["passed"]:
+        failed.append((lt, lvl, level, r["gates"]))
+assert not failed, failed
+"""
+
+
+def test_gradcheck_every_loss_type_and_level():
+    """The f64 reference of TRL's loss for every loss type, token and sequence level, on
+    both levels (LM head and logits): one process (the gradcheck turns x64 on)."""
+    config = os.path.join(os.path.dirname(__file__), "..", "..", "..", "configs", "jax", "gradcheck.yaml")
+    out = subprocess.run([sys.executable, "-c", _EVERY_LOSS, config], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count(" True") == 30, out.stdout

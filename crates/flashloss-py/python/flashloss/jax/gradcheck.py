@@ -1,9 +1,10 @@
-"""``flashloss.jax`` against an f64 JAX reference of TRL's GRPO loss on materialized
-logits (``jax.value_and_grad`` in float64): the loss and the gradients of the logits
-(logits level) or of ``hidden`` and ``weight`` (LM-head level), on one device or sharded
-over 8 simulated CPU devices (``parallel: token | vocab | 2d``; 2d is a 2 x 4 mesh). Prints ``loss_ref``,
-``loss_kernel``, ``abs_diff_loss``, ``max_abs_diff_*``, ``max_rel_diff_*`` and a PASS/FAIL
-line per gate (JSON with ``--json``); exits 0 only if every gate passes.
+"""``flashloss.jax`` against an f64 JAX reference of TRL's GRPO loss (every loss type,
+token or sequence level) on materialized logits (``jax.value_and_grad`` in float64): the
+loss and the gradients of the logits (logits level) or of ``hidden`` and ``weight``
+(LM-head level), on one device or sharded over 8 simulated CPU devices (``parallel:
+token | vocab | 2d``; 2d is a 2 x 4 mesh). Prints ``loss_ref``, ``loss_kernel``,
+``abs_diff_loss``, ``max_abs_diff_*``, ``max_rel_diff_*`` and a PASS/FAIL line per gate
+(JSON with ``--json``); exits 0 only if every gate passes.
 
     python -m flashloss.jax.gradcheck --config configs/jax/gradcheck.yaml [--set parallel=vocab] [--json]
 """
@@ -18,30 +19,61 @@ import numpy as np
 
 from .._config import load_yaml
 
-DEFAULTS = dict(level="linear", loss_type="dapo", beta=0.04, temperature=0.9, use_bias_correction_kl=True,
+DEFAULTS = dict(level="linear", loss_type="dapo", importance_sampling_level="token", beta=0.04, temperature=0.9,
+                use_bias_correction_kl=True,
                 batch=4, seq_len=7, hidden=16, vocab=1003, dtype="float32", seed=0, parallel="none",
                 devices=8, loss_rel=1e-5, grad_rel=1e-4)  # fmt: skip
-LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+VESPO = (2.0, 3.0, 3.0, 2.0)  # k_pos, lambda_pos, k_neg, lambda_neg: TRL's defaults
+
+
+def _vespo_phi(jnp, jax, adv, log_ratio, m):
+    """vespo's per-sequence weight φ (no gradient), as TRL computes it."""
+    lower = float(np.log(1e-8))
+    log_w = jnp.clip((jnp.clip(log_ratio, -20.0, 20.0) * m).sum(-1, keepdims=True), lower, 20.0)
+    k_pos, lam_pos, k_neg, lam_neg = VESPO
+    pos = adv >= 0
+    k, lam = jnp.where(pos, k_pos, k_neg), jnp.where(pos, lam_pos, lam_neg)
+    return jax.lax.stop_gradient(jnp.exp(lam + k * log_w - lam * jnp.exp(log_w)))
 
 
 def reference_loss(jnp, jax, logits, ids, mask, adv, old, ref, cfg):
-    """TRL's token-level clipped GRPO loss (with k3 KL) on ``logits`` ``[B, T, V]``."""
+    """TRL 1.16's ``GRPOTrainer._compute_loss`` on ``logits`` ``[B, T, V]`` for every loss
+    type, token or sequence level, k3 KL (bias-corrected or not), in the dtype of
+    ``logits`` (the reductions of ``docs/spec/losses.md``)."""
     b, t = ids.shape
     lp = jax.nn.log_softmax(logits / cfg["temperature"], axis=-1)
     logp = jnp.take_along_axis(lp, ids[..., None], -1)[..., 0]
-    r = jnp.exp(logp - old)
+    m = mask.astype(logp.dtype)
     a = adv[:, None]
-    loss = -jnp.minimum(r * a, jnp.clip(r, 0.8, 1.2) * a)
+    log_ratio = logp - old
+    if cfg["importance_sampling_level"] == "sequence":
+        log_ratio_iw = ((log_ratio * m).sum(-1) / jnp.maximum(m.sum(-1), 1.0))[:, None]
+    else:
+        log_ratio_iw = log_ratio
+    r = jnp.exp(log_ratio_iw)
+    lt = cfg["loss_type"]
+    if lt == "cispo":
+        loss = -jax.lax.stop_gradient(jnp.minimum(r, 1.2)) * a * logp
+    elif lt == "sapo":
+        temps = jnp.where(a > 0, 1.0, 1.05)
+        loss = -jax.nn.sigmoid(temps * (r - 1)) * 4 / temps * a
+    elif lt == "vespo":
+        loss = -_vespo_phi(jnp, jax, a, log_ratio, m) * a * logp
+    else:
+        loss = -jnp.minimum(r * a, jnp.clip(r, 0.8, 1.2) * a)
+    loss = jnp.broadcast_to(loss, logp.shape)
     if cfg["beta"]:
         d = ref - logp
         kl = jnp.exp(d) - d - 1
         loss = loss + cfg["beta"] * (kl * r if cfg["use_bias_correction_kl"] else kl)
-    m = mask.astype(loss.dtype)
-    if cfg["loss_type"] == "grpo":
+    if lt in ("grpo", "sapo"):
         return ((loss * m).sum(-1) / jnp.maximum(m.sum(-1), 1)).mean()
-    if cfg["loss_type"] == "dr_grpo":
+    if lt == "bnpo" or lt in ("dapo", "cispo", "vespo"):
+        return (loss * m).sum() / jnp.maximum(m.sum(), 1)
+    if lt == "dr_grpo":
         return (loss * m).sum() / (b * t)
-    return (loss * m).sum() / jnp.maximum(m.sum(), 1)
+    return (loss * m).sum() / b  # luspo
 
 
 def draw(cfg):
@@ -77,7 +109,9 @@ def run(cfg) -> dict:
     h, w = jnp.asarray(hidden, dt), jnp.asarray(weight, dt)
     ids_j, mask_j = jnp.asarray(ids), jnp.asarray(mask)
     adv_j, old_j, ref_j = (jnp.asarray(x, jnp.float32) for x in (adv, old, ref))
-    kw = dict(loss_type=cfg["loss_type"], beta=cfg["beta"], temperature=cfg["temperature"],
+    cap = 1.2 if cfg["loss_type"] == "cispo" else 0.2  # cispo's epsilon_high is the cap on r itself
+    kw = dict(loss_type=cfg["loss_type"], importance_sampling_level=cfg["importance_sampling_level"],
+              beta=cfg["beta"], temperature=cfg["temperature"], epsilon_high=cap,
               use_bias_correction_kl=cfg["use_bias_correction_kl"], max_completion_length=cfg["seq_len"])  # fmt: skip
     f64 = [jnp.asarray(x, jnp.float64) for x in (hidden, weight, adv, old, ref)]
     h64, w64 = jnp.asarray(h, jnp.float64), jnp.asarray(w, jnp.float64)
@@ -158,6 +192,8 @@ def load(path, overrides):
     cfg = load_yaml(path, overrides, DEFAULTS)
     if cfg["loss_type"] not in LOSS_TYPES:
         raise ValueError(f"loss_type: the reference covers {LOSS_TYPES}, got {cfg['loss_type']!r}")
+    if cfg["importance_sampling_level"] not in ("token", "sequence"):
+        raise ValueError(f"importance_sampling_level: token or sequence, got {cfg['importance_sampling_level']!r}")
     if cfg["parallel"] not in ("none", "token", "vocab", "2d"):
         raise ValueError(f"parallel: expected none, token, vocab or 2d, got {cfg['parallel']!r}")
     return cfg
