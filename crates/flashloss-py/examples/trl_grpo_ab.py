@@ -206,7 +206,7 @@ def plot(results, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig, axes = plt.subplots(1, 4, figsize=(19, 4))
     for key, ax in zip(("reward", "kl", "loss"), axes):
         for r, style in zip(results, ("-", "--")):
             ax.plot(r["step"], r[key], style, label=r["trainer"], linewidth=1.2)
@@ -214,6 +214,16 @@ def plot(results, path):
         ax.set_xlabel("GRPO step")
         ax.grid(alpha=0.3)
     axes[0].legend()
+    a, b = results
+    ax = axes[3]
+    for key in ("loss", "kl", "reward"):
+        diff = [abs(x - y) if x is not None and y is not None else None for x, y in zip(a[key], b[key])]
+        ax.plot(a["step"], [d if d else float("nan") for d in diff], ".", label=key, markersize=3)
+    ax.set_yscale("log")
+    ax.set_title("|difference| between the arms (0 not drawn)")
+    ax.set_xlabel("GRPO step")
+    ax.grid(alpha=0.3)
+    ax.legend()
     fig.suptitle("TRL 1.16 GRPO, tiny Qwen2 (random init), arithmetic reward: GRPOTrainer vs FlashlossGRPOTrainer")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -228,7 +238,7 @@ def main():
     p.add_argument("--batch", type=int, default=32, help="completions per step (per_device_train_batch_size)")
     p.add_argument("--generations", type=int, default=8, help="completions per prompt (num_generations)")
     p.add_argument("--completion", type=int, default=4, help="max_completion_length")
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=5e-3)
     p.add_argument("--beta", type=float, default=0.04)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2, help="torch threads and RAYON_NUM_THREADS (flashloss)")
