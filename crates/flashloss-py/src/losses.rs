@@ -272,6 +272,37 @@ pub fn ce_linear<'py>(
     Ok(d)
 }
 
+/// The per-row cross-entropy losses at `targets` `[N]` without gradients (reduction
+/// `none`'s forward), written into `out_row_loss` `[N]`; CPU tensors.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+#[pyo3(signature = (hidden, weight, bias, targets, config_json, budget_mib, out_row_loss))]
+pub fn ce_rows<'py>(
+    py: Python<'py>,
+    hidden: &Bound<'py, PyAny>,
+    weight: &Bound<'py, PyAny>,
+    bias: Option<&Bound<'py, PyAny>>,
+    targets: &Bound<'py, PyAny>,
+    config_json: &str,
+    budget_mib: f64,
+    out_row_loss: &Bound<'py, PyAny>,
+) -> PyResult<()> {
+    let ce = CrossEntropy::new(parse_json::<CeConfig>("config", config_json)?)
+        .map_err(|e| PyValueError::new_err(e.to_string()))?;
+    let opts = budget("two_pass", budget_mib)?;
+    let head = HeadTensors::new(hidden, weight, bias)?;
+    let targets = Tensor::new("target", targets, I64)?;
+    targets.expect_shape(&[head.tokens])?;
+    let targets = targets.i64s()?;
+    let out = with_element!(head.hidden.dtype, E => call_head::<E, _>(
+        py, &head, None, 0, |d, h| d.ce_row_losses(h, &ce, targets, &opts),
+    ))?;
+    write_f32(
+        &out.row_loss,
+        &mut Tensor::new("out_row_loss", out_row_loss, F32)?,
+    )
+}
+
 /// Per-token `logp` and entropy of `(hidden·weightᵀ + bias)/temperature` at `ids`
 /// `[B, T]` (where `mask`, if given, is set), written into `out_logp`, `out_entropy`;
 /// no gradient.

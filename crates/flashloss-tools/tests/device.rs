@@ -388,6 +388,39 @@ fn split_cross_entropy_over_three_shards_equals_the_fused_call() {
 }
 
 #[test]
+fn row_losses_without_gradients_equal_the_fused_calls() {
+    use flashloss::{CeConfig, CrossEntropy, Reduction};
+    let (n, h, v) = (13, 8, 301);
+    let head = Head::<f32>::random(n, h, v, true, 41);
+    let mut targets = draw(1, n, v, 42).batch().target_ids.to_vec();
+    targets[5] = -100;
+    let ce = CrossEntropy::new(CeConfig {
+        label_smoothing: 0.1,
+        z_loss: 1e-3,
+        softcap: Some(4.0),
+        temperature: 0.8,
+        reduction: Reduction::None,
+        ..Default::default()
+    })
+    .unwrap();
+    let device = Device::cpu();
+    let fused = device
+        .ce_linear(&ce, &targets, None, &head.inputs(), &opts(Mode::Auto))
+        .unwrap();
+    let rows = device
+        .ce_row_losses(
+            HeadArgs::host(&head.inputs()),
+            &ce,
+            &targets,
+            &opts(Mode::Auto),
+        )
+        .unwrap();
+    assert_close("row_loss", &rows.row_loss, &f64s(&fused.row_loss), 1e-6);
+    assert!((rows.loss - fused.loss).abs() <= 1e-6 * fused.loss.abs().max(1.0));
+    assert_eq!(rows.row_loss[5], 0.0);
+}
+
+#[test]
 fn sharded_log_probs_over_three_ranks_equal_the_whole_head() {
     let (b, t, h, v) = (2, 5, 8, 301);
     let head = Head::<f32>::random(b * t, h, v, true, 31);

@@ -243,6 +243,18 @@ impl Device {
         self.run(head, |h| fused::ce_linear(h, ce, targets, grad_rows, opts))
     }
 
+    /// The per-row cross-entropy losses without gradients (see
+    /// [`fused::ce_row_losses`]); no gradient buffer is made.
+    pub fn ce_row_losses<E: Element>(
+        &self,
+        head: HeadArgs<E>,
+        ce: &CrossEntropy,
+        targets: &[i64],
+        opts: &FusedOptions,
+    ) -> Result<CeLinearOutput> {
+        self.run(head, |h| fused::ce_row_losses(h, ce, targets, opts))
+    }
+
     /// Per-row `logp`, `lse` and entropy of `(hidden · weightᵀ + bias) / temperature`
     /// at `targets` (see [`fused::logp_linear`]); no gradient buffer is made.
     pub fn logp_linear<E: Element>(

@@ -198,7 +198,13 @@ def ce_linear_rows(
     budget_mib: float,
     group: str,
 ) -> Tensor:
-    """Each row's loss (reduction ``none``), f32 ``[N]``."""
+    """Each row's loss (reduction ``none``), f32 ``[N]``: on the CPU one statistics pass
+    (no gradient buffers); on a GPU or a vocab-parallel group, the fused call with zero
+    row gradients."""
+    if hidden.device.type == "cpu" and not group:
+        rows = torch.empty(targets.shape, dtype=torch.float32)
+        _native.ce_rows(hidden, weight, bias, targets, config, budget_mib, rows)
+        return rows
     zero = torch.zeros(targets.shape, dtype=torch.float32)
     return _ce_call(hidden, weight, bias, targets, zero, config, mode, budget_mib, group)[1].to(hidden.device)
 

@@ -62,6 +62,38 @@ pub fn ce_linear(
     Ok(out)
 }
 
+/// The per-row losses of `head`'s cross-entropy without gradients (reduction `none`'s
+/// forward): one pass over the vocabulary for the row statistics (2NHV FLOPs), no
+/// gradient buffers. The loss is summed as [`ce_linear`] sums it.
+pub fn ce_row_losses(
+    head: &mut dyn Head,
+    ce: &CrossEntropy,
+    targets: &[i64],
+    opts: &FusedOptions,
+) -> Result<CeLinearOutput> {
+    check_head(head, false)?;
+    let shape = head.shape();
+    let rows = CeRows::new(
+        ce,
+        targets,
+        shape.tokens,
+        shape.vocab,
+        opts.grad_output,
+        None,
+    )?;
+    let two_pass = FusedOptions {
+        mode: super::plan::Mode::TwoPass,
+        ..*opts
+    };
+    let plan = head.plan(&two_pass, false)?;
+    let inputs = rows.inputs(targets);
+    let stats = head
+        .passes(inputs, plan)?
+        .row_states()?
+        .finish(&inputs, shape.vocab);
+    rows.output(stats, plan)
+}
+
 /// The fused CE of checked `rows` with `plan`; in a vocab-parallel run, `split` merges
 /// the statistics of the head's shard with the other shards'.
 pub(crate) fn ce_linear_checked(
