@@ -23,6 +23,11 @@ pub(super) fn parse<T: serde::de::DeserializeOwned>(json: &str) -> Result<T> {
 
 pub(super) fn options(f: &Frame) -> Result<FusedOptions> {
     let mode: Mode = parse(&format!("{:?}", f.attr_str("mode")?))?;
+    options_of(f, mode)
+}
+
+/// The options of `mode` with the attribute `budget_mib` (checked positive).
+fn options_of(f: &Frame, mode: Mode) -> Result<FusedOptions> {
     let mib = f.attr_f64("budget_mib")?;
     if !(mib.is_finite() && mib > 0.0) {
         return Err(bad(
@@ -277,6 +282,29 @@ pub(super) fn ce_outputs(f: &Frame, out: &flashloss::fused::CeLinearOutput) -> R
     Ok(())
 }
 
+/// Per-row CE losses without gradients (reduction `none`'s forward: one statistics
+/// pass). Arguments: hidden, weight, bias, targets `[N]`; attributes: budget_mib,
+/// config. Result: row_loss `[N]`.
+unsafe extern "C" fn ce_rows(frame: *mut CallFrame) -> *mut c_void {
+    // SAFETY: XLA's frame.
+    unsafe {
+        handle(frame, |f| {
+            let ce = CrossEntropy::new(parse::<CeConfig>(f.attr_str("config")?)?)?;
+            let opts = options_of(f, Mode::TwoPass)?;
+            let (x, w, bias) = (f.arg(0, "hidden")?, f.arg(1, "weight")?, f.arg(2, "bias")?);
+            let targets = f.arg(3, "targets")?.ids()?;
+            let out = by_dtype!(x, E, code => {
+                let inputs = head::<E>(&x, &w, &bias, code)?;
+                Ok(cpu().ce_row_losses(HeadArgs::host(&inputs), &ce, &targets, &opts)?)
+            })?;
+            f.ret(0, "row_loss")?
+                .f32s_mut()?
+                .copy_from_slice(&out.row_loss);
+            Ok(())
+        })
+    }
+}
+
 /// Per-row log-probs and entropy (no gradient). Arguments: hidden, weight, bias, ids
 /// `[N]`, mask `[N]`; attributes: budget_mib, temperature. Results: logp, entropy `[N]`.
 unsafe extern "C" fn logp_linear(frame: *mut CallFrame) -> *mut c_void {
@@ -347,8 +375,9 @@ pub fn targets() -> Vec<(&'static str, super::ffi::Handler)> {
     all.extend([
         ("flashloss_grpo_linear", grpo_linear),
         ("flashloss_ce_linear", ce_linear),
+        ("flashloss_ce_rows", ce_rows),
         ("flashloss_logp_linear", logp_linear),
         ("flashloss_grpo_logits", grpo_logits),
-    ] as [(&'static str, super::ffi::Handler); 4]);
+    ] as [(&'static str, super::ffi::Handler); 5]);
     all
 }

@@ -80,6 +80,15 @@ def ce_linear(hidden, weight, bias, targets, grad_rows, *, config: str, mode: st
     )  # fmt: skip
 
 
+def ce_rows(hidden, weight, bias, targets, *, config: str, budget_mib: float):
+    """``row_loss[N]``: the per-row CE losses, one statistics pass (no gradient buffers)."""
+    n = targets.shape[0]
+    return _call(
+        "flashloss_ce_rows", (_like(hidden, (n,)),),
+        hidden, weight, _or_empty(bias, hidden.dtype), targets, budget_mib=float(budget_mib), config=config,
+    )[0]  # fmt: skip
+
+
 def logp_linear(hidden, weight, bias, ids, mask, *, temperature: float, budget_mib: float):
     """``(logp[N], entropy[N])`` (no gradient)."""
     n = ids.shape[0]
