@@ -229,13 +229,9 @@ pub fn ce_linear<'py>(
 ) -> PyResult<Bound<'py, PyDict>> {
     let group = VocabGroup::new(group)?;
     let parsed = (|| {
-        let ce = CrossEntropy::new(parse_json::<CeConfig>("config", config_json)?)
-            .map_err(|e| PyValueError::new_err(e.to_string()))?;
-        let opts = budget(mode, budget_mib)?;
-        let head = HeadTensors::new(hidden, weight, bias)?;
+        let (ce, opts, head, targets) =
+            ce_args(config_json, mode, budget_mib, hidden, weight, bias, targets)?;
         let grads = Grads::new(&head, grad_hidden, grad_weight, grad_bias)?;
-        let targets = Tensor::new("target", targets, I64)?;
-        targets.expect_shape(&[head.tokens])?;
         let grad_rows = Tensor::optional("grad_rows", grad_rows, F32)?;
         if let Some(g) = &grad_rows {
             g.expect_shape(&[head.tokens])?;
@@ -272,6 +268,25 @@ pub fn ce_linear<'py>(
     Ok(d)
 }
 
+/// A CE call's loss, plan options, head and `targets` `[N]`, each checked.
+fn ce_args<'py>(
+    config_json: &str,
+    mode: &str,
+    budget_mib: f64,
+    hidden: &Bound<'py, PyAny>,
+    weight: &Bound<'py, PyAny>,
+    bias: Option<&Bound<'py, PyAny>>,
+    targets: &Bound<'py, PyAny>,
+) -> PyResult<(CrossEntropy, FusedOptions, HeadTensors<'py>, Tensor<'py>)> {
+    let ce = CrossEntropy::new(parse_json::<CeConfig>("config", config_json)?)
+        .map_err(|e| PyValueError::new_err(e.to_string()))?;
+    let opts = budget(mode, budget_mib)?;
+    let head = HeadTensors::new(hidden, weight, bias)?;
+    let targets = Tensor::new("target", targets, I64)?;
+    targets.expect_shape(&[head.tokens])?;
+    Ok((ce, opts, head, targets))
+}
+
 /// The per-row cross-entropy losses at `targets` `[N]` without gradients (reduction
 /// `none`'s forward), written into `out_row_loss` `[N]`; CPU tensors.
 #[pyfunction]
@@ -287,12 +302,15 @@ pub fn ce_rows<'py>(
     budget_mib: f64,
     out_row_loss: &Bound<'py, PyAny>,
 ) -> PyResult<()> {
-    let ce = CrossEntropy::new(parse_json::<CeConfig>("config", config_json)?)
-        .map_err(|e| PyValueError::new_err(e.to_string()))?;
-    let opts = budget("two_pass", budget_mib)?;
-    let head = HeadTensors::new(hidden, weight, bias)?;
-    let targets = Tensor::new("target", targets, I64)?;
-    targets.expect_shape(&[head.tokens])?;
+    let (ce, opts, head, targets) = ce_args(
+        config_json,
+        "two_pass",
+        budget_mib,
+        hidden,
+        weight,
+        bias,
+        targets,
+    )?;
     let targets = targets.i64s()?;
     let out = with_element!(head.hidden.dtype, E => call_head::<E, _>(
         py, &head, None, 0, |d, h| d.ce_row_losses(h, &ce, targets, &opts),

@@ -37,9 +37,16 @@ def _zeros_f32(t: Optional[Tensor]) -> Optional[Tensor]:
     return None if t is None else torch.zeros(t.shape, dtype=torch.float32, device=t.device)
 
 
-def _grad_bias(bias: Optional[Tensor], like: Tensor) -> Tensor:
-    """The bias gradient's buffer (an empty tensor when there is no bias: an op returns tensors)."""
-    return like.new_empty((0,), dtype=torch.float32) if bias is None else _zeros_f32(bias)
+def _grad_buffers(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """The head's zeroed f32 gradient buffers; the bias's is empty when there is no bias
+    (an op returns tensors)."""
+    db = hidden.new_empty((0,), dtype=torch.float32) if bias is None else _zeros_f32(bias)
+    return _zeros_f32(hidden), _zeros_f32(weight), db
+
+
+def metrics_tensor(out: dict, device=None) -> Tensor:
+    """TRL's metrics of a native GRPO call's result, in :data:`METRICS` order (float64)."""
+    return torch.tensor([out[k] for k in METRICS], dtype=torch.float64, device=device)
 
 
 def _with_items(config: str, num_items: Optional[Tensor]) -> str:
@@ -66,7 +73,7 @@ def _fake_grads(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> tuple
 def _ce_call(hidden, weight, bias, targets, grad_rows, config, mode, budget_mib, group):
     """The native CE call: ``(result dict, per-row losses, dhidden, dweight, dbias)``,
     gradients times ``grad_rows`` where given."""
-    dh, dw, db = _zeros_f32(hidden), _zeros_f32(weight), _grad_bias(bias, hidden)
+    dh, dw, db = _grad_buffers(hidden, weight, bias)
     rows = torch.empty(targets.shape, dtype=torch.float32)
     out = _native.ce_linear(
         hidden, weight, bias, targets, config, mode, budget_mib, grad_rows, dh, dw,
@@ -107,7 +114,7 @@ def grpo_linear(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(loss, dhidden, dweight, dbias, logp, entropy, kl, metrics)``."""
     device = hidden.device
-    dh, dw, db = _zeros_f32(hidden), _zeros_f32(weight), _grad_bias(bias, hidden)
+    dh, dw, db = _grad_buffers(hidden, weight, bias)
     logp, entropy, kl = (torch.empty(completion_ids.shape, dtype=torch.float32) for _ in range(3))
     out = _native.grpo_linear(
         hidden, weight, bias, completion_ids, completion_mask, advantages, old_per_token_logps,
@@ -116,7 +123,7 @@ def grpo_linear(
         logp, entropy, kl, _stream(device), _dist.ops(group),
     )  # fmt: skip
     loss = torch.tensor(out["loss"], dtype=torch.float32, device=device)
-    metrics = torch.tensor([out[k] for k in METRICS], dtype=torch.float64, device=device)
+    metrics = metrics_tensor(out, device)
     return loss, dh, dw, db, logp.to(device), entropy.to(device), kl.to(device), metrics
 
 
@@ -286,7 +293,7 @@ def grpo_logits(
     if logits.shape[1] != t:
         dlogits = torch.nn.functional.pad(dlogits, (0, 0, 0, logits.shape[1] - t))
     loss = torch.tensor(out["loss"], dtype=torch.float32)
-    metrics = torch.tensor([out[k] for k in METRICS], dtype=torch.float64)
+    metrics = metrics_tensor(out)
     return loss, dlogits, logp, entropy, kl, metrics
 
 

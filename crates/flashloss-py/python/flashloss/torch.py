@@ -491,4 +491,4 @@ def _grpo_logits_in_place(logits, ids, mask, adv, old, ref, ratio, items, config
     )
     z[:, t:].zero_()
     loss = _GrpoLogits.apply(logits, z, torch.tensor(out["loss"], dtype=torch.float32))
-    return loss, torch.tensor([out[k] for k in ops.METRICS], dtype=torch.float64)
+    return loss, ops.metrics_tensor(out)

@@ -9,6 +9,7 @@
 use super::ffi::CallFrame;
 use super::frame::{Frame, Named, Result, bad, handle};
 use super::handlers::{by_dtype, grads, head, options, parse};
+use super::vocab::{merged_stats, offset_of};
 use crate::front::cpu;
 use flashloss::rows::RowStats;
 use flashloss::{CeConfig, CrossEntropy, HeadArgs, LinearInputs, Shard};
@@ -18,21 +19,13 @@ use std::ffi::c_void;
 /// `offset` (one int) and attribute `vocab` (the whole vocabulary's size).
 fn loss_and_shard(f: &Frame, offset: &Named) -> Result<(CrossEntropy, Shard)> {
     let ce = CrossEntropy::new(parse::<CeConfig>(f.attr_str("config")?)?)?;
+    let offset = offset_of(offset)?;
     let vocab = f.attr_i64("vocab")?;
-    let o = offset.ids()?;
-    match (o.as_slice(), vocab) {
-        ([o], v) if *o >= 0 && v >= 1 => Ok((
-            ce,
-            Shard {
-                offset: *o as usize,
-                vocab: v as usize,
-            },
-        )),
-        _ => Err(bad(
-            "offset",
-            format!("expected one non-negative id and vocab >= 1, got {o:?} and {vocab}"),
-        )),
+    if vocab < 1 {
+        return Err(bad("vocab", format!("must be >= 1, got {vocab}")));
     }
+    let vocab = vocab as usize;
+    Ok((ce, Shard { offset, vocab }))
 }
 
 /// Pass A. Arguments: hidden `[N, H]`, weight (block), bias (block or `[0]`), targets
@@ -96,12 +89,9 @@ unsafe extern "C" fn ce_vocab_grads(frame: *mut CallFrame) -> *mut c_void {
             }
             let stats = (0..n)
                 .map(|i| RowStats {
-                    max: cols[0][i],
-                    log_sum: cols[1][i],
-                    lse: (cols[0][i] as f64 * inv_temp as f64 + cols[1][i] as f64) as f32,
-                    entropy: cols[2][i],
                     logp: cols[3][i],
                     mean_logit: cols[4][i],
+                    ..merged_stats(cols[0][i], cols[1][i], cols[2][i], inv_temp)
                 })
                 .collect();
             let rows = f.arg(10, "grad_rows")?;

@@ -19,15 +19,27 @@ use flashloss::{GrpoLoss, HeadArgs, LinearInputs, Temperature};
 use std::ffi::c_void;
 use std::ops::Range;
 
-/// The shard's vocabulary range: `offset` (an int32 scalar argument) and its rows.
-fn shard(offset: &Named, rows: usize) -> Result<Range<usize>> {
+/// The first vocabulary id of a device's block: argument `offset` (one int).
+pub(super) fn offset_of(offset: &Named) -> Result<usize> {
     let o = offset.ids()?;
     match o.as_slice() {
-        [o] if *o >= 0 => Ok(*o as usize..*o as usize + rows),
+        [o] if *o >= 0 => Ok(*o as usize),
         _ => Err(bad(
             "offset",
             format!("expected one non-negative id, got {o:?}"),
         )),
+    }
+}
+
+/// A row's statistics over the whole vocabulary from its merged max and `log Σexp`
+/// (`lse = max·inv_temp + log Σexp`) and entropy; the other fields zero.
+pub(super) fn merged_stats(max: f32, log_sum: f32, entropy: f32, inv_temp: f32) -> RowStats {
+    RowStats {
+        max,
+        log_sum,
+        lse: (max as f64 * inv_temp as f64 + log_sum as f64) as f32,
+        entropy,
+        ..RowStats::default()
     }
 }
 
@@ -50,10 +62,8 @@ impl<'a> ShardCall<'a> {
         let t = Temperature::new(f.attr_f64("temperature")?)?;
         let (x, w, b) = (f.arg(0, "hidden")?, f.arg(1, "weight")?, f.arg(2, "bias")?);
         let (ids, live) = (f.arg(3, "ids")?.ids()?, f.arg(4, "mask")?.bools()?);
-        let range = shard(
-            &f.arg(5, "offset")?,
-            w.dims().first().copied().unwrap_or(0) as usize,
-        )?;
+        let start = offset_of(&f.arg(5, "offset")?)?;
+        let range = start..start + w.dims().first().copied().unwrap_or(0) as usize;
         let targets = local_ids(&ids, &range);
         let (transform, opts) = (RowTransform::with_temperature(t), options(f)?);
         Ok(ShardCall {
@@ -181,13 +191,7 @@ unsafe extern "C" fn vocab_grads(frame: *mut CallFrame) -> *mut c_void {
                 .map(|i| {
                     let (mx, ls) = (cols[0][i], cols[1][i]);
                     let c = transform.grpo_coefs(1.0, cols[3][i], cols[4][i]);
-                    let stats = RowStats {
-                        max: mx,
-                        log_sum: ls,
-                        lse: (mx as f64 * transform.inv_temp as f64 + ls as f64) as f32,
-                        entropy: cols[2][i],
-                        ..RowStats::default()
-                    };
+                    let stats = merged_stats(mx, ls, cols[2][i], transform.inv_temp);
                     let g = RowGrad {
                         stats,
                         coef_p: c.p,

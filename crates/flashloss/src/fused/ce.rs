@@ -81,11 +81,7 @@ pub fn ce_row_losses(
         opts.grad_output,
         None,
     )?;
-    let two_pass = FusedOptions {
-        mode: super::plan::Mode::TwoPass,
-        ..*opts
-    };
-    let plan = head.plan(&two_pass, false)?;
+    let plan = head.plan(&super::split::two_pass(opts), false)?;
     let inputs = rows.inputs(targets);
     let stats = head
         .passes(inputs, plan)?

@@ -42,7 +42,8 @@ fn check_rows(rows: &RowInputs, n: usize, v: usize) -> Result<()> {
     }
 }
 
-fn two_pass(opts: &FusedOptions) -> FusedOptions {
+/// `opts` in mode two-pass (the split passes and the statistics-only drivers).
+pub(super) fn two_pass(opts: &FusedOptions) -> FusedOptions {
     FusedOptions {
         mode: Mode::TwoPass,
         ..*opts

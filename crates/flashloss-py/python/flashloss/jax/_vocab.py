@@ -26,24 +26,28 @@ def _partial(x, w, bias, ids, mask, offset, temperature, budget, mode):
     )  # fmt: skip
 
 
+def _psum(x, axis):
+    """``x`` summed over ``axis`` (itself when the head is not split: ``axis`` None)."""
+    return x if axis is None else jax.lax.psum(x, axis)
+
+
 def _merge(part, mask, axis, temperature):
     """The row statistics over the whole vocabulary from every block's partial state
     (``axis`` None: one block, the whole head)."""
-    pmax = (lambda x: x) if axis is None else functools.partial(jax.lax.pmax, axis_name=axis)
-    psum = (lambda x: x) if axis is None else functools.partial(jax.lax.psum, axis_name=axis)
     mx, s, u, tgt = part
     live = mask
-    top = pmax(jnp.where(live, mx, -jnp.inf))
+    top = jnp.where(live, mx, -jnp.inf)
+    top = top if axis is None else jax.lax.pmax(top, axis)
     top = jnp.where(live, top, 0.0)
     inv_t = jnp.float32(1.0 / temperature)
     d = jnp.where(live & (s > 0), (mx - top) * inv_t, 0.0)
     f = jnp.where(live & (s > 0), jnp.exp(d), 0.0)
-    total = psum(s * f)
-    weighted = psum(f * (u + s * d))
+    total = _psum(s * f, axis)
+    weighted = _psum(f * (u + s * d), axis)
     total = jnp.where(live, total, 1.0)
     log_sum = jnp.log(total)
     entropy = jnp.where(live, log_sum - weighted / total, 0.0)
-    logp = jnp.where(live, (psum(tgt) - top) * inv_t - log_sum, 0.0)
+    logp = jnp.where(live, (_psum(tgt, axis) - top) * inv_t - log_sum, 0.0)
     return top, jnp.where(live, log_sum, 0.0), entropy, logp
 
 
@@ -173,8 +177,7 @@ def _ce_stats(x, w, bias, targets, axis, config, temperature, ignore_index, voca
     part = _ce_partial(x, w, bias, targets, offset, config, vocab, budget, mode)
     live = targets != ignore_index
     top, log_sum, entropy, logp = _merge(part[:4], live, axis, temperature)
-    sums = part[4] if axis is None else jax.lax.psum(part[4], axis)
-    mean = jnp.where(live, sums / jnp.float32(vocab) / jnp.float32(temperature), 0.0)
+    mean = jnp.where(live, _psum(part[4], axis) / jnp.float32(vocab) / jnp.float32(temperature), 0.0)
     return offset, (top, log_sum, entropy, logp, mean)
 
 
