@@ -2,11 +2,11 @@
 
 use gemm::Parallelism;
 
-/// A read-only f32 matrix view: element `(r, c)` is `data[r·row_stride + c·col_stride]`.
+/// A read-only matrix view: element `(r, c)` is `data[r·row_stride + c·col_stride]`.
 #[derive(Debug, Clone, Copy)]
-pub struct MatRef<'a> {
+pub struct MatRef<'a, T = f32> {
     /// Backing storage.
-    pub data: &'a [f32],
+    pub data: &'a [T],
     /// Rows.
     pub rows: usize,
     /// Columns.
@@ -17,9 +17,9 @@ pub struct MatRef<'a> {
     pub col_stride: usize,
 }
 
-impl<'a> MatRef<'a> {
+impl<'a, T> MatRef<'a, T> {
     /// A dense row-major `[rows, cols]` view.
-    pub fn row_major(data: &'a [f32], rows: usize, cols: usize) -> Self {
+    pub fn row_major(data: &'a [T], rows: usize, cols: usize) -> Self {
         MatRef {
             data,
             rows,

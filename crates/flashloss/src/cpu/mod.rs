@@ -5,6 +5,7 @@
 //! [`CpuHead`] is its [`crate::fused::Head`] for the fused LM-head losses.
 
 mod baseline_linear;
+pub mod bf16_gemm;
 mod grpo_logits;
 mod grpo_logits_staged;
 pub mod matmul;
@@ -19,6 +20,7 @@ mod unfused_logits;
 pub use baseline_linear::{
     BaselineWorkspace, ce_linear_baseline_into, grpo_linear_baseline, grpo_linear_baseline_into,
 };
+pub use bf16_gemm::Avx512Bf16;
 pub use grpo_logits::{grpo_logits_forward, grpo_logits_forward_sharded, grpo_logits_forward_with};
 pub use grpo_logits_staged::{StagedForward, grpo_logits_forward_staged};
 pub use online_softmax::{VOCAB_TILE, row_state, tile_state};

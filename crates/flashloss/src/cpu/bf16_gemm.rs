@@ -1,0 +1,414 @@
+//! bf16 products with f32 accumulation, `C (+)= A·B`, on AVX512-BF16's `vdpbf16ps`:
+//! each f32 lane does `c_j += a_2p·b_2p,j + a_2p+1·b_2p+1,j` (the bf16 products are exact
+//! in f32, the sums are rounded to nearest even; denormal inputs read as zero and
+//! denormal results are flushed). One instruction is 64 FLOPs against the f32 FMA's 32.
+//!
+//! Operands are packed in pairs along `k` into u32 words (`x_2p` in the low half,
+//! `x_2p+1` in the high half): A in panels of [`MR`] rows, `[m/MR][k/2][MR]`, B in panels
+//! of [`NR`] columns, `[n/NR][k/2][NR]`, zero-padded (an odd `k` and partial panels). A
+//! micro-kernel holds an `MR × NR` tile of C in `2·MR` registers and runs over the whole
+//! `k`: both panels stay in L2 (a B panel is 256 KiB at `k = 4096`). Operands come from
+//! bf16 (exact) or f32 (rounded to nearest even) strided views. Every entry of C sums its
+//! `k` terms in the same order whatever the thread count.
+
+use super::matmul::MatRef;
+use half::bf16;
+use rayon::prelude::*;
+
+/// Rows of an A panel (the register tile's height: `2·MR` accumulators of 16 lanes).
+pub const MR: usize = 14;
+/// Columns of a B panel (two 16-lane vectors).
+pub const NR: usize = 32;
+
+/// An element a packer reads: its bf16 bits.
+pub trait Bf16Bits: Copy + Send + Sync {
+    /// The bf16 bits (f32 rounded to nearest even).
+    fn bits(self) -> u16;
+}
+
+impl Bf16Bits for bf16 {
+    #[inline(always)]
+    fn bits(self) -> u16 {
+        self.to_bits()
+    }
+}
+
+impl Bf16Bits for f32 {
+    #[inline(always)]
+    fn bits(self) -> u16 {
+        bf16::from_f32(self).to_bits()
+    }
+}
+
+/// Operand words in panels of `P` along the outer dimension: `[outer/P][k/2][P]`.
+#[derive(Debug, Default)]
+pub struct Packed<const P: usize> {
+    words: Vec<u32>,
+    outer: usize,
+    pairs: usize,
+}
+
+/// An A operand `[m, k]`, in panels of [`MR`] rows.
+pub type PackedA = Packed<MR>;
+/// A B operand `[k, n]`, in panels of [`NR`] columns.
+pub type PackedB = Packed<NR>;
+
+impl<const P: usize> Packed<P> {
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        4 * self.words.capacity()
+    }
+
+    /// Bytes a packed `[outer, k]` operand takes.
+    pub fn bytes_for(outer: usize, k: usize) -> usize {
+        4 * outer.div_ceil(P) * P * k.div_ceil(2)
+    }
+
+    /// Packs `view`, `[outer, k]` with pairs along `k` (a view's columns), on up to
+    /// `threads` threads. The buffer is reused.
+    fn pack<S: Bf16Bits>(&mut self, view: MatRef<S>, threads: usize) {
+        let (outer, k) = (view.rows, view.cols);
+        let pairs = k.div_ceil(2);
+        let panel_words = P * pairs;
+        self.outer = outer;
+        self.pairs = pairs;
+        self.words.clear();
+        self.words.resize(outer.div_ceil(P) * panel_words, 0);
+        let pack_panel = |(q, dst): (usize, &mut [u32])| pack_panel::<S, P>(dst, view, q * P);
+        if threads > 1 && outer * k >= 1 << 16 {
+            self.words
+                .par_chunks_mut(panel_words)
+                .enumerate()
+                .for_each(pack_panel);
+        } else {
+            self.words
+                .chunks_mut(panel_words.max(1))
+                .enumerate()
+                .for_each(pack_panel);
+        }
+    }
+}
+
+impl PackedA {
+    /// Packs the A operand `a` `[m, k]`.
+    pub fn pack_a<S: Bf16Bits>(&mut self, a: MatRef<S>, threads: usize) {
+        self.pack(a, threads);
+    }
+}
+
+impl PackedB {
+    /// Packs the B operand `b` `[k, n]`.
+    pub fn pack_b<S: Bf16Bits>(&mut self, b: MatRef<S>, threads: usize) {
+        self.pack(b.t(), threads);
+    }
+}
+
+#[inline(always)]
+fn pair<S: Bf16Bits>(lo: S, hi: S) -> u32 {
+    lo.bits() as u32 | (hi.bits() as u32) << 16
+}
+
+/// One panel: outer rows `o0..o0 + P` of `view` (`[outer, k]`) into `dst` `[k/2][P]`.
+/// Contiguous `k` reads each row's pairs; a contiguous outer dimension interleaves two
+/// lines of `k` (runs of `P`, vectorized).
+fn pack_panel<S: Bf16Bits, const P: usize>(dst: &mut [u32], view: MatRef<S>, o0: usize) {
+    let (k, pairs) = (view.cols, view.cols.div_ceil(2));
+    let live = P.min(view.rows - o0);
+    let (rs, cs, d) = (view.row_stride, view.col_stride, view.data);
+    if cs == 1 {
+        for i in 0..live {
+            let row = &d[(o0 + i) * rs..][..k];
+            let (whole, odd) = row.split_at(k & !1);
+            for (p, two) in whole.chunks_exact(2).enumerate() {
+                dst[p * P + i] = pair(two[0], two[1]);
+            }
+            if let Some(&last) = odd.first() {
+                dst[(pairs - 1) * P + i] = last.bits() as u32;
+            }
+        }
+    } else if rs == 1 {
+        for (p, out) in dst.chunks_exact_mut(P).enumerate() {
+            let lo = &d[2 * p * cs + o0..][..live];
+            if 2 * p + 1 < k {
+                let hi = &d[(2 * p + 1) * cs + o0..][..live];
+                for ((w, &l), &h) in out.iter_mut().zip(lo).zip(hi) {
+                    *w = pair(l, h);
+                }
+            } else {
+                for (w, &l) in out.iter_mut().zip(lo) {
+                    *w = l.bits() as u32;
+                }
+            }
+        }
+    } else {
+        for i in 0..live {
+            for p in 0..pairs {
+                let at = |c: usize| d[(o0 + i) * rs + c * cs];
+                let hi = if 2 * p + 1 < k {
+                    at(2 * p + 1).bits()
+                } else {
+                    0
+                };
+                dst[p * P + i] = at(2 * p).bits() as u32 | (hi as u32) << 16;
+            }
+        }
+    }
+}
+
+/// Proof that this CPU runs AVX512-BF16 (`vdpbf16ps`): the products' entry point.
+#[derive(Debug, Clone, Copy)]
+pub struct Avx512Bf16(());
+
+impl Avx512Bf16 {
+    /// `Some` when the CPU has AVX512F and AVX512-BF16 (checked at run time).
+    pub fn detect() -> Option<Self> {
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bf16") {
+            return Some(Avx512Bf16(()));
+        }
+        None
+    }
+
+    /// `c = a·b` (or `c += a·b` when `accumulate`), `c` row-major `[a.m, b.n]` with rows
+    /// `ldc` apart, rows of C split over up to `threads` threads. Panics on inconsistent
+    /// shapes: callers pass validated sizes.
+    pub fn gemm(
+        self,
+        c: &mut [f32],
+        ldc: usize,
+        a: &PackedA,
+        b: &PackedB,
+        accumulate: bool,
+        threads: usize,
+    ) {
+        let (m, n, pairs) = (a.outer, b.outer, a.pairs);
+        assert_eq!(pairs, b.pairs, "inner dimensions");
+        if m == 0 || n == 0 {
+            return;
+        }
+        assert!(ldc >= n && c.len() >= (m - 1) * ldc + n, "matrix bounds");
+        let a_panels = m.div_ceil(MR);
+        let chunk_panels = if threads > 1 && m * n * pairs >= 1 << 17 {
+            a_panels.div_ceil(threads)
+        } else {
+            a_panels
+        };
+        let c = &mut c[..(m - 1) * ldc + n];
+        let run = |(chunk, c): (usize, &mut [f32])| {
+            let first = chunk * chunk_panels;
+            let panels = chunk_panels.min(a_panels - first);
+            for (q, b_panel) in b.words.chunks_exact(NR * pairs).enumerate() {
+                let (col, nr) = (q * NR, NR.min(n - q * NR));
+                for ip in 0..panels {
+                    let row = (first + ip) * MR;
+                    let a_panel = &a.words[(first + ip) * MR * pairs..][..MR * pairs];
+                    let (mr, at) = (MR.min(m - row), ip * MR * ldc + col);
+                    assert!(c.len() >= at + (mr - 1) * ldc + nr, "tile bounds");
+                    // SAFETY: `self` proves the CPU features; the panels hold `pairs`
+                    // words per row or column and the tile lies within `c` (checked).
+                    #[cfg(target_arch = "x86_64")]
+                    unsafe {
+                        kernel::tile(
+                            pairs,
+                            a_panel,
+                            b_panel,
+                            &mut c[at..],
+                            ldc,
+                            mr,
+                            nr,
+                            accumulate,
+                        )
+                    };
+                }
+            }
+        };
+        if chunk_panels < a_panels {
+            c.par_chunks_mut(chunk_panels * MR * ldc)
+                .enumerate()
+                .for_each(run);
+        } else {
+            run((0, c));
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod kernel {
+    use super::{MR, NR};
+    use std::arch::x86_64::*;
+
+    /// `c[i, j] (+)= Σ_p a[p, i]·b[p, j]` for `i < mr`, `j < nr`: an A panel `[pairs][MR]`
+    /// and a B panel `[pairs][NR]` of bf16 pairs; `c` rows are `ldc` apart.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub(super) unsafe fn tile(
+        pairs: usize,
+        a: &[u32],
+        b: &[u32],
+        c: &mut [f32],
+        ldc: usize,
+        mr: usize,
+        nr: usize,
+        accumulate: bool,
+    ) {
+        let mut lo = [_mm512_setzero_ps(); MR];
+        let mut hi = [_mm512_setzero_ps(); MR];
+        let (a, b, c) = (a.as_ptr(), b.as_ptr(), c.as_mut_ptr());
+        // SAFETY: the caller passes panels of `pairs·MR` and `pairs·NR` words and a tile
+        // of `mr` rows of `nr` columns within `c`; the masks keep to the `nr` columns.
+        unsafe {
+            for p in 0..pairs {
+                let b0: __m512bh = std::mem::transmute(_mm512_loadu_si512(b.add(p * NR).cast()));
+                let b1: __m512bh =
+                    std::mem::transmute(_mm512_loadu_si512(b.add(p * NR + 16).cast()));
+                let ap = a.add(p * MR);
+                for i in 0..MR {
+                    let ai: __m512bh = std::mem::transmute(_mm512_set1_epi32(*ap.add(i) as i32));
+                    lo[i] = _mm512_dpbf16_ps(lo[i], ai, b0);
+                    hi[i] = _mm512_dpbf16_ps(hi[i], ai, b1);
+                }
+            }
+            let mask = |cols: usize| ((1u32 << cols.min(16)) - 1) as __mmask16;
+            let (m0, m1) = (mask(nr), mask(nr.saturating_sub(16)));
+            for i in 0..mr {
+                let row = c.add(i * ldc);
+                let (mut x0, mut x1) = (lo[i], hi[i]);
+                if accumulate {
+                    x0 = _mm512_add_ps(_mm512_maskz_loadu_ps(m0, row), x0);
+                    x1 = _mm512_add_ps(_mm512_maskz_loadu_ps(m1, row.add(16)), x1);
+                }
+                _mm512_mask_storeu_ps(row, m0, x0);
+                _mm512_mask_storeu_ps(row.add(16), m1, x1);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn round(x: f32) -> f64 {
+        bf16::from_f32(x).to_f64()
+    }
+
+    /// Random-ish values over several binades.
+    fn values(len: usize, seed: u32) -> Vec<f32> {
+        (0..len)
+            .map(|i| {
+                let t = (i as f32 * 0.6180339 + seed as f32 * 0.1234).fract();
+                (t - 0.5) * (1.0 + (i % 7) as f32 * 3.0)
+            })
+            .collect()
+    }
+
+    /// `c (+)= a·b` in f64 on the bf16-rounded operands, against the packed product
+    /// through every packer path (contiguous `k`, contiguous outer, neither), with
+    /// poisoned entries beyond the tile left alone and one and three threads equal.
+    #[test]
+    fn matches_f64_products_of_rounded_operands() {
+        let Some(cpu) = Avx512Bf16::detect() else {
+            eprintln!("skipped: this CPU has no AVX512-BF16");
+            return;
+        };
+        for (m, k, n) in [
+            (1, 1, 1),
+            (13, 7, 33),
+            (14, 64, 32),
+            (29, 101, 70),
+            (45, 256, 97),
+        ] {
+            for (layout, accumulate) in [(0, false), (1, true), (2, false)] {
+                let a_data = values(m * k + 5, 1);
+                let b_data = values(k * n + 5, 2);
+                // layout 0: a row-major, b row-major; 1: both transposed; 2: strided.
+                let (a, b) = match layout {
+                    0 => (
+                        MatRef::row_major(&a_data, m, k),
+                        MatRef::row_major(&b_data, k, n),
+                    ),
+                    1 => (
+                        MatRef::row_major(&a_data, k, m).t(),
+                        MatRef::row_major(&b_data, n, k).t(),
+                    ),
+                    _ => (
+                        MatRef {
+                            data: &a_data,
+                            rows: m,
+                            cols: k,
+                            row_stride: 1,
+                            col_stride: m,
+                        },
+                        MatRef {
+                            data: &b_data,
+                            rows: k,
+                            cols: n,
+                            row_stride: n,
+                            col_stride: 1,
+                        },
+                    ),
+                };
+                let a16: Vec<bf16> = a_data.iter().map(|&x| bf16::from_f32(x)).collect();
+                let a16 = MatRef {
+                    data: &a16[..],
+                    rows: a.rows,
+                    cols: a.cols,
+                    row_stride: a.row_stride,
+                    col_stride: a.col_stride,
+                };
+                let ldc = n + 3;
+                let init = values(m * ldc, 3);
+                let mut results = Vec::new();
+                for threads in [1, 3] {
+                    let (mut pa, mut pb) = (PackedA::default(), PackedB::default());
+                    if layout == 1 {
+                        pa.pack_a(a16, threads);
+                    } else {
+                        pa.pack_a(a, threads);
+                    }
+                    pb.pack_b(b, threads);
+                    let mut c = init.clone();
+                    c.iter_mut().enumerate().for_each(|(i, x)| {
+                        if i % ldc >= n {
+                            *x = f32::NAN;
+                        }
+                    });
+                    cpu.gemm(&mut c, ldc, &pa, &pb, accumulate, threads);
+                    for i in 0..m {
+                        for j in 0..ldc {
+                            let got = c[i * ldc + j];
+                            if j >= n {
+                                assert!(got.is_nan(), "({i},{j}) beyond the tile was written");
+                                continue;
+                            }
+                            let get = |v: MatRef<f32>, r: usize, s: usize| {
+                                v.data[r * v.row_stride + s * v.col_stride]
+                            };
+                            let dot: f64 = (0..k)
+                                .map(|p| round(get(a, i, p)) * round(get(b, p, j)))
+                                .sum();
+                            let want = dot
+                                + if accumulate {
+                                    init[i * ldc + j] as f64
+                                } else {
+                                    0.0
+                                };
+                            let scale: f64 = (0..k)
+                                .map(|p| (round(get(a, i, p)) * round(get(b, p, j))).abs())
+                                .sum::<f64>()
+                                + init[i * ldc + j].abs() as f64;
+                            assert!(
+                                (got as f64 - want).abs()
+                                    <= 1e-6 * scale.max(1e-30) * (k as f64).sqrt(),
+                                "[{m}x{k}x{n}] layout {layout} ({i},{j}): {got} vs {want}"
+                            );
+                        }
+                    }
+                    results.push(c);
+                }
+                let bits = |c: &Vec<f32>| c.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&results[0]), bits(&results[1]), "thread counts differ");
+            }
+        }
+    }
+}
