@@ -203,6 +203,7 @@ pub fn batch_validation(data: &[u8]) {
     let inputs = head.inputs();
     for mode in [Mode::SinglePass, Mode::TwoPass] {
         let opts = FusedOptions {
+            bf16_products: Default::default(),
             mode,
             budget_bytes: flashloss::cpu::gemm_reserve_bytes() + (1 << 20),
             grad_output,

@@ -152,6 +152,12 @@ fn print_bench(report: &BenchReport) {
     if let Some(g) = r0.gemm_gflops_per_s {
         println!("plain GEMM [N,H]x[H,V] (same run): {g:.1} GFLOP/s");
     }
+    let bf16_rate = report.results.iter().find_map(|r| r.bf16_gemm_gflops_per_s);
+    if let Some(g) = bf16_rate {
+        println!(
+            "bf16 product [N,H]x[H,V] on vdpbf16ps (same run; %gemm of a run on it): {g:.1} GFLOP/s"
+        );
+    }
     let (rate, share) = if linear {
         ("GFLOP/s", "%gemm")
     } else {
@@ -163,7 +169,10 @@ fn print_bench(report: &BenchReport) {
     );
     for r in &report.results {
         let (value, reference) = if linear {
-            (r.gflops_per_s, r.gemm_gflops_per_s)
+            (
+                r.gflops_per_s,
+                r.bf16_gemm_gflops_per_s.or(r.gemm_gflops_per_s),
+            )
         } else {
             (r.gbytes_per_s, r.copy_gbytes_per_s)
         };
@@ -182,7 +191,7 @@ fn print_bench(report: &BenchReport) {
         );
         if let Some(p) = &r.plan {
             println!(
-                "{:<10} plan: {} block_rows={} vocab_tile={} workspace={} gemm_reserve={}",
+                "{:<10} plan: {} block_rows={} vocab_tile={} workspace={} gemm_reserve={}{}",
                 "",
                 if p.compact {
                     "compact"
@@ -194,7 +203,11 @@ fn print_bench(report: &BenchReport) {
                 p.block_rows,
                 p.vocab_tile,
                 mib(p.workspace_bytes as f64),
-                mib(p.gemm_reserve_bytes as f64)
+                mib(p.gemm_reserve_bytes as f64),
+                match p.bf16_products {
+                    Some(products) => format!(" bf16_products={}", products.name()),
+                    None => String::new(),
+                }
             );
         }
         if let Some(used) = r.device_used_bytes {

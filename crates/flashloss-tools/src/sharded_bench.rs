@@ -22,7 +22,7 @@ use flashloss::fused::{ce_linear, grpo_linear};
 use flashloss::memory;
 use flashloss::policy::Normalizers;
 use flashloss::shard_range;
-use flashloss::{Device, FusedOptions, Grid, LinearGrads, Parallel, Shard};
+use flashloss::{Device, Grid, LinearGrads, Parallel, Shard};
 use flashloss::{Error, Result};
 use half::bf16;
 use rand::SeedableRng;
@@ -264,7 +264,7 @@ fn rank_typed<E: Element>(
     let (p, h, v) = (comm.world_size(), cfg.hidden, cfg.vocab);
     let loss = GrpoLoss::new(cfg.grpo.clone())?;
     let ce = CrossEntropy::new(cfg.ce.clone())?;
-    let opts = FusedOptions::from_mib(cfg.mode, cfg.budget_mib, 1.0);
+    let opts = cfg.fused_options();
     let in_process = engine == "in_process";
 
     // One rank, on rank 0, while the others wait in the barrier inside `timed`.

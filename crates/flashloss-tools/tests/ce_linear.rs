@@ -87,6 +87,7 @@ fn check<E: Element>(
     let grad_rows: Option<Vec<f32>> = (cfg.reduction == Reduction::None)
         .then(|| (0..n).map(|i| 0.5 + (i % 3) as f32 * 0.25).collect());
     let opts = FusedOptions {
+        bf16_products: Default::default(),
         mode,
         budget_bytes: flashloss::cpu::gemm_reserve_bytes() + (1 << 20),
         grad_output: 0.75,

@@ -25,6 +25,7 @@ fn loss() -> GrpoLoss {
 
 fn opts(mode: Mode) -> FusedOptions {
     FusedOptions {
+        bf16_products: Default::default(),
         mode,
         budget_bytes: flashloss::cpu::gemm_reserve_bytes() + (1 << 20),
         grad_output: 1.0,

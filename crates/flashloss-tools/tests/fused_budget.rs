@@ -43,6 +43,7 @@ fn fused_kernels_stay_within_the_budget() {
     };
     for mode in [Mode::Auto, Mode::TwoPass, Mode::Compact] {
         let opts = FusedOptions {
+            bf16_products: Default::default(),
             mode,
             budget_bytes: budget,
             grad_output: 1.0,

@@ -28,6 +28,7 @@ fn check<E: Element>(
     x.follow_policy(&z, loss.config().temperature);
     let batch = x.batch();
     let opts = FusedOptions {
+        bf16_products: Default::default(),
         mode,
         budget_bytes: flashloss::cpu::gemm_reserve_bytes() + (1 << 20),
         grad_output: 0.75,
@@ -300,6 +301,7 @@ fn compact_on_confident_rows() {
             x.follow_policy(&z, 1.0);
             let batch = x.batch();
             let opts = FusedOptions {
+                bf16_products: Default::default(),
                 mode: Mode::Compact,
                 budget_bytes: flashloss::cpu::gemm_reserve_bytes() + (1 << 20),
                 grad_output: 1.0,
@@ -321,6 +323,84 @@ fn compact_on_confident_rows() {
                     .fold(0.0f64, |m, (g, w)| m.max((*g as f64 - w).abs()));
                 eprintln!("{case} {name}: error {:.2e} of the largest", err / scale);
                 assert!(err <= COMPACT_GRAD_TOL * scale, "{case} {name}");
+            }
+        }
+    }
+}
+
+/// A bf16 head on every product path this CPU has (widened f32 products, and bf16
+/// operands on `vdpbf16ps` where it has AVX512-BF16: said where skipped), in every mode,
+/// on flat rows (hidden states scaled by 0.02: `p_y` near `1/V`), sampled ones and peaked
+/// ones (scaled by 8 and 32, the target the row's argmax: `p_y` near 1).
+/// The plan names the path that ran. bf16 products round `dZ` to bf16 (relative 2^-9),
+/// so their gradients differ from the reference by about 2^-9 of the largest entry
+/// (`--nocapture` prints it); the gate is the spec's bf16 one.
+#[test]
+fn bf16_products_on_flat_and_peaked_rows() {
+    let mut paths = vec![flashloss::Bf16Products::Widened];
+    match flashloss::cpu::Avx512Bf16::detect() {
+        Some(_) => paths.push(flashloss::Bf16Products::Avx512Bf16),
+        None => eprintln!("skipped: bf16 products on avx512bf16 (this CPU has no AVX512-BF16)"),
+    }
+    let (b, t, h, v) = (2, 9, 64, 2 * 2048 + 77);
+    for products in paths {
+        for sharpness in [0.02f32, 1.0, 8.0, 32.0] {
+            for mode in [Mode::TwoPass, Mode::SinglePass, Mode::Compact] {
+                let loss = GrpoLoss::new(GrpoLossConfig {
+                    loss_type: LossType::Dapo,
+                    beta: 0.04,
+                    entropy_coef: 0.01,
+                    ..Default::default()
+                })
+                .unwrap();
+                let mut head = Head::<bf16>::random(b * t, h, v, true, 5);
+                let sharpen = |x: &mut bf16| *x = bf16::from_f32(x.to_f32() * sharpness);
+                head.hidden.iter_mut().for_each(sharpen);
+                let z = linear_logits(&head.inputs());
+                let mut x = draw(b, t, v, 6);
+                if sharpness > 1.0 {
+                    for (i, id) in x.data.target_ids.iter_mut().enumerate() {
+                        let row = &z[i * v..(i + 1) * v];
+                        *id = (0..v).max_by(|&a, &c| row[a].total_cmp(&row[c])).unwrap() as i64;
+                    }
+                }
+                x.follow_policy(&z, 1.0);
+                let batch = x.batch();
+                let opts = FusedOptions {
+                    bf16_products: products,
+                    mode,
+                    budget_bytes: flashloss::cpu::gemm_reserve_bytes() + (4 << 20),
+                    grad_output: 1.0,
+                };
+                let out = grpo_linear(&loss, &batch, &head.inputs(), &opts).unwrap();
+                assert_eq!(out.plan.bf16_products, Some(products));
+                let r = grpo_reference(&loss, &batch, Normalizers::local(&batch), &z, v, 1.0);
+                let (dh, dw, db) = linear_grads(&head.inputs(), &r.dlogits);
+                let p_y = (0..b * t)
+                    .filter(|&i| batch.mask[i])
+                    .map(|i| r.logp[i].exp());
+                let (lo, hi) = p_y.fold((1.0f64, 0.0f64), |(lo, hi), p| (lo.min(p), hi.max(p)));
+                let case = format!(
+                    "{} {mode:?} sharpness {sharpness} (p_y {lo:.2e}..{hi:.2e})",
+                    products.name()
+                );
+                assert!(
+                    (out.loss - r.loss).abs() <= 1e-3 * r.loss.abs().max(1.0),
+                    "{case}: loss"
+                );
+                for (name, got, want) in [
+                    ("dH", &out.grads.dhidden, &dh),
+                    ("dW", &out.grads.dweight, &dw),
+                    ("dbias", out.grads.dbias.as_ref().unwrap(), &db),
+                ] {
+                    let scale = max_abs(want);
+                    let err = got
+                        .iter()
+                        .zip(want.iter())
+                        .fold(0.0f64, |m, (g, w)| m.max((*g as f64 - w).abs()));
+                    eprintln!("{case} {name}: error {:.2e} of the largest", err / scale);
+                    assert!(err <= 1e-2 * scale, "{case} {name}");
+                }
             }
         }
     }

@@ -259,6 +259,7 @@ fn fused_linear_out_of_range_is_an_error_in_both_modes() {
             }
             let batch = x.batch();
             let opts = FusedOptions {
+                bf16_products: Default::default(),
                 mode,
                 budget_bytes: flashloss::cpu::gemm_reserve_bytes() + (1 << 20),
                 grad_output: 1.0,
@@ -306,6 +307,7 @@ fn grad_output_at_f32_max_is_out_of_range_not_inf() {
     let batch = x.batch();
     for mode in [Mode::SinglePass, Mode::TwoPass] {
         let opts = FusedOptions {
+            bf16_products: Default::default(),
             mode,
             budget_bytes: flashloss::cpu::gemm_reserve_bytes() + (1 << 20),
             grad_output: f32::MAX,
@@ -374,6 +376,7 @@ fn upstream_scale_beyond_f32_with_products_within_it() {
     let head = Head::<f32>::random(b * t, h, v, true, 7);
     for mode in [Mode::SinglePass, Mode::TwoPass] {
         let opts = FusedOptions {
+            bf16_products: Default::default(),
             mode,
             budget_bytes: flashloss::cpu::gemm_reserve_bytes() + (1 << 20),
             grad_output: g,

@@ -14,7 +14,8 @@
 mod common;
 use common::valid_types;
 use flashloss::{
-    CeConfig, DType, GrpoLoss, GrpoLossConfig, LogitsLayout, LossType, Mode, Reduction,
+    Bf16Products, CeConfig, DType, GrpoLoss, GrpoLossConfig, LogitsLayout, LossType, Mode,
+    Reduction,
 };
 use flashloss_tools::gradcheck::{self, GradcheckConfig, Kernel, Objective};
 use flashloss_tools::inputs::{GrpoInputs, InputSpec};
@@ -209,6 +210,25 @@ proptest! {
     }
 }
 
+/// The head's dtype and, for bf16, the CPU's products: f32 (`None`), bf16 widened, and
+/// bf16 on `vdpbf16ps` where this CPU has AVX512-BF16 (said once where it has not).
+fn head_dtype() -> impl Strategy<Value = Option<Bf16Products>> {
+    static SAID: std::sync::Once = std::sync::Once::new();
+    let native = if flashloss::cpu::Avx512Bf16::detect().is_some() {
+        Bf16Products::Avx512Bf16
+    } else {
+        SAID.call_once(|| {
+            eprintln!("skipped: bf16 products on avx512bf16 (this CPU has no AVX512-BF16)")
+        });
+        Bf16Products::Widened
+    };
+    prop_oneof![
+        Just(None),
+        Just(Some(Bf16Products::Widened)),
+        Just(Some(native))
+    ]
+}
+
 /// A fused LM-head gradcheck config (GRPO or CE) of random shape and knobs.
 #[allow(clippy::too_many_arguments)]
 fn linear_cfg(
@@ -221,7 +241,7 @@ fn linear_cfg(
     ce: CeConfig,
     two_pass: bool,
     bias: bool,
-    bf16_dtype: bool,
+    bf16: Option<Bf16Products>,
     masked_fraction: f64,
     seed: u64,
 ) -> GradcheckConfig {
@@ -242,7 +262,12 @@ fn linear_cfg(
         } else {
             Mode::SinglePass
         },
-        dtype: if bf16_dtype { DType::Bf16 } else { DType::F32 },
+        dtype: if bf16.is_some() {
+            DType::Bf16
+        } else {
+            DType::F32
+        },
+        bf16_products: bf16.unwrap_or_default(),
         masked_fraction,
         seed,
         grad_output: 0.75,
@@ -270,11 +295,11 @@ proptest! {
     fn fused_grpo_matches_the_reference(
         b in 1usize..4, t in 1usize..6, v in vocab(), h in 1usize..9,
         knobs in knobs(),
-        two_pass in any::<bool>(), bias in any::<bool>(), bf16_dtype in any::<bool>(),
+        two_pass in any::<bool>(), bias in any::<bool>(), bf16 in head_dtype(),
         masked_fraction in 0.0f64..=1.0, seed in 0u64..1000, threads in 1usize..4,
     ) {
         let cfg = linear_cfg(b, t, v, h, Objective::Grpo, knobs.config(t), CeConfig::default(),
-            two_pass, bias, bf16_dtype, masked_fraction, seed);
+            two_pass, bias, bf16, masked_fraction, seed);
         run_linear(&cfg, threads)?;
     }
 }
@@ -305,11 +330,11 @@ proptest! {
     fn fused_ce_matches_the_reference(
         b in 1usize..4, t in 1usize..6, v in vocab(), h in 1usize..9,
         ce in ce_config(),
-        two_pass in any::<bool>(), bias in any::<bool>(), bf16_dtype in any::<bool>(),
+        two_pass in any::<bool>(), bias in any::<bool>(), bf16 in head_dtype(),
         masked_fraction in 0.0f64..=1.0, seed in 0u64..1000, threads in 1usize..4,
     ) {
         let cfg = linear_cfg(b, t, v, h, Objective::Ce, GrpoLossConfig::default(), ce,
-            two_pass, bias, bf16_dtype, masked_fraction, seed);
+            two_pass, bias, bf16, masked_fraction, seed);
         run_linear(&cfg, threads)?;
     }
 }
@@ -342,7 +367,7 @@ mod regressions {
             CeConfig::default(),
             false,
             false,
-            false,
+            None,
             0.0,
             0,
         );
@@ -372,7 +397,7 @@ mod regressions {
             ce,
             false,
             true,
-            false,
+            None,
             0.0,
             0,
         );

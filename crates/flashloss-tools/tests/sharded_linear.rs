@@ -27,6 +27,7 @@ const V: usize = 1031;
 
 fn opts() -> FusedOptions {
     FusedOptions {
+        bf16_products: Default::default(),
         mode: Mode::TwoPass,
         budget_bytes: flashloss::cpu::gemm_reserve_bytes() + (1 << 20),
         grad_output: 0.75,

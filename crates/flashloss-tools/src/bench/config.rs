@@ -1,8 +1,8 @@
 //! What a bench runs: the config file (`configs/bench/*.yaml`).
 
 use crate::gradcheck::Backend;
+use flashloss::{Bf16Products, FusedOptions, Mode, Parallel};
 use flashloss::{CeConfig, DType, GrpoLossConfig};
-use flashloss::{Mode, Parallel};
 use serde::{Deserialize, Serialize};
 
 /// Which implementations to run.
@@ -73,12 +73,24 @@ pub struct BenchConfig {
     /// Fused linear workspace budget in MiB (includes the GEMM reserve, or on the GPU
     /// the cuBLAS workspace).
     pub budget_mib: f64,
+    /// The CPU's products on a bf16 head (`auto`, `widened`, `avx512bf16`).
+    pub bf16_products: Bf16Products,
     /// Where the step runs (`cuda`: GPU 0, level `linear`, a build with feature `cuda`).
     pub device: Backend,
     /// The GRPO loss.
     pub grpo: GrpoLossConfig,
     /// The cross-entropy loss.
     pub ce: CeConfig,
+}
+
+impl BenchConfig {
+    /// The fused kernel's options (mode, budget, bf16 products), `grad_output` 1.
+    pub fn fused_options(&self) -> FusedOptions {
+        FusedOptions {
+            bf16_products: self.bf16_products,
+            ..FusedOptions::from_mib(self.mode, self.budget_mib, 1.0)
+        }
+    }
 }
 
 impl Default for BenchConfig {
@@ -99,6 +111,7 @@ impl Default for BenchConfig {
             seed: 0,
             mode: Mode::Auto,
             budget_mib: flashloss::fused::plan::DEFAULT_BUDGET_MIB,
+            bf16_products: Bf16Products::Auto,
             device: Backend::Cpu,
             grpo: GrpoLossConfig::default(),
             ce: CeConfig::default(),

@@ -7,6 +7,8 @@ use super::inputs::{linear_inputs, token_inputs};
 use super::report::{BenchReport, BenchResult, time_steps};
 use super::step::fused_step;
 use flashloss::batch::{LinearInputs, LogitsLayout};
+use flashloss::cpu::Avx512Bf16;
+use flashloss::cpu::bf16_gemm::{PackedA, PackedB};
 use flashloss::cpu::matmul::{MatRef, matmul};
 use flashloss::cpu::{
     BaselineWorkspace, CpuHead, UnfusedWorkspace, Workspace, ce_linear_baseline_into,
@@ -14,8 +16,8 @@ use flashloss::cpu::{
 };
 use flashloss::memory;
 use flashloss::policy::Normalizers;
+use flashloss::{Bf16Products, LinearGrads};
 use flashloss::{CrossEntropy, DType, Device, Element, Error, GrpoLoss, Result};
-use flashloss::{FusedOptions, LinearGrads};
 use half::bf16;
 use rayon::prelude::*;
 use std::convert::Infallible;
@@ -88,6 +90,7 @@ fn measure(
         flops: None,
         gflops_per_s: None,
         gemm_gflops_per_s: None,
+        bf16_gemm_gflops_per_s: None,
         plan: None,
         device_used_bytes: None,
     })
@@ -168,7 +171,7 @@ fn run_linear<E: Element>(
         }
     }
     if cfg.implementation != Impl::Baseline {
-        let opts = FusedOptions::from_mib(cfg.mode, cfg.budget_mib, 1.0);
+        let opts = cfg.fused_options();
         let mut plan = None;
         let mut ws = Workspace::new();
         let mut grads = LinearGrads::zeros(&inputs);
@@ -190,6 +193,11 @@ fn run_linear<E: Element>(
         r.flops = flops;
         r.gflops_per_s = flops.map(|f| f / r.step_seconds.median / 1e9);
         r.gemm_gflops_per_s = Some(gemm_gflops_per_s);
+        if plan.and_then(|p| p.bf16_products) == Some(Bf16Products::Avx512Bf16) {
+            let repeat = cfg.repeat.clamp(1, 3);
+            r.bf16_gemm_gflops_per_s =
+                bf16_gemm_rate(&hidden, &weight, (n, h, v), repeat, progress);
+        }
         r.plan = plan;
         report.results.push(r);
     }
@@ -223,6 +231,38 @@ fn gemm_rate(
         &mut |d, t| progress("gemm", d, t),
     );
     2.0 * n as f64 * h as f64 * v as f64 / timing.median / 1e9
+}
+
+/// GFLOP/s of the same product on the bf16 operands `hidden` `[N,H]` and `weight`
+/// `[V,H]` through `vdpbf16ps` (packing included; median of `repeat` after one warm-up);
+/// `None` for f32 operands or a CPU without AVX512-BF16.
+fn bf16_gemm_rate<E: Element>(
+    hidden: &[E],
+    weight: &[E],
+    (n, h, v): (usize, usize, usize),
+    repeat: usize,
+    progress: &mut dyn FnMut(&str, usize, usize),
+) -> Option<f64> {
+    let (cpu, hidden, weight) = (
+        Avx512Bf16::detect()?,
+        E::as_bf16(hidden)?,
+        E::as_bf16(weight)?,
+    );
+    let (mut a, mut b) = (PackedA::default(), PackedB::default());
+    let mut c = vec![0.0f32; n * v];
+    let threads = rayon::current_num_threads();
+    let Ok(timing) = time_steps::<Infallible>(
+        1,
+        repeat,
+        || {
+            a.pack_a(MatRef::row_major(hidden, n, h), threads);
+            b.pack_b(MatRef::row_major(weight, v, h).t(), threads);
+            cpu.gemm(&mut c, v, &a, &b, false, threads);
+            Ok(())
+        },
+        &mut |d, t| progress("bf16 gemm", d, t),
+    );
+    Some(2.0 * n as f64 * h as f64 * v as f64 / timing.median / 1e9)
 }
 
 fn run_logits<E: Element>(

@@ -65,6 +65,10 @@ pub struct BenchResult {
     /// Linear level: the plain `[N,H]×[H,V]` GEMM, same run, GFLOP/s.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub gemm_gflops_per_s: Option<f64>,
+    /// Linear level, bf16 head on a CPU with AVX512-BF16: the same product on bf16
+    /// operands (`vdpbf16ps`, packing included), same run, GFLOP/s.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bf16_gemm_gflops_per_s: Option<f64>,
     /// Linear level, fused: the plan that ran.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub plan: Option<Plan>,

@@ -1,8 +1,8 @@
 //! What gradcheck runs: the config file (`configs/gradcheck/*.yaml`) and its gates.
 
 use crate::inputs::InputSpec;
+use flashloss::{Bf16Products, Mode, Parallel};
 use flashloss::{CeConfig, DType, GrpoLossConfig};
-use flashloss::{Mode, Parallel};
 use serde::{Deserialize, Serialize};
 
 /// Which kernel gradcheck runs.
@@ -134,6 +134,8 @@ pub struct GradcheckConfig {
     pub mode: Mode,
     /// Workspace budget in MiB, GEMM reserve included (kernel `linear`).
     pub budget_mib: f64,
+    /// The CPU's products on a bf16 head (`auto`, `widened`, `avx512bf16`; kernel `linear`).
+    pub bf16_products: Bf16Products,
     /// Gates; unset ones take the spec's value for `dtype`.
     pub tolerance: Tolerance,
 }
@@ -170,6 +172,7 @@ impl Default for GradcheckConfig {
             bias: true,
             mode: Mode::Auto,
             budget_mib: 64.0,
+            bf16_products: Bf16Products::Auto,
             tolerance: Tolerance::default(),
         }
     }

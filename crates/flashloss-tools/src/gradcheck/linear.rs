@@ -136,7 +136,10 @@ impl<E: Element> LinearCase<E> {
         tokens.logits = Vec::new();
         let z = linear_logits(&head.inputs());
         tokens.follow_policy(&z, cfg.loss.temperature);
-        let opts = FusedOptions::from_mib(cfg.mode, cfg.budget_mib, cfg.grad_output as f32);
+        let opts = FusedOptions {
+            bf16_products: cfg.bf16_products,
+            ..FusedOptions::from_mib(cfg.mode, cfg.budget_mib, cfg.grad_output as f32)
+        };
         Ok(LinearCase {
             head,
             tokens,

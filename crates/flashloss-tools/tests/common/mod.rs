@@ -124,6 +124,7 @@ pub fn assert_modes_agree_and_threads_invariant(
             .unwrap();
         pool.install(|| {
             run(&FusedOptions {
+                bf16_products: Default::default(),
                 mode,
                 budget_bytes: 8 << 20,
                 grad_output: 1.0,

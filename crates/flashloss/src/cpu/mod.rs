@@ -11,6 +11,7 @@ mod grpo_logits_staged;
 pub mod matmul;
 mod online_softmax;
 mod passes;
+mod products;
 mod selective_log_softmax;
 pub(crate) mod simd;
 mod single_pass;

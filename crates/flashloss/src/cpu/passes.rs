@@ -4,17 +4,17 @@
 //! packing buffers. [`CpuHead`] is the CPU's [`Head`]: inputs and gradients in host
 //! memory.
 
+use super::bf16_gemm::PackedA;
+use super::products::{Engine, Hidden, Weight};
 use super::single_pass::{DZ_T_PACK_ENTRIES, LANES, single_pass};
-use super::tiles::{
-    Problem, Workspace, accumulate_tile, grad_tile, logits_tile, merge_tile_stats, rows_f32,
-};
+use super::tiles::{Problem, Workspace, accumulate_tile, grad_tile, logits_tile, merge_tile_stats};
 use crate::batch::{HeadShape, LinearInputs};
 use crate::collective::Collective;
 use crate::element::Element;
 use crate::error::Result;
 use crate::fused::{
-    Block, FusedOptions, FusedPasses, GradPart, GradsOf, Head, LinearGradsMut, Plan, PlanLimits,
-    RowGrad, plan_blocks, tile_budget,
+    Bf16Products, Block, FusedOptions, FusedPasses, GradPart, GradsOf, Head, LinearGradsMut, Plan,
+    PlanLimits, RowGrad, plan_blocks, tile_budget,
 };
 use crate::range::check_linear_grads;
 use crate::rows::{PartialStats, RowInputs, RowStats};
@@ -46,15 +46,21 @@ const VOCAB_TILE_MAX: usize = 2048;
 const MAX_BLOCK_ROWS: usize = 512;
 
 /// The CPU's plan for a head of `n × h × v`: the largest blocks whose workspace fits
-/// the budget less the GEMM reserve. `widen`: bf16 inputs, widened a tile at a time.
+/// the budget less the GEMM reserve. `bf16`: bf16 inputs, widened a tile at a time or
+/// packed for bf16 products (`opts.bf16_products`, resolved for this CPU).
 pub fn plan(
     n: usize,
     h: usize,
     v: usize,
-    widen: bool,
+    bf16: bool,
     opts: &FusedOptions,
     single_pass_allowed: bool,
 ) -> Result<Plan> {
+    let products = bf16
+        .then(|| Engine::resolve(opts.bf16_products))
+        .transpose()?;
+    // bf16 products pack `dZ` twice, 4 bytes an entry in all (`gemm` packs its own).
+    let packs_dz = products == Some(Bf16Products::Avx512Bf16);
     let reserve = gemm_reserve_bytes();
     let mut limits = PlanLimits {
         reserve_bytes: reserve,
@@ -66,7 +72,7 @@ pub fn plan(
         min_single_pass_rows: 1,
         half_rate_rows: HALF_RATE_ROWS,
         has_compact: true,
-        extra_name: if widen {
+        extra_name: if bf16 {
             " and a widened weight tile"
         } else {
             ""
@@ -75,12 +81,15 @@ pub fn plan(
     // A widened bf16 weight tile holds vocab_tile × H f32; keep it within a quarter of
     // the budget.
     let budget = tile_budget(opts, &limits)?;
-    while widen && limits.vocab_tile > 64 && limits.vocab_tile * h * 4 > budget / 4 {
+    while bf16 && limits.vocab_tile > 64 && limits.vocab_tile * h * 4 > budget / 4 {
         limits.vocab_tile /= 2;
     }
     let vocab_tile = limits.vocab_tile;
+    // Widened f32 blocks, or packed bf16 ones of the same bytes (two packings at 2 bytes
+    // an entry: the hidden block for its two products, a weight tile for the logits and
+    // for dH).
     let widened = |rows: usize, tiles: usize| {
-        if widen {
+        if bf16 {
             (tiles * vocab_tile + rows) * h * 4
         } else {
             0
@@ -89,72 +98,93 @@ pub fn plan(
     // A single-pass block: per row V exponentials (f32, or f16 compact) and a max per
     // tile; per lane a `[rows, vocab_tile]` f32 tile, `gemm`'s packed dZᵀ (and a widened
     // weight tile); dH rows for every lane but the first.
-    let lane_tile = vocab_tile + vocab_tile.min(DZ_T_PACK_ENTRIES);
+    let lane_tile = vocab_tile
+        + match packs_dz {
+            true => vocab_tile,
+            false => vocab_tile.min(DZ_T_PACK_ENTRIES),
+        };
     let lane_row = LANES * lane_tile * 4 + (LANES - 1) * h * 4;
     let whole_row = v.div_ceil(vocab_tile.max(1)) * 4 + lane_row;
-    // Two-pass: the logits tile and a transposed `[rows, vocab_tile]` gradient tile.
-    plan_blocks(
+    // Two-pass: the logits tile and a transposed `[rows, vocab_tile]` gradient tile (and
+    // a packed one).
+    let tile_row = vocab_tile * (8 + if packs_dz { 4 } else { 0 });
+    let planned = plan_blocks(
         n,
         v,
         &limits,
         |rows, block| match block {
-            Block::Tile => rows * vocab_tile * 8 + widened(rows, 1),
+            Block::Tile => rows * tile_row + widened(rows, 1),
             Block::Whole => rows * (v * 4 + whole_row) + widened(rows, LANES),
             Block::Compact => rows * (v * 2 + whole_row) + widened(rows, LANES),
         },
         opts,
         single_pass_allowed,
-    )
+    )?;
+    Ok(Plan {
+        bf16_products: products,
+        ..planned
+    })
 }
 
 /// One recomputed logits tile: rows `rows` × vocabulary entries `vocab`, dense
-/// `[rows, vocab]` in `z`, with the f32 hidden rows and weight rows it came from.
+/// `[rows, vocab]` in `z`, with the hidden rows and weight rows it came from.
 struct Tile<'t> {
     rows: Range<usize>,
     vocab: Range<usize>,
     z: &'t mut [f32],
-    hidden: &'t [f32],
-    weight: &'t [f32],
-    /// Scratch for the tile transposed.
+    hidden: Hidden<'t>,
+    weight: Weight<'t>,
+    /// Scratch for the tile transposed and packed.
     dz_t: &'t mut Vec<f32>,
+    dz_pack: &'t mut PackedA,
 }
 
 /// Forms every `[block_rows, vocab_tile]` logits tile in the workspace and hands it to
-/// `each`; row blocks for which `skip` is true are not computed.
+/// `each` (with its weight tile ready for dH too when `for_grads`); row blocks for which
+/// `skip` is true are not computed.
 fn for_each_tile<E: Element>(
     p: &Problem<E>,
     plan: &Plan,
     ws: &mut Workspace,
-    skip: impl Fn(&Range<usize>) -> bool,
+    (skip, for_grads): (impl Fn(&Range<usize>) -> bool, bool),
     mut each: impl FnMut(Tile),
 ) {
     let h = p.inputs.hidden_size;
     let bias = p.bias_f32();
+    let engine = Engine::of(plan);
+    let threads = rayon::current_num_threads();
     let scratch = ws.prepare(plan.block_rows, plan.vocab_tile);
     for rows in p.row_blocks(plan.block_rows).filter(|r| !skip(r)) {
-        let hid = rows_f32(p.inputs.hidden, h, rows.clone(), &mut scratch.hidden);
+        let hid = scratch
+            .hidden
+            .load(engine, p.inputs.hidden, h, rows.clone(), threads);
         for vocab in p.vocab_tiles(plan.vocab_tile) {
-            let w = rows_f32(p.inputs.weight, h, vocab.clone(), &mut scratch.weight);
+            let w = scratch.weight.load(
+                engine,
+                p.inputs.weight,
+                (h, vocab.clone()),
+                (true, for_grads),
+                threads,
+            );
             let z = &mut scratch.logits[..rows.len() * vocab.len()];
             logits_tile(
                 z,
                 vocab.len(),
-                &hid,
-                &w,
+                hid,
+                w,
                 bias.as_ref().map(|b| &b[vocab.clone()]),
                 p.rows.transform.softcap,
-                rows.len(),
-                h,
-                vocab.len(),
-                rayon::current_num_threads(),
+                (rows.len(), h, vocab.len()),
+                threads,
             );
             each(Tile {
                 rows: rows.clone(),
                 vocab,
                 z,
-                hidden: &hid,
-                weight: &w,
+                hidden: hid,
+                weight: w,
                 dz_t: &mut scratch.dz_t,
+                dz_pack: &mut scratch.dz_pack,
             });
         }
     }
@@ -163,24 +193,18 @@ fn for_each_tile<E: Element>(
 /// Pass A over the vocabulary the problem holds: every live row's partial state.
 fn row_states<E: Element>(p: &Problem<E>, plan: &Plan, ws: &mut Workspace) -> PartialStats {
     let mut out = PartialStats::empty(p.inputs.tokens, p.rows.transform.inv_temp);
-    for_each_tile(
-        p,
-        plan,
-        ws,
-        |_| false,
-        |t| {
-            merge_tile_stats(
-                &p.rows,
-                t.z,
-                t.vocab.len(),
-                t.rows.clone(),
-                &t.vocab,
-                &mut out.states[t.rows.clone()],
-                &mut out.target_logits[t.rows.clone()],
-                &mut out.sums[t.rows.clone()],
-            );
-        },
-    );
+    for_each_tile(p, plan, ws, (|_: &Range<usize>| false, false), |t| {
+        merge_tile_stats(
+            &p.rows,
+            t.z,
+            t.vocab.len(),
+            t.rows.clone(),
+            &t.vocab,
+            &mut out.states[t.rows.clone()],
+            &mut out.target_logits[t.rows.clone()],
+            &mut out.sums[t.rows.clone()],
+        );
+    });
     out
 }
 
@@ -196,7 +220,7 @@ fn accumulate_grads<E: Element>(
     let h = p.inputs.hidden_size;
     let t = &p.rows.transform;
     let no_gradient = |rows: &Range<usize>| rows.clone().all(|i| grads[i].is_zero());
-    for_each_tile(p, plan, ws, no_gradient, |tile| {
+    for_each_tile(p, plan, ws, (no_gradient, true), |tile| {
         let ld = tile.vocab.len();
         let rows = &grads[tile.rows.clone()];
         grad_tile(tile.z, ld, &tile.vocab, rows, t.inv_temp, t.inv_cap());
@@ -204,12 +228,11 @@ fn accumulate_grads<E: Element>(
             out,
             tile.z,
             ld,
-            tile.hidden,
-            tile.weight,
+            (tile.hidden, tile.weight),
             &tile.rows,
             &tile.vocab,
             h,
-            tile.dz_t,
+            (tile.dz_t, tile.dz_pack),
         );
     });
 }
@@ -278,12 +301,12 @@ impl<E: Element> Head for CpuHead<'_, E> {
 
     fn plan(&self, opts: &FusedOptions, single_pass_allowed: bool) -> Result<Plan> {
         let s = self.shape();
-        let widen = E::as_f32(self.inputs.weight).is_none();
+        let bf16 = E::as_bf16(self.inputs.weight).is_some();
         plan(
             s.tokens,
             s.hidden_size,
             s.vocab,
-            widen,
+            bf16,
             opts,
             single_pass_allowed,
         )

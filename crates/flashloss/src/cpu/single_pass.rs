@@ -15,10 +15,11 @@
 //! order, and the lanes' row states merge in lane order: the result does not depend on
 //! the thread count.
 
-use super::matmul::{MatRef, matmul_on};
+use super::matmul::MatRef;
+use super::products::{self, Engine};
 use super::simd;
 use super::tiles::{
-    Lane, Problem, Workspace, add_column_sums, grad_row, logits_tile, resize_fresh, rows_f32,
+    Lane, Problem, Workspace, add_column_sums, grad_row, logits_tile, resize_fresh,
 };
 use crate::element::Element;
 use crate::fused::{GradsOf, LinearGradsMut, Plan, RowGrad};
@@ -90,6 +91,7 @@ pub(crate) fn single_pass<E: Element, S: Stored>(
     let (vt, t) = (plan.vocab_tile, &p.transform);
     let tiles: Vec<Range<usize>> = problem.vocab_tiles(vt).collect();
     let bias = problem.bias_f32();
+    let engine = Engine::of(plan);
     let threads = (rayon::current_num_threads() / LANES).max(1);
     ws.prepare_lanes(plan.block_rows, (tiles.len(), vt), h, LANES);
     let Workspace {
@@ -105,7 +107,8 @@ pub(crate) fn single_pass<E: Element, S: Stored>(
     let mut stats = vec![RowStats::default(); n];
     for rows in problem.row_blocks(plan.block_rows) {
         let nb = rows.len();
-        let hid = rows_f32(inputs.hidden, h, rows.clone(), hidden);
+        let all_threads = rayon::current_num_threads();
+        let hid = hidden.load(engine, inputs.hidden, h, rows.clone(), all_threads);
         let exps = deal(&mut block[..nb * v], tiles.iter().map(|c| nb * c.len()));
         let maxima = deal(&mut tile_max[..nb * tiles.len()], tiles.iter().map(|_| nb));
         let parts: Vec<PartialStats> = (lanes.par_iter_mut().zip(exps).zip(maxima))
@@ -115,10 +118,17 @@ pub(crate) fn single_pass<E: Element, S: Stored>(
                 let lane_tiles = tiles.iter().skip(l).step_by(LANES);
                 for ((vocab, e), mu) in lane_tiles.zip(exps).zip(maxima) {
                     let cols = vocab.len();
-                    let w = rows_f32(inputs.weight, h, vocab.clone(), &mut lane.weight);
+                    let for_logits = (true, false);
+                    let w = (lane.weight).load(
+                        engine,
+                        inputs.weight,
+                        (h, vocab.clone()),
+                        for_logits,
+                        threads,
+                    );
                     let z = &mut lane.tile[..nb * cols];
                     let b = bias.as_ref().map(|b| &b[vocab.clone()]);
-                    logits_tile(z, cols, &hid, &w, b, t.softcap, nb, h, cols, threads);
+                    logits_tile(z, cols, hid, w, b, t.softcap, (nb, h, cols), threads);
                     store_tile(p, z, rows.clone(), vocab, e, mu, &mut part);
                 }
                 part
@@ -151,6 +161,7 @@ pub(crate) fn single_pass<E: Element, S: Stored>(
             let Lane {
                 tile,
                 weight,
+                dz_pack,
                 dhidden,
             } = lane;
             let dh = match dh {
@@ -168,17 +179,17 @@ pub(crate) fn single_pass<E: Element, S: Stored>(
                 let e = &exps[nb * vocab.start..nb * vocab.end];
                 let mu = &maxima[k * nb..(k + 1) * nb];
                 grad_tile_t(dz_t, e, mu, vocab, &grads, t.inv_temp, t.inv_cap());
-                let w = rows_f32(inputs.weight, h, vocab.clone(), weight);
-                let dz = MatRef {
-                    data: dz_t,
-                    rows: nb,
-                    cols,
-                    row_stride: 1,
-                    col_stride: nb,
-                };
-                matmul_on(dh, h, dz, MatRef::row_major(&w, cols, h), true, threads);
-                let dz_t = MatRef::row_major(dz_t, cols, nb);
-                matmul_on(dw, h, dz_t, MatRef::row_major(&hid, nb, h), true, threads);
+                let for_dhidden = (false, true);
+                let w = weight.load(
+                    engine,
+                    inputs.weight,
+                    (h, vocab.clone()),
+                    for_dhidden,
+                    threads,
+                );
+                let dz_t = MatRef::row_major(&dz_t[..], cols, nb);
+                products::add_dhidden(dh, h, dz_t.t(), w, dz_pack, threads);
+                products::add_dweight(dw, h, dz_t, hid, dz_pack, threads);
                 if let Some(db) = dbias.next() {
                     add_column_sums(db, dz_t.data, nb);
                 }

@@ -1,38 +1,21 @@
 //! The CPU's tile kernels of the fused LM-head passes: a logits tile
 //! `z = softcap(H[rows]·W[vocab]ᵀ + bias)` through `gemm`, its softmax states merged
 //! into each row's, the tile turned into `dZ` in place, and its products
-//! `dH += dZ·W`, `dW += dZᵀ·H`, `dbias += Σ_rows dZ`. bf16 hidden states and weights
-//! are widened one block or tile at a time into the [`Workspace`], never whole.
+//! `dH += dZ·W`, `dW += dZᵀ·H`, `dbias += Σ_rows dZ`, the products on the plan's
+//! engine (`super::products`: bf16 inputs widened one block or tile at a time into the
+//! [`Workspace`], never whole, or packed for `vdpbf16ps`).
 
-use super::matmul::{MatRef, matmul, matmul_on};
+use super::bf16_gemm::PackedA;
+use super::matmul::{MatRef, matmul};
 use super::online_softmax::tile_state;
+use super::products::{self, Hidden, HiddenBlock, Weight, WeightTile};
 use super::simd;
 use crate::batch::LinearInputs;
 use crate::element::Element;
 use crate::fused::{LinearGradsMut, RowGrad};
 use crate::rows::{OnlineSoftmax, RowInputs};
 use rayon::prelude::*;
-use std::borrow::Cow;
 use std::ops::Range;
-
-/// Rows `rows` of `m` (row-major `[*, cols]`) as f32: borrowed for f32, widened into
-/// `buf` otherwise.
-pub(crate) fn rows_f32<'a, E: Element>(
-    m: &'a [E],
-    cols: usize,
-    rows: Range<usize>,
-    buf: &'a mut Vec<f32>,
-) -> Cow<'a, [f32]> {
-    let src = &m[rows.start * cols..rows.end * cols];
-    match E::as_f32(src) {
-        Some(s) => Cow::Borrowed(s),
-        None => {
-            buf.resize(src.len(), 0.0);
-            simd::load(src, buf);
-            Cow::Borrowed(&buf[..])
-        }
-    }
-}
 
 /// Inputs of a fused LM-head pass on the CPU.
 pub(crate) struct Problem<'a, E> {
@@ -61,14 +44,16 @@ impl<E: Element> Problem<'_, E> {
     }
 }
 
-/// Reusable workspace of the fused LM-head kernels (logit tiles, widened bf16 blocks).
-/// Keeping one across steps, as a training loop does, saves the page faults of fresh
-/// memory on every call; its size is what the plan chose within the budget.
+/// Reusable workspace of the fused LM-head kernels (logit tiles, widened or packed bf16
+/// blocks). Keeping one across steps, as a training loop does, saves the page faults of
+/// fresh memory on every call; its size is what the plan chose within the budget.
 #[derive(Debug, Default)]
 pub struct Workspace {
     pub(crate) logits: Vec<f32>,
-    pub(crate) hidden: Vec<f32>,
-    pub(crate) weight: Vec<f32>,
+    pub(crate) hidden: HiddenBlock,
+    pub(crate) weight: WeightTile,
+    /// A packed `dZ` (bf16 products).
+    pub(crate) dz_pack: PackedA,
     /// A compact single-pass block (f16; an f32 block is kept in `logits`).
     pub(crate) exps: Vec<half::f16>,
     /// The per-(tile, row) maxima `μ_tile` of a single-pass block, `[tiles, rows]`.
@@ -80,12 +65,13 @@ pub struct Workspace {
 }
 
 /// One lane of a single-pass block (`super::single_pass`): its f32 tile (logits `[rows, cols]`,
-/// then `dZᵀ` `[cols, rows]`), its widened weight tile and, past the first lane, the
-/// dH rows it adds into.
+/// then `dZᵀ` `[cols, rows]`), its weight tile (widened or packed), its packed `dZ` and,
+/// past the first lane, the dH rows it adds into.
 #[derive(Debug, Default)]
 pub(crate) struct Lane {
     pub(crate) tile: Vec<f32>,
-    pub(crate) weight: Vec<f32>,
+    pub(crate) weight: WeightTile,
+    pub(crate) dz_pack: PackedA,
     pub(crate) dhidden: Vec<f32>,
 }
 
@@ -109,14 +95,17 @@ impl Workspace {
         let lanes: usize = self
             .lanes
             .iter()
-            .map(|l| l.tile.capacity() + l.weight.capacity() + l.dhidden.capacity())
+            .map(|l| {
+                4 * (l.tile.capacity() + l.dhidden.capacity())
+                    + l.weight.bytes()
+                    + l.dz_pack.bytes()
+            })
             .sum();
-        4 * (self.logits.capacity()
-            + self.hidden.capacity()
-            + self.weight.capacity()
-            + self.tile_max.capacity()
-            + self.dz_t.capacity()
-            + lanes)
+        4 * (self.logits.capacity() + self.tile_max.capacity() + self.dz_t.capacity())
+            + self.hidden.bytes()
+            + self.weight.bytes()
+            + self.dz_pack.bytes()
+            + lanes
             + 2 * self.exps.capacity()
     }
 
@@ -150,23 +139,14 @@ impl Workspace {
 pub(crate) fn logits_tile(
     z: &mut [f32],
     ld: usize,
-    hidden: &[f32],
-    weight: &[f32],
+    hidden: Hidden,
+    weight: Weight,
     bias: Option<&[f32]>,
     softcap: Option<f32>,
-    rows: usize,
-    h: usize,
-    vt: usize,
+    (rows, h, vt): (usize, usize, usize),
     threads: usize,
 ) {
-    matmul_on(
-        z,
-        ld,
-        MatRef::row_major(hidden, rows, h),
-        MatRef::row_major(weight, vt, h).t(),
-        false,
-        threads,
-    );
+    products::logits(z, ld, hidden, weight, (rows, h, vt), threads);
     if bias.is_some() || softcap.is_some() {
         z.par_chunks_mut(ld).take(rows).for_each(|row| {
             let row = &mut row[..vt];
@@ -268,20 +248,23 @@ pub(crate) fn grad_row(
 }
 
 /// `dH[rows] += dZ·W[vocab]`, `dW[vocab] += dZᵀ·H[rows]`, `dbias[vocab] += Σ_rows dZ`
-/// for one `[rows, cols]` gradient tile `dz` (row stride `ld`); `dz_t` is scratch.
+/// for one `[rows, cols]` gradient tile `dz` (row stride `ld`); `dz_t` and `dz_pack` are
+/// scratch.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn accumulate_tile(
     grads: &mut LinearGradsMut,
     dz: &[f32],
     ld: usize,
-    hidden: &[f32],
-    weight: &[f32],
+    (hidden, weight): (Hidden, Weight),
     rows: &Range<usize>,
     vocab: &Range<usize>,
     h: usize,
-    dz_t: &mut Vec<f32>,
+    (dz_t, dz_pack): (&mut Vec<f32>, &mut PackedA),
 ) {
     let (nb, vt) = (rows.len(), vocab.len());
+    if nb == 0 || vt == 0 {
+        return;
+    }
     let dz_view = MatRef {
         data: dz,
         rows: nb,
@@ -289,25 +272,17 @@ pub(crate) fn accumulate_tile(
         row_stride: ld,
         col_stride: 1,
     };
-    matmul(
-        &mut grads.dhidden[rows.start * h..rows.end * h],
-        h,
-        dz_view,
-        MatRef::row_major(weight, vt, h),
-        true,
-    );
-    let db = grads.dbias.as_deref_mut().map(|db| &mut db[vocab.clone()]);
-    add_head_tile_grads(
-        dz,
-        ld,
-        nb,
-        vt,
-        hidden,
-        h,
-        &mut grads.dweight[vocab.start * h..vocab.end * h],
-        db,
-        dz_t,
-    );
+    let threads = rayon::current_num_threads();
+    let dh = &mut grads.dhidden[rows.start * h..rows.end * h];
+    products::add_dhidden(dh, h, dz_view, weight, dz_pack, threads);
+    // `dZᵀ` dense: `gemm` copies a transposed view into fresh memory on every call.
+    transpose_into(dz, ld, nb, vt, dz_t);
+    let dz_t = MatRef::row_major(&dz_t[..], vt, nb);
+    let dw = &mut grads.dweight[vocab.start * h..vocab.end * h];
+    products::add_dweight(dw, h, dz_t, hidden, dz_pack, threads);
+    if let Some(db) = grads.dbias.as_deref_mut() {
+        add_column_sums(&mut db[vocab.clone()], dz_t.data, nb);
+    }
 }
 
 /// `dW_tile += dZᵀ·H` and `dbias_tile += Σ_rows dZ` for a `[rows, cols]` gradient tile

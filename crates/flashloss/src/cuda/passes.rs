@@ -85,6 +85,7 @@ pub fn materialized_plan(n: usize, v: usize, dtype: DType) -> Plan {
         vocab_tile: v,
         workspace_bytes: n * v * tile_bytes(dtype),
         gemm_reserve_bytes: CUBLAS_WORKSPACE_BYTES,
+        bf16_products: None,
     }
 }
 

@@ -28,6 +28,7 @@ pub fn logp_linear(
     let all = vec![true; if mask.is_none() { n } else { 0 }];
     let live = mask.unwrap_or(&all);
     let opts = FusedOptions {
+        bf16_products: Default::default(),
         mode: Mode::TwoPass,
         budget_bytes,
         grad_output: 1.0,

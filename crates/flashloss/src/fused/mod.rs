@@ -22,7 +22,8 @@ pub use passes::{
     FusedPasses, GradPart, GradsOf, Head, LinearGrads, LinearGradsMut, RowGrad, check_grad_lens,
 };
 pub use plan::{
-    Block, FusedOptions, Mode, Plan, PlanLimits, mib_to_bytes, plan_blocks, tile_budget,
+    Bf16Products, Block, FusedOptions, Mode, Plan, PlanLimits, mib_to_bytes, plan_blocks,
+    tile_budget,
 };
 pub use sharded::{ce_linear_sharded, grpo_linear_sharded, logp_linear_sharded};
 pub use split::{

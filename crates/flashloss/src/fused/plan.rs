@@ -55,11 +55,41 @@ impl Mode {
     }
 }
 
+/// How the CPU forms the products of a bf16 head (`Z = H·Wᵀ`, `dH = dZ·W`, `dW = dZᵀ·H`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Bf16Products {
+    /// The fastest this CPU has, chosen at run time: [`Bf16Products::Avx512Bf16`] where
+    /// the CPU has AVX512-BF16, [`Bf16Products::Widened`] otherwise.
+    #[default]
+    Auto,
+    /// Operands widened to f32 a block or a tile at a time, f32 products (`gemm`).
+    Widened,
+    /// bf16 operands on `vdpbf16ps` with f32 accumulation; `dZ` is rounded to bf16 for
+    /// the two gradient products (docs/spec/losses.md, the bf16 tolerances). An error on
+    /// a CPU without AVX512-BF16.
+    #[serde(rename = "avx512bf16")]
+    Avx512Bf16,
+}
+
+impl Bf16Products {
+    /// The name configs use (`auto`, `widened`, `avx512bf16`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Bf16Products::Auto => "auto",
+            Bf16Products::Widened => "widened",
+            Bf16Products::Avx512Bf16 => "avx512bf16",
+        }
+    }
+}
+
 /// Options of the fused LM-head kernels.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct FusedOptions {
     /// Recomputation strategy.
     pub mode: Mode,
+    /// The CPU's products on a bf16 head (ignored for f32 heads and on the GPU).
+    pub bf16_products: Bf16Products,
     /// Bytes the kernel's workspace may use (logit tiles, widened bf16 tiles, the
     /// backend's reserve).
     pub budget_bytes: usize,
@@ -72,6 +102,7 @@ impl FusedOptions {
     pub fn from_mib(mode: Mode, budget_mib: f64, grad_output: f32) -> Self {
         FusedOptions {
             mode,
+            bf16_products: Bf16Products::Auto,
             budget_bytes: mib_to_bytes(budget_mib),
             grad_output,
         }
@@ -111,6 +142,9 @@ pub struct Plan {
     /// Bytes the backend reserves before its tiles (CPU: `gemm`'s packing buffers;
     /// GPU: the cuBLAS workspace).
     pub gemm_reserve_bytes: usize,
+    /// The products a bf16 head ran on the CPU (never `Auto`); `None` for f32 heads and
+    /// on the GPU (cuBLAS takes bf16 operands).
+    pub bf16_products: Option<Bf16Products>,
 }
 
 impl Plan {
@@ -235,6 +269,7 @@ pub fn plan_blocks(
         vocab_tile: limits.vocab_tile,
         workspace_bytes: block_bytes(rows, block),
         gemm_reserve_bytes: limits.reserve_bytes,
+        bf16_products: None,
     })
 }
 

@@ -174,6 +174,7 @@ pub fn logp_linear_sharded(
     };
     let local_targets = split.local_targets(target_ids);
     let opts = FusedOptions {
+        bf16_products: Default::default(),
         mode: Mode::TwoPass,
         budget_bytes,
         grad_output: 1.0,

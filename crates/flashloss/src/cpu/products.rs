@@ -1,0 +1,240 @@
+//! The three products of a fused step on a row block and a vocabulary tile,
+//! `Z = H·Wᵀ`, `dH += dZ·W` and `dW += dZᵀ·H`, on the engine the plan chose: f32 through
+//! `gemm` (bf16 inputs widened a block or a tile at a time), or, for a bf16 head on a CPU
+//! with AVX512-BF16, bf16 operands on `vdpbf16ps` with f32 accumulation
+//! ([`super::bf16_gemm`]; `dZ` is rounded to bf16 for the two gradient products).
+//! The hidden block is prepared once per row block (widened, or packed for both of its
+//! products) and read by every tile.
+
+use super::bf16_gemm::{Avx512Bf16, PackedA, PackedB};
+use super::matmul::{MatRef, matmul_on};
+use super::simd;
+use crate::element::Element;
+use crate::error::{Error, Result};
+use crate::fused::{Bf16Products, Plan};
+use std::ops::Range;
+
+/// The engine of a plan's products.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Engine {
+    /// f32 operands (`gemm`).
+    F32,
+    /// bf16 operands (`vdpbf16ps`).
+    Bf16(Avx512Bf16),
+}
+
+impl Engine {
+    /// What a bf16 head runs for `asked` on this CPU; an error where the CPU lacks it.
+    pub(crate) fn resolve(asked: Bf16Products) -> Result<Bf16Products> {
+        match (asked, Avx512Bf16::detect()) {
+            (Bf16Products::Widened, _) => Ok(Bf16Products::Widened),
+            (_, Some(_)) => Ok(Bf16Products::Avx512Bf16),
+            (Bf16Products::Auto, None) => Ok(Bf16Products::Widened),
+            (Bf16Products::Avx512Bf16, None) => Err(Error::InvalidArgument {
+                arg: "bf16_products",
+                reason: "avx512bf16 asked for, and this CPU has no AVX512-BF16 (vdpbf16ps)".into(),
+            }),
+        }
+    }
+
+    /// The engine of `plan` (resolved by [`Engine::resolve`] when it was made).
+    pub(crate) fn of(plan: &Plan) -> Self {
+        match plan.bf16_products {
+            Some(Bf16Products::Avx512Bf16) => {
+                Engine::Bf16(Avx512Bf16::detect().expect("the plan checked AVX512-BF16"))
+            }
+            _ => Engine::F32,
+        }
+    }
+}
+
+/// A row block's hidden states `[rows, h]` as the products read them.
+#[derive(Debug, Default)]
+pub(crate) struct HiddenBlock {
+    /// f32 rows (bf16 widened; f32 inputs are borrowed instead).
+    wide: Vec<f32>,
+    /// A of the logits (pairs along `h`).
+    logits: PackedA,
+    /// B of `dW` (pairs along the rows).
+    dweight: PackedB,
+}
+
+/// A borrowed [`HiddenBlock`] (or f32 input rows).
+#[derive(Clone, Copy)]
+pub(crate) enum Hidden<'a> {
+    F32(&'a [f32]),
+    Bf16(Avx512Bf16, &'a HiddenBlock),
+}
+
+impl HiddenBlock {
+    /// Bytes held.
+    pub(crate) fn bytes(&self) -> usize {
+        4 * self.wide.capacity() + self.logits.bytes() + self.dweight.bytes()
+    }
+
+    /// Rows `rows` of `hidden` (`[*, h]`) for `engine`'s products.
+    pub(crate) fn load<'a, E: Element>(
+        &'a mut self,
+        engine: Engine,
+        hidden: &'a [E],
+        h: usize,
+        rows: Range<usize>,
+        threads: usize,
+    ) -> Hidden<'a> {
+        let (n, src) = (rows.len(), &hidden[rows.start * h..rows.end * h]);
+        match (engine, E::as_bf16(src)) {
+            (Engine::Bf16(cpu), Some(bf)) => {
+                let view = MatRef::row_major(bf, n, h);
+                self.logits.pack_a(view, threads);
+                self.dweight.pack_b(view, threads);
+                Hidden::Bf16(cpu, self)
+            }
+            _ => Hidden::F32(widened(src, &mut self.wide)),
+        }
+    }
+}
+
+/// A vocabulary tile's weight rows `[cols, h]` as the products read them.
+#[derive(Debug, Default)]
+pub(crate) struct WeightTile {
+    wide: Vec<f32>,
+    /// B of the logits (pairs along `h`).
+    logits: PackedB,
+    /// B of `dH` (pairs along the vocabulary).
+    dhidden: PackedB,
+}
+
+/// A borrowed [`WeightTile`] (or f32 input rows): f32 serves both products, a bf16 tile
+/// the ones it was packed for.
+#[derive(Clone, Copy)]
+pub(crate) enum Weight<'a> {
+    F32(&'a [f32]),
+    Bf16 {
+        cpu: Avx512Bf16,
+        logits: Option<&'a PackedB>,
+        dhidden: Option<&'a PackedB>,
+    },
+}
+
+impl WeightTile {
+    /// Bytes held.
+    pub(crate) fn bytes(&self) -> usize {
+        4 * self.wide.capacity() + self.logits.bytes() + self.dhidden.bytes()
+    }
+
+    /// Rows `vocab` of `weight` (`[*, h]`) for `engine`'s products: the logits and/or dH
+    /// (`(for_logits, for_dhidden)`; an f32 tile serves both).
+    pub(crate) fn load<'a, E: Element>(
+        &'a mut self,
+        engine: Engine,
+        weight: &'a [E],
+        (h, vocab): (usize, Range<usize>),
+        (for_logits, for_dhidden): (bool, bool),
+        threads: usize,
+    ) -> Weight<'a> {
+        let (cols, src) = (vocab.len(), &weight[vocab.start * h..vocab.end * h]);
+        match (engine, E::as_bf16(src)) {
+            (Engine::Bf16(cpu), Some(bf)) => {
+                let view = MatRef::row_major(bf, cols, h);
+                if for_logits {
+                    self.logits.pack_b(view.t(), threads);
+                }
+                if for_dhidden {
+                    self.dhidden.pack_b(view, threads);
+                }
+                Weight::Bf16 {
+                    cpu,
+                    logits: for_logits.then_some(&self.logits),
+                    dhidden: for_dhidden.then_some(&self.dhidden),
+                }
+            }
+            _ => Weight::F32(widened(src, &mut self.wide)),
+        }
+    }
+}
+
+/// `src` as f32: itself, or widened into `buf`.
+fn widened<'a, E: Element>(src: &'a [E], buf: &'a mut Vec<f32>) -> &'a [f32] {
+    match E::as_f32(src) {
+        Some(s) => s,
+        None => {
+            buf.resize(src.len(), 0.0);
+            simd::load(src, buf);
+            buf
+        }
+    }
+}
+
+/// `z[rows, cols]` (row stride `ld`) `= H·Wᵀ` on up to `threads` threads.
+pub(crate) fn logits(
+    z: &mut [f32],
+    ld: usize,
+    hidden: Hidden,
+    weight: Weight,
+    (rows, h, cols): (usize, usize, usize),
+    threads: usize,
+) {
+    match (hidden, weight) {
+        (Hidden::F32(hid), Weight::F32(w)) => matmul_on(
+            z,
+            ld,
+            MatRef::row_major(hid, rows, h),
+            MatRef::row_major(w, cols, h).t(),
+            false,
+            threads,
+        ),
+        (
+            Hidden::Bf16(cpu, hid),
+            Weight::Bf16 {
+                logits: Some(w), ..
+            },
+        ) => cpu.gemm(z, ld, &hid.logits, w, false, threads),
+        _ => unreachable!("one engine per plan, a weight tile packed for the logits"),
+    }
+}
+
+/// `dH[rows, h] += dZ·W` for the gradient tile `dz` `[rows, cols]` (any strides);
+/// `scratch` holds the packed `dZ`.
+pub(crate) fn add_dhidden(
+    dh: &mut [f32],
+    h: usize,
+    dz: MatRef,
+    weight: Weight,
+    scratch: &mut PackedA,
+    threads: usize,
+) {
+    match weight {
+        Weight::F32(w) => matmul_on(dh, h, dz, MatRef::row_major(w, dz.cols, h), true, threads),
+        Weight::Bf16 {
+            cpu,
+            dhidden: Some(w),
+            ..
+        } => {
+            scratch.pack_a(dz, threads);
+            cpu.gemm(dh, h, scratch, w, true, threads)
+        }
+        Weight::Bf16 { .. } => unreachable!("a weight tile not packed for dH"),
+    }
+}
+
+/// `dW[cols, h] += dZᵀ·H` for `dz_t` `[cols, rows]` (any strides; the f32 engine reads it
+/// fastest dense); `scratch` holds the packed `dZᵀ`.
+pub(crate) fn add_dweight(
+    dw: &mut [f32],
+    h: usize,
+    dz_t: MatRef,
+    hidden: Hidden,
+    scratch: &mut PackedA,
+    threads: usize,
+) {
+    match hidden {
+        Hidden::F32(hid) => {
+            let hid = MatRef::row_major(hid, dz_t.cols, h);
+            matmul_on(dw, h, dz_t, hid, true, threads)
+        }
+        Hidden::Bf16(cpu, hid) => {
+            scratch.pack_a(dz_t, threads);
+            cpu.gemm(dw, h, scratch, &hid.dweight, true, threads)
+        }
+    }
+}
