@@ -6,8 +6,9 @@
 //! Operands are packed in pairs along `k` into u32 words (`x_2p` in the low half,
 //! `x_2p+1` in the high half): A in panels of [`MR`] rows, `[m/MR][k/2][MR]`, B in panels
 //! of [`NR`] columns, `[n/NR][k/2][NR]`, zero-padded (an odd `k` and partial panels). A
-//! micro-kernel holds an `MR × NR` tile of C in `2·MR` registers and runs over the whole
-//! `k`: both panels stay in L2 (a B panel is 256 KiB at `k = 4096`). Operands come from
+//! micro-kernel holds an `MR × NR` tile of C in `2·MR` registers over a block of
+//! [`KC_PAIRS`] pairs of `k` (its B block in L1, its A block in L2), adding each block's
+//! sums into C in order. Operands come from
 //! bf16 (exact) or f32 (rounded to nearest even) strided views. Every entry of C sums its
 //! `k` terms in the same order whatever the thread count.
 
@@ -34,9 +35,16 @@ impl Bf16Bits for bf16 {
 }
 
 impl Bf16Bits for f32 {
+    /// Round to nearest even, branch-free (vectorizes); a NaN stays a quiet NaN.
     #[inline(always)]
     fn bits(self) -> u16 {
-        bf16::from_f32(self).to_bits()
+        let x = self.to_bits();
+        let rounded = x.wrapping_add(0x7fff + ((x >> 16) & 1)) >> 16;
+        if x & 0x7fff_ffff > 0x7f80_0000 {
+            (x >> 16) as u16 | 0x40
+        } else {
+            rounded as u16
+        }
     }
 }
 
@@ -108,22 +116,30 @@ fn pair<S: Bf16Bits>(lo: S, hi: S) -> u32 {
     lo.bits() as u32 | (hi.bits() as u32) << 16
 }
 
+/// Pairs transposed per block when `k` is contiguous: the block's `[PAIR_BLOCK][P]`
+/// words (at most 4 KiB) stay in L1 while every row writes into it.
+const PAIR_BLOCK: usize = 32;
+
 /// One panel: outer rows `o0..o0 + P` of `view` (`[outer, k]`) into `dst` `[k/2][P]`.
-/// Contiguous `k` reads each row's pairs; a contiguous outer dimension interleaves two
-/// lines of `k` (runs of `P`, vectorized).
+/// Contiguous `k` reads each row's pairs, [`PAIR_BLOCK`] pairs at a time; a contiguous
+/// outer dimension interleaves two lines of `k` (runs of `P`, vectorized).
 fn pack_panel<S: Bf16Bits, const P: usize>(dst: &mut [u32], view: MatRef<S>, o0: usize) {
     let (k, pairs) = (view.cols, view.cols.div_ceil(2));
     let live = P.min(view.rows - o0);
     let (rs, cs, d) = (view.row_stride, view.col_stride, view.data);
     if cs == 1 {
-        for i in 0..live {
-            let row = &d[(o0 + i) * rs..][..k];
-            let (whole, odd) = row.split_at(k & !1);
-            for (p, two) in whole.chunks_exact(2).enumerate() {
-                dst[p * P + i] = pair(two[0], two[1]);
-            }
-            if let Some(&last) = odd.first() {
-                dst[(pairs - 1) * P + i] = last.bits() as u32;
+        for p0 in (0..pairs).step_by(PAIR_BLOCK) {
+            let p1 = (p0 + PAIR_BLOCK).min(pairs);
+            let block = &mut dst[p0 * P..p1 * P];
+            for i in 0..live {
+                let row = &d[(o0 + i) * rs + 2 * p0..][..k.min(2 * p1) - 2 * p0];
+                let twos = row.chunks_exact(2);
+                if let [last] = twos.remainder() {
+                    block[(p1 - 1 - p0) * P + i] = last.bits() as u32;
+                }
+                for (q, two) in twos.enumerate() {
+                    block[q * P + i] = pair(two[0], two[1]);
+                }
             }
         }
     } else if rs == 1 {
@@ -154,6 +170,11 @@ fn pack_panel<S: Bf16Bits, const P: usize>(dst: &mut [u32], view: MatRef<S>, o0:
         }
     }
 }
+
+/// Pairs of `k` per micro-kernel call: a B block of `KC_PAIRS·NR` words (16 KiB) stays
+/// in L1 while the A blocks of a thread's rows stream past it from L2; C takes the
+/// blocks' partial sums in order.
+const KC_PAIRS: usize = 128;
 
 /// Proof that this CPU runs AVX512-BF16 (`vdpbf16ps`): the products' entry point.
 #[derive(Debug, Clone, Copy)]
@@ -194,31 +215,33 @@ impl Avx512Bf16 {
             a_panels
         };
         let c = &mut c[..(m - 1) * ldc + n];
+        if pairs == 0 {
+            if !accumulate {
+                c.chunks_mut(ldc).for_each(|row| row[..n].fill(0.0));
+            }
+            return;
+        }
         let run = |(chunk, c): (usize, &mut [f32])| {
             let first = chunk * chunk_panels;
             let panels = chunk_panels.min(a_panels - first);
-            for (q, b_panel) in b.words.chunks_exact(NR * pairs).enumerate() {
-                let (col, nr) = (q * NR, NR.min(n - q * NR));
-                for ip in 0..panels {
-                    let row = (first + ip) * MR;
-                    let a_panel = &a.words[(first + ip) * MR * pairs..][..MR * pairs];
-                    let (mr, at) = (MR.min(m - row), ip * MR * ldc + col);
-                    assert!(c.len() >= at + (mr - 1) * ldc + nr, "tile bounds");
-                    // SAFETY: `self` proves the CPU features; the panels hold `pairs`
-                    // words per row or column and the tile lies within `c` (checked).
-                    #[cfg(target_arch = "x86_64")]
-                    unsafe {
-                        kernel::tile(
-                            pairs,
-                            a_panel,
-                            b_panel,
-                            &mut c[at..],
-                            ldc,
-                            mr,
-                            nr,
-                            accumulate,
-                        )
-                    };
+            for k0 in (0..pairs).step_by(KC_PAIRS) {
+                let kc = KC_PAIRS.min(pairs - k0);
+                for (q, b_panel) in b.words.chunks_exact(NR * pairs).enumerate() {
+                    let b_block = &b_panel[k0 * NR..][..kc * NR];
+                    let (col, nr) = (q * NR, NR.min(n - q * NR));
+                    for ip in 0..panels {
+                        let row = (first + ip) * MR;
+                        let a_block = &a.words[(first + ip) * MR * pairs + k0 * MR..][..kc * MR];
+                        let (mr, at) = (MR.min(m - row), ip * MR * ldc + col);
+                        assert!(c.len() >= at + (mr - 1) * ldc + nr, "tile bounds");
+                        let add = accumulate || k0 > 0;
+                        // SAFETY: `self` proves the CPU features; the blocks hold `kc`
+                        // words per row or column and the tile lies within `c` (checked).
+                        #[cfg(target_arch = "x86_64")]
+                        unsafe {
+                            kernel::tile(kc, a_block, b_block, &mut c[at..], ldc, mr, nr, add)
+                        };
+                    }
                 }
             }
         };
@@ -300,6 +323,33 @@ mod tests {
                 (t - 0.5) * (1.0 + (i % 7) as f32 * 3.0)
             })
             .collect()
+    }
+
+    /// The branch-free rounding equals `half`'s round-to-nearest-even on finite values
+    /// (ties, carries into the exponent, the largest finite values, denormals) and keeps
+    /// a NaN a NaN.
+    #[test]
+    fn f32_rounds_to_nearest_even_like_half() {
+        let mut bits: Vec<u32> = (0..200_000u32)
+            .map(|i| i.wrapping_mul(2_654_435_761))
+            .collect();
+        bits.extend([
+            0x3f80_8000,
+            0x3f81_8000,
+            0x3f80_7fff,
+            0x7f7f_ffff,
+            0x0000_8000,
+            0x807f_ffff,
+        ]);
+        for b in bits {
+            let x = f32::from_bits(b);
+            let got = Bf16Bits::bits(x);
+            if x.is_nan() {
+                assert!(bf16::from_bits(got).is_nan(), "{b:#x}");
+            } else {
+                assert_eq!(got, bf16::from_f32(x).to_bits(), "{b:#x}");
+            }
+        }
     }
 
     /// `c (+)= a·b` in f64 on the bf16-rounded operands, against the packed product
