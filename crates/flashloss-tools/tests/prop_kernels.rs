@@ -343,6 +343,41 @@ proptest! {
 mod regressions {
     use super::*;
 
+    /// Shrunk by `fused_ce_matches_the_reference` with bf16 products: V = 2, so a row's
+    /// `dZ = [a, -a]` and `dH = a·(W_0 - W_1)` cancels; `dZ` rounded to bf16 then errs by
+    /// 1.02e-2 of `max|dH|` (the gate's old scale) and ~2e-3 of `max(|dZ|·|W|)`, the scale
+    /// of a rounding of `dZ` that the gate now uses for bf16 products.
+    #[test]
+    fn bf16_products_on_a_cancelling_two_entry_vocabulary() {
+        if flashloss::cpu::Avx512Bf16::detect().is_none() {
+            eprintln!("skipped: bf16 products on avx512bf16 (this CPU has no AVX512-BF16)");
+            return;
+        }
+        let ce = CeConfig {
+            z_loss: 0.005309544010554,
+            temperature: 0.7381982818772438,
+            ..CeConfig::default()
+        };
+        let cfg = linear_cfg(
+            1,
+            3,
+            2,
+            2,
+            Objective::Ce,
+            GrpoLossConfig::default(),
+            ce,
+            false,
+            true,
+            Some(Bf16Products::Avx512Bf16),
+            0.60664195487321,
+            126,
+        );
+        run_linear(&cfg, 1).unwrap();
+        let report = in_pool(1, || gradcheck::run(&cfg)).unwrap();
+        let gate = report.gate("dhidden").unwrap();
+        assert!(gate.value / gate.limit < 0.5, "{gate:?}");
+    }
+
     #[test]
     fn one_token_one_entry_vocabulary() {
         let knobs = Knobs {

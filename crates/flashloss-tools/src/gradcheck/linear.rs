@@ -2,13 +2,14 @@
 //! logp (and entropy for GRPO), dH, dW, dbias.
 
 use super::config::{GradcheckConfig, Objective};
-use super::report::{Gate, GradcheckReport, grad_gate, worst_rel};
+use super::report::{Gate, GradcheckReport, grad_gate, grad_gate_scaled, max_abs, worst_rel};
 use crate::Result;
 use crate::inputs::{GrpoInputs, HeadInputs};
+use flashloss::batch::LinearInputs;
 use flashloss::policy::{Normalizers, reduction_weight_sum};
 use flashloss::reference::{ce_reference, grpo_reference, linear_grads, linear_logits};
-use flashloss::{CrossEntropy, Element, GrpoLoss};
-use flashloss::{FusedOptions, LinearGrads};
+use flashloss::{Bf16Products, CrossEntropy, Element, GrpoLoss};
+use flashloss::{FusedOptions, LinearGrads, Plan};
 use std::time::Instant;
 
 /// The fused LM-head kernel (GRPO or CE) vs the reference on a random head of shape
@@ -26,6 +27,7 @@ pub(super) fn check_linear<E: Element>(cfg: &GradcheckConfig) -> Result<Gradchec
     let tol = cfg.tolerance.resolved(E::DTYPE);
     let device = cfg.device.open()?;
     let grads: LinearGrads;
+    let plan: Plan;
     let start = Instant::now();
     let (name, loss_pair, metrics, mut gates, dlogits_ref, summed_rows) = match cfg.objective {
         Objective::Grpo => {
@@ -34,6 +36,7 @@ pub(super) fn check_linear<E: Element>(cfg: &GradcheckConfig) -> Result<Gradchec
             let norm = Normalizers::local(&batch);
             let mut out = device.grpo_linear(&loss, &batch, &inputs, &opts)?;
             grads = std::mem::replace(&mut out.grads, LinearGrads::empty());
+            plan = out.plan;
             let r = grpo_reference(&loss, &batch, norm, &z, v, cfg.grad_output);
             let live: Vec<usize> = (0..n).filter(|&i| batch.mask[i]).collect();
             let gates = vec![
@@ -64,6 +67,7 @@ pub(super) fn check_linear<E: Element>(cfg: &GradcheckConfig) -> Result<Gradchec
             let targets = ce_targets(&tokens, &ce);
             let mut out = device.ce_linear(&ce, &targets, None, &inputs, &opts)?;
             grads = std::mem::replace(&mut out.grads, LinearGrads::empty());
+            plan = out.plan;
             let r = ce_reference(&ce, &targets, &z, v, cfg.grad_output, None);
             let live: Vec<usize> = (0..n).filter(|&i| ce.counts(targets[i])).collect();
             let gates = vec![Gate::new(
@@ -78,6 +82,10 @@ pub(super) fn check_linear<E: Element>(cfg: &GradcheckConfig) -> Result<Gradchec
     };
     let kernel_seconds = start.elapsed().as_secs_f64();
     let (dh, dw, db) = linear_grads(&inputs, &dlogits_ref);
+    let (scale_dh, scale_dw) = match plan.bf16_products {
+        Some(Bf16Products::Avx512Bf16) => rounded_dz_scales(&inputs, &dlogits_ref),
+        _ => (max_abs(&dh), max_abs(&dw)),
+    };
     gates.insert(
         0,
         Gate::new(
@@ -87,17 +95,19 @@ pub(super) fn check_linear<E: Element>(cfg: &GradcheckConfig) -> Result<Gradchec
         ),
     );
     let f64s = |x: &[f32]| x.iter().map(|&v| v as f64).collect::<Vec<_>>();
-    gates.push(grad_gate(
+    gates.push(grad_gate_scaled(
         "dhidden",
         f64s(&grads.dhidden).into_iter(),
         &dh,
+        scale_dh,
         &tol,
         1.0,
     ));
-    gates.push(grad_gate(
+    gates.push(grad_gate_scaled(
         "dweight",
         f64s(&grads.dweight).into_iter(),
         &dw,
+        scale_dw,
         &tol,
         summed_rows,
     ));
@@ -117,6 +127,26 @@ pub(super) fn check_linear<E: Element>(cfg: &GradcheckConfig) -> Result<Gradchec
         kernel_seconds,
         gates,
     ))
+}
+
+/// The scales of the dH and dW gates under bf16 products, which round `dZ` to bf16:
+/// the rounding error is bounded entrywise by `2^-9·(|dZ|·|W|)` and `2^-9·(|dZ|ᵀ·|H|)`,
+/// so the gates are relative to `max(|dZ|·|W|)` and `max(|dZ|ᵀ·|H|)`. They equal
+/// `max|dH|` and `max|dW|` where a row's terms do not cancel; where they do (a
+/// vocabulary of 2, `dZ = [a, -a]`), the error is that of the terms, not of their
+/// difference (docs/spec/losses.md, flashloss addition 4).
+fn rounded_dz_scales<E: Element>(inputs: &LinearInputs<E>, dlogits: &[f64]) -> (f64, f64) {
+    let abs = |x: &[E]| -> Vec<E> { x.iter().map(|v| E::from_f32(v.to_f32().abs())).collect() };
+    let (hidden, weight) = (abs(inputs.hidden), abs(inputs.weight));
+    let abs_inputs = LinearInputs {
+        hidden: &hidden,
+        weight: &weight,
+        bias: None,
+        ..*inputs
+    };
+    let dz: Vec<f64> = dlogits.iter().map(|x| x.abs()).collect();
+    let (dh, dw, _) = linear_grads(&abs_inputs, &dz);
+    (max_abs(&dh), max_abs(&dw))
 }
 
 /// The random inputs of a fused LM-head check: a head, per-token GRPO inputs whose old

@@ -105,11 +105,27 @@ pub(crate) fn grad_gate(
     tol: &Tolerance,
     rows: f64,
 ) -> Gate {
-    let max_ref = want.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+    grad_gate_scaled(name, got, want, max_abs(want), tol, rows)
+}
+
+/// [`grad_gate`] relative to `scale` instead of `max|g_ref|`.
+pub(crate) fn grad_gate_scaled(
+    name: &'static str,
+    got: impl Iterator<Item = f64>,
+    want: &[f64],
+    scale: f64,
+    tol: &Tolerance,
+    rows: f64,
+) -> Gate {
     let floor = tol.grad_atol.unwrap_or_default() * rows;
     Gate::new(
         name,
         max_abs_diff(got, want.iter().cloned()),
-        (tol.grad_rel.unwrap_or_default() * max_ref).max(floor),
+        (tol.grad_rel.unwrap_or_default() * scale).max(floor),
     )
+}
+
+/// `max |x|` (0 for none).
+pub(crate) fn max_abs(x: &[f64]) -> f64 {
+    x.iter().fold(0.0f64, |m, v| m.max(v.abs()))
 }
