@@ -4,6 +4,19 @@
 use half::bf16;
 use serde::{Deserialize, Serialize};
 
+/// The bits of `x` rounded to bf16, to nearest even, branch-free (a loop of them
+/// vectorizes); a NaN stays a quiet NaN. Equal to `half::bf16::from_f32` (tested).
+#[inline(always)]
+pub fn bf16_bits(x: f32) -> u16 {
+    let b = x.to_bits();
+    let rounded = b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16;
+    if b & 0x7fff_ffff > 0x7f80_0000 {
+        (b >> 16) as u16 | 0x40
+    } else {
+        rounded as u16
+    }
+}
+
 /// The storage dtype of a tensor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -38,6 +51,8 @@ pub trait Element: Copy + Send + Sync + Default + 'static {
     fn as_f32_mut(slice: &mut [Self]) -> Option<&mut [f32]>;
     /// The slice itself when the type is bf16.
     fn as_bf16(slice: &[Self]) -> Option<&[bf16]>;
+    /// The mutable slice itself when the type is bf16.
+    fn as_bf16_mut(slice: &mut [Self]) -> Option<&mut [bf16]>;
 }
 
 impl Element for f32 {
@@ -59,6 +74,9 @@ impl Element for f32 {
     fn as_bf16(_: &[Self]) -> Option<&[bf16]> {
         None
     }
+    fn as_bf16_mut(_: &mut [Self]) -> Option<&mut [bf16]> {
+        None
+    }
 }
 
 impl Element for bf16 {
@@ -69,7 +87,7 @@ impl Element for bf16 {
     }
     #[inline(always)]
     fn from_f32(x: f32) -> Self {
-        bf16::from_f32(x)
+        bf16::from_bits(bf16_bits(x))
     }
     fn as_f32(_: &[Self]) -> Option<&[f32]> {
         None
@@ -78,6 +96,9 @@ impl Element for bf16 {
         None
     }
     fn as_bf16(slice: &[Self]) -> Option<&[bf16]> {
+        Some(slice)
+    }
+    fn as_bf16_mut(slice: &mut [Self]) -> Option<&mut [bf16]> {
         Some(slice)
     }
 }

@@ -35,16 +35,9 @@ impl Bf16Bits for bf16 {
 }
 
 impl Bf16Bits for f32 {
-    /// Round to nearest even, branch-free (vectorizes); a NaN stays a quiet NaN.
     #[inline(always)]
     fn bits(self) -> u16 {
-        let x = self.to_bits();
-        let rounded = x.wrapping_add(0x7fff + ((x >> 16) & 1)) >> 16;
-        if x & 0x7fff_ffff > 0x7f80_0000 {
-            (x >> 16) as u16 | 0x40
-        } else {
-            rounded as u16
-        }
+        crate::element::bf16_bits(self)
     }
 }
 
@@ -325,9 +318,9 @@ mod tests {
             .collect()
     }
 
-    /// The branch-free rounding equals `half`'s round-to-nearest-even on finite values
-    /// (ties, carries into the exponent, the largest finite values, denormals) and keeps
-    /// a NaN a NaN.
+    /// The branch-free rounding (`element::bf16_bits`) equals `half`'s
+    /// round-to-nearest-even on finite values (ties, carries into the exponent, the
+    /// largest finite values, denormals) and keeps a NaN a NaN.
     #[test]
     fn f32_rounds_to_nearest_even_like_half() {
         let mut bits: Vec<u32> = (0..200_000u32)

@@ -3,7 +3,8 @@
 //! not depend on threads). Each public function is compiled for AVX-512, AVX2+FMA and
 //! baseline x86-64 and picks the best at run time.
 
-use crate::element::Element;
+use crate::element::{Element, bf16_bits};
+use half::bf16;
 use multiversion::multiversion;
 
 /// Lanes of every reduction: one AVX-512 register of f32.
@@ -48,8 +49,27 @@ fn exp_clamped(x: f32, xc: f32) -> f32 {
 /// Widens `src` to f32 into `dst`.
 #[inline]
 pub fn load<E: Element>(src: &[E], dst: &mut [f32]) {
+    if let Some(src) = E::as_bf16(src) {
+        return load_bf16(src, dst);
+    }
     for (d, s) in dst.iter_mut().zip(src) {
         *d = s.to_f32();
+    }
+}
+
+/// [`load`] of bf16 (a shift of the bits), vectorized.
+#[multiversion(targets("x86_64+avx512f+avx512vl+avx2+fma", "x86_64+avx2+fma"))]
+fn load_bf16(src: &[bf16], dst: &mut [f32]) {
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d = f32::from_bits((s.to_bits() as u32) << 16);
+    }
+}
+
+/// [`store`] to bf16 (round to nearest even, branch-free), vectorized.
+#[multiversion(targets("x86_64+avx512f+avx512vl+avx2+fma", "x86_64+avx2+fma"))]
+fn store_bf16(src: &[f32], dst: &mut [bf16]) {
+    for (d, &s) in dst.iter_mut().zip(src) {
+        *d = bf16::from_bits(bf16_bits(s));
     }
 }
 
@@ -75,6 +95,9 @@ pub fn store<E: Element>(src: &[f32], dst: &mut [E]) {
         }
         dst.copy_from_slice(&src[..dst.len()]);
         return;
+    }
+    if let Some(dst) = E::as_bf16_mut(dst) {
+        return store_bf16(src, dst);
     }
     for (d, &s) in dst.iter_mut().zip(src) {
         *d = E::from_f32(s);
