@@ -311,19 +311,7 @@ fn compact_on_confident_rows() {
             let (dh, dw, db) = linear_grads(&head.inputs(), &r.dlogits);
             let p_min = (0..b * t).map(|i| r.logp[i].exp()).fold(1.0f64, f64::min);
             let case = format!("sharpness {sharpness} entropy {entropy_coef} (min p_y {p_min:.6})");
-            for (name, got, want) in [
-                ("dH", &out.grads.dhidden, &dh),
-                ("dW", &out.grads.dweight, &dw),
-                ("dbias", out.grads.dbias.as_ref().unwrap(), &db),
-            ] {
-                let scale = max_abs(want);
-                let err = got
-                    .iter()
-                    .zip(want.iter())
-                    .fold(0.0f64, |m, (g, w)| m.max((*g as f64 - w).abs()));
-                eprintln!("{case} {name}: error {:.2e} of the largest", err / scale);
-                assert!(err <= COMPACT_GRAD_TOL * scale, "{case} {name}");
-            }
+            assert_grads_of_largest(&case, &out.grads, (&dh, &dw, &db), COMPACT_GRAD_TOL);
         }
     }
 }
@@ -388,19 +376,7 @@ fn bf16_products_on_flat_and_peaked_rows() {
                     (out.loss - r.loss).abs() <= 1e-3 * r.loss.abs().max(1.0),
                     "{case}: loss"
                 );
-                for (name, got, want) in [
-                    ("dH", &out.grads.dhidden, &dh),
-                    ("dW", &out.grads.dweight, &dw),
-                    ("dbias", out.grads.dbias.as_ref().unwrap(), &db),
-                ] {
-                    let scale = max_abs(want);
-                    let err = got
-                        .iter()
-                        .zip(want.iter())
-                        .fold(0.0f64, |m, (g, w)| m.max((*g as f64 - w).abs()));
-                    eprintln!("{case} {name}: error {:.2e} of the largest", err / scale);
-                    assert!(err <= 1e-2 * scale, "{case} {name}");
-                }
+                assert_grads_of_largest(&case, &out.grads, (&dh, &dw, &db), 1e-2);
             }
         }
     }

@@ -100,6 +100,31 @@ pub fn assert_close(name: &str, got: &[f32], want: &[f64], rel: f64) {
     );
 }
 
+/// Asserts `max|got - want| ≤ rel·max|want|` for dH, dW and dbias (which must be there)
+/// of `grads` against `want`, printing each error as a fraction of the largest entry
+/// (`--nocapture`) under `case`.
+pub fn assert_grads_of_largest(
+    case: &str,
+    grads: &flashloss::LinearGrads,
+    (dh, dw, db): (&[f64], &[f64], &[f64]),
+    rel: f64,
+) {
+    let db_got = grads.dbias.as_deref().expect("a bias gradient");
+    for (name, got, want) in [
+        ("dH", &grads.dhidden[..], dh),
+        ("dW", &grads.dweight[..], dw),
+        ("dbias", db_got, db),
+    ] {
+        let scale = max_abs(want);
+        let err = got
+            .iter()
+            .zip(want)
+            .fold(0.0f64, |m, (g, w)| m.max((*g as f64 - w).abs()));
+        eprintln!("{case} {name}: error {:.2e} of the largest", err / scale);
+        assert!(err <= rel * scale, "{case} {name}");
+    }
+}
+
 /// Gradient tolerance (of the largest reference gradient) of [`flashloss::Mode::Compact`]
 /// in f32: its block keeps probabilities as f16 exponentials (relative 2^-11 each).
 pub const COMPACT_GRAD_TOL: f64 = 1e-3;
