@@ -150,8 +150,7 @@ fn for_each_tile<E: Element>(
     mut each: impl FnMut(Tile),
 ) {
     let h = p.inputs.hidden_size;
-    let bias = p.bias_f32();
-    let engine = Engine::of(plan);
+    let (bias, engine) = (p.bias_f32(), p.engine);
     let threads = rayon::current_num_threads();
     let scratch = ws.prepare(plan.block_rows, plan.vocab_tile);
     for rows in p.row_blocks(plan.block_rows).filter(|r| !skip(r)) {
@@ -321,6 +320,7 @@ impl<E: Element> Head for CpuHead<'_, E> {
             problem: Problem {
                 inputs: self.inputs,
                 rows,
+                engine: Engine::of(&plan)?,
             },
             plan,
             ws: &mut *self.ws,

@@ -27,24 +27,29 @@ impl Engine {
     /// What a bf16 head runs for `asked` on this CPU; an error where the CPU lacks it.
     pub(crate) fn resolve(asked: Bf16Products) -> Result<Bf16Products> {
         match (asked, Avx512Bf16::detect()) {
-            (Bf16Products::Widened, _) => Ok(Bf16Products::Widened),
+            (Bf16Products::Widened, _) | (Bf16Products::Auto, None) => Ok(Bf16Products::Widened),
             (_, Some(_)) => Ok(Bf16Products::Avx512Bf16),
-            (Bf16Products::Auto, None) => Ok(Bf16Products::Widened),
-            (Bf16Products::Avx512Bf16, None) => Err(Error::InvalidArgument {
-                arg: "bf16_products",
-                reason: "avx512bf16 asked for, and this CPU has no AVX512-BF16 (vdpbf16ps)".into(),
-            }),
+            (Bf16Products::Avx512Bf16, None) => Err(no_avx512bf16()),
         }
     }
 
-    /// The engine of `plan` (resolved by [`Engine::resolve`] when it was made).
-    pub(crate) fn of(plan: &Plan) -> Self {
+    /// The engine of `plan`; an error for a plan that names bf16 products this CPU
+    /// lacks (a plan made elsewhere: [`Engine::resolve`] checked the CPU's own).
+    pub(crate) fn of(plan: &Plan) -> Result<Self> {
         match plan.bf16_products {
-            Some(Bf16Products::Avx512Bf16) => {
-                Engine::Bf16(Avx512Bf16::detect().expect("the plan checked AVX512-BF16"))
-            }
-            _ => Engine::F32,
+            Some(Bf16Products::Avx512Bf16) => Avx512Bf16::detect()
+                .map(Engine::Bf16)
+                .ok_or_else(no_avx512bf16),
+            _ => Ok(Engine::F32),
         }
+    }
+}
+
+/// The error of bf16 products asked for on a CPU without AVX512-BF16.
+fn no_avx512bf16() -> Error {
+    Error::InvalidArgument {
+        arg: "bf16_products",
+        reason: "avx512bf16 asked for, and this CPU has no AVX512-BF16 (vdpbf16ps)".into(),
     }
 }
 

@@ -16,7 +16,7 @@
 //! the thread count.
 
 use super::matmul::MatRef;
-use super::products::{self, Engine};
+use super::products;
 use super::simd;
 use super::tiles::{
     Lane, Problem, Workspace, add_column_sums, grad_row, logits_tile, resize_fresh,
@@ -91,7 +91,7 @@ pub(crate) fn single_pass<E: Element, S: Stored>(
     let (vt, t) = (plan.vocab_tile, &p.transform);
     let tiles: Vec<Range<usize>> = problem.vocab_tiles(vt).collect();
     let bias = problem.bias_f32();
-    let engine = Engine::of(plan);
+    let engine = problem.engine;
     let threads = (rayon::current_num_threads() / LANES).max(1);
     ws.prepare_lanes(plan.block_rows, (tiles.len(), vt), h, LANES);
     let Workspace {

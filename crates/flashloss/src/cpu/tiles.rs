@@ -8,7 +8,7 @@
 use super::bf16_gemm::PackedA;
 use super::matmul::{MatRef, matmul};
 use super::online_softmax::tile_state;
-use super::products::{self, Hidden, HiddenBlock, Weight, WeightTile};
+use super::products::{self, Engine, Hidden, HiddenBlock, Weight, WeightTile};
 use super::simd;
 use crate::batch::LinearInputs;
 use crate::element::Element;
@@ -17,10 +17,11 @@ use crate::rows::{OnlineSoftmax, RowInputs};
 use rayon::prelude::*;
 use std::ops::Range;
 
-/// Inputs of a fused LM-head pass on the CPU.
+/// Inputs of a fused LM-head pass on the CPU, and the engine of its products.
 pub(crate) struct Problem<'a, E> {
     pub(crate) inputs: &'a LinearInputs<'a, E>,
     pub(crate) rows: RowInputs<'a>,
+    pub(crate) engine: Engine,
 }
 
 impl<E: Element> Problem<'_, E> {
