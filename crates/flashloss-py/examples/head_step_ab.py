@@ -56,8 +56,17 @@ def flashloss_step(hidden, weight, ids, mask, adv, old, ref):
     import flashloss.torch as fl
 
     loss, _ = fl.linear_grpo_loss(
-        hidden, weight, ids, mask, adv, old_per_token_logps=old, ref_per_token_logps=ref,
-        loss_type="dapo", beta=BETA, epsilon_low=EPS, use_bias_correction_kl=False,
+        hidden,
+        weight,
+        ids,
+        mask,
+        adv,
+        old_per_token_logps=old,
+        ref_per_token_logps=ref,
+        loss_type="dapo",
+        beta=BETA,
+        epsilon_low=EPS,
+        use_bias_correction_kl=False,
     )
     return loss
 
@@ -78,11 +87,19 @@ def child(arm, dtype, args):
         times.append(time.perf_counter() - start)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     times = sorted(times[1:])
-    print(json.dumps({
-        "arm": arm, "dtype": dtype, "median_s": times[len(times) // 2], "best_s": times[0],
-        "peak_above_inputs_mib": (peak - base) / 1024, "loss": loss.item(),
-        "threads": torch.get_num_threads(),
-    }))
+    print(
+        json.dumps(
+            {
+                "arm": arm,
+                "dtype": dtype,
+                "median_s": times[len(times) // 2],
+                "best_s": times[0],
+                "peak_above_inputs_mib": (peak - base) / 1024,
+                "loss": loss.item(),
+                "threads": torch.get_num_threads(),
+            }
+        )
+    )
 
 
 def main():
@@ -117,12 +134,17 @@ def main():
         best[key] = min(best.get(key, float("inf")), run["median_s"])
     ratios = {
         f"flashloss_over_torch_{d}": best[f"flashloss_{d}"] / best[f"torch_{d}"]
-        for d in args.dtypes.split(",") if f"flashloss_{d}" in best and f"torch_{d}" in best
+        for d in args.dtypes.split(",")
+        if f"flashloss_{d}" in best and f"torch_{d}" in best
     }
     if "flashloss_bf16" in best and "flashloss_f32" in best:
         ratios["flashloss_bf16_over_f32"] = best["flashloss_bf16"] / best["flashloss_f32"]
-    print(json.dumps({"shape": [args.tokens, args.hidden, args.vocab], "runs": runs,
-                      "best_median_s": best, "ratios": ratios}, indent=1))
+    print(
+        json.dumps(
+            {"shape": [args.tokens, args.hidden, args.vocab], "runs": runs, "best_median_s": best, "ratios": ratios},
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

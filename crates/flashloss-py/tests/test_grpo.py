@@ -151,6 +151,38 @@ def test_bf16_inputs():
           ref_per_token_logps=policy_logps(d, 1.0, 0.2, d["g"]))  # fmt: skip
 
 
+def _has_avx512_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "avx512_bf16" in f.read().split()
+    except OSError:
+        return False
+
+
+def test_bf16_products_chosen_by_the_environment(monkeypatch):
+    """``FLASHLOSS_BF16_PRODUCTS`` picks the CPU's products on a bf16 head: ``widened``
+    and ``avx512bf16`` (on a CPU with AVX512-BF16) both pass the bf16 check and give
+    different gradients (``dZ`` rounded to bf16 or not); another value is a ValueError
+    naming the variable."""
+    d = make_batch(16, dtype=torch.bfloat16, t=9, v=301)
+    grads = {}
+    choices = ["widened"] + (["avx512bf16"] if _has_avx512_bf16() else [])
+    for choice in choices:
+        monkeypatch.setenv("FLASHLOSS_BF16_PRODUCTS", choice)
+        check(d, tol_loss=1e-3, tol_grad=1e-2, loss_type="grpo", beta=0.04,
+              ref_per_token_logps=policy_logps(d, 1.0, 0.2, d["g"]))  # fmt: skip
+        hidden = d["hidden"].detach().clone().requires_grad_()
+        fl.linear_grpo_loss(hidden, d["weight"], d["ids"], d["mask"], d["adv"])[0].backward()
+        grads[choice] = hidden.grad
+    if len(grads) == 2:
+        assert not torch.equal(grads["widened"], grads["avx512bf16"])
+    else:
+        print("skipped: bf16 products on avx512bf16 (this CPU has no AVX512-BF16)")
+    monkeypatch.setenv("FLASHLOSS_BF16_PRODUCTS", "amx")
+    with pytest.raises(ValueError, match="FLASHLOSS_BF16_PRODUCTS"):
+        fl.linear_grpo_loss(d["hidden"], d["weight"], d["ids"], d["mask"], d["adv"])
+
+
 def test_hidden_as_rows_and_token_advantages():
     d = make_batch(17, bias=False)
     d["adv"] = torch.randn(d["ids"].shape, generator=d["g"])

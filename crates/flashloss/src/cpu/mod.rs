@@ -26,6 +26,7 @@ pub use grpo_logits::{grpo_logits_forward, grpo_logits_forward_sharded, grpo_log
 pub use grpo_logits_staged::{StagedForward, grpo_logits_forward_staged};
 pub use online_softmax::{VOCAB_TILE, row_state, tile_state};
 pub use passes::{CpuHead, GEMM_SCRATCH_PER_THREAD, gemm_reserve_bytes, plan};
+pub use products::BF16_PRODUCTS_ENV;
 pub use selective_log_softmax::selective_log_softmax;
 pub use tiles::Workspace;
 pub use unfused_logits::{UnfusedWorkspace, grpo_logits_unfused, grpo_logits_unfused_into};

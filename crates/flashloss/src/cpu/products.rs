@@ -23,9 +23,24 @@ pub(crate) enum Engine {
     Bf16(Avx512Bf16),
 }
 
+/// The environment variable that chooses for [`Bf16Products::Auto`] in every binding
+/// (`auto`, `widened`, `avx512bf16`), as `ONEDNN_MAX_CPU_ISA` does for oneDNN; an option
+/// other than `auto` wins over it.
+pub const BF16_PRODUCTS_ENV: &str = "FLASHLOSS_BF16_PRODUCTS";
+
 impl Engine {
-    /// What a bf16 head runs for `asked` on this CPU; an error where the CPU lacks it.
+    /// What a bf16 head runs for `asked` (`auto`: [`BF16_PRODUCTS_ENV`] where set) on this
+    /// CPU; an error where the CPU lacks it or the variable holds another value.
     pub(crate) fn resolve(asked: Bf16Products) -> Result<Bf16Products> {
+        let asked = match (asked, std::env::var(BF16_PRODUCTS_ENV)) {
+            (Bf16Products::Auto, Ok(name)) => {
+                Bf16Products::from_name(&name).ok_or_else(|| Error::InvalidArgument {
+                    arg: BF16_PRODUCTS_ENV,
+                    reason: format!("{name:?} is not one of auto, widened, avx512bf16"),
+                })?
+            }
+            _ => asked,
+        };
         match (asked, Avx512Bf16::detect()) {
             (Bf16Products::Widened, _) | (Bf16Products::Auto, None) => Ok(Bf16Products::Widened),
             (_, Some(_)) => Ok(Bf16Products::Avx512Bf16),

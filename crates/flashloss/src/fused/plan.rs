@@ -60,7 +60,9 @@ impl Mode {
 #[serde(rename_all = "snake_case")]
 pub enum Bf16Products {
     /// The fastest this CPU has, chosen at run time: [`Bf16Products::Avx512Bf16`] where
-    /// the CPU has AVX512-BF16, [`Bf16Products::Widened`] otherwise.
+    /// the CPU has AVX512-BF16, [`Bf16Products::Widened`] otherwise; the environment
+    /// variable `FLASHLOSS_BF16_PRODUCTS` (`crate::cpu::BF16_PRODUCTS_ENV`) chooses
+    /// instead where set, in every binding.
     #[default]
     Auto,
     /// Operands widened to f32 a block or a tile at a time, f32 products (`gemm`).
@@ -73,6 +75,13 @@ pub enum Bf16Products {
 }
 
 impl Bf16Products {
+    /// Every choice.
+    pub const ALL: [Bf16Products; 3] = [
+        Bf16Products::Auto,
+        Bf16Products::Widened,
+        Bf16Products::Avx512Bf16,
+    ];
+
     /// The name configs use (`auto`, `widened`, `avx512bf16`).
     pub fn name(self) -> &'static str {
         match self {
@@ -80,6 +89,11 @@ impl Bf16Products {
             Bf16Products::Widened => "widened",
             Bf16Products::Avx512Bf16 => "avx512bf16",
         }
+    }
+
+    /// The choice named `name` ([`Bf16Products::name`]).
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|p| p.name() == name)
     }
 }
 
