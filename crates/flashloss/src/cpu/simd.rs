@@ -3,7 +3,7 @@
 //! not depend on threads). Each public function is compiled for AVX-512, AVX2+FMA and
 //! baseline x86-64 and picks the best at run time.
 
-use crate::element::{Element, bf16_bits};
+use crate::element::Element;
 use half::bf16;
 use multiversion::multiversion;
 
@@ -57,19 +57,19 @@ pub fn load<E: Element>(src: &[E], dst: &mut [f32]) {
     }
 }
 
-/// [`load`] of bf16 (a shift of the bits), vectorized.
+/// [`load`] of bf16 (`Element::to_f32`, a shift of the bits), vectorized.
 #[multiversion(targets("x86_64+avx512f+avx512vl+avx2+fma", "x86_64+avx2+fma"))]
 fn load_bf16(src: &[bf16], dst: &mut [f32]) {
-    for (d, s) in dst.iter_mut().zip(src) {
-        *d = f32::from_bits((s.to_bits() as u32) << 16);
+    for (d, &s) in dst.iter_mut().zip(src) {
+        *d = Element::to_f32(s);
     }
 }
 
-/// [`store`] to bf16 (round to nearest even, branch-free), vectorized.
+/// [`store`] to bf16 (`Element::from_f32`: round to nearest even, branch-free), vectorized.
 #[multiversion(targets("x86_64+avx512f+avx512vl+avx2+fma", "x86_64+avx2+fma"))]
 fn store_bf16(src: &[f32], dst: &mut [bf16]) {
     for (d, &s) in dst.iter_mut().zip(src) {
-        *d = bf16::from_bits(bf16_bits(s));
+        *d = Element::from_f32(s);
     }
 }
 
