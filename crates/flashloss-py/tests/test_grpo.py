@@ -205,6 +205,20 @@ def test_upstream_gradient_scales_the_gradients():
     assert w1.grad.abs().max() > 0
 
 
+def test_backward_through_a_kept_graph_adds_the_gradients_each_time():
+    """At ``grad == 1`` the op hands autograd its saved gradients without a copy; through a
+    kept graph every backward must still add them once more (never alias ``.grad``)."""
+    d = make_batch(21)
+    w = d["weight"].clone().requires_grad_()
+    loss, _ = fl.linear_grpo_loss(d["hidden"], w, d["ids"], d["mask"], d["adv"])
+    loss.backward(retain_graph=True)
+    once = w.grad.clone()
+    loss.backward(retain_graph=True)
+    loss.backward()
+    assert once.abs().max() > 0
+    assert torch.allclose(w.grad, 3 * once, rtol=1e-6, atol=0)
+
+
 def test_metrics_are_trl_masked_means():
     d = make_batch(19)
     old = policy_logps(d, 1.0, 0.5, d["g"])

@@ -59,8 +59,21 @@ def _with_items(config: str, num_items: Optional[Tensor]) -> str:
 
 
 def _scale(grad: Tensor, grads: tuple, dtypes: tuple) -> list:
-    """``grad · g`` in each input's dtype (None where the input is absent)."""
-    return [None if dt is None else (grad * g).to(dt) for g, dt in zip(grads, dtypes)]
+    """``grad · g`` in each input's dtype (None where the input is absent). Eager on the
+    CPU with ``grad == 1`` (``loss.backward()``) the saved gradients are returned as they
+    are (cast where the input's dtype differs): autograd then takes them as ``.grad``
+    without a copy, where ``grad * g`` would write a fresh ``[V, H]`` tensor (0.27 s at
+    V=151936, H=1024 on 2 cores, docs/bench/cpu.md)."""
+    unit = grad.device.type == "cpu" and not torch.compiler.is_compiling() and grad.item() == 1.0
+    return [None if dt is None else (g if unit else grad * g).to(dt) for g, dt in zip(grads, dtypes)]
+
+
+def _only_the_loss_differentiable(ctx, output) -> None:
+    """Marks every output but the loss (output 0) non-differentiable, and has autograd
+    pass ``None`` for their gradients instead of zero tensors of their shapes (the
+    gradient outputs' zeros took 0.13 s a backward at V=151936, H=1024)."""
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.set_materialize_grads(False)
 
 
 def _fake_grads(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
@@ -87,7 +100,7 @@ def _head_setup(ctx, inputs, output) -> None:
     hidden, weight, bias = inputs[:3]
     ctx.save_for_backward(*output[1:4])
     ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
-    ctx.mark_non_differentiable(*output[1:])
+    _only_the_loss_differentiable(ctx, output)
 
 
 # --- GRPO from hidden states -----------------------------------------------------------
@@ -307,12 +320,12 @@ def _(logits, completion_ids, *args):
 
 def _grpo_logits_setup(ctx, inputs, output):
     ctx.save_for_backward(output[1])
-    ctx.mark_non_differentiable(*output[1:])
+    _only_the_loss_differentiable(ctx, output)
 
 
 def _grpo_logits_backward(ctx, grad, *_):
     (dlogits,) = ctx.saved_tensors
-    return (grad.to(dlogits.dtype) * dlogits, *([None] * 8))
+    return (*_scale(grad, (dlogits,), (dlogits.dtype,)), *([None] * 8))
 
 
 grpo_logits.register_autograd(_grpo_logits_backward, setup_context=_grpo_logits_setup)
