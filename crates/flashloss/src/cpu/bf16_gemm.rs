@@ -5,14 +5,17 @@
 //!
 //! Operands are packed in pairs along `k` into u32 words (`x_2p` in the low half,
 //! `x_2p+1` in the high half): A in panels of [`MR`] rows, `[m/MR][k/2][MR]`, B in panels
-//! of [`NR`] columns, `[n/NR][k/2][NR]`, zero-padded (an odd `k` and partial panels). A
+//! of [`NR`] columns, `[n/NR][k/2][NR]` (an odd `k`'s last pair has a zero high half; a
+//! partial panel's missing rows feed only lanes of C that are never stored). A
 //! micro-kernel holds an `MR × NR` tile of C in `2·MR` registers over a block of
 //! [`KC_PAIRS`] pairs of `k` (its A and B blocks streamed from L2), adding each block's
-//! sums into C in order. Operands come from
-//! bf16 (exact) or f32 (rounded to nearest even) strided views. Every entry of C sums its
-//! `k` terms in the same order whatever the thread count.
+//! sums into C in order. Operands come from bf16 (exact) or f32 (rounded to nearest
+//! even) strided views; on contiguous `k` the packer transposes 16 × 16 words in
+//! registers, f32 lines of a contiguous outer dimension are rounded 16 at a time. Every
+//! entry of C sums its `k` terms in the same order whatever the thread count.
 
 use super::matmul::MatRef;
+use crate::element::Element;
 use half::bf16;
 use rayon::prelude::*;
 
@@ -22,9 +25,17 @@ pub const MR: usize = 14;
 pub const NR: usize = 32;
 
 /// An element a packer reads: its bf16 bits.
-pub trait Bf16Bits: Copy + Send + Sync {
+pub trait Bf16Bits: Element {
     /// The bf16 bits (f32 rounded to nearest even).
     fn bits(self) -> u16;
+
+    /// The 16 pair words of the 32 elements at `src` (word `j`: element `2j` low,
+    /// `2j + 1` high), on AVX512-BF16.
+    ///
+    /// # Safety
+    /// 32 elements are readable at `src`, and the CPU has AVX512F and AVX512-BF16.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn words16(src: *const Self) -> std::arch::x86_64::__m512i;
 }
 
 impl Bf16Bits for bf16 {
@@ -32,12 +43,32 @@ impl Bf16Bits for bf16 {
     fn bits(self) -> u16 {
         self.to_bits()
     }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn words16(src: *const Self) -> std::arch::x86_64::__m512i {
+        // SAFETY: the caller's contract (64 bytes readable).
+        unsafe { std::arch::x86_64::_mm512_loadu_si512(src.cast()) }
+    }
 }
 
 impl Bf16Bits for f32 {
     #[inline(always)]
     fn bits(self) -> u16 {
         crate::element::bf16_bits(self)
+    }
+
+    /// Rounded to nearest even by `vcvtne2ps2bf16`, which reads denormals as zero, as
+    /// `vdpbf16ps` reads them anyway: the products are those of [`Bf16Bits::bits`].
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn words16(src: *const Self) -> std::arch::x86_64::__m512i {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's contract (32 floats readable, the CPU features).
+        unsafe {
+            let (lo, hi) = (_mm512_loadu_ps(src), _mm512_loadu_ps(src.add(16)));
+            std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi, lo))
+        }
     }
 }
 
@@ -73,9 +104,11 @@ impl<const P: usize> Packed<P> {
         let panel_words = P * pairs;
         self.outer = outer;
         self.pairs = pairs;
-        self.words.clear();
+        // Words a packer leaves (a partial panel's missing rows) keep what they held:
+        // they feed only lanes of C that the micro-kernel does not store.
         self.words.resize(outer.div_ceil(P) * panel_words, 0);
-        let pack_panel = |(q, dst): (usize, &mut [u32])| pack_panel::<S, P>(dst, view, q * P);
+        let simd = Avx512Bf16::detect();
+        let pack_panel = |(q, dst): (usize, &mut [u32])| pack_panel::<S, P>(dst, view, q * P, simd);
         if threads > 1 && outer * k >= 1 << 16 {
             self.words
                 .par_chunks_mut(panel_words)
@@ -114,14 +147,28 @@ fn pair<S: Bf16Bits>(lo: S, hi: S) -> u32 {
 const PAIR_BLOCK: usize = 32;
 
 /// One panel: outer rows `o0..o0 + P` of `view` (`[outer, k]`) into `dst` `[k/2][P]`.
-/// Contiguous `k` reads each row's pairs, [`PAIR_BLOCK`] pairs at a time; a contiguous
-/// outer dimension interleaves two lines of `k` (runs of `P`, vectorized).
-fn pack_panel<S: Bf16Bits, const P: usize>(dst: &mut [u32], view: MatRef<S>, o0: usize) {
+/// Contiguous `k`: on AVX512-BF16 (`simd`) 16 rows × 16 pairs at a time, transposed in
+/// registers, the rest [`PAIR_BLOCK`] pairs at a time; a contiguous outer dimension
+/// interleaves two lines of `k` (runs of `P`, vectorized).
+fn pack_panel<S: Bf16Bits, const P: usize>(
+    dst: &mut [u32],
+    view: MatRef<S>,
+    o0: usize,
+    simd: Option<Avx512Bf16>,
+) {
     let (k, pairs) = (view.cols, view.cols.div_ceil(2));
     let live = P.min(view.rows - o0);
     let (rs, cs, d) = (view.row_stride, view.col_stride, view.data);
     if cs == 1 {
-        for p0 in (0..pairs).step_by(PAIR_BLOCK) {
+        let mut done = 0;
+        #[cfg(target_arch = "x86_64")]
+        if simd.is_some() {
+            done = k / 32 * 16;
+            let rows: Vec<&[S]> = (0..live).map(|i| &d[(o0 + i) * rs..][..2 * done]).collect();
+            // SAFETY: `simd` proves the CPU features; each row holds `2·done` elements.
+            unsafe { kernel::pack_pairs16::<S, P>(dst, &rows, done) };
+        }
+        for p0 in (done..pairs).step_by(PAIR_BLOCK) {
             let p1 = (p0 + PAIR_BLOCK).min(pairs);
             let block = &mut dst[p0 * P..p1 * P];
             for i in 0..live {
@@ -136,7 +183,18 @@ fn pack_panel<S: Bf16Bits, const P: usize>(dst: &mut [u32], view: MatRef<S>, o0:
             }
         }
     } else if rs == 1 {
-        for (p, out) in dst.chunks_exact_mut(P).enumerate() {
+        let mut done = 0;
+        // f32 lines are rounded 16 at a time by hand (bf16 lines interleave as fast as
+        // memory allows in the compiler's own vectors).
+        #[cfg(target_arch = "x86_64")]
+        if let (Some(_), Some(d)) = (simd, S::as_f32(d)) {
+            done = k / 2;
+            let line = |c: usize| &d[c * cs + o0..][..live];
+            let lines: Vec<_> = (0..done).map(|p| (line(2 * p), line(2 * p + 1))).collect();
+            // SAFETY: `simd` proves the CPU features; each line holds `live ≤ P` elements.
+            unsafe { kernel::pack_lines16::<P>(dst, &lines) };
+        }
+        for (p, out) in dst.chunks_exact_mut(P).enumerate().skip(done) {
             let lo = &d[2 * p * cs + o0..][..live];
             if 2 * p + 1 < k {
                 let hi = &d[(2 * p + 1) * cs + o0..][..live];
@@ -179,7 +237,10 @@ impl Avx512Bf16 {
     /// `Some` when the CPU has AVX512F and AVX512-BF16 (checked at run time).
     pub fn detect() -> Option<Self> {
         #[cfg(target_arch = "x86_64")]
-        if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bf16") {
+        if is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512bf16")
+        {
             return Some(Avx512Bf16(()));
         }
         None
@@ -252,8 +313,88 @@ impl Avx512Bf16 {
 
 #[cfg(target_arch = "x86_64")]
 mod kernel {
-    use super::{MR, NR};
+    use super::{Bf16Bits, MR, NR};
     use std::arch::x86_64::*;
+
+    /// Pairs `0..pairs` (a multiple of 16) of `rows` (at most `P`, each `2·pairs`
+    /// elements) into a panel `dst` `[pairs..][P]`: per 16 rows and 16 pairs, the rows'
+    /// words are loaded, transposed in registers and stored a pair (16 rows) at a time.
+    /// Rows beyond `rows.len()` are left as they are (zero).
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub(super) unsafe fn pack_pairs16<S: Bf16Bits, const P: usize>(
+        dst: &mut [u32],
+        rows: &[&[S]],
+        pairs: usize,
+    ) {
+        assert!(rows.len() <= P && dst.len() >= pairs * P, "panel bounds");
+        for (g, group) in rows.chunks(16).enumerate() {
+            let (i0, width) = (16 * g, 16.min(P - 16 * g));
+            let mask = ((1u32 << width) - 1) as __mmask16;
+            for p0 in (0..pairs).step_by(16) {
+                let mut r = [_mm512_setzero_si512(); 16];
+                for (v, row) in r.iter_mut().zip(group) {
+                    assert!(row.len() >= 2 * p0 + 32, "row bounds");
+                    // SAFETY: 32 elements from `2·p0` lie in `row` (checked).
+                    *v = unsafe { S::words16(row.as_ptr().add(2 * p0)) };
+                }
+                transpose16(&mut r);
+                for (t, v) in r.iter().enumerate() {
+                    // SAFETY: `(p0 + t)·P + i0 + width ≤ pairs·P ≤ dst.len()`.
+                    unsafe {
+                        let at = dst.as_mut_ptr().add((p0 + t) * P + i0);
+                        _mm512_mask_storeu_epi32(at.cast(), mask, *v)
+                    };
+                }
+            }
+        }
+    }
+
+    /// Pair words of the f32 `lines` (pair `p`: its two lines of the panel's outer
+    /// dimension, at most `P` elements each, rounded to nearest even) into a panel `dst`
+    /// `[pairs][P]`, 16 elements at a time.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub(super) unsafe fn pack_lines16<const P: usize>(dst: &mut [u32], lines: &[(&[f32], &[f32])]) {
+        // `vpermw` indices that zip a vector's two 16-element halves: `[0, 16, 1, 17, …]`.
+        let zip = std::array::from_fn::<u16, 32, _>(|j| (j / 2 + 16 * (j % 2)) as u16);
+        // SAFETY: 64 bytes read from a local array.
+        let zip = unsafe { _mm512_loadu_si512(zip.as_ptr().cast()) };
+        assert!(dst.len() >= lines.len() * P, "panel bounds");
+        for (p, (lo, hi)) in lines.iter().enumerate() {
+            let live = lo.len();
+            assert!(live <= P && hi.len() == live, "line bounds");
+            for i0 in (0..live).step_by(16) {
+                let mask = ((1u32 << (live - i0).min(16)) - 1) as __mmask16;
+                // SAFETY: the masked elements lie in the lines (`i0 + popcount ≤ live`),
+                // the masked words in the panel's pair `p` (`live ≤ P`).
+                unsafe {
+                    let lo = _mm512_maskz_loadu_ps(mask, lo.as_ptr().add(i0));
+                    let hi = _mm512_maskz_loadu_ps(mask, hi.as_ptr().add(i0));
+                    let halves =
+                        std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi, lo));
+                    let words = _mm512_permutexvar_epi16(zip, halves);
+                    _mm512_mask_storeu_epi32(dst.as_mut_ptr().add(p * P + i0).cast(), mask, words);
+                }
+            }
+        }
+    }
+
+    /// `r` ← `rᵀ` (16 × 16 words): four rounds of `r'[2i] = zip_lo(r[i], r[i + 8])`,
+    /// `r'[2i + 1] = zip_hi(r[i], r[i + 8])` (a perfect shuffle: after log₂16 rounds,
+    /// row `j` holds word `j` of every row, in row order).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn transpose16(r: &mut [__m512i; 16]) {
+        let lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+        let hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+        for _ in 0..4 {
+            let mut out = [_mm512_setzero_si512(); 16];
+            for i in 0..8 {
+                out[2 * i] = _mm512_permutex2var_epi32(r[i], lo, r[i + 8]);
+                out[2 * i + 1] = _mm512_permutex2var_epi32(r[i], hi, r[i + 8]);
+            }
+            *r = out;
+        }
+    }
 
     /// `c[i, j] (+)= Σ_p a[p, i]·b[p, j]` for `i < mr`, `j < nr`: an A panel `[pairs][MR]`
     /// and a B panel `[pairs][NR]` of bf16 pairs; `c` rows are `ldc` apart.
@@ -406,8 +547,14 @@ mod tests {
                 let init = values(m * ldc, 3);
                 let mut results = Vec::new();
                 for threads in [1, 3] {
+                    // Buffers that held NaNs: words the packers leave must not matter.
                     let (mut pa, mut pb) = (PackedA::default(), PackedB::default());
-                    if layout == 1 {
+                    let nans = vec![f32::NAN; (m + 15) * (k + 33) + (k + 33) * (n + 31)];
+                    pa.pack_a(MatRef::row_major(&nans, m + 15, k + 33), 1);
+                    pb.pack_b(MatRef::row_major(&nans, k + 33, n + 31), 1);
+                    // bf16 sources: layout 1's (contiguous along m) and, on 3 threads,
+                    // layout 0's (contiguous along k; equal to the f32 source's results).
+                    if layout == 1 || (layout == 0 && threads == 3) {
                         pa.pack_a(a16, threads);
                     } else {
                         pa.pack_a(a, threads);
