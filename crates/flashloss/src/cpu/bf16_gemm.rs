@@ -319,7 +319,7 @@ mod kernel {
     /// Pairs `0..pairs` (a multiple of 16) of `rows` (at most `P`, each `2·pairs`
     /// elements) into a panel `dst` `[pairs..][P]`: per 16 rows and 16 pairs, the rows'
     /// words are loaded, transposed in registers and stored a pair (16 rows) at a time.
-    /// Rows beyond `rows.len()` are left as they are (zero).
+    /// Words of rows beyond `rows.len()` are zero (in a 16-row group) or left as they are.
     #[target_feature(enable = "avx512f,avx512bf16")]
     pub(super) unsafe fn pack_pairs16<S: Bf16Bits, const P: usize>(
         dst: &mut [u32],
