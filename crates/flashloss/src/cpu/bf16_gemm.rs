@@ -600,7 +600,11 @@ mod tests {
                     results.push(c);
                 }
                 let bits = |c: &Vec<f32>| c.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits(&results[0]), bits(&results[1]), "thread counts differ");
+                assert_eq!(
+                    bits(&results[0]),
+                    bits(&results[1]),
+                    "thread counts (or bf16 and f32 sources) differ"
+                );
             }
         }
     }
