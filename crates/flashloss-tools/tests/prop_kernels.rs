@@ -343,6 +343,28 @@ proptest! {
 mod regressions {
     use super::*;
 
+    /// vespo at T = 0.3 with a sampler ratio: the value of `φ_b = exp(λ + k·log w_b -
+    /// λ·w_b)` (a stopped gradient) amplifies the f32 rounding of `logp`: one ulp on every
+    /// `logp` moves this loss by 7e-5 relative, and the kernel's `logp` (within 5.8e-8 of
+    /// the reference's) gave a loss 2.1e-5 from it. The loss gate allows what the reference
+    /// itself makes of the kernel's statistics (spec, flashloss addition 5). Found at
+    /// 60 000 cases.
+    #[test]
+    fn vespo_loss_amplifies_the_rounding_of_logp() {
+        let knobs = Knobs {
+            kind: 14,
+            beta: false,
+            entropy: false,
+            temperature: 0.304912082037874,
+            eps_low: 0.3662406742908864,
+            eps_high: 0.11275446270679951,
+            delta: None,
+            bias_correction: false,
+            num_items: None,
+        };
+        logits_case(2, 4, 9, &knobs, &[true; 8], 678, false, true, false, false, 1).unwrap();
+    }
+
     /// Shrunk by `fused_ce_matches_the_reference` with bf16 products: V = 2, so a row's
     /// `dZ = [a, -a]` and `dH = a·(W_0 - W_1)` cancels; `dZ` rounded to bf16 then errs by
     /// 1.02e-2 of `max|dH|` (the gate's old scale) and ~2e-3 of `max(|dZ|·|W|)`, the scale

@@ -2,13 +2,17 @@
 //! logp (and entropy for GRPO), dH, dW, dbias.
 
 use super::config::{GradcheckConfig, Objective};
-use super::report::{Gate, GradcheckReport, grad_gate, grad_gate_scaled, max_abs, worst_rel};
+use super::report::{
+    Gate, GradcheckReport, grad_gate, grad_gate_scaled, loss_gate, max_abs, worst_rel,
+};
 use crate::Result;
 use crate::inputs::{GrpoInputs, HeadInputs};
 use flashloss::batch::LinearInputs;
 use flashloss::policy::{Normalizers, reduction_weight_sum};
-use flashloss::reference::{ce_reference, grpo_reference, linear_grads, linear_logits};
-use flashloss::{Bf16Products, CrossEntropy, Element, GrpoLoss};
+use flashloss::reference::{
+    ce_reference, grpo_reference, grpo_reference_loss, linear_grads, linear_logits,
+};
+use flashloss::{Bf16Products, CrossEntropy, Element, GrpoLoss, RowStats};
 use flashloss::{FusedOptions, LinearGrads, Plan};
 use std::time::Instant;
 
@@ -39,7 +43,16 @@ pub(super) fn check_linear<E: Element>(cfg: &GradcheckConfig) -> Result<Gradchec
             plan = out.plan;
             let r = grpo_reference(&loss, &batch, norm, &z, v, cfg.grad_output);
             let live: Vec<usize> = (0..n).filter(|&i| batch.mask[i]).collect();
+            let stat =
+                |f: fn(&RowStats) -> f32| out.stats.iter().map(|s| f(s) as f64).collect::<Vec<_>>();
+            let implied =
+                grpo_reference_loss(&loss, &batch, norm, &stat(|s| s.logp), &stat(|s| s.entropy));
             let gates = vec![
+                loss_gate(
+                    (r.loss, out.loss),
+                    implied,
+                    tol.loss_rel.unwrap_or_default(),
+                ),
                 Gate::new(
                     "logp",
                     worst_rel(live.iter().map(|&i| (out.stats[i].logp, r.logp[i]))),
@@ -70,11 +83,15 @@ pub(super) fn check_linear<E: Element>(cfg: &GradcheckConfig) -> Result<Gradchec
             plan = out.plan;
             let r = ce_reference(&ce, &targets, &z, v, cfg.grad_output, None);
             let live: Vec<usize> = (0..n).filter(|&i| ce.counts(targets[i])).collect();
-            let gates = vec![Gate::new(
-                "logp",
-                worst_rel(live.iter().map(|&i| (out.stats[i].logp, r.logp[i]))),
-                tol.logp_rel.unwrap_or_default(),
-            )];
+            let gates = vec![
+                // No slack: the CE loss is each row's `-logp` (plus its options), weighted.
+                loss_gate((r.loss, out.loss), r.loss, tol.loss_rel.unwrap_or_default()),
+                Gate::new(
+                    "logp",
+                    worst_rel(live.iter().map(|&i| (out.stats[i].logp, r.logp[i]))),
+                    tol.logp_rel.unwrap_or_default(),
+                ),
+            ];
             let name = format!("linear ce {:?} {}", E::DTYPE, mode_name(&out.plan));
             let rows = ce.reduction_weight_sum(&targets) * cfg.grad_output.abs();
             (name, (r.loss, out.loss), None, gates, r.dlogits, rows)
@@ -86,14 +103,6 @@ pub(super) fn check_linear<E: Element>(cfg: &GradcheckConfig) -> Result<Gradchec
         Some(Bf16Products::Avx512Bf16) => rounded_dz_scales(&inputs, &dlogits_ref),
         _ => (max_abs(&dh), max_abs(&dw)),
     };
-    gates.insert(
-        0,
-        Gate::new(
-            "loss",
-            (loss_pair.1 - loss_pair.0).abs() / loss_pair.0.abs().max(1.0),
-            tol.loss_rel.unwrap_or_default(),
-        ),
-    );
     let f64s = |x: &[f32]| x.iter().map(|&v| v as f64).collect::<Vec<_>>();
     gates.push(grad_gate_scaled(
         "dhidden",

@@ -94,6 +94,20 @@ pub(crate) fn worst_rel(pairs: impl Iterator<Item = (f32, f64)>) -> f64 {
     max_abs_diff_by(pairs.map(|(g, w)| (g as f64 - w).abs() / w.abs().max(1.0)))
 }
 
+/// The loss gate: `|L_kernel - L_ref|` beyond `|L_implied - L_ref|`, where `L_implied` is
+/// the reference's loss on the kernel's own per-token statistics (each under its own
+/// gate): what their rounding does to a loss that amplifies it. Relative to
+/// `max(|L_ref|, 1)`; NaN propagates (spec, flashloss addition 5).
+pub(crate) fn loss_gate((want, got): (f64, f64), implied: f64, limit: f64) -> Gate {
+    let slack = (implied - want).abs();
+    let value = if got.is_nan() || slack.is_nan() {
+        f64::NAN
+    } else {
+        ((got - want).abs() - slack).max(0.0) / want.abs().max(1.0)
+    };
+    Gate::new("loss", value, limit)
+}
+
 /// The gate of one gradient: `max|Δg| ≤ max(grad_rel · max|g_ref|, grad_atol · rows)`,
 /// where `rows` is 1 for an entry that holds one row's contribution (`dlogits`, `dH`)
 /// and `Σ_i |c_i|` for one that sums rows (`dW`, `dbias`: spec, "Absolute floor of a
@@ -128,4 +142,24 @@ pub(crate) fn grad_gate_scaled(
 /// `max |x|` (0 for none).
 pub(crate) fn max_abs(x: &[f64]) -> f64 {
     x.iter().fold(0.0f64, |m, v| m.max(v.abs()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::loss_gate;
+
+    /// The slack is what the reference makes of the kernel's statistics, no more: a
+    /// kernel loss off by more than that fails, a NaN fails.
+    #[test]
+    fn loss_gate_allows_only_the_implied_error() {
+        let gate = |got: f64, implied: f64| loss_gate((2.0, got), implied, 1e-5);
+        assert!(gate(2.0 + 1e-5, 2.0).passed);
+        assert!(!gate(2.0 + 1e-4, 2.0).passed);
+        assert!(gate(2.0 + 1e-4, 2.0 + 1e-4).passed);
+        assert!(gate(2.0 + 1e-4, 2.0 - 1e-4).passed);
+        let off = gate(2.0 + 1e-3, 2.0 + 1e-4);
+        assert!(!off.passed && (off.value - 4.5e-4).abs() < 1e-12, "{off:?}");
+        assert!(!gate(f64::NAN, 2.0).passed);
+        assert!(!gate(2.0, f64::NAN).passed);
+    }
 }

@@ -178,6 +178,33 @@ fn sequence_loss<N: Num>(terms: &[TokenTerm<N>]) -> N {
         .fold(N::c(0.0), |acc, t| acc + N::c(t.weight) * t.total + t.bonus)
 }
 
+/// The reference's loss from given per-token `logp` and `entropy` (`[N]`; only live
+/// rows are read): its policy stage alone, e.g. on a kernel's own statistics, to tell
+/// what the kernel's per-token errors do to the loss (spec, flashloss addition 5).
+pub fn grpo_reference_loss(
+    loss: &GrpoLoss,
+    batch: &GrpoBatch,
+    norm: Normalizers,
+    logp: &[f64],
+    entropy: &[f64],
+) -> f64 {
+    let t_len = batch.seq_len;
+    (0..batch.batch)
+        .map(|b| {
+            let rows = b * t_len..(b + 1) * t_len;
+            let terms = sequence_terms::<f64>(
+                loss.config(),
+                batch,
+                norm,
+                b,
+                &logp[rows.clone()],
+                &entropy[rows],
+            );
+            sequence_loss(&terms)
+        })
+        .sum()
+}
+
 /// Runs the reference on dense f64 logits `[N, V]` (N = B·T). `batch` must be valid;
 /// `grad_output` scales `dlogits`.
 pub fn grpo_reference(
