@@ -362,7 +362,10 @@ mod regressions {
             bias_correction: false,
             num_items: None,
         };
-        logits_case(2, 4, 9, &knobs, &[true; 8], 678, false, true, false, false, 1).unwrap();
+        logits_case(
+            2, 4, 9, &knobs, &[true; 8], 678, false, true, false, false, 1,
+        )
+        .unwrap();
     }
 
     /// Shrunk by `fused_ce_matches_the_reference` with bf16 products: V = 2, so a row's
