@@ -387,6 +387,46 @@ fn upstream_scale_beyond_f32_with_products_within_it() {
     }
 }
 
+/// The entropy term's f32 coefficient `g/T·∂L/∂H` beyond f32 on rows of entropy ~0,
+/// where every `|dz_j|` (≤ its `1/e` share) is within it: an `OutOfRange` error naming
+/// `dlogits`, never the NaN of `inf·0` it was before (fuzz: `batch_validation`'s
+/// `entropy-coef-beyond-f32`; spec, flashloss addition 6).
+#[test]
+fn entropy_coefficient_beyond_f32_at_zero_entropy_is_an_error() {
+    let (b, t, v) = (1, 4, 8);
+    let loss = GrpoLoss::new(flashloss::GrpoLossConfig {
+        loss_type: LossType::Vespo,
+        entropy_coef: 0.01,
+        temperature: 2.35e-38,
+        ..Default::default()
+    })
+    .unwrap();
+    let x = draw(b, t, v, 3);
+    let batch = x.batch();
+    let g = -6304.0f32;
+    let dentropy = 0.01 / t as f64;
+    let scale = g as f64 / loss.config().temperature;
+    assert!((scale * dentropy).abs() > f32::MAX as f64);
+    assert!((scale * dentropy / std::f64::consts::E).abs() < f32::MAX as f64);
+    let layout = LogitsLayout::contiguous(b, t, v);
+    let mut out = vec![f32::NAN; x.logits.len()];
+    let device = Device::cpu();
+    let err = device
+        .grpo_logits(&loss, &batch, &x.logits, &layout, g, &mut out)
+        .unwrap_err();
+    assert_out_of_range(&err, "logits level");
+    assert!(
+        matches!(
+            err,
+            Error::OutOfRange {
+                quantity: "dlogits",
+                ..
+            }
+        ),
+        "{err}"
+    );
+}
+
 /// A temperature whose inverse leaves f32 (the kernels scale logits by `1/T` in f32) is
 /// a config error naming it, for GRPO and cross-entropy.
 #[test]

@@ -87,9 +87,12 @@ pub fn check_linear_grads(
 
 /// Bound on `|dz_j|` of a row whose gradient is
 /// `dz_j = scale·[dlogp·(1[j=y] - p_j) - dentropy·p_j·(log p_j + H)]`:
-/// `|scale|·(|dlogp| + |dentropy|·(1/e + |H|))` (as `|p·log p| ≤ 1/e`).
+/// `|scale|·(|dlogp| + |dentropy|·max(1, 1/e + |H|))` (as `|p·log p| ≤ 1/e`; the `max`
+/// also bounds the f32 coefficient `scale·dentropy` the kernels multiply by, which
+/// exceeds every `|dz_j|` where `1/e + H < 1`: spec, flashloss addition 6).
 pub fn grpo_grad_bound(scale: f64, dlogp: f64, dentropy: f64, entropy: f64) -> f64 {
-    scale.abs() * (dlogp.abs() + dentropy.abs() * (std::f64::consts::E.recip() + entropy.abs()))
+    let spread = (std::f64::consts::E.recip() + entropy.abs()).max(1.0);
+    scale.abs() * (dlogp.abs() + dentropy.abs() * spread)
 }
 
 /// Checks the policy stage's outputs of the live `rows` (`live(i)`), in row order:
@@ -185,6 +188,8 @@ mod tests {
         assert!(!fits_f32(f64::NEG_INFINITY));
         let b = grpo_grad_bound(-2.0, 1.0, -1.0, 1.0);
         assert!((b - 2.0 * (1.0 + (1.0 / std::f64::consts::E + 1.0))).abs() < 1e-12);
+        // At H = 0 the coefficient `scale·dentropy` (2) exceeds every |dz_j| (2/e).
+        assert_eq!(grpo_grad_bound(2.0, 0.0, -1.0, 0.0), 2.0);
     }
 
     #[test]
