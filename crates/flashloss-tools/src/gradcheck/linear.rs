@@ -3,16 +3,14 @@
 
 use super::config::{GradcheckConfig, Objective};
 use super::report::{
-    Gate, GradcheckReport, grad_gate, grad_gate_scaled, loss_gate, max_abs, worst_rel,
+    Gate, GradcheckReport, grad_gate, grad_gate_scaled, implied_loss, loss_gate, max_abs, worst_rel,
 };
 use crate::Result;
 use crate::inputs::{GrpoInputs, HeadInputs};
 use flashloss::batch::LinearInputs;
 use flashloss::policy::{Normalizers, reduction_weight_sum};
-use flashloss::reference::{
-    ce_reference, grpo_reference, grpo_reference_loss, linear_grads, linear_logits,
-};
-use flashloss::{Bf16Products, CrossEntropy, Element, GrpoLoss, RowStats};
+use flashloss::reference::{ce_reference, grpo_reference, linear_grads, linear_logits};
+use flashloss::{Bf16Products, CrossEntropy, Element, GrpoLoss};
 use flashloss::{FusedOptions, LinearGrads, Plan};
 use std::time::Instant;
 
@@ -43,10 +41,7 @@ pub(super) fn check_linear<E: Element>(cfg: &GradcheckConfig) -> Result<Gradchec
             plan = out.plan;
             let r = grpo_reference(&loss, &batch, norm, &z, v, cfg.grad_output);
             let live: Vec<usize> = (0..n).filter(|&i| batch.mask[i]).collect();
-            let stat =
-                |f: fn(&RowStats) -> f32| out.stats.iter().map(|s| f(s) as f64).collect::<Vec<_>>();
-            let implied =
-                grpo_reference_loss(&loss, &batch, norm, &stat(|s| s.logp), &stat(|s| s.entropy));
+            let implied = implied_loss(&loss, &batch, norm, &out.stats);
             let gates = vec![
                 loss_gate(
                     (r.loss, out.loss),

@@ -2,12 +2,12 @@
 //! stage's `∂L/∂logp` and `∂L/∂H`, and `dlogits`.
 
 use super::config::GradcheckConfig;
-use super::report::{Gate, GradcheckReport, grad_gate, loss_gate, worst_rel};
+use super::report::{Gate, GradcheckReport, grad_gate, implied_loss, loss_gate, worst_rel};
 use crate::Result;
 use crate::inputs::GrpoInputs;
 use flashloss::policy::Normalizers;
-use flashloss::reference::{dense_f64, grpo_reference, grpo_reference_loss};
-use flashloss::{Element, GrpoLoss, LogitsLayout, RowStats};
+use flashloss::reference::{dense_f64, grpo_reference};
+use flashloss::{Element, GrpoLoss, LogitsLayout};
 use std::time::Instant;
 
 /// Compares kernel and reference on given inputs (`logits` in the storage dtype,
@@ -50,14 +50,7 @@ pub fn check_inputs<E: Element>(
         live.iter()
             .map(|&i| (fwd.stats[i].entropy, reference.entropy[i])),
     );
-    let stat = |f: fn(&RowStats) -> f32| fwd.stats.iter().map(|s| f(s) as f64).collect::<Vec<_>>();
-    let implied = grpo_reference_loss(
-        loss,
-        &batch,
-        Normalizers::local(&batch),
-        &stat(|s| s.logp),
-        &stat(|s| s.entropy),
-    );
+    let implied = implied_loss(loss, &batch, Normalizers::local(&batch), &fwd.stats);
     let gates = vec![
         loss_gate(
             (reference.loss, fwd.loss),

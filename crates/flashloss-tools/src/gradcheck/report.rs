@@ -2,7 +2,9 @@
 //! error measures (max absolute and max relative differences, NaN propagating).
 
 use super::config::Tolerance;
-use flashloss::policy::GrpoMetrics;
+use flashloss::policy::{GrpoMetrics, Normalizers};
+use flashloss::reference::grpo_reference_loss;
+use flashloss::{GrpoBatch, GrpoLoss, RowStats};
 use serde::Serialize;
 
 /// One tolerance gate.
@@ -106,6 +108,18 @@ pub(crate) fn loss_gate((want, got): (f64, f64), implied: f64, limit: f64) -> Ga
         ((got - want).abs() - slack).max(0.0) / want.abs().max(1.0)
     };
     Gate::new("loss", value, limit)
+}
+
+/// The reference's loss on a kernel's own per-token statistics: the `implied` loss of
+/// [`loss_gate`].
+pub(crate) fn implied_loss(
+    loss: &GrpoLoss,
+    batch: &GrpoBatch,
+    norm: Normalizers,
+    stats: &[RowStats],
+) -> f64 {
+    let stat = |f: fn(&RowStats) -> f32| stats.iter().map(|s| f(s) as f64).collect::<Vec<_>>();
+    grpo_reference_loss(loss, batch, norm, &stat(|s| s.logp), &stat(|s| s.entropy))
 }
 
 /// The gate of one gradient: `max|Δg| ≤ max(grad_rel · max|g_ref|, grad_atol · rows)`,
