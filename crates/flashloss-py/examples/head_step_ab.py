@@ -13,7 +13,8 @@ prints its median step (after one warm-up step), its peak RSS above the inputs
 ratios of the best medians as JSON.
 
     python crates/flashloss-py/examples/head_step_ab.py [--tokens 2048] [--hidden 1024] \\
-        [--vocab 151936] [--dtypes f32,bf16] [--arms flashloss,torch] [--rounds 2] [--steps 3]
+        [--vocab 151936] [--dtypes f32,bf16] [--arms flashloss,torch] [--rounds 2] [--steps 3] \\
+        [--padding 0.125]
 """
 
 import argparse
@@ -28,13 +29,13 @@ import torch
 EPS, BETA = 0.2, 0.04
 
 
-def inputs(n, h, v, dtype, seed=0):
+def inputs(n, h, v, dtype, padding, seed=0):
     g = torch.Generator().manual_seed(seed)
     hidden = (torch.randn(n, h, generator=g) * 0.5).to(dtype)
     weight = (torch.randn(v, h, generator=g) * h**-0.5).to(dtype)
     ids = torch.randint(0, v, (1, n), generator=g)
     mask = torch.ones(1, n)
-    mask[:, n - n // 8 :] = 0  # padding at the end
+    mask[:, n - round(padding * n) :] = 0  # padding at the end
     adv = torch.randn(1, generator=g)
     old = -torch.rand(1, n, generator=g) * 3 - 9
     ref = old + 0.05 * torch.randn(1, n, generator=g)
@@ -73,7 +74,7 @@ def flashloss_step(hidden, weight, ids, mask, adv, old, ref):
 
 def child(arm, dtype, args):
     dt = {"f32": torch.float32, "bf16": torch.bfloat16}[dtype]
-    hidden, weight, *rest = inputs(args.tokens, args.hidden, args.vocab, dt)
+    hidden, weight, *rest = inputs(args.tokens, args.hidden, args.vocab, dt, args.padding)
     hidden.requires_grad_(True)
     weight.requires_grad_(True)
     step_fn = {"torch": torch_step, "flashloss": flashloss_step}[arm]
@@ -111,6 +112,7 @@ def main():
     p.add_argument("--arms", default="flashloss,torch")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--padding", type=float, default=0.125, help="fraction of the tokens masked at the end")
     p.add_argument("--child", nargs=2, metavar=("ARM", "DTYPE"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -121,7 +123,7 @@ def main():
         for dtype in args.dtypes.split(","):
             for arm in args.arms.split(","):
                 cmd = [sys.executable, __file__, "--child", arm, dtype] + [
-                    f"--{k}={getattr(args, k)}" for k in ("tokens", "hidden", "vocab", "steps")
+                    f"--{k}={getattr(args, k)}" for k in ("tokens", "hidden", "vocab", "steps", "padding")
                 ]
                 out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
                 run = json.loads(out.strip().splitlines()[-1])
@@ -141,7 +143,13 @@ def main():
         ratios["flashloss_bf16_over_f32"] = best["flashloss_bf16"] / best["flashloss_f32"]
     print(
         json.dumps(
-            {"shape": [args.tokens, args.hidden, args.vocab], "runs": runs, "best_median_s": best, "ratios": ratios},
+            {
+                "shape": [args.tokens, args.hidden, args.vocab],
+                "padding": args.padding,
+                "runs": runs,
+                "best_median_s": best,
+                "ratios": ratios,
+            },
             indent=1,
         )
     )

@@ -263,10 +263,14 @@ def test_bad_input_names_the_argument_and_the_process_goes_on():
     assert np.isfinite(float(fj.linear_cross_entropy(hidden, weight, ids)))
 
 
-def test_bench_paths_agree_on_loss_and_gradients():
+@pytest.mark.parametrize("min_length", [0.5, 1.0])
+def test_bench_paths_agree_on_loss_and_gradients(min_length):
     bench = pytest.importorskip("flashloss.jax.bench")
-    cfg = bench.load(None, ["tokens=96", "batch=3", "hidden=16", "vocab=3001", "vocab_tile=512", "temperature=0.8"])
+    sets = ["tokens=96", "batch=3", "hidden=16", "vocab=3001", "vocab_tile=512", "temperature=0.8"]
+    cfg = bench.load(None, sets + [f"min_length={min_length}"])
     args = bench.inputs(cfg)
+    mask = np.asarray(args[-1])
+    assert mask.all() == (min_length == 1.0) and mask[:, : 32 // 2].all()
     results = {}
     for name, fn in bench.IMPLS.items():
         step = jax.jit(jax.value_and_grad(lambda h, w, *rest: fn(h, w, *rest, cfg), argnums=(0, 1)))
@@ -277,3 +281,9 @@ def test_bench_paths_agree_on_loss_and_gradients():
         _close(got, want, 1e-5, f"{name} loss")
         _close(gh, dh, 1e-4, f"{name} dhidden")
         _close(gw, dw, 1e-4, f"{name} dweight")
+
+
+def test_bench_rejects_a_min_length_beyond_t():
+    bench = pytest.importorskip("flashloss.jax.bench")
+    with pytest.raises(ValueError, match="min_length: expected a fraction of T"):
+        bench.load(None, ["min_length=1.5"])

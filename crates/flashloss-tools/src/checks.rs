@@ -163,6 +163,7 @@ impl BenchConfig {
             ));
         }
         positive("budget_mib", self.budget_mib)?;
+        fraction("padding", self.padding)?;
         product("tokens·vocab", &[self.tokens, self.vocab])?;
         product("tokens·hidden", &[self.tokens, self.hidden])?;
         product("vocab·hidden", &[self.vocab, self.hidden])?;

@@ -66,3 +66,51 @@ fn ce_needs_the_linear_kernel() {
         "argument `objective`: ce is checked on kernel `linear` (there is no logits-level CE kernel)"
     );
 }
+
+/// Padded sequences put masked rows between live ones; the single pass leaves them out
+/// of its blocks (gathering the live rows' hidden states). Small blocks, so that gaps
+/// fall inside blocks and between them, on every product engine this CPU has.
+#[test]
+fn single_pass_blocks_skip_masked_rows_between_live_ones() {
+    use flashloss::{Bf16Products, FusedOptions, fused::mib_to_bytes};
+    let reserve = flashloss::cpu::gemm_reserve_bytes() as f64 / f64::from(1 << 20);
+    let engines = match flashloss::cpu::Avx512Bf16::detect() {
+        Some(_) => vec![Bf16Products::Widened, Bf16Products::Avx512Bf16],
+        None => {
+            eprintln!("skipped: bf16 products on avx512bf16 (this CPU has no AVX512-BF16)");
+            vec![Bf16Products::Widened]
+        }
+    };
+    for objective in [Objective::Grpo, Objective::Ce] {
+        for (dtype, products) in [(DType::F32, &engines[..1]), (DType::Bf16, &engines[..])] {
+            for (&bf16_products, mode) in products
+                .iter()
+                .flat_map(|p| [Mode::SinglePass, Mode::Compact].map(move |m| (p, m)))
+            {
+                let mut cfg = config(objective, dtype, mode);
+                (cfg.batch, cfg.seq_len, cfg.masked_fraction) = (5, 13, 0.4);
+                cfg.bf16_products = bf16_products;
+                let (n, bf16) = (cfg.batch * cfg.seq_len, dtype == DType::Bf16);
+                // The largest budget (in steps of 1/64 MiB above the reserve) whose
+                // blocks hold at most 6 rows.
+                let rows_at = |mib: f64| {
+                    let opts = FusedOptions {
+                        bf16_products,
+                        mode,
+                        budget_bytes: mib_to_bytes(mib),
+                        grad_output: 1.0,
+                    };
+                    flashloss::cpu::plan(n, cfg.hidden, cfg.vocab, bf16, &opts, true)
+                        .map_or(0, |p| p.block_rows)
+                };
+                cfg.budget_mib = (1..64)
+                    .rev()
+                    .map(|k| reserve + k as f64 / 64.0)
+                    .find(|&mib| (2..=6).contains(&rows_at(mib)))
+                    .expect("a budget of 2 to 6 rows a block");
+                let r = gradcheck::run(&cfg).unwrap();
+                assert!(r.passed, "{} {bf16_products:?}: {:?}", r.kernel, r.gates);
+            }
+        }
+    }
+}

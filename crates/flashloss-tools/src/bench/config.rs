@@ -68,6 +68,9 @@ pub struct BenchConfig {
     pub repeat: usize,
     /// Seed of the inputs.
     pub seed: u64,
+    /// Fraction of the N tokens that are padding, at the end (masked for GRPO, targets
+    /// at `ce.ignore_index` for CE): rows the fused step leaves out of its products.
+    pub padding: f64,
     /// Fused linear recomputation mode.
     pub mode: Mode,
     /// Fused linear workspace budget in MiB (includes the GEMM reserve, or on the GPU
@@ -109,6 +112,7 @@ impl Default for BenchConfig {
             warmup: 1,
             repeat: 5,
             seed: 0,
+            padding: 0.0,
             mode: Mode::Auto,
             budget_mib: flashloss::fused::plan::DEFAULT_BUDGET_MIB,
             bf16_products: Bf16Products::Auto,

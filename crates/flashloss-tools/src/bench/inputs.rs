@@ -1,7 +1,7 @@
 //! The inputs of a bench: one sequence of per-token GRPO inputs, and for level
 //! `linear` hidden states and an LM head drawn from normals (never zeros).
 
-use super::config::{BenchConfig, Level};
+use super::config::{BenchConfig, Level, LossKind};
 use crate::inputs::{GrpoInputs, InputSpec};
 use flashloss::{Element, GrpoLoss, memory};
 use rand::SeedableRng;
@@ -9,7 +9,8 @@ use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Normal};
 
 /// Per-token GRPO inputs of one sequence of N tokens over V, with the logits `[N, V]`
-/// at level `logits` only (an LM head makes them at level `linear`).
+/// at level `logits` only (an LM head makes them at level `linear`), and the last
+/// `padding·N` tokens padding (masked; CE targets at its ignore index).
 pub(crate) fn token_inputs(cfg: &BenchConfig) -> flashloss::Result<GrpoInputs> {
     let spec = InputSpec {
         batch: 1,
@@ -19,7 +20,13 @@ pub(crate) fn token_inputs(cfg: &BenchConfig) -> flashloss::Result<GrpoInputs> {
         draw_logits: cfg.level == Level::Logits,
         ..InputSpec::default()
     };
-    GrpoInputs::try_random(&spec, cfg.seed)
+    let mut tokens = GrpoInputs::try_random(&spec, cfg.seed)?;
+    let live = cfg.tokens - (cfg.padding * cfg.tokens as f64).round() as usize;
+    tokens.data.mask[live..].fill(false);
+    if cfg.loss == LossKind::Ce {
+        tokens.data.target_ids[live..].fill(cfg.ce.ignore_index);
+    }
+    Ok(tokens)
 }
 
 /// The inputs of a level-`linear` bench: hidden `[N, H]` ~ N(0, 1), weight `[V, H]`

@@ -97,14 +97,16 @@ pub fn plan(
     };
     // A single-pass block: per row V exponentials (f32, or f16 compact) and a max per
     // tile; per lane a `[rows, vocab_tile]` f32 tile, `gemm`'s packed dZᵀ (and a widened
-    // weight tile); dH rows for every lane but the first.
+    // weight tile) and its dH rows; the block's hidden rows gathered where masked rows
+    // fall between live ones (f32, or bf16 for packing).
     let lane_tile = vocab_tile
         + match packs_dz {
             true => vocab_tile,
             false => vocab_tile.min(DZ_T_PACK_ENTRIES),
         };
-    let lane_row = LANES * lane_tile * 4 + (LANES - 1) * h * 4;
-    let whole_row = v.div_ceil(vocab_tile.max(1)) * 4 + lane_row;
+    let lane_row = LANES * (lane_tile + h) * 4;
+    let gathered_row = h * if bf16 { 2 } else { 4 };
+    let whole_row = v.div_ceil(vocab_tile.max(1)) * 4 + lane_row + gathered_row;
     // Two-pass: the logits tile and a transposed `[rows, vocab_tile]` gradient tile (and
     // a packed one).
     let tile_row = vocab_tile * (8 + if packs_dz { 4 } else { 0 });

@@ -9,9 +9,11 @@
 use super::bf16_gemm::{Avx512Bf16, PackedA, PackedB};
 use super::matmul::{MatRef, matmul_on};
 use super::simd;
+use super::tiles::RowBlock;
 use crate::element::Element;
 use crate::error::{Error, Result};
 use crate::fused::{Bf16Products, Plan};
+use half::bf16;
 use std::ops::Range;
 
 /// The engine of a plan's products.
@@ -71,8 +73,10 @@ fn no_avx512bf16() -> Error {
 /// A row block's hidden states `[rows, h]` as the products read them.
 #[derive(Debug, Default)]
 pub(crate) struct HiddenBlock {
-    /// f32 rows (bf16 widened; f32 inputs are borrowed instead).
+    /// f32 rows (bf16 widened, or rows gathered; consecutive f32 rows are borrowed).
     wide: Vec<f32>,
+    /// bf16 rows gathered for packing.
+    gathered: Vec<bf16>,
     /// A of the logits (pairs along `h`).
     logits: PackedA,
     /// B of `dW` (pairs along the rows).
@@ -89,7 +93,10 @@ pub(crate) enum Hidden<'a> {
 impl HiddenBlock {
     /// Bytes held.
     pub(crate) fn bytes(&self) -> usize {
-        4 * self.wide.capacity() + self.logits.bytes() + self.dweight.bytes()
+        4 * self.wide.capacity()
+            + 2 * self.gathered.capacity()
+            + self.logits.bytes()
+            + self.dweight.bytes()
     }
 
     /// Rows `rows` of `hidden` (`[*, h]`) for `engine`'s products.
@@ -110,6 +117,39 @@ impl HiddenBlock {
                 Hidden::Bf16(cpu, self)
             }
             _ => Hidden::F32(widened(src, &mut self.wide)),
+        }
+    }
+
+    /// The rows of `block` of `hidden` for `engine`'s products: [`HiddenBlock::load`]
+    /// where they are consecutive, else gathered (and widened or packed).
+    pub(crate) fn load_rows<'a, E: Element>(
+        &'a mut self,
+        engine: Engine,
+        hidden: &'a [E],
+        h: usize,
+        block: &RowBlock,
+        threads: usize,
+    ) -> Hidden<'a> {
+        if let Some(rows) = block.range() {
+            return self.load(engine, hidden, h, rows, threads);
+        }
+        let (ids, n) = (&block.ids, block.ids.len());
+        match (engine, E::as_bf16(hidden)) {
+            (Engine::Bf16(cpu), Some(bf)) => {
+                self.gathered.clear();
+                ids.iter()
+                    .for_each(|&i| self.gathered.extend_from_slice(&bf[i * h..(i + 1) * h]));
+                let view = MatRef::row_major(&self.gathered[..], n, h);
+                self.logits.pack_a(view, threads);
+                self.dweight.pack_b(view, threads);
+                Hidden::Bf16(cpu, self)
+            }
+            _ => {
+                self.wide.resize(n * h, 0.0);
+                (self.wide.chunks_mut(h).zip(ids))
+                    .for_each(|(dst, &i)| simd::load(&hidden[i * h..(i + 1) * h], dst));
+                Hidden::F32(&self.wide)
+            }
         }
     }
 }

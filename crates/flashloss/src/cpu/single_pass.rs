@@ -10,10 +10,13 @@
 //! The tiles are dealt to [`LANES`] lanes, tile `k` to lane `k mod LANES`; each lane has
 //! its own f32 tile and `1/LANES` of the threads for its products. On two cores, two
 //! single-threaded products side by side ran the logits and dH tiles 3% and 11% faster
-//! than one product on both cores (`examples/tile_gemm_rate`). The first lane adds into
-//! dH, the others into their own rows, which are added to dH after the block in lane
-//! order, and the lanes' row states merge in lane order: the result does not depend on
-//! the thread count.
+//! than one product on both cores (`examples/tile_gemm_rate`). Each lane adds into its
+//! own dH rows, which are added to dH after the block in lane order, and the lanes' row
+//! states merge in lane order: the result does not depend on the thread count.
+//!
+//! A block holds live rows only ([`super::tiles::live_row_blocks`]): a masked or ignored
+//! row has no statistics and a zero gradient, so its hidden state joins none of the
+//! three products (a padded batch pays for the rows it trains on).
 
 use super::matmul::MatRef;
 use super::products;
@@ -102,14 +105,21 @@ pub(crate) fn single_pass<E: Element, S: Stored>(
         lanes,
         ..
     } = ws;
-    let block = S::block(logits, exps);
-    resize_fresh(block, plan.block_rows * v);
+    let exps_block = S::block(logits, exps);
+    resize_fresh(exps_block, plan.block_rows * v);
     let mut stats = vec![RowStats::default(); n];
-    for rows in problem.row_blocks(plan.block_rows) {
-        let nb = rows.len();
+    for block in problem.live_row_blocks(plan.block_rows) {
+        let (ids, nb) = (&block.ids[..], block.ids.len());
+        if nb == 0 {
+            grads_of(block.span, &stats);
+            continue;
+        }
         let all_threads = rayon::current_num_threads();
-        let hid = hidden.load(engine, inputs.hidden, h, rows.clone(), all_threads);
-        let exps = deal(&mut block[..nb * v], tiles.iter().map(|c| nb * c.len()));
+        let hid = hidden.load_rows(engine, inputs.hidden, h, &block, all_threads);
+        let exps = deal(
+            &mut exps_block[..nb * v],
+            tiles.iter().map(|c| nb * c.len()),
+        );
         let maxima = deal(&mut tile_max[..nb * tiles.len()], tiles.iter().map(|_| nb));
         let parts: Vec<PartialStats> = (lanes.par_iter_mut().zip(exps).zip(maxima))
             .enumerate()
@@ -129,17 +139,21 @@ pub(crate) fn single_pass<E: Element, S: Stored>(
                     let z = &mut lane.tile[..nb * cols];
                     let b = bias.as_ref().map(|b| &b[vocab.clone()]);
                     logits_tile(z, cols, hid, w, b, t.softcap, (nb, h, cols), threads);
-                    store_tile(p, z, rows.clone(), vocab, e, mu, &mut part);
+                    store_tile(p, z, ids, vocab, e, mu, &mut part);
                 }
                 part
             })
             .collect();
         let mut part = PartialStats::empty(nb, t.inv_temp);
         parts.iter().for_each(|lane| part.merge(lane));
-        for (r, i) in rows.clone().enumerate() {
+        for (r, &i) in ids.iter().enumerate() {
             stats[i] = part.finish_row(r, i, p, v);
         }
-        let grads = grads_of(rows.clone(), &stats);
+        let span_grads = grads_of(block.span.clone(), &stats);
+        let grads: Vec<RowGrad> = ids
+            .iter()
+            .map(|&i| span_grads[i - block.span.start])
+            .collect();
         if grads.iter().all(RowGrad::is_zero) {
             continue;
         }
@@ -148,59 +162,53 @@ pub(crate) fn single_pass<E: Element, S: Stored>(
             Some(db) => deal(db, tiles.iter().map(|c| c.len())),
             None => (0..LANES).map(|_| Vec::new()).collect(),
         };
-        let mut dhidden: Vec<Option<&mut [f32]>> = (0..LANES).map(|_| None).collect();
-        dhidden[0] = Some(&mut out.dhidden[rows.start * h..rows.end * h]);
-        let (exps, maxima) = (&block[..nb * v], &tile_max[..nb * tiles.len()]);
-        (lanes
-            .par_iter_mut()
-            .zip(dhidden)
-            .zip(dweight)
-            .zip(dbias.par_iter_mut()))
-        .enumerate()
-        .for_each(|(l, (((lane, dh), dweight), dbias))| {
-            let Lane {
-                tile,
-                weight,
-                dz_pack,
-                dhidden,
-            } = lane;
-            let dh = match dh {
-                Some(dh) => dh,
-                None => {
-                    dhidden[..nb * h].fill(0.0);
-                    &mut dhidden[..nb * h]
+        let (exps, maxima) = (&exps_block[..nb * v], &tile_max[..nb * tiles.len()]);
+        (lanes.par_iter_mut().zip(dweight).zip(dbias.par_iter_mut()))
+            .enumerate()
+            .for_each(|(l, ((lane, dweight), dbias))| {
+                let Lane {
+                    tile,
+                    weight,
+                    dz_pack,
+                    dhidden,
+                } = lane;
+                let dh = &mut dhidden[..nb * h];
+                dh.fill(0.0);
+                let mut dbias = dbias.iter_mut();
+                let lane_tiles = tiles.iter().enumerate().skip(l).step_by(LANES);
+                for ((k, vocab), dw) in lane_tiles.zip(dweight) {
+                    let cols = vocab.len();
+                    let dz_t = &mut tile[..cols * nb];
+                    let e = &exps[nb * vocab.start..nb * vocab.end];
+                    let mu = &maxima[k * nb..(k + 1) * nb];
+                    grad_tile_t(dz_t, e, mu, vocab, &grads, t.inv_temp, t.inv_cap());
+                    let for_dhidden = (false, true);
+                    let w = weight.load(
+                        engine,
+                        inputs.weight,
+                        (h, vocab.clone()),
+                        for_dhidden,
+                        threads,
+                    );
+                    let dz_t = MatRef::row_major(&dz_t[..], cols, nb);
+                    products::add_dhidden(dh, h, dz_t.t(), w, dz_pack, threads);
+                    products::add_dweight(dw, h, dz_t, hid, dz_pack, threads);
+                    if let Some(db) = dbias.next() {
+                        add_column_sums(db, dz_t.data, nb);
+                    }
                 }
-            };
-            let mut dbias = dbias.iter_mut();
-            let lane_tiles = tiles.iter().enumerate().skip(l).step_by(LANES);
-            for ((k, vocab), dw) in lane_tiles.zip(dweight) {
-                let cols = vocab.len();
-                let dz_t = &mut tile[..cols * nb];
-                let e = &exps[nb * vocab.start..nb * vocab.end];
-                let mu = &maxima[k * nb..(k + 1) * nb];
-                grad_tile_t(dz_t, e, mu, vocab, &grads, t.inv_temp, t.inv_cap());
-                let for_dhidden = (false, true);
-                let w = weight.load(
-                    engine,
-                    inputs.weight,
-                    (h, vocab.clone()),
-                    for_dhidden,
-                    threads,
-                );
-                let dz_t = MatRef::row_major(&dz_t[..], cols, nb);
-                products::add_dhidden(dh, h, dz_t.t(), w, dz_pack, threads);
-                products::add_dweight(dw, h, dz_t, hid, dz_pack, threads);
-                if let Some(db) = dbias.next() {
-                    add_column_sums(db, dz_t.data, nb);
-                }
+            });
+        let span = &mut out.dhidden[block.span.start * h..block.span.end * h];
+        let dh_rows: Vec<&mut [f32]> = (span.chunks_mut(h).enumerate())
+            .filter(|(r, _)| p.live[block.span.start + r])
+            .map(|(_, d)| d)
+            .collect();
+        dh_rows.into_par_iter().enumerate().for_each(|(r, d)| {
+            for lane in lanes.iter() {
+                let x = &lane.dhidden[r * h..(r + 1) * h];
+                d.iter_mut().zip(x).for_each(|(d, x)| *d += x);
             }
         });
-        let dh = &mut out.dhidden[rows.start * h..rows.end * h];
-        for lane in &lanes[1..] {
-            dh.par_chunks_mut(h)
-                .zip(lane.dhidden.par_chunks(h))
-                .for_each(|(d, x)| d.iter_mut().zip(x).for_each(|(d, x)| *d += x));
-        }
     }
     stats
 }
@@ -223,7 +231,7 @@ fn deal<T>(mut buf: &mut [T], lens: impl Iterator<Item = usize>) -> Vec<Vec<&mut
 fn store_tile<S: Stored>(
     p: &RowInputs,
     z: &[f32],
-    rows: Range<usize>,
+    ids: &[usize],
     vocab: &Range<usize>,
     exps: &mut [S],
     tile_max: &mut [f32],
@@ -239,7 +247,7 @@ fn store_tile<S: Stored>(
         .for_each_init(
             || vec![0.0f32; cols],
             |buf, (r, (((row, e), (mu, (state, target_logit))), sum))| {
-                let i = rows.start + r;
+                let i = ids[r];
                 *mu = if p.live[i] {
                     simd::max(row)
                 } else {

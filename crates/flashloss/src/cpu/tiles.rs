@@ -43,6 +43,55 @@ impl<E: Element> Problem<'_, E> {
         let n = self.inputs.tokens;
         (0..n).step_by(nb).map(move |s| s..(s + nb).min(n))
     }
+
+    /// Blocks of up to `nb` live rows ([`live_row_blocks`]).
+    pub(crate) fn live_row_blocks(&self, nb: usize) -> Vec<RowBlock> {
+        live_row_blocks(&self.rows.live[..self.inputs.tokens], nb)
+    }
+}
+
+/// Blocks of up to `nb` of the rows where `live` holds, in order. A row that takes no
+/// part (masked, or ignored) has no logits and a zero gradient, so it joins no
+/// product; the blocks' spans still cover every row in order (the last reaches the
+/// end; without live rows, one empty block spans them all).
+pub(crate) fn live_row_blocks(live: &[bool], nb: usize) -> Vec<RowBlock> {
+    let n = live.len();
+    let ids: Vec<usize> = (0..n).filter(|&i| live[i]).collect();
+    let mut blocks = Vec::with_capacity(ids.len().div_ceil(nb.max(1)));
+    let mut start = 0;
+    for chunk in ids.chunks(nb.max(1)) {
+        let end = chunk[chunk.len() - 1] + 1;
+        blocks.push(RowBlock {
+            ids: chunk.to_vec(),
+            span: start..end,
+        });
+        start = end;
+    }
+    match blocks.last_mut() {
+        Some(last) => last.span.end = n,
+        None if n > 0 => blocks.push(RowBlock {
+            ids: Vec::new(),
+            span: 0..n,
+        }),
+        None => {}
+    }
+    blocks
+}
+
+/// A block of live rows `ids` (ascending), and the rows `span` it stands for: its own
+/// and the rows that take no part between the previous block's and its last.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct RowBlock {
+    pub(crate) ids: Vec<usize>,
+    pub(crate) span: Range<usize>,
+}
+
+impl RowBlock {
+    /// Its rows as a range where they are consecutive.
+    pub(crate) fn range(&self) -> Option<Range<usize>> {
+        let (first, last) = (*self.ids.first()?, *self.ids.last()?);
+        (last - first + 1 == self.ids.len()).then_some(first..last + 1)
+    }
 }
 
 /// Reusable workspace of the fused LM-head kernels (logit tiles, widened or packed bf16
@@ -66,8 +115,8 @@ pub struct Workspace {
 }
 
 /// One lane of a single-pass block (`super::single_pass`): its f32 tile (logits `[rows, cols]`,
-/// then `dZᵀ` `[cols, rows]`), its weight tile (widened or packed), its packed `dZ` and,
-/// past the first lane, the dH rows it adds into.
+/// then `dZᵀ` `[cols, rows]`), its weight tile (widened or packed), its packed `dZ` and
+/// the dH rows it adds into.
 #[derive(Debug, Default)]
 pub(crate) struct Lane {
     pub(crate) tile: Vec<f32>,
@@ -127,9 +176,9 @@ impl Workspace {
     ) {
         resize_fresh(&mut self.tile_max, rows * tiles);
         self.lanes.resize_with(lanes, Lane::default);
-        for (l, lane) in self.lanes.iter_mut().enumerate() {
+        for lane in self.lanes.iter_mut() {
             resize_fresh(&mut lane.tile, rows * vocab_tile);
-            resize_fresh(&mut lane.dhidden, if l == 0 { 0 } else { rows * h });
+            resize_fresh(&mut lane.dhidden, rows * h);
         }
     }
 }
@@ -350,7 +399,33 @@ pub(crate) fn transpose_into(src: &[f32], ld: usize, rows: usize, cols: usize, d
 
 #[cfg(test)]
 mod tests {
-    use super::transpose_into;
+    use super::{RowBlock, live_row_blocks, transpose_into};
+
+    #[test]
+    fn live_row_blocks_leave_out_dead_rows_and_span_every_row() {
+        let live = [false, true, true, false, true, false, false, true, false];
+        let blocks = live_row_blocks(&live, 2);
+        let want = [(vec![1, 2], 0..3), (vec![4, 7], 3..9)];
+        assert_eq!(blocks.len(), want.len());
+        for (b, (ids, span)) in blocks.iter().zip(want) {
+            assert_eq!((&b.ids, &b.span), (&ids, &span));
+        }
+        assert_eq!(blocks[0].range(), Some(1..3));
+        assert_eq!(blocks[1].range(), None);
+        let all = live_row_blocks(&[true; 5], 2);
+        let spans: Vec<_> = all.iter().map(|b| b.span.clone()).collect();
+        assert_eq!(spans, [0..2, 2..4, 4..5]);
+        assert!(all.iter().all(|b| b.range() == Some(b.span.clone())));
+        let none = live_row_blocks(&[false; 3], 2);
+        assert_eq!(
+            none,
+            [RowBlock {
+                ids: vec![],
+                span: 0..3
+            }]
+        );
+        assert!(live_row_blocks(&[], 4).is_empty());
+    }
 
     #[test]
     fn transpose_of_strided_odd_tiles() {

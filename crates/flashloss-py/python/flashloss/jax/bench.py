@@ -35,7 +35,7 @@ from flashloss._config import load_yaml
 
 DEFAULTS = dict(impl="fused", tokens=2048, hidden=1024, vocab=151936, batch=4, dtype="float32",
                 beta=0.04, epsilon=0.2, temperature=1.0, warmup=1, repeat=3, vocab_tile=8192,
-                budget_mib=160.0, seed=0)  # fmt: skip
+                budget_mib=160.0, seed=0, min_length=0.5)  # fmt: skip
 
 
 def _rss_bytes() -> int:
@@ -144,7 +144,9 @@ def inputs(cfg):
     old = jnp.asarray(base + 0.1 * rng.standard_normal((b, t)), jnp.float32)
     ref = jnp.asarray(base + 0.1 * rng.standard_normal((b, t)), jnp.float32)
     adv = jnp.asarray(rng.standard_normal(b), jnp.float32)
-    mask = jnp.asarray(np.arange(t)[None, :] < rng.integers(t // 2, t + 1, b)[:, None])
+    # Each sequence's completion: a length drawn from [min_length·T, T], padding after it.
+    lengths = rng.integers(round(cfg["min_length"] * t), t + 1, b)
+    mask = jnp.asarray(np.arange(t)[None, :] < lengths[:, None])
     return hid, w, ids, old, ref, adv, mask
 
 
@@ -186,6 +188,8 @@ def load(path, overrides):
     cfg = load_yaml(path, overrides, DEFAULTS)
     if cfg["impl"] not in IMPLS:
         raise ValueError(f"impl: expected one of {sorted(IMPLS)}, got {cfg['impl']!r}")
+    if not 0.0 <= cfg["min_length"] <= 1.0:
+        raise ValueError(f"min_length: expected a fraction of T in [0, 1], got {cfg['min_length']!r}")
     if cfg["tokens"] % cfg["batch"]:
         raise ValueError(f"tokens: {cfg['tokens']} is not a multiple of batch {cfg['batch']}")
     return cfg
