@@ -67,11 +67,12 @@ fn ce_needs_the_linear_kernel() {
     );
 }
 
-/// Padded sequences put masked rows between live ones; the single pass leaves them out
-/// of its blocks (gathering the live rows' hidden states). Small blocks, so that gaps
-/// fall inside blocks and between them, on every product engine this CPU has.
+/// Padded sequences put masked rows between live ones; every mode leaves them out of
+/// its blocks (gathering the live rows' hidden states, scattering their dH). Small
+/// blocks, so that gaps fall inside blocks and between them, on every product engine
+/// this CPU has.
 #[test]
-fn single_pass_blocks_skip_masked_rows_between_live_ones() {
+fn blocks_skip_masked_rows_between_live_ones() {
     use flashloss::{Bf16Products, FusedOptions, fused::mib_to_bytes};
     let reserve = flashloss::cpu::gemm_reserve_bytes() as f64 / f64::from(1 << 20);
     let engines = match flashloss::cpu::Avx512Bf16::detect() {
@@ -85,14 +86,14 @@ fn single_pass_blocks_skip_masked_rows_between_live_ones() {
         for (dtype, products) in [(DType::F32, &engines[..1]), (DType::Bf16, &engines[..])] {
             for (&bf16_products, mode) in products
                 .iter()
-                .flat_map(|p| [Mode::SinglePass, Mode::Compact].map(move |m| (p, m)))
+                .flat_map(|p| [Mode::SinglePass, Mode::Compact, Mode::TwoPass].map(move |m| (p, m)))
             {
                 let mut cfg = config(objective, dtype, mode);
                 (cfg.batch, cfg.seq_len, cfg.masked_fraction) = (5, 13, 0.4);
                 cfg.bf16_products = bf16_products;
                 let (n, bf16) = (cfg.batch * cfg.seq_len, dtype == DType::Bf16);
-                // The largest budget (in steps of 1/64 MiB above the reserve) whose
-                // blocks hold at most 6 rows.
+                // The largest budget (in steps of 1/1024 MiB above the reserve) whose
+                // blocks hold 2 to 6 rows.
                 let rows_at = |mib: f64| {
                     let opts = FusedOptions {
                         bf16_products,
@@ -103,9 +104,9 @@ fn single_pass_blocks_skip_masked_rows_between_live_ones() {
                     flashloss::cpu::plan(n, cfg.hidden, cfg.vocab, bf16, &opts, true)
                         .map_or(0, |p| p.block_rows)
                 };
-                cfg.budget_mib = (1..64)
+                cfg.budget_mib = (1..1024)
                     .rev()
-                    .map(|k| reserve + k as f64 / 64.0)
+                    .map(|k| reserve + k as f64 / 1024.0)
                     .find(|&mib| (2..=6).contains(&rows_at(mib)))
                     .expect("a budget of 2 to 6 rows a block");
                 let r = gradcheck::run(&cfg).unwrap();

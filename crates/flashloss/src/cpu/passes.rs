@@ -7,7 +7,10 @@
 use super::bf16_gemm::PackedA;
 use super::products::{Engine, Hidden, Weight};
 use super::single_pass::{DZ_T_PACK_ENTRIES, LANES, single_pass};
-use super::tiles::{Problem, Workspace, accumulate_tile, grad_tile, logits_tile, merge_tile_stats};
+use super::tiles::{
+    Problem, RowBlock, Workspace, accumulate_tile, grad_tile, live_row_blocks, logits_tile,
+    merge_tile_stats,
+};
 use crate::batch::{HeadShape, LinearInputs};
 use crate::collective::Collective;
 use crate::element::Element;
@@ -108,8 +111,8 @@ pub fn plan(
     let gathered_row = h * if bf16 { 2 } else { 4 };
     let whole_row = v.div_ceil(vocab_tile.max(1)) * 4 + lane_row + gathered_row;
     // Two-pass: the logits tile and a transposed `[rows, vocab_tile]` gradient tile (and
-    // a packed one).
-    let tile_row = vocab_tile * (8 + if packs_dz { 4 } else { 0 });
+    // a packed one); dH rows and gathered hidden rows for blocks with gaps.
+    let tile_row = vocab_tile * (8 + if packs_dz { 4 } else { 0 }) + h * 4 + gathered_row;
     let planned = plan_blocks(
         n,
         v,
@@ -128,37 +131,35 @@ pub fn plan(
     })
 }
 
-/// One recomputed logits tile: rows `rows` × vocabulary entries `vocab`, dense
+/// One recomputed logits tile: the rows of `block` × vocabulary entries `vocab`, dense
 /// `[rows, vocab]` in `z`, with the hidden rows and weight rows it came from.
 struct Tile<'t> {
-    rows: Range<usize>,
+    block: &'t RowBlock,
     vocab: Range<usize>,
     z: &'t mut [f32],
     hidden: Hidden<'t>,
     weight: Weight<'t>,
-    /// Scratch for the tile transposed and packed.
-    dz_t: &'t mut Vec<f32>,
-    dz_pack: &'t mut PackedA,
+    /// Scratch for the tile transposed and packed, and for dH rows with gaps.
+    scratch: (&'t mut Vec<f32>, &'t mut PackedA, &'t mut Vec<f32>),
 }
 
-/// Forms every `[block_rows, vocab_tile]` logits tile in the workspace and hands it to
-/// `each` (with its weight tile ready for dH too when `for_grads`); row blocks for which
-/// `skip` is true are not computed.
+/// Forms every `[block_rows, vocab_tile]` logits tile of the rows of `blocks` in the
+/// workspace and hands it to `each` (with its weight tile ready for dH too when
+/// `for_grads`).
 fn for_each_tile<E: Element>(
     p: &Problem<E>,
     plan: &Plan,
     ws: &mut Workspace,
-    (skip, for_grads): (impl Fn(&Range<usize>) -> bool, bool),
+    (blocks, for_grads): (&[RowBlock], bool),
     mut each: impl FnMut(Tile),
 ) {
     let h = p.inputs.hidden_size;
     let (bias, engine) = (p.bias_f32(), p.engine);
     let threads = rayon::current_num_threads();
     let scratch = ws.prepare(plan.block_rows, plan.vocab_tile);
-    for rows in p.row_blocks(plan.block_rows).filter(|r| !skip(r)) {
-        let hid = scratch
-            .hidden
-            .load(engine, p.inputs.hidden, h, rows.clone(), threads);
+    for block in blocks.iter().filter(|b| !b.ids.is_empty()) {
+        let nb = block.ids.len();
+        let hid = (scratch.hidden).load_rows(engine, p.inputs.hidden, h, block, threads);
         for vocab in p.vocab_tiles(plan.vocab_tile) {
             let w = scratch.weight.load(
                 engine,
@@ -167,7 +168,7 @@ fn for_each_tile<E: Element>(
                 (true, for_grads),
                 threads,
             );
-            let z = &mut scratch.logits[..rows.len() * vocab.len()];
+            let z = &mut scratch.logits[..nb * vocab.len()];
             logits_tile(
                 z,
                 vocab.len(),
@@ -175,42 +176,38 @@ fn for_each_tile<E: Element>(
                 w,
                 bias.as_ref().map(|b| &b[vocab.clone()]),
                 p.rows.transform.softcap,
-                (rows.len(), h, vocab.len()),
+                (nb, h, vocab.len()),
                 threads,
             );
             each(Tile {
-                rows: rows.clone(),
+                block,
                 vocab,
                 z,
                 hidden: hid,
                 weight: w,
-                dz_t: &mut scratch.dz_t,
-                dz_pack: &mut scratch.dz_pack,
+                scratch: (
+                    &mut scratch.dz_t,
+                    &mut scratch.dz_pack,
+                    &mut scratch.dh_rows,
+                ),
             });
         }
     }
 }
 
-/// Pass A over the vocabulary the problem holds: every live row's partial state.
+/// Pass A over the vocabulary the problem holds: every live row's partial state (the
+/// tiles hold live rows only).
 fn row_states<E: Element>(p: &Problem<E>, plan: &Plan, ws: &mut Workspace) -> PartialStats {
     let mut out = PartialStats::empty(p.inputs.tokens, p.rows.transform.inv_temp);
-    for_each_tile(p, plan, ws, (|_: &Range<usize>| false, false), |t| {
-        merge_tile_stats(
-            &p.rows,
-            t.z,
-            t.vocab.len(),
-            t.rows.clone(),
-            &t.vocab,
-            &mut out.states[t.rows.clone()],
-            &mut out.target_logits[t.rows.clone()],
-            &mut out.sums[t.rows.clone()],
-        );
+    let blocks = p.live_row_blocks(plan.block_rows);
+    for_each_tile(p, plan, ws, (&blocks, false), |t| {
+        merge_tile_stats(&p.rows, t.z, t.vocab.len(), t.block, &t.vocab, &mut out);
     });
     out
 }
 
-/// Pass B: recomputes every tile, turns it into `dZ` with `grads` (one per row) and
-/// adds the LM head's gradients into `out`.
+/// Pass B: recomputes the tiles of the rows with a gradient, turns them into `dZ` with
+/// `grads` (one per row) and adds the LM head's gradients into `out`.
 fn accumulate_grads<E: Element>(
     p: &Problem<E>,
     plan: &Plan,
@@ -220,25 +217,34 @@ fn accumulate_grads<E: Element>(
 ) {
     let h = p.inputs.hidden_size;
     let t = &p.rows.transform;
-    let no_gradient = |rows: &Range<usize>| rows.clone().all(|i| grads[i].is_zero());
-    for_each_tile(p, plan, ws, (no_gradient, true), |tile| {
+    let with_gradient: Vec<bool> = grads.iter().map(|g| !g.is_zero()).collect();
+    let blocks = live_row_blocks(&with_gradient, plan.block_rows);
+    let mut block_grads = Vec::with_capacity(plan.block_rows);
+    for_each_tile(p, plan, ws, (&blocks, true), |tile| {
         let ld = tile.vocab.len();
-        let rows = &grads[tile.rows.clone()];
-        grad_tile(tile.z, ld, &tile.vocab, rows, t.inv_temp, t.inv_cap());
+        block_grads.clear();
+        block_grads.extend(tile.block.ids.iter().map(|&i| grads[i]));
+        grad_tile(
+            tile.z,
+            ld,
+            &tile.vocab,
+            &block_grads,
+            t.inv_temp,
+            t.inv_cap(),
+        );
         accumulate_tile(
             out,
             tile.z,
             ld,
             (tile.hidden, tile.weight),
-            &tile.rows,
+            tile.block,
             &tile.vocab,
             h,
-            (tile.dz_t, tile.dz_pack),
+            tile.scratch,
         );
     });
 }
 
-/// The CPU's [`FusedPasses`].
 struct CpuPasses<'a, 'g, E> {
     problem: Problem<'a, E>,
     plan: Plan,

@@ -198,11 +198,7 @@ pub(crate) fn single_pass<E: Element, S: Stored>(
                     }
                 }
             });
-        let span = &mut out.dhidden[block.span.start * h..block.span.end * h];
-        let dh_rows: Vec<&mut [f32]> = (span.chunks_mut(h).enumerate())
-            .filter(|(r, _)| p.live[block.span.start + r])
-            .map(|(_, d)| d)
-            .collect();
+        let dh_rows = block.rows_of(out.dhidden, h);
         dh_rows.into_par_iter().enumerate().for_each(|(r, d)| {
             for lane in lanes.iter() {
                 let x = &lane.dhidden[r * h..(r + 1) * h];

@@ -13,7 +13,7 @@ use super::simd;
 use crate::batch::LinearInputs;
 use crate::element::Element;
 use crate::fused::{LinearGradsMut, RowGrad};
-use crate::rows::{OnlineSoftmax, RowInputs};
+use crate::rows::{PartialStats, RowInputs};
 use rayon::prelude::*;
 use std::ops::Range;
 
@@ -38,28 +38,25 @@ impl<E: Element> Problem<'_, E> {
         (0..v).step_by(vt).map(move |s| s..(s + vt).min(v))
     }
 
-    /// The row blocks of `nb` rows (the last may be shorter).
-    pub(crate) fn row_blocks(&self, nb: usize) -> impl Iterator<Item = Range<usize>> + use<E> {
-        let n = self.inputs.tokens;
-        (0..n).step_by(nb).map(move |s| s..(s + nb).min(n))
-    }
-
     /// Blocks of up to `nb` live rows ([`live_row_blocks`]).
     pub(crate) fn live_row_blocks(&self, nb: usize) -> Vec<RowBlock> {
         live_row_blocks(&self.rows.live[..self.inputs.tokens], nb)
     }
 }
 
-/// Blocks of up to `nb` of the rows where `live` holds, in order. A row that takes no
-/// part (masked, or ignored) has no logits and a zero gradient, so it joins no
-/// product; the blocks' spans still cover every row in order (the last reaches the
-/// end; without live rows, one empty block spans them all).
+/// The fewest blocks of at most `nb` of the rows where `live` holds, in order, of even
+/// size (a short last block runs its products slowly). A row that takes no part
+/// (masked, or ignored) has no logits and a zero gradient, so it joins no product; the
+/// blocks' spans still cover every row in order (the last reaches the end; without
+/// live rows, one empty block spans them all).
 pub(crate) fn live_row_blocks(live: &[bool], nb: usize) -> Vec<RowBlock> {
     let n = live.len();
     let ids: Vec<usize> = (0..n).filter(|&i| live[i]).collect();
-    let mut blocks = Vec::with_capacity(ids.len().div_ceil(nb.max(1)));
+    let count = ids.len().div_ceil(nb.max(1));
+    let even = ids.len().div_ceil(count.max(1)).max(1);
+    let mut blocks = Vec::with_capacity(count);
     let mut start = 0;
-    for chunk in ids.chunks(nb.max(1)) {
+    for chunk in ids.chunks(even) {
         let end = chunk[chunk.len() - 1] + 1;
         blocks.push(RowBlock {
             ids: chunk.to_vec(),
@@ -92,6 +89,18 @@ impl RowBlock {
         let (first, last) = (*self.ids.first()?, *self.ids.last()?);
         (last - first + 1 == self.ids.len()).then_some(first..last + 1)
     }
+
+    /// Its rows of `all` (rows of `width` entries, `[N, width]`), in order.
+    pub(crate) fn rows_of<'a, T>(&self, all: &'a mut [T], width: usize) -> Vec<&'a mut [T]> {
+        let Some(&first) = self.ids.first() else {
+            return Vec::new();
+        };
+        let mut ids = self.ids.iter().peekable();
+        (all[first * width..].chunks_mut(width).zip(first..))
+            .filter(|(_, i)| ids.next_if_eq(&i).is_some())
+            .map(|(row, _)| row)
+            .collect()
+    }
 }
 
 /// Reusable workspace of the fused LM-head kernels (logit tiles, widened or packed bf16
@@ -112,6 +121,8 @@ pub struct Workspace {
     pub(crate) lanes: Vec<Lane>,
     /// A gradient tile transposed, `dZᵀ` `[vocab_tile, rows]`, for the dW product.
     pub(crate) dz_t: Vec<f32>,
+    /// A two-pass block's dH rows where its rows have gaps, `[rows, h]`.
+    pub(crate) dh_rows: Vec<f32>,
 }
 
 /// One lane of a single-pass block (`super::single_pass`): its f32 tile (logits `[rows, cols]`,
@@ -151,7 +162,8 @@ impl Workspace {
                     + l.dz_pack.bytes()
             })
             .sum();
-        4 * (self.logits.capacity() + self.tile_max.capacity() + self.dz_t.capacity())
+        4 * (self.logits.capacity() + self.tile_max.capacity())
+            + 4 * (self.dz_t.capacity() + self.dh_rows.capacity())
             + self.hidden.bytes()
             + self.weight.bytes()
             + self.dz_pack.bytes()
@@ -210,40 +222,38 @@ pub(crate) fn logits_tile(
     }
 }
 
-/// Merges the statistics of a `[rows, cols]` tile (row stride `ld`) whose columns are
-/// vocabulary entries `vocab`, captures target logits that fall in it and, if the
-/// rows want mean logits, adds each row's sum into `sums`.
-#[allow(clippy::too_many_arguments)]
+/// Merges the statistics of a `[rows, cols]` tile (row stride `ld`) of the rows of
+/// `block`, whose columns are vocabulary entries `vocab`, into their entries of `out`
+/// (every row's), captures target logits that fall in it and, if the rows want mean
+/// logits, adds each row's sum.
 pub(crate) fn merge_tile_stats(
     p: &RowInputs,
     z: &[f32],
     ld: usize,
-    rows: Range<usize>,
+    block: &RowBlock,
     vocab: &Range<usize>,
-    states: &mut [OnlineSoftmax],
-    target_logits: &mut [f32],
-    sums: &mut [f64],
+    out: &mut PartialStats,
 ) {
     let cols = vocab.len();
-    z.par_chunks(ld)
-        .zip(states.par_iter_mut())
-        .zip(target_logits.par_iter_mut())
-        .zip(sums.par_iter_mut())
-        .enumerate()
-        .take(rows.len())
-        .for_each(|(r, (((row, state), target_logit), sum))| {
-            let i = rows.start + r;
+    let states = block.rows_of(&mut out.states, 1);
+    let target_logits = block.rows_of(&mut out.target_logits, 1);
+    let sums = block.rows_of(&mut out.sums, 1);
+    (z.par_chunks(ld).zip(&block.ids))
+        .zip(states)
+        .zip(target_logits)
+        .zip(sums)
+        .for_each(|((((row, &i), state), target_logit), sum)| {
             if !p.live[i] {
                 return;
             }
             let row = &row[..cols];
-            state.merge(tile_state(row, p.transform.inv_temp));
+            state[0].merge(tile_state(row, p.transform.inv_temp));
             if p.transform.mean_logit {
-                *sum += simd::sum(row);
+                sum[0] += simd::sum(row);
             }
             let y = p.targets[i];
             if y >= 0 && vocab.contains(&(y as usize)) {
-                *target_logit = row[y as usize - vocab.start];
+                target_logit[0] = row[y as usize - vocab.start];
             }
         });
 }
@@ -297,21 +307,22 @@ pub(crate) fn grad_row(
     }
 }
 
-/// `dH[rows] += dZ·W[vocab]`, `dW[vocab] += dZᵀ·H[rows]`, `dbias[vocab] += Σ_rows dZ`
-/// for one `[rows, cols]` gradient tile `dz` (row stride `ld`); `dz_t` and `dz_pack` are
-/// scratch.
+/// `dH[block] += dZ·W[vocab]`, `dW[vocab] += dZᵀ·H[block]`, `dbias[vocab] += Σ_rows dZ`
+/// for one gradient tile `dz` of the rows of `block` (`[rows, cols]`, row stride `ld`);
+/// `dz_t`, `dz_pack` and `dh_rows` (the dH rows of a block with gaps, added into dH
+/// after the product) are scratch.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn accumulate_tile(
     grads: &mut LinearGradsMut,
     dz: &[f32],
     ld: usize,
     (hidden, weight): (Hidden, Weight),
-    rows: &Range<usize>,
+    block: &RowBlock,
     vocab: &Range<usize>,
     h: usize,
-    (dz_t, dz_pack): (&mut Vec<f32>, &mut PackedA),
+    (dz_t, dz_pack, dh_rows): (&mut Vec<f32>, &mut PackedA, &mut Vec<f32>),
 ) {
-    let (nb, vt) = (rows.len(), vocab.len());
+    let (nb, vt) = (block.ids.len(), vocab.len());
     if nb == 0 || vt == 0 {
         return;
     }
@@ -323,8 +334,20 @@ pub(crate) fn accumulate_tile(
         col_stride: 1,
     };
     let threads = rayon::current_num_threads();
-    let dh = &mut grads.dhidden[rows.start * h..rows.end * h];
-    products::add_dhidden(dh, h, dz_view, weight, dz_pack, threads);
+    match block.range() {
+        Some(rows) => {
+            let dh = &mut grads.dhidden[rows.start * h..rows.end * h];
+            products::add_dhidden(dh, h, dz_view, weight, dz_pack, threads);
+        }
+        None => {
+            dh_rows.clear();
+            dh_rows.resize(nb * h, 0.0);
+            products::add_dhidden(dh_rows, h, dz_view, weight, dz_pack, threads);
+            (block.rows_of(grads.dhidden, h).into_par_iter())
+                .zip(dh_rows.par_chunks(h))
+                .for_each(|(d, x)| d.iter_mut().zip(x).for_each(|(d, x)| *d += x));
+        }
+    }
     // `dZᵀ` dense: `gemm` copies a transposed view into fresh memory on every call.
     transpose_into(dz, ld, nb, vt, dz_t);
     let dz_t = MatRef::row_major(&dz_t[..], vt, nb);
@@ -415,7 +438,15 @@ mod tests {
         let all = live_row_blocks(&[true; 5], 2);
         let spans: Vec<_> = all.iter().map(|b| b.span.clone()).collect();
         assert_eq!(spans, [0..2, 2..4, 4..5]);
+        let even = live_row_blocks(&[true; 9], 4);
+        let sizes: Vec<_> = even.iter().map(|b| b.ids.len()).collect();
+        assert_eq!(sizes, [3, 3, 3]);
         assert!(all.iter().all(|b| b.range() == Some(b.span.clone())));
+        let mut all_rows: Vec<u32> = (0..27).collect();
+        let picked: Vec<Vec<u32>> = (blocks[1].rows_of(&mut all_rows, 3).into_iter())
+            .map(|r| r.to_vec())
+            .collect();
+        assert_eq!(picked, [vec![12, 13, 14], vec![21, 22, 23]]);
         let none = live_row_blocks(&[false; 3], 2);
         assert_eq!(
             none,
