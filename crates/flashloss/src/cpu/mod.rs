@@ -13,7 +13,7 @@ mod online_softmax;
 mod passes;
 mod products;
 mod selective_log_softmax;
-pub(crate) mod simd;
+pub mod simd;
 mod single_pass;
 mod tiles;
 mod unfused_logits;

@@ -142,7 +142,7 @@ pub fn max(x: &[f32]) -> f32 {
         .fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m })
 }
 
-/// `Σ_j x_j`: f32 lanes over blocks of [`F32_BLOCK`] vectors, then f64.
+/// `Σ_j x_j`: f32 lanes over blocks of `F32_BLOCK` vectors, then f64.
 #[multiversion(targets("x86_64+avx512f+avx512vl+avx2+fma", "x86_64+avx2+fma"))]
 pub fn sum(x: &[f32]) -> f64 {
     let mut total = [0.0f64; LANES];
@@ -173,7 +173,7 @@ const F32_BLOCK: usize = 8;
 /// `(Σ_j e_j, Σ_j e_j·d_j)` with `d_j = (x_j - shift)·scale ≤ 0`, `e_j = exp(d_j)`,
 /// for `shift ≥ max_j x_j`; `-inf` entries contribute 0 to both. Subtracting before
 /// scaling keeps `d_j` exact when `x` and `scale = 1/T_temp` are large; the sums run in
-/// f32 lanes over blocks of [`F32_BLOCK`] vectors, then in f64 lanes.
+/// f32 lanes over blocks of `F32_BLOCK` vectors, then in f64 lanes.
 #[multiversion(targets("x86_64+avx512f+avx512vl+avx2+fma", "x86_64+avx2+fma"))]
 pub fn exp_sums(x: &[f32], shift: f32, scale: f32) -> (f64, f64) {
     let mut sum = [0.0f64; LANES];
