@@ -159,7 +159,9 @@ fn for_each_tile<E: Element>(
     let scratch = ws.prepare(plan.block_rows, plan.vocab_tile);
     for block in blocks.iter().filter(|b| !b.ids.is_empty()) {
         let nb = block.ids.len();
-        let hid = (scratch.hidden).load_rows(engine, p.inputs.hidden, h, block, threads);
+        let hid = scratch
+            .hidden
+            .load_rows(engine, p.inputs.hidden, h, block, threads);
         for vocab in p.vocab_tiles(plan.vocab_tile) {
             let w = scratch.weight.load(
                 engine,
@@ -245,6 +247,7 @@ fn accumulate_grads<E: Element>(
     });
 }
 
+/// The CPU's [`FusedPasses`].
 struct CpuPasses<'a, 'g, E> {
     problem: Problem<'a, E>,
     plan: Plan,

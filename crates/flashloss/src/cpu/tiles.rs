@@ -75,8 +75,9 @@ pub(crate) fn live_row_blocks(live: &[bool], nb: usize) -> Vec<RowBlock> {
     blocks
 }
 
-/// A block of live rows `ids` (ascending), and the rows `span` it stands for: its own
-/// and the rows that take no part between the previous block's and its last.
+/// A block of rows `ids` (ascending; live rows, or rows with a gradient), and the rows
+/// `span` it stands for: its own and the rows left out between the previous block's and
+/// its last.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct RowBlock {
     pub(crate) ids: Vec<usize>,
@@ -100,6 +101,12 @@ impl RowBlock {
             .filter(|(_, i)| ids.next_if_eq(&i).is_some())
             .map(|(row, _)| row)
             .collect()
+    }
+
+    /// Its entries of `all` (`[N]`), in order.
+    pub(crate) fn entries_of<'a, T>(&self, all: &'a mut [T]) -> Vec<&'a mut T> {
+        let rows = self.rows_of(all, 1).into_iter();
+        rows.map(|r| &mut r[0]).collect()
     }
 }
 
@@ -235,9 +242,9 @@ pub(crate) fn merge_tile_stats(
     out: &mut PartialStats,
 ) {
     let cols = vocab.len();
-    let states = block.rows_of(&mut out.states, 1);
-    let target_logits = block.rows_of(&mut out.target_logits, 1);
-    let sums = block.rows_of(&mut out.sums, 1);
+    let states = block.entries_of(&mut out.states);
+    let target_logits = block.entries_of(&mut out.target_logits);
+    let sums = block.entries_of(&mut out.sums);
     (z.par_chunks(ld).zip(&block.ids))
         .zip(states)
         .zip(target_logits)
@@ -247,13 +254,13 @@ pub(crate) fn merge_tile_stats(
                 return;
             }
             let row = &row[..cols];
-            state[0].merge(tile_state(row, p.transform.inv_temp));
+            state.merge(tile_state(row, p.transform.inv_temp));
             if p.transform.mean_logit {
-                sum[0] += simd::sum(row);
+                *sum += simd::sum(row);
             }
             let y = p.targets[i];
             if y >= 0 && vocab.contains(&(y as usize)) {
-                target_logit[0] = row[y as usize - vocab.start];
+                *target_logit = row[y as usize - vocab.start];
             }
         });
 }
