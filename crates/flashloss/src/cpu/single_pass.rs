@@ -221,9 +221,10 @@ fn deal<T>(mut buf: &mut [T], lens: impl Iterator<Item = usize>) -> Vec<Vec<&mut
     lanes
 }
 
-/// Merges a `[rows, cols]` logits tile `z` (vocabulary entries `vocab`) into the rows'
-/// states `part` and stores it as the block's tile: `e = exp((z - μ)/T)` (`[rows, cols]`)
-/// and the row max `μ` in `tile_max` (`-inf` for rows that take no part, whose `e` is 0).
+/// Merges a `[rows, cols]` logits tile `z` of the live rows `ids` (vocabulary entries
+/// `vocab`) into their states `part` and stores it as the block's tile:
+/// `e = exp((z - μ)/T)` (`[rows, cols]`) and the row max `μ` in `tile_max` (a row of
+/// `-inf` logits keeps `e` = 0).
 fn store_tile<S: Stored>(
     p: &RowInputs,
     z: &[f32],
@@ -243,20 +244,13 @@ fn store_tile<S: Stored>(
         .for_each_init(
             || vec![0.0f32; cols],
             |buf, (r, (((row, e), (mu, (state, target_logit))), sum))| {
-                let i = ids[r];
-                *mu = if p.live[i] {
-                    simd::max(row)
-                } else {
-                    f32::NEG_INFINITY
-                };
-                if p.live[i] {
-                    if p.transform.mean_logit {
-                        *sum += simd::sum(row);
-                    }
-                    let y = p.targets[i];
-                    if y >= 0 && vocab.contains(&(y as usize)) {
-                        *target_logit = row[y as usize - vocab.start];
-                    }
+                *mu = simd::max(row);
+                if p.transform.mean_logit {
+                    *sum += simd::sum(row);
+                }
+                let y = p.targets[ids[r]];
+                if y >= 0 && vocab.contains(&(y as usize)) {
+                    *target_logit = row[y as usize - vocab.start];
                 }
                 if *mu == f32::NEG_INFINITY {
                     e.fill(S::default());

@@ -229,7 +229,7 @@ pub(crate) fn logits_tile(
     }
 }
 
-/// Merges the statistics of a `[rows, cols]` tile (row stride `ld`) of the rows of
+/// Merges the statistics of a `[rows, cols]` tile (row stride `ld`) of the live rows of
 /// `block`, whose columns are vocabulary entries `vocab`, into their entries of `out`
 /// (every row's), captures target logits that fall in it and, if the rows want mean
 /// logits, adds each row's sum.
@@ -250,9 +250,6 @@ pub(crate) fn merge_tile_stats(
         .zip(target_logits)
         .zip(sums)
         .for_each(|((((row, &i), state), target_logit), sum)| {
-            if !p.live[i] {
-                return;
-            }
             let row = &row[..cols];
             state.merge(tile_state(row, p.transform.inv_temp));
             if p.transform.mean_logit {
