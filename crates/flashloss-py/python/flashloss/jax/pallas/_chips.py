@@ -1,0 +1,141 @@
+"""TPU chips and the blocks of the head kernels: VMEM each kernel needs for its blocks,
+and the blocks chosen for a chip.
+
+A chip cannot be asked on a CPU host (``pltpu.get_tpu_info()`` fails there), so the
+table is JAX's own per-chip record (``pltpu.get_tpu_info_for_chip``: VMEM capacity, HBM
+bandwidth, bf16 rate), read for a named chip; on a TPU host the attached chip is used.
+Every kernel requests ``vmem_limit_bytes = 3/4`` of the chip's VMEM (96 MiB on v5e and
+v6e, 48 MiB on v7x; Mosaic's default scoped limit, 16-32 MiB, is what broke large
+vocabulary tiles for others) and takes the largest blocks whose footprint, counted
+below from the block shapes, stays within 80% of that request.
+
+Footprint of a kernel, bytes (``e``: the input dtype's size, ``bn`` rows, ``bv``
+vocabulary entries, ``h`` hidden; Pallas double-buffers every pipelined block):
+
+- forward: ``2·bn·h·e + 2·bv·h·e + 4·bn·bv·4 + rows``
+- dH: forward's + ``2·bn·h·e`` (the dH block) + ``bn·h·4`` (its f32 accumulator)
+- dW: forward's + ``2·bv·h·e`` (the dW block) + ``bv·h·4`` (its f32 accumulator)
+
+where ``4·bn·bv·4`` bounds the f32 temporaries of a logits tile (the tile, its
+exponentials, the gradient tile and one product) and ``rows`` the per-row vectors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import jax
+from jax.experimental.pallas import tpu as pltpu
+
+#: Chips the table covers (``pltpu.ChipVersion`` values).
+CHIPS = ("v5e", "v6e", "7x")
+#: The chip assumed when lowering for TPU from a host without one.
+DEFAULT_CHIP = "v6e"
+#: Block sizes tried, largest first: multiples of 256 (v6e and v7x's MXU is 256 wide).
+_ROW_BLOCKS = (1024, 768, 512, 256, 128)
+_VOCAB_BLOCKS = (2048, 1024, 768, 512, 256, 128)
+
+
+@dataclass(frozen=True)
+class Chip:
+    """What the kernels need of a chip (from JAX's record of it)."""
+
+    name: str
+    vmem_bytes: int
+    hbm_bytes_per_s: float
+    bf16_flops_per_s: float
+
+    @property
+    def vmem_limit_bytes(self) -> int:
+        """What every head kernel requests: 3/4 of the chip's VMEM."""
+        return self.vmem_bytes * 3 // 4
+
+    @property
+    def block_budget_bytes(self) -> int:
+        """The most a kernel's blocks may take: 80% of the request (the rest is Mosaic's)."""
+        return self.vmem_limit_bytes * 4 // 5
+
+
+def chip(name: Optional[str] = None) -> Chip:
+    """The chip ``name`` (``v5e``, ``v6e``, ``7x``, ...), or the attached TPU's, or
+    :data:`DEFAULT_CHIP` on a host without one."""
+    if name is None:
+        try:
+            info = pltpu.get_tpu_info()
+        except Exception:  # no TPU attached: a CPU host lowering for TPU, or interpret mode
+            info = pltpu.get_tpu_info_for_chip(pltpu.ChipVersion(DEFAULT_CHIP), 1)
+    else:
+        try:
+            version = pltpu.ChipVersion(name)
+        except ValueError as e:
+            known = ", ".join(c.value for c in pltpu.ChipVersion)
+            raise ValueError(f"argument `chip`: unknown TPU chip {name!r} (known: {known})") from e
+        info = pltpu.get_tpu_info_for_chip(version, 1)
+    return Chip(
+        name=info.chip_version.value,
+        vmem_bytes=int(info.vmem_capacity_bytes),
+        hbm_bytes_per_s=float(info.mem_bw_bytes_per_second),
+        bf16_flops_per_s=float(info.bf16_ops_per_second),
+    )
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """Rows and vocabulary entries of one grid step."""
+
+    rows: int
+    vocab: int
+
+
+def _rows_bytes(bn: int, vectors: int) -> int:
+    """Per-row ``[bn]`` f32/int32 vectors, double-buffered, padded to whole (8, 128) tiles."""
+    return vectors * 2 * 4 * max(1024, -(-bn // 1024) * 1024)
+
+
+def vmem_bytes(kernel: str, blocks: Blocks, hidden: int, itemsize: int) -> int:
+    """The VMEM footprint of ``kernel`` (``forward``, ``dh``, ``dw``) at ``blocks``."""
+    bn, bv, h, e = blocks.rows, blocks.vocab, hidden, itemsize
+    base = 2 * bn * h * e + 2 * bv * h * e + 4 * bn * bv * 4 + 2 * 8 * bv * 4
+    if kernel == "forward":
+        return base + _rows_bytes(bn, 6)
+    if kernel == "dh":
+        return base + 2 * bn * h * e + bn * h * 4 + _rows_bytes(bn, 7)
+    if kernel == "dw":
+        return base + 2 * bv * h * e + bv * h * 4 + 2 * 8 * bv * 4 + _rows_bytes(bn, 7)
+    raise ValueError(f"argument `kernel`: expected forward, dh or dw, got {kernel!r}")
+
+
+def _fit(size: int, prefs: tuple[int, ...]) -> tuple[int, ...]:
+    """The block sizes allowed along a dimension of ``size``: the whole dimension when it
+    is no larger than a block (a block may equal the array's dimension), else the
+    multiples of 128 tried."""
+    small = [b for b in prefs if b < size]
+    return tuple([size] if size <= prefs[0] else []) + tuple(small)
+
+
+def choose(kernel: str, n: int, v: int, hidden: int, itemsize: int, target: Chip) -> Blocks:
+    """The blocks of ``kernel`` for ``n`` rows and ``v`` vocabulary entries on ``target``:
+    the forward and dH kernels stream the head once per row block, so they take the
+    most rows first (the head's HBM traffic is ``n/bn·V·H·e``); the dW kernel streams
+    the hidden states once per vocabulary block, so it takes the widest vocabulary
+    block first."""
+    rows, vocab = _fit(n, _ROW_BLOCKS), _fit(v, _VOCAB_BLOCKS)
+    pairs = [(r, c) for r in rows for c in vocab] if kernel != "dw" else [(r, c) for c in vocab for r in rows]
+    for r, c in pairs:
+        blocks = Blocks(r, c)
+        if vmem_bytes(kernel, blocks, hidden, itemsize) <= target.block_budget_bytes:
+            return blocks
+    raise ValueError(
+        f"argument `hidden`: H={hidden} leaves no block of rows and vocabulary entries within "
+        f"{target.block_budget_bytes >> 20} MiB of VMEM on TPU {target.name}"
+    )
+
+
+def compiler_params(target: Chip, semantics: tuple[str, ...]) -> pltpu.CompilerParams:
+    """Mosaic's parameters of a head kernel: grid semantics and the VMEM request."""
+    return pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=target.vmem_limit_bytes)
+
+
+def dtype_size(dtype) -> int:
+    return jax.numpy.dtype(dtype).itemsize

@@ -1,0 +1,177 @@
+"""The head's forward kernel: per-row softmax statistics of ``s = cap(h·Wᵀ + c) / T``
+over a vocabulary (or this device's block of it), one logits tile at a time in VMEM.
+
+Grid ``(row blocks, vocabulary tiles)``: rows "parallel", tiles "arbitrary". For each
+row ``i`` the kernel keeps a running softmax state over the tiles seen,
+
+    m_i = max_j s_ij,   σ_i = Σ_j e^{s_ij - m_i},   u_i = Σ_j e^{s_ij - m_i}·(s_ij - m_i),
+    t_i = Σ_j 1[j = y_i]·s_ij,   ζ_i = Σ_j s_ij,
+
+rescaled when ``m`` grows (``σ ← σ·e^{m-m'}``, ``u ← (u + σ·(m - m'))·e^{m-m'}``), from
+which ``lse = m + log σ``, ``logp = t - lse``, entropy ``= log σ - u/σ`` and the mean
+logit ``ζ/V`` follow (:mod:`.stats`; states of several devices merge first). The
+target's logit is taken by an iota compare (no gather). Columns past ``V`` in the last
+tile (151936 = 128·1187, 1187 prime: every tile wider than 128 leaves a ragged tail) are
+``-inf``; rows past ``N`` in the last row block are never written back. Never an
+``[N, V]`` array: a ``[bn, bv]`` f32 tile lives in VMEM for one grid step.
+
+``layout``: ``"vh"`` for a head ``[V, H]`` (PyTorch, tied embeddings), ``"hv"`` for a
+Flax kernel ``[H, V]``; a tile is a block of rows or of columns, never a transposed copy.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from . import _chips
+
+#: Per-row vectors of the forward kernel's state, in order.
+STATE = ("max", "sum_exp", "sum_exp_shift", "target", "sum")
+
+
+@dataclass(frozen=True)
+class Transform:
+    """How raw logits become the softmax's ``s``: soft-cap (``cap·tanh(z/cap)``), then
+    ``/ temperature``."""
+
+    temperature: float = 1.0
+    softcap: Optional[float] = None
+
+    def apply(self, z: jax.Array) -> jax.Array:
+        if self.softcap is not None:
+            z = self.softcap * jnp.tanh(z / self.softcap)
+        return z * (1.0 / self.temperature)
+
+    def slope(self, s: jax.Array) -> jax.Array:
+        """``∂s/∂z`` at the tile whose transformed logits are ``s``."""
+        inv_t = 1.0 / self.temperature
+        if self.softcap is None:
+            return jnp.full_like(s, inv_t)
+        tanh = s / (self.softcap * inv_t)
+        return inv_t * (1.0 - tanh * tanh)
+
+
+def tile_logits(x_ref, w_ref, bias_ref, layout: str, transform: Transform, mask_weight: Optional[int]) -> tuple:
+    """``(s, w)``: the transformed f32 logits tile ``[bn, bv]`` and the weight tile read
+    (its rows or columns past the vocabulary zeroed when ``mask_weight`` gives how many
+    are valid, so that a product with it stays finite)."""
+    x, w = x_ref[...], w_ref[...]
+    if mask_weight is not None:
+        axis = 0 if layout == "vh" else 1
+        keep = jax.lax.broadcasted_iota(jnp.int32, w.shape, axis) < mask_weight
+        w = jnp.where(keep, w, jnp.zeros_like(w))
+    contract = 1 if layout == "vh" else 0
+    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    z = jax.lax.dot_general(
+        x, w, (((1,), (contract,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+    )
+    if bias_ref is not None:
+        z = z + bias_ref[...].astype(jnp.float32)
+    return transform.apply(z), w
+
+
+def tail(v: int, bv: int, j) -> Optional[Any]:
+    """How many entries of vocabulary tile ``j`` are valid, where the last tile is
+    ragged (``None`` when every tile is whole)."""
+    return None if v % bv == 0 else v - j * bv
+
+
+def _forward_kernel(*refs, v: int, bv: int, layout: str, transform: Transform, has_bias: bool):
+    ids_ref, x_ref, w_ref = refs[:3]
+    bias_ref = refs[3] if has_bias else None
+    m_ref, s_ref, u_ref, t_ref, sum_ref = refs[4 if has_bias else 3 :]
+    j = pl.program_id(1)
+
+    @pl.when(j == 0)
+    def _init():
+        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+        for r in (s_ref, u_ref, t_ref, sum_ref):
+            r[...] = jnp.zeros(r.shape, jnp.float32)
+
+    s, _ = tile_logits(x_ref, w_ref, bias_ref, layout, transform, None)
+    col = j * bv + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
+    s = jnp.where(col < v, s, -jnp.inf)
+    m_old, sum_old = m_ref[...], s_ref[...]
+    m_new = jnp.maximum(m_old, jnp.max(s, axis=1))
+    shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # a row of -inf so far: all zeros
+    alpha = jnp.exp(m_old - shift)
+    d = s - shift[:, None]
+    e = jnp.exp(d)
+    rescale = jnp.where(sum_old > 0, sum_old * (m_old - shift), 0.0)
+    m_ref[...] = m_new
+    s_ref[...] = alpha * sum_old + jnp.sum(e, axis=1)
+    u_ref[...] = alpha * (u_ref[...] + rescale) + jnp.sum(jnp.where(e > 0, e * d, 0.0), axis=1)
+    t_ref[...] += jnp.sum(jnp.where(col == ids_ref[...][:, None], s, 0.0), axis=1)
+    sum_ref[...] += jnp.sum(jnp.where(col < v, s, 0.0), axis=1)
+
+
+def row_spec(bn: int, axis: int = 0) -> pl.BlockSpec:
+    """A per-row ``[N]`` vector's block: rows of grid axis ``axis``."""
+    return pl.BlockSpec((bn,), lambda *g: (g[axis],))
+
+
+def weight_spec(layout: str, bv: int, hidden: int, axis: int) -> pl.BlockSpec:
+    """The weight's tile of grid axis ``axis``: rows ``[bv, H]`` or columns ``[H, bv]``."""
+    if layout == "vh":
+        return pl.BlockSpec((bv, hidden), lambda *g: (g[axis], 0))
+    return pl.BlockSpec((hidden, bv), lambda *g: (0, g[axis]))
+
+
+def bias_spec(bv: int, axis: int) -> pl.BlockSpec:
+    return pl.BlockSpec((1, bv), lambda *g: (0, g[axis]))
+
+
+def vocab_size(weight: jax.Array, layout: str) -> int:
+    return weight.shape[0] if layout == "vh" else weight.shape[1]
+
+
+@functools.partial(jax.jit, static_argnames=("layout", "transform", "chip", "interpret"))
+def forward_state(
+    x: jax.Array,
+    weight: jax.Array,
+    bias: Optional[jax.Array],
+    ids: jax.Array,
+    *,
+    layout: str,
+    transform: Transform,
+    chip: Optional[str] = None,
+    interpret: Any = False,
+) -> tuple[jax.Array, ...]:
+    """The state :data:`STATE` ``[N]`` f32 of rows ``x`` ``[N, H]`` over the head
+    ``weight`` (``ids`` ``[N]`` int32: the target columns of this head; others, e.g.
+    another device's ids, match no column)."""
+    n, hidden = x.shape
+    v = vocab_size(weight, layout)
+    target = _chips.chip(chip)
+    blocks = _chips.choose("forward", n, v, hidden, x.dtype.itemsize, target)
+    bn, bv = blocks.rows, blocks.vocab
+    grid = (pl.cdiv(n, bn), pl.cdiv(v, bv))
+    in_specs = [row_spec(bn), pl.BlockSpec((bn, hidden), lambda i, j: (i, 0)), weight_spec(layout, bv, hidden, 1)]
+    args = [ids, x, weight]
+    if bias is not None:
+        in_specs.append(bias_spec(bv, 1))
+        args.append(bias.reshape(1, v))
+    kernel = functools.partial(
+        _forward_kernel, v=v, bv=bv, layout=layout, transform=transform, has_bias=bias is not None
+    )
+    flops = 2 * n * hidden * v
+    bytes_accessed = grid[0] * weight.size * weight.dtype.itemsize + x.size * x.dtype.itemsize + 24 * n
+    return tuple(
+        pl.pallas_call(
+            kernel,
+            grid=grid,
+            in_specs=in_specs,
+            out_specs=[row_spec(bn) for _ in STATE],
+            out_shape=[jax.ShapeDtypeStruct((n,), jnp.float32) for _ in STATE],
+            compiler_params=_chips.compiler_params(target, ("parallel", "arbitrary")),
+            cost_estimate=pl.CostEstimate(flops=flops, transcendentals=n * v, bytes_accessed=bytes_accessed),
+            interpret=interpret,
+            name="flashloss_head_forward",
+        )(*args)
+    )

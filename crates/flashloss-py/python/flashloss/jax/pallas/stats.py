@@ -1,0 +1,136 @@
+"""Per-row statistics of the LM head on the Pallas kernels, differentiable: a
+``jax.custom_vjp`` whose forward is :func:`.head.forward_state` (and, inside a
+``shard_map`` whose vocabulary axis splits the head, the merge of every device's state
+with ``pmax``/``psum``) and whose backward is :mod:`.head_grads` with each row's
+cotangents as coefficients. The loss above it (GRPO, CE) is plain JAX on ``[N]``
+vectors, differentiated by JAX.
+
+For the merged state ``(m, σ, u, t, ζ)`` of a row (:mod:`.head`): ``lse = m + log σ``,
+``logp = t - lse``, entropy ``= log σ - u/σ``, mean logit ``= ζ / V``. Rows where ``live``
+is false give zeros and no gradient. Symbolic zeros tell which inputs need a gradient:
+a head that needs none (frozen, LoRA) runs no dW kernel; ``hidden`` without one runs no
+dH kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
+
+from . import head, head_grads
+
+
+class RowStats(NamedTuple):
+    """Per-row statistics ``[N]`` f32 of ``s = cap(h·Wᵀ + c) / T`` at the row's id."""
+
+    lse: jax.Array
+    logp: jax.Array
+    entropy: jax.Array
+    #: ``Σ_j s_j / V``: label smoothing's uniform term.
+    mean: jax.Array
+
+
+@dataclass(frozen=True)
+class HeadSpec:
+    """What the kernels need besides the arrays (static under ``jit``)."""
+
+    layout: str = "vh"
+    transform: head.Transform = head.Transform()
+    #: Mesh axis over which the head's vocabulary is split (inside ``shard_map``), or None.
+    vocab_axis: Optional[str] = None
+    #: The whole vocabulary (over every device of ``vocab_axis``).
+    vocab: int = 0
+    chip: Optional[str] = None
+    interpret: Any = False
+
+    def kernel_args(self) -> dict:
+        return dict(layout=self.layout, transform=self.transform, chip=self.chip, interpret=self.interpret)
+
+
+def _psum(x, axis):
+    return x if axis is None else jax.lax.psum(x, axis)
+
+
+def _local_ids(ids, weight, spec: HeadSpec):
+    """The ids as columns of this device's block (other devices' ids match no column)."""
+    if spec.vocab_axis is None:
+        return ids
+    block = head.vocab_size(weight, spec.layout)
+    return ids - (jax.lax.axis_index(spec.vocab_axis) * block).astype(ids.dtype)
+
+
+def _merge(state, live, spec: HeadSpec) -> RowStats:
+    m, sigma, u, t, zeta = state
+    axis = spec.vocab_axis
+    top = m if axis is None else jax.lax.pmax(m, axis)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    f = jnp.where(sigma > 0, jnp.exp(m - top), 0.0)
+    total = _psum(sigma * f, axis)
+    shifted = _psum(jnp.where(sigma > 0, f * (u + sigma * (m - top)), 0.0), axis)
+    total = jnp.where(live, total, 1.0)
+    log_total = jnp.log(total)
+    lse = top + log_total
+    zero = jnp.zeros_like(lse)
+    return RowStats(
+        lse=jnp.where(live, lse, zero),
+        logp=jnp.where(live, _psum(t, axis) - lse, zero),
+        entropy=jnp.where(live, log_total - shifted / total, zero),
+        mean=jnp.where(live, _psum(zeta, axis) / spec.vocab, zero),
+    )
+
+
+def _forward(x, weight, bias, ids, live, spec: HeadSpec) -> RowStats:
+    state = head.forward_state(x, weight, bias, _local_ids(ids, weight, spec), **spec.kernel_args())
+    return _merge(state, live, spec)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _row_stats(x, weight, bias, ids, live, spec):
+    return _forward(x, weight, bias, ids, live, spec)
+
+
+def _primal(a):
+    return a.value, a.perturbed
+
+
+def _fwd(x, weight, bias, ids, live, spec):
+    (x, want_dh), (weight, want_dw), (bias, want_db) = _primal(x), _primal(weight), _primal(bias)
+    (ids, _), (live, _) = _primal(ids), _primal(live)
+    stats = _forward(x, weight, bias, ids, live, spec)
+    wants = tuple(() if w else None for w in (want_dh, want_dw, want_db and bias is not None))
+    return stats, (x, weight, bias, ids, live, stats.lse, stats.entropy, wants)
+
+
+def _dense(ct, like):
+    return jnp.zeros_like(like) if isinstance(ct, SymbolicZero) else ct.astype(jnp.float32)
+
+
+def _bwd(spec, res, cts):
+    x, weight, bias, ids, live, lse, entropy, wants = res
+    g_lse, g_logp, g_ent, g_mean = (_dense(c, lse) for c in cts)
+    zero = jnp.zeros_like(lse)
+    coef = [jnp.where(live, c, zero) for c in (g_logp, g_lse - g_logp, g_ent, g_mean / spec.vocab)]
+    rows = (jnp.where(live, lse, jnp.inf), entropy, *coef)
+    local = _local_ids(ids, weight, spec)
+    kw = spec.kernel_args()
+    dh = head_grads.dhidden(x, weight, bias, local, rows, **kw) if wants[0] is not None else None
+    dw = db = None
+    if wants[1] is not None or wants[2] is not None:
+        dw, db = head_grads.dweight(x, weight, bias, local, rows, **kw)
+        dw = dw if wants[1] is not None else None
+        db = db.astype(bias.dtype) if wants[2] is not None else None
+    return dh, dw, db, None, None
+
+
+_row_stats.defvjp(_fwd, _bwd, symbolic_zeros=True)
+
+
+def row_stats(x, weight, bias, ids, live, spec: HeadSpec) -> RowStats:
+    """:class:`RowStats` of rows ``x`` ``[N, H]`` at ``ids`` ``[N]`` (int32) where
+    ``live`` ``[N]`` (bool), differentiable in ``x``, ``weight`` and ``bias``."""
+    return _row_stats(x, weight, bias, ids, live, spec)
