@@ -89,8 +89,8 @@ class Blocks:
 
 
 def _rows_bytes(bn: int, vectors: int) -> int:
-    """Per-row ``[bn]`` f32/int32 vectors, double-buffered, padded to whole (8, 128) tiles."""
-    return vectors * 2 * 4 * max(1024, -(-bn // 1024) * 1024)
+    """Per-row ``(bn, 128)`` f32/int32 blocks (the value along the lanes), double-buffered."""
+    return vectors * 2 * 4 * 128 * (-(-bn // 8) * 8)
 
 
 def vmem_bytes(kernel: str, blocks: Blocks, hidden: int, itemsize: int) -> int:
@@ -106,21 +106,34 @@ def vmem_bytes(kernel: str, blocks: Blocks, hidden: int, itemsize: int) -> int:
     raise ValueError(f"argument `kernel`: expected forward, dh or dw, got {kernel!r}")
 
 
-def _fit(size: int, prefs: tuple[int, ...]) -> tuple[int, ...]:
-    """The block sizes allowed along a dimension of ``size``: the whole dimension when it
-    is no larger than a block (a block may equal the array's dimension), else the
-    multiples of 128 tried."""
+def _fit(size: int, prefs: tuple[int, ...], cap: Optional[int]) -> tuple[int, ...]:
+    """The block sizes allowed along a dimension of ``size``, largest first: the whole
+    dimension when it is no larger than a block (a block may equal the array's
+    dimension), then the multiples of 128 tried; none above ``cap``."""
+    if cap is not None:
+        if cap < 128 or cap % 128:
+            raise ValueError(f"argument `block_rows`/`block_vocab`: expected a multiple of 128, got {cap}")
+        prefs = tuple(b for b in prefs if b <= cap) or (cap,)
     small = [b for b in prefs if b < size]
     return tuple([size] if size <= prefs[0] else []) + tuple(small)
 
 
-def choose(kernel: str, n: int, v: int, hidden: int, itemsize: int, target: Chip) -> Blocks:
+def choose(
+    kernel: str,
+    n: int,
+    v: int,
+    hidden: int,
+    itemsize: int,
+    target: Chip,
+    max_rows: Optional[int] = None,
+    max_vocab: Optional[int] = None,
+) -> Blocks:
     """The blocks of ``kernel`` for ``n`` rows and ``v`` vocabulary entries on ``target``:
     the forward and dH kernels stream the head once per row block, so they take the
     most rows first (the head's HBM traffic is ``n/bn·V·H·e``); the dW kernel streams
     the hidden states once per vocabulary block, so it takes the widest vocabulary
-    block first."""
-    rows, vocab = _fit(n, _ROW_BLOCKS), _fit(v, _VOCAB_BLOCKS)
+    block first. ``max_rows``, ``max_vocab``: caps (multiples of 128)."""
+    rows, vocab = _fit(n, _ROW_BLOCKS, max_rows), _fit(v, _VOCAB_BLOCKS, max_vocab)
     pairs = [(r, c) for r in rows for c in vocab] if kernel != "dw" else [(r, c) for c in vocab for r in rows]
     for r, c in pairs:
         blocks = Blocks(r, c)

@@ -33,6 +33,21 @@ from . import _chips
 
 #: Per-row vectors of the forward kernel's state, in order.
 STATE = ("max", "sum_exp", "sum_exp_shift", "target", "sum")
+#: Per-row vectors cross the kernels' boundary as ``[N, LANES]`` arrays, the value
+#: repeated along the lanes: a block ``(bn, 128)`` is the TPU's native tile (a 1-D block
+#: needs multiples of 1024 rows and, lowered on a host without a TPU, fails in jax
+#: 0.10.2), and the kernels read a ``(bn, 1)`` column of it.
+LANES = 128
+
+
+def to_lanes(x: jax.Array) -> jax.Array:
+    """``[N]`` → ``[N, LANES]``."""
+    return jnp.broadcast_to(x[:, None], (x.shape[0], LANES))
+
+
+def from_lanes(x: jax.Array) -> jax.Array:
+    """``[N, LANES]`` → ``[N]``."""
+    return x[:, 0]
 
 
 @dataclass(frozen=True)
@@ -97,23 +112,27 @@ def _forward_kernel(*refs, v: int, bv: int, layout: str, transform: Transform, h
     s, _ = tile_logits(x_ref, w_ref, bias_ref, layout, transform, None)
     col = j * bv + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
     s = jnp.where(col < v, s, -jnp.inf)
-    m_old, sum_old = m_ref[...], s_ref[...]
-    m_new = jnp.maximum(m_old, jnp.max(s, axis=1))
+    m_old, sum_old = m_ref[:, :1], s_ref[:, :1]
+    m_new = jnp.maximum(m_old, jnp.max(s, axis=1, keepdims=True))
     shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # a row of -inf so far: all zeros
     alpha = jnp.exp(m_old - shift)
-    d = s - shift[:, None]
+    d = s - shift
     e = jnp.exp(d)
     rescale = jnp.where(sum_old > 0, sum_old * (m_old - shift), 0.0)
-    m_ref[...] = m_new
-    s_ref[...] = alpha * sum_old + jnp.sum(e, axis=1)
-    u_ref[...] = alpha * (u_ref[...] + rescale) + jnp.sum(jnp.where(e > 0, e * d, 0.0), axis=1)
-    t_ref[...] += jnp.sum(jnp.where(col == ids_ref[...][:, None], s, 0.0), axis=1)
-    sum_ref[...] += jnp.sum(jnp.where(col < v, s, 0.0), axis=1)
+    u_new = alpha * (u_ref[:, :1] + rescale) + jnp.sum(jnp.where(e > 0, e * d, 0.0), axis=1, keepdims=True)
+    target = jnp.sum(jnp.where(col == ids_ref[:, :1], s, 0.0), axis=1, keepdims=True)
+    total = jnp.sum(jnp.where(col < v, s, 0.0), axis=1, keepdims=True)
+    shape = m_ref.shape
+    m_ref[...] = jnp.broadcast_to(m_new, shape)
+    s_ref[...] = jnp.broadcast_to(alpha * sum_old + jnp.sum(e, axis=1, keepdims=True), shape)
+    u_ref[...] = jnp.broadcast_to(u_new, shape)
+    t_ref[...] += jnp.broadcast_to(target, shape)
+    sum_ref[...] += jnp.broadcast_to(total, shape)
 
 
 def row_spec(bn: int, axis: int = 0) -> pl.BlockSpec:
-    """A per-row ``[N]`` vector's block: rows of grid axis ``axis``."""
-    return pl.BlockSpec((bn,), lambda *g: (g[axis],))
+    """A per-row ``[N, LANES]`` vector's block: rows of grid axis ``axis``."""
+    return pl.BlockSpec((bn, LANES), lambda *g: (g[axis], 0))
 
 
 def weight_spec(layout: str, bv: int, hidden: int, axis: int) -> pl.BlockSpec:
@@ -131,7 +150,7 @@ def vocab_size(weight: jax.Array, layout: str) -> int:
     return weight.shape[0] if layout == "vh" else weight.shape[1]
 
 
-@functools.partial(jax.jit, static_argnames=("layout", "transform", "chip", "interpret"))
+@functools.partial(jax.jit, static_argnames=("layout", "transform", "chip", "interpret", "max_rows", "max_vocab"))
 def forward_state(
     x: jax.Array,
     weight: jax.Array,
@@ -142,6 +161,8 @@ def forward_state(
     transform: Transform,
     chip: Optional[str] = None,
     interpret: Any = False,
+    max_rows: Optional[int] = None,
+    max_vocab: Optional[int] = None,
 ) -> tuple[jax.Array, ...]:
     """The state :data:`STATE` ``[N]`` f32 of rows ``x`` ``[N, H]`` over the head
     ``weight`` (``ids`` ``[N]`` int32: the target columns of this head; others, e.g.
@@ -149,11 +170,11 @@ def forward_state(
     n, hidden = x.shape
     v = vocab_size(weight, layout)
     target = _chips.chip(chip)
-    blocks = _chips.choose("forward", n, v, hidden, x.dtype.itemsize, target)
+    blocks = _chips.choose("forward", n, v, hidden, x.dtype.itemsize, target, max_rows, max_vocab)
     bn, bv = blocks.rows, blocks.vocab
     grid = (pl.cdiv(n, bn), pl.cdiv(v, bv))
     in_specs = [row_spec(bn), pl.BlockSpec((bn, hidden), lambda i, j: (i, 0)), weight_spec(layout, bv, hidden, 1)]
-    args = [ids, x, weight]
+    args = [to_lanes(ids), x, weight]
     if bias is not None:
         in_specs.append(bias_spec(bv, 1))
         args.append(bias.reshape(1, v))
@@ -162,16 +183,15 @@ def forward_state(
     )
     flops = 2 * n * hidden * v
     bytes_accessed = grid[0] * weight.size * weight.dtype.itemsize + x.size * x.dtype.itemsize + 24 * n
-    return tuple(
-        pl.pallas_call(
+    state = pl.pallas_call(
             kernel,
             grid=grid,
             in_specs=in_specs,
             out_specs=[row_spec(bn) for _ in STATE],
-            out_shape=[jax.ShapeDtypeStruct((n,), jnp.float32) for _ in STATE],
+            out_shape=[jax.ShapeDtypeStruct((n, LANES), jnp.float32) for _ in STATE],
             compiler_params=_chips.compiler_params(target, ("parallel", "arbitrary")),
             cost_estimate=pl.CostEstimate(flops=flops, transcendentals=n * v, bytes_accessed=bytes_accessed),
             interpret=interpret,
             name="flashloss_head_forward",
         )(*args)
-    )
+    return tuple(from_lanes(x) for x in state)

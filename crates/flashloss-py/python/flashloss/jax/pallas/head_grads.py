@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from . import _chips
-from .head import Transform, bias_spec, row_spec, tail, tile_logits, vocab_size, weight_spec
+from .head import Transform, bias_spec, row_spec, tail, tile_logits, to_lanes, vocab_size, weight_spec
 
 #: Per-row inputs of the backward kernels, in order (after ``ids``).
 COEFFICIENTS = ("lse", "entropy", "target", "softmax", "entropy_term", "uniform")
@@ -41,10 +41,10 @@ def _dlogits(s, col, v: int, rows, transform: Transform):
     """``∂L/∂z`` of a tile from its transformed logits ``s`` and the per-row vectors."""
     ids, lse, entropy, a, b, c, d = rows
     valid = col < v
-    log_p = s - lse[:, None]
+    log_p = s - lse
     p = jnp.exp(log_p)
-    spread = jnp.where(p > 0, p * (b[:, None] - c[:, None] * (log_p + entropy[:, None])), 0.0)
-    ds = jnp.where(col == ids[:, None], a[:, None], 0.0) + spread + d[:, None]
+    spread = jnp.where(p > 0, p * (b - c * (log_p + entropy)), 0.0)
+    ds = jnp.where(col == ids, a, 0.0) + spread + d
     return jnp.where(valid, ds * transform.slope(s), 0.0)
 
 
@@ -60,7 +60,7 @@ def _dh_kernel(*refs, v: int, bv: int, layout: str, transform: Transform, has_bi
 
     s, w = tile_logits(x_ref, w_ref, bias_ref, layout, transform, tail(v, bv, j))
     col = j * bv + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
-    dz = _dlogits(s, col, v, [r[...] for r in row_refs], transform).astype(w.dtype)
+    dz = _dlogits(s, col, v, [r[:, :1] for r in row_refs], transform).astype(w.dtype)
     contract = 0 if layout == "vh" else 1
     precision = jax.lax.Precision.HIGHEST if w.dtype == jnp.float32 else None
     acc_ref[...] += jax.lax.dot_general(
@@ -85,7 +85,7 @@ def _dw_kernel(*refs, n: int, bn: int, v: int, bv: int, layout: str, transform: 
 
     s, _ = tile_logits(x_ref, w_ref, bias_ref, layout, transform, None)
     col = j * bv + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
-    dz = _dlogits(s, col, v, [r[...] for r in row_refs], transform)
+    dz = _dlogits(s, col, v, [r[:, :1] for r in row_refs], transform)
     x = x_ref[...]
     if n % bn:  # rows past N hold whatever the last block read: keep them out of the sums
         row = i * bn + jax.lax.broadcasted_iota(jnp.int32, s.shape, 0)
@@ -115,14 +115,14 @@ def _inputs(x, weight, bias, ids, rows, layout, blocks, row_axis, vocab_axis):
     bn, bv = blocks.rows, blocks.vocab
     x_spec = pl.BlockSpec((bn, hidden), lambda *g: (g[row_axis], 0))
     in_specs = [row_spec(bn, row_axis) for _ in range(7)] + [x_spec, weight_spec(layout, bv, hidden, vocab_axis)]
-    args = [ids, *rows, x, weight]
+    args = [to_lanes(ids), *(to_lanes(r) for r in rows), x, weight]
     if bias is not None:
         in_specs.append(bias_spec(bv, vocab_axis))
         args.append(bias.reshape(1, v))
     return in_specs, args
 
 
-@functools.partial(jax.jit, static_argnames=("layout", "transform", "chip", "interpret"))
+@functools.partial(jax.jit, static_argnames=("layout", "transform", "chip", "interpret", "max_rows", "max_vocab"))
 def dhidden(
     x: jax.Array,
     weight: jax.Array,
@@ -134,12 +134,14 @@ def dhidden(
     transform: Transform,
     chip: Optional[str] = None,
     interpret: Any = False,
+    max_rows: Optional[int] = None,
+    max_vocab: Optional[int] = None,
 ) -> jax.Array:
     """``dH = dZ·W`` ``[N, H]`` in ``x``'s dtype; ``rows``: :data:`COEFFICIENTS` ``[N]``."""
     n, hidden = x.shape
     v = vocab_size(weight, layout)
     target = _chips.chip(chip)
-    blocks = _chips.choose("dh", n, v, hidden, x.dtype.itemsize, target)
+    blocks = _chips.choose("dh", n, v, hidden, x.dtype.itemsize, target, max_rows, max_vocab)
     in_specs, args = _inputs(x, weight, bias, ids, rows, layout, blocks, 0, 1)
     grid = (pl.cdiv(n, blocks.rows), pl.cdiv(v, blocks.vocab))
     kernel = functools.partial(
@@ -160,7 +162,7 @@ def dhidden(
     )(*args)
 
 
-@functools.partial(jax.jit, static_argnames=("layout", "transform", "chip", "interpret"))
+@functools.partial(jax.jit, static_argnames=("layout", "transform", "chip", "interpret", "max_rows", "max_vocab"))
 def dweight(
     x: jax.Array,
     weight: jax.Array,
@@ -172,13 +174,15 @@ def dweight(
     transform: Transform,
     chip: Optional[str] = None,
     interpret: Any = False,
+    max_rows: Optional[int] = None,
+    max_vocab: Optional[int] = None,
 ) -> tuple[jax.Array, jax.Array]:
     """``(dW, dc)``: ``dW = dZᵀ·H`` in ``weight``'s shape and dtype, ``dc = Σ_rows dZ``
     ``[V]`` f32."""
     n, hidden = x.shape
     v = vocab_size(weight, layout)
     target = _chips.chip(chip)
-    blocks = _chips.choose("dw", n, v, hidden, x.dtype.itemsize, target)
+    blocks = _chips.choose("dw", n, v, hidden, x.dtype.itemsize, target, max_rows, max_vocab)
     bn, bv = blocks.rows, blocks.vocab
     in_specs, args = _inputs(x, weight, bias, ids, rows, layout, blocks, 1, 0)
     grid = (pl.cdiv(v, bv), pl.cdiv(n, bn))

@@ -47,9 +47,19 @@ class HeadSpec:
     vocab: int = 0
     chip: Optional[str] = None
     interpret: Any = False
+    #: Caps on the blocks' rows and vocabulary entries (multiples of 128), or None.
+    max_rows: Optional[int] = None
+    max_vocab: Optional[int] = None
 
     def kernel_args(self) -> dict:
-        return dict(layout=self.layout, transform=self.transform, chip=self.chip, interpret=self.interpret)
+        return dict(
+            layout=self.layout,
+            transform=self.transform,
+            chip=self.chip,
+            interpret=self.interpret,
+            max_rows=self.max_rows,
+            max_vocab=self.max_vocab,
+        )
 
 
 def _psum(x, axis):
@@ -95,7 +105,8 @@ def _row_stats(x, weight, bias, ids, live, spec):
 
 
 def _primal(a):
-    return a.value, a.perturbed
+    """``(value, perturbed)`` of a primal under symbolic zeros (``None`` stays ``None``)."""
+    return (None, False) if a is None else (a.value, a.perturbed)
 
 
 def _fwd(x, weight, bias, ids, live, spec):
