@@ -25,5 +25,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(losses::grpo_logits, m)?)?;
     m.add_function(wrap_pyfunction!(jax::jax_targets, m)?)?;
     m.add_function(wrap_pyfunction!(jax::jax_abi_layout, m)?)?;
+    m.add_function(wrap_pyfunction!(jax::check_grpo_config, m)?)?;
+    m.add_function(wrap_pyfunction!(jax::check_ce_config, m)?)?;
     Ok(())
 }
