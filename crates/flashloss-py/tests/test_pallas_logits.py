@@ -224,7 +224,15 @@ def _dapo_exports(n, v, dtype):
         "grad": (lambda z, i, a, b, c, d: L.logits_grad(z, i, a, b, c, d, temperature=0.7), (zs, i, r, r, r, r)),
         "fused": (lambda z, i, a, b, c, d, m: L.logits_fused(z, i, (a, b, c, d), dapo_row_fn(0.04, True), mask=m,
                                                             temperature=0.7), (zs, i, r, r, r, r, r)),
+        "fused_sigmoid": (lambda z, i, a, b: L.logits_fused(z, i, (a, b), sapo_row_fn, temperature=0.7), (zs, i, r, r)),
     }
+
+
+def sapo_row_fn(logp, ent, old, adv):
+    """sapo's soft gate (``jax.nn.sigmoid``) with an entropy bonus: the export checks it lowers."""
+    r = jnp.exp(logp - old)
+    tau = jnp.where(adv > 0, 1.0, 1.05)
+    return -adv * (4 / tau) * jax.nn.sigmoid(tau * (r - 1)) - 0.01 * ent
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

@@ -25,6 +25,17 @@ Design (every kernel):
   vectors' ``(bn, 1)`` blocks padded to ``(8, 128)`` tiles, the chunk temporaries);
   ``block_rows`` picks the largest ``bn`` in ``BLOCK_ROWS`` that fits a budget, and the
   kernels ask Mosaic for that budget as ``vmem_limit_bytes``.
+- ``ids`` must lie in ``[0, V)``: an id outside matches no column (its ``s_y - μ`` is 0).
+
+Lowering for TPU (``jax.export.export(jax.jit(f), platforms=("tpu",))`` on a CPU host,
+jax 0.10.2; nothing here ran on a TPU): all three kernels lower at ``[13, 1003]`` and at
+``[8192, 151936]``, float32 and bfloat16. In a ``row_fn`` these lower: exp, log, log1p,
+min/max/clip, where, abs, pow, tanh, ``jax.nn.sigmoid`` (logistic), ``jax.nn.softplus``,
+``lax.stop_gradient``; these do not: ``jnp.expm1`` ("Unimplemented primitive ... expm1"),
+``jnp.sort``, and ``jnp.sign`` (its lowering asks the chip's version: "Unsupported TPU
+device kind: cpu" from a CPU host). Mosaic's layout and VMEM passes run only in libtpu, so
+the unaligned last lane chunk (``V % 128 != 0`` or ``V`` not a multiple of the chunk) and
+the VMEM footprint are unchecked until a TPU runs the kernels.
 """
 
 from __future__ import annotations
