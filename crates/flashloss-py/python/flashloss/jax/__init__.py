@@ -1,37 +1,53 @@
-"""JAX operations over flashloss's fused kernels (XLA FFI handlers, CPU).
+"""JAX operations over flashloss's fused kernels, on two paths chosen by platform.
 
-``linear_grpo_loss`` and ``linear_cross_entropy`` compute TRL's GRPO loss and the
-cross-entropy straight from the hidden states and the LM head, never holding the
-``[tokens x vocab]`` logits; ``grpo_loss`` is the logits-level GRPO loss. Each is a
-``jax.custom_vjp`` whose forward runs one fused kernel call that yields the loss and
-the gradients of ``hidden``, ``weight`` and ``bias`` together (the fastest path on the
-CPU); its backward scales them by the cotangent. They work under ``jax.jit``,
-``jax.grad`` / ``value_and_grad`` and ``jax.vmap`` (the handler runs once per batch
-element), in float32 and bfloat16. Argument names and defaults are TRL's, as in
-:mod:`flashloss.torch`. The per-token outputs (``logp``, ``entropy``, ``kl``) and the
-metrics carry no gradient.
+``linear_grpo_loss``, ``linear_cross_entropy`` and ``linear_logprobs`` compute TRL's GRPO
+loss, the cross-entropy and per-token log-probs/entropy straight from the hidden states
+and the LM head, never holding the ``[tokens x vocab]`` logits; ``grpo_loss`` is the
+logits-level GRPO loss. Argument names and defaults are TRL's, as in
+:mod:`flashloss.torch`. Every function takes:
 
-Errors of the kernels (shapes, ids out of range, values beyond f32) are raised by JAX
-as ``JaxRuntimeError`` with flashloss's message, which names the argument.
+- ``impl``: ``"ffi"`` runs flashloss's XLA FFI handlers (CPU; CUDA where built, not yet
+  run on a GPU): one fused kernel call gives the loss and the gradients together.
+  ``"pallas"`` runs Pallas TPU (Mosaic) kernels (:mod:`flashloss.jax.pallas`) for the
+  head's per-row statistics and their backward, with the loss above them in plain JAX
+  that JAX differentiates. ``"auto"`` (default) picks per lowering platform with
+  ``jax.lax.platform_dependent``: Pallas on TPU, the FFI handlers elsewhere, so a step
+  exported for TPU from a CPU host takes the Pallas path. The Pallas path has never run on
+  a TPU: it is checked in TPU interpret mode and by the Mosaic lowering (``docs/jax.md``).
+- ``interpret``: run the Pallas kernels in interpret mode (``True``, or
+  ``pltpu.InterpretParams()`` for TPU semantics) on any backend; with ``impl="auto"`` it
+  selects the Pallas path.
+- ``weight_layout``: ``"vh"`` for a head ``[V, H]`` (PyTorch, tied embeddings), ``"hv"``
+  for a Flax kernel ``[H, V]`` (``'BTD,DV->BTV'``); no path makes a transposed copy.
+
+They work under ``jax.jit``, ``jax.grad`` / ``value_and_grad``, ``jax.vmap`` and
+``jax.shard_map`` (``token_axis``, ``vocab_axis``), in float32 and bfloat16. The
+per-token outputs (``logp``, ``entropy``, ``kl``) and the metrics carry no gradient.
+
+Errors known at trace time (shapes, dtypes, the loss config) are ``ValueError`` naming
+the argument, on both paths; those only the data tell (ids out of range, values beyond
+f32) are raised by JAX as ``JaxRuntimeError`` with flashloss's message.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
 
-from .._config import DEFAULT_BUDGET_MIB, ce_config, grpo_config
-from . import _ops, _vocab
+from .._config import DEFAULT_BUDGET_MIB, ce_config
+from . import _ffi, _ops, _policy, _vocab
+from .pallas import losses as _pallas
 
 __all__ = ["GRPOOutputs", "grpo_loss", "linear_cross_entropy", "linear_grpo_loss", "linear_logprobs"]
 
 _ops.register()
 
-_METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+_METRICS = _policy.METRICS
+_IMPLS = ("auto", "ffi", "pallas")
+_LAYOUTS = ("vh", "hv")
 
 
 @jax.tree_util.register_dataclass
@@ -49,6 +65,18 @@ class GRPOOutputs:
     metrics: dict
 
 
+def _on_path(impl: str, interpret: Any, pallas: Callable, ffi: Callable, *operands):
+    """``pallas(*operands)`` or ``ffi(*operands)`` as ``impl`` says (``auto``: by the
+    lowering platform, or Pallas in interpret mode)."""
+    if impl not in _IMPLS:
+        raise ValueError(f"argument `impl`: expected one of {', '.join(_IMPLS)}, got {impl!r}")
+    if impl == "pallas" or (impl == "auto" and interpret):
+        return pallas(*operands)
+    if impl == "ffi":
+        return ffi(*operands)
+    return jax.lax.platform_dependent(*operands, tpu=pallas, default=ffi)
+
+
 def _floats(arg: str, x) -> jax.Array:
     x = jnp.asarray(x)
     if x.dtype not in (jnp.float32, jnp.bfloat16):
@@ -56,16 +84,21 @@ def _floats(arg: str, x) -> jax.Array:
     return x
 
 
-def _head(hidden, weight, bias):
-    """One float dtype for the head (mixed dtypes become bfloat16, as autocast would)."""
+def _head(hidden, weight, bias, layout: str):
+    """One float dtype for the head (mixed dtypes become bfloat16, as autocast would);
+    ``weight`` ``[V, H]`` (layout ``vh``) or ``[H, V]`` (``hv``)."""
+    if layout not in _LAYOUTS:
+        raise ValueError(f"argument `weight_layout`: expected 'vh' ([V, H]) or 'hv' ([H, V]), got {layout!r}")
     hidden, weight = _floats("hidden", hidden), _floats("weight", weight)
     bias = None if bias is None else _floats("bias", bias)
     if weight.ndim != 2:
-        raise ValueError(f"argument `weight`: expected shape [V, H], got {list(weight.shape)}")
-    if hidden.shape[-1:] != weight.shape[1:]:
-        raise ValueError(f"argument `hidden`: expected shape [..., H={weight.shape[1]}], got {list(hidden.shape)}")
-    if bias is not None and bias.shape != weight.shape[:1]:
-        raise ValueError(f"argument `bias`: expected shape [V={weight.shape[0]}], got {list(bias.shape)}")
+        expected = "[V, H]" if layout == "vh" else "[H, V]"
+        raise ValueError(f"argument `weight`: expected shape {expected}, got {list(weight.shape)}")
+    v, h = weight.shape if layout == "vh" else weight.shape[::-1]
+    if hidden.shape[-1] != h:
+        raise ValueError(f"argument `hidden`: expected shape [..., H={h}], got {list(hidden.shape)}")
+    if bias is not None and bias.shape != (v,):
+        raise ValueError(f"argument `bias`: expected shape [V={v}], got {list(bias.shape)}")
     dtypes = {x.dtype for x in (hidden, weight, bias) if x is not None}
     dtype = jnp.float32 if dtypes == {jnp.dtype(jnp.float32)} else jnp.bfloat16
     cast = [None if x is None else x.astype(dtype) for x in (hidden, weight, bias)]
@@ -88,38 +121,47 @@ def _ids(arg: str, x) -> jax.Array:
     return x.astype(jnp.int64 if x.dtype == jnp.int64 else jnp.int32)
 
 
-def _scaled(g, grads, like):
-    """``g · grad`` in each input's dtype (``None`` where the input is ``None``)."""
-    return tuple(None if d is None else (g * d).astype(x.dtype) for d, x in zip(grads, like))
+def _grpo_args(loss_type, beta, epsilon_low, epsilon_high, delta, importance_sampling_level, temperature,
+               use_bias_correction_kl, entropy_coef, num_items_in_batch, max_completion_length,
+               sapo_temperature_pos, sapo_temperature_neg, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
+               vespo_lambda_neg) -> _policy.GrpoArgs:  # fmt: skip
+    """TRL's arguments, checked now (a ``ValueError`` naming the bad one, on either path)."""
+    args = _policy.GrpoArgs(
+        loss_type=loss_type, beta=float(beta), epsilon_low=float(epsilon_low),
+        epsilon_high=None if epsilon_high is None else float(epsilon_high),
+        delta=None if delta is None else float(delta), importance_sampling_level=importance_sampling_level,
+        temperature=float(temperature), use_bias_correction_kl=bool(use_bias_correction_kl),
+        entropy_coef=float(entropy_coef),
+        num_items_in_batch=None if num_items_in_batch is None else float(num_items_in_batch),
+        max_completion_length=None if max_completion_length is None else int(max_completion_length),
+        sapo_temperature_pos=float(sapo_temperature_pos), sapo_temperature_neg=float(sapo_temperature_neg),
+        vespo_k_pos=float(vespo_k_pos), vespo_lambda_pos=float(vespo_lambda_pos), vespo_k_neg=float(vespo_k_neg),
+        vespo_lambda_neg=float(vespo_lambda_neg),
+    )  # fmt: skip
+    _policy.validate_grpo(args)
+    return args
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
-def _grpo(hidden, weight, bias, ids, mask, adv, old, ref, config, mode, budget):
-    loss, *_, logp, entropy, kl, metrics = _ops.grpo_linear(
-        hidden, weight, bias, ids, mask, adv, old, ref, config=config, mode=mode, budget_mib=budget
-    )
-    return loss, (logp, entropy, kl, metrics)
+def _grpo_batch(completion_ids, completion_mask, advantages, old_per_token_logps, ref_per_token_logps):
+    ids = _ids("completion_ids", completion_ids)
+    if ids.ndim != 2:
+        raise ValueError(f"argument `completion_ids`: expected shape [B, T], got {list(ids.shape)}")
+    b, t = ids.shape
+    mask = jnp.ones((b, t), bool) if completion_mask is None else jnp.asarray(completion_mask) != 0
+    if mask.shape != (b, t):
+        raise ValueError(f"argument `completion_mask`: expected shape [B, T] = {[b, t]}, got {list(mask.shape)}")
+    adv = jnp.asarray(advantages, jnp.float32)
+    if adv.ndim == 2 and adv.shape[1] == 1:
+        adv = adv[:, 0]  # TRL's unsqueezed [B, 1]
+    old = None if old_per_token_logps is None else jnp.asarray(old_per_token_logps, jnp.float32)
+    ref = None if ref_per_token_logps is None else jnp.asarray(ref_per_token_logps, jnp.float32)
+    return ids, mask, adv, old, ref
 
 
-def _grpo_fwd(hidden, weight, bias, ids, mask, adv, old, ref, config, mode, budget):
-    loss, dh, dw, db, logp, entropy, kl, metrics = _ops.grpo_linear(
-        hidden, weight, bias, ids, mask, adv, old, ref, config=config, mode=mode, budget_mib=budget
-    )
-    like = (hidden, weight, bias)
-    protos = tuple(None if x is None else jnp.zeros((0,), x.dtype) for x in like)
-    return (loss, (logp, entropy, kl, metrics)), ((dh, dw, None if bias is None else db), protos)
-
-
-def _grads_bwd(res, g):
-    grads, protos = res
-    return _scaled(g, grads, protos)
-
-
-def _grpo_bwd(config, mode, budget, res, cts):
-    return (*_grads_bwd(res, cts[0]), None, None, None, None, None)
-
-
-_grpo.defvjp(_grpo_fwd, _grpo_bwd)
+def _vocab_size(weight, layout: str, vocab_axis: Optional[str]) -> int:
+    """The whole vocabulary: this device's block times the devices of ``vocab_axis``."""
+    v = weight.shape[0] if layout == "vh" else weight.shape[1]
+    return v if vocab_axis is None else v * _axis_size("vocab_axis", vocab_axis)
 
 
 def linear_grpo_loss(
@@ -153,14 +195,18 @@ def linear_grpo_loss(
     budget_mib: Optional[float] = None,
     token_axis: Optional[str] = None,
     vocab_axis: Optional[str] = None,
+    impl: str = "auto",
+    interpret: Any = False,
+    weight_layout: str = "vh",
 ):
     """TRL's GRPO loss from ``hidden`` ``[B, T, H]`` (or ``[B·T, H]``) and the LM head
-    ``weight`` ``[V, H]`` (+ ``bias`` ``[V]``) at ``completion_ids`` ``[B, T]``.
+    ``weight`` (``[V, H]``, or ``[H, V]`` with ``weight_layout="hv"``; + ``bias`` ``[V]``)
+    at ``completion_ids`` ``[B, T]``.
 
     Returns ``(loss, GRPOOutputs)``, differentiable in ``hidden``, ``weight`` and
     ``bias``. ``epsilon_high=None`` means ``epsilon_low``; ``old_per_token_logps=None``
     means on-policy (ratio 1); ``num_items_in_batch`` must be a Python number (it is part
-    of the compiled call).
+    of the compiled call). ``mode`` and ``budget_mib`` tune the FFI path's kernel.
 
     ``token_axis``: inside ``jax.shard_map``, the mesh axis over which the sequences are
     split (each device passes its own sequences and the whole head): the loss's
@@ -169,36 +215,31 @@ def linear_grpo_loss(
     ``hidden`` gradient, and the head's gradient summed over the axis. A
     ``num_items_in_batch`` given is taken as already global, as TRL passes it.
 
-    ``vocab_axis``: inside ``jax.shard_map``, the mesh axis over which ``weight`` (and
-    ``bias``) is split by rows in equal contiguous blocks, in axis order (a
-    tensor-parallel LM head); every device passes all the rows. The partial row
-    statistics merge over the axis, every device gets the loss and ``hidden``'s whole
-    gradient, and its own block's ``weight`` / ``bias`` gradients.
+    ``vocab_axis``: inside ``jax.shard_map``, the mesh axis over which the head's
+    vocabulary is split in equal contiguous blocks, in axis order (a tensor-parallel LM
+    head); every device passes all the rows. The partial row statistics merge over the
+    axis, every device gets the loss and ``hidden``'s whole gradient, and its own block's
+    ``weight`` / ``bias`` gradients.
 
     Both (a 2-D mesh): each device holds its sequences and its block of the head; the
     statistics merge over ``vocab_axis``, the normalizers and ``weight``'s gradient sum
-    over ``token_axis``."""
-    hidden, weight, bias = _head(hidden, weight, bias)
-    ids = _ids("completion_ids", completion_ids)
-    if ids.ndim != 2:
-        raise ValueError(f"argument `completion_ids`: expected shape [B, T], got {list(ids.shape)}")
+    over ``token_axis``. ``impl``, ``interpret``, ``weight_layout``: see the module."""
+    hidden, weight, bias = _head(hidden, weight, bias, weight_layout)
+    ids, mask, adv, old, ref = _grpo_batch(
+        completion_ids, completion_mask, advantages, old_per_token_logps, ref_per_token_logps
+    )
     b, t = ids.shape
     if hidden.size // hidden.shape[-1] != b * t:
         raise ValueError(
             f"argument `hidden`: has {hidden.size // hidden.shape[-1]} rows but completion_ids has B·T = {b * t}"
         )
-    mask = jnp.ones((b, t), bool) if completion_mask is None else jnp.asarray(completion_mask) != 0
-    adv = jnp.asarray(advantages, jnp.float32)
-    if adv.ndim == 2 and adv.shape[1] == 1:
-        adv = adv[:, 0]  # TRL's unsqueezed [B, 1]
-    old = None if old_per_token_logps is None else jnp.asarray(old_per_token_logps, jnp.float32)
-    ref = None if ref_per_token_logps is None else jnp.asarray(ref_per_token_logps, jnp.float32)
-    config = grpo_config(
+    args = _grpo_args(
         loss_type, beta, epsilon_low, epsilon_high, delta, importance_sampling_level, temperature,
         use_bias_correction_kl, entropy_coef, num_items_in_batch, max_completion_length,
         sapo_temperature_pos, sapo_temperature_neg, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
         vespo_lambda_neg,
     )  # fmt: skip
+    config = args.config_json()
     budget = DEFAULT_BUDGET_MIB if budget_mib is None else float(budget_mib)
     if token_axis is not None:
         _axis_size("token_axis", token_axis)
@@ -209,15 +250,24 @@ def linear_grpo_loss(
             )
         weight = jax.lax.pcast(weight, token_axis, to="varying")
         bias = None if bias is None else jax.lax.pcast(bias, token_axis, to="varying")
+    vocab = _vocab_size(weight, weight_layout, vocab_axis)
     if vocab_axis is not None:
-        vocab = weight.shape[0] * _axis_size("vocab_axis", vocab_axis)
         hidden = jax.lax.pcast(hidden, vocab_axis, to="varying")
-        args = (hidden, weight, bias, ids, mask, adv, old, ref)
-        loss, (logp, entropy, kl, metrics) = _vocab.grpo(
-            *args, config, vocab_axis, float(temperature), int(vocab), mode, budget
-        )
-    else:
-        loss, (logp, entropy, kl, metrics) = _grpo(hidden, weight, bias, ids, mask, adv, old, ref, config, mode, budget)
+    spec = _pallas.spec_for(weight_layout, temperature, None, vocab_axis, vocab, interpret)
+
+    def ffi(hidden, weight, bias, ids, mask, adv, old, ref):
+        if vocab_axis is None:
+            return _ffi.grpo(hidden, weight, bias, ids, mask, adv, old, ref, config, mode, budget, weight_layout)
+        return _vocab.grpo(
+            hidden, weight, bias, ids, mask, adv, old, ref, config, vocab_axis, float(temperature), int(vocab),
+            mode, budget, weight_layout,
+        )  # fmt: skip
+
+    def pallas(hidden, weight, bias, ids, mask, adv, old, ref):
+        return _pallas.grpo(hidden, weight, bias, ids, mask, adv, old, ref, args, spec)
+
+    loss, (logp, entropy, kl, metrics) = _on_path(impl, interpret, pallas, ffi, hidden, weight, bias, ids, mask,
+                                                  adv, old, ref)  # fmt: skip
     if token_axis is not None:
         loss, metrics = _over_tokens(loss, metrics, mask, token_axis, loss_type, num_items_in_batch)
     aux = jax.lax.stop_gradient((logp, entropy, kl, metrics))
@@ -240,48 +290,6 @@ def _over_tokens(loss, metrics, mask, axis, loss_type, num_items_in_batch):
     return loss, metrics
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _ce(hidden, weight, bias, targets, config, mode, budget):
-    return _ops.ce_linear(hidden, weight, bias, targets, None, config=config, mode=mode, budget_mib=budget)[0]
-
-
-def _ce_fwd(hidden, weight, bias, targets, config, mode, budget):
-    loss, dh, dw, db, _, _ = _ops.ce_linear(
-        hidden, weight, bias, targets, None, config=config, mode=mode, budget_mib=budget
-    )
-    protos = tuple(None if x is None else jnp.zeros((0,), x.dtype) for x in (hidden, weight, bias))
-    return loss, ((dh, dw, None if bias is None else db), protos)
-
-
-def _ce_bwd(config, mode, budget, res, g):
-    return (*_grads_bwd(res, g), None)
-
-
-_ce.defvjp(_ce_fwd, _ce_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _ce_rows(hidden, weight, bias, targets, config, mode, budget):
-    return _ops.ce_rows(hidden, weight, bias, targets, config=config, budget_mib=budget)
-
-
-def _ce_rows_fwd(hidden, weight, bias, targets, config, mode, budget):
-    return _ce_rows(hidden, weight, bias, targets, config, mode, budget), (hidden, weight, bias, targets)
-
-
-def _ce_rows_bwd(config, mode, budget, res, g):
-    hidden, weight, bias, targets = res
-    _, dh, dw, db, _, _ = _ops.ce_linear(
-        hidden, weight, bias, targets, g.astype(jnp.float32), config=config, mode=mode, budget_mib=budget
-    )
-    like = (hidden, weight, bias)
-    grads = (dh, dw, None if bias is None else db)
-    return (*(None if d is None else d.astype(x.dtype) for d, x in zip(grads, like)), None)
-
-
-_ce_rows.defvjp(_ce_rows_fwd, _ce_rows_bwd)
-
-
 def linear_cross_entropy(
     hidden,
     weight,
@@ -297,16 +305,22 @@ def linear_cross_entropy(
     mode: str = "auto",
     budget_mib: Optional[float] = None,
     vocab_axis: Optional[str] = None,
+    impl: str = "auto",
+    interpret: Any = False,
+    weight_layout: str = "vh",
 ):
     """Cross-entropy of ``hidden @ weight.T + bias`` at ``targets`` (Cut Cross-Entropy's
     call): ``hidden`` ``[..., H]``, ``targets`` ``[...]``; reduction ``mean``, ``sum`` or
-    ``none`` (``[...]``, whose backward reruns the kernel with each row's cotangent).
-    ``vocab_axis``: inside ``jax.shard_map``, the mesh axis over which ``weight`` (and
-    ``bias``) is split by rows in equal contiguous blocks, as in
+    ``none`` (``[...]``). ``vocab_axis``: inside ``jax.shard_map``, the mesh axis over
+    which the head's vocabulary is split in equal contiguous blocks, as in
     :func:`linear_grpo_loss`; every device passes all the rows and gets the loss, the
-    whole ``hidden`` gradient and its block's gradients."""
+    whole ``hidden`` gradient and its block's gradients. ``impl``, ``interpret``,
+    ``weight_layout``: see the module."""
     config = ce_config(ignore_index, label_smoothing, z_loss, softcap, reduction, temperature)
-    hidden, weight, bias = _head(hidden, weight, bias)
+    _policy.validate_ce(
+        label_smoothing, z_loss, reduction, ignore_index=ignore_index, softcap=softcap, temperature=temperature
+    )
+    hidden, weight, bias = _head(hidden, weight, bias, weight_layout)
     targets = _ids("targets", targets)
     if hidden.shape[:-1] != targets.shape:
         raise ValueError(
@@ -314,15 +328,27 @@ def linear_cross_entropy(
         )
     h2, t1 = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     budget = DEFAULT_BUDGET_MIB if budget_mib is None else float(budget_mib)
+    vocab = _vocab_size(weight, weight_layout, vocab_axis)
     if vocab_axis is not None:
-        vocab = weight.shape[0] * _axis_size("vocab_axis", vocab_axis)
         h2 = jax.lax.pcast(h2, vocab_axis, to="varying")
-        args = (vocab_axis, config, float(temperature), int(ignore_index), int(vocab), reduction, budget, mode)
-        out = _vocab.cross_entropy(h2, weight, bias, t1, *args)
-        return out.reshape(targets.shape) if reduction == "none" else out
-    if reduction == "none":
-        return _ce_rows(h2, weight, bias, t1, config, mode, budget).reshape(targets.shape)
-    return _ce(h2, weight, bias, t1, config, mode, budget)
+    spec = _pallas.spec_for(weight_layout, temperature, softcap, vocab_axis, vocab, interpret)
+
+    def ffi(h2, weight, bias, t1):
+        if vocab_axis is not None:
+            args = (vocab_axis, config, float(temperature), int(ignore_index), int(vocab), reduction, budget, mode)
+            return _vocab.cross_entropy(h2, weight, bias, t1, *args, weight_layout)
+        if reduction == "none":
+            return _ffi.cross_entropy_rows(h2, weight, bias, t1, config, mode, budget, weight_layout)
+        return _ffi.cross_entropy(h2, weight, bias, t1, config, mode, budget, weight_layout)
+
+    def pallas(h2, weight, bias, t1):
+        return _pallas.cross_entropy(
+            h2, weight, bias, t1, spec, ignore_index=int(ignore_index), label_smoothing=float(label_smoothing),
+            z_loss=float(z_loss), reduction=reduction,
+        )  # fmt: skip
+
+    out = _on_path(impl, interpret, pallas, ffi, h2, weight, bias, t1)
+    return out.reshape(targets.shape) if reduction == "none" else out
 
 
 def linear_logprobs(
@@ -337,47 +363,45 @@ def linear_logprobs(
     budget_mib=None,
     mode: str = "auto",
     vocab_axis: Optional[str] = None,
+    impl: str = "auto",
+    interpret: Any = False,
+    weight_layout: str = "vh",
 ):
     """Per-token log-probabilities of ``ids`` ``[...]`` under ``(hidden @ weight.T + bias) /
     temperature`` (``hidden`` ``[..., H]``); ``(logp, entropy)`` when ``return_entropy``.
     Rows where ``mask`` is false are zero. Differentiable in ``hidden``, ``weight`` and
-    ``bias`` (the forward keeps each row's ``max``, ``log Σexp`` and entropy; the backward
-    is one more pass over the head); ``vocab_axis`` as in :func:`linear_grpo_loss`."""
-    hidden, weight, bias = _head(hidden, weight, bias)
+    ``bias`` through both (the forward keeps each row's ``max``, ``log Σexp`` and entropy;
+    the backward is one more pass over the head, and no dW pass for a head that needs no
+    gradient on the Pallas path); ``vocab_axis`` as in :func:`linear_grpo_loss`.
+    ``impl``, ``interpret``, ``weight_layout``: see the module."""
+    hidden, weight, bias = _head(hidden, weight, bias, weight_layout)
     ids = _ids("ids", ids)
     if hidden.shape[:-1] != ids.shape:
         raise ValueError(
             f"argument `ids`: shape {list(ids.shape)} does not match hidden's rows {list(hidden.shape[:-1])}"
         )
     m = jnp.ones(ids.shape, bool) if mask is None else jnp.asarray(mask) != 0
+    if m.shape != ids.shape:
+        raise ValueError(f"argument `mask`: expected shape {list(ids.shape)}, got {list(m.shape)}")
     budget = DEFAULT_BUDGET_MIB if budget_mib is None else float(budget_mib)
     x = hidden.reshape(-1, hidden.shape[-1])
+    vocab = _vocab_size(weight, weight_layout, vocab_axis)
     if vocab_axis is not None:
-        _axis_size("vocab_axis", vocab_axis)
         x = jax.lax.pcast(x, vocab_axis, to="varying")
-    logp, entropy = _vocab.logprobs(
-        x, weight, bias, ids.reshape(-1), m.reshape(-1), vocab_axis, float(temperature), budget, mode
-    )
+    spec = _pallas.spec_for(weight_layout, temperature, None, vocab_axis, vocab, interpret)
+    seq_len = ids.shape[-1] if ids.ndim else 1
+
+    def ffi(x, weight, bias, flat_ids, flat_mask):
+        return _vocab.logprobs(
+            x, weight, bias, flat_ids, flat_mask, vocab_axis, float(temperature), budget, mode, weight_layout
+        )
+
+    def pallas(x, weight, bias, flat_ids, flat_mask):
+        return _pallas.logprobs(x, weight, bias, flat_ids, flat_mask, spec, seq_len)
+
+    logp, entropy = _on_path(impl, interpret, pallas, ffi, x, weight, bias, ids.reshape(-1), m.reshape(-1))
     logp, entropy = logp.reshape(ids.shape), entropy.reshape(ids.shape)
     return (logp, entropy) if return_entropy else logp
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _logits(logits, ids, mask, adv, old, ref, config):
-    loss, _, logp, entropy, kl, metrics = _ops.grpo_logits(logits, ids, mask, adv, old, ref, config=config)
-    return loss, (logp, entropy, kl, metrics)
-
-
-def _logits_fwd(logits, ids, mask, adv, old, ref, config):
-    loss, dz, logp, entropy, kl, metrics = _ops.grpo_logits(logits, ids, mask, adv, old, ref, config=config)
-    return (loss, (logp, entropy, kl, metrics)), dz
-
-
-def _logits_bwd(config, dz, cts):
-    return ((cts[0] * dz).astype(dz.dtype), None, None, None, None, None)
-
-
-_logits.defvjp(_logits_fwd, _logits_bwd)
 
 
 def grpo_loss(
@@ -398,28 +422,35 @@ def grpo_loss(
     use_bias_correction_kl: bool = True,
     num_items_in_batch: Optional[float] = None,
     max_completion_length: Optional[int] = None,
+    impl: str = "auto",
+    interpret: Any = False,
 ):
     """TRL's GRPO loss on materialized ``logits`` ``[B, T, V]`` (float32 or bfloat16):
     the loss and ``dlogits`` in one pass (the place of the original Pallas kernel), the
     gradient in the logits' dtype with no float32 copy of bfloat16 logits. Returns
-    ``(loss, GRPOOutputs)``, differentiable in ``logits``."""
+    ``(loss, GRPOOutputs)``, differentiable in ``logits``. ``impl``, ``interpret``: see
+    the module."""
     logits = _floats("logits", logits)
-    ids = _ids("completion_ids", completion_ids)
+    ids, mask, adv, old, ref = _grpo_batch(
+        completion_ids, completion_mask, advantages, old_per_token_logps, ref_per_token_logps
+    )
     if logits.ndim != 3 or logits.shape[:2] != ids.shape:
         raise ValueError(
             f"argument `logits`: expected shape [B, T, V] with [B, T] = {list(ids.shape)}, got {list(logits.shape)}"
         )
-    mask = jnp.ones(ids.shape, bool) if completion_mask is None else jnp.asarray(completion_mask) != 0
-    adv = jnp.asarray(advantages, jnp.float32)
-    if adv.ndim == 2 and adv.shape[1] == 1:
-        adv = adv[:, 0]
-    old = None if old_per_token_logps is None else jnp.asarray(old_per_token_logps, jnp.float32)
-    ref = None if ref_per_token_logps is None else jnp.asarray(ref_per_token_logps, jnp.float32)
-    config = grpo_config(
+    args = _grpo_args(
         loss_type, beta, epsilon_low, epsilon_high, delta, importance_sampling_level, temperature,
         use_bias_correction_kl, 0.0, num_items_in_batch, max_completion_length,
         1.0, 1.05, 2.0, 3.0, 3.0, 2.0,
     )  # fmt: skip
-    loss, aux = _logits(logits, ids, mask, adv, old, ref, config)
+    config = args.config_json()
+
+    def ffi(logits, ids, mask, adv, old, ref):
+        return _ffi.grpo_logits(logits, ids, mask, adv, old, ref, config)
+
+    def pallas(logits, ids, mask, adv, old, ref):
+        return _pallas.grpo_logits(logits, ids, mask, adv, old, ref, args, interpret)
+
+    loss, aux = _on_path(impl, interpret, pallas, ffi, logits, ids, mask, adv, old, ref)
     aux = jax.lax.stop_gradient(aux)
     return loss, GRPOOutputs(aux[0], aux[1], aux[2], dict(zip(_METRICS, aux[3])))

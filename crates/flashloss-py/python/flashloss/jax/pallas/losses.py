@@ -1,0 +1,141 @@
+"""The losses on the Pallas path: the head's per-row statistics from the kernels
+(:func:`.stats.row_stats`, a ``custom_vjp``), and above them the loss in plain JAX
+(:mod:`flashloss.jax._policy`: TRL's GRPO, the cross-entropy), which JAX
+differentiates, as TRL 1.14+ does. Arguments arrive checked and shaped by
+:mod:`flashloss.jax`; what only the data can tell is checked here (:mod:`.checks`)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+
+from .. import _policy
+from . import checks, logits
+from .head import Transform
+from .stats import HeadSpec, row_stats
+
+
+def logprobs(x, weight, bias, ids, live, spec: HeadSpec, seq_len: int):
+    """``(logp, entropy)`` ``[N]`` of rows ``x`` ``[N, H]`` at ``ids`` (0 where not ``live``)."""
+    checks.ids_in_range("ids", ids, live, spec.vocab, seq_len, spec.interpret)
+    stats = row_stats(x, weight, bias, jnp.where(live, ids, 0).astype(jnp.int32), live, spec)
+    checks.row_stats_finite(stats.lse, stats.logp, live, seq_len, spec.interpret)
+    return stats.logp, stats.entropy
+
+
+def grpo(hidden, weight, bias, ids, mask, adv, old, ref, args: _policy.GrpoArgs, spec: HeadSpec):
+    """``(loss, (logp, entropy, kl, metrics))`` of TRL's GRPO loss at ``ids`` ``[B, T]``."""
+    b, t = ids.shape
+    for name, values in (("advantages", adv), ("old_per_token_logps", old), ("ref_per_token_logps", ref)):
+        checks.finite(name, values, None if name == "advantages" else mask, spec.interpret)
+    x = hidden.reshape(b * t, hidden.shape[-1])
+    logp, entropy = logprobs(x, weight, bias, ids.reshape(-1), mask.reshape(-1), spec, t)
+    logp, entropy = logp.reshape(b, t), entropy.reshape(b, t)
+    loss, kl, metrics = _policy.grpo_policy_loss(logp, entropy, mask, adv, old, ref, args)
+    return loss, (logp, entropy, kl, metrics)
+
+
+def cross_entropy(
+    x,
+    weight,
+    bias,
+    targets,
+    spec: HeadSpec,
+    *,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    reduction: str,
+) -> jax.Array:
+    """The cross-entropy of rows ``x`` ``[N, H]`` at ``targets`` ``[N]``: a scalar
+    (mean over rows whose target is not ``ignore_index``, or sum) or ``[N]`` (none)."""
+    live = targets != ignore_index
+    checks.ids_in_range("targets", targets, live, spec.vocab, targets.shape[0], spec.interpret)
+    stats = row_stats(x, weight, bias, jnp.where(live, targets, 0).astype(jnp.int32), live, spec)
+    checks.row_stats_finite(stats.lse, stats.logp, live, targets.shape[0], spec.interpret)
+    return _policy.ce_loss_from_stats(
+        stats.lse, stats.logp, stats.mean, live, label_smoothing=label_smoothing, z_loss=z_loss, reduction=reduction
+    )
+
+
+def _token_local_step(z, ids, mask, adv, old, ref, args: _policy.GrpoArgs, interpret):
+    """One :func:`.logits.logits_fused` call: each live row's ``w_i·ℓ_i`` and its
+    ``dlogits`` (``w`` the reduction weights, from the mask alone), then the KL and the
+    metrics from the rows' statistics."""
+    b, t, v = z.shape
+    has_old, has_kl = old is not None, ref is not None and args.beta != 0.0
+    inputs = [jnp.broadcast_to(adv[:, None], (b, t)), _policy.reduction_weights(mask, args)]
+    inputs += ([old] if has_old else []) + ([ref] if has_kl else [])
+
+    def row_fn(logp, entropy, adv, w, *rest):
+        old_row = rest[0] if has_old else None
+        ref_row = rest[-1] if has_kl else None
+        return w * _policy.token_loss(logp, entropy, old_row, ref_row, adv, args)
+
+    row_loss, logp, entropy, dz = logits.logits_fused(
+        z.reshape(b * t, v), ids.reshape(-1), [x.reshape(-1).astype(jnp.float32) for x in inputs], row_fn,
+        mask=mask.reshape(-1), temperature=args.temperature, interpret=interpret,
+    )  # fmt: skip
+    logp, entropy = logp.reshape(b, t), entropy.reshape(b, t)
+    _, kl, metrics = _policy.grpo_policy_loss(logp, entropy, mask, adv, old, ref, args)
+    return jnp.sum(row_loss), (logp, entropy, kl, metrics), dz.reshape(z.shape)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _token_local(z, ids, mask, adv, old, ref, args, interpret):
+    loss, aux, _ = _token_local_step(z, ids, mask, adv, old, ref, args, interpret)
+    return loss, aux
+
+
+def _token_local_fwd(z, ids, mask, adv, old, ref, args, interpret):
+    loss, aux, dz = _token_local_step(z, ids, mask, adv, old, ref, args, interpret)
+    return (loss, aux), dz
+
+
+def _token_local_bwd(args, interpret, dz, cts):
+    return ((cts[0] * dz).astype(dz.dtype), None, None, None, None, None)
+
+
+_token_local.defvjp(_token_local_fwd, _token_local_bwd)
+
+
+def grpo_logits(z, ids, mask, adv, old, ref, args: _policy.GrpoArgs, interpret: Any):
+    """TRL's GRPO loss on logits ``z`` ``[B, T, V]``: ``(loss, (logp, entropy, kl,
+    metrics))``. A token-local loss (token-level ratios, not vespo) runs one fused kernel,
+    one read and one write of the logits; the others need every token of a sequence
+    before any token's gradient, so they run the statistics kernel, the loss in JAX, and
+    the gradient kernel (two reads, one write)."""
+    b, t, v = z.shape
+    checks.ids_in_range("completion_ids", ids, mask, v, t, interpret)
+    for name, values in (("advantages", adv), ("old_per_token_logps", old), ("ref_per_token_logps", ref)):
+        checks.finite(name, values, None if name == "advantages" else mask, interpret)
+    ids = jnp.where(mask, ids, 0).astype(jnp.int32)
+    if _policy.is_token_local(args):
+        return _token_local(z, ids, mask, adv, old, ref, args, interpret)
+    logp, entropy = logits.logits_logprobs(
+        z.reshape(b * t, v), ids.reshape(-1), mask=mask.reshape(-1), temperature=args.temperature, interpret=interpret
+    )
+    logp, entropy = logp.reshape(b, t), entropy.reshape(b, t)
+    loss, kl, metrics = _policy.grpo_policy_loss(logp, entropy, mask, adv, old, ref, args)
+    return loss, (logp, entropy, kl, metrics)
+
+
+def spec_for(
+    layout: str,
+    temperature: float,
+    softcap: Optional[float],
+    vocab_axis: Optional[str],
+    vocab: int,
+    interpret,
+) -> HeadSpec:
+    """The kernels' static arguments from the API's."""
+    return HeadSpec(
+        layout=layout,
+        transform=Transform(float(temperature), None if softcap is None else float(softcap)),
+        vocab_axis=vocab_axis,
+        vocab=int(vocab),
+        interpret=interpret,
+    )
