@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 
 from . import _chips
@@ -38,6 +39,34 @@ STATE = ("max", "sum_exp", "sum_exp_shift", "target", "sum")
 #: needs multiples of 1024 rows and, lowered on a host without a TPU, fails in jax
 #: 0.10.2), and the kernels read a ``(bn, 1)`` column of it.
 LANES = 128
+
+
+def same_axes(*arrays: Optional[jax.Array]) -> list:
+    """``arrays`` cast to vary over the same mesh axes (the union of theirs; inside a
+    ``shard_map``): a ``pallas_call``'s operands and results must agree on them."""
+    axes = frozenset().union(*(jax.typeof(a).manual_axis_type.varying for a in arrays if a is not None))
+    out = []
+    for a in arrays:
+        missing = tuple(sorted(axes - jax.typeof(a).manual_axis_type.varying)) if a is not None else ()
+        out.append(jax.lax.pcast(a, missing, to="varying") if missing else a)
+    return out
+
+
+def launch(make: Callable[[list], Callable], results: list, args: list, interpret: Any) -> list:
+    """Runs the ``pallas_call`` that ``make(out_shape)`` builds on ``args``, cast to vary
+    over the same mesh axes, its ``results`` (``(shape, dtype)`` pairs) varying over them
+    too. Inside a ``shard_map`` that checks them, the interpreter cannot evaluate a kernel
+    on varying values (a literal and a varying block do not multiply), so interpret mode
+    there runs each device's kernel in a host callback, outside the ``shard_map``."""
+    args = same_axes(*args)
+    mat = jax.typeof(args[0]).manual_axis_type
+    structs = [jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat) for shape, dtype in results]
+    if not (interpret and mat.varying):
+        return make(structs)(*args)
+    inner = jax.jit(make([jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in results]))
+    out = jax.pure_callback(lambda *xs: [np.asarray(y) for y in inner(*xs)], structs, *args, vmap_method="sequential")
+    axes = tuple(sorted(mat.varying))  # the callback's results come back invariant: say what they are
+    return [jax.lax.pcast(y, axes, to="varying") for y in out]
 
 
 def to_lanes(x: jax.Array) -> jax.Array:
@@ -183,15 +212,19 @@ def forward_state(
     )
     flops = 2 * n * hidden * v
     bytes_accessed = grid[0] * weight.size * weight.dtype.itemsize + x.size * x.dtype.itemsize + 24 * n
-    state = pl.pallas_call(
+
+    def make(out_shape):
+        return pl.pallas_call(
             kernel,
             grid=grid,
             in_specs=in_specs,
             out_specs=[row_spec(bn) for _ in STATE],
-            out_shape=[jax.ShapeDtypeStruct((n, LANES), jnp.float32) for _ in STATE],
+            out_shape=out_shape,
             compiler_params=_chips.compiler_params(target, ("parallel", "arbitrary")),
             cost_estimate=pl.CostEstimate(flops=flops, transcendentals=n * v, bytes_accessed=bytes_accessed),
             interpret=interpret,
             name="flashloss_head_forward",
-        )(*args)
-    return tuple(from_lanes(x) for x in state)
+        )
+
+    results = [((n, LANES), jnp.float32)] * len(STATE)
+    return tuple(from_lanes(x) for x in launch(make, results, args, interpret))

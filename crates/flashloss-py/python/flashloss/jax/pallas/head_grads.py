@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from . import _chips
-from .head import Transform, bias_spec, row_spec, tail, tile_logits, to_lanes, vocab_size, weight_spec
+from .head import Transform, bias_spec, launch, row_spec, tail, tile_logits, to_lanes, vocab_size, weight_spec
 
 #: Per-row inputs of the backward kernels, in order (after ``ids``).
 COEFFICIENTS = ("lse", "entropy", "target", "softmax", "entropy_term", "uniform")
@@ -148,18 +148,22 @@ def dhidden(
         _dh_kernel, v=v, bv=blocks.vocab, layout=layout, transform=transform, has_bias=bias is not None
     )
     bytes_accessed = grid[0] * weight.size * weight.dtype.itemsize + 2 * x.size * x.dtype.itemsize
-    return pl.pallas_call(
-        kernel,
-        grid=grid,
-        in_specs=in_specs,
-        out_specs=pl.BlockSpec((blocks.rows, hidden), lambda i, j: (i, 0)),
-        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
-        scratch_shapes=[pltpu.VMEM((blocks.rows, hidden), jnp.float32)],
-        compiler_params=_chips.compiler_params(target, ("parallel", "arbitrary")),
-        cost_estimate=pl.CostEstimate(flops=4 * n * hidden * v, transcendentals=n * v, bytes_accessed=bytes_accessed),
-        interpret=interpret,
-        name="flashloss_head_dhidden",
-    )(*args)
+
+    def make(out_shape):
+        return pl.pallas_call(
+            kernel,
+            grid=grid,
+            in_specs=in_specs,
+            out_specs=[pl.BlockSpec((blocks.rows, hidden), lambda i, j: (i, 0))],
+            out_shape=out_shape,
+            scratch_shapes=[pltpu.VMEM((blocks.rows, hidden), jnp.float32)],
+            compiler_params=_chips.compiler_params(target, ("parallel", "arbitrary")),
+            cost_estimate=pl.CostEstimate(flops=4 * n * hidden * v, transcendentals=n * v, bytes_accessed=bytes_accessed),
+            interpret=interpret,
+            name="flashloss_head_dhidden",
+        )
+
+    return launch(make, [(x.shape, x.dtype)], args, interpret)[0]
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "transform", "chip", "interpret", "max_rows", "max_vocab"))
@@ -192,16 +196,20 @@ def dweight(
     dw_block = (bv, hidden) if layout == "vh" else (hidden, bv)
     dw_spec = weight_spec(layout, bv, hidden, 0)
     bytes_accessed = grid[0] * x.size * x.dtype.itemsize + 2 * weight.size * weight.dtype.itemsize
-    dw, db = pl.pallas_call(
-        kernel,
-        grid=grid,
-        in_specs=in_specs,
-        out_specs=[dw_spec, bias_spec(bv, 0)],
-        out_shape=[jax.ShapeDtypeStruct(weight.shape, weight.dtype), jax.ShapeDtypeStruct((1, v), jnp.float32)],
-        scratch_shapes=[pltpu.VMEM(dw_block, jnp.float32)],
-        compiler_params=_chips.compiler_params(target, ("parallel", "arbitrary")),
-        cost_estimate=pl.CostEstimate(flops=4 * n * hidden * v, transcendentals=n * v, bytes_accessed=bytes_accessed),
-        interpret=interpret,
-        name="flashloss_head_dweight",
-    )(*args)
+
+    def make(out_shape):
+        return pl.pallas_call(
+            kernel,
+            grid=grid,
+            in_specs=in_specs,
+            out_specs=[dw_spec, bias_spec(bv, 0)],
+            out_shape=out_shape,
+            scratch_shapes=[pltpu.VMEM(dw_block, jnp.float32)],
+            compiler_params=_chips.compiler_params(target, ("parallel", "arbitrary")),
+            cost_estimate=pl.CostEstimate(flops=4 * n * hidden * v, transcendentals=n * v, bytes_accessed=bytes_accessed),
+            interpret=interpret,
+            name="flashloss_head_dweight",
+        )
+
+    dw, db = launch(make, [(weight.shape, weight.dtype), ((1, v), jnp.float32)], args, interpret)
     return dw, db.reshape(v)
