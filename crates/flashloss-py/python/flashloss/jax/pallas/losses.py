@@ -18,9 +18,10 @@ from .head import Transform
 from .stats import HeadSpec, row_stats
 
 
-def logprobs(x, weight, bias, ids, live, spec: HeadSpec, seq_len: int):
-    """``(logp, entropy)`` ``[N]`` of rows ``x`` ``[N, H]`` at ``ids`` (0 where not ``live``)."""
-    checks.ids_in_range("ids", ids, live, spec.vocab, seq_len, spec.interpret)
+def logprobs(x, weight, bias, ids, live, spec: HeadSpec, seq_len: int, ids_arg: str = "ids"):
+    """``(logp, entropy)`` ``[N]`` of rows ``x`` ``[N, H]`` at ``ids`` (0 where not ``live``);
+    ``ids_arg`` names ``ids`` in errors."""
+    checks.ids_in_range(ids_arg, ids, live, spec.vocab, seq_len, spec.interpret)
     stats = row_stats(x, weight, bias, jnp.where(live, ids, 0).astype(jnp.int32), live, spec)
     checks.row_stats_finite(stats.lse, stats.logp, live, seq_len, spec.interpret)
     return stats.logp, stats.entropy
@@ -32,7 +33,7 @@ def grpo(hidden, weight, bias, ids, mask, adv, old, ref, args: _policy.GrpoArgs,
     for name, values in (("advantages", adv), ("old_per_token_logps", old), ("ref_per_token_logps", ref)):
         checks.finite(name, values, None if name == "advantages" else mask, spec.interpret)
     x = hidden.reshape(b * t, hidden.shape[-1])
-    logp, entropy = logprobs(x, weight, bias, ids.reshape(-1), mask.reshape(-1), spec, t)
+    logp, entropy = logprobs(x, weight, bias, ids.reshape(-1), mask.reshape(-1), spec, t, "completion_ids")
     logp, entropy = logp.reshape(b, t), entropy.reshape(b, t)
     loss, kl, metrics = _policy.grpo_policy_loss(logp, entropy, mask, adv, old, ref, args)
     return loss, (logp, entropy, kl, metrics)
