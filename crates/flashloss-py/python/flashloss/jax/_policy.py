@@ -197,8 +197,17 @@ def token_kl(
     if log_ratio is None:
         # d + log r = ref - old, formed once (its gradient in logp is 0 either way).
         old_ = _old(logp, old)
-        return _exp(ref - old_) - (d + 1.0) * _exp(logp - old_)
-    return _exp(d + log_ratio) - (d + 1.0) * _exp(log_ratio)
+        u, log_r = ref - old_, logp - old_
+    else:
+        u, log_r = d + log_ratio, log_ratio
+    r = _exp(log_r)
+    kl = _exp(u) - (d + 1.0) * r
+    # Beyond f32 (an exponential saturated, or (d + 1)·r overflowed) the difference is no
+    # longer kl·r ≥ 0: take the product of the two saturated factors there, without a
+    # gradient (the Rust stage raises OutOfRange in that regime).
+    beyond = (u > _LOG_MAX) | (log_r > _LOG_MAX) | ~jnp.isfinite(kl)
+    k3 = _exp(d) - d - 1.0
+    return jnp.where(beyond, jax.lax.stop_gradient(jnp.maximum(r * k3, 0.0)), kl)
 
 
 def _policy_term(
