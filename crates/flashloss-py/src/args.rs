@@ -108,6 +108,7 @@ impl<'py> HeadTensors<'py> {
         Ok(LinearInputs {
             hidden: E::slice(&self.hidden)?,
             weight: E::slice(&self.weight)?,
+            layout: flashloss::WeightLayout::VocabMajor,
             bias: self.bias.as_ref().map(E::slice).transpose()?,
             tokens: self.tokens,
             hidden_size: self.hidden_size,

@@ -85,6 +85,7 @@ fn typed<E: flashloss::cuda::GpuElement>(
         &LinearInputs {
             hidden: &hidden,
             weight: &weight,
+            layout: flashloss::WeightLayout::VocabMajor,
             bias: None,
             tokens: n,
             hidden_size: h,

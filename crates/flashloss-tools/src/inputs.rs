@@ -334,6 +334,7 @@ impl<E: Element> HeadInputs<E> {
         LinearInputs {
             hidden: &self.hidden,
             weight: &self.weight,
+            layout: flashloss::WeightLayout::VocabMajor,
             bias: self.bias.as_deref(),
             tokens: self.n,
             hidden_size: self.h,

@@ -212,6 +212,7 @@ impl<E: Element> RankInputs<E> {
         LinearInputs {
             hidden: &self.hidden,
             weight: &self.weight,
+            layout: flashloss::WeightLayout::VocabMajor,
             bias: None,
             tokens: self.n,
             hidden_size: h,

@@ -211,6 +211,7 @@ fn split_passes_over_three_shards_equal_the_fused_step() {
     let shards = [0..100, 100..201, 201..301];
     let slice = |r: &std::ops::Range<usize>| LinearInputs {
         weight: &head.weight[r.start * h..r.end * h],
+        layout: flashloss::WeightLayout::VocabMajor,
         bias: head.bias.as_deref().map(|bb| &bb[r.clone()]),
         vocab: r.len(),
         ..head.inputs()
@@ -324,6 +325,7 @@ fn split_cross_entropy_over_three_shards_equals_the_fused_call() {
         let shards = [0..100, 100..201, 201..301];
         let slice = |r: &std::ops::Range<usize>| LinearInputs {
             weight: &head.weight[r.start * h..r.end * h],
+            layout: flashloss::WeightLayout::VocabMajor,
             bias: head.bias.as_deref().map(|bb| &bb[r.clone()]),
             vocab: r.len(),
             ..head.inputs()
@@ -445,6 +447,7 @@ fn sharded_log_probs_over_three_ranks_equal_the_whole_head() {
         let r = blocks[comm.rank()].clone();
         let inputs = LinearInputs {
             weight: &head.weight[r.start * h..r.end * h],
+            layout: flashloss::WeightLayout::VocabMajor,
             bias: head.bias.as_deref().map(|bb| &bb[r.clone()]),
             vocab: r.len(),
             ..head.inputs()
@@ -485,6 +488,7 @@ fn sharded_log_probs_over_three_ranks_equal_the_whole_head() {
         let r = blocks[comm.rank()].clone();
         let inputs = LinearInputs {
             weight: &head.weight[r.start * h..r.end * h],
+            layout: flashloss::WeightLayout::VocabMajor,
             bias: None,
             vocab: r.len(),
             ..head.inputs()

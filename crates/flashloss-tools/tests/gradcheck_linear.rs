@@ -101,8 +101,15 @@ fn blocks_skip_masked_rows_between_live_ones() {
                         budget_bytes: mib_to_bytes(mib),
                         grad_output: 1.0,
                     };
-                    flashloss::cpu::plan(n, cfg.hidden, cfg.vocab, bf16, &opts, true)
-                        .map_or(0, |p| p.block_rows)
+                    flashloss::cpu::plan(
+                        n,
+                        cfg.hidden,
+                        cfg.vocab,
+                        (bf16, Default::default()),
+                        &opts,
+                        true,
+                    )
+                    .map_or(0, |p| p.block_rows)
                 };
                 cfg.budget_mib = (1..1024)
                     .rev()

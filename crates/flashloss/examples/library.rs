@@ -50,6 +50,7 @@ fn main() -> flashloss::Result<()> {
     let head = LinearInputs {
         hidden: &h,
         weight: &w,
+        layout: flashloss::WeightLayout::VocabMajor,
         bias: None,
         tokens: b * t,
         hidden_size: hdim,
@@ -76,6 +77,7 @@ fn main() -> flashloss::Result<()> {
         let r = shard_range(v, 2, comm.rank());
         let shard_head = LinearInputs {
             weight: &w[r.start * hdim..r.end * hdim],
+            layout: flashloss::WeightLayout::VocabMajor,
             vocab: r.len(),
             ..head
         };

@@ -7,6 +7,7 @@
 use crate::element::Element;
 use crate::error::{Error, Result};
 use crate::grpo_config::GrpoLoss;
+use crate::weight_layout::WeightLayout;
 use rayon::prelude::*;
 
 /// Where row `(b, t)` of a `[B, T, V]` logits buffer starts: `b·seq_stride + t·row_stride`.
@@ -373,7 +374,7 @@ impl GrpoBatchData {
     }
 }
 
-/// `(N, H, V)` of a head: `[N, H]` hidden states, `[V, H]` weight (V: the entries this
+/// `(N, H, V)` of a head: `[N, H]` hidden states, a `V × H` weight (V: the entries this
 /// head holds, a shard's `V_r` in a vocab-parallel run).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HeadShape {
@@ -385,14 +386,17 @@ pub struct HeadShape {
     pub vocab: usize,
 }
 
-/// The LM head's inputs: hidden states `[N, H]`, weight `[V, H]` (one row per vocab
-/// entry) and an optional bias `[V]`, so that `z = hidden · weightᵀ + bias`.
+/// The LM head's inputs: hidden states `[N, H]`, a weight `W` of `V × H` (`[V, H]` or
+/// `[H, V]`: [`LinearInputs::layout`]) and an optional bias `[V]`, so that
+/// `z_ij = Σ_k hidden_ik·W_jk + bias_j`.
 #[derive(Debug, Clone, Copy)]
 pub struct LinearInputs<'a, E> {
     /// `[N, H]`, row-major.
     pub hidden: &'a [E],
-    /// `[V, H]`, row-major.
+    /// `[V, H]` or `[H, V]` ([`LinearInputs::layout`]), row-major.
     pub weight: &'a [E],
+    /// How `weight` lies in memory; `dW` is written the same way.
+    pub layout: WeightLayout,
     /// `[V]`.
     pub bias: Option<&'a [E]>,
     /// N.
@@ -441,12 +445,7 @@ impl<E: Element> LinearInputs<'_, E> {
             n * h,
             format!("[N={n}, H={h}]"),
         )?;
-        check_len(
-            "weight",
-            self.weight.len(),
-            v * h,
-            format!("[V={v}, H={h}]"),
-        )?;
+        check_len("weight", self.weight.len(), v * h, self.layout.shape(v, h))?;
         if let Some(b) = self.bias {
             check_len("bias", b.len(), v, format!("[V={v}]"))?;
         }

@@ -2,7 +2,7 @@
 //! `[tokens × vocab]` logits or their gradient.
 //!
 //! Layers: the spec layer knows no backend ([`grpo_config`], [`temperature`], [`cross_entropy`], [`batch`],
-//! [`error`], [`element`], [`policy`], [`reference`], [`rows`]); the fused LM-head losses
+//! [`error`], [`element`], [`policy`], [`reference`], [`rows`], [`weight_layout`]); the fused LM-head losses
 //! are written once in [`fused`] over a backend's [`fused::Head`]; the backends are
 //! sibling folders that never import each other ([`cpu`], and `cuda` with the feature);
 //! [`device`] is the one entry point per loss over a [`Device`]; sharded runs exchange
@@ -31,6 +31,7 @@ pub mod reference;
 pub mod rows;
 pub mod sharding;
 pub mod temperature;
+pub mod weight_layout;
 
 pub use batch::{
     GrpoBatch, GrpoBatchData, HeadShape, LinearInputs, LogitsLayout, PerSeqOrToken,
@@ -49,3 +50,4 @@ pub use grpo_logits::GrpoLogitsForward;
 pub use rows::RowStats;
 pub use sharding::{Grid, Parallel, Shard, shard_range};
 pub use temperature::Temperature;
+pub use weight_layout::WeightLayout;

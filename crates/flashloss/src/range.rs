@@ -10,6 +10,7 @@ use crate::batch::first_non_finite;
 use crate::error::{Error, Result};
 use crate::policy::PolicyOutput;
 use crate::rows::RowStats;
+use crate::weight_layout::WeightLayout;
 use std::ops::Range;
 
 /// The largest magnitude an f32 holds.
@@ -56,26 +57,33 @@ pub fn grad_out_of_range(
     }
 }
 
-/// Checks a fused LM head's gradients in host memory (scanned in parallel): the first
-/// entry that is not finite (a sum over the vocabulary or the tokens can leave f32 even
-/// where every logit's gradient is in range, e.g. with an extreme `grad_output`) is
-/// [`grad_out_of_range`]'s error.
+/// Checks a fused LM head's gradients in host memory (scanned in parallel; `dweight` in
+/// `layout`): the first entry that is not finite (a sum over the vocabulary or the
+/// tokens can leave f32 even where every logit's gradient is in range, e.g. with an
+/// extreme `grad_output`) is [`grad_out_of_range`]'s error.
 pub fn check_linear_grads(
     dhidden: &[f32],
-    dweight: &[f32],
+    (dweight, layout): (&[f32], WeightLayout),
     dbias: Option<&[f32]>,
     hidden_size: usize,
     seq_len: usize,
 ) -> Result<()> {
+    let h = hidden_size.max(1);
+    let v = dweight.len() / h;
     for (quantity, values) in [
         ("dhidden", dhidden),
         ("dweight", dweight),
         ("dbias", dbias.unwrap_or(&[])),
     ] {
         if let Some(k) = first_non_finite::<f32>(values) {
+            // A `[H, V]` dW entry as its `[V, H]` index (its vocabulary row).
+            let index = match (quantity, layout) {
+                ("dweight", WeightLayout::HiddenMajor) => (k % v) * h + k / v,
+                _ => k,
+            };
             return Err(grad_out_of_range(
                 quantity,
-                k,
+                index,
                 values[k],
                 hidden_size,
                 seq_len,

@@ -136,6 +136,7 @@ pub(crate) fn linear_inputs<'a, E: Element>(
     flashloss::LinearInputs {
         hidden,
         weight,
+        layout: flashloss::WeightLayout::VocabMajor,
         bias: None,
         tokens: n,
         hidden_size: h,

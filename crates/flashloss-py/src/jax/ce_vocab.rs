@@ -8,7 +8,7 @@
 
 use super::ffi::CallFrame;
 use super::frame::{Frame, Named, Result, bad, handle};
-use super::handlers::{by_dtype, grads, head, options, parse};
+use super::handlers::{by_dtype, grads, head, options, parse, weight_layout};
 use super::vocab::{merged_stats, offset_of};
 use crate::front::cpu;
 use flashloss::rows::RowStats;
@@ -30,17 +30,18 @@ fn loss_and_shard(f: &Frame, offset: &Named) -> Result<(CrossEntropy, Shard)> {
 
 /// Pass A. Arguments: hidden `[N, H]`, weight (block), bias (block or `[0]`), targets
 /// `[N]` (ids of the whole vocabulary), offset; attributes: budget_mib, config, mode,
-/// vocab. Results `[N]` each: max, sum, weighted, target logit, logit sum.
+/// vocab, weight_layout. Results `[N]` each: max, sum, weighted, target logit, logit sum.
 unsafe extern "C" fn ce_vocab_partial(frame: *mut CallFrame) -> *mut c_void {
     // SAFETY: XLA's frame.
     unsafe {
         handle(frame, |f| {
             let (x, w, b) = (f.arg(0, "hidden")?, f.arg(1, "weight")?, f.arg(2, "bias")?);
+            let layout = weight_layout(f)?;
             let targets = f.arg(3, "targets")?.ids()?;
             let (ce, shard) = loss_and_shard(f, &f.arg(4, "offset")?)?;
             let opts = options(f)?;
             let part = by_dtype!(x, E, code => {
-                let inputs: LinearInputs<E> = head(&x, &w, &b, code)?;
+                let inputs: LinearInputs<E> = head((&x, &w, &b), layout, code)?;
                 Ok(cpu().ce_partial_row_states(HeadArgs::host(&inputs), shard, &ce, &targets, &opts)?)
             })?;
             let names = ["max", "sum", "weighted", "target_logit", "logit_sum"];
@@ -68,13 +69,14 @@ unsafe extern "C" fn ce_vocab_partial(frame: *mut CallFrame) -> *mut c_void {
 /// The row stage and pass B. Arguments: hidden, weight (block), bias, targets `[N]`,
 /// offset, the merged max, log_sum, entropy, logp, mean_logit (`[N]` each), grad_rows
 /// (`[N]` for reduction none, `[0]` otherwise); attributes: budget_mib, config, mode,
-/// vocab. Results: loss, row_loss `[N]`, dhidden (the block's part),
-/// dweight, dbias (the block's).
+/// vocab, weight_layout. Results: loss, row_loss `[N]`, dhidden (the block's part),
+/// dweight (the weight's shape), dbias (the block's).
 unsafe extern "C" fn ce_vocab_grads(frame: *mut CallFrame) -> *mut c_void {
     // SAFETY: XLA's frame.
     unsafe {
         handle(frame, |f| {
             let (x, w, b) = (f.arg(0, "hidden")?, f.arg(1, "weight")?, f.arg(2, "bias")?);
+            let layout = weight_layout(f)?;
             let targets = f.arg(3, "targets")?.ids()?;
             let (ce, shard) = loss_and_shard(f, &f.arg(4, "offset")?)?;
             let opts = options(f)?;
@@ -97,7 +99,7 @@ unsafe extern "C" fn ce_vocab_grads(frame: *mut CallFrame) -> *mut c_void {
             let rows = f.arg(10, "grad_rows")?;
             let grad_rows = (rows.numel() > 0).then(|| rows.f32s()).transpose()?;
             let out = by_dtype!(x, E, code => {
-                let inputs: LinearInputs<E> = head(&x, &w, &b, code)?;
+                let inputs: LinearInputs<E> = head((&x, &w, &b), layout, code)?;
                 let args = HeadArgs::Host { inputs: &inputs, grads: grads(f, 2)? };
                 Ok(cpu().ce_accumulate_row_grads(args, shard, &ce, &targets, grad_rows, stats, &opts)?)
             })?;

@@ -5,15 +5,18 @@
 //! CUDA context. The small per-token arguments are copied to the host ([`Staged`]), the
 //! CPU handlers' readers run on a frame whose buffers point at those copies, and the
 //! per-token results are copied back. The bias is read in f32 (a bf16 bias is widened
-//! into a temporary device buffer). **Not yet run on a GPU.**
+//! into a temporary device buffer). The weight is `[V, H]` (`weight_layout` "vh"); an
+//! `[H, V]` one is an error here for now. **Not yet run on a GPU.**
 
 use super::ffi::{self, Buffer, CallFrame, StreamGetArgs};
 use super::frame::{Frame, Result, bad, handle};
-use super::handlers::{Tokens, ce_outputs, grpo_outputs, options, parse};
+use super::handlers::{
+    Tokens, ce_outputs, grpo_outputs, options, parse, vocab_hidden, weight_layout,
+};
 use crate::front::gpu;
 use cudarc::driver::{result as cu, sys};
 use flashloss::cuda::BorrowedHead;
-use flashloss::{CeConfig, CrossEntropy, GrpoLoss, GrpoLossConfig, HeadArgs};
+use flashloss::{CeConfig, CrossEntropy, GrpoLoss, GrpoLossConfig, HeadArgs, WeightLayout};
 use half::bf16;
 use std::ffi::c_void;
 
@@ -220,14 +223,8 @@ fn borrowed(
             "expected hidden and weight of one dtype, float32 or bfloat16",
         ));
     }
-    let wd = w.dims();
-    if wd.len() != 2 || x.dims().last() != wd.get(1) {
-        return Err(bad(
-            "weight",
-            format!("expected [V, H] matching hidden [..., H], got {wd:?}"),
-        ));
-    }
-    let (v, h) = (wd[0] as usize, wd[1] as usize);
+    flashloss::cuda::check_weight_layout(weight_layout(f)?)?;
+    let (v, h) = vocab_hidden(&x, &w, WeightLayout::VocabMajor)?;
     let bias = match (b.numel(), b.dtype()) {
         (0, _) => None,
         (n, _) if n != v => {

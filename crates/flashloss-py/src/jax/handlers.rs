@@ -2,7 +2,9 @@
 //! process's CPU [`flashloss::Device`] and writes its results. The loss and the
 //! gradients of `hidden`, `weight`, `bias` come out of one fused call (the backward of the
 //! JAX op only scales them by the cotangent). Argument order and attributes are those of
-//! `python/flashloss/jax/_ops.py`.
+//! `python/flashloss/jax/_ops.py`; every handler that takes a weight takes the attribute
+//! `weight_layout` (`"vh"`: `[V, H]`, `"hv"`: `[H, V]`, a Flax kernel), and its `dweight`
+//! result has the weight's shape.
 
 use super::ffi::CallFrame;
 use super::frame::{Frame, Named, Result, bad, handle};
@@ -11,7 +13,7 @@ use flashloss::fused::{FusedOptions, LinearGradsMut, Mode};
 use flashloss::policy::GrpoMetrics;
 use flashloss::{
     CeConfig, CrossEntropy, Element, GrpoBatch, GrpoLoss, GrpoLossConfig, HeadArgs, LinearInputs,
-    LogitsLayout, PerSeqOrToken, Temperature,
+    LogitsLayout, PerSeqOrToken, Temperature, WeightLayout,
 };
 use std::ffi::c_void;
 
@@ -38,24 +40,54 @@ fn options_of(f: &Frame, mode: Mode) -> Result<FusedOptions> {
     Ok(FusedOptions::from_mib(mode, mib, 1.0))
 }
 
-/// `hidden [..., H]`, `weight [V, H]`, `bias [V]` (or `[0]`: none) of element type `E`.
-pub(super) fn head<'a, E: Element>(
-    hidden: &Named<'a>,
-    weight: &Named<'a>,
-    bias: &Named<'a>,
-    (code, name): (i32, &str),
-) -> Result<LinearInputs<'a, E>> {
-    let wd = weight.dims();
-    if wd.len() != 2 {
-        return Err(bad("weight", format!("expected shape [V, H], got {wd:?}")));
-    }
-    let (v, h) = (wd[0] as usize, wd[1] as usize);
-    if hidden.dims().last().map(|&x| x as usize) != Some(h) {
+/// The attribute `weight_layout`: `"vh"` (`[V, H]`) or `"hv"` (`[H, V]`).
+pub(super) fn weight_layout(f: &Frame) -> Result<WeightLayout> {
+    Ok(WeightLayout::from_name(f.attr_str("weight_layout")?)?)
+}
+
+/// `(V, H)` of `weight` in `layout`, checked 2-D and of the hidden size `H` of `hidden`
+/// `[..., H]`.
+pub(super) fn vocab_hidden(
+    hidden: &Named,
+    weight: &Named,
+    layout: WeightLayout,
+) -> Result<(usize, usize)> {
+    let (wd, hd) = (weight.dims(), hidden.dims());
+    let Some(&h) = hd.last() else {
         return Err(bad(
             "hidden",
-            format!("expected shape [..., H={h}], got {:?}", hidden.dims()),
+            format!("expected shape [..., H], got {hd:?}"),
+        ));
+    };
+    let h = h as usize;
+    let (v, wh) = match *wd {
+        [a, b] => layout.vocab_hidden([a as usize, b as usize]),
+        _ => (0, usize::MAX),
+    };
+    if wh != h {
+        let want = match layout {
+            WeightLayout::VocabMajor => format!("[V, H={h}]"),
+            WeightLayout::HiddenMajor => format!("[H={h}, V]"),
+        };
+        let name = layout.name();
+        return Err(bad(
+            "weight",
+            format!(
+                "expected shape {want} (weight_layout {name:?}) for `hidden` {hd:?}, got {wd:?}"
+            ),
         ));
     }
+    Ok((v, h))
+}
+
+/// `hidden [..., H]`, `weight` (`[V, H]` or `[H, V]` as `layout`), `bias [V]` (or `[0]`:
+/// none) of element type `E`.
+pub(super) fn head<'a, E: Element>(
+    (hidden, weight, bias): (&Named<'a>, &Named<'a>, &Named<'a>),
+    layout: WeightLayout,
+    (code, name): (i32, &str),
+) -> Result<LinearInputs<'a, E>> {
+    let (v, h) = vocab_hidden(hidden, weight, layout)?;
     // SAFETY: `E` is the element type of `code` (chosen by the caller from the dtype).
     let (x, w, b) = unsafe {
         (
@@ -73,6 +105,7 @@ pub(super) fn head<'a, E: Element>(
     Ok(LinearInputs {
         hidden: x,
         weight: w,
+        layout,
         bias: (!b.is_empty()).then_some(b),
         tokens: x.len() / h.max(1),
         hidden_size: h,
@@ -227,7 +260,7 @@ pub(super) use by_dtype;
 
 /// GRPO from hidden states. Arguments: hidden, weight, bias, completion_ids,
 /// completion_mask, advantages, old and ref logp; attributes: budget_mib, config (the
-/// JSON of `GrpoLossConfig`), mode. Results: loss, dhidden, dweight, dbias, logp,
+/// JSON of `GrpoLossConfig`), mode, weight_layout. Results: loss, dhidden, dweight, dbias, logp,
 /// entropy, kl, metrics `[kl, entropy, clip low, high, region]`.
 unsafe extern "C" fn grpo_linear(frame: *mut CallFrame) -> *mut c_void {
     // SAFETY: XLA's frame.
@@ -236,10 +269,11 @@ unsafe extern "C" fn grpo_linear(frame: *mut CallFrame) -> *mut c_void {
             let loss = GrpoLoss::new(parse::<GrpoLossConfig>(f.attr_str("config")?)?)?;
             let opts = options(f)?;
             let (x, w, bias) = (f.arg(0, "hidden")?, f.arg(1, "weight")?, f.arg(2, "bias")?);
+            let layout = weight_layout(f)?;
             let tokens = Tokens::read(f, 3)?;
             let batch = tokens.batch();
             let out = by_dtype!(x, E, code => {
-                let inputs = head::<E>(&x, &w, &bias, code)?;
+                let inputs = head::<E>((&x, &w, &bias), layout, code)?;
                 let args = HeadArgs::Host { inputs: &inputs, grads: grads(f, 1)? };
                 Ok(cpu().grpo_linear_into(&loss, &batch, args, &opts)?)
             })?;
@@ -250,8 +284,8 @@ unsafe extern "C" fn grpo_linear(frame: *mut CallFrame) -> *mut c_void {
 
 /// Cross-entropy from hidden states. Arguments: hidden, weight, bias, targets `[N]`,
 /// grad_rows `[N]` (reduction none; `[0]` otherwise); attributes: budget_mib, config
-/// (the JSON of `CeConfig`), mode. Results: loss, dhidden, dweight, dbias, row_loss `[N]`,
-/// count.
+/// (the JSON of `CeConfig`), mode, weight_layout. Results: loss, dhidden, dweight, dbias,
+/// row_loss `[N]`, count.
 unsafe extern "C" fn ce_linear(frame: *mut CallFrame) -> *mut c_void {
     // SAFETY: XLA's frame.
     unsafe {
@@ -259,11 +293,12 @@ unsafe extern "C" fn ce_linear(frame: *mut CallFrame) -> *mut c_void {
             let ce = CrossEntropy::new(parse::<CeConfig>(f.attr_str("config")?)?)?;
             let opts = options(f)?;
             let (x, w, bias) = (f.arg(0, "hidden")?, f.arg(1, "weight")?, f.arg(2, "bias")?);
+            let layout = weight_layout(f)?;
             let targets = f.arg(3, "targets")?.ids()?;
             let rows = f.arg(4, "grad_rows")?;
             let grad_rows = (rows.numel() > 0).then(|| rows.f32s()).transpose()?;
             let out = by_dtype!(x, E, code => {
-                let inputs = head::<E>(&x, &w, &bias, code)?;
+                let inputs = head::<E>((&x, &w, &bias), layout, code)?;
                 let args = HeadArgs::Host { inputs: &inputs, grads: grads(f, 1)? };
                 Ok(cpu().ce_linear_into(&ce, &targets, grad_rows, args, &opts)?)
             })?;
@@ -284,7 +319,7 @@ pub(super) fn ce_outputs(f: &Frame, out: &flashloss::fused::CeLinearOutput) -> R
 
 /// Per-row CE losses without gradients (reduction `none`'s forward: one statistics
 /// pass). Arguments: hidden, weight, bias, targets `[N]`; attributes: budget_mib,
-/// config. Result: row_loss `[N]`.
+/// config, weight_layout. Result: row_loss `[N]`.
 unsafe extern "C" fn ce_rows(frame: *mut CallFrame) -> *mut c_void {
     // SAFETY: XLA's frame.
     unsafe {
@@ -292,9 +327,10 @@ unsafe extern "C" fn ce_rows(frame: *mut CallFrame) -> *mut c_void {
             let ce = CrossEntropy::new(parse::<CeConfig>(f.attr_str("config")?)?)?;
             let opts = options_of(f, Mode::TwoPass)?;
             let (x, w, bias) = (f.arg(0, "hidden")?, f.arg(1, "weight")?, f.arg(2, "bias")?);
+            let layout = weight_layout(f)?;
             let targets = f.arg(3, "targets")?.ids()?;
             let out = by_dtype!(x, E, code => {
-                let inputs = head::<E>(&x, &w, &bias, code)?;
+                let inputs = head::<E>((&x, &w, &bias), layout, code)?;
                 Ok(cpu().ce_row_losses(HeadArgs::host(&inputs), &ce, &targets, &opts)?)
             })?;
             f.ret(0, "row_loss")?
@@ -306,7 +342,8 @@ unsafe extern "C" fn ce_rows(frame: *mut CallFrame) -> *mut c_void {
 }
 
 /// Per-row log-probs and entropy (no gradient). Arguments: hidden, weight, bias, ids
-/// `[N]`, mask `[N]`; attributes: budget_mib, temperature. Results: logp, entropy `[N]`.
+/// `[N]`, mask `[N]`; attributes: budget_mib, temperature, weight_layout. Results: logp,
+/// entropy `[N]`.
 unsafe extern "C" fn logp_linear(frame: *mut CallFrame) -> *mut c_void {
     // SAFETY: XLA's frame.
     unsafe {
@@ -314,11 +351,12 @@ unsafe extern "C" fn logp_linear(frame: *mut CallFrame) -> *mut c_void {
             let temperature = Temperature::new(f.attr_f64("temperature")?)?;
             let budget = options(f)?.budget_bytes;
             let (x, w, bias) = (f.arg(0, "hidden")?, f.arg(1, "weight")?, f.arg(2, "bias")?);
+            let layout = weight_layout(f)?;
             let ids = f.arg(3, "ids")?.ids()?;
             let mask = f.arg(4, "mask")?.bools()?;
             let n = ids.len();
             let stats = by_dtype!(x, E, code => {
-                let inputs = head::<E>(&x, &w, &bias, code)?;
+                let inputs = head::<E>((&x, &w, &bias), layout, code)?;
                 let device = cpu();
                 Ok(device.logp_linear(HeadArgs::host(&inputs), &ids, Some(&mask), temperature, budget, n)?)
             })?;

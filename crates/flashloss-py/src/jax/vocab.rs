@@ -8,14 +8,14 @@
 
 use super::ffi::CallFrame;
 use super::frame::{Frame, Named, Result, bad, handle};
-use super::handlers::{Tokens, by_dtype, grads, head, options};
+use super::handlers::{Tokens, by_dtype, grads, head, options, vocab_hidden, weight_layout};
 use crate::front::cpu;
 use flashloss::fused::{FusedOptions, RowGrad};
 use flashloss::policy::{Normalizers, policy_stage};
 use flashloss::range::check_policy_rows;
 use flashloss::rows::{RowInputs, RowStats, RowTransform};
 use flashloss::sharding::local_ids;
-use flashloss::{GrpoLoss, HeadArgs, LinearInputs, Temperature};
+use flashloss::{GrpoLoss, HeadArgs, LinearInputs, Temperature, WeightLayout};
 use std::ffi::c_void;
 use std::ops::Range;
 
@@ -44,11 +44,12 @@ pub(super) fn merged_stats(max: f32, log_sum: f32, entropy: f32, inv_temp: f32) 
 }
 
 /// The arguments both passes share: hidden, weight (shard), bias, ids `[N]`, mask
-/// `[N]`, offset, and the attributes budget_mib, mode, temperature.
+/// `[N]`, offset, and the attributes budget_mib, mode, temperature, weight_layout.
 struct ShardCall<'a> {
     x: Named<'a>,
     w: Named<'a>,
     b: Named<'a>,
+    layout: WeightLayout,
     ids: Vec<i64>,
     live: Vec<bool>,
     range: Range<usize>,
@@ -63,13 +64,15 @@ impl<'a> ShardCall<'a> {
         let (x, w, b) = (f.arg(0, "hidden")?, f.arg(1, "weight")?, f.arg(2, "bias")?);
         let (ids, live) = (f.arg(3, "ids")?.ids()?, f.arg(4, "mask")?.bools()?);
         let start = offset_of(&f.arg(5, "offset")?)?;
-        let range = start..start + w.dims().first().copied().unwrap_or(0) as usize;
+        let layout = weight_layout(f)?;
+        let range = start..start + vocab_hidden(&x, &w, layout)?.0;
         let targets = local_ids(&ids, &range);
         let (transform, opts) = (RowTransform::with_temperature(t), options(f)?);
         Ok(ShardCall {
             x,
             w,
             b,
+            layout,
             ids,
             live,
             range,
@@ -90,8 +93,8 @@ impl<'a> ShardCall<'a> {
 }
 
 /// Pass A. Arguments: hidden, weight (shard), bias (shard or `[0]`), ids `[N]`, mask
-/// `[N]`, offset; attributes: budget_mib, mode, temperature. Results `[N]` each: max,
-/// sum, weighted, target logit.
+/// `[N]`, offset; attributes: budget_mib, mode, temperature, weight_layout. Results `[N]`
+/// each: max, sum, weighted, target logit.
 unsafe extern "C" fn vocab_partial(frame: *mut CallFrame) -> *mut c_void {
     // SAFETY: XLA's frame.
     unsafe {
@@ -99,7 +102,7 @@ unsafe extern "C" fn vocab_partial(frame: *mut CallFrame) -> *mut c_void {
             let c = ShardCall::read(f)?;
             let (x, w, b, opts) = (&c.x, &c.w, &c.b, &c.opts);
             let part = by_dtype!(x, E, code => {
-                let inputs: LinearInputs<E> = head(x, w, b, code)?;
+                let inputs: LinearInputs<E> = head((x, w, b), c.layout, code)?;
                 Ok(cpu().partial_row_states(HeadArgs::host(&inputs), c.rows(), opts)?)
             })?;
             let outs = [
@@ -170,8 +173,8 @@ unsafe extern "C" fn grpo_policy(frame: *mut CallFrame) -> *mut c_void {
 
 /// Pass B. Arguments: hidden, weight (shard), bias, ids `[N]`, mask `[N]`, offset, and
 /// the merged max, log_sum, entropy with the policy's dlogp, dentropy (`[N]` each);
-/// attributes: budget_mib, mode, temperature. Results: dhidden (this shard's part),
-/// dweight, dbias (the shard's).
+/// attributes: budget_mib, mode, temperature, weight_layout. Results: dhidden (this
+/// shard's part), dweight (the weight's shape), dbias (the shard's).
 unsafe extern "C" fn vocab_grads(frame: *mut CallFrame) -> *mut c_void {
     // SAFETY: XLA's frame.
     unsafe {
@@ -207,7 +210,7 @@ unsafe extern "C" fn vocab_grads(frame: *mut CallFrame) -> *mut c_void {
                 })
                 .collect();
             by_dtype!(x, E, code => {
-                let inputs: LinearInputs<E> = head(x, w, b, code)?;
+                let inputs: LinearInputs<E> = head((x, w, b), c.layout, code)?;
                 let args = HeadArgs::Host { inputs: &inputs, grads: grads(f, 0)? };
                 Ok(cpu().accumulate_row_grads(args, c.rows(), &grads_of, opts, n)?)
             })

@@ -116,6 +116,7 @@ fn run_linear<E: Element>(
     let inputs = LinearInputs {
         hidden: &hidden,
         weight: &weight,
+        layout: flashloss::WeightLayout::VocabMajor,
         bias: None,
         tokens: n,
         hidden_size: h,

@@ -145,6 +145,7 @@ fn rounded_dz_scales<E: Element>(inputs: &LinearInputs<E>, dlogits: &[f64]) -> (
     let abs_inputs = LinearInputs {
         hidden: &hidden,
         weight: &weight,
+        layout: flashloss::WeightLayout::VocabMajor,
         bias: None,
         ..*inputs
     };

@@ -126,6 +126,7 @@ impl LossPath {
                         let lin = LinearInputs {
                             hidden: x,
                             weight: w,
+                            layout: flashloss::WeightLayout::VocabMajor,
                             bias: None,
                             tokens: n,
                             hidden_size: h,

@@ -14,6 +14,7 @@ use crate::error::Result;
 use crate::fused::LinearGrads;
 use crate::grpo_config::GrpoLoss;
 use crate::rows::{RowTransform, check_targets};
+use crate::weight_layout::WeightLayout;
 use rayon::prelude::*;
 
 /// The baseline's buffers, kept across steps (a framework's caching allocator).
@@ -158,7 +159,7 @@ fn head_logits<E: Element>(
         &mut ws.logits,
         v,
         MatRef::row_major(as_f32(inputs.hidden, &ws.hidden), n, h),
-        MatRef::row_major(as_f32(inputs.weight, &ws.weight), v, h).t(),
+        weight_view(inputs, as_f32(inputs.weight, &ws.weight)).t(),
         false,
     );
     if let Some(b) = inputs.bias {
@@ -174,15 +175,29 @@ fn head_logits<E: Element>(
     Ok(())
 }
 
+/// `weight` (`inputs`' weight as f32) as a `[V, H]` view in its layout.
+fn weight_view<'a, E>(inputs: &LinearInputs<E>, weight: &'a [f32]) -> MatRef<'a> {
+    let (v, h) = (inputs.vocab, inputs.hidden_size);
+    let (row_stride, col_stride) = inputs.layout.strides(v, h);
+    MatRef {
+        data: weight,
+        rows: v,
+        cols: h,
+        row_stride,
+        col_stride,
+    }
+}
+
 /// `m` as f32: itself, or its widened copy `widened`.
 fn as_f32<'a, E: Element>(m: &'a [E], widened: &'a [f32]) -> &'a [f32] {
     E::as_f32(m).unwrap_or(widened)
 }
 
 /// `dH = dZ·W`, `dW = dZᵀ·H`, `dbias = Σ_rows dZ` of `ws`'s dlogits, written into
-/// `grads`. dW and dbias go a vocabulary tile at a time through a transposed copy in
-/// `ws.dz_t` (what a BLAS does inside; as a transposed view `gemm` copies the whole
-/// `[N, V]` into fresh memory on every call).
+/// `grads`. A `[V, H]` dW and dbias go a vocabulary tile at a time through a transposed
+/// copy in `ws.dz_t` (what a BLAS does inside; as a transposed view `gemm` copies the
+/// whole `[N, V]` into fresh memory on every call); an `[H, V]` dW is `Hᵀ·dZ`, read as
+/// it lies.
 fn head_grads<E: Element>(
     inputs: &LinearInputs<E>,
     ws: &mut BaselineWorkspace,
@@ -197,12 +212,22 @@ fn head_grads<E: Element>(
         &mut grads.dhidden,
         h,
         dz,
-        MatRef::row_major(weight, v, h),
+        weight_view(inputs, weight),
         false,
     );
     grads.dweight.fill(0.0);
     if let Some(db) = grads.dbias.as_mut() {
         db.fill(0.0);
+    }
+    if inputs.layout == WeightLayout::HiddenMajor {
+        let hid = MatRef::row_major(hidden, n, h).t();
+        matmul(&mut grads.dweight, v, hid, dz, false);
+        if let Some(db) = grads.dbias.as_mut() {
+            for row in dlogits.chunks(v) {
+                db.iter_mut().zip(row).for_each(|(d, x)| *d += x);
+            }
+        }
+        return;
     }
     for j0 in (0..v).step_by(VOCAB_TILE) {
         let vocab = j0..(j0 + VOCAB_TILE).min(v);

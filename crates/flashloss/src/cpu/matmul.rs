@@ -40,6 +40,17 @@ impl<'a, T> MatRef<'a, T> {
         }
     }
 
+    /// The same shape and strides over `data` (the same elements in another type).
+    pub fn over<'b, U>(self, data: &'b [U]) -> MatRef<'b, U> {
+        MatRef {
+            data,
+            rows: self.rows,
+            cols: self.cols,
+            row_stride: self.row_stride,
+            col_stride: self.col_stride,
+        }
+    }
+
     fn fits(&self) -> bool {
         self.rows == 0
             || self.cols == 0

@@ -4,8 +4,7 @@
 //! packing buffers. [`CpuHead`] is the CPU's [`Head`]: inputs and gradients in host
 //! memory.
 
-use super::bf16_gemm::PackedA;
-use super::products::{Engine, Hidden, Weight};
+use super::products::{DzPacks, Engine, Hidden, Weight};
 use super::single_pass::{DZ_T_PACK_ENTRIES, LANES, single_pass};
 use super::tiles::{
     Problem, RowBlock, Workspace, accumulate_tile, grad_tile, live_row_blocks, logits_tile,
@@ -21,6 +20,7 @@ use crate::fused::{
 };
 use crate::range::check_linear_grads;
 use crate::rows::{PartialStats, RowInputs, RowStats};
+use crate::weight_layout::WeightLayout;
 use half::f16;
 use std::ops::Range;
 
@@ -50,12 +50,13 @@ const MAX_BLOCK_ROWS: usize = 512;
 
 /// The CPU's plan for a head of `n × h × v`: the largest blocks whose workspace fits
 /// the budget less the GEMM reserve. `bf16`: bf16 inputs, widened a tile at a time or
-/// packed for bf16 products (`opts.bf16_products`, resolved for this CPU).
+/// packed for bf16 products (`opts.bf16_products`, resolved for this CPU); `layout`:
+/// the weight's (a single-pass lane holds its tile's `dW` for an `[H, V]` one).
 pub fn plan(
     n: usize,
     h: usize,
     v: usize,
-    bf16: bool,
+    (bf16, layout): (bool, WeightLayout),
     opts: &FusedOptions,
     single_pass_allowed: bool,
 ) -> Result<Plan> {
@@ -81,10 +82,12 @@ pub fn plan(
             ""
         },
     };
-    // A widened bf16 weight tile holds vocab_tile × H f32; keep it within a quarter of
-    // the budget.
+    // A widened bf16 weight tile (and a lane's `dW` tile of an `[H, V]` weight) holds
+    // vocab_tile × H f32; keep it within a quarter of the budget.
+    let lane_dweight = layout == WeightLayout::HiddenMajor;
     let budget = tile_budget(opts, &limits)?;
-    while bf16 && limits.vocab_tile > 64 && limits.vocab_tile * h * 4 > budget / 4 {
+    while (bf16 || lane_dweight) && limits.vocab_tile > 64 && limits.vocab_tile * h * 4 > budget / 4
+    {
         limits.vocab_tile /= 2;
     }
     let vocab_tile = limits.vocab_tile;
@@ -108,6 +111,11 @@ pub fn plan(
             false => vocab_tile.min(DZ_T_PACK_ENTRIES),
         };
     let lane_row = LANES * (lane_tile + h) * 4;
+    let lane_dweight = if lane_dweight {
+        LANES * vocab_tile * h * 4
+    } else {
+        0
+    };
     let gathered_row = h * if bf16 { 2 } else { 4 };
     let whole_row = v.div_ceil(vocab_tile.max(1)) * 4 + lane_row + gathered_row;
     // Two-pass: the logits tile and a transposed `[rows, vocab_tile]` gradient tile (and
@@ -119,8 +127,8 @@ pub fn plan(
         &limits,
         |rows, block| match block {
             Block::Tile => rows * tile_row + widened(rows, 1),
-            Block::Whole => rows * (v * 4 + whole_row) + widened(rows, LANES),
-            Block::Compact => rows * (v * 2 + whole_row) + widened(rows, LANES),
+            Block::Whole => rows * (v * 4 + whole_row) + widened(rows, LANES) + lane_dweight,
+            Block::Compact => rows * (v * 2 + whole_row) + widened(rows, LANES) + lane_dweight,
         },
         opts,
         single_pass_allowed,
@@ -140,7 +148,7 @@ struct Tile<'t> {
     hidden: Hidden<'t>,
     weight: Weight<'t>,
     /// Scratch for the tile transposed and packed, and for dH rows with gaps.
-    scratch: (&'t mut Vec<f32>, &'t mut PackedA, &'t mut Vec<f32>),
+    scratch: (&'t mut Vec<f32>, &'t mut DzPacks, &'t mut Vec<f32>),
 }
 
 /// Forms every `[block_rows, vocab_tile]` logits tile of the rows of `blocks` in the
@@ -159,17 +167,11 @@ fn for_each_tile<E: Element>(
     let scratch = ws.prepare(plan.block_rows, plan.vocab_tile);
     for block in blocks.iter().filter(|b| !b.ids.is_empty()) {
         let nb = block.ids.len();
-        let hid = scratch
-            .hidden
-            .load_rows(engine, p.inputs.hidden, h, block, threads);
+        let hid = scratch.hidden.load_rows(engine, p.inputs, block, threads);
         for vocab in p.vocab_tiles(plan.vocab_tile) {
-            let w = scratch.weight.load(
-                engine,
-                p.inputs.weight,
-                (h, vocab.clone()),
-                (true, for_grads),
-                threads,
-            );
+            let w = scratch
+                .weight
+                .load(engine, (p.inputs, &vocab), (true, for_grads), threads);
             let z = &mut scratch.logits[..nb * vocab.len()];
             logits_tile(
                 z,
@@ -217,7 +219,6 @@ fn accumulate_grads<E: Element>(
     ws: &mut Workspace,
     out: &mut LinearGradsMut,
 ) {
-    let h = p.inputs.hidden_size;
     let t = &p.rows.transform;
     let with_gradient: Vec<bool> = grads.iter().map(|g| !g.is_zero()).collect();
     let blocks = live_row_blocks(&with_gradient, plan.block_rows);
@@ -241,7 +242,7 @@ fn accumulate_grads<E: Element>(
             (tile.hidden, tile.weight),
             tile.block,
             &tile.vocab,
-            h,
+            p.inputs,
             tile.scratch,
         );
     });
@@ -306,7 +307,8 @@ impl<E: Element> Head for CpuHead<'_, E> {
     fn check_grads(&self, seq_len: usize) -> Result<()> {
         let g = &self.grads;
         let h = self.inputs.hidden_size;
-        check_linear_grads(g.dhidden, g.dweight, g.dbias.as_deref(), h, seq_len)
+        let dweight = (&g.dweight[..], self.inputs.layout);
+        check_linear_grads(g.dhidden, dweight, g.dbias.as_deref(), h, seq_len)
     }
 
     fn plan(&self, opts: &FusedOptions, single_pass_allowed: bool) -> Result<Plan> {
@@ -316,7 +318,7 @@ impl<E: Element> Head for CpuHead<'_, E> {
             s.tokens,
             s.hidden_size,
             s.vocab,
-            bf16,
+            (bf16, self.inputs.layout),
             opts,
             single_pass_allowed,
         )

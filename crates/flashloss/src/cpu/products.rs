@@ -5,14 +5,22 @@
 //! ([`super::bf16_gemm`]; `dZ` is rounded to bf16 for the two gradient products).
 //! The hidden block is prepared once per row block (widened, or packed for both of its
 //! products) and read by every tile.
+//!
+//! A weight tile is a `[cols, h]` view of `W` ([`weight_tile`]): rows of a `[V, H]`
+//! weight, or columns (rows `V` apart) of an `[H, V]` one; both products read it through
+//! its strides (`gemm` and the packers take any strides). `dW`'s tile is written in the
+//! weight's layout: `dW_tile += dZᵀ·H` as `[cols, h]`, or `dW_tileᵀ += Hᵀ·dZ` as
+//! `[h, cols]` rows `V` apart.
 
 use super::bf16_gemm::{Avx512Bf16, PackedA, PackedB};
 use super::matmul::{MatRef, matmul_on};
 use super::simd;
 use super::tiles::RowBlock;
+use crate::batch::LinearInputs;
 use crate::element::Element;
 use crate::error::{Error, Result};
 use crate::fused::{Bf16Products, Plan};
+use crate::weight_layout::WeightLayout;
 use half::bf16;
 use std::ops::Range;
 
@@ -79,8 +87,10 @@ pub(crate) struct HiddenBlock {
     gathered: Vec<bf16>,
     /// A of the logits (pairs along `h`).
     logits: PackedA,
-    /// B of `dW` (pairs along the rows).
+    /// B of a `[V, H]` dW (pairs along the rows).
     dweight: PackedB,
+    /// A of an `[H, V]` dW, `Hᵀ` (pairs along the rows).
+    dweight_t: PackedA,
 }
 
 /// A borrowed [`HiddenBlock`] (or f32 input rows).
@@ -97,51 +107,59 @@ impl HiddenBlock {
             + 2 * self.gathered.capacity()
             + self.logits.bytes()
             + self.dweight.bytes()
+            + self.dweight_t.bytes()
     }
 
-    /// Rows `rows` of `hidden` (`[*, h]`) for `engine`'s products.
+    /// Packs `rows` `[n, h]` for the logits and for dW in `layout`.
+    fn pack(&mut self, rows: MatRef<bf16>, layout: WeightLayout, threads: usize) {
+        self.logits.pack_a(rows, threads);
+        match layout {
+            WeightLayout::VocabMajor => self.dweight.pack_b(rows, threads),
+            WeightLayout::HiddenMajor => self.dweight_t.pack_a(rows.t(), threads),
+        }
+    }
+
+    /// Rows `rows` of `hidden` (`[*, h]`) for `engine`'s products (dW in `layout`).
     pub(crate) fn load<'a, E: Element>(
         &'a mut self,
         engine: Engine,
-        hidden: &'a [E],
-        h: usize,
+        (hidden, h, layout): (&'a [E], usize, WeightLayout),
         rows: Range<usize>,
         threads: usize,
     ) -> Hidden<'a> {
         let (n, src) = (rows.len(), &hidden[rows.start * h..rows.end * h]);
         match (engine, E::as_bf16(src)) {
             (Engine::Bf16(cpu), Some(bf)) => {
-                let view = MatRef::row_major(bf, n, h);
-                self.logits.pack_a(view, threads);
-                self.dweight.pack_b(view, threads);
+                self.pack(MatRef::row_major(bf, n, h), layout, threads);
                 Hidden::Bf16(cpu, self)
             }
             _ => Hidden::F32(widened(src, &mut self.wide)),
         }
     }
 
-    /// The rows of `block` of `hidden` for `engine`'s products: [`HiddenBlock::load`]
-    /// where they are consecutive, else gathered (and widened or packed).
+    /// The rows of `block` of `inputs`' hidden states for `engine`'s products:
+    /// [`HiddenBlock::load`] where they are consecutive, else gathered (and widened or
+    /// packed).
     pub(crate) fn load_rows<'a, E: Element>(
         &'a mut self,
         engine: Engine,
-        hidden: &'a [E],
-        h: usize,
+        inputs: &LinearInputs<'a, E>,
         block: &RowBlock,
         threads: usize,
     ) -> Hidden<'a> {
+        let (hidden, h, layout) = (inputs.hidden, inputs.hidden_size, inputs.layout);
         if let Some(rows) = block.range() {
-            return self.load(engine, hidden, h, rows, threads);
+            return self.load(engine, (hidden, h, layout), rows, threads);
         }
         let (ids, n) = (&block.ids, block.ids.len());
         match (engine, E::as_bf16(hidden)) {
             (Engine::Bf16(cpu), Some(bf)) => {
-                self.gathered.clear();
+                let mut gathered = std::mem::take(&mut self.gathered);
+                gathered.clear();
                 ids.iter()
-                    .for_each(|&i| self.gathered.extend_from_slice(&bf[i * h..(i + 1) * h]));
-                let view = MatRef::row_major(&self.gathered[..], n, h);
-                self.logits.pack_a(view, threads);
-                self.dweight.pack_b(view, threads);
+                    .for_each(|&i| gathered.extend_from_slice(&bf[i * h..(i + 1) * h]));
+                self.pack(MatRef::row_major(&gathered[..], n, h), layout, threads);
+                self.gathered = gathered;
                 Hidden::Bf16(cpu, self)
             }
             _ => {
@@ -154,7 +172,24 @@ impl HiddenBlock {
     }
 }
 
-/// A vocabulary tile's weight rows `[cols, h]` as the products read them.
+/// Vocabulary entries `vocab` of `inputs`' weight as a `[cols, h]` view: rows of a
+/// `[V, H]` weight, columns of an `[H, V]` one.
+pub(crate) fn weight_tile<'a, E>(
+    inputs: &LinearInputs<'a, E>,
+    vocab: &Range<usize>,
+) -> MatRef<'a, E> {
+    let (v, h) = (inputs.vocab, inputs.hidden_size);
+    let (sv, sh) = inputs.layout.strides(v, h);
+    MatRef {
+        data: &inputs.weight[vocab.start * sv..],
+        rows: vocab.len(),
+        cols: h,
+        row_stride: sv,
+        col_stride: sh,
+    }
+}
+
+/// A vocabulary tile's weight `[cols, h]` as the products read them.
 #[derive(Debug, Default)]
 pub(crate) struct WeightTile {
     wide: Vec<f32>,
@@ -164,11 +199,11 @@ pub(crate) struct WeightTile {
     dhidden: PackedB,
 }
 
-/// A borrowed [`WeightTile`] (or f32 input rows): f32 serves both products, a bf16 tile
-/// the ones it was packed for.
+/// A borrowed [`WeightTile`] (or an f32 input view, `[cols, h]`): f32 serves both
+/// products, a bf16 tile the ones it was packed for.
 #[derive(Clone, Copy)]
 pub(crate) enum Weight<'a> {
-    F32(&'a [f32]),
+    F32(MatRef<'a, f32>),
     Bf16 {
         cpu: Avx512Bf16,
         logits: Option<&'a PackedB>,
@@ -182,20 +217,19 @@ impl WeightTile {
         4 * self.wide.capacity() + self.logits.bytes() + self.dhidden.bytes()
     }
 
-    /// Rows `vocab` of `weight` (`[*, h]`) for `engine`'s products: the logits and/or dH
-    /// (`(for_logits, for_dhidden)`; an f32 tile serves both).
+    /// Vocabulary entries `vocab` of `inputs`' weight for `engine`'s products: the
+    /// logits and/or dH (`(for_logits, for_dhidden)`; an f32 tile serves both).
     pub(crate) fn load<'a, E: Element>(
         &'a mut self,
         engine: Engine,
-        weight: &'a [E],
-        (h, vocab): (usize, Range<usize>),
+        (inputs, vocab): (&LinearInputs<'a, E>, &Range<usize>),
         (for_logits, for_dhidden): (bool, bool),
         threads: usize,
     ) -> Weight<'a> {
-        let (cols, src) = (vocab.len(), &weight[vocab.start * h..vocab.end * h]);
-        match (engine, E::as_bf16(src)) {
+        let view = weight_tile(inputs, vocab);
+        match (engine, E::as_bf16(view.data)) {
             (Engine::Bf16(cpu), Some(bf)) => {
-                let view = MatRef::row_major(bf, cols, h);
+                let view = view.over(bf);
                 if for_logits {
                     self.logits.pack_b(view.t(), threads);
                 }
@@ -208,7 +242,7 @@ impl WeightTile {
                     dhidden: for_dhidden.then_some(&self.dhidden),
                 }
             }
-            _ => Weight::F32(widened(src, &mut self.wide)),
+            _ => Weight::F32(widened_view(view, &mut self.wide)),
         }
     }
 }
@@ -225,6 +259,72 @@ fn widened<'a, E: Element>(src: &'a [E], buf: &'a mut Vec<f32>) -> &'a [f32] {
     }
 }
 
+/// `view` (contiguous rows or contiguous columns) as f32: itself, or its lines widened
+/// into `buf`, dense, in the same orientation.
+fn widened_view<'a, E: Element>(view: MatRef<'a, E>, buf: &'a mut Vec<f32>) -> MatRef<'a, f32> {
+    if let Some(data) = E::as_f32(view.data) {
+        return view.over(data);
+    }
+    let (rows, cols) = (view.rows, view.cols);
+    let by_rows = view.col_stride == 1;
+    let (lines, len, stride) = match by_rows {
+        true => (rows, cols, view.row_stride),
+        false => (cols, rows, view.col_stride),
+    };
+    buf.resize(lines * len, 0.0);
+    (buf.chunks_mut(len.max(1)).enumerate())
+        .for_each(|(i, dst)| simd::load(&view.data[i * stride..i * stride + len], dst));
+    match by_rows {
+        true => MatRef::row_major(buf, rows, cols),
+        false => MatRef::row_major(buf, cols, rows).t(),
+    }
+}
+
+/// The packed `dZ` of the bf16 products: A of dH and of a `[V, H]` dW, B of an `[H, V]`
+/// dW.
+#[derive(Debug, Default)]
+pub(crate) struct DzPacks {
+    a: PackedA,
+    b: PackedB,
+}
+
+impl DzPacks {
+    /// Bytes held.
+    pub(crate) fn bytes(&self) -> usize {
+        self.a.bytes() + self.b.bytes()
+    }
+}
+
+/// A vocabulary tile's part of `dW` in the weight's layout: `[cols, h]` (`[V, H]`) or
+/// `[h, cols]` (`[H, V]`), rows `ld` apart.
+pub(crate) struct DweightTile<'a> {
+    pub(crate) data: &'a mut [f32],
+    pub(crate) ld: usize,
+    pub(crate) h: usize,
+    pub(crate) layout: WeightLayout,
+}
+
+impl<'a> DweightTile<'a> {
+    /// The part of vocabulary entries `vocab` of the whole `dweight` of `inputs`' head.
+    pub(crate) fn of<E>(
+        dweight: &'a mut [f32],
+        inputs: &LinearInputs<E>,
+        vocab: &Range<usize>,
+    ) -> Self {
+        let (v, h, layout) = (inputs.vocab, inputs.hidden_size, inputs.layout);
+        let (sv, ld) = match layout {
+            WeightLayout::VocabMajor => (h, h),
+            WeightLayout::HiddenMajor => (1, v),
+        };
+        DweightTile {
+            data: &mut dweight[vocab.start * sv..],
+            ld,
+            h,
+            layout,
+        }
+    }
+}
+
 /// `z[rows, cols]` (row stride `ld`) `= H·Wᵀ` on up to `threads` threads.
 pub(crate) fn logits(
     z: &mut [f32],
@@ -235,14 +335,17 @@ pub(crate) fn logits(
     threads: usize,
 ) {
     match (hidden, weight) {
-        (Hidden::F32(hid), Weight::F32(w)) => matmul_on(
-            z,
-            ld,
-            MatRef::row_major(hid, rows, h),
-            MatRef::row_major(w, cols, h).t(),
-            false,
-            threads,
-        ),
+        (Hidden::F32(hid), Weight::F32(w)) => {
+            debug_assert_eq!((w.rows, w.cols), (cols, h));
+            matmul_on(
+                z,
+                ld,
+                MatRef::row_major(hid, rows, h),
+                w.t(),
+                false,
+                threads,
+            )
+        }
         (
             Hidden::Bf16(cpu, hid),
             Weight::Bf16 {
@@ -260,41 +363,50 @@ pub(crate) fn add_dhidden(
     h: usize,
     dz: MatRef,
     weight: Weight,
-    scratch: &mut PackedA,
+    scratch: &mut DzPacks,
     threads: usize,
 ) {
     match weight {
-        Weight::F32(w) => matmul_on(dh, h, dz, MatRef::row_major(w, dz.cols, h), true, threads),
+        Weight::F32(w) => matmul_on(dh, h, dz, w, true, threads),
         Weight::Bf16 {
             cpu,
             dhidden: Some(w),
             ..
         } => {
-            scratch.pack_a(dz, threads);
-            cpu.gemm(dh, h, scratch, w, true, threads)
+            scratch.a.pack_a(dz, threads);
+            cpu.gemm(dh, h, &scratch.a, w, true, threads)
         }
         Weight::Bf16 { .. } => unreachable!("a weight tile not packed for dH"),
     }
 }
 
-/// `dW[cols, h] += dZᵀ·H` for `dz_t` `[cols, rows]` (any strides; the f32 engine reads it
-/// fastest dense); `scratch` holds the packed `dZᵀ`.
+/// `dW_tile += dZᵀ·H` for `dz_t` `[cols, rows]` (any strides; the f32 engine reads it
+/// fastest dense), into `dw` in its layout; `scratch` holds the packed `dZ`.
 pub(crate) fn add_dweight(
-    dw: &mut [f32],
-    h: usize,
+    dw: DweightTile,
     dz_t: MatRef,
     hidden: Hidden,
-    scratch: &mut PackedA,
+    scratch: &mut DzPacks,
     threads: usize,
 ) {
-    match hidden {
-        Hidden::F32(hid) => {
-            let hid = MatRef::row_major(hid, dz_t.cols, h);
-            matmul_on(dw, h, dz_t, hid, true, threads)
+    let ld = dw.ld;
+    match (hidden, dw.layout) {
+        (Hidden::F32(hid), layout) => {
+            let hid = MatRef::row_major(hid, dz_t.cols, dw.h);
+            match layout {
+                WeightLayout::VocabMajor => matmul_on(dw.data, ld, dz_t, hid, true, threads),
+                WeightLayout::HiddenMajor => {
+                    matmul_on(dw.data, ld, hid.t(), dz_t.t(), true, threads)
+                }
+            }
         }
-        Hidden::Bf16(cpu, hid) => {
-            scratch.pack_a(dz_t, threads);
-            cpu.gemm(dw, h, scratch, &hid.dweight, true, threads)
+        (Hidden::Bf16(cpu, hid), WeightLayout::VocabMajor) => {
+            scratch.a.pack_a(dz_t, threads);
+            cpu.gemm(dw.data, ld, &scratch.a, &hid.dweight, true, threads)
+        }
+        (Hidden::Bf16(cpu, hid), WeightLayout::HiddenMajor) => {
+            scratch.b.pack_b(dz_t.t(), threads);
+            cpu.gemm(dw.data, ld, &hid.dweight_t, &scratch.b, true, threads)
         }
     }
 }

@@ -17,9 +17,14 @@
 //! A block holds live rows only ([`super::tiles::live_row_blocks`]): a masked or ignored
 //! row has no statistics and a zero gradient, so its hidden state joins none of the
 //! three products (a padded batch pays for the rows it trains on).
+//!
+//! A `[V, H]` weight's `dW` tile is a block of its rows, which a lane adds into directly;
+//! an `[H, V]` weight's is a block of its columns, interleaved with the other lane's:
+//! the lane forms `Hᵀ·dZ` `[h, cols]` in its own buffer and adds its rows into the
+//! column block's row segments.
 
 use super::matmul::MatRef;
-use super::products;
+use super::products::{self, DweightTile};
 use super::simd;
 use super::tiles::{
     Lane, Problem, Workspace, add_column_sums, grad_row, logits_tile, resize_fresh,
@@ -27,6 +32,7 @@ use super::tiles::{
 use crate::element::Element;
 use crate::fused::{GradsOf, LinearGradsMut, Plan, RowGrad};
 use crate::rows::{OnlineSoftmax, PartialStats, RowInputs, RowStats};
+use crate::weight_layout::WeightLayout;
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
@@ -96,7 +102,12 @@ pub(crate) fn single_pass<E: Element, S: Stored>(
     let bias = problem.bias_f32();
     let engine = problem.engine;
     let threads = (rayon::current_num_threads() / LANES).max(1);
-    ws.prepare_lanes(plan.block_rows, (tiles.len(), vt), h, LANES);
+    ws.prepare_lanes(
+        plan.block_rows,
+        (tiles.len(), vt),
+        (h, inputs.layout),
+        LANES,
+    );
     let Workspace {
         logits,
         hidden,
@@ -115,7 +126,7 @@ pub(crate) fn single_pass<E: Element, S: Stored>(
             continue;
         }
         let all_threads = rayon::current_num_threads();
-        let hid = hidden.load_rows(engine, inputs.hidden, h, &block, all_threads);
+        let hid = hidden.load_rows(engine, inputs, &block, all_threads);
         let exps = deal(
             &mut exps_block[..nb * v],
             tiles.iter().map(|c| nb * c.len()),
@@ -129,13 +140,7 @@ pub(crate) fn single_pass<E: Element, S: Stored>(
                 for ((vocab, e), mu) in lane_tiles.zip(exps).zip(maxima) {
                     let cols = vocab.len();
                     let for_logits = (true, false);
-                    let w = (lane.weight).load(
-                        engine,
-                        inputs.weight,
-                        (h, vocab.clone()),
-                        for_logits,
-                        threads,
-                    );
+                    let w = (lane.weight).load(engine, (inputs, vocab), for_logits, threads);
                     let z = &mut lane.tile[..nb * cols];
                     let b = bias.as_ref().map(|b| &b[vocab.clone()]);
                     logits_tile(z, cols, hid, w, b, t.softcap, (nb, h, cols), threads);
@@ -157,7 +162,7 @@ pub(crate) fn single_pass<E: Element, S: Stored>(
         if grads.iter().all(RowGrad::is_zero) {
             continue;
         }
-        let dweight = deal(&mut out.dweight[..], tiles.iter().map(|c| c.len() * h));
+        let dweight = deal_dweight(&mut out.dweight[..], inputs.layout, &tiles, h);
         let mut dbias = match out.dbias.as_deref_mut() {
             Some(db) => deal(db, tiles.iter().map(|c| c.len())),
             None => (0..LANES).map(|_| Vec::new()).collect(),
@@ -171,28 +176,48 @@ pub(crate) fn single_pass<E: Element, S: Stored>(
                     weight,
                     dz_pack,
                     dhidden,
+                    dweight: dw_cols,
                 } = lane;
                 let dh = &mut dhidden[..nb * h];
                 dh.fill(0.0);
                 let mut dbias = dbias.iter_mut();
                 let lane_tiles = tiles.iter().enumerate().skip(l).step_by(LANES);
-                for ((k, vocab), dw) in lane_tiles.zip(dweight) {
+                for ((k, vocab), mut dw) in lane_tiles.zip(dweight) {
                     let cols = vocab.len();
                     let dz_t = &mut tile[..cols * nb];
                     let e = &exps[nb * vocab.start..nb * vocab.end];
                     let mu = &maxima[k * nb..(k + 1) * nb];
                     grad_tile_t(dz_t, e, mu, vocab, &grads, t.inv_temp, t.inv_cap());
                     let for_dhidden = (false, true);
-                    let w = weight.load(
-                        engine,
-                        inputs.weight,
-                        (h, vocab.clone()),
-                        for_dhidden,
-                        threads,
-                    );
+                    let w = weight.load(engine, (inputs, vocab), for_dhidden, threads);
                     let dz_t = MatRef::row_major(&dz_t[..], cols, nb);
                     products::add_dhidden(dh, h, dz_t.t(), w, dz_pack, threads);
-                    products::add_dweight(dw, h, dz_t, hid, dz_pack, threads);
+                    let layout = inputs.layout;
+                    match layout {
+                        WeightLayout::VocabMajor => {
+                            let (data, ld) = (&mut *dw[0], h);
+                            let dw = DweightTile {
+                                data,
+                                ld,
+                                h,
+                                layout,
+                            };
+                            products::add_dweight(dw, dz_t, hid, dz_pack, threads);
+                        }
+                        WeightLayout::HiddenMajor => {
+                            let data = &mut dw_cols[..h * cols];
+                            data.fill(0.0);
+                            let dw_tile = DweightTile {
+                                data,
+                                ld: cols,
+                                h,
+                                layout,
+                            };
+                            products::add_dweight(dw_tile, dz_t, hid, dz_pack, threads);
+                            (dw.par_iter_mut().zip(dw_cols.par_chunks(cols)))
+                                .for_each(|(d, x)| d.iter_mut().zip(x).for_each(|(d, x)| *d += x));
+                        }
+                    }
                     if let Some(db) = dbias.next() {
                         add_column_sums(db, dz_t.data, nb);
                     }
@@ -209,14 +234,63 @@ pub(crate) fn single_pass<E: Element, S: Stored>(
     stats
 }
 
+/// `buf` cut into consecutive pieces of `lens` elements.
+fn split<T>(mut buf: &mut [T], lens: impl Iterator<Item = usize>) -> Vec<&mut [T]> {
+    lens.map(|len| {
+        let (piece, rest) = std::mem::take(&mut buf).split_at_mut(len);
+        buf = rest;
+        piece
+    })
+    .collect()
+}
+
 /// Splits `buf` into consecutive pieces of `lens` elements and deals piece `k` to lane
 /// `k mod LANES`.
-fn deal<T>(mut buf: &mut [T], lens: impl Iterator<Item = usize>) -> Vec<Vec<&mut [T]>> {
+fn deal<T>(buf: &mut [T], lens: impl Iterator<Item = usize>) -> Vec<Vec<&mut [T]>> {
     let mut lanes: Vec<Vec<&mut [T]>> = (0..LANES).map(|_| Vec::new()).collect();
-    for (k, len) in lens.enumerate() {
-        let (piece, rest) = std::mem::take(&mut buf).split_at_mut(len);
+    for (k, piece) in split(buf, lens).into_iter().enumerate() {
         lanes[k % LANES].push(piece);
-        buf = rest;
+    }
+    lanes
+}
+
+/// `dW` (`h` wide, in `layout`) cut by vocabulary tile and dealt as [`deal`] deals the
+/// tiles: per lane, per tile, its rows (one piece of `[V, H]`) or its columns' row
+/// segments (`h` pieces of `[H, V]`).
+fn deal_dweight<'a>(
+    dw: &'a mut [f32],
+    layout: WeightLayout,
+    tiles: &[Range<usize>],
+    h: usize,
+) -> Vec<Vec<Vec<&'a mut [f32]>>> {
+    let mut lanes: Vec<Vec<Vec<&mut [f32]>>> = (0..LANES)
+        .map(|l| {
+            tiles
+                .iter()
+                .skip(l)
+                .step_by(LANES)
+                .map(|_| Vec::new())
+                .collect()
+        })
+        .collect();
+    let pieces: Vec<(usize, &mut [f32])> = match layout {
+        WeightLayout::VocabMajor => {
+            let pieces = split(dw, tiles.iter().map(|c| c.len() * h));
+            pieces.into_iter().enumerate().collect()
+        }
+        WeightLayout::HiddenMajor => {
+            let v = tiles.last().map_or(0, |c| c.end);
+            (dw.chunks_mut(v.max(1)))
+                .flat_map(|row| {
+                    split(row, tiles.iter().map(Range::len))
+                        .into_iter()
+                        .enumerate()
+                })
+                .collect()
+        }
+    };
+    for (k, piece) in pieces {
+        lanes[k % LANES][k / LANES].push(piece);
     }
     lanes
 }

@@ -5,15 +5,17 @@
 //! engine (`super::products`: bf16 inputs widened one block or tile at a time into the
 //! [`Workspace`], never whole, or packed for `vdpbf16ps`).
 
-use super::bf16_gemm::PackedA;
 use super::matmul::{MatRef, matmul};
 use super::online_softmax::tile_state;
-use super::products::{self, Engine, Hidden, HiddenBlock, Weight, WeightTile};
+use super::products::{
+    self, DweightTile, DzPacks, Engine, Hidden, HiddenBlock, Weight, WeightTile,
+};
 use super::simd;
 use crate::batch::LinearInputs;
 use crate::element::Element;
 use crate::fused::{LinearGradsMut, RowGrad};
 use crate::rows::{PartialStats, RowInputs};
+use crate::weight_layout::WeightLayout;
 use rayon::prelude::*;
 use std::ops::Range;
 
@@ -119,7 +121,7 @@ pub struct Workspace {
     pub(crate) hidden: HiddenBlock,
     pub(crate) weight: WeightTile,
     /// A packed `dZ` (bf16 products).
-    pub(crate) dz_pack: PackedA,
+    pub(crate) dz_pack: DzPacks,
     /// A compact single-pass block (f16; an f32 block is kept in `logits`).
     pub(crate) exps: Vec<half::f16>,
     /// The per-(tile, row) maxima `μ_tile` of a single-pass block, `[tiles, rows]`.
@@ -133,14 +135,16 @@ pub struct Workspace {
 }
 
 /// One lane of a single-pass block (`super::single_pass`): its f32 tile (logits `[rows, cols]`,
-/// then `dZᵀ` `[cols, rows]`), its weight tile (widened or packed), its packed `dZ` and
-/// the dH rows it adds into.
+/// then `dZᵀ` `[cols, rows]`), its weight tile (widened or packed), its packed `dZ`, the
+/// dH rows it adds into and, for an `[H, V]` weight, its tile's `dW` `[h, cols]` (added
+/// into dW's columns, which the lanes' tiles interleave).
 #[derive(Debug, Default)]
 pub(crate) struct Lane {
     pub(crate) tile: Vec<f32>,
     pub(crate) weight: WeightTile,
-    pub(crate) dz_pack: PackedA,
+    pub(crate) dz_pack: DzPacks,
     pub(crate) dhidden: Vec<f32>,
+    pub(crate) dweight: Vec<f32>,
 }
 
 /// Sizes `buf` to `len` zeros when its length differs (a fresh buffer, so that a
@@ -164,7 +168,7 @@ impl Workspace {
             .lanes
             .iter()
             .map(|l| {
-                4 * (l.tile.capacity() + l.dhidden.capacity())
+                4 * (l.tile.capacity() + l.dhidden.capacity() + l.dweight.capacity())
                     + l.weight.bytes()
                     + l.dz_pack.bytes()
             })
@@ -185,19 +189,25 @@ impl Workspace {
     }
 
     /// Sizes the tile maxima and lanes of a single-pass block of `rows` rows in `tiles`
-    /// tiles of up to `vocab_tile` entries, with `lanes` lanes, for hidden size `h`.
+    /// tiles of up to `vocab_tile` entries, with `lanes` lanes, for hidden size `h` (and
+    /// a weight in `layout`).
     pub(crate) fn prepare_lanes(
         &mut self,
         rows: usize,
         (tiles, vocab_tile): (usize, usize),
-        h: usize,
+        (h, layout): (usize, WeightLayout),
         lanes: usize,
     ) {
         resize_fresh(&mut self.tile_max, rows * tiles);
         self.lanes.resize_with(lanes, Lane::default);
+        let dweight = match layout {
+            WeightLayout::VocabMajor => 0,
+            WeightLayout::HiddenMajor => h * vocab_tile,
+        };
         for lane in self.lanes.iter_mut() {
             resize_fresh(&mut lane.tile, rows * vocab_tile);
             resize_fresh(&mut lane.dhidden, rows * h);
+            resize_fresh(&mut lane.dweight, dweight);
         }
     }
 }
@@ -312,21 +322,21 @@ pub(crate) fn grad_row(
 }
 
 /// `dH[block] += dZ·W[vocab]`, `dW[vocab] += dZᵀ·H[block]`, `dbias[vocab] += Σ_rows dZ`
-/// for one gradient tile `dz` of the rows of `block` (`[rows, cols]`, row stride `ld`);
-/// `dz_t`, `dz_pack` and `dh_rows` (the dH rows of a block with gaps, added into dH
-/// after the product) are scratch.
+/// for one gradient tile `dz` of the rows of `block` (`[rows, cols]`, row stride `ld`)
+/// of `inputs`' head; `dz_t`, `dz_pack` and `dh_rows` (the dH rows of a block with gaps,
+/// added into dH after the product) are scratch.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn accumulate_tile(
+pub(crate) fn accumulate_tile<E>(
     grads: &mut LinearGradsMut,
     dz: &[f32],
     ld: usize,
     (hidden, weight): (Hidden, Weight),
     block: &RowBlock,
     vocab: &Range<usize>,
-    h: usize,
-    (dz_t, dz_pack, dh_rows): (&mut Vec<f32>, &mut PackedA, &mut Vec<f32>),
+    inputs: &LinearInputs<E>,
+    (dz_t, dz_pack, dh_rows): (&mut Vec<f32>, &mut DzPacks, &mut Vec<f32>),
 ) {
-    let (nb, vt) = (block.ids.len(), vocab.len());
+    let (nb, vt, h) = (block.ids.len(), vocab.len(), inputs.hidden_size);
     if nb == 0 || vt == 0 {
         return;
     }
@@ -355,8 +365,8 @@ pub(crate) fn accumulate_tile(
     // `dZᵀ` dense: `gemm` copies a transposed view into fresh memory on every call.
     transpose_into(dz, ld, nb, vt, dz_t);
     let dz_t = MatRef::row_major(&dz_t[..], vt, nb);
-    let dw = &mut grads.dweight[vocab.start * h..vocab.end * h];
-    products::add_dweight(dw, h, dz_t, hidden, dz_pack, threads);
+    let dw = DweightTile::of(grads.dweight, inputs, vocab);
+    products::add_dweight(dw, dz_t, hidden, dz_pack, threads);
     if let Some(db) = grads.dbias.as_deref_mut() {
         add_column_sums(&mut db[vocab.clone()], dz_t.data, nb);
     }

@@ -14,6 +14,7 @@ use crate::error::{Error, Result};
 use crate::fused::{Head, LinearGradsMut};
 use crate::grpo_config::GrpoLoss;
 use crate::grpo_logits::GrpoLogitsForward;
+use crate::weight_layout::WeightLayout;
 use half::bf16;
 
 /// Device addresses of an LM head (`hidden [N, H]`, `weight [V, H]` in the call's
@@ -92,7 +93,20 @@ fn cast<'a, E, T>(
         tokens: inputs.tokens,
         hidden_size: inputs.hidden_size,
         vocab: inputs.vocab,
+        layout: inputs.layout,
     })
+}
+
+/// The CUDA backend's products read a `[V, H]` weight only: the error of an `[H, V]` one.
+pub fn check_weight_layout(layout: WeightLayout) -> Result<()> {
+    match layout {
+        WeightLayout::VocabMajor => Ok(()),
+        WeightLayout::HiddenMajor => Err(Error::InvalidArgument {
+            arg: "weight_layout",
+            reason: "weight layout [H, V] is not supported on CUDA yet (pass a [V, H] weight)"
+                .into(),
+        }),
+    }
 }
 
 /// Runs `work` on a device copy of host `inputs` (f32 or bf16); the gradients (when
@@ -104,6 +118,7 @@ pub(crate) fn run_on_host_buffers<E: Element, R>(
     grads: LinearGradsMut,
     work: impl FnOnce(&mut dyn Head) -> Result<R>,
 ) -> Result<R> {
+    check_weight_layout(inputs.layout)?;
     fn typed<T: GpuElement, R>(
         gpu: &Gpu,
         ws: &mut Option<GpuWorkspace>,

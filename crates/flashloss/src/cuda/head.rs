@@ -8,6 +8,7 @@ use super::device::{DeviceBuffer, Gpu, GpuElement, device_error};
 use crate::batch::{HeadShape, LinearInputs};
 use crate::error::{Error, Result};
 use crate::fused::{LinearGrads, Plan, check_grad_lens};
+use crate::weight_layout::WeightLayout;
 use cudarc::cublas::CudaBlas;
 use half::bf16;
 
@@ -98,6 +99,7 @@ impl GpuGrads {
     pub fn check<E>(&self, head: &GpuInputs<E>) -> Result<()> {
         check_grad_lens(
             head.shape(),
+            WeightLayout::VocabMajor,
             head.bias.is_some(),
             self.dhidden.len(),
             self.dweight.len(),

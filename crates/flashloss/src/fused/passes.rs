@@ -1,5 +1,5 @@
 //! What a backend offers the fused LM-head losses: a [`Head`] (hidden states `[N, H]`,
-//! weight `[V, H]`, optional bias `[V]`, gradient buffers and a workspace, in host or
+//! weight `[V, H]` or `[H, V]`, optional bias `[V]`, gradient buffers and a workspace, in host or
 //! device memory) plans its work and runs [`FusedPasses`] over it. Pass A streams the
 //! vocabulary for each row's softmax state; pass B recomputes each tile, turns it into
 //! `dZ` with one [`RowGrad`] per row and adds `dH += dZ·W`, `dW += dZᵀ·H`,
@@ -13,6 +13,7 @@ use crate::collective::Collective;
 use crate::element::Element;
 use crate::error::{Error, Result};
 use crate::rows::{PartialStats, RowInputs, RowStats};
+use crate::weight_layout::WeightLayout;
 use std::ops::Range;
 
 /// What turns a row's logits into its gradient: with
@@ -130,7 +131,7 @@ pub(crate) fn check_head(head: &dyn Head, with_grads: bool) -> Result<()> {
 pub struct LinearGrads {
     /// `dH` `[N, H]`.
     pub dhidden: Vec<f32>,
-    /// `dW` `[V, H]`.
+    /// `dW`, `[V, H]` or `[H, V]` as the weight.
     pub dweight: Vec<f32>,
     /// `dbias` `[V]` (when the head has a bias).
     pub dbias: Option<Vec<f32>>,
@@ -166,6 +167,7 @@ impl LinearGrads {
     pub fn check<E>(&self, inputs: &LinearInputs<E>) -> Result<()> {
         check_grad_lens(
             inputs.shape(),
+            inputs.layout,
             inputs.bias.is_some(),
             self.dhidden.len(),
             self.dweight.len(),
@@ -189,7 +191,7 @@ impl LinearGrads {
 pub struct LinearGradsMut<'a> {
     /// `dH` `[N, H]`.
     pub dhidden: &'a mut [f32],
-    /// `dW` `[V, H]`.
+    /// `dW`, `[V, H]` or `[H, V]` as the weight.
     pub dweight: &'a mut [f32],
     /// `dbias` `[V]` (when the head has a bias).
     pub dbias: Option<&'a mut [f32]>,
@@ -200,6 +202,7 @@ impl LinearGradsMut<'_> {
     pub fn check<E>(&self, inputs: &LinearInputs<E>) -> Result<()> {
         check_grad_lens(
             inputs.shape(),
+            inputs.layout,
             inputs.bias.is_some(),
             self.dhidden.len(),
             self.dweight.len(),
@@ -223,9 +226,11 @@ impl LinearGradsMut<'_> {
 }
 
 /// Checks gradient buffers of `dhidden`, `dweight` and `dbias` elements against a head
-/// of `shape` (a bias buffer exactly when the head has a bias); any backend's.
+/// of `shape` with its weight in `layout` (a bias buffer exactly when the head has a
+/// bias); any backend's.
 pub fn check_grad_lens(
     shape: HeadShape,
+    layout: WeightLayout,
     has_bias: bool,
     dhidden: usize,
     dweight: usize,
@@ -244,7 +249,7 @@ pub fn check_grad_lens(
         return bad("dhidden", format!("[N={n}, H={h}]"), n * h, dhidden);
     }
     if dweight != v * h {
-        return bad("dweight", format!("[V={v}, H={h}]"), v * h, dweight);
+        return bad("dweight", layout.shape(v, h), v * h, dweight);
     }
     match (dbias, has_bias) {
         (Some(db), true) if db != v => bad("dbias", format!("[V={v}]"), v, db),

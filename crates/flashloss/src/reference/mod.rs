@@ -29,15 +29,17 @@ pub fn dense_f64<E: Element>(data: &[E], layout: &LogitsLayout) -> Vec<f64> {
     out
 }
 
-/// Dense f64 logits `z = hidden · weightᵀ + bias` `[N, V]` of an LM head.
+/// Dense f64 logits `z_ij = Σ_k hidden_ik·W_jk + bias_j` `[N, V]` of an LM head (its
+/// weight in either layout).
 pub fn linear_logits<E: Element>(inputs: &LinearInputs<E>) -> Vec<f64> {
     let (n, h, v) = (inputs.tokens, inputs.hidden_size, inputs.vocab);
+    let at = |j: usize, k: usize| inputs.layout.index(j, k, v, h);
     let hid: Vec<f64> = inputs.hidden.iter().map(|x| x.to_f32() as f64).collect();
     let w: Vec<f64> = inputs.weight.iter().map(|x| x.to_f32() as f64).collect();
     let mut z = vec![0.0; n * v];
     for i in 0..n {
         for j in 0..v {
-            let dot: f64 = (0..h).map(|k| hid[i * h + k] * w[j * h + k]).sum();
+            let dot: f64 = (0..h).map(|k| hid[i * h + k] * w[at(j, k)]).sum();
             z[i * v + j] = dot + inputs.bias.map_or(0.0, |b| b[j].to_f32() as f64);
         }
     }
@@ -45,12 +47,13 @@ pub fn linear_logits<E: Element>(inputs: &LinearInputs<E>) -> Vec<f64> {
 }
 
 /// The LM head's gradients from dense `dlogits` `[N, V]`: `dH = dZ·W` `[N, H]`,
-/// `dW = dZᵀ·H` `[V, H]`, `dbias = Σ_rows dZ` `[V]`.
+/// `dW = dZᵀ·H` (`[V, H]` or `[H, V]`, as the weight), `dbias = Σ_rows dZ` `[V]`.
 pub fn linear_grads<E: Element>(
     inputs: &LinearInputs<E>,
     dlogits: &[f64],
 ) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
     let (n, h, v) = (inputs.tokens, inputs.hidden_size, inputs.vocab);
+    let at = |j: usize, k: usize| inputs.layout.index(j, k, v, h);
     let hid: Vec<f64> = inputs.hidden.iter().map(|x| x.to_f32() as f64).collect();
     let w: Vec<f64> = inputs.weight.iter().map(|x| x.to_f32() as f64).collect();
     let mut dh = vec![0.0; n * h];
@@ -64,8 +67,8 @@ pub fn linear_grads<E: Element>(
             }
             db[j] += g;
             for k in 0..h {
-                dh[i * h + k] += g * w[j * h + k];
-                dw[j * h + k] += g * hid[i * h + k];
+                dh[i * h + k] += g * w[at(j, k)];
+                dw[at(j, k)] += g * hid[i * h + k];
             }
         }
     }

@@ -4,7 +4,12 @@ in a build with the ``cuda`` feature the fused losses (``flashloss_grpo_linear``
 ``flashloss_ce_linear``) for CUDA too, under the same names (not yet run on a GPU). Each fused call returns the loss
 and the gradients of ``hidden``, ``weight``, ``bias`` together; ``vmap`` runs the
 handler once per batch element (``vmap_method="sequential"``), since a GRPO batch's
-normalizers span its sequences."""
+normalizers span its sequences.
+
+Every call that takes the LM head's ``weight`` takes ``weight_layout``: ``"vh"`` for
+``[V, H]`` (PyTorch's layout, a tied embedding) or ``"hv"`` for ``[H, V]`` (a Flax
+kernel, ``'BTD,DV->BTV'``), read as it lies (no transposed copy); ``dweight`` has the
+weight's shape."""
 
 from __future__ import annotations
 
@@ -37,10 +42,23 @@ def _or_empty(x: Optional[jax.Array], dtype) -> jax.Array:
     return jnp.zeros((0,), dtype) if x is None else x
 
 
-def grpo_linear(hidden, weight, bias, ids, mask, advantages, old, ref, *, config: str, mode: str, budget_mib: float):
+def vocab_size(weight, weight_layout: str) -> int:
+    """``V`` of ``weight`` (``[V, H]`` for ``weight_layout="vh"``, ``[H, V]`` for ``"hv"``)."""
+    if weight_layout not in ("vh", "hv"):
+        raise ValueError(f'argument `weight_layout`: expected "vh" ([V, H]) or "hv" ([H, V]), got {weight_layout!r}')
+    if len(weight.shape) != 2:
+        want = "[V, H]" if weight_layout == "vh" else "[H, V]"
+        raise ValueError(f"argument `weight`: expected shape {want} (weight_layout {weight_layout!r}), got {list(weight.shape)}")
+    return weight.shape[0] if weight_layout == "vh" else weight.shape[1]
+
+
+def grpo_linear(
+    hidden, weight, bias, ids, mask, advantages, old, ref, *, config: str, mode: str, budget_mib: float,
+    weight_layout: str = "vh",
+):  # fmt: skip
     """``(loss, dhidden, dweight, dbias, logp, entropy, kl, metrics[5])``."""
     b, t = ids.shape
-    v, h = weight.shape
+    v = vocab_size(weight, weight_layout)
     x = hidden
     results = (
         _like(x, ()),
@@ -56,13 +74,15 @@ def grpo_linear(hidden, weight, bias, ids, mask, advantages, old, ref, *, config
         "flashloss_grpo_linear", results,
         hidden, weight, _or_empty(bias, hidden.dtype), ids, mask, advantages,
         _or_empty(old, jnp.float32), _or_empty(ref, jnp.float32),
-        budget_mib=float(budget_mib), config=config, mode=mode,
+        budget_mib=float(budget_mib), config=config, mode=mode, weight_layout=weight_layout,
     )  # fmt: skip
 
 
-def ce_linear(hidden, weight, bias, targets, grad_rows, *, config: str, mode: str, budget_mib: float):
+def ce_linear(
+    hidden, weight, bias, targets, grad_rows, *, config: str, mode: str, budget_mib: float, weight_layout: str = "vh"
+):  # fmt: skip
     """``(loss, dhidden, dweight, dbias, row_loss[N], count)``."""
-    v, h = weight.shape
+    v = vocab_size(weight, weight_layout)
     n = targets.shape[0]
     x = hidden
     results = (
@@ -76,26 +96,29 @@ def ce_linear(hidden, weight, bias, targets, grad_rows, *, config: str, mode: st
     return _call(
         "flashloss_ce_linear", results,
         hidden, weight, _or_empty(bias, hidden.dtype), targets, _or_empty(grad_rows, jnp.float32),
-        budget_mib=float(budget_mib), config=config, mode=mode,
+        budget_mib=float(budget_mib), config=config, mode=mode, weight_layout=weight_layout,
     )  # fmt: skip
 
 
-def ce_rows(hidden, weight, bias, targets, *, config: str, budget_mib: float):
+def ce_rows(hidden, weight, bias, targets, *, config: str, budget_mib: float, weight_layout: str = "vh"):
     """``row_loss[N]``: the per-row CE losses, one statistics pass (no gradient buffers)."""
     n = targets.shape[0]
+    vocab_size(weight, weight_layout)
     return _call(
         "flashloss_ce_rows", (_like(hidden, (n,)),),
         hidden, weight, _or_empty(bias, hidden.dtype), targets, budget_mib=float(budget_mib), config=config,
+        weight_layout=weight_layout,
     )[0]  # fmt: skip
 
 
-def logp_linear(hidden, weight, bias, ids, mask, *, temperature: float, budget_mib: float):
+def logp_linear(hidden, weight, bias, ids, mask, *, temperature: float, budget_mib: float, weight_layout: str = "vh"):
     """``(logp[N], entropy[N])`` (no gradient)."""
     n = ids.shape[0]
+    vocab_size(weight, weight_layout)
     return _call(
         "flashloss_logp_linear", (_like(hidden, (n,)), _like(hidden, (n,))),
         hidden, weight, _or_empty(bias, hidden.dtype), ids, mask,
-        budget_mib=float(budget_mib), mode="two_pass", temperature=float(temperature),
+        budget_mib=float(budget_mib), mode="two_pass", temperature=float(temperature), weight_layout=weight_layout,
     )  # fmt: skip
 
 

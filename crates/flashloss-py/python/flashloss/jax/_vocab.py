@@ -5,7 +5,11 @@ JAX runs: pass A on each device's block gives per-row partial softmax states (ma
 (as flashloss's ``sharding::merge_partial`` does); the O(N) policy stage runs on the
 merged statistics (the same on every device); pass B adds each block's ``dW`` and its
 part of ``dH``, which JAX sums over the axis (``hidden`` is cast to varying first, so
-the transpose of that cast is the sum)."""
+the transpose of that cast is the sum).
+
+Each function takes ``weight_layout``: ``"vh"`` (the block ``[V_r, H]``) or ``"hv"``
+(``[H, V_r]``, a Flax kernel split along its columns); the block's ``dweight`` has its
+shape."""
 
 from __future__ import annotations
 
@@ -14,15 +18,15 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ._ops import _call, _like, _or_empty
+from ._ops import _call, _like, _or_empty, vocab_size
 
 
-def _partial(x, w, bias, ids, mask, offset, temperature, budget, mode):
+def _partial(x, w, bias, ids, mask, offset, temperature, budget, mode, layout):
     n = ids.shape[0]
     results = tuple(_like(x, (n,)) for _ in range(4))
     return _call(
         "flashloss_vocab_partial", results, x, w, _or_empty(bias, x.dtype), ids, mask, offset,
-        budget_mib=budget, mode=mode, temperature=temperature,
+        budget_mib=budget, mode=mode, temperature=temperature, weight_layout=layout,
     )  # fmt: skip
 
 
@@ -61,54 +65,58 @@ def _policy(logp, entropy, ids, mask, adv, old, ref, config, vocab):
     )  # fmt: skip
 
 
-def _grads(x, w, bias, ids, mask, offset, stats, temperature, budget, mode):
-    v, _ = w.shape
+def _grads(x, w, bias, ids, mask, offset, stats, temperature, budget, mode, layout):
+    v = vocab_size(w, layout)
     results = (_like(x, x.shape), _like(x, w.shape), _like(x, (0,) if bias is None else (v,)))
     return _call(
         "flashloss_vocab_grads", results, x, w, _or_empty(bias, x.dtype), ids, mask, offset, *stats,
-        budget_mib=budget, mode=mode, temperature=temperature,
+        budget_mib=budget, mode=mode, temperature=temperature, weight_layout=layout,
     )  # fmt: skip
 
 
-def _offset(weight, axis):
+def _offset(weight, axis, layout):
     """The first vocabulary id of this device's block of the head."""
     if axis is None:
         return jnp.int32(0)
-    return (jax.lax.axis_index(axis) * weight.shape[0]).astype(jnp.int32)
+    return (jax.lax.axis_index(axis) * vocab_size(weight, layout)).astype(jnp.int32)
 
 
-def _step(hidden, weight, bias, ids, mask, adv, old, ref, config, axis, temperature, vocab, mode, budget):
+def _step(hidden, weight, bias, ids, mask, adv, old, ref, config, axis, temperature, vocab, mode, budget, layout):
     b, t = ids.shape
     x = hidden.reshape(b * t, hidden.shape[-1])
     flat_ids, flat_mask = ids.reshape(-1), mask.reshape(-1)
-    offset = _offset(weight, axis)
-    part = _partial(x, weight, bias, flat_ids, flat_mask, offset, temperature, budget, mode)
+    offset = _offset(weight, axis, layout)
+    part = _partial(x, weight, bias, flat_ids, flat_mask, offset, temperature, budget, mode, layout)
     top, log_sum, entropy, logp = _merge(part, flat_mask, axis, temperature)
     loss, dlogp, dentropy, kl, metrics = _policy(
         logp.reshape(b, t), entropy.reshape(b, t), ids, mask, adv, old, ref, config, vocab
     )
     stats = (top, log_sum, entropy, dlogp.reshape(-1), dentropy.reshape(-1))
-    dh, dw, db = _grads(x, weight, bias, flat_ids, flat_mask, offset, stats, temperature, budget, mode)
+    dh, dw, db = _grads(x, weight, bias, flat_ids, flat_mask, offset, stats, temperature, budget, mode, layout)
     aux = (logp.reshape(b, t), entropy.reshape(b, t), kl, metrics)
     return loss, aux, (dh.reshape(hidden.shape), dw, None if bias is None else db)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12, 13))
-def grpo(hidden, weight, bias, ids, mask, adv, old, ref, config, axis, temperature, vocab, mode, budget):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12, 13, 14))
+def grpo(
+    hidden, weight, bias, ids, mask, adv, old, ref, config, axis, temperature, vocab, mode, budget, weight_layout="vh"
+):  # fmt: skip
     """``(loss, (logp, entropy, kl, metrics))`` of this device's block of the head."""
-    loss, aux, _ = _step(hidden, weight, bias, ids, mask, adv, old, ref, config, axis, temperature, vocab, mode, budget)
+    args = (config, axis, temperature, vocab, mode, budget, weight_layout)
+    loss, aux, _ = _step(hidden, weight, bias, ids, mask, adv, old, ref, *args)
     return loss, aux
 
 
-def _fwd(hidden, weight, bias, ids, mask, adv, old, ref, config, axis, temperature, vocab, mode, budget):
-    loss, aux, grads = _step(
-        hidden, weight, bias, ids, mask, adv, old, ref, config, axis, temperature, vocab, mode, budget
-    )
+def _fwd(
+    hidden, weight, bias, ids, mask, adv, old, ref, config, axis, temperature, vocab, mode, budget, weight_layout="vh"
+):  # fmt: skip
+    args = (config, axis, temperature, vocab, mode, budget, weight_layout)
+    loss, aux, grads = _step(hidden, weight, bias, ids, mask, adv, old, ref, *args)
     protos = tuple(None if x is None else jnp.zeros((0,), x.dtype) for x in (hidden, weight, bias))
     return (loss, aux), (grads, protos)
 
 
-def _bwd(config, axis, temperature, vocab, mode, budget, res, cts):
+def _bwd(config, axis, temperature, vocab, mode, budget, weight_layout, res, cts):
     grads, protos = res
     g = cts[0]
     out = tuple(None if d is None else (g * d).astype(p.dtype) for d, p in zip(grads, protos))
@@ -118,27 +126,28 @@ def _bwd(config, axis, temperature, vocab, mode, budget, res, cts):
 grpo.defvjp(_fwd, _bwd)
 
 
-def _logprobs_fwd(x, w, bias, ids, mask, axis, temperature, budget, mode):
-    offset = _offset(w, axis)
-    part = _partial(x, w, bias, ids, mask, offset, temperature, budget, mode)
+def _logprobs_fwd(x, w, bias, ids, mask, axis, temperature, budget, mode, weight_layout="vh"):
+    offset = _offset(w, axis, weight_layout)
+    part = _partial(x, w, bias, ids, mask, offset, temperature, budget, mode, weight_layout)
     top, log_sum, entropy, logp = _merge(part, mask, axis, temperature)
     return (logp, entropy), (x, w, bias, ids, mask, top, log_sum, entropy)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def logprobs(x, w, bias, ids, mask, axis, temperature, budget, mode):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def logprobs(x, w, bias, ids, mask, axis, temperature, budget, mode, weight_layout="vh"):
     """``(logp, entropy)`` ``[N]`` of rows ``x`` ``[N, H]`` at ``ids`` under this device's
     block of the head (``axis``: the mesh axis the head is split over, or None),
     differentiable: the backward is pass B with each row's cotangents as the
     coefficients of ``∂logp/∂z`` and ``∂entropy/∂z``."""
-    return _logprobs_fwd(x, w, bias, ids, mask, axis, temperature, budget, mode)[0]
+    return _logprobs_fwd(x, w, bias, ids, mask, axis, temperature, budget, mode, weight_layout)[0]
 
 
-def _logprobs_bwd(axis, temperature, budget, mode, res, cts):
+def _logprobs_bwd(axis, temperature, budget, mode, weight_layout, res, cts):
     x, w, bias, ids, mask, top, log_sum, entropy = res
     g_logp, g_entropy = (jnp.where(mask, c, 0.0).astype(jnp.float32) for c in cts)
     stats = (top, log_sum, entropy, g_logp, g_entropy)
-    dh, dw, db = _grads(x, w, bias, ids, mask, _offset(w, axis), stats, temperature, budget, mode)
+    offset = _offset(w, axis, weight_layout)
+    dh, dw, db = _grads(x, w, bias, ids, mask, offset, stats, temperature, budget, mode, weight_layout)
     db = None if bias is None else db.astype(bias.dtype)
     return dh.astype(x.dtype), dw.astype(w.dtype), db, None, None
 
@@ -146,17 +155,17 @@ def _logprobs_bwd(axis, temperature, budget, mode, res, cts):
 logprobs.defvjp(_logprobs_fwd, _logprobs_bwd)
 
 
-def _ce_partial(x, w, bias, targets, offset, config, vocab, budget, mode):
+def _ce_partial(x, w, bias, targets, offset, config, vocab, budget, mode, layout):
     n = targets.shape[0]
     results = tuple(_like(x, (n,)) for _ in range(5))
     return _call(
         "flashloss_ce_vocab_partial", results, x, w, _or_empty(bias, x.dtype), targets, offset,
-        budget_mib=budget, mode=mode, config=config, vocab=int(vocab),
+        budget_mib=budget, mode=mode, config=config, vocab=int(vocab), weight_layout=layout,
     )  # fmt: skip
 
 
-def _ce_grads(x, w, bias, targets, offset, stats, grad_rows, config, vocab, budget, mode):
-    n, v = targets.shape[0], w.shape[0]
+def _ce_grads(x, w, bias, targets, offset, stats, grad_rows, config, vocab, budget, mode, layout):
+    n, v = targets.shape[0], vocab_size(w, layout)
     results = (
         _like(x, ()),
         _like(x, (n,)),
@@ -167,47 +176,53 @@ def _ce_grads(x, w, bias, targets, offset, stats, grad_rows, config, vocab, budg
     return _call(
         "flashloss_ce_vocab_grads", results, x, w, _or_empty(bias, x.dtype), targets, offset, *stats,
         _or_empty(grad_rows, jnp.float32), budget_mib=budget, mode=mode, config=config, vocab=int(vocab),
+        weight_layout=layout,
     )  # fmt: skip
 
 
-def _ce_stats(x, w, bias, targets, axis, config, temperature, ignore_index, vocab, budget, mode):
+def _ce_stats(x, w, bias, targets, axis, config, temperature, ignore_index, vocab, budget, mode, layout):
     """Every row's statistics over the whole vocabulary: max, log Σexp, entropy, logp,
     mean logit (as the loss transforms the logits: soft-cap, temperature)."""
-    offset = _offset(w, axis)
-    part = _ce_partial(x, w, bias, targets, offset, config, vocab, budget, mode)
+    offset = _offset(w, axis, layout)
+    part = _ce_partial(x, w, bias, targets, offset, config, vocab, budget, mode, layout)
     live = targets != ignore_index
     top, log_sum, entropy, logp = _merge(part[:4], live, axis, temperature)
     mean = jnp.where(live, _psum(part[4], axis) / jnp.float32(vocab) / jnp.float32(temperature), 0.0)
     return offset, (top, log_sum, entropy, logp, mean)
 
 
-def _ce_fwd(x, w, bias, targets, axis, config, temperature, ignore_index, vocab, reduction, budget, mode):
-    args = (axis, config, temperature, ignore_index, vocab, budget, mode)
+def _ce_fwd(
+    x, w, bias, targets, axis, config, temperature, ignore_index, vocab, reduction, budget, mode, weight_layout="vh"
+):  # fmt: skip
+    args = (axis, config, temperature, ignore_index, vocab, budget, mode, weight_layout)
     offset, stats = _ce_stats(x, w, bias, targets, *args)
     zero = jnp.zeros(targets.shape, jnp.float32) if reduction == "none" else None
-    loss, rows, dh, dw, db = _ce_grads(x, w, bias, targets, offset, stats, zero, config, vocab, budget, mode)
+    tail = (config, vocab, budget, mode, weight_layout)
+    loss, rows, dh, dw, db = _ce_grads(x, w, bias, targets, offset, stats, zero, *tail)
     out = rows if reduction == "none" else loss
     if axis is not None:  # the same on every device (from the merged statistics): say so
         out = jax.lax.pmax(out, axis)
     return out, (x, w, bias, targets, offset, stats, (dh, dw, None if bias is None else db))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9, 10, 11))
-def cross_entropy(x, w, bias, targets, axis, config, temperature, ignore_index, vocab, reduction, budget, mode):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9, 10, 11, 12))
+def cross_entropy(
+    x, w, bias, targets, axis, config, temperature, ignore_index, vocab, reduction, budget, mode, weight_layout="vh"
+):  # fmt: skip
     """Cross-entropy of rows ``x`` ``[N, H]`` at ``targets`` ``[N]`` (ids of the whole
     vocabulary) under this device's block of the head, its rows merged over ``axis``:
     the loss (reduction mean, sum) or the per-row losses (none), the same on every
     device. Mean and sum form the gradients in the forward; none runs pass B in its
     backward with each row's cotangent."""
-    return _ce_fwd(x, w, bias, targets, axis, config, temperature, ignore_index, vocab, reduction, budget, mode)[0]
+    args = (axis, config, temperature, ignore_index, vocab, reduction, budget, mode, weight_layout)
+    return _ce_fwd(x, w, bias, targets, *args)[0]
 
 
-def _ce_bwd(axis, config, temperature, ignore_index, vocab, reduction, budget, mode, res, g):
+def _ce_bwd(axis, config, temperature, ignore_index, vocab, reduction, budget, mode, weight_layout, res, g):
     x, w, bias, targets, offset, stats, grads = res
     if reduction == "none":
-        _, _, dh, dw, db = _ce_grads(
-            x, w, bias, targets, offset, stats, g.astype(jnp.float32), config, vocab, budget, mode
-        )
+        tail = (config, vocab, budget, mode, weight_layout)
+        _, _, dh, dw, db = _ce_grads(x, w, bias, targets, offset, stats, g.astype(jnp.float32), *tail)
         grads = (dh, dw, None if bias is None else db)
     else:
         grads = tuple(None if d is None else g * d for d in grads)
