@@ -70,11 +70,6 @@ def _ffi(case, args):
     return [np.asarray(x, np.float64) for x in (loss, dlogp, dent, kl, metrics)]
 
 
-@jax.jit
-def _noop(x):
-    return x
-
-
 def _ours(case, args):
     logp, ent, mask, adv, old, ref = case
 
@@ -149,8 +144,9 @@ def _cfg_id(a):
 def test_far_ratios_and_reference_within_f32_match_the_rust_stage():
     # Log-ratios and reference gaps of ±60 nats: every value stays inside f32, where the Rust
     # stage returns a result (beyond it raises OutOfRange).
-    for args in (_args("dapo", beta=0.04), _args("grpo", "sequence", beta=0.04), _args("sapo", beta=0.04),
-                 _args("cispo", beta=0.04, bias_kl=False), _args("vespo", beta=0.04), _args("bnpo", delta=2.0)):  # fmt: skip
+    far = (_args("dapo", beta=0.04), _args("grpo", "sequence", beta=0.04), _args("sapo", beta=0.04),
+           _args("cispo", beta=0.04, bias_kl=False), _args("vespo", beta=0.04), _args("bnpo", delta=2.0))  # fmt: skip
+    for args in far:
         logp, ent, mask, adv, old, ref = _case(3, 6, "ragged", seed=7)
         rng = np.random.default_rng(8)
         old = logp - jnp.asarray(rng.choice([-60.0, -5.0, 0.0, 5.0, 60.0], (3, 6)), jnp.float32)
@@ -279,7 +275,7 @@ def test_extreme_inputs_give_no_nan():
     rng = np.random.default_rng(11)
     b, t = 12, 6
     # β = 0.5 (the KL's exponentials are the hard part), bias-corrected KL or not in turn.
-    args_list = [_args(lt, lvl, 0.5, i % 4 in (0, 3), delta=(3.0 if lt in ("grpo", "luspo") else None), entropy_coef=0.1)
+    args_list = [_args(lt, lvl, 0.5, i % 4 in (0, 3), delta=3.0 if lt in ("grpo", "luspo") else None, entropy_coef=0.1)
                  for i, (lt, lvl) in enumerate(itertools.product(P.LOSS_TYPES, LEVELS))]  # fmt: skip
     for args in filter(_valid, args_list):
         f = jax.jit(jax.value_and_grad(lambda *x: P.grpo_policy_loss(*x, args)[0], argnums=(0, 1)))
@@ -320,7 +316,7 @@ sys.path.insert(0, sys.argv[1])
 import test_jax_policy as t
 from flashloss.jax import _policy as P
 worst = [0.0, 0.0]
-for k, args in list(enumerate(t.CONFIGS))[::4]:
+for k, args in list(enumerate(t.CONFIGS))[::3]:
     b, s, kind = t.SHAPES[k % len(t.SHAPES)]
     case = t._case(b, s, kind, seed=k)
     want = t._ffi(case, args)
@@ -394,9 +390,11 @@ def test_beta_without_reference_is_the_ffi_message():
     assert str(ours.value) in _ffi_message(case[:5] + (None,), args)
 
 
-@pytest.mark.parametrize("bad,field", [(dict(label_smoothing=1.5), "label_smoothing"),
-                                       (dict(label_smoothing=-0.1), "label_smoothing"),
-                                       (dict(z_loss=-1e-4), "z_loss"), (dict(reduction="avg"), "reduction")])  # fmt: skip
+BAD_CE = [(dict(label_smoothing=1.5), "label_smoothing"), (dict(label_smoothing=-0.1), "label_smoothing"),
+          (dict(z_loss=-1e-4), "z_loss"), (dict(reduction="avg"), "reduction")]  # fmt: skip
+
+
+@pytest.mark.parametrize("bad,field", BAD_CE, ids=[f for _, f in BAD_CE])
 def test_bad_ce_arguments_raise_the_ffi_message(bad, field):
     kw = {"label_smoothing": 0.0, "z_loss": 0.0, "reduction": "mean", **bad}
     with pytest.raises(ValueError, match=f"`{field}`") as ours:

@@ -92,6 +92,11 @@ class GrpoArgs:
     vespo_k_neg: float = 3.0
     vespo_lambda_neg: float = 2.0
 
+    def __post_init__(self) -> None:
+        # A framework scalar (TRL passes a tensor) becomes a Python number: the args are static.
+        if self.num_items_in_batch is not None and not isinstance(self.num_items_in_batch, float):
+            object.__setattr__(self, "num_items_in_batch", float(self.num_items_in_batch))
+
     @property
     def eps_high(self) -> float:
         """``epsilon_high``, or ``epsilon_low`` when unset."""
