@@ -152,8 +152,8 @@ def _main():
                 lp, ent = _vocab.logprobs(x, w, b, flat_ids, flat_mask, "vocab", 0.8, BUDGET, "auto", layout)
                 return (lp * 0.7).sum() + (ent * 0.3).sum()
             if kind == "grpo":
-                loss, _ = _vocab.grpo(x, w, b, ids, mask, adv, old, old - 0.05, GRPO, "vocab", 0.9, v, "auto", BUDGET, layout)
-                return loss
+                args = (GRPO, "vocab", 0.9, v, "auto", BUDGET, layout)
+                return _vocab.grpo(x, w, b, ids, mask, adv, old, old - 0.05, *args)[0]
             t = flat_ids.at[1].set(-100)
             return _vocab.cross_entropy(x, w, b, t, "vocab", CE, 0.8, -100, v, "sum", BUDGET, "auto", layout)
 
