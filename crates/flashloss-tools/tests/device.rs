@@ -92,6 +92,7 @@ fn a_nan_in_a_masked_row_and_an_empty_head_are_errors_on_every_entry_point() {
     let empty = LinearInputs::<f32> {
         hidden: &[],
         weight: &head.weight,
+        layout: flashloss::WeightLayout::VocabMajor,
         bias: None,
         tokens: 0,
         hidden_size: h,

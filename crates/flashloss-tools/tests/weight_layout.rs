@@ -349,10 +349,10 @@ fn dweight_comes_back_hidden_major() {
         })
         .collect();
     let lse = z.iter().map(|x| x.exp()).sum::<f64>().ln();
-    for k in 0..2 {
-        for j in 0..3 {
-            let dz = (z[j] - lse).exp() - (j == 2) as u8 as f64;
-            let want = dz * hidden[k] as f64;
+    for (k, &x) in hidden.iter().enumerate() {
+        for (j, &zj) in z.iter().enumerate() {
+            let dz = (zj - lse).exp() - (j == 2) as u8 as f64;
+            let want = dz * x as f64;
             let got = grads.dweight[k * 3 + j] as f64;
             assert!(
                 (got - want).abs() < 1e-6,

@@ -55,14 +55,6 @@ impl WeightLayout {
         j * sv + k * sh
     }
 
-    /// The dimensions of a `v × h` weight in this layout.
-    pub fn dims(self, v: usize, h: usize) -> [usize; 2] {
-        match self {
-            WeightLayout::VocabMajor => [v, h],
-            WeightLayout::HiddenMajor => [h, v],
-        }
-    }
-
     /// `(V, H)` of a weight of dimensions `dims` in this layout.
     pub fn vocab_hidden(self, [rows, cols]: [usize; 2]) -> (usize, usize) {
         match self {
@@ -85,11 +77,14 @@ mod tests {
     use super::WeightLayout;
 
     #[test]
-    fn names_strides_and_dims_agree() {
+    fn names_strides_and_shapes_agree() {
         for layout in [WeightLayout::VocabMajor, WeightLayout::HiddenMajor] {
             assert_eq!(WeightLayout::from_name(layout.name()).ok(), Some(layout));
             let (v, h) = (5, 3);
-            let dims = layout.dims(v, h);
+            let dims = match layout {
+                WeightLayout::VocabMajor => [v, h],
+                WeightLayout::HiddenMajor => [h, v],
+            };
             assert_eq!(layout.vocab_hidden(dims), (v, h));
             // Row-major in `dims`: every entry once.
             let mut seen: Vec<usize> = (0..v)

@@ -48,7 +48,8 @@ def vocab_size(weight, weight_layout: str) -> int:
         raise ValueError(f'argument `weight_layout`: expected "vh" ([V, H]) or "hv" ([H, V]), got {weight_layout!r}')
     if len(weight.shape) != 2:
         want = "[V, H]" if weight_layout == "vh" else "[H, V]"
-        raise ValueError(f"argument `weight`: expected shape {want} (weight_layout {weight_layout!r}), got {list(weight.shape)}")
+        got = list(weight.shape)
+        raise ValueError(f"argument `weight`: expected shape {want} (weight_layout {weight_layout!r}), got {got}")
     return weight.shape[0] if weight_layout == "vh" else weight.shape[1]
 
 
