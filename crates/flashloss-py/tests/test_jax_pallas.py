@@ -191,14 +191,15 @@ def test_grpo_on_pallas_matches_f64_reference_and_ffi(loss_type, level):
         assert abs(float(aux.metrics[k]) - float(aux_ffi.metrics[k])) <= 1e-5, k
 
 
+@pytest.mark.parametrize("impl", ["pallas", "ffi"])
 @pytest.mark.parametrize("layout", ["vh", "hv"])
-def test_bf16_grpo_on_pallas_both_layouts(layout):
+def test_bf16_grpo_both_layouts_on_both_paths(layout, impl):
     hidden, weight, ids, mask, adv, old, ref = _grpo_inputs(12, dtype=jnp.bfloat16)
     cfg = dict(loss_type="dapo", importance_sampling_level="token", beta=0.04, temperature=1.0,
                use_bias_correction_kl=True)  # fmt: skip
     w_in = weight if layout == "vh" else weight.T
     f = lambda x, w: fj.linear_grpo_loss(x, w, ids, mask, adv, old_per_token_logps=old, ref_per_token_logps=ref,  # noqa: E731
-                                         beta=0.04, impl="pallas", interpret=True, weight_layout=layout)[0]  # fmt: skip
+                                         beta=0.04, impl=impl, interpret=True, weight_layout=layout)[0]  # fmt: skip
     loss, (dh, dw) = jax.value_and_grad(f, (0, 1))(hidden, w_in)
     assert dh.dtype == jnp.bfloat16 and dw.dtype == jnp.bfloat16 and dw.shape == w_in.shape
     want, dh64, dw64 = _f64_grpo(hidden, weight, ids, mask, adv, old, ref, cfg)
