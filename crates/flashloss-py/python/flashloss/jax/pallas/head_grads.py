@@ -148,6 +148,7 @@ def dhidden(
         _dh_kernel, v=v, bv=blocks.vocab, layout=layout, transform=transform, has_bias=bias is not None
     )
     bytes_accessed = grid[0] * weight.size * weight.dtype.itemsize + 2 * x.size * x.dtype.itemsize
+    cost = pl.CostEstimate(flops=4 * n * hidden * v, transcendentals=n * v, bytes_accessed=bytes_accessed)
 
     def make(out_shape):
         return pl.pallas_call(
@@ -158,7 +159,7 @@ def dhidden(
             out_shape=out_shape,
             scratch_shapes=[pltpu.VMEM((blocks.rows, hidden), jnp.float32)],
             compiler_params=_chips.compiler_params(target, ("parallel", "arbitrary")),
-            cost_estimate=pl.CostEstimate(flops=4 * n * hidden * v, transcendentals=n * v, bytes_accessed=bytes_accessed),
+            cost_estimate=cost,
             interpret=interpret,
             name="flashloss_head_dhidden",
         )
@@ -196,6 +197,7 @@ def dweight(
     dw_block = (bv, hidden) if layout == "vh" else (hidden, bv)
     dw_spec = weight_spec(layout, bv, hidden, 0)
     bytes_accessed = grid[0] * x.size * x.dtype.itemsize + 2 * weight.size * weight.dtype.itemsize
+    cost = pl.CostEstimate(flops=4 * n * hidden * v, transcendentals=n * v, bytes_accessed=bytes_accessed)
 
     def make(out_shape):
         return pl.pallas_call(
@@ -206,7 +208,7 @@ def dweight(
             out_shape=out_shape,
             scratch_shapes=[pltpu.VMEM(dw_block, jnp.float32)],
             compiler_params=_chips.compiler_params(target, ("parallel", "arbitrary")),
-            cost_estimate=pl.CostEstimate(flops=4 * n * hidden * v, transcendentals=n * v, bytes_accessed=bytes_accessed),
+            cost_estimate=cost,
             interpret=interpret,
             name="flashloss_head_dweight",
         )
