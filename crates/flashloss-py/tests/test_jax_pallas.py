@@ -201,7 +201,7 @@ def test_bf16_grpo_both_layouts_on_both_paths(layout, impl):
                use_bias_correction_kl=True)  # fmt: skip
     w_in = weight if layout == "vh" else weight.T
     f = lambda x, w: fj.linear_grpo_loss(x, w, ids, mask, adv, old_per_token_logps=old, ref_per_token_logps=ref,  # noqa: E731
-                                         beta=0.04, impl=impl, interpret=True, weight_layout=layout)[0]  # fmt: skip
+                                         beta=0.04, impl=impl, interpret=TPU, weight_layout=layout)[0]  # fmt: skip
     loss, (dh, dw) = jax.value_and_grad(f, (0, 1))(hidden, w_in)
     assert dh.dtype == jnp.bfloat16 and dw.dtype == jnp.bfloat16 and dw.shape == w_in.shape
     want, dh64, dw64 = _f64_grpo(hidden, weight, ids, mask, adv, old, ref, cfg)
@@ -228,7 +228,7 @@ def test_cross_entropy_on_pallas_matches_ffi(kw):
     out = {}
     for impl in ("pallas", "ffi"):
         def f(x, w, b, impl=impl):
-            r = fj.linear_cross_entropy(x, w, t, bias=b, impl=impl, interpret=True, **kw)
+            r = fj.linear_cross_entropy(x, w, t, bias=b, impl=impl, interpret=TPU, **kw)
             return (r * jnp.linspace(0.5, 1.5, n)).sum() if kw.get("reduction") == "none" else r
 
         out[impl] = jax.value_and_grad(f, (0, 1, 2))(x, w, b)
@@ -263,7 +263,7 @@ def test_logits_level_on_pallas_matches_f64_reference(loss_type, level, dtype):
     cfg = dict(loss_type=loss_type, importance_sampling_level=level, beta=0.04, temperature=0.9,
                use_bias_correction_kl=True)  # fmt: skip
     kw = dict(cfg, old_per_token_logps=old, ref_per_token_logps=ref)
-    loss, dz = jax.value_and_grad(lambda z: fj.grpo_loss(z, ids, mask, adv, impl="pallas", interpret=True, **kw)[0])(z)
+    loss, dz = jax.value_and_grad(lambda z: fj.grpo_loss(z, ids, mask, adv, impl="pallas", interpret=TPU, **kw)[0])(z)
     assert dz.dtype == z.dtype
     with jax.enable_x64(True):
         f64 = [jnp.asarray(np.asarray(a, np.float64)) for a in (adv, old, ref)]
