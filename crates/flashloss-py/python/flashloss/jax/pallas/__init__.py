@@ -1,1 +1,13 @@
-"""Pallas (Mosaic TPU) kernels of flashloss.jax: the logits-level and LM-head-fused losses."""
+"""Pallas (Mosaic TPU) kernels of :mod:`flashloss.jax` (``impl="pallas"``, and
+``impl="auto"`` when lowered for TPU). Never run on a TPU: checked in TPU interpret mode
+and by the Mosaic lowering on the CPU (``docs/jax.md``).
+
+- :mod:`.head`: the LM head's forward, a running softmax state per row over vocabulary
+  tiles; :mod:`.head_grads`: its dH and dW kernels from per-row coefficients;
+  :mod:`.stats`: the ``custom_vjp`` over them (per-row lse, logp, entropy, mean logit);
+- :mod:`.logits`: the logits-level kernels (statistics, gradient, and a fused
+  statistics-loss-gradient kernel for token-local losses);
+- :mod:`.losses`: GRPO, CE and log-probs on them, the loss in plain JAX
+  (:mod:`flashloss.jax._policy`); :mod:`.checks`: run-time input checks;
+- :mod:`._chips`: VMEM per chip and the blocks; :mod:`.roofline`: a time estimate.
+"""
