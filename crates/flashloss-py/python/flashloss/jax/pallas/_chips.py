@@ -25,7 +25,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-import jax
 from jax.experimental.pallas import tpu as pltpu
 
 #: Chips the table covers (``pltpu.ChipVersion`` values).
@@ -148,7 +147,3 @@ def choose(
 def compiler_params(target: Chip, semantics: tuple[str, ...]) -> pltpu.CompilerParams:
     """Mosaic's parameters of a head kernel: grid semantics and the VMEM request."""
     return pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=target.vmem_limit_bytes)
-
-
-def dtype_size(dtype) -> int:
-    return jax.numpy.dtype(dtype).itemsize

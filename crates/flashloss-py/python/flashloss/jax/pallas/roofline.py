@@ -25,7 +25,7 @@ from . import _chips, logits
 F32_PASSES = 6
 
 
-def rows(n: int, h: int, v: int, chips=("v5e", "v6e", "7x")) -> list[dict]:
+def rows(n: int, h: int, v: int, chips=_chips.CHIPS) -> list[dict]:
     out = []
     for name in chips:
         chip = _chips.chip(name)
