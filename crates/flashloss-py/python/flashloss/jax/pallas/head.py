@@ -28,6 +28,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.sharding import ManualAxisType
 
 from . import _chips
 
@@ -38,6 +39,14 @@ STATE = ("max", "sum_exp", "sum_exp_shift", "target", "sum")
 #: needs multiples of 1024 rows and, lowered on a host without a TPU, fails in jax
 #: 0.10.2), and the kernels read a ``(bn, 1)`` column of it.
 LANES = 128
+
+
+def out_struct(shape: tuple, dtype: Any, *inputs: Optional[jax.Array]) -> jax.ShapeDtypeStruct:
+    """A kernel output's ``out_shape``, varying over every mesh axis any of ``inputs``
+    varies over: inside a ``jax.shard_map`` (``check_vma=True``, its default) a
+    ``pallas_call`` needs the output's ``manual_axis_type``; outside one it is empty."""
+    varying = frozenset().union(*(jax.typeof(x).manual_axis_type.varying for x in inputs if x is not None))
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=ManualAxisType(varying=varying))
 
 
 def to_lanes(x: jax.Array) -> jax.Array:
@@ -188,7 +197,7 @@ def forward_state(
             grid=grid,
             in_specs=in_specs,
             out_specs=[row_spec(bn) for _ in STATE],
-            out_shape=[jax.ShapeDtypeStruct((n, LANES), jnp.float32) for _ in STATE],
+            out_shape=[out_struct((n, LANES), jnp.float32, *args) for _ in STATE],
             compiler_params=_chips.compiler_params(target, ("parallel", "arbitrary")),
             cost_estimate=pl.CostEstimate(flops=flops, transcendentals=n * v, bytes_accessed=bytes_accessed),
             interpret=interpret,

@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from . import _chips
-from .head import Transform, bias_spec, row_spec, tail, tile_logits, to_lanes, vocab_size, weight_spec
+from .head import Transform, bias_spec, out_struct, row_spec, tail, tile_logits, to_lanes, vocab_size, weight_spec
 
 #: Per-row inputs of the backward kernels, in order (after ``ids``).
 COEFFICIENTS = ("lse", "entropy", "target", "softmax", "entropy_term", "uniform")
@@ -153,7 +153,7 @@ def dhidden(
         grid=grid,
         in_specs=in_specs,
         out_specs=pl.BlockSpec((blocks.rows, hidden), lambda i, j: (i, 0)),
-        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        out_shape=out_struct(x.shape, x.dtype, *args),
         scratch_shapes=[pltpu.VMEM((blocks.rows, hidden), jnp.float32)],
         compiler_params=_chips.compiler_params(target, ("parallel", "arbitrary")),
         cost_estimate=pl.CostEstimate(flops=4 * n * hidden * v, transcendentals=n * v, bytes_accessed=bytes_accessed),
@@ -197,7 +197,7 @@ def dweight(
         grid=grid,
         in_specs=in_specs,
         out_specs=[dw_spec, bias_spec(bv, 0)],
-        out_shape=[jax.ShapeDtypeStruct(weight.shape, weight.dtype), jax.ShapeDtypeStruct((1, v), jnp.float32)],
+        out_shape=[out_struct(weight.shape, weight.dtype, *args), out_struct((1, v), jnp.float32, *args)],
         scratch_shapes=[pltpu.VMEM(dw_block, jnp.float32)],
         compiler_params=_chips.compiler_params(target, ("parallel", "arbitrary")),
         cost_estimate=pl.CostEstimate(flops=4 * n * hidden * v, transcendentals=n * v, bytes_accessed=bytes_accessed),
