@@ -14,7 +14,8 @@ import json
 import os
 import subprocess
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -60,7 +61,7 @@ def _grpo(layout: str = "vh", impl: str = "pallas", **axes: Any) -> Callable:
 
 
 def _baseline() -> Callable:
-    cfg = dict(temperature=1.0, beta=0.04, epsilon=0.2)
+    cfg = {"temperature": 1.0, "beta": 0.04, "epsilon": 0.2}
     return jax.value_and_grad(lambda h, w, *rest: bench.baseline_loss(h, w, *rest, cfg), (0, 1))
 
 
@@ -80,7 +81,7 @@ def test_logits_level_grpo_lowers_for_tpu():
     """(a) f32 logits ``[1, 8192, 151936]``: the fused kernel (token-local dapo)."""
 
     def step(z, ids, mask, adv, old, ref):
-        loss = lambda z: fj.grpo_loss(z, ids, mask, adv, old_per_token_logps=old, ref_per_token_logps=ref,  # noqa: E731
+        loss = lambda z: fj.grpo_loss(z, ids, mask, adv, old_per_token_logps=old, ref_per_token_logps=ref,
                                       beta=0.04, impl="pallas")[0]  # fmt: skip
         return jax.value_and_grad(loss)(z)
 
@@ -175,7 +176,7 @@ def _scoped_vmem(module: ir.Module) -> list[int]:
 
 
 def _head_kernel(kernel: str, chip: str, dtype: Any) -> ir.Module:
-    kw = dict(layout="vh", transform=head.Transform(), chip=chip)
+    kw = {"layout": "vh", "transform": head.Transform(), "chip": chip}
     x, w, ids = S((N, H), dtype), S((V, H), dtype), S((N,), jnp.int32)
     if kernel == "forward":
         return _lower(lambda x, w, i: head.forward_state(x, w, None, i, **kw), x, w, ids)
@@ -190,7 +191,7 @@ def _logits_kernel(kernel: str, dtype: Any) -> ir.Module:
         return _lower(lambda z, i: L.logits_stats(z, i), z, ids)
     if kernel == "logits_grad":
         return _lower(lambda z, i, *r: L.logits_grad(z, i, *r), z, ids, row, row, row, row)
-    fn = lambda lp, ent, adv, w, old, ref: w * (-adv * jnp.exp(lp - old) + 0.04 * (ref - lp))  # noqa: E731
+    fn = lambda lp, ent, adv, w, old, ref: w * (-adv * jnp.exp(lp - old) + 0.04 * (ref - lp))
     return _lower(lambda z, i, *r: L.logits_fused(z, i, r, fn), z, ids, row, row, row, row)
 
 
@@ -199,8 +200,9 @@ def test_vmem_table():
     footprint ≤ the ``vmem_limit_bytes`` the lowered kernel asks for ≤ the chip's VMEM.
     The logits-level kernels (whole-vocabulary row blocks) ask for a fixed 32 MiB."""
     mib = 1 << 20
-    lines = [f"{'chip':<5} {'kernel':<13} {'dtype':<9} {'blocks (rows x vocab)':<22} {'footprint MiB':>13} "
-             f"{'limit MiB':>9} {'VMEM MiB':>8}"]  # fmt: skip
+    header = (f"{'chip':<5} {'kernel':<13} {'dtype':<9} {'blocks (rows x vocab)':<22} {'footprint MiB':>13} "
+              f"{'limit MiB':>9} {'VMEM MiB':>8}")  # fmt: skip
+    lines = [header]
     for name in _chips.CHIPS:
         target = _chips.chip(name)
         for dtype in (jnp.float32, jnp.bfloat16):
@@ -232,7 +234,7 @@ def test_gradcheck_cli_on_the_pallas_path():
     config = os.path.join(os.path.dirname(__file__), "..", "..", "..", "configs", "jax", "gradcheck.yaml")
     cmd = [sys.executable, "-m", "flashloss.jax.gradcheck", "--config", config, "--set", "impl=pallas", "--set",
            "interpret=true"]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     gates = [line for line in out.stdout.splitlines() if line.startswith(("PASS", "FAIL"))]
     assert len(gates) == 3 and all(g.startswith("PASS") for g in gates), out.stdout

@@ -35,7 +35,7 @@ import resource
 import statistics
 import sys
 import time
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -224,7 +224,7 @@ _ELEMENT_BYTES = {"i1": 1, "i8": 1, "ui8": 1, "bf16": 2, "f16": 2, "i16": 2, "ui
                   "f64": 8, "i64": 8, "ui64": 8}  # fmt: skip
 
 
-def _array(t) -> Optional[tuple[tuple[int, ...], str, int]]:
+def _array(t) -> tuple[tuple[int, ...], str, int] | None:
     """``(shape, dtype, bytes)`` of an MLIR type, or None when it is not a ranked tensor."""
     from jax._src.lib.mlir import ir
 
@@ -238,7 +238,7 @@ def _array(t) -> Optional[tuple[tuple[int, ...], str, int]]:
     return shape, dtype, size * _ELEMENT_BYTES.get(dtype, 4)
 
 
-def module_arrays(module, n: int, v: int, b: int = 1, t: Optional[int] = None) -> dict:
+def module_arrays(module, n: int, v: int, b: int = 1, t: int | None = None) -> dict:
     """What a lowered StableHLO ``module`` (``ir.Module``) holds, from the tensor types of
     every op's results and every function's (and region's) arguments; a
     ``tpu_custom_call``'s kernel is an opaque attribute, so its VMEM tiles are not here.
@@ -342,7 +342,7 @@ def lower(cfg, platform: str = "tpu") -> dict:
     }
 
 
-def load(path, overrides, defaults: Optional[dict] = None):
+def load(path, overrides, defaults: dict | None = None):
     cfg = load_yaml(path, overrides, DEFAULTS if defaults is None else defaults)
     if cfg["impl"] not in IMPLS:
         raise ValueError(f"impl: expected one of {sorted(IMPLS)}, got {cfg['impl']!r}")

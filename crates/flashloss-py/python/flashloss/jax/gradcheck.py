@@ -131,7 +131,7 @@ def run(cfg: dict) -> dict:
     kw = dict(loss_type=cfg["loss_type"], importance_sampling_level=cfg["importance_sampling_level"],
               beta=cfg["beta"], temperature=cfg["temperature"], epsilon_high=cap,
               use_bias_correction_kl=cfg["use_bias_correction_kl"], max_completion_length=cfg["seq_len"])  # fmt: skip
-    path = dict(impl=cfg["impl"], interpret=interpret_value(cfg["interpret"]))
+    path = {"impl": cfg["impl"], "interpret": interpret_value(cfg["interpret"])}
     layout = cfg["weight_layout"]
     f64 = [jnp.asarray(x, jnp.float64) for x in (hidden, weight, adv, old, ref)]
     h64, w64 = jnp.asarray(h, jnp.float64), jnp.asarray(w, jnp.float64)

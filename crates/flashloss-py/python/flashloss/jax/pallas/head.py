@@ -41,7 +41,7 @@ STATE = ("max", "sum_exp", "sum_exp_shift", "target", "sum")
 LANES = 128
 
 
-def out_struct(shape: tuple, dtype: Any, *inputs: Optional[jax.Array]) -> jax.ShapeDtypeStruct:
+def out_struct(shape: tuple, dtype: Any, *inputs: jax.Array | None) -> jax.ShapeDtypeStruct:
     """A kernel output's ``out_shape``, varying over every mesh axis any of ``inputs``
     varies over: inside a ``jax.shard_map`` (``check_vma=True``, its default) a
     ``pallas_call`` needs the output's ``manual_axis_type``; outside one it is empty."""
