@@ -5,8 +5,9 @@ loss and the gradients of the logits (logits level) or of ``hidden`` and ``weigh
 token | vocab | 2d``; 2d is a 2 x 4 mesh). ``impl`` (``auto | ffi | pallas``),
 ``interpret`` (``false``, ``true``, or ``tpu`` for ``pltpu.InterpretParams()``: TPU
 semantics; the only interpreter that runs sharded, one sharded run per process, and
-there it can deadlock: its kernels wait on a barrier of all devices while XLA's CPU
-collectives wait on a subgroup, so run it under a timeout) and ``weight_layout`` (``vh``: the head ``[V, H]``; ``hv``: its
+there it hangs in about half the token and 2d runs on this host (likely the interpreter's
+barrier of all devices around each kernel against XLA's CPU collective rendezvous), so
+run it under a timeout) and ``weight_layout`` (``vh``: the head ``[V, H]``; ``hv``: its
 transpose ``[H, V]`` is passed, and ``dweight`` is transposed back to compare) go to every
 ``flashloss.jax`` call. Prints ``loss_ref``, ``loss_kernel``,
 ``abs_diff_loss``, ``max_abs_diff_*``, ``max_rel_diff_*`` and a PASS/FAIL line per gate
