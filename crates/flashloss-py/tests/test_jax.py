@@ -266,7 +266,7 @@ def test_bad_input_names_the_argument_and_the_process_goes_on():
 @pytest.mark.parametrize("min_length", [0.5, 1.0])
 def test_bench_paths_agree_on_loss_and_gradients(min_length):
     bench = pytest.importorskip("flashloss.jax.bench")
-    sets = ["tokens=96", "batch=3", "hidden=16", "vocab=3001", "vocab_tile=512", "temperature=0.8"]
+    sets = ["tokens=96", "batch=3", "hidden=16", "vocab=3001", "vocab_tile=512", "temperature=0.8", "interpret=true"]
     cfg = bench.load(None, sets + [f"min_length={min_length}"])
     args = bench.inputs(cfg)
     mask = np.asarray(args[-1])
@@ -276,7 +276,7 @@ def test_bench_paths_agree_on_loss_and_gradients(min_length):
         step = jax.jit(jax.value_and_grad(lambda h, w, *rest: fn(h, w, *rest, cfg), argnums=(0, 1)))
         results[name] = step(*args)
     want, (dh, dw) = results["baseline"]
-    for name in ("tiled", "fused"):
+    for name in ("tiled", "fused", "pallas"):
         got, (gh, gw) = results[name]
         _close(got, want, 1e-5, f"{name} loss")
         _close(gh, dh, 1e-4, f"{name} dhidden")

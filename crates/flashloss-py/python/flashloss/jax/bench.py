@@ -6,14 +6,24 @@ the hidden states and the LM head, ``jit(value_and_grad)``, by one of three path
 - ``tiled``: what a JAX user can write today after MaxText's vocabulary tiling: a
   ``lax.scan`` over vocabulary tiles with an online logsumexp under ``custom_vjp`` (the
   backward recomputes each tile), then the same policy stage;
-- ``fused``: :func:`flashloss.jax.linear_grpo_loss`.
+- ``fused``: :func:`flashloss.jax.linear_grpo_loss` on the FFI handlers (``impl="ffi"``);
+- ``pallas``: :func:`flashloss.jax.linear_grpo_loss` on the Pallas TPU kernels
+  (``impl="pallas"``; ``interpret: true`` to run them on the CPU).
 
 One path per process (its peak RSS is its own), JSON out: the step time (median after
 compile), XLA's compiled ``memory_analysis`` (temp, argument, output bytes; a fused
 call's own workspace is outside XLA and shows only in the RSS) and the process's peak
 RSS above the inputs. Progress goes to stderr.
 
+``--lower tpu`` runs nothing: it lowers the jitted step for TPU from shape-only inputs
+(``jax.ShapeDtypeStruct``: nothing large is allocated), by default at the original shape
+B=1, T=8192, H=4096, V=151936 (``batch``, ``tokens``, ``hidden``, ``vocab``, ``dtype``
+still settable), and prints what the StableHLO module holds: its largest array, the
+bytes of its inputs, outputs and intermediates (by count), its ``tpu_custom_call``s,
+and whether any array has both the dims ``N = B·T`` and ``V`` (see :func:`module_arrays`).
+
     python -m flashloss.jax.bench --config configs/jax/fused.yaml [--set tokens=512 ...] [--json OUT]
+    python -m flashloss.jax.bench --set impl=pallas --lower tpu
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ import resource
 import statistics
 import sys
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +46,9 @@ from flashloss._config import load_yaml
 
 DEFAULTS = dict(impl="fused", tokens=2048, hidden=1024, vocab=151936, batch=4, dtype="float32",
                 beta=0.04, epsilon=0.2, temperature=1.0, warmup=1, repeat=3, vocab_tile=8192,
-                budget_mib=160.0, seed=0, min_length=0.5)  # fmt: skip
+                budget_mib=160.0, seed=0, min_length=0.5, interpret=False)  # fmt: skip
+#: The shape ``--lower`` defaults to: the original system's B=1, T=8192, H=4096, V=151936.
+LOWER_DEFAULTS = dict(DEFAULTS, tokens=8192, batch=1, hidden=4096, vocab=151936)
 
 
 def _rss_bytes() -> int:
@@ -129,7 +142,30 @@ def fused_loss(h, w, ids, old, ref, adv, mask, cfg):
     )[0]  # fmt: skip
 
 
-IMPLS = {"baseline": baseline_loss, "tiled": tiled_loss, "fused": fused_loss}
+def pallas_loss(h, w, ids, old, ref, adv, mask, cfg):
+    return fj.linear_grpo_loss(
+        h, w, ids, mask, adv, old_per_token_logps=old, ref_per_token_logps=ref, loss_type="dapo",
+        beta=cfg["beta"], epsilon_low=cfg["epsilon"], temperature=cfg["temperature"], impl="pallas",
+        interpret=bool(cfg["interpret"]),
+    )[0]  # fmt: skip
+
+
+IMPLS = {"baseline": baseline_loss, "tiled": tiled_loss, "fused": fused_loss, "pallas": pallas_loss}
+
+
+def step_fn(cfg):
+    """The jitted step: the loss and its gradients w.r.t. ``hidden`` and ``weight``."""
+    loss_fn = IMPLS[cfg["impl"]]
+    return jax.jit(jax.value_and_grad(lambda h, w, *rest: loss_fn(h, w, *rest, cfg), argnums=(0, 1)))
+
+
+def input_structs(cfg) -> tuple:
+    """:func:`inputs`' shapes and dtypes (``jax.ShapeDtypeStruct``), nothing allocated."""
+    b, n, h, v = cfg["batch"], cfg["tokens"], cfg["hidden"], cfg["vocab"]
+    t = n // b
+    s, dtype = jax.ShapeDtypeStruct, jnp.dtype(cfg["dtype"])
+    f32 = s((b, t), jnp.float32)
+    return s((b, t, h), dtype), s((v, h), dtype), s((b, t), jnp.int32), f32, f32, s((b,), jnp.float32), s((b, t), bool)
 
 
 def inputs(cfg):
@@ -151,11 +187,10 @@ def inputs(cfg):
 
 
 def run(cfg) -> dict:
-    loss_fn = IMPLS[cfg["impl"]]
     args = inputs(cfg)
     jax.block_until_ready(args)
     rss_inputs = _rss_bytes()
-    step = jax.jit(jax.value_and_grad(lambda h, w, *rest: loss_fn(h, w, *rest, cfg), argnums=(0, 1)))
+    step = step_fn(cfg)
     compiled = step.lower(*args).compile()
     mem = compiled.memory_analysis()
     times = []
@@ -184,8 +219,131 @@ def run(cfg) -> dict:
     }
 
 
-def load(path, overrides):
-    cfg = load_yaml(path, overrides, DEFAULTS)
+#: Bytes of an element of an MLIR element type (``i1``, a bool, takes a byte).
+_ELEMENT_BYTES = {"i1": 1, "i8": 1, "ui8": 1, "bf16": 2, "f16": 2, "i16": 2, "ui16": 2, "f32": 4, "i32": 4, "ui32": 4,
+                  "f64": 8, "i64": 8, "ui64": 8}  # fmt: skip
+
+
+def _array(t) -> tuple[tuple[int, ...], str, int] | None:
+    """``(shape, dtype, bytes)`` of an MLIR type, or None when it is not a ranked tensor."""
+    from jax._src.lib.mlir import ir
+
+    if not isinstance(t, ir.RankedTensorType):
+        return None
+    tensor = t
+    shape, dtype = tuple(tensor.shape), str(tensor.element_type)
+    size = 1
+    for d in shape:
+        size *= d
+    return shape, dtype, size * _ELEMENT_BYTES.get(dtype, 4)
+
+
+def module_arrays(module, n: int, v: int, b: int = 1, t: int | None = None) -> dict:
+    """What a lowered StableHLO ``module`` (``ir.Module``) holds, from the tensor types of
+    every op's results and every function's (and region's) arguments; a
+    ``tpu_custom_call``'s kernel is an opaque attribute, so its VMEM tiles are not here.
+
+    - ``largest_array``: shape, dtype and bytes of the largest value;
+    - ``input_bytes`` / ``output_bytes``: ``main``'s arguments and results;
+    - ``intermediate_bytes_by_count``: the sum over op results that are not ``main``'s
+      outputs (followed through the calls that return them), each op counted once (a loop
+      body once, a function once; a ``func.call``'s results are its callee's, not counted
+      again). An upper bound of the temporaries, not a peak: XLA fuses most of them away
+      and reuses buffers;
+    - ``custom_call_targets`` (with ``tpu_custom_call`` counted in ``tpu_custom_calls``);
+    - ``has_NxV``: whether a value has both the dims ``n`` (``B·T``; or ``b`` and ``t``) and
+      ``v``, with ``NxV_shapes`` the distinct shapes of those values."""
+    from jax._src.lib.mlir import ir
+
+    t = n // b if t is None else t
+    values: list[tuple[tuple[int, ...], str, int]] = []  # every op result and region argument
+    results: list = []  # (value, array) of every op result but a call's
+    main_args: list = []
+    returns: dict[str, list] = {}  # function name -> its returned values
+    targets: dict[str, int] = {}
+
+    def symbol(attr) -> str:
+        return str(attr).strip('"').lstrip("@")
+
+    def visit(op) -> Any:
+        name = op.name
+        for region in op.regions:
+            for block in region.blocks:
+                for arg in block.arguments:
+                    a = _array(arg.type)
+                    if a is not None:
+                        values.append(a)
+                        if name == "func.func" and str(op.attributes["sym_name"]).strip('"') == "main":
+                            main_args.append(a)
+        if name == "func.return":
+            returns[symbol(op.parent.attributes["sym_name"])] = list(op.operands)
+        if name == "stablehlo.custom_call":
+            target = str(op.attributes["call_target_name"]).strip('"')
+            targets[target] = targets.get(target, 0) + 1
+        for r in op.results:
+            a = _array(r.type)
+            if a is not None:
+                values.append(a)
+                if name != "func.call":
+                    results.append((r, a))
+        return ir.WalkResult.ADVANCE
+
+    module.operation.walk(visit)
+    largest = max(values, key=lambda a: a[2])
+    outputs = [x for x in (_array(o.type) for o in returns["main"]) if x is not None]
+    produced, todo = set(), list(returns["main"])  # the values main returns, through calls
+    while todo:
+        value = todo.pop()
+        produced.add(value)
+        owner = value.owner
+        if isinstance(value, ir.OpResult) and owner.name == "func.call":
+            todo.append(returns[symbol(owner.attributes["callee"])][value.result_number])
+
+    def has_nv(shape: tuple[int, ...]) -> bool:
+        return v in shape and (n in shape or (b in shape and t in shape and b * t == n))
+
+    nxv = sorted({(a[0], a[1]) for a in values if has_nv(a[0])})
+    return {
+        "largest_array": {"shape": list(largest[0]), "dtype": largest[1], "bytes": largest[2]},
+        "input_bytes": sum(a[2] for a in main_args),
+        "output_bytes": sum(a[2] for a in outputs),
+        "intermediate_bytes_by_count": sum(a[2] for r, a in results if r not in produced),
+        "intermediate_bytes_note": "sum over the module's op results that are not main's outputs, each op once: an "
+        "upper bound of the temporaries (XLA fuses and reuses buffers), not a peak",
+        "tpu_custom_calls": targets.get("tpu_custom_call", 0),
+        "custom_call_targets": targets,
+        "has_NxV": bool(nxv),
+        "NxV_shapes": [{"shape": list(s), "dtype": d} for s, d in nxv],
+    }
+
+
+def lower(cfg, platform: str = "tpu") -> dict:
+    """Lower the jitted step for ``platform`` from shape-only inputs (nothing runs, nothing
+    large is allocated) and describe the module (:func:`module_arrays`)."""
+    if cfg["impl"] == "fused" and platform == "tpu":
+        raise ValueError(
+            "impl: fused (flashloss's XLA FFI handlers, registered for CPU and CUDA) cannot lower for TPU: "
+            "use impl=pallas (or baseline, tiled)"
+        )
+    start = time.perf_counter()
+    lowered = step_fn(cfg).trace(*input_structs(cfg)).lower(lowering_platforms=(platform,))
+    module = lowered.compiler_ir("stablehlo")
+    seconds = time.perf_counter() - start
+    b, n, v = cfg["batch"], cfg["tokens"], cfg["vocab"]
+    return {
+        "impl": cfg["impl"],
+        "lowered_for": platform,
+        "config": cfg,
+        "N": n,
+        "V": v,
+        **module_arrays(module, n, v, b),
+        "logits_bytes_f32": 4 * n * v,
+        "lower_seconds": round(seconds, 3),
+    }
+
+
+def load(path, overrides, defaults: dict | None = None):
+    cfg = load_yaml(path, overrides, DEFAULTS if defaults is None else defaults)
     if cfg["impl"] not in IMPLS:
         raise ValueError(f"impl: expected one of {sorted(IMPLS)}, got {cfg['impl']!r}")
     if not 0.0 <= cfg["min_length"] <= 1.0:
@@ -200,10 +358,14 @@ def main(argv=None) -> None:
     p.add_argument("--config")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--json", metavar="OUT")
+    p.add_argument("--lower", choices=("tpu",), help="lower the step for TPU (B=1, T=8192, H=4096, V=151936 unless "
+                   "set) and describe its StableHLO module; nothing runs")  # fmt: skip
     a = p.parse_args(argv)
-    cfg = load(a.config, a.set)
-    print(f"bench: {cfg['impl']} N={cfg['tokens']} H={cfg['hidden']} V={cfg['vocab']} {cfg['dtype']}", file=sys.stderr)
-    result = run(cfg)
+    cfg = load(a.config, a.set, LOWER_DEFAULTS if a.lower else DEFAULTS)
+    what = f"lower for {a.lower}" if a.lower else "run"
+    print(f"bench: {what} {cfg['impl']} B={cfg['batch']} N={cfg['tokens']} H={cfg['hidden']} V={cfg['vocab']} "
+          f"{cfg['dtype']}", file=sys.stderr)  # fmt: skip
+    result = lower(cfg, a.lower) if a.lower else run(cfg)
     text = json.dumps(result)
     print(text)
     if a.json:

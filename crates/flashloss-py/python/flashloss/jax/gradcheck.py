@@ -2,11 +2,19 @@
 token or sequence level) on materialized logits (``jax.value_and_grad`` in float64): the
 loss and the gradients of the logits (logits level) or of ``hidden`` and ``weight``
 (LM-head level), on one device or sharded over 8 simulated CPU devices (``parallel:
-token | vocab | 2d``; 2d is a 2 x 4 mesh). Prints ``loss_ref``, ``loss_kernel``,
+token | vocab | 2d``; 2d is a 2 x 4 mesh). ``impl`` (``auto | ffi | pallas``),
+``interpret`` (``false``, ``true``, or ``tpu`` for ``pltpu.InterpretParams()``: TPU
+semantics; the only interpreter that runs sharded, one sharded run per process, and
+there it hangs in about half the token and 2d runs on this host (likely the interpreter's
+barrier of all devices around each kernel against XLA's CPU collective rendezvous), so
+run it under a timeout) and ``weight_layout`` (``vh``: the head ``[V, H]``; ``hv``: its
+transpose ``[H, V]`` is passed, and ``dweight`` is transposed back to compare) go to every
+``flashloss.jax`` call. Prints ``loss_ref``, ``loss_kernel``,
 ``abs_diff_loss``, ``max_abs_diff_*``, ``max_rel_diff_*`` and a PASS/FAIL line per gate
 (JSON with ``--json``); exits 0 only if every gate passes.
 
     python -m flashloss.jax.gradcheck --config configs/jax/gradcheck.yaml [--set parallel=vocab] [--json]
+    python -m flashloss.jax.gradcheck --config configs/jax/gradcheck.yaml --set impl=pallas --set interpret=true
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 import numpy as np
 
@@ -22,7 +31,9 @@ from .._config import load_yaml
 DEFAULTS = dict(level="linear", loss_type="dapo", importance_sampling_level="token", beta=0.04, temperature=0.9,
                 use_bias_correction_kl=True,
                 batch=4, seq_len=7, hidden=16, vocab=1003, dtype="float32", seed=0, parallel="none",
-                devices=8, loss_rel=1e-5, grad_rel=1e-4)  # fmt: skip
+                devices=8, loss_rel=1e-5, grad_rel=1e-4, impl="auto", interpret=False, weight_layout="vh")  # fmt: skip
+IMPLS = ("auto", "ffi", "pallas")
+INTERPRET = (False, True, "tpu")
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 VESPO = (2.0, 3.0, 3.0, 2.0)  # k_pos, lambda_pos, k_neg, lambda_neg: TRL's defaults
 
@@ -95,7 +106,17 @@ def _diffs(name, got, want):
     return {f"max_abs_diff_{name}": abs_diff, f"max_rel_diff_{name}": abs_diff / max(float(np.abs(want).max()), 1e-30)}
 
 
-def run(cfg) -> dict:
+def interpret_value(value: Any) -> Any:
+    """The ``interpret`` argument of config value ``value``: ``tpu`` is
+    ``pltpu.InterpretParams()`` (TPU semantics), else a bool."""
+    if value == "tpu":
+        from jax.experimental.pallas import tpu as pltpu
+
+        return pltpu.InterpretParams()
+    return bool(value)
+
+
+def run(cfg: dict) -> dict:
     import jax
     import jax.numpy as jnp
 
@@ -113,13 +134,15 @@ def run(cfg) -> dict:
     kw = dict(loss_type=cfg["loss_type"], importance_sampling_level=cfg["importance_sampling_level"],
               beta=cfg["beta"], temperature=cfg["temperature"], epsilon_high=cap,
               use_bias_correction_kl=cfg["use_bias_correction_kl"], max_completion_length=cfg["seq_len"])  # fmt: skip
+    path = {"impl": cfg["impl"], "interpret": interpret_value(cfg["interpret"])}
+    layout = cfg["weight_layout"]
     f64 = [jnp.asarray(x, jnp.float64) for x in (hidden, weight, adv, old, ref)]
     h64, w64 = jnp.asarray(h, jnp.float64), jnp.asarray(w, jnp.float64)
 
     if cfg["level"] == "logits":
         z = (h.astype(jnp.float32).reshape(-1, cfg["hidden"]) @ w.astype(jnp.float32).T).reshape(*ids.shape, -1)
         kz = dict(kw, old_per_token_logps=old_j, ref_per_token_logps=ref_j if cfg["beta"] else None)
-        got, dz = jax.value_and_grad(lambda z: fj.grpo_loss(z, ids_j, mask_j, adv_j, **kz)[0])(z)
+        got, dz = jax.value_and_grad(lambda z: fj.grpo_loss(z, ids_j, mask_j, adv_j, **kz, **path)[0])(z)
         ref_fn = lambda z: reference_loss(jnp, jax, z, ids_j, mask_j, *f64[2:], cfg)  # noqa: E731
         want, dz_ref = jax.value_and_grad(ref_fn)(jnp.asarray(z, jnp.float64))
         diffs = _diffs("dlogits", dz, dz_ref)
@@ -127,13 +150,18 @@ def run(cfg) -> dict:
 
         def kernel(x, wt, i, m, a, o, r, token_axis=None, vocab_axis=None):
             k = dict(kw, old_per_token_logps=o, ref_per_token_logps=r if cfg["beta"] else None)
-            return fj.linear_grpo_loss(x, wt, i, m, a, **k, token_axis=token_axis, vocab_axis=vocab_axis)[0]
+            return fj.linear_grpo_loss(
+                x, wt, i, m, a, **k, token_axis=token_axis, vocab_axis=vocab_axis, **path, weight_layout=layout
+            )[0]
 
         tokens = (ids_j, mask_j, adv_j, old_j, ref_j)
+        w_in = w if layout == "vh" else jnp.array(w.T, copy=True)  # the [H, V] head, materialized
         if cfg["parallel"] == "none":
-            got, (dh, dw) = jax.value_and_grad(kernel, (0, 1))(h, w, *tokens)
+            got, (dh, dw) = jax.value_and_grad(kernel, (0, 1))(h, w_in, *tokens)
         else:
-            got, (dh, dw) = _sharded(jax, kernel, cfg, h, w, tokens)
+            got, (dh, dw) = _sharded(jax, kernel, cfg, h, w_in, tokens)
+        if layout == "hv":
+            dw = dw.T  # back to [V, H] to compare
 
         def ref_fn(x, wt):
             z = (x.reshape(-1, cfg["hidden"]) @ wt.T).reshape(*ids.shape, -1)
@@ -177,7 +205,8 @@ def _sharded(jax, kernel, cfg, h, w, tokens):
     names = tuple(a for a, k in zip(("t", "v"), shape) if k > 1)  # a 1-D mesh unless 2d
     mesh = jax.make_mesh(tuple(k for k in shape if k > 1), names, axis_types=(AxisType.Explicit,) * len(names))
     axes = dict(token_axis="t" if "t" in names else None, vocab_axis="v" if "v" in names else None)
-    rows, block = P(axes["token_axis"]), P(axes["vocab_axis"])
+    rows = P(axes["token_axis"])
+    block = P(axes["vocab_axis"]) if cfg["weight_layout"] == "vh" else P(None, axes["vocab_axis"])
     specs = (rows, block) + (rows,) * len(tokens)
 
     def local(x, wt, *tok):
@@ -196,6 +225,18 @@ def load(path, overrides):
         raise ValueError(f"importance_sampling_level: token or sequence, got {cfg['importance_sampling_level']!r}")
     if cfg["parallel"] not in ("none", "token", "vocab", "2d"):
         raise ValueError(f"parallel: expected none, token, vocab or 2d, got {cfg['parallel']!r}")
+    if cfg["impl"] not in IMPLS:
+        raise ValueError(f"impl: expected one of {', '.join(IMPLS)}, got {cfg['impl']!r}")
+    if cfg["interpret"] not in INTERPRET:
+        raise ValueError(f"interpret: expected false, true or tpu (pltpu.InterpretParams()), got {cfg['interpret']!r}")
+    if cfg["interpret"] is True and cfg["parallel"] != "none":
+        raise ValueError(
+            "interpret: true (the HLO interpreter) does not lower a pallas_call inside jax.shard_map with "
+            "check_vma=True in jax 0.10.2 ('Primitive mul requires varying manual axes to match'), and with "
+            "check_vma=False the collectives' transposes give wrong gradients: use interpret=tpu when sharded"
+        )
+    if cfg["weight_layout"] not in ("vh", "hv"):
+        raise ValueError(f"weight_layout: expected vh ([V, H]) or hv ([H, V]), got {cfg['weight_layout']!r}")
     return cfg
 
 
@@ -207,7 +248,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     cfg = load(a.config, a.set)
     print(f"gradcheck: {cfg['level']} {cfg['loss_type']} [B={cfg['batch']}, T={cfg['seq_len']}, H={cfg['hidden']}, "
-          f"V={cfg['vocab']}] {cfg['dtype']} parallel={cfg['parallel']}", file=sys.stderr)  # fmt: skip
+          f"V={cfg['vocab']}] {cfg['dtype']} parallel={cfg['parallel']} impl={cfg['impl']} "
+          f"interpret={cfg['interpret']} weight_layout={cfg['weight_layout']}", file=sys.stderr)  # fmt: skip
     r = run(cfg)
     if a.json:
         print(json.dumps(r))

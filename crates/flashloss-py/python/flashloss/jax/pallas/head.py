@@ -52,6 +52,14 @@ def same_axes(*arrays: Optional[jax.Array]) -> list:
     return out
 
 
+def out_struct(shape: tuple, dtype, *like: jax.Array) -> jax.ShapeDtypeStruct:
+    """A ``pallas_call`` result of ``shape`` and ``dtype`` that varies over the mesh axes of
+    the operand in ``like`` that varies over the most (operands that disagree are cast
+    first, :func:`same_axes`)."""
+    widest = max(like, key=lambda a: len(jax.typeof(a).manual_axis_type.varying))
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(widest).manual_axis_type)
+
+
 def launch(make: Callable[[list], Callable], results: list, args: list, interpret: Any) -> list:
     """Runs the ``pallas_call`` that ``make(out_shape)`` builds on ``args``, cast to vary
     over the same mesh axes, its ``results`` (``(shape, dtype)`` pairs) varying over them

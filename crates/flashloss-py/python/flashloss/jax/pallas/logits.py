@@ -49,6 +49,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from .head import out_struct
+
 __all__ = [
     "BLOCK_ROWS",
     "DEFAULT_VMEM_BUDGET",
@@ -244,7 +246,7 @@ def logits_stats(logits2d: jax.Array, ids: jax.Array, *, mask: Optional[jax.Arra
     ``[N]``, in one read of the logits; rows where ``mask`` is false are 0. ``bn`` (rows
     per block) defaults to ``block_rows(N, V, dtype, vmem_limit_bytes, grad=False)``."""
     n, v, bn, ids_c, mask_c, tile, row, params, meta = _setup(logits2d, ids, mask, [], bn, vmem_limit_bytes, False, 0)
-    f32 = jax.ShapeDtypeStruct((n, 1), jnp.float32)
+    f32 = out_struct((n, 1), jnp.float32, logits2d, ids_c, mask_c)
     out = pl.pallas_call(
         functools.partial(_stats_kernel, inv_t=1.0 / float(temperature), **meta),
         out_shape=(f32, f32, f32),
@@ -269,16 +271,17 @@ def logits_grad(logits2d: jax.Array, ids: jax.Array, lse: jax.Array, entropy: ja
     one write of the logits, float32 math; masked rows get zeros."""
     rows = [("lse", lse), ("entropy", entropy), ("g_logp", g_logp), ("g_ent", g_ent)]
     n, v, bn, ids_c, mask_c, tile, row, params, meta = _setup(logits2d, ids, mask, rows, bn, vmem_limit_bytes, True, 4)
+    row_args = [_col(x, jnp.float32) for _, x in rows]
     return pl.pallas_call(
         functools.partial(_grad_kernel, inv_t=1.0 / float(temperature), **meta),
-        out_shape=jax.ShapeDtypeStruct((n, v), logits2d.dtype),
+        out_shape=out_struct((n, v), logits2d.dtype, logits2d, ids_c, mask_c, *row_args),
         grid=(pl.cdiv(n, bn),),
         in_specs=[tile, row, row, row, row, row, row],
         out_specs=tile,
         compiler_params=params,
         interpret=interpret,
         name="flashloss_logits_grad",
-    )(logits2d, ids_c, mask_c, *(_col(x, jnp.float32) for _, x in rows))
+    )(logits2d, ids_c, mask_c, *row_args)
 
 
 def logits_fused(logits2d: jax.Array, ids: jax.Array, row_inputs: Sequence[jax.Array], row_fn: RowFn, *,
@@ -299,17 +302,19 @@ def logits_fused(logits2d: jax.Array, ids: jax.Array, row_inputs: Sequence[jax.A
     rows = [(f"row_inputs[{k}]", x) for k, x in enumerate(row_inputs)]
     k = len(rows)
     n, v, bn, ids_c, mask_c, tile, row, params, meta = _setup(logits2d, ids, mask, rows, bn, vmem_limit_bytes, True, k)
-    f32 = jax.ShapeDtypeStruct((n, 1), jnp.float32)
+    row_args = [_col(x, jnp.float32) for x in row_inputs]
+    ins = (logits2d, ids_c, mask_c, *row_args)
+    f32 = out_struct((n, 1), jnp.float32, *ins)
     loss, logp, ent, dz = pl.pallas_call(
         functools.partial(_fused_kernel, inv_t=1.0 / float(temperature), row_fn=row_fn, n_inputs=k, **meta),
-        out_shape=(f32, f32, f32, jax.ShapeDtypeStruct((n, v), logits2d.dtype)),
+        out_shape=(f32, f32, f32, out_struct((n, v), logits2d.dtype, *ins)),
         grid=(pl.cdiv(n, bn),),
         in_specs=[tile, row, row] + [row] * k,
         out_specs=(row, row, row, tile),
         compiler_params=params,
         interpret=interpret,
         name="flashloss_logits_fused",
-    )(logits2d, ids_c, mask_c, *(_col(x, jnp.float32) for x in row_inputs))
+    )(*ins)
     return loss[:, 0], logp[:, 0], ent[:, 0], dz
 
 
