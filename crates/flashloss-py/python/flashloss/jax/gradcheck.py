@@ -4,10 +4,8 @@ loss and the gradients of the logits (logits level) or of ``hidden`` and ``weigh
 (LM-head level), on one device or sharded over 8 simulated CPU devices (``parallel:
 token | vocab | 2d``; 2d is a 2 x 4 mesh). ``impl`` (``auto | ffi | pallas``),
 ``interpret`` (``false``, ``true``, or ``tpu`` for ``pltpu.InterpretParams()``: TPU
-semantics; the only interpreter that runs sharded, one sharded run per process, and
-there it hangs in about half the token and 2d runs on this host (likely the interpreter's
-barrier of all devices around each kernel against XLA's CPU collective rendezvous), so
-run it under a timeout) and ``weight_layout`` (``vh``: the head ``[V, H]``; ``hv``: its
+semantics; not sharded: there ``true``, each device's kernel in a host callback outside
+the ``shard_map``, see ``pallas/head.py::launch``) and ``weight_layout`` (``vh``: the head ``[V, H]``; ``hv``: its
 transpose ``[H, V]`` is passed, and ``dweight`` is transposed back to compare) go to every
 ``flashloss.jax`` call. Prints ``loss_ref``, ``loss_kernel``,
 ``abs_diff_loss``, ``max_abs_diff_*``, ``max_rel_diff_*`` and a PASS/FAIL line per gate
@@ -229,12 +227,8 @@ def load(path, overrides):
         raise ValueError(f"impl: expected one of {', '.join(IMPLS)}, got {cfg['impl']!r}")
     if cfg["interpret"] not in INTERPRET:
         raise ValueError(f"interpret: expected false, true or tpu (pltpu.InterpretParams()), got {cfg['interpret']!r}")
-    if cfg["interpret"] is True and cfg["parallel"] != "none":
-        raise ValueError(
-            "interpret: true (the HLO interpreter) does not lower a pallas_call inside jax.shard_map with "
-            "check_vma=True in jax 0.10.2 ('Primitive mul requires varying manual axes to match'), and with "
-            "check_vma=False the collectives' transposes give wrong gradients: use interpret=tpu when sharded"
-        )
+    if cfg["interpret"] == "tpu" and cfg["parallel"] != "none":
+        raise ValueError("interpret: tpu (pltpu.InterpretParams) does not run sharded; use interpret=true")
     if cfg["weight_layout"] not in ("vh", "hv"):
         raise ValueError(f"weight_layout: expected vh ([V, H]) or hv ([H, V]), got {cfg['weight_layout']!r}")
     return cfg

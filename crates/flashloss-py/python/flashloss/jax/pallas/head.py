@@ -71,6 +71,12 @@ def launch(make: Callable[[list], Callable], results: list, args: list, interpre
     structs = [jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat) for shape, dtype in results]
     if not (interpret and mat.varying):
         return make(structs)(*args)
+    if not isinstance(interpret, bool):
+        raise ValueError(
+            "argument `interpret`: TPU interpret mode (pltpu.InterpretParams) keeps one interpreter state for all "
+            "devices and fails or hangs when each device's kernel runs on its own inside jax.shard_map; use "
+            "interpret=True there"
+        )
     inner = jax.jit(make([jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in results]))
     out = jax.pure_callback(lambda *xs: [np.asarray(y) for y in inner(*xs)], structs, *args, vmap_method="sequential")
     axes = tuple(sorted(mat.varying))  # the callback's results come back invariant: say what they are
