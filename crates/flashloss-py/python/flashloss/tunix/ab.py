@@ -44,6 +44,9 @@ DEFAULTS: dict[str, Any] = {
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "tie_word_embeddings": False,
+    # the embedding drawn from N(0, std^2) instead of Tunix's N(0, 1) (null: Tunix's); a
+    # tied N(0, 1) embedding of width 896 makes a one-hot next-token distribution
+    "init_embedding_std": None,
     # task
     "max_operand": 9,
     "format_reward": 0.1,
@@ -101,7 +104,14 @@ def _model(cfg: dict, seed: int):
         num_kv_heads=cfg["num_key_value_heads"], rope_theta=10_000, norm_eps=1e-6,
         use_tied_embedding=bool(cfg["tie_word_embeddings"]),
     )  # fmt: skip
-    return qwen2.Qwen2(config, rngs=nnx.Rngs(seed))
+    model = qwen2.Qwen2(config, rngs=nnx.Rngs(seed))
+    std = cfg["init_embedding_std"]
+    if std is not None:
+        import jax
+
+        emb = model.embedder.input_embedding
+        emb.value = float(std) * jax.random.normal(jax.random.key(seed + 1), emb.value.shape, emb.value.dtype)
+    return model
 
 
 def _optimizer(lr: float, max_grad_norm: float):
