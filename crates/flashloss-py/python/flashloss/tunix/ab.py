@@ -401,6 +401,8 @@ def plot(run_dirs: list[str], out: str) -> str:
             ax.plot([r["step"] for r in rows], y, style, label=cfg["loss_impl"])
         ax.set_title(title)
         ax.grid(alpha=0.3)
+        if key == "step_time_s":
+            ax.set_yscale("log")  # the first step compiles
     for ax in axes[1]:
         ax.set_xlabel("GRPO step")
     axes[0, 0].legend()
