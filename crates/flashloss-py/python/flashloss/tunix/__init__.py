@@ -101,7 +101,9 @@ def _supported(model: Any) -> None:
     cls = type(model)
     if (cls.__module__, cls.__name__) not in SUPPORTED_MODELS:
         names = ", ".join(n for _, n in SUPPORTED_MODELS)
-        raise ValueError(f"flashloss.tunix: unsupported model class {cls.__module__}.{cls.__name__} (supported: {names})")
+        raise ValueError(
+            f"flashloss.tunix: unsupported model class {cls.__module__}.{cls.__name__} (supported: {names})"
+        )
     softcap = getattr(model, "final_logits_softcap", None)
     if softcap is None:
         softcap = getattr(getattr(model, "config", None), "final_logit_softcap", None)
@@ -125,7 +127,8 @@ def _install_capture(model: Any) -> list[_HeadCapture]:
     head = getattr(model, "lm_head", None)
     if head is not None:
         if getattr(head, "einsum_str", None) != "BTD,DV->BTV":
-            raise ValueError(f"flashloss.tunix: lm_head einsum {getattr(head, 'einsum_str', None)!r} is not 'BTD,DV->BTV'")
+            einsum = getattr(head, "einsum_str", None)
+            raise ValueError(f"flashloss.tunix: lm_head einsum {einsum!r} is not 'BTD,DV->BTV'")
         if len(jax.tree.leaves(nnx.state(head, nnx.LoRAParam))):
             raise ValueError("flashloss.tunix: a LoRA lm_head is not supported")
         cap = _HeadCapture(head, "hv")

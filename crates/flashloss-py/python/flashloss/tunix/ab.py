@@ -284,7 +284,9 @@ def _dataset(cfg: dict) -> list[dict]:
     for step in range(cfg["steps"]):
         rng = np.random.default_rng([cfg["seed"], step, 1])
         problems = [_task.sample(rng, cfg["max_operand"]) for _ in range(cfg["prompts_per_step"])]
-        batches.append({"prompts": np.array([p.prompt() for p in problems]), "answer": np.array([p.answer for p in problems])})
+        # Arrays, as a grain batch gives them (the learner slices every field per prompt).
+        prompts, answers = np.array([p.prompt() for p in problems]), np.array([p.answer for p in problems])
+        batches.append({"prompts": prompts, "answer": answers})
     return batches
 
 
@@ -425,7 +427,8 @@ def summary_table(runs: list) -> str:
         mem = ("-", "-") if not memory else (f"{memory['peak_bytes'] / 2**20:.1f}",
                                               f"{memory['temp_size_in_bytes'] / 2**20:.1f}")  # fmt: skip
         lines.append(
-            f"| {cfg['loss_impl']} | {cfg['vocab_size']} x {cfg['hidden_size']} | {len(rows)} | {rows[0]['loss']:.9g} | "
+            f"| {cfg['loss_impl']} | {cfg['vocab_size']} x {cfg['hidden_size']} | {len(rows)} | "
+            f"{rows[0]['loss']:.9g} | "
             f"{np.mean([r['reward'] for r in tail]):.3f} | {np.mean([r.get('kl', np.nan) for r in tail]):.2e} | "
             f"{np.median([r['step_time_s'] for r in rows[1:] or rows]):.3f} | "
             f"{max(r['rss_peak_bytes'] for r in rows) / 2**20:.0f} | {mem[0]} | {mem[1]} |"
