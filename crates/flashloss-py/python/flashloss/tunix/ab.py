@@ -408,7 +408,9 @@ def plot(run_dirs: list[str], out: str) -> str:
     for ax in axes[1]:
         ax.set_xlabel("GRPO step")
     axes[0, 0].legend()
-    fig.suptitle("Tunix GRPOLearner, tiny Qwen2 on GSM8K-format arithmetic: Tunix's loss vs flashloss.tunix")
+    c0 = runs[0][0]
+    fig.suptitle(f"Tunix GRPOLearner, Qwen2 architecture V={c0['vocab_size']} H={c0['hidden_size']} on GSM8K-format "
+                 "arithmetic: Tunix's loss vs flashloss.tunix")  # fmt: skip
     fig.tight_layout()
     Path(out).mkdir(parents=True, exist_ok=True)
     png = Path(out) / "ab.png"
