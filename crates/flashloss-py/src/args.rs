@@ -174,16 +174,17 @@ impl<'py> Grads<'py> {
     }
 }
 
-/// Per-sequence `[B]` or per-token `[B, T]` f32 values.
+/// Per-sequence `[B]` or `[B, 1]` (TRL's shape for its `sequence_*` importance-sampling
+/// modes and its unsqueezed advantages), or per-token `[B, T]` f32 values.
 fn per_seq_or_token<'a>(t: &'a Tensor, b: usize, n: usize) -> PyResult<PerSeqOrToken<'a>> {
     let v = t.f32s()?;
-    match t.shape.len() {
-        1 if v.len() == b => Ok(PerSeqOrToken::Sequence(v)),
-        2 if v.len() == n => Ok(PerSeqOrToken::Token(v)),
+    match t.shape[..] {
+        [rows] | [rows, 1] if rows == b => Ok(PerSeqOrToken::Sequence(v)),
+        [_, _] if v.len() == n && t.shape[0] == b => Ok(PerSeqOrToken::Token(v)),
         _ => Err(arg_error(
             t.arg,
             format!(
-                "expected shape [B={b}] or [B, T] with B·T = {n}, got {:?}",
+                "expected shape [B={b}], [B, 1] or [B, T] with B·T = {n}, got {:?}",
                 t.shape
             ),
         )),

@@ -468,6 +468,33 @@ impl Device {
         }
     }
 
+    /// The per-token GRPO losses on host logits (Liger's `reduce=False`): the forward of
+    /// `Σ_i g_i·ℓ_tot,i` with `grad_rows` `[N]` (each token's upstream gradient; ones
+    /// for the losses themselves, [`GrpoLogitsForward::token_loss`]), and, given
+    /// `dlogits` (dense `[N, V]`), its gradient written there. CPU backend only.
+    pub fn grpo_logits_per_token<E: Element>(
+        &self,
+        loss: &GrpoLoss,
+        batch: &GrpoBatch,
+        logits: &[E],
+        layout: &LogitsLayout,
+        grad_rows: &[f32],
+        dlogits: Option<&mut [E]>,
+    ) -> Result<GrpoLogitsForward> {
+        if !self.is_cpu() {
+            return Err(Error::InvalidArgument {
+                arg: "logits",
+                reason: "per-token GRPO losses run on the CPU backend only (so far)".into(),
+            });
+        }
+        let fwd =
+            crate::cpu::grpo_logits_forward_per_token(loss, batch, logits, layout, grad_rows)?;
+        if let Some(d) = dlogits {
+            fwd.backward(logits, 1.0, d)?;
+        }
+        Ok(fwd)
+    }
+
     /// [`Device::grpo_logits`] with the gradient written over `logits` (the two-`exp`
     /// kernel: the logits are read again after the statistics).
     pub fn grpo_logits_in_place<E: Element>(

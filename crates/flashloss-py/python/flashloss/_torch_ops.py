@@ -329,3 +329,88 @@ def _grpo_logits_backward(ctx, grad, *_):
 
 
 grpo_logits.register_autograd(_grpo_logits_backward, setup_context=_grpo_logits_setup)
+
+
+# --- Per-token GRPO losses on materialized logits (reduce=False) ------------------------
+
+
+def _per_token_call(logits, ids, mask, adv, old, ref, ratio, config, grad_rows, dlogits):
+    """The native per-token call: ``(token_loss, kl, clipped)`` ``[B, T]`` f32."""
+    outs = [torch.empty(ids.shape, dtype=torch.float32) for _ in range(5)]
+    _native.grpo_logits_per_token(
+        logits.contiguous(), ids, mask, adv, old, ref, ratio, config, grad_rows, dlogits, *outs
+    )
+    token_loss, _, _, kl, clipped = outs
+    return token_loss, kl, clipped
+
+
+@torch.library.custom_op("flashloss::grpo_logits_rows", mutates_args=())
+def grpo_logits_rows(
+    logits: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    advantages: Tensor,
+    old_per_token_logps: Optional[Tensor],
+    ref_per_token_logps: Optional[Tensor],
+    importance_sampling_ratio: Optional[Tensor],
+    config: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Each token's loss ``ℓ_tot = ℓ·ρ + β·kl`` unreduced, its KL and its clip flag (0/1),
+    ``[B, T]`` f32, 0 where masked (Liger's ``reduce=False``)."""
+    return _per_token_call(
+        logits, completion_ids, completion_mask, advantages, old_per_token_logps, ref_per_token_logps,
+        importance_sampling_ratio, config, None, None,
+    )  # fmt: skip
+
+
+@grpo_logits_rows.register_fake
+def _(logits, completion_ids, *args):
+    return tuple(logits.new_empty(completion_ids.shape, dtype=torch.float32) for _ in range(3))
+
+
+@torch.library.custom_op("flashloss::grpo_logits_rows_backward", mutates_args=())
+def grpo_logits_rows_backward(
+    logits: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    advantages: Tensor,
+    old_per_token_logps: Optional[Tensor],
+    ref_per_token_logps: Optional[Tensor],
+    importance_sampling_ratio: Optional[Tensor],
+    config: str,
+    grad_rows: Tensor,
+) -> Tensor:
+    """``∂(Σ_i grad_rows_i·ℓ_tot,i)/∂logits`` in ``logits``' shape and dtype (zero at
+    positions ``t ≥ T``)."""
+    b, t = completion_ids.shape
+    dlogits = torch.empty((b, t, logits.shape[-1]), dtype=logits.dtype)
+    g = grad_rows.detach().to(device="cpu", dtype=torch.float32).contiguous()
+    _per_token_call(
+        logits, completion_ids, completion_mask, advantages, old_per_token_logps, ref_per_token_logps,
+        importance_sampling_ratio, config, g, dlogits,
+    )  # fmt: skip
+    if logits.shape[1] != t:
+        dlogits = torch.nn.functional.pad(dlogits, (0, 0, 0, logits.shape[1] - t))
+    return dlogits
+
+
+@grpo_logits_rows_backward.register_fake
+def _(logits, *args):
+    return logits.new_empty(logits.shape)
+
+
+def _grpo_rows_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:7])
+    ctx.config = inputs[7]
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.set_materialize_grads(False)
+
+
+def _grpo_rows_backward(ctx, grad_rows, *_):
+    if grad_rows is None:
+        return (None,) * 8
+    dlogits = grpo_logits_rows_backward(*ctx.saved_tensors, ctx.config, grad_rows)
+    return (dlogits, *([None] * 7))
+
+
+grpo_logits_rows.register_autograd(_grpo_rows_backward, setup_context=_grpo_rows_setup)

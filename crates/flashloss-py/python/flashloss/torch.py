@@ -446,10 +446,13 @@ def grpo_loss(
     ``(loss, metrics)`` with ``metrics = [kl_mean, clip_ratio]`` (``[clip_ratio]`` when
     ``beta == 0``). The gradient is formed in the forward; with ``inplace`` it overwrites
     ``logits`` (which must then not be used again), else a ``[B, T, V]`` buffer is
-    allocated. Only ``reduce=True`` is provided (the reduced loss is what the fused
-    backward is of). Under ``torch.compile`` the call is never in place."""
-    if not reduce:
-        raise ValueError("argument `reduce`: only reduce=True is provided (per-token losses are not returned)")
+    allocated. Under ``torch.compile`` the call is never in place.
+
+    ``reduce=False`` returns Liger's ``(per_token_loss, per_token_kl, is_clipped)``
+    ``[B, T]`` float32, each 0 where masked (``per_token_kl`` None when ``beta == 0``):
+    ``per_token_loss = ℓ·ρ + β·kl`` before the loss type's reduction, differentiable in
+    ``logits`` (at sequence level through the shared ratio ``R_b``); its backward runs the
+    logits again with the upstream gradient (never in place)."""
     _same_device(
         dict(
             logits=logits,
@@ -473,6 +476,9 @@ def grpo_loss(
         vespo_lambda_neg,
     )  # fmt: skip
     old, ref, ratio = _f32(old_logp), _f32(ref_logp), _f32(vllm_is_ratio)
+    if not reduce:
+        token_loss, kl, clipped = ops.grpo_logits_rows(logits, ids, mask, adv, old, ref, ratio, config)
+        return token_loss, (kl if beta != 0.0 else None), clipped
     if inplace and logits.is_contiguous() and not torch.compiler.is_compiling():
         loss, metrics = _grpo_logits_in_place(logits, ids, mask, adv, old, ref, ratio, items_tensor, config)
     else:

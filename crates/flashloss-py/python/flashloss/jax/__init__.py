@@ -269,16 +269,21 @@ def linear_grpo_loss(
     loss, (logp, entropy, kl, metrics) = _on_path(impl, interpret, pallas, ffi, hidden, weight, bias, ids, mask,
                                                   adv, old, ref)  # fmt: skip
     if token_axis is not None:
-        loss, metrics = _over_tokens(loss, metrics, mask, token_axis, loss_type, num_items_in_batch)
+        per_seq = _policy.clips_per_sequence(args, adv)
+        loss, metrics = _over_tokens(loss, metrics, mask, token_axis, loss_type, num_items_in_batch, per_seq)
     aux = jax.lax.stop_gradient((logp, entropy, kl, metrics))
     return loss, GRPOOutputs(aux[0], aux[1], aux[2], dict(zip(_METRICS, aux[3])))
 
 
-def _over_tokens(loss, metrics, mask, axis, loss_type, num_items_in_batch):
+def _over_tokens(loss, metrics, mask, axis, loss_type, num_items_in_batch, clips_per_sequence):
     """The one-device loss and metrics from each device's: the loss is a sum of row terms
     over a normalizer, so `L = Σ_d L_d · n_d / Σ_d n_d` (`n_d` the device's normalizer);
-    the metrics are token means, so they are weighted by the devices' token counts."""
+    the metrics are token means, so they are weighted by the devices' token counts (the
+    clip metrics by their sequence counts where they are sequence means)."""
     tokens = mask.sum().astype(jnp.float32)
+    clips = jnp.float32(mask.shape[0]) if clips_per_sequence else tokens
+    weights = jnp.stack([tokens, tokens, clips, clips, clips])
+    metrics = jax.lax.psum(metrics * weights, axis) / jnp.maximum(jax.lax.psum(weights, axis), 1.0)
     if loss_type in ("dapo", "cispo", "vespo") and num_items_in_batch is not None:
         norm = jnp.float32(1.0)  # already global: the device's losses add up
         share = norm
@@ -286,7 +291,6 @@ def _over_tokens(loss, metrics, mask, axis, loss_type, num_items_in_batch):
         norm = tokens if loss_type in ("dapo", "bnpo", "cispo", "vespo") else jnp.float32(mask.shape[0])
         share = norm / jax.lax.psum(norm, axis)
     loss = jax.lax.psum(jax.lax.stop_gradient(share) * loss, axis)
-    metrics = jax.lax.psum(metrics * tokens, axis) / jnp.maximum(jax.lax.psum(tokens, axis), 1.0)
     return loss, metrics
 
 

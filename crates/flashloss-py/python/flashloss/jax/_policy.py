@@ -43,6 +43,7 @@ __all__ = [
     "METRICS",
     "ce_loss_from_stats",
     "clip_flags",
+    "clips_per_sequence",
     "entropy_weights",
     "grpo_policy_loss",
     "is_token_local",
@@ -294,6 +295,14 @@ def clip_flags(
     return (r < 1.0 - args.epsilon_low) & (adv < 0), (r > 1.0 + args.eps_high) & (adv > 0)
 
 
+def clips_per_sequence(args: GrpoArgs, advantages) -> bool:
+    """True when TRL 1.16's clip metrics are means over the B sequences: a sequence-level
+    ratio with per-sequence advantages (``[B]`` or ``[B, 1]``) makes its clip flags
+    ``[B, 1]``, which its ``global_masked_mean`` divides by B (else by the live tokens)."""
+    shape = jnp.shape(advantages)
+    return args.sequence_level and (len(shape) == 1 or shape[1:] == (1,))
+
+
 def _counts(mask: jax.Array, dtype=jnp.float32) -> Tuple[jax.Array, jax.Array]:
     """``(L_b [B, 1], Σ m)`` as floats."""
     m = mask.astype(dtype)
@@ -403,13 +412,22 @@ def grpo_policy_loss(
         loss = loss + jnp.sum(e * ent)
 
     kl = jnp.where(mask, token_kl(lp, old_, ref_, args, log_ratio=log_ratio), 0.0)
-    low, high = clip_flags(lp, old_, adv_t, args, log_ratio=log_ratio)
     count = jnp.maximum(jnp.sum(mask.astype(dtype)), 1.0)
 
     def mean(x: jax.Array) -> jax.Array:
         return jnp.sum(jnp.where(mask, x.astype(dtype), 0.0)) / count
 
-    metrics = jnp.stack([mean(kl), mean(ent), mean(low), mean(high), mean(low | high)])
+    if clips_per_sequence(args, adv):
+        # TRL's `[B, 1]` flags, averaged over the B sequences (a sequence with no live
+        # token has R_b = 1 and keeps its advantage).
+        low, high = (f[:, 0] for f in clip_flags(lp, old_, adv, args, log_ratio=log_ratio))
+
+        def clip_mean(x: jax.Array) -> jax.Array:
+            return jnp.sum(x.astype(dtype)) / max(shape[0], 1)
+    else:
+        low, high = clip_flags(lp, old_, adv_t, args, log_ratio=log_ratio)
+        clip_mean = mean
+    metrics = jnp.stack([mean(kl), mean(ent), clip_mean(low), clip_mean(high), clip_mean(low | high)])
     return loss, kl, jax.lax.stop_gradient(metrics)
 
 
