@@ -287,3 +287,35 @@ def test_bench_rejects_a_min_length_beyond_t():
     bench = pytest.importorskip("flashloss.jax.bench")
     with pytest.raises(ValueError, match="min_length: expected a fraction of T"):
         bench.load(None, ["min_length=1.5"])
+
+
+def test_only_the_loss_types_parameters_are_validated():
+    """A bnpo call with sapo_temperature_neg=False runs; a bad sapo temperature is an
+    error naming it, at trace time on both paths (issue 33)."""
+    hidden, weight, _, ids, mask, adv, old, _ = _inputs(2, 4, 8, 65, seed=7)
+    for impl in ("ffi", "pallas"):
+        kw = dict(impl=impl, interpret=impl == "pallas")
+        loss, _ = fj.linear_grpo_loss(hidden, weight, ids, mask, adv, loss_type="bnpo", sapo_temperature_neg=False,
+                                      **kw)  # fmt: skip
+        assert np.isfinite(float(loss))
+        with pytest.raises(ValueError, match="`sapo_temperature_neg`: must be > 0, got 0"):
+            fj.linear_grpo_loss(hidden, weight, ids, mask, adv, loss_type="sapo", sapo_temperature_neg=0.0, **kw)
+
+
+@pytest.mark.parametrize("impl", ["ffi", "pallas"])
+def test_sequence_level_clip_metrics_are_means_over_sequences(impl):
+    """TRL 1.16's global_masked_mean of [B, 1] clip flags (sequence level, per-sequence
+    advantages): a mean over the B sequences; per-token advantages: over live tokens."""
+    hidden, weight, _, ids, mask, adv, old, _ = _inputs(6, 5, 8, 65, seed=8)
+    old = old + jnp.asarray([-0.6, -0.3, 0.0, 0.0, 0.3, 0.6])[:, None]
+    kw = dict(loss_type="grpo", importance_sampling_level="sequence", impl=impl, interpret=impl == "pallas")
+    for advantages in (adv, jnp.broadcast_to(adv[:, None], ids.shape)):
+        _, out = fj.linear_grpo_loss(hidden, weight, ids, mask, advantages, old_per_token_logps=old, **kw)
+        m = mask.astype(jnp.float32)
+        log_r = ((out.logp - old) * m).sum(-1, keepdims=True) / jnp.maximum(m.sum(-1, keepdims=True), 1.0)
+        a = advantages if advantages.ndim == 2 else advantages[:, None]
+        r = jnp.exp(log_r)
+        region = (((r < 0.8) & (a < 0)) | ((r > 1.2) & (a > 0))).astype(jnp.float32)
+        want = (region * m).sum() / m.sum() if advantages.ndim == 2 else region.mean()
+        assert abs(float(out.metrics["clip_ratio/region_mean"]) - float(want)) < 1e-6, (advantages.ndim, want)
+        assert 0 < float(want) < 1

@@ -231,9 +231,11 @@ class LinearGRPOLoss(torch.nn.Module):
     scalar tensors ``[kl_mean (when beta != 0), clip_ratio]`` as Liger does.
 
     Liger-only knobs that do not change the result (``compiled``, ``chunk_size``) are
-    accepted and ignored; ``ref_input``/``ref_weight``/``ref_bias`` (a reference head run
-    inside the loss) are not supported: pass ``ref_per_token_logps`` (from
-    :func:`linear_logprobs` on the reference model's hidden states) instead.
+    accepted and ignored. As in Liger, the reference is ``ref_per_token_logps``, else the
+    reference head ``ref_input @ ref_weight.T + ref_bias`` (log-probs without gradient),
+    used only with ``use_ref_model``; ``ref_weight``/``ref_bias`` without ``ref_input``
+    are ignored. With no reference the KL term is zero, and ``beta != 0`` still reports
+    it (``kl_mean`` 0), as Liger does.
     """
 
     def __init__(
@@ -295,14 +297,13 @@ class LinearGRPOLoss(torch.nn.Module):
         vllm_is_ratio=None,
         num_items_in_batch=None,
     ):
-        if ref_input is not None or ref_weight is not None or ref_bias is not None:
-            raise ValueError(
-                "argument `ref_input`: a reference head inside the loss is not supported; "
-                "pass ref_per_token_logps (flashloss.torch.linear_logprobs on the reference hidden states)"
-            )
-        beta = self.beta if self.use_ref_model else 0.0
         b, t = selected_token_ids.shape
         hidden = _input.reshape(b, t, -1) if _input.dim() == 2 else _input
+        ref = ref_per_token_logps if self.use_ref_model else None
+        if ref is None and self.use_ref_model and ref_input is not None:
+            ref = self._reference(ref_input.reshape(b, t, -1), ref_weight, ref_bias, selected_token_ids)
+        # No reference model: Liger's KL is that of the policy with itself, zero.
+        beta = self.beta if self.use_ref_model else 0.0
         loss, out = linear_grpo_loss(
             hidden,
             lin_weight,
@@ -311,15 +312,23 @@ class LinearGRPOLoss(torch.nn.Module):
             advantages,
             bias=bias,
             old_per_token_logps=old_per_token_logps,
-            ref_per_token_logps=ref_per_token_logps,
+            ref_per_token_logps=ref,
             importance_sampling_ratio=vllm_is_ratio,
             beta=beta,
             num_items_in_batch=num_items_in_batch,
             **self.kwargs,
         )
         clip = out.metrics["clip_ratio/region_mean"]
-        metrics = [out.metrics["kl"], clip] if beta != 0.0 else [clip]
+        metrics = [out.metrics["kl"], clip] if self.beta != 0.0 else [clip]
         return loss, metrics
+
+    def _reference(self, ref_input, ref_weight, ref_bias, ids):
+        """Liger's reference log-probs from a reference head (no gradient)."""
+        if ref_weight is None:
+            raise ValueError("argument `ref_weight`: required with ref_input (the reference model's LM head)")
+        with torch.no_grad():
+            temperature = self.kwargs["temperature"]
+            return linear_logprobs(ref_input, ref_weight, ids, temperature, bias=ref_bias)
 
 
 def linear_cross_entropy(
