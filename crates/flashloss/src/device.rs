@@ -243,6 +243,21 @@ impl Device {
         self.run(head, |h| fused::ce_linear(h, ce, targets, grad_rows, opts))
     }
 
+    /// [`Device::ce_linear_into`] whose gradients also take each row's log-sum-exp's
+    /// upstream gradient `grad_lse` `[N]` (see [`fused::ce_linear_lse`]).
+    pub fn ce_linear_lse_into<E: Element>(
+        &self,
+        ce: &CrossEntropy,
+        targets: &[i64],
+        (grad_rows, grad_lse): (Option<&[f32]>, Option<&[f32]>),
+        head: HeadArgs<E>,
+        opts: &FusedOptions,
+    ) -> Result<CeLinearOutput> {
+        self.run(head, |h| {
+            fused::ce_linear_lse(h, ce, targets, grad_rows, grad_lse, opts)
+        })
+    }
+
     /// The per-row cross-entropy losses without gradients (see
     /// [`fused::ce_row_losses`]); no gradient buffer is made.
     pub fn ce_row_losses<E: Element>(
