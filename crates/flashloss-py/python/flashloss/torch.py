@@ -343,15 +343,20 @@ def linear_cross_entropy(
     reduction: str = "mean",
     temperature: float = 1.0,
     *,
+    return_lse: bool = False,
     mode: str = "auto",
     budget_mib: Optional[float] = None,
     vocab_parallel_group=None,
-) -> torch.Tensor:
+):
     """Cross-entropy of ``hidden @ weight.T + bias`` at ``targets``, as Cut Cross-Entropy's
     ``linear_cross_entropy(e, c, targets, ...)`` and PyTorch's
     ``F.linear_cross_entropy(input, linear_weight, target, ...)`` compute it (with the
     options of ``docs/spec/losses.md``: label smoothing, z-loss, soft-cap, temperature).
-    ``hidden`` ``[..., H]`` and ``targets`` ``[...]``; reduction ``none`` returns ``[...]``."""
+    ``hidden`` ``[..., H]`` and ``targets`` ``[...]``; reduction ``none`` returns ``[...]``.
+    ``return_lse`` returns ``(loss, lse)`` as Cut Cross-Entropy does: ``lse`` ``[...]``
+    float32, each row's log-sum-exp of the logits as the loss sees them (soft-capped,
+    divided by the temperature), 0 where ``targets`` is ``ignore_index``, differentiable
+    (e.g. for a z-loss of the caller's own)."""
     group = _dist.register(vocab_parallel_group)
 
     def prepare():
@@ -370,6 +375,13 @@ def linear_cross_entropy(
     h2, w, b, config = _dist.agreed(group, prepare)
     tgt = targets.reshape(-1).to(device="cpu", dtype=torch.int64).contiguous()
     budget = DEFAULT_BUDGET_MIB if budget_mib is None else float(budget_mib)
+    if return_lse:
+        args = (h2, w, b, tgt, config, mode, budget, group)
+        if reduction == "none":
+            rows, lse = ops.ce_linear_rows_lse(*args)
+            return rows.reshape(targets.shape), lse.reshape(targets.shape)
+        loss, lse = ops.ce_linear_lse(*args)[:2]
+        return loss, lse.reshape(targets.shape)
     if reduction == "none":
         return ops.ce_linear_rows(h2, w, b, tgt, config, mode, budget, group).reshape(targets.shape)
     return ops.ce_linear(h2, w, b, tgt, config, mode, budget, group)[0]
