@@ -6,10 +6,10 @@
 use crate::tensor::{DType, Tensor, arg_error};
 use flashloss::fused::LinearGradsMut;
 use flashloss::{Element, GrpoBatch, LinearInputs, PerSeqOrToken};
-use half::bf16;
+use half::{bf16, f16};
 use pyo3::prelude::*;
 
-pub(crate) const FLOAT: &[DType] = &[DType::F32, DType::Bf16];
+pub(crate) const FLOAT: &[DType] = &[DType::F32, DType::Bf16, DType::F16];
 pub(crate) const F32: &[DType] = &[DType::F32];
 pub(crate) const I64: &[DType] = &[DType::I64];
 pub(crate) const BOOL: &[DType] = &[DType::Bool];
@@ -42,6 +42,17 @@ impl TorchElement for bf16 {
     unsafe fn slice_mut<'a>(t: &'a mut Tensor) -> PyResult<&'a mut [bf16]> {
         // SAFETY: the caller's promise.
         unsafe { t.bf16s_mut() }
+    }
+}
+
+impl TorchElement for f16 {
+    fn slice<'a>(t: &'a Tensor) -> PyResult<&'a [f16]> {
+        t.f16s()
+    }
+
+    unsafe fn slice_mut<'a>(t: &'a mut Tensor) -> PyResult<&'a mut [f16]> {
+        // SAFETY: the caller's promise.
+        unsafe { t.f16s_mut() }
     }
 }
 

@@ -185,7 +185,7 @@ fn agreed<T>(py: Python<'_>, group: Option<&VocabGroup>, parsed: PyResult<T>) ->
 
 /// This rank's shard of a head split over `group` (see [`VocabGroup::shard`]).
 fn head_shard(py: Python<'_>, group: &VocabGroup, head: &HeadTensors) -> PyResult<Shard> {
-    let dtype = matches!(head.hidden.dtype, crate::tensor::DType::F32) as u8;
+    let dtype = head.hidden.dtype as u8;
     group.shard(py, head.vocab, head.tokens, head.hidden_size, dtype)
 }
 

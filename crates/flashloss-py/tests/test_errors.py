@@ -51,8 +51,8 @@ def test_nan_hidden_state():
 
 def test_wrong_dtypes():
     d = batch()
-    d["hidden"] = d["hidden"].half()
-    with pytest.raises(ValueError, match="`hidden`.*float16"):
+    d["hidden"] = d["hidden"].double()
+    with pytest.raises(ValueError, match="`hidden`.*float64"):
         grpo(d)
     d = batch()
     with pytest.raises(ValueError, match="`completion_ids`.*integer"):

@@ -366,3 +366,24 @@ def test_liger_module_reference_head_and_kl_metric():
     unregularized, _ = fl.LinearGRPOLoss(beta=0.0, loss_type="grpo")(*args, old_per_token_logps=old)
     assert len(metrics) == 2 and metrics[0].item() == 0.0
     assert loss.item() == unregularized.item()
+
+
+@pytest.mark.parametrize("loss_type,level", [("grpo", "token"), ("dapo", "sequence"), ("vespo", "token")])
+def test_f16_inputs(loss_type, level):
+    """float16 heads (V100/T4; issue 33) are widened exactly as bf16 ones: f32 statistics
+    on the f16 values, so the loss keeps the f32 bound; gradients come back in float16."""
+    d = make_batch(27, dtype=torch.float16)
+    check(d, tol_loss=1e-5, tol_grad=2e-3, loss_type=loss_type, importance_sampling_level=level, beta=0.04,
+          old_per_token_logps=policy_logps(d, 1.0, 0.3, d["g"]),
+          ref_per_token_logps=policy_logps(d, 1.0, 0.2, d["g"]))  # fmt: skip
+
+
+def test_f16_hidden_with_an_f32_head_is_cast_as_autocast_would():
+    d = make_batch(28)
+    h = d["hidden"].half().requires_grad_()
+    w = d["weight"].clone().requires_grad_()
+    loss, _ = fl.linear_grpo_loss(h, w, d["ids"], d["mask"], d["adv"], loss_type="grpo")
+    loss.backward()
+    assert h.grad.dtype == torch.float16 and w.grad.dtype == torch.float32
+    want, _, _ = grpo_reference(h.detach(), w.detach().half(), None, d["ids"], d["mask"], d["adv"], loss_type="grpo")
+    assert loss.item() == pytest.approx(want.item(), rel=1e-5, abs=1e-7)

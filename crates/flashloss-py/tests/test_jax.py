@@ -319,3 +319,29 @@ def test_sequence_level_clip_metrics_are_means_over_sequences(impl):
         want = (region * m).sum() / m.sum() if advantages.ndim == 2 else region.mean()
         assert abs(float(out.metrics["clip_ratio/region_mean"]) - float(want)) < 1e-6, (advantages.ndim, want)
         assert 0 < float(want) < 1
+
+
+@pytest.mark.parametrize("impl", ["ffi", "pallas"])
+def test_f16_inputs(impl):
+    """float16 heads and logits (issue 33): widened exactly (the FFI kernels read them;
+    the Pallas path widens them to float32), gradients in float16."""
+    hidden, weight, _, ids, mask, adv, old, ref = _inputs(2, 5, 8, 257, seed=9)
+    hh, wh = hidden.astype(jnp.float16), weight.astype(jnp.float16)
+    kw = dict(impl=impl, interpret=impl == "pallas")
+    lh, grads = jax.value_and_grad(
+        lambda h, w: fj.linear_grpo_loss(h, w, ids, mask, adv, old_per_token_logps=old, **kw)[0], (0, 1)
+    )(hh, wh)
+    assert grads[0].dtype == jnp.float16 and grads[1].dtype == jnp.float16
+    h32, w32 = hh.astype(jnp.float32), wh.astype(jnp.float32)
+    l32, g32 = jax.value_and_grad(
+        lambda h, w: fj.linear_grpo_loss(h, w, ids, mask, adv, old_per_token_logps=old, **kw)[0], (0, 1)
+    )(h32, w32)
+    _close(lh, l32, 1e-5, "f16 loss")
+    for a, b in zip(grads, g32):
+        _close(a, b, 2e-3, "f16 grads")
+    ce = fj.linear_cross_entropy(hh, wh, ids, **kw)
+    _close(ce, fj.linear_cross_entropy(h32, w32, ids, **kw), 1e-5, "f16 ce")
+    logits = (hidden @ weight.T).astype(jnp.float16)
+    lz, gz = jax.value_and_grad(lambda z: fj.grpo_loss(z, ids, mask, adv, old_per_token_logps=old, **kw)[0])(logits)
+    assert gz.dtype == jnp.float16
+    _close(lz, fj.grpo_loss(logits.astype(jnp.float32), ids, mask, adv, old_per_token_logps=old, **kw)[0], 1e-5, "z")

@@ -97,3 +97,19 @@ def test_reduce_false_without_beta_has_no_kl_and_compiles():
     z = logits.clone().requires_grad_()
     f(z).backward()
     assert z.grad is not None and torch.isfinite(z.grad).all()
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_f16_logits(inplace):
+    """float16 logits (issue 33): widened exactly, the gradient written in float16."""
+    logits, ids, mask, adv, old, ref = setup(21)
+    logits = logits.half()
+    ref_loss, ref_grad = reference(logits, ids, mask, adv, old, ref, loss_type="grpo", beta=0.04, epsilon_high=0.4,
+                                   temperature=0.9, use_bias_correction_kl=False)  # fmt: skip
+    leaf = logits.clone().requires_grad_()
+    loss, _ = fl.grpo_loss(leaf * 1.0 if inplace else leaf, old, ref, ids, adv, mask, loss_type="grpo", inplace=inplace)
+    loss.backward()
+    assert leaf.grad.dtype == torch.float16
+    assert abs(loss.item() - ref_loss) <= 1e-5 * max(1.0, abs(ref_loss))
+    t = ids.shape[1]
+    assert (leaf.grad[:, :t].double() - ref_grad).abs().max().item() <= 2e-3 * ref_grad.abs().max().item()

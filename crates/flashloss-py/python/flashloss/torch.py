@@ -5,8 +5,8 @@ forward and backward in one fused call (the gradients are formed while each bloc
 logits is on hand) and autograd scales them by the upstream gradient, so nothing
 ``[N, V]``-sized is ever allocated, and ``torch.compile(fullgraph=True)`` and
 ``torch.export`` trace through the ops. Tensors are borrowed, not copied: ``hidden``
-and ``weight`` must share a dtype (float32 or bfloat16; mixed dtypes are cast to
-bfloat16, as autocast would), and non-contiguous inputs are made contiguous. Every
+and ``weight`` must share a dtype (float32, bfloat16 or float16; a half dtype mixed
+with float32 is cast to the half one, as autocast would), and non-contiguous inputs are made contiguous. Every
 error is a ``ValueError`` naming the argument.
 
 ``vocab_parallel_group`` (a ``torch.distributed`` ``ProcessGroup``) splits the LM head
@@ -48,7 +48,8 @@ __all__ = [
 ]
 
 
-_FLOATS = (torch.float32, torch.bfloat16)
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_HALVES = (torch.bfloat16, torch.float16)
 
 
 @dataclass
@@ -99,9 +100,11 @@ def _head(hidden, weight, bias):
     """``hidden``, ``weight``, ``bias`` as the kernels read them: one float dtype, contiguous."""
     for arg, t in (("hidden", hidden), ("weight", weight), ("bias", bias)):
         if t is not None and t.dtype not in _FLOATS:
-            raise ValueError(f"argument `{arg}`: expected dtype float32 or bfloat16, got {t.dtype}")
+            raise ValueError(f"argument `{arg}`: expected dtype float32, bfloat16 or float16, got {t.dtype}")
     dtypes = {t.dtype for t in (hidden, weight, bias) if t is not None}
-    dtype = torch.float32 if dtypes == {torch.float32} else torch.bfloat16
+    # One dtype as it is; float32 with one half dtype: that one (as autocast); both halves: float32.
+    halves = [d for d in _HALVES if d in dtypes]
+    dtype = halves[0] if len(halves) == 1 else torch.float32
     cast = [None if t is None else t.to(dtype).contiguous() for t in (hidden, weight, bias)]
     return cast
 
@@ -487,7 +490,7 @@ def grpo_loss(
         cuda=False,
     )
     if logits.dtype not in _FLOATS:
-        raise ValueError(f"argument `logits`: expected dtype float32 or bfloat16, got {logits.dtype}")
+        raise ValueError(f"argument `logits`: expected dtype float32, bfloat16 or float16, got {logits.dtype}")
     ids, mask, adv = _grpo_batch(completion_ids, completion_mask, advantages)
     items, items_tensor = _items(num_items_in_batch)
     config = grpo_config(

@@ -235,7 +235,7 @@ pub(super) fn grpo_outputs(
     Ok(())
 }
 
-/// `E` from the dtype of `x`: f32 or bf16.
+/// `E` from the dtype of `x`: f32, bf16 or f16.
 macro_rules! by_dtype {
     ($x:expr, $E:ident, $code:ident => $body:expr) => {
         match $x.dtype() {
@@ -249,9 +249,14 @@ macro_rules! by_dtype {
                 let $code = ($crate::jax::ffi::dtype::BF16, "bfloat16");
                 $body
             }
+            $crate::jax::ffi::dtype::F16 => {
+                type $E = half::f16;
+                let $code = ($crate::jax::ffi::dtype::F16, "float16");
+                $body
+            }
             other => Err($crate::jax::frame::bad(
                 $x.name,
-                format!("expected float32 or bfloat16, got XLA dtype {other}"),
+                format!("expected float32, bfloat16 or float16, got XLA dtype {other}"),
             )),
         }
     };

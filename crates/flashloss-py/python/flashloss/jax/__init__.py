@@ -21,7 +21,8 @@ logits-level GRPO loss. Argument names and defaults are TRL's, as in
   for a Flax kernel ``[H, V]`` (``'BTD,DV->BTV'``); no path makes a transposed copy.
 
 They work under ``jax.jit``, ``jax.grad`` / ``value_and_grad``, ``jax.vmap`` and
-``jax.shard_map`` (``token_axis``, ``vocab_axis``), in float32 and bfloat16. The
+``jax.shard_map`` (``token_axis``, ``vocab_axis``), in float32, bfloat16 and float16
+(float16 widened to float32 on the Pallas path). The
 per-token outputs (``logp``, ``entropy``, ``kl``) and the metrics carry no gradient.
 
 Errors known at trace time (shapes, dtypes, the loss config) are ``ValueError`` naming
@@ -79,9 +80,15 @@ def _on_path(impl: str, interpret: Any, pallas: Callable, ffi: Callable, *operan
 
 def _floats(arg: str, x) -> jax.Array:
     x = jnp.asarray(x)
-    if x.dtype not in (jnp.float32, jnp.bfloat16):
-        raise ValueError(f"argument `{arg}`: expected dtype float32 or bfloat16, got {x.dtype}")
+    if x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        raise ValueError(f"argument `{arg}`: expected dtype float32, bfloat16 or float16, got {x.dtype}")
     return x
+
+
+def _wide(*xs):
+    """float16 widened to float32 (exact) for the Pallas kernels, which take float32 and
+    bfloat16 (TPUs have no float16 arithmetic); JAX casts the gradients back."""
+    return [x.astype(jnp.float32) if x is not None and x.dtype == jnp.float16 else x for x in xs]
 
 
 def _head(hidden, weight, bias, layout: str):
@@ -100,7 +107,9 @@ def _head(hidden, weight, bias, layout: str):
     if bias is not None and bias.shape != (v,):
         raise ValueError(f"argument `bias`: expected shape [V={v}], got {list(bias.shape)}")
     dtypes = {x.dtype for x in (hidden, weight, bias) if x is not None}
-    dtype = jnp.float32 if dtypes == {jnp.dtype(jnp.float32)} else jnp.bfloat16
+    # One dtype as it is; float32 with one half dtype: that one (as autocast); both halves: float32.
+    halves = [d for d in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) if d in dtypes]
+    dtype = halves[0] if len(halves) == 1 else jnp.float32
     cast = [None if x is None else x.astype(dtype) for x in (hidden, weight, bias)]
     return cast
 
@@ -264,7 +273,7 @@ def linear_grpo_loss(
         )  # fmt: skip
 
     def pallas(hidden, weight, bias, ids, mask, adv, old, ref):
-        return _pallas.grpo(hidden, weight, bias, ids, mask, adv, old, ref, args, spec)
+        return _pallas.grpo(*_wide(hidden, weight, bias), ids, mask, adv, old, ref, args, spec)
 
     loss, (logp, entropy, kl, metrics) = _on_path(impl, interpret, pallas, ffi, hidden, weight, bias, ids, mask,
                                                   adv, old, ref)  # fmt: skip
@@ -347,7 +356,7 @@ def linear_cross_entropy(
 
     def pallas(h2, weight, bias, t1):
         return _pallas.cross_entropy(
-            h2, weight, bias, t1, spec, ignore_index=int(ignore_index), label_smoothing=float(label_smoothing),
+            *_wide(h2, weight, bias), t1, spec, ignore_index=int(ignore_index), label_smoothing=float(label_smoothing),
             z_loss=float(z_loss), reduction=reduction,
         )  # fmt: skip
 
@@ -401,7 +410,7 @@ def linear_logprobs(
         )
 
     def pallas(x, weight, bias, flat_ids, flat_mask):
-        return _pallas.logprobs(x, weight, bias, flat_ids, flat_mask, spec, seq_len)
+        return _pallas.logprobs(*_wide(x, weight, bias), flat_ids, flat_mask, spec, seq_len)
 
     logp, entropy = _on_path(impl, interpret, pallas, ffi, x, weight, bias, ids.reshape(-1), m.reshape(-1))
     logp, entropy = logp.reshape(ids.shape), entropy.reshape(ids.shape)
@@ -429,7 +438,7 @@ def grpo_loss(
     impl: str = "auto",
     interpret: Any = False,
 ):
-    """TRL's GRPO loss on materialized ``logits`` ``[B, T, V]`` (float32 or bfloat16):
+    """TRL's GRPO loss on materialized ``logits`` ``[B, T, V]`` (float32, bfloat16 or float16):
     the loss and ``dlogits`` in one pass (the place of the original Pallas kernel), the
     gradient in the logits' dtype with no float32 copy of bfloat16 logits. Returns
     ``(loss, GRPOOutputs)``, differentiable in ``logits``. ``impl``, ``interpret``: see
@@ -453,7 +462,7 @@ def grpo_loss(
         return _ffi.grpo_logits(logits, ids, mask, adv, old, ref, config)
 
     def pallas(logits, ids, mask, adv, old, ref):
-        return _pallas.grpo_logits(logits, ids, mask, adv, old, ref, args, interpret)
+        return _pallas.grpo_logits(*_wide(logits), ids, mask, adv, old, ref, args, interpret)
 
     loss, aux = _on_path(impl, interpret, pallas, ffi, logits, ids, mask, adv, old, ref)
     aux = jax.lax.stop_gradient(aux)
