@@ -345,3 +345,37 @@ def test_f16_inputs(impl):
     lz, gz = jax.value_and_grad(lambda z: fj.grpo_loss(z, ids, mask, adv, old_per_token_logps=old, **kw)[0])(logits)
     assert gz.dtype == jnp.float16
     _close(lz, fj.grpo_loss(logits.astype(jnp.float32), ids, mask, adv, old_per_token_logps=old, **kw)[0], 1e-5, "z")
+
+
+def _per_token_reference(z, ids, mask, adv, old, ref, level, beta):
+    """TRL's clipped per-token loss ``ℓ + β·kl`` (bias-corrected KL) times the mask, in f32."""
+    logp = jnp.take_along_axis(jax.nn.log_softmax(z, -1), ids[..., None], -1)[..., 0]
+    m = mask.astype(jnp.float32)
+    log_ratio = logp - old
+    if level == "sequence":
+        log_ratio = ((log_ratio * m).sum(-1) / jnp.maximum(m.sum(-1), 1.0))[:, None]
+    r, a = jnp.exp(log_ratio), adv[:, None]
+    loss = -jnp.minimum(r * a, jnp.clip(r, 0.8, 1.2) * a)
+    d = ref - logp
+    return jnp.broadcast_to(loss, logp.shape) * m + beta * (jnp.exp(d) - d - 1) * r * m
+
+
+@pytest.mark.parametrize("impl", ["ffi", "pallas"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_grpo_loss_reduce_false(impl, level):
+    """``reduce=False``: Liger's per-token losses, KL and clip flags, and the gradient of
+    ``Σ g·ℓ_tot`` for an upstream ``g`` (sequence level: through R_b) (issue 33)."""
+    hidden, weight, _, ids, mask, adv, old, ref = _inputs(3, 5, 8, 65, seed=10)
+    z = hidden @ weight.T
+    g = jnp.asarray(np.random.default_rng(1).standard_normal(ids.shape), jnp.float32)
+    kw = dict(loss_type="grpo", beta=0.04, importance_sampling_level=level, old_per_token_logps=old,
+              ref_per_token_logps=ref, impl=impl, interpret=impl == "pallas")  # fmt: skip
+    rows, kl, clipped = fj.grpo_loss(z, ids, mask, adv, reduce=False, **kw)
+    want = _per_token_reference(z, ids, mask, adv, old, ref, level, 0.04)
+    _close(rows, want, 1e-5, "per-token loss")
+    assert kl.shape == clipped.shape == ids.shape and float(jnp.abs(jnp.where(mask, 0, rows)).max()) == 0
+    got = jax.grad(lambda x: (fj.grpo_loss(x, ids, mask, adv, reduce=False, **kw)[0] * g).sum())(z)
+    ref_grad = jax.grad(lambda x: (_per_token_reference(x, ids, mask, adv, old, ref, level, 0.04) * g).sum())(z)
+    _close(got, ref_grad, 1e-4, "per-token gradient")
+    none = fj.grpo_loss(z, ids, mask, adv, reduce=False, loss_type="dapo", impl=impl, interpret=impl == "pallas")
+    assert none[1] is None

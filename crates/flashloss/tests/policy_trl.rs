@@ -331,7 +331,7 @@ fn vespo_sampler_ratio_enters_phi() {
 #[test]
 fn sequence_level_clip_metrics_are_means_over_sequences() {
     let t = 4;
-    let mask: Vec<bool> = (0..3 * t).map(|i| i < 4 || i == 4).collect();
+    let mask: Vec<bool> = (0..3 * t).map(|i| i <= t).collect();
     let targets = vec![0i64; 3 * t];
     let logp = vec![-1.0f32; 3 * t];
     let old: Vec<f32> = (0..3 * t)
@@ -365,7 +365,7 @@ fn sequence_level_clip_metrics_are_means_over_sequences() {
     };
     let per_seq = PerSeqOrToken::Sequence(&adv);
     let per_token = PerSeqOrToken::Token(&adv_tokens);
-    // Only sequence 0 is clipped: 1 of 3 sequences (the token mean would be 4/5).
+    // Rows 0..=t: sequence 0 whole and position 0 of sequence 1. Only sequence 0 is clipped: 1 of 3 sequences (the token mean would be 4/5).
     assert_eq!(
         metric(LossType::Grpo, 0.2, per_seq),
         (1.0 / 3.0, 1.0 / 3.0, 0.0)

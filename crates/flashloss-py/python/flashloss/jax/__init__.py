@@ -435,6 +435,7 @@ def grpo_loss(
     use_bias_correction_kl: bool = True,
     num_items_in_batch: Optional[float] = None,
     max_completion_length: Optional[int] = None,
+    reduce: bool = True,
     impl: str = "auto",
     interpret: Any = False,
 ):
@@ -442,7 +443,12 @@ def grpo_loss(
     the loss and ``dlogits`` in one pass (the place of the original Pallas kernel), the
     gradient in the logits' dtype with no float32 copy of bfloat16 logits. Returns
     ``(loss, GRPOOutputs)``, differentiable in ``logits``. ``impl``, ``interpret``: see
-    the module."""
+    the module.
+
+    ``reduce=False`` returns Liger's ``(per_token_loss, per_token_kl, is_clipped)``
+    ``[B, T]`` float32, 0 where masked (``per_token_kl`` None when ``beta == 0``):
+    ``per_token_loss = ℓ + β·kl`` before the loss type's reduction, differentiable in
+    ``logits`` (at sequence level through ``R_b``); its backward reads the logits again."""
     logits = _floats("logits", logits)
     ids, mask, adv, old, ref = _grpo_batch(
         completion_ids, completion_mask, advantages, old_per_token_logps, ref_per_token_logps
@@ -457,6 +463,14 @@ def grpo_loss(
         1.0, 1.05, 2.0, 3.0, 3.0, 2.0,
     )  # fmt: skip
     config = args.config_json()
+    if not reduce:
+        rows, (kl, clipped) = _on_path(
+            impl, interpret,
+            lambda *xs: _pallas.grpo_logits_rows(*_wide(xs[0]), *xs[1:], args, interpret),
+            lambda *xs: _ffi.grpo_logits_rows(*xs, config),
+            logits, ids, mask, adv, old, ref,
+        )  # fmt: skip
+        return rows, (jax.lax.stop_gradient(kl) if beta != 0.0 else None), jax.lax.stop_gradient(clipped)
 
     def ffi(logits, ids, mask, adv, old, ref):
         return _ffi.grpo_logits(logits, ids, mask, adv, old, ref, config)
