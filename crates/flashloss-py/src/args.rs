@@ -6,10 +6,10 @@
 use crate::tensor::{DType, Tensor, arg_error};
 use flashloss::fused::LinearGradsMut;
 use flashloss::{Element, GrpoBatch, LinearInputs, PerSeqOrToken};
-use half::bf16;
+use half::{bf16, f16};
 use pyo3::prelude::*;
 
-pub(crate) const FLOAT: &[DType] = &[DType::F32, DType::Bf16];
+pub(crate) const FLOAT: &[DType] = &[DType::F32, DType::Bf16, DType::F16];
 pub(crate) const F32: &[DType] = &[DType::F32];
 pub(crate) const I64: &[DType] = &[DType::I64];
 pub(crate) const BOOL: &[DType] = &[DType::Bool];
@@ -42,6 +42,17 @@ impl TorchElement for bf16 {
     unsafe fn slice_mut<'a>(t: &'a mut Tensor) -> PyResult<&'a mut [bf16]> {
         // SAFETY: the caller's promise.
         unsafe { t.bf16s_mut() }
+    }
+}
+
+impl TorchElement for f16 {
+    fn slice<'a>(t: &'a Tensor) -> PyResult<&'a [f16]> {
+        t.f16s()
+    }
+
+    unsafe fn slice_mut<'a>(t: &'a mut Tensor) -> PyResult<&'a mut [f16]> {
+        // SAFETY: the caller's promise.
+        unsafe { t.f16s_mut() }
     }
 }
 
@@ -174,16 +185,17 @@ impl<'py> Grads<'py> {
     }
 }
 
-/// Per-sequence `[B]` or per-token `[B, T]` f32 values.
+/// Per-sequence `[B]` or `[B, 1]` (TRL's shape for its `sequence_*` importance-sampling
+/// modes and its unsqueezed advantages), or per-token `[B, T]` f32 values.
 fn per_seq_or_token<'a>(t: &'a Tensor, b: usize, n: usize) -> PyResult<PerSeqOrToken<'a>> {
     let v = t.f32s()?;
-    match t.shape.len() {
-        1 if v.len() == b => Ok(PerSeqOrToken::Sequence(v)),
-        2 if v.len() == n => Ok(PerSeqOrToken::Token(v)),
+    match t.shape[..] {
+        [rows] | [rows, 1] if rows == b => Ok(PerSeqOrToken::Sequence(v)),
+        [_, _] if v.len() == n && t.shape[0] == b => Ok(PerSeqOrToken::Token(v)),
         _ => Err(arg_error(
             t.arg,
             format!(
-                "expected shape [B={b}] or [B, T] with B·T = {n}, got {:?}",
+                "expected shape [B={b}], [B, 1] or [B, T] with B·T = {n}, got {:?}",
                 t.shape
             ),
         )),

@@ -12,12 +12,17 @@ use pyo3::prelude::*;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::LazyLock;
 
-/// `$body` with `$E` the kernels' element type of tensor dtype `$dtype` (f32 or bf16).
+/// `$body` with `$E` the kernels' element type of tensor dtype `$dtype` (f32, bf16 or
+/// f16).
 macro_rules! with_element {
     ($dtype:expr, $E:ident => $body:expr) => {
         match $dtype {
             $crate::tensor::DType::F32 => {
                 type $E = f32;
+                $body
+            }
+            $crate::tensor::DType::F16 => {
+                type $E = half::f16;
                 $body
             }
             _ => {

@@ -8,6 +8,7 @@ mod args;
 mod dist;
 mod front;
 mod jax;
+mod logits;
 mod losses;
 mod tensor;
 
@@ -22,7 +23,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(losses::ce_linear, m)?)?;
     m.add_function(wrap_pyfunction!(losses::ce_rows, m)?)?;
     m.add_function(wrap_pyfunction!(losses::logp_linear, m)?)?;
-    m.add_function(wrap_pyfunction!(losses::grpo_logits, m)?)?;
+    m.add_function(wrap_pyfunction!(logits::grpo_logits, m)?)?;
+    m.add_function(wrap_pyfunction!(logits::grpo_logits_per_token, m)?)?;
     m.add_function(wrap_pyfunction!(jax::jax_targets, m)?)?;
     m.add_function(wrap_pyfunction!(jax::jax_abi_layout, m)?)?;
     m.add_function(wrap_pyfunction!(jax::check_grpo_config, m)?)?;

@@ -1,25 +1,24 @@
-//! The four entry points of `flashloss._native`. Shapes follow PyTorch: `hidden`
-//! `[..., H]` with `N` rows in all, `weight` `[V, H]`, `bias` `[V]`, token ids and
-//! masks `[B, T]` (GRPO) or `[N]` (CE). Configs arrive as JSON of the Rust
+//! The LM-head entry points of `flashloss._native` (the logits-level ones are in
+//! `logits.rs`). Shapes follow PyTorch: `hidden` `[..., H]` with `N` rows in all,
+//! `weight` `[V, H]`, `bias` `[V]`, token ids and masks `[B, T]` (GRPO) or `[N]` (CE). Configs arrive as JSON of the Rust
 //! `GrpoLossConfig`/`CeConfig` (unknown keys are errors). Gradients are added into f32
 //! tensors the caller zeroed.
 
-use crate::args::{BOOL, BatchTensors, F32, FLOAT, Grads, HeadTensors, I64, TorchElement};
+use crate::args::{BOOL, BatchTensors, F32, Grads, HeadTensors, I64};
 use crate::dist::VocabGroup;
-use crate::front::{call_head, cpu, run, with_element};
+use crate::front::{call_head, with_element};
 use crate::tensor::{Tensor, arg_error};
 use flashloss::fused::{self, FusedOptions, Mode, Plan};
 use flashloss::policy::GrpoMetrics;
 use flashloss::{
-    CeConfig, CrossEntropy, Grid, GrpoLoss, GrpoLossConfig, LogitsLayout, RowStats, Shard,
-    Temperature,
+    CeConfig, CrossEntropy, Grid, GrpoLoss, GrpoLossConfig, RowStats, Shard, Temperature,
 };
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 /// Parses a config; an error names the offending keyword (e.g. `loss_type`).
-fn parse_json<T: serde::de::DeserializeOwned>(arg: &str, json: &str) -> PyResult<T> {
+pub(crate) fn parse_json<T: serde::de::DeserializeOwned>(arg: &str, json: &str) -> PyResult<T> {
     let de = &mut serde_json::Deserializer::from_str(json);
     serde_path_to_error::deserialize(de).map_err(|e| {
         let path = e.path().to_string();
@@ -40,7 +39,11 @@ fn budget(mode: &str, budget_mib: f64) -> PyResult<FusedOptions> {
 }
 
 /// Writes the per-row `logp` and entropy into `[N]`-sized f32 tensors.
-fn write_stats(stats: &[RowStats], logp: &mut Tensor, entropy: &mut Tensor) -> PyResult<()> {
+pub(crate) fn write_stats(
+    stats: &[RowStats],
+    logp: &mut Tensor,
+    entropy: &mut Tensor,
+) -> PyResult<()> {
     for t in [&*logp, &*entropy] {
         if t.numel() != stats.len() {
             return Err(arg_error(
@@ -58,7 +61,7 @@ fn write_stats(stats: &[RowStats], logp: &mut Tensor, entropy: &mut Tensor) -> P
     Ok(())
 }
 
-fn write_f32(values: &[f32], out: &mut Tensor) -> PyResult<()> {
+pub(crate) fn write_f32(values: &[f32], out: &mut Tensor) -> PyResult<()> {
     if out.numel() != values.len() {
         return Err(arg_error(
             out.arg,
@@ -70,7 +73,7 @@ fn write_f32(values: &[f32], out: &mut Tensor) -> PyResult<()> {
     Ok(())
 }
 
-fn grpo_result<'py>(
+pub(crate) fn grpo_result<'py>(
     py: Python<'py>,
     loss: f64,
     m: &GrpoMetrics,
@@ -182,7 +185,7 @@ fn agreed<T>(py: Python<'_>, group: Option<&VocabGroup>, parsed: PyResult<T>) ->
 
 /// This rank's shard of a head split over `group` (see [`VocabGroup::shard`]).
 fn head_shard(py: Python<'_>, group: &VocabGroup, head: &HeadTensors) -> PyResult<Shard> {
-    let dtype = matches!(head.hidden.dtype, crate::tensor::DType::F32) as u8;
+    let dtype = head.hidden.dtype as u8;
     group.shard(py, head.vocab, head.tokens, head.hidden_size, dtype)
 }
 
@@ -203,13 +206,15 @@ fn grpo_outputs<'py>(
 }
 
 /// Cross-entropy from hidden states at `targets` `[N]` (`config_json`: a `CeConfig`);
-/// gradients added into `grad_*` (times `grad_rows` `[N]` for reduction `none`), the
-/// per-row losses written into `out_row_loss` `[N]`. Returns loss, z-loss and the count
-/// of rows that are not ignored.
+/// gradients of `grad_output·L + Σ_i grad_lse_i·lse_i` added into `grad_*` (`L` with
+/// `grad_rows` `[N]` for reduction `none`), the per-row losses written into
+/// `out_row_loss` `[N]` and, given `out_lse`, each row's log-sum-exp of the scaled logits
+/// (0 where ignored). Returns loss, z-loss and the count of rows that are not ignored.
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
 #[pyo3(signature = (hidden, weight, bias, targets, config_json, mode, budget_mib, grad_rows,
-    grad_hidden, grad_weight, grad_bias, out_row_loss, stream=0, group=None))]
+    grad_hidden, grad_weight, grad_bias, out_row_loss, stream=0, group=None, grad_lse=None,
+    grad_output=1.0, out_lse=None))]
 pub fn ce_linear<'py>(
     py: Python<'py>,
     hidden: &Bound<'py, PyAny>,
@@ -226,27 +231,38 @@ pub fn ce_linear<'py>(
     out_row_loss: &Bound<'py, PyAny>,
     stream: usize,
     group: Option<&Bound<'py, PyAny>>,
+    grad_lse: Option<&Bound<'py, PyAny>>,
+    grad_output: f64,
+    out_lse: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let group = VocabGroup::new(group)?;
     let parsed = (|| {
-        let (ce, opts, head, targets) =
+        let (ce, mut opts, head, targets) =
             ce_args(config_json, mode, budget_mib, hidden, weight, bias, targets)?;
+        opts.grad_output = grad_output as f32;
         let grads = Grads::new(&head, grad_hidden, grad_weight, grad_bias)?;
         let grad_rows = Tensor::optional("grad_rows", grad_rows, F32)?;
-        if let Some(g) = &grad_rows {
+        let grad_lse = Tensor::optional("grad_lse", grad_lse, F32)?;
+        for g in grad_rows.iter().chain(&grad_lse) {
             g.expect_shape(&[head.tokens])?;
         }
-        Ok((ce, opts, head, grads, targets, grad_rows))
+        if grad_lse.is_some() && group.is_some() {
+            let reason = "an upstream gradient of the log-sum-exp is not taken with a vocab_parallel_group (so far)";
+            return Err(arg_error("grad_lse", reason));
+        }
+        Ok((ce, opts, head, grads, targets, grad_rows, grad_lse))
     })();
-    let (ce, opts, head, mut grads, targets, grad_rows) = agreed(py, group.as_ref(), parsed)?;
-    let (targets, grad_rows) = (
+    let (ce, opts, head, mut grads, targets, grad_rows, grad_lse) =
+        agreed(py, group.as_ref(), parsed)?;
+    let (targets, grad_rows, grad_lse) = (
         targets.i64s()?,
         grad_rows.as_ref().map(|t| t.f32s()).transpose()?,
+        grad_lse.as_ref().map(|t| t.f32s()).transpose()?,
     );
     let out = match &group {
         None => with_element!(head.hidden.dtype, E => call_head::<E, _>(
             py, &head, Some(&mut grads), stream,
-            |d, h| d.ce_linear_into(&ce, targets, grad_rows, h, &opts),
+            |d, h| d.ce_linear_lse_into(&ce, targets, (grad_rows, grad_lse), h, &opts),
         ))?,
         Some(g) => {
             let shard = head_shard(py, g, &head)?;
@@ -260,6 +276,7 @@ pub fn ce_linear<'py>(
         &out.row_loss,
         &mut Tensor::new("out_row_loss", out_row_loss, F32)?,
     )?;
+    write_lse(&out.stats, out_lse)?;
     let d = PyDict::new(py);
     d.set_item("loss", out.loss)?;
     d.set_item("z_loss", out.z_loss)?;
@@ -287,11 +304,20 @@ fn ce_args<'py>(
     Ok((ce, opts, head, targets))
 }
 
+/// Each row's log-sum-exp of the scaled logits into `out` `[N]`, when given.
+fn write_lse(stats: &[RowStats], out: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+    let Some(out) = out else { return Ok(()) };
+    let lse: Vec<f32> = stats.iter().map(|s| s.lse).collect();
+    write_f32(&lse, &mut Tensor::new("out_lse", out, F32)?)
+}
+
 /// The per-row cross-entropy losses at `targets` `[N]` without gradients (reduction
-/// `none`'s forward), written into `out_row_loss` `[N]`; CPU tensors.
+/// `none`'s forward), written into `out_row_loss` `[N]` (and each row's log-sum-exp
+/// into `out_lse`, when given); CPU tensors.
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
-#[pyo3(signature = (hidden, weight, bias, targets, config_json, budget_mib, out_row_loss))]
+#[pyo3(signature = (hidden, weight, bias, targets, config_json, budget_mib, out_row_loss,
+    out_lse=None))]
 pub fn ce_rows<'py>(
     py: Python<'py>,
     hidden: &Bound<'py, PyAny>,
@@ -301,6 +327,7 @@ pub fn ce_rows<'py>(
     config_json: &str,
     budget_mib: f64,
     out_row_loss: &Bound<'py, PyAny>,
+    out_lse: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<()> {
     let (ce, opts, head, targets) = ce_args(
         config_json,
@@ -318,7 +345,8 @@ pub fn ce_rows<'py>(
     write_f32(
         &out.row_loss,
         &mut Tensor::new("out_row_loss", out_row_loss, F32)?,
-    )
+    )?;
+    write_lse(&out.stats, out_lse)
 }
 
 /// Per-token `logp` and entropy of `(hidden·weightᵀ + bias)/temperature` at `ids`
@@ -386,78 +414,4 @@ pub fn logp_linear<'py>(
         &mut Tensor::new("out_logp", out_logp, F32)?,
         &mut Tensor::new("out_entropy", out_entropy, F32)?,
     )
-}
-
-/// The logits-level GRPO loss on `logits` `[B, T', V]` (`T' ≥ T`; positions `t < T`
-/// are read, as in Liger's `triton_grpo_loss` where `T' = T + 1`): forward and
-/// backward at once, `∂L/∂logits` of the first T positions written into `dlogits`
-/// (dense `[B, T, V]`, `logits`' dtype) or, when it is `None`, over `logits`.
-#[pyfunction]
-#[allow(clippy::too_many_arguments)]
-#[pyo3(signature = (logits, completion_ids, completion_mask, advantages, old_per_token_logps,
-    ref_per_token_logps, importance_sampling_ratio, config_json, dlogits, out_logp,
-    out_entropy, out_kl))]
-pub fn grpo_logits<'py>(
-    py: Python<'py>,
-    logits: &Bound<'py, PyAny>,
-    completion_ids: &Bound<'py, PyAny>,
-    completion_mask: &Bound<'py, PyAny>,
-    advantages: &Bound<'py, PyAny>,
-    old_per_token_logps: Option<&Bound<'py, PyAny>>,
-    ref_per_token_logps: Option<&Bound<'py, PyAny>>,
-    importance_sampling_ratio: Option<&Bound<'py, PyAny>>,
-    config_json: &str,
-    dlogits: Option<&Bound<'py, PyAny>>,
-    out_logp: &Bound<'py, PyAny>,
-    out_entropy: &Bound<'py, PyAny>,
-    out_kl: &Bound<'py, PyAny>,
-) -> PyResult<Bound<'py, PyDict>> {
-    let loss = GrpoLoss::new(parse_json::<GrpoLossConfig>("config", config_json)?)
-        .map_err(|e| PyValueError::new_err(e.to_string()))?;
-    let mut logits = Tensor::new("logits", logits, FLOAT)?;
-    let tensors = BatchTensors::new(
-        completion_ids,
-        completion_mask,
-        advantages,
-        old_per_token_logps,
-        ref_per_token_logps,
-        importance_sampling_ratio,
-        None,
-        None,
-    )?;
-    let batch = tensors.batch()?;
-    let (b, t) = (batch.batch, batch.seq_len);
-    let s = &logits.shape;
-    if s.len() != 3 || s[0] != b || s[1] < t {
-        return Err(arg_error(
-            "logits",
-            format!("expected shape [B={b}, T' >= {t}, V], got {s:?}"),
-        ));
-    }
-    let layout = LogitsLayout {
-        row_stride: s[2],
-        seq_stride: s[1] * s[2],
-        ..LogitsLayout::contiguous(b, t, s[2])
-    };
-    let mut dlogits = Tensor::optional("dlogits", dlogits, FLOAT)?;
-    if let Some(d) = &dlogits {
-        d.expect_shape(&[b, t, s[2]])?;
-    }
-    let device = cpu();
-    // SAFETY: `logits` is the caller's to overwrite (in place) or only read; `dlogits`
-    // is a fresh allocation.
-    let fwd = with_element!(logits.dtype, E => unsafe {
-        let z = E::slice_mut(&mut logits)?;
-        match dlogits.as_mut().map(|d| E::slice_mut(d)).transpose()? {
-            Some(d) => run(py, || device.grpo_logits(&loss, &batch, z, &layout, 1.0, d))?,
-            None => run(py, || device.grpo_logits_in_place(&loss, &batch, z, &layout, 1.0))?,
-        }
-    });
-    write_stats(
-        &fwd.stats,
-        &mut Tensor::new("out_logp", out_logp, F32)?,
-        &mut Tensor::new("out_entropy", out_entropy, F32)?,
-    )?;
-    write_f32(&fwd.kl, &mut Tensor::new("out_kl", out_kl, F32)?)?;
-    grpo_result(py, fwd.loss, &fwd.metrics, None)
 }

@@ -4,7 +4,7 @@
 //! `ValueError` such as "argument `weight`: expected dtype float32 or bfloat16, got
 //! torch.float16".
 
-use half::bf16;
+use half::{bf16, f16};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
@@ -18,6 +18,7 @@ pub fn arg_error(arg: &str, reason: impl std::fmt::Display) -> PyErr {
 pub enum DType {
     F32,
     Bf16,
+    F16,
     I64,
     Bool,
 }
@@ -27,6 +28,7 @@ impl DType {
         match name {
             "torch.float32" => Some(DType::F32),
             "torch.bfloat16" => Some(DType::Bf16),
+            "torch.float16" => Some(DType::F16),
             "torch.int64" => Some(DType::I64),
             "torch.bool" => Some(DType::Bool),
             _ => None,
@@ -37,6 +39,7 @@ impl DType {
         match self {
             DType::F32 => "float32",
             DType::Bf16 => "bfloat16",
+            DType::F16 => "float16",
             DType::I64 => "int64",
             DType::Bool => "bool",
         }
@@ -172,6 +175,11 @@ impl<'py> Tensor<'py> {
         self.slice_of(DType::Bf16)
     }
 
+    /// The elements as f16.
+    pub fn f16s(&self) -> PyResult<&[f16]> {
+        self.slice_of(DType::F16)
+    }
+
     /// The elements as i64.
     pub fn i64s(&self) -> PyResult<&[i64]> {
         self.slice_of(DType::I64)
@@ -202,5 +210,15 @@ impl<'py> Tensor<'py> {
         let s = self.bf16s()?;
         // SAFETY: as in `slice_of`; exclusivity is the caller's promise.
         Ok(unsafe { std::slice::from_raw_parts_mut(s.as_ptr() as *mut bf16, s.len()) })
+    }
+
+    /// The elements as f16, for writing (see [`Tensor::f32s_mut`]).
+    ///
+    /// # Safety
+    /// As [`Tensor::f32s_mut`].
+    pub unsafe fn f16s_mut(&mut self) -> PyResult<&mut [f16]> {
+        let s = self.f16s()?;
+        // SAFETY: as in `slice_of`; exclusivity is the caller's promise.
+        Ok(unsafe { std::slice::from_raw_parts_mut(s.as_ptr() as *mut f16, s.len()) })
     }
 }

@@ -99,8 +99,8 @@ def bad_inputs(rank, block, group):
             hidden.masked_fill(torch.zeros_like(hidden, dtype=torch.bool).index_fill(0, torch.tensor([0]), rank == 1),
                                float("nan")),
             w, ids, mask, adv, vocab_parallel_group=group),
-        "float16 weight on the last rank": lambda: fl.linear_cross_entropy(
-            hidden, w.half() if rank == dist.get_world_size(group) - 1 else w, ids, vocab_parallel_group=group),
+        "float64 weight on the last rank": lambda: fl.linear_cross_entropy(
+            hidden, w.double() if rank == dist.get_world_size(group) - 1 else w, ids, vocab_parallel_group=group),
         "fewer rows on rank 0": lambda: fl.linear_cross_entropy(
             hidden[: 2 if rank == 0 else 3], w, ids[: 2 if rank == 0 else 3], vocab_parallel_group=group),
         "id beyond the vocabulary": lambda: fl.linear_logprobs(

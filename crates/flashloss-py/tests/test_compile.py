@@ -51,6 +51,11 @@ def test_opcheck_ce_ops(reduction):
         )
     else:
         torch.library.opcheck(ops.ce_linear, (h2, w, b, tgt, config, "auto", 160.0, ""), test_utils=tests)
+    lse_op = ops.ce_linear_rows_lse if reduction == "none" else ops.ce_linear_lse
+    torch.library.opcheck(lse_op, (h2, w, b, tgt, config, "auto", 160.0, ""), test_utils=tests)
+    rows = torch.randn(tgt.shape) if reduction == "none" else None
+    args = (h2, w, b, tgt, rows, torch.randn(tgt.shape), 1.0, config, "auto", 160.0, "")
+    torch.library.opcheck(ops.ce_linear_lse_backward, args, test_utils=tests)
 
 
 def test_opcheck_logp_and_logits_ops():
@@ -63,6 +68,9 @@ def test_opcheck_logp_and_logits_ops():
     logits = torch.randn(ids.shape[0], ids.shape[1] + 1, 37, requires_grad=True)
     args = (logits, ids, d["mask"], d["adv"], old, old - 0.05, None, None, GRPO_CONFIG)
     torch.library.opcheck(ops.grpo_logits, args, test_utils=tests)
+    torch.library.opcheck(ops.grpo_logits_rows, args[:7] + (GRPO_CONFIG,), test_utils=tests)
+    grad_rows = torch.randn(ids.shape)
+    torch.library.opcheck(ops.grpo_logits_rows_backward, args[:7] + (GRPO_CONFIG, grad_rows), test_utils=tests)
 
 
 def _grpo_step(hidden, weight, bias, ids, mask, adv, old):

@@ -92,3 +92,68 @@ def test_logprobs_without_gradient():
     lp = torch.log_softmax(s, -1)
     assert torch.allclose(logp.double(), lp.gather(-1, targets[:, None])[:, 0], rtol=1e-5, atol=1e-5)
     assert torch.allclose(ent.double(), -(lp.exp() * lp).sum(-1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("options", [dict(), dict(softcap=3.0, temperature=0.7, label_smoothing=0.1, z_loss=1e-3)])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_return_lse_as_cut_cross_entropy(options, reduction):
+    """``return_lse=True`` returns ``(loss, lse)`` (Cut Cross-Entropy's convention): each
+    row's log-sum-exp of the scaled logits, 0 at ignored rows, differentiable: the
+    gradient of ``loss + mean(lse²)`` (a z-loss of the caller's own) matches float64
+    autograd (issue 33)."""
+    hidden, weight, bias, targets = data(31 + len(reduction))
+    hidden, targets = hidden.reshape(23, 1, -1), targets.reshape(23, 1)  # [..., H] with two batch dims
+    kw = dict(ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None, temperature=1.0) | options
+    leaves = [x.double().requires_grad_() for x in (hidden, weight, bias)]
+    ref = reference(leaves[0].reshape(23, -1), *leaves[1:], targets.reshape(-1), reduction=reduction, **kw)
+    z = leaves[0].reshape(23, -1) @ leaves[1].T + leaves[2]
+    if kw["softcap"] is not None:
+        z = kw["softcap"] * torch.tanh(z / kw["softcap"])
+    keep = targets.reshape(-1) != -100
+    ref_lse = torch.where(keep, torch.logsumexp(z / kw["temperature"], -1), 0.0).reshape(23, 1)
+    (ref.sum() + (ref_lse**2).mean()).backward()
+
+    ours_in = [x.clone().requires_grad_() for x in (hidden, weight, bias)]
+    loss, lse = fl.linear_cross_entropy(*ours_in[:2], targets, bias=ours_in[2], reduction=reduction,
+                                        return_lse=True, **kw)  # fmt: skip
+    assert lse.shape == targets.shape and lse.dtype == torch.float32
+    assert loss.shape == (targets.shape if reduction == "none" else ())
+    assert torch.allclose(loss.double().reshape(ref.shape), ref.detach(), rtol=1e-5, atol=1e-6)
+    assert torch.allclose(lse.double(), ref_lse.detach(), rtol=1e-5, atol=1e-6)
+    assert torch.count_nonzero(lse[~keep.reshape(23, 1)]) == 0
+    (loss.sum() + (lse**2).mean()).backward()
+    for name, ours, leaf in zip(("hidden", "weight", "bias"), ours_in, leaves):
+        scale = leaf.grad.abs().max().item()
+        assert (ours.grad.double() - leaf.grad).abs().max().item() <= 1e-4 * scale, name
+    # lse alone (the loss unused) and the loss alone take their own gradients.
+    for use_loss in (False, True):
+        x = hidden.clone().requires_grad_()
+        loss, lse = fl.linear_cross_entropy(x, weight, targets, bias=bias, reduction=reduction, return_lse=True, **kw)
+        (loss.sum() if use_loss else lse.sum()).backward()
+        y = hidden.clone().requires_grad_()
+        if use_loss:
+            fl.linear_cross_entropy(y, weight, targets, bias=bias, reduction=reduction, **kw).sum().backward()
+        else:
+            zz = y.reshape(23, -1).double() @ weight.double().T + bias.double()
+            if kw["softcap"] is not None:
+                zz = kw["softcap"] * torch.tanh(zz / kw["softcap"])
+            torch.where(keep, torch.logsumexp(zz / kw["temperature"], -1), 0.0).sum().backward()
+        assert torch.allclose(x.grad.double(), y.grad.double(), rtol=1e-4, atol=1e-5), use_loss
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_f16_inputs(reduction):
+    """float16 heads (issue 33): widened exactly, the f32 bounds against float64 on the
+    same float16 values; gradients in float16."""
+    hidden, weight, bias, targets = data(41, dtype=torch.float16)
+    kw = dict(ignore_index=-100, label_smoothing=0.1, z_loss=1e-3, softcap=4.0, temperature=0.9)
+    leaves = [x.double().requires_grad_() for x in (hidden, weight, bias)]
+    ref = reference(*leaves, targets, reduction=reduction, **kw)
+    ours_in = [x.clone().requires_grad_() for x in (hidden, weight, bias)]
+    ours = fl.linear_cross_entropy(*ours_in[:2], targets, bias=ours_in[2], reduction=reduction, **kw)
+    assert torch.allclose(ours.double(), ref, rtol=1e-5, atol=1e-6)
+    ref.sum().backward()
+    ours.sum().backward()
+    for name, a, b in zip(("hidden", "weight", "bias"), ours_in, leaves):
+        assert a.grad.dtype == torch.float16, name
+        assert (a.grad.double() - b.grad).abs().max().item() <= 2e-3 * b.grad.abs().max().item(), name

@@ -52,7 +52,7 @@ def test_vocab_parallel_matches_one_process(world, tmp_path):
         for o in outs[1:]:
             assert o["errors"][name] == message, f"{name}: ranks disagree"
     assert "argument `hidden`" in cases["nan hidden on rank 1"] and "rank 1" in cases["nan hidden on rank 1"]
-    assert "argument `weight`" in cases["float16 weight on the last rank"]
+    assert "argument `weight`" in cases["float64 weight on the last rank"]
     assert "rows" in cases["fewer rows on rank 0"]
     assert "rank 0" in cases["id beyond the vocabulary"]
     assert "meta" in cases["a tensor on the meta device on rank 1"]

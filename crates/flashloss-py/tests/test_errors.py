@@ -51,8 +51,8 @@ def test_nan_hidden_state():
 
 def test_wrong_dtypes():
     d = batch()
-    d["hidden"] = d["hidden"].half()
-    with pytest.raises(ValueError, match="`hidden`.*float16"):
+    d["hidden"] = d["hidden"].double()
+    with pytest.raises(ValueError, match="`hidden`.*float64"):
         grpo(d)
     d = batch()
     with pytest.raises(ValueError, match="`completion_ids`.*integer"):
@@ -105,3 +105,18 @@ def test_a_gradient_sum_beyond_f32_is_an_error_not_inf():
         fl.linear_grpo_loss(
             hidden, weight, ids, torch.ones(1, 1, dtype=torch.bool), torch.tensor([-1.0])
         )[0].backward()
+
+
+def test_only_the_loss_types_parameters_are_validated():
+    """A loss type's unused parameters are not checked (Liger's tests pass
+    sapo_temperature_neg=False to bnpo); the error names the argument that is wrong."""
+    h, w, ids, mask, adv = (torch.randn(2, 3, 4), torch.randn(5, 4), torch.zeros(2, 3, dtype=torch.long),
+                            torch.ones(2, 3), torch.ones(2))  # fmt: skip
+    loss, _ = fl.linear_grpo_loss(h, w, ids, mask, adv, loss_type="bnpo", sapo_temperature_neg=False,
+                                  vespo_lambda_neg=-1.0)  # fmt: skip
+    assert torch.isfinite(loss)
+    fl.grpo_loss(torch.randn(2, 4, 5), None, None, ids, adv, mask, beta=0.0, loss_type="cispo", eps_low=3.0)
+    for kw, name in ((dict(sapo_temperature_neg=0.0), "sapo_temperature_neg"),
+                     (dict(sapo_temperature_pos=-1.0), "sapo_temperature_pos")):  # fmt: skip
+        with pytest.raises(ValueError, match=f"`{name}`: must be > 0"):
+            fl.linear_grpo_loss(h, w, ids, mask, adv, loss_type="sapo", **kw)

@@ -291,3 +291,99 @@ def test_policy_and_entropy_masks(loss_type, level):
         policy_mask=policy_mask,
         entropy_mask=entropy_mask,
     )
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "vespo"])
+@pytest.mark.parametrize("shape", ["b", "b1", "bt"])
+def test_sampler_ratio_shapes(loss_type, shape):
+    """TRL's vLLM importance-sampling ratio is [B, T] (token_* modes) or [B, 1]
+    (sequence_* modes); [B] is accepted too (issue 33)."""
+    d = make_batch(23)
+    b, t = d["ids"].shape
+    rho = {"b": torch.rand(b, generator=d["g"]) + 0.5, "b1": torch.rand(b, 1, generator=d["g"]) + 0.5,
+           "bt": torch.rand(b, t, generator=d["g"]) + 0.5}[shape]  # fmt: skip
+    old = policy_logps(d, 1.0, 0.3, d["g"])
+    check(d, loss_type=loss_type, old_per_token_logps=old, importance_sampling_ratio=rho)
+
+
+def test_sampler_ratio_of_another_shape_names_it():
+    d = make_batch(24)
+    with pytest.raises(ValueError, match="argument `importance_sampling_ratio`: expected shape"):
+        fl.linear_grpo_loss(d["hidden"], d["weight"], d["ids"], d["mask"], d["adv"],
+                            importance_sampling_ratio=torch.ones(3, 2))  # fmt: skip
+
+
+@pytest.mark.parametrize("per_token_advantages", [False, True])
+def test_sequence_level_clip_metrics_are_trl_global_masked_means(per_token_advantages):
+    """TRL 1.16's global_masked_mean: at sequence level with per-sequence advantages the
+    clip flags are [B, 1] and averaged over the B sequences (a fully masked sequence has
+    ratio 1); with [B, T] advantages they are token means (issue 33)."""
+    d = make_batch(25, b=6, t=7)
+    d["mask"][1, 2:] = False  # sequences of different lengths: token and sequence means differ
+    old = policy_logps(d, 1.0, 0.1, d["g"]) - torch.linspace(-0.6, 0.6, 6)[:, None]
+    adv = d["adv"].unsqueeze(1).expand(-1, 7).contiguous() if per_token_advantages else d["adv"]
+    _, out = fl.linear_grpo_loss(d["hidden"], d["weight"], d["ids"], d["mask"], adv, old_per_token_logps=old,
+                                 loss_type="grpo", importance_sampling_level="sequence")  # fmt: skip
+    m = d["mask"].double()
+    log_ratio = ((out.logp.double() - old.double()) * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)
+    coef = torch.exp(log_ratio)  # [B, 1]
+    a = adv.double() if per_token_advantages else adv.double().unsqueeze(1)
+    low, high = (coef < 0.8) & (a < 0), (coef > 1.2) & (a > 0)
+    region = (low | high).double().expand(-1, 7)
+    token_mean = ((region * m).sum() / m.sum()).item()
+    for name, flags in (("low", low), ("high", high), ("region", low | high)):
+        x = flags.double()
+        want = (x.expand(-1, 7) * m).sum() / m.sum() if per_token_advantages else x.sum() / x.shape[0]
+        assert out.metrics[f"clip_ratio/{name}_mean"].item() == pytest.approx(want.item(), abs=1e-12), name
+    assert 0 < token_mean < 1  # some sequences clip, some not
+    if not per_token_advantages:
+        assert out.metrics["clip_ratio/region_mean"].item() != pytest.approx(token_mean, abs=1e-3)
+
+
+def test_liger_module_reference_head_and_kl_metric():
+    """As Liger's LigerFusedLinearGRPOLoss: ref_weight without ref_input is ignored; a
+    reference head (ref_input, ref_weight, ref_bias) gives the reference log-probs; with
+    beta != 0 and no reference model the KL metric is still returned (0) (issue 33)."""
+    d = make_batch(26)
+    old = policy_logps(d, 1.0, 0.3, d["g"])
+    ref = policy_logps(d, 1.0, 0.3, d["g"])
+    args = (d["hidden"], d["weight"], d["ids"], d["mask"], d["adv"])
+    module = fl.LinearGRPOLoss(beta=0.04, loss_type="grpo")
+    base, _ = module(*args, ref_per_token_logps=ref, old_per_token_logps=old)
+    ignored, metrics = module(*args, ref_per_token_logps=ref, old_per_token_logps=old, ref_weight=d["weight"] * 2)
+    assert ignored.item() == base.item() and len(metrics) == 2
+
+    ref_hidden = d["hidden"] + 0.1 * torch.randn(d["hidden"].shape, generator=d["g"])
+    ref_bias = torch.randn(d["weight"].shape[0], generator=d["g"]) * 0.1
+    head, _ = module(*args, old_per_token_logps=old, ref_input=ref_hidden, ref_weight=d["weight"], ref_bias=ref_bias)
+    _, ref_logp, _ = grpo_reference(ref_hidden, d["weight"], ref_bias, d["ids"], d["mask"], d["adv"])
+    want, _, _ = grpo_reference(d["hidden"], d["weight"], None, d["ids"], d["mask"], d["adv"], old=old,
+                                ref=ref_logp, loss_type="grpo", beta=0.04, use_bias_correction_kl=False)  # fmt: skip
+    assert head.item() == pytest.approx(want.item(), rel=1e-5)
+
+    no_ref = fl.LinearGRPOLoss(beta=0.04, use_ref_model=False, loss_type="grpo")
+    loss, metrics = no_ref(*args, old_per_token_logps=old, ref_per_token_logps=ref)
+    unregularized, _ = fl.LinearGRPOLoss(beta=0.0, loss_type="grpo")(*args, old_per_token_logps=old)
+    assert len(metrics) == 2 and metrics[0].item() == 0.0
+    assert loss.item() == unregularized.item()
+
+
+@pytest.mark.parametrize("loss_type,level", [("grpo", "token"), ("dapo", "sequence"), ("vespo", "token")])
+def test_f16_inputs(loss_type, level):
+    """float16 heads (V100/T4; issue 33) are widened exactly as bf16 ones: f32 statistics
+    on the f16 values, so the loss keeps the f32 bound; gradients come back in float16."""
+    d = make_batch(27, dtype=torch.float16)
+    check(d, tol_loss=1e-5, tol_grad=2e-3, loss_type=loss_type, importance_sampling_level=level, beta=0.04,
+          old_per_token_logps=policy_logps(d, 1.0, 0.3, d["g"]),
+          ref_per_token_logps=policy_logps(d, 1.0, 0.2, d["g"]))  # fmt: skip
+
+
+def test_f16_hidden_with_an_f32_head_is_cast_as_autocast_would():
+    d = make_batch(28)
+    h = d["hidden"].half().requires_grad_()
+    w = d["weight"].clone().requires_grad_()
+    loss, _ = fl.linear_grpo_loss(h, w, d["ids"], d["mask"], d["adv"], loss_type="grpo")
+    loss.backward()
+    assert h.grad.dtype == torch.float16 and w.grad.dtype == torch.float32
+    want, _, _ = grpo_reference(h.detach(), w.detach().half(), None, d["ids"], d["mask"], d["adv"], loss_type="grpo")
+    assert loss.item() == pytest.approx(want.item(), rel=1e-5, abs=1e-7)

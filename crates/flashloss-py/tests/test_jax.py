@@ -287,3 +287,95 @@ def test_bench_rejects_a_min_length_beyond_t():
     bench = pytest.importorskip("flashloss.jax.bench")
     with pytest.raises(ValueError, match="min_length: expected a fraction of T"):
         bench.load(None, ["min_length=1.5"])
+
+
+def test_only_the_loss_types_parameters_are_validated():
+    """A bnpo call with sapo_temperature_neg=False runs; a bad sapo temperature is an
+    error naming it, at trace time on both paths (issue 33)."""
+    hidden, weight, _, ids, mask, adv, old, _ = _inputs(2, 4, 8, 65, seed=7)
+    for impl in ("ffi", "pallas"):
+        kw = dict(impl=impl, interpret=impl == "pallas")
+        loss, _ = fj.linear_grpo_loss(hidden, weight, ids, mask, adv, loss_type="bnpo", sapo_temperature_neg=False,
+                                      **kw)  # fmt: skip
+        assert np.isfinite(float(loss))
+        with pytest.raises(ValueError, match="`sapo_temperature_neg`: must be > 0, got 0"):
+            fj.linear_grpo_loss(hidden, weight, ids, mask, adv, loss_type="sapo", sapo_temperature_neg=0.0, **kw)
+
+
+@pytest.mark.parametrize("impl", ["ffi", "pallas"])
+def test_sequence_level_clip_metrics_are_means_over_sequences(impl):
+    """TRL 1.16's global_masked_mean of [B, 1] clip flags (sequence level, per-sequence
+    advantages): a mean over the B sequences; per-token advantages: over live tokens."""
+    hidden, weight, _, ids, mask, adv, old, _ = _inputs(6, 5, 8, 65, seed=8)
+    old = old + jnp.asarray([-0.6, -0.3, 0.0, 0.0, 0.3, 0.6])[:, None]
+    kw = dict(loss_type="grpo", importance_sampling_level="sequence", impl=impl, interpret=impl == "pallas")
+    for advantages in (adv, jnp.broadcast_to(adv[:, None], ids.shape)):
+        _, out = fj.linear_grpo_loss(hidden, weight, ids, mask, advantages, old_per_token_logps=old, **kw)
+        m = mask.astype(jnp.float32)
+        log_r = ((out.logp - old) * m).sum(-1, keepdims=True) / jnp.maximum(m.sum(-1, keepdims=True), 1.0)
+        a = advantages if advantages.ndim == 2 else advantages[:, None]
+        r = jnp.exp(log_r)
+        region = (((r < 0.8) & (a < 0)) | ((r > 1.2) & (a > 0))).astype(jnp.float32)
+        want = (region * m).sum() / m.sum() if advantages.ndim == 2 else region.mean()
+        assert abs(float(out.metrics["clip_ratio/region_mean"]) - float(want)) < 1e-6, (advantages.ndim, want)
+        assert 0 < float(want) < 1
+
+
+@pytest.mark.parametrize("impl", ["ffi", "pallas"])
+def test_f16_inputs(impl):
+    """float16 heads and logits (issue 33): widened exactly (the FFI kernels read them;
+    the Pallas path widens them to float32), gradients in float16."""
+    hidden, weight, _, ids, mask, adv, old, ref = _inputs(2, 5, 8, 257, seed=9)
+    hh, wh = hidden.astype(jnp.float16), weight.astype(jnp.float16)
+    kw = dict(impl=impl, interpret=impl == "pallas")
+    lh, grads = jax.value_and_grad(
+        lambda h, w: fj.linear_grpo_loss(h, w, ids, mask, adv, old_per_token_logps=old, **kw)[0], (0, 1)
+    )(hh, wh)
+    assert grads[0].dtype == jnp.float16 and grads[1].dtype == jnp.float16
+    h32, w32 = hh.astype(jnp.float32), wh.astype(jnp.float32)
+    l32, g32 = jax.value_and_grad(
+        lambda h, w: fj.linear_grpo_loss(h, w, ids, mask, adv, old_per_token_logps=old, **kw)[0], (0, 1)
+    )(h32, w32)
+    _close(lh, l32, 1e-5, "f16 loss")
+    for a, b in zip(grads, g32):
+        _close(a, b, 2e-3, "f16 grads")
+    ce = fj.linear_cross_entropy(hh, wh, ids, **kw)
+    _close(ce, fj.linear_cross_entropy(h32, w32, ids, **kw), 1e-5, "f16 ce")
+    logits = (hidden @ weight.T).astype(jnp.float16)
+    lz, gz = jax.value_and_grad(lambda z: fj.grpo_loss(z, ids, mask, adv, old_per_token_logps=old, **kw)[0])(logits)
+    assert gz.dtype == jnp.float16
+    _close(lz, fj.grpo_loss(logits.astype(jnp.float32), ids, mask, adv, old_per_token_logps=old, **kw)[0], 1e-5, "z")
+
+
+def _per_token_reference(z, ids, mask, adv, old, ref, level, beta):
+    """TRL's clipped per-token loss ``ℓ + β·kl`` (bias-corrected KL) times the mask, in f32."""
+    logp = jnp.take_along_axis(jax.nn.log_softmax(z, -1), ids[..., None], -1)[..., 0]
+    m = mask.astype(jnp.float32)
+    log_ratio = logp - old
+    if level == "sequence":
+        log_ratio = ((log_ratio * m).sum(-1) / jnp.maximum(m.sum(-1), 1.0))[:, None]
+    r, a = jnp.exp(log_ratio), adv[:, None]
+    loss = -jnp.minimum(r * a, jnp.clip(r, 0.8, 1.2) * a)
+    d = ref - logp
+    return jnp.broadcast_to(loss, logp.shape) * m + beta * (jnp.exp(d) - d - 1) * r * m
+
+
+@pytest.mark.parametrize("impl", ["ffi", "pallas"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_grpo_loss_reduce_false(impl, level):
+    """``reduce=False``: Liger's per-token losses, KL and clip flags, and the gradient of
+    ``Σ g·ℓ_tot`` for an upstream ``g`` (sequence level: through R_b) (issue 33)."""
+    hidden, weight, _, ids, mask, adv, old, ref = _inputs(3, 5, 8, 65, seed=10)
+    z = hidden @ weight.T
+    g = jnp.asarray(np.random.default_rng(1).standard_normal(ids.shape), jnp.float32)
+    kw = dict(loss_type="grpo", beta=0.04, importance_sampling_level=level, old_per_token_logps=old,
+              ref_per_token_logps=ref, impl=impl, interpret=impl == "pallas")  # fmt: skip
+    rows, kl, clipped = fj.grpo_loss(z, ids, mask, adv, reduce=False, **kw)
+    want = _per_token_reference(z, ids, mask, adv, old, ref, level, 0.04)
+    _close(rows, want, 1e-5, "per-token loss")
+    assert kl.shape == clipped.shape == ids.shape and float(jnp.abs(jnp.where(mask, 0, rows)).max()) == 0
+    got = jax.grad(lambda x: (fj.grpo_loss(x, ids, mask, adv, reduce=False, **kw)[0] * g).sum())(z)
+    ref_grad = jax.grad(lambda x: (_per_token_reference(x, ids, mask, adv, old, ref, level, 0.04) * g).sum())(z)
+    _close(got, ref_grad, 1e-4, "per-token gradient")
+    none = fj.grpo_loss(z, ids, mask, adv, reduce=False, loss_type="dapo", impl=impl, interpret=impl == "pallas")
+    assert none[1] is None

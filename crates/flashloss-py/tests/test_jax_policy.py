@@ -356,8 +356,8 @@ BAD = [
     (dict(delta=0.9), "delta"),
     (dict(loss_type="sapo", delta=2.0), "delta"),
     (dict(loss_type="dr_grpo", max_completion_length=None), "max_completion_length"),
-    (dict(num_items_in_batch=0.0), "num_items_in_batch"),
-    (dict(sapo_temperature_neg=0.0), "sapo_temperature_pos"),
+    (dict(loss_type="dapo", num_items_in_batch=0.0), "num_items_in_batch"),
+    (dict(loss_type="sapo", sapo_temperature_neg=0.0), "sapo_temperature_neg"),  # named right (issue 33)
     (dict(entropy_coef=float("nan")), "entropy_coef"),
 ]
 

@@ -20,7 +20,7 @@ def test_token_axis_equals_one_device():
     out = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     done = [line for line in out.stdout.splitlines() if line.startswith("ok ")]
-    assert len(done) == 8 + 4 + 4 + 1 + 4, out.stdout
+    assert len(done) == 10 + 4 + 4 + 1 + 4, out.stdout
 
 
 def _main():
@@ -45,9 +45,12 @@ def _main():
     ref = jnp.asarray(-np.log(v) + 0.3 * rng.standard_normal((b, t)), jnp.float32)
     mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
     data, rep = P("data"), P()
-    for loss_type in ["dapo", "grpo", "bnpo", "dr_grpo"]:
+    # grpo at sequence level: its clip metrics are means over sequences (TRL's [B, 1] flags).
+    levels = [("dapo", "token"), ("grpo", "token"), ("bnpo", "token"), ("dr_grpo", "token"), ("grpo", "sequence")]
+    for loss_type, level in levels:
         for beta in [0.0, 0.04]:
-            kw = dict(loss_type=loss_type, beta=beta, max_completion_length=t, temperature=0.9)
+            kw = dict(loss_type=loss_type, beta=beta, max_completion_length=t, temperature=0.9,
+                      importance_sampling_level=level)  # fmt: skip
 
             def loss(x, w, bb, i, m, a, o, r, axis=None):
                 out = fj.linear_grpo_loss(
@@ -73,6 +76,8 @@ def _main():
             for name, a_, b_ in zip(("dhidden", "dweight", "dbias"), gg, wg):
                 err = float(jnp.abs(a_ - b_).max()) / max(float(jnp.abs(b_).max()), 1e-6)
                 assert err <= 1e-4, (loss_type, beta, name, err)
+            if level == "sequence":
+                assert float(wm["clip_ratio/region_mean"]) > 0, "some sequences clip"
             print("ok", loss_type, beta)
     _vocab_axis(jax, jnp, np, fj, mesh)
     _grid_2d(jax, jnp, np, fj)

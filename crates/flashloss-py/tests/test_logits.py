@@ -50,7 +50,66 @@ def test_matches_trl(inplace, loss_type):
     assert len(metrics) == 2
 
 
-def test_reduce_false_is_refused():
-    logits, ids, mask, adv, old, ref = setup(0)
-    with pytest.raises(ValueError, match="`reduce`"):
-        fl.grpo_loss(logits, old, ref, ids, adv, mask, reduce=False)
+@pytest.mark.parametrize(
+    "loss_type,level,rho_shape",
+    [("grpo", "token", None), ("dapo", "sequence", "b1"), ("sapo", "token", "bt"), ("cispo", "token", "b"),
+     ("bnpo", "sequence", None), ("vespo", "token", "bt")],
+)  # fmt: skip
+def test_reduce_false_per_token_losses(loss_type, level, rho_shape):
+    """Liger's ``reduce=False``: ``(ℓ·ρ + β·kl)·m`` per token, its KL and clip flags, and
+    the gradient of ``Σ g·ℓ_tot`` for an upstream ``g`` (sequence level: through R_b)."""
+    logits, ids, mask, adv, old, ref = setup(7 + len(loss_type))
+    b, t = ids.shape
+    g = torch.Generator().manual_seed(3)
+    rho = {None: None, "b": torch.rand(b, generator=g) + 0.5, "b1": torch.rand(b, 1, generator=g) + 0.5,
+           "bt": torch.rand(b, t, generator=g) + 0.5}[rho_shape]  # fmt: skip
+    kw = dict(loss_type=loss_type, beta=0.04, epsilon_high=0.4, temperature=0.9, use_bias_correction_kl=True,
+              importance_sampling_level=level)  # fmt: skip
+    z = logits[:, :t].double().detach().requires_grad_()
+    eye = torch.eye(logits.shape[-1], dtype=torch.float64)
+    want, _, _ = grpo_reference(z, eye, None, ids, mask, adv, old=old, ref=ref, rho=rho, per_token=True, **kw)
+    upstream = torch.randn(b, t, generator=g)
+    (want * upstream.double()).sum().backward()
+
+    leaf = logits.clone().requires_grad_()
+    kw.pop("epsilon_high")
+    per_token, kl, clipped = fl.grpo_loss(leaf, old, ref, ids, adv, mask, eps_high=0.4, vllm_is_ratio=rho,
+                                          reduce=False, **kw)  # fmt: skip
+    assert per_token.shape == kl.shape == clipped.shape == (b, t) and per_token.dtype == torch.float32
+    assert (per_token - want).abs().max().item() <= 1e-5 * max(1.0, want.abs().max().item())
+    assert torch.count_nonzero(per_token[~mask]) == 0 and torch.count_nonzero(kl[~mask]) == 0
+    assert set(clipped.unique().tolist()) <= {0.0, 1.0} and torch.count_nonzero(clipped[~mask]) == 0
+    (per_token * upstream).sum().backward()
+    scale = z.grad.abs().max().item()
+    assert (leaf.grad[:, :t].double() - z.grad).abs().max().item() <= 1e-4 * scale
+    assert torch.count_nonzero(leaf.grad[:, t:]) == 0
+
+
+def test_reduce_false_without_beta_has_no_kl_and_compiles():
+    logits, ids, mask, adv, old, ref = setup(1)
+    per_token, kl, clipped = fl.grpo_loss(logits, old, None, ids, adv, mask, beta=0.0, reduce=False)
+    assert kl is None
+    # The sum of the per-token losses over the live tokens is bnpo's loss times their count.
+    loss, _ = fl.grpo_loss(logits.clone(), old, None, ids, adv, mask, beta=0.0, loss_type="bnpo")
+    assert per_token.sum().item() == pytest.approx(loss.item() * mask.sum().item(), rel=1e-5)
+    f = torch.compile(lambda z: fl.grpo_loss(z, old, None, ids, adv, mask, beta=0.0, reduce=False)[0].sum(),
+                      fullgraph=True)  # fmt: skip
+    z = logits.clone().requires_grad_()
+    f(z).backward()
+    assert z.grad is not None and torch.isfinite(z.grad).all()
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_f16_logits(inplace):
+    """float16 logits (issue 33): widened exactly, the gradient written in float16."""
+    logits, ids, mask, adv, old, ref = setup(21)
+    logits = logits.half()
+    ref_loss, ref_grad = reference(logits, ids, mask, adv, old, ref, loss_type="grpo", beta=0.04, epsilon_high=0.4,
+                                   temperature=0.9, use_bias_correction_kl=False)  # fmt: skip
+    leaf = logits.clone().requires_grad_()
+    loss, _ = fl.grpo_loss(leaf * 1.0 if inplace else leaf, old, ref, ids, adv, mask, loss_type="grpo", inplace=inplace)
+    loss.backward()
+    assert leaf.grad.dtype == torch.float16
+    assert abs(loss.item() - ref_loss) <= 1e-5 * max(1.0, abs(ref_loss))
+    t = ids.shape[1]
+    assert (leaf.grad[:, :t].double() - ref_grad).abs().max().item() <= 2e-3 * ref_grad.abs().max().item()

@@ -118,9 +118,11 @@ def float64_truth(t, inputs, cfg):
         kw["entropy_mask"] = t.get_high_entropy_mask(entropy.float(), mask, 1 - cfg["top_entropy_quantile"]) != 0
     if "off_policy_mask_threshold" in cfg:
         kw["policy_mask"] = (inputs["advantages"] >= 0)[:, None].expand_as(mask)
+    if t.use_vllm and t.vllm_importance_sampling_correction:
+        kw["rho"] = inputs["importance_sampling_ratio"]
     loss, _, _ = grpo_reference(
         hidden, m.lm_head.weight, None, inputs["completion_ids"], mask != 0,
-        inputs["advantages"], ref=inputs.get("ref_per_token_logps"), **kw,
+        inputs["advantages"], ref=inputs.get("ref_per_token_logps"), old=inputs.get("old_per_token_logps"), **kw,
     )  # fmt: skip
     if loss_type not in ("dapo", "cispo", "vespo"):
         loss = loss / ACCUMULATION
@@ -166,3 +168,52 @@ def test_trains(tmp_path):
     assert result.global_step == 2
     assert any(not torch.equal(before[n], p) for n, p in t.model.named_parameters())
     assert all(torch.isfinite(p).all() for p in t.model.parameters())
+
+
+@pytest.mark.parametrize(
+    "cfg,ratio_shape",
+    [
+        (dict(loss_type="grpo", importance_sampling_level="sequence"), "b1"),  # sequence_* vLLM modes
+        (dict(loss_type="dapo"), "bt"),  # token_* modes
+        (dict(loss_type="luspo", importance_sampling_level="sequence"), "b1"),
+    ],
+)
+def test_vllm_importance_sampling_ratio_and_clip_metrics(tmp_path, cfg, ratio_shape):
+    """TRL 1.16's vLLM importance-sampling correction passes a ratio of shape [B, 1]
+    (sequence_* modes) or [B, T] (token_* modes); with off-policy old log-probs the logged
+    clip metrics are TRL's (at sequence level, means over sequences) (issue 33)."""
+    stock = trainer(trl.GRPOTrainer, tmp_path, **cfg)
+    ours = trainer(FlashlossGRPOTrainer, tmp_path, **cfg)
+    batch = [{"prompt": p} for p in dataset()["prompt"][:4]]
+    torch.manual_seed(2)
+    inputs = stock._generate_and_score_completions(batch)
+    b, t = inputs["completion_ids"].shape
+    g = torch.Generator().manual_seed(0)
+    shape = (b, 1) if ratio_shape == "b1" else (b, t)
+    inputs["importance_sampling_ratio"] = torch.rand(shape, generator=g) + 0.5
+    with torch.no_grad():
+        logp = stock._get_per_token_logps_and_entropies(
+            stock.model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
+            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1), t,
+        )[0]  # fmt: skip
+    # Sequence ratios on both sides of the clips and far from them (TRL's own log-probs
+    # differ from the float64 ones by ~1e-4 here, which must not flip a flag).
+    shift = torch.tensor([-0.5, -0.05, 0.05, 0.5]).repeat(b // 4 + 1)[:b, None]
+    inputs["old_per_token_logps"] = logp + shift + 0.01 * torch.randn(b, t, generator=g)
+    for tr in (stock, ours):
+        tr.model.train()
+        tr.use_vllm, tr.vllm_importance_sampling_correction = True, True
+    trl_loss, _ = loss_and_grads(stock, inputs)
+    loss, grads = loss_and_grads(ours, inputs)
+    truth_loss, truth_grads = float64_truth(ours, inputs, cfg)
+    assert loss == pytest.approx(truth_loss, rel=1e-5, abs=1e-7)
+    assert loss == pytest.approx(trl_loss, rel=5e-3)  # TRL's log-probs are the less exact here
+    for name, grad in truth_grads.items():
+        assert (grads[name].double() - grad).abs().max().item() <= 1e-4 * grad.abs().max().item() + 1e-8, name
+    if cfg["loss_type"] != "cispo":
+        clipped = 0.0
+        for name in ("low_mean", "high_mean", "region_mean"):
+            key = f"clip_ratio/{name}"
+            assert ours._metrics["train"][key][-1] == pytest.approx(stock._metrics["train"][key][-1], abs=1e-6), key
+            clipped += stock._metrics["train"][key][-1]
+        assert clipped > 0

@@ -18,8 +18,9 @@ def vespo_phi(advantages, log_ratio, mask, rho, k_pos, lambda_pos, k_neg, lambda
     lower = math.log(1e-8)
     seq = (log_ratio.clamp(-20.0, 20.0) * mask).sum(-1, keepdim=True)
     if rho is not None:
-        log_rho = rho.double().log().clamp(lower, 20.0)
-        seq = seq + (log_rho * mask if log_rho.dim() == 2 else log_rho.unsqueeze(-1)).sum(-1, keepdim=True)
+        log_rho = rho.double().log().clamp(lower, 20.0).reshape(len(rho), -1)  # [B] -> [B, 1]
+        # Per token: over the live tokens (flashloss's batch rule); [B, 1]: once, as TRL.
+        seq = seq + (log_rho * mask if log_rho.shape[1] > 1 else log_rho).sum(-1, keepdim=True)
     log_w = seq.clamp(lower, 20.0)
     pos = advantages >= 0
     k = torch.where(pos, k_pos, k_neg)
@@ -54,9 +55,12 @@ def grpo_reference(
     sapo_temperature_pos=1.0,
     sapo_temperature_neg=1.05,
     vespo=(2.0, 3.0, 3.0, 2.0),
+    per_token=False,
 ):
     """Loss and per-token logp/entropy; ``hidden`` ``[B, T, H]`` (float64 leaves that
-    require grad get their gradients from ``loss.backward()``)."""
+    require grad get their gradients from ``loss.backward()``). ``per_token``: the
+    per-token losses ``ℓ·ρ + β·kl`` times the mask ``[B, T]`` (Liger's ``reduce=False``)
+    in place of the loss."""
     logps_all = torch.log_softmax(logits_of(hidden, weight, bias, temperature), -1)
     logp = logps_all.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
     entropy = -(logps_all.exp() * logps_all).sum(-1)
@@ -100,6 +104,8 @@ def grpo_reference(
         ptl = ptl * (r.unsqueeze(-1) if r.dim() == 1 else r)
     if beta != 0.0:
         ptl = ptl + beta * kl
+    if per_token:
+        return ptl * m, logp.detach(), entropy.detach()
     bsz = ids.shape[0]
     if loss_type in ("grpo", "sapo"):
         loss = ((ptl * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()

@@ -34,6 +34,10 @@ pub fn run(cfg: &BenchConfig, progress: &mut dyn FnMut(&str, usize, usize)) -> R
     Ok(match cfg.dtype {
         DType::F32 => typed::<f32>(cfg, progress),
         DType::Bf16 => typed::<bf16>(cfg, progress),
+        DType::F16 => Err(flashloss::Error::InvalidArgument {
+            arg: "dtype",
+            reason: "the CUDA backend takes f32 or bf16, not f16".into(),
+        }),
     }?)
 }
 

@@ -24,7 +24,7 @@ use flashloss::policy::Normalizers;
 use flashloss::shard_range;
 use flashloss::{Device, Grid, LinearGrads, Parallel, Shard};
 use flashloss::{Error, Result};
-use half::bf16;
+use half::{bf16, f16};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Normal};
@@ -150,6 +150,7 @@ fn run_rank(
     pool.install(|| match cfg.dtype {
         DType::F32 => rank_typed::<f32>(cfg, comm, shape, engine),
         DType::Bf16 => rank_typed::<bf16>(cfg, comm, shape, engine),
+        DType::F16 => rank_typed::<f16>(cfg, comm, shape, engine),
     })
 }
 

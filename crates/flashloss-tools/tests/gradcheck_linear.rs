@@ -26,7 +26,7 @@ fn config(objective: Objective, dtype: DType, mode: Mode) -> GradcheckConfig {
 #[test]
 fn linear_gates_pass_and_can_fail() {
     for objective in [Objective::Grpo, Objective::Ce] {
-        for dtype in [DType::F32, DType::Bf16] {
+        for dtype in [DType::F32, DType::Bf16, DType::F16] {
             for mode in [Mode::SinglePass, Mode::TwoPass] {
                 let cfg = config(objective, dtype, mode);
                 let r = gradcheck::run(&cfg).unwrap();
@@ -91,7 +91,7 @@ fn blocks_skip_masked_rows_between_live_ones() {
                 let mut cfg = config(objective, dtype, mode);
                 (cfg.batch, cfg.seq_len, cfg.masked_fraction) = (5, 13, 0.4);
                 cfg.bf16_products = bf16_products;
-                let (n, bf16) = (cfg.batch * cfg.seq_len, dtype == DType::Bf16);
+                let n = cfg.batch * cfg.seq_len;
                 // The largest budget (in steps of 1/1024 MiB above the reserve) whose
                 // blocks hold 2 to 6 rows.
                 let rows_at = |mib: f64| {
@@ -105,7 +105,7 @@ fn blocks_skip_masked_rows_between_live_ones() {
                         n,
                         cfg.hidden,
                         cfg.vocab,
-                        (bf16, Default::default()),
+                        (dtype, Default::default()),
                         &opts,
                         true,
                     )

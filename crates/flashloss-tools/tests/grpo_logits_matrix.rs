@@ -66,6 +66,24 @@ fn every_loss_type_matches_the_reference_bf16() {
     }
 }
 
+/// float16 logits (issue 33): widened exactly, the gradient stored in f16.
+#[test]
+fn every_loss_type_matches_the_reference_f16() {
+    for (t, level) in valid_types() {
+        let mut loss = base_config(t, level);
+        loss.beta = 0.04;
+        loss.entropy_coef = 0.01;
+        for in_place in [false, true] {
+            let mut cfg = f16(small(3, 7, 4099, loss.clone()));
+            cfg.in_place = in_place;
+            assert_passes(
+                &cfg,
+                &format!("f16 {} {level:?} in_place={in_place}", t.name()),
+            );
+        }
+    }
+}
+
 #[test]
 fn sampler_ratio_per_token_advantages_and_in_place() {
     for (t, level) in valid_types() {

@@ -62,7 +62,10 @@ fn invalid_configs_are_rejected_at_construction() {
             "`entropy_coef`: must be finite, got NaN",
         ),
         (
-            Box::new(|c| c.num_items_in_batch = Some(0.0)),
+            Box::new(|c| {
+                c.loss_type = LossType::Dapo;
+                c.num_items_in_batch = Some(0.0);
+            }),
             "`num_items_in_batch`: must be finite and > 0, got 0",
         ),
         (
@@ -77,6 +80,54 @@ fn invalid_configs_are_rejected_at_construction() {
         let got = config_error(f);
         assert_eq!(got, format!("invalid loss config: {want}"));
     }
+}
+
+/// Issue 33: a loss type's unused parameters are not validated (Liger's tests pass
+/// `sapo_temperature_neg=False` to bnpo), and an error names the argument that is wrong.
+#[test]
+fn only_the_loss_types_parameters_are_validated() {
+    use LossType::*;
+    let accepted = |t: LossType, f: &dyn Fn(&mut GrpoLossConfig)| {
+        let mut c = GrpoLossConfig {
+            loss_type: t,
+            max_completion_length: Some(8),
+            epsilon_high: if t == Cispo { 5.0 } else { 0.2 },
+            ..GrpoLossConfig::default()
+        };
+        f(&mut c);
+        GrpoLoss::new(c).map(|_| ()).map_err(|e| e.to_string())
+    };
+    let sapo_off = |c: &mut GrpoLossConfig| {
+        c.sapo_temperature_pos = 0.0;
+        c.sapo_temperature_neg = f64::NAN;
+    };
+    let vespo_off = |c: &mut GrpoLossConfig| {
+        c.vespo_k_pos = f64::INFINITY;
+        c.vespo_lambda_neg = f64::NAN;
+    };
+    let eps_off = |c: &mut GrpoLossConfig| c.epsilon_low = 1.5;
+    for t in LossType::ALL {
+        assert_eq!(t == Sapo, accepted(t, &sapo_off).is_err(), "{t:?} sapo");
+        assert_eq!(t == Vespo, accepted(t, &vespo_off).is_err(), "{t:?} vespo");
+        assert_eq!(t.is_clipped(), accepted(t, &eps_off).is_err(), "{t:?} eps");
+        let items = accepted(t, &|c| c.num_items_in_batch = Some(0.0)).is_err();
+        assert_eq!(matches!(t, Dapo | Cispo | Vespo), items, "{t:?} items");
+    }
+    let neg = accepted(Sapo, &|c| c.sapo_temperature_neg = 0.0).unwrap_err();
+    assert_eq!(
+        neg,
+        "invalid loss config: `sapo_temperature_neg`: must be > 0, got 0"
+    );
+    let pos = accepted(Sapo, &|c| c.sapo_temperature_pos = -1.0).unwrap_err();
+    assert_eq!(
+        pos,
+        "invalid loss config: `sapo_temperature_pos`: must be > 0, got -1"
+    );
+    let k = accepted(Vespo, &|c| c.vespo_k_neg = f64::NAN).unwrap_err();
+    assert_eq!(
+        k,
+        "invalid loss config: `vespo_k_neg`: must be finite, got NaN"
+    );
 }
 
 #[test]

@@ -243,6 +243,21 @@ impl Device {
         self.run(head, |h| fused::ce_linear(h, ce, targets, grad_rows, opts))
     }
 
+    /// [`Device::ce_linear_into`] whose gradients also take each row's log-sum-exp's
+    /// upstream gradient `grad_lse` `[N]` (see [`fused::ce_linear_lse`]).
+    pub fn ce_linear_lse_into<E: Element>(
+        &self,
+        ce: &CrossEntropy,
+        targets: &[i64],
+        (grad_rows, grad_lse): (Option<&[f32]>, Option<&[f32]>),
+        head: HeadArgs<E>,
+        opts: &FusedOptions,
+    ) -> Result<CeLinearOutput> {
+        self.run(head, |h| {
+            fused::ce_linear_lse(h, ce, targets, grad_rows, grad_lse, opts)
+        })
+    }
+
     /// The per-row cross-entropy losses without gradients (see
     /// [`fused::ce_row_losses`]); no gradient buffer is made.
     pub fn ce_row_losses<E: Element>(
@@ -466,6 +481,33 @@ impl Device {
                 dlogits,
             ),
         }
+    }
+
+    /// The per-token GRPO losses on host logits (Liger's `reduce=False`): the forward of
+    /// `Σ_i g_i·ℓ_tot,i` with `grad_rows` `[N]` (each token's upstream gradient; ones
+    /// for the losses themselves, [`GrpoLogitsForward::token_loss`]), and, given
+    /// `dlogits` (dense `[N, V]`), its gradient written there. CPU backend only.
+    pub fn grpo_logits_per_token<E: Element>(
+        &self,
+        loss: &GrpoLoss,
+        batch: &GrpoBatch,
+        logits: &[E],
+        layout: &LogitsLayout,
+        grad_rows: &[f32],
+        dlogits: Option<&mut [E]>,
+    ) -> Result<GrpoLogitsForward> {
+        if !self.is_cpu() {
+            return Err(Error::InvalidArgument {
+                arg: "logits",
+                reason: "per-token GRPO losses run on the CPU backend only (so far)".into(),
+            });
+        }
+        let fwd =
+            crate::cpu::grpo_logits_forward_per_token(loss, batch, logits, layout, grad_rows)?;
+        if let Some(d) = dlogits {
+            fwd.backward(logits, 1.0, d)?;
+        }
+        Ok(fwd)
     }
 
     /// [`Device::grpo_logits`] with the gradient written over `logits` (the two-`exp`

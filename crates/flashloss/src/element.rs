@@ -1,7 +1,8 @@
-//! Storage element types of logits, hidden states and weights: f32 and bf16.
-//! All arithmetic is done in f32 (or wider) whatever the storage type.
+//! Storage element types of logits, hidden states and weights: f32, bf16 and f16
+//! (IEEE half, as V100/T4 users train in). All arithmetic is done in f32 (or wider)
+//! whatever the storage type: bf16 and f16 are widened exactly on load.
 
-use half::bf16;
+use half::{bf16, f16};
 use serde::{Deserialize, Serialize};
 
 /// The bits of `x` rounded to bf16, to nearest even, branch-free (a loop of them
@@ -25,6 +26,8 @@ pub enum DType {
     F32,
     /// bfloat16: f32's exponent with an 8-bit mantissa.
     Bf16,
+    /// IEEE half precision (float16): a 5-bit exponent, an 11-bit mantissa.
+    F16,
 }
 
 impl DType {
@@ -32,7 +35,7 @@ impl DType {
     pub fn size(self) -> usize {
         match self {
             DType::F32 => 4,
-            DType::Bf16 => 2,
+            DType::Bf16 | DType::F16 => 2,
         }
     }
 }
@@ -100,5 +103,29 @@ impl Element for bf16 {
     }
     fn as_bf16_mut(slice: &mut [Self]) -> Option<&mut [bf16]> {
         Some(slice)
+    }
+}
+
+impl Element for f16 {
+    const DTYPE: DType = DType::F16;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        f16::from_f32(x)
+    }
+    fn as_f32(_: &[Self]) -> Option<&[f32]> {
+        None
+    }
+    fn as_f32_mut(_: &mut [Self]) -> Option<&mut [f32]> {
+        None
+    }
+    fn as_bf16(_: &[Self]) -> Option<&[bf16]> {
+        None
+    }
+    fn as_bf16_mut(_: &mut [Self]) -> Option<&mut [bf16]> {
+        None
     }
 }

@@ -176,33 +176,50 @@ fn check_finite(x: f64, field: &'static str) -> Result<()> {
 }
 
 impl GrpoLoss {
-    /// Validates `config`: finite parameters in range, and the spec's rules (δ only for
-    /// the clipped family; sequence level not for vespo; dr_grpo needs
-    /// `max_completion_length`).
+    /// Validates `config`: the parameters the loss type uses, finite and in range (a
+    /// parameter another type uses is not read, so not checked: a bnpo config may hold
+    /// any sapo temperature), and the spec's rules (δ only for the clipped family;
+    /// sequence level not for vespo; dr_grpo needs `max_completion_length`).
     pub fn new(config: GrpoLossConfig) -> Result<Self> {
         let c = &config;
-        for (x, field) in [
-            (c.epsilon_low, "epsilon_low"),
-            (c.epsilon_high, "epsilon_high"),
+        let t = c.loss_type;
+        let mut used = vec![
             (c.beta, "beta"),
             (c.temperature, "temperature"),
-            (c.sapo_temperature_pos, "sapo_temperature_pos"),
-            (c.sapo_temperature_neg, "sapo_temperature_neg"),
-            (c.vespo_k_pos, "vespo_k_pos"),
-            (c.vespo_lambda_pos, "vespo_lambda_pos"),
-            (c.vespo_k_neg, "vespo_k_neg"),
-            (c.vespo_lambda_neg, "vespo_lambda_neg"),
             (c.entropy_coef, "entropy_coef"),
-        ] {
+        ];
+        if t.is_clipped() {
+            used.extend([
+                (c.epsilon_low, "epsilon_low"),
+                (c.epsilon_high, "epsilon_high"),
+            ]);
+        }
+        match t {
+            LossType::Cispo => used.push((c.epsilon_high, "epsilon_high")),
+            LossType::Sapo => used.extend([
+                (c.sapo_temperature_pos, "sapo_temperature_pos"),
+                (c.sapo_temperature_neg, "sapo_temperature_neg"),
+            ]),
+            LossType::Vespo => used.extend([
+                (c.vespo_k_pos, "vespo_k_pos"),
+                (c.vespo_lambda_pos, "vespo_lambda_pos"),
+                (c.vespo_k_neg, "vespo_k_neg"),
+                (c.vespo_lambda_neg, "vespo_lambda_neg"),
+            ]),
+            _ => {}
+        }
+        for (x, field) in used {
             check_finite(x, field)?;
         }
-        check((0.0..1.0).contains(&c.epsilon_low), "epsilon_low", || {
-            format!("must be in [0, 1), got {}", c.epsilon_low)
-        })?;
-        check(c.epsilon_high >= 0.0, "epsilon_high", || {
-            format!("must be >= 0, got {}", c.epsilon_high)
-        })?;
-        if c.loss_type == LossType::Cispo {
+        if t.is_clipped() {
+            check((0.0..1.0).contains(&c.epsilon_low), "epsilon_low", || {
+                format!("must be in [0, 1), got {}", c.epsilon_low)
+            })?;
+            check(c.epsilon_high >= 0.0, "epsilon_high", || {
+                format!("must be >= 0, got {}", c.epsilon_high)
+            })?;
+        }
+        if t == LossType::Cispo {
             check(c.epsilon_high > 0.0, "epsilon_high", || {
                 "cispo caps the ratio at epsilon_high, which must be > 0".into()
             })?;
@@ -211,11 +228,14 @@ impl GrpoLoss {
             format!("must be >= 0, got {}", c.beta)
         })?;
         Temperature::of_config(c.temperature)?;
-        check(
-            c.sapo_temperature_pos > 0.0 && c.sapo_temperature_neg > 0.0,
-            "sapo_temperature_pos",
-            || "sapo temperatures must be > 0".into(),
-        )?;
+        if t == LossType::Sapo {
+            for (tau, field) in [
+                (c.sapo_temperature_pos, "sapo_temperature_pos"),
+                (c.sapo_temperature_neg, "sapo_temperature_neg"),
+            ] {
+                check(tau > 0.0, field, || format!("must be > 0, got {tau}"))?;
+            }
+        }
         if let Some(delta) = c.delta {
             check(c.loss_type.is_clipped(), "delta", || {
                 format!(
@@ -244,7 +264,9 @@ impl GrpoLoss {
                 || "dr_grpo requires max_completion_length >= 1".into(),
             )?;
         }
-        if let Some(n) = c.num_items_in_batch {
+        if let (Some(n), LossType::Dapo | LossType::Cispo | LossType::Vespo) =
+            (c.num_items_in_batch, t)
+        {
             check(n.is_finite() && n > 0.0, "num_items_in_batch", || {
                 format!("must be finite and > 0, got {n}")
             })?;

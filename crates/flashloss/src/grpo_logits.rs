@@ -15,7 +15,9 @@ use crate::batch::{GrpoBatch, LogitsLayout};
 use crate::collective::agree;
 use crate::error::{Error, Result};
 use crate::grpo_config::GrpoLoss;
-use crate::policy::{GrpoMetrics, Normalizers, policy_stage};
+use crate::policy::{
+    GrpoMetrics, Normalizers, clips_per_sequence, policy_stage, policy_stage_per_token,
+};
 use crate::range::{check_grad_coefs, check_policy_rows};
 use crate::rows::{PartialStats, RowInputs, RowStats, RowTransform, check_row_stats};
 use crate::sharding::{Grid, Shard};
@@ -34,6 +36,9 @@ pub struct GrpoLogitsForward {
     pub kl: Vec<f32>,
     /// Per-token clip flags ([`crate::policy::CLIP_LOW`] | [`crate::policy::CLIP_HIGH`]).
     pub clip: Vec<u8>,
+    /// Each token's share of the loss (`w_i·ℓ_tot,i` with the entropy bonus's share;
+    /// with per-token weights `g_i·ℓ_tot,i`), 0 where masked.
+    pub token_loss: Vec<f64>,
     pub(crate) dlogp: Vec<f32>,
     pub(crate) dentropy: Vec<f32>,
     pub(crate) targets: Vec<i64>,
@@ -66,16 +71,22 @@ impl GrpoLogitsForward {
     /// The forward from any backend's per-row statistics: runs the policy stage and
     /// checks its per-row outputs against the f32 range (spec: "Numeric range"; the
     /// gradient's bound is checked by the backward, which knows `grad_output`).
+    /// `grad_rows` `[N]` replaces the loss's reduction by `L = Σ_i g_i·ℓ_tot,i`
+    /// ([`policy_stage_per_token`]).
     pub(crate) fn from_stats(
         loss: &GrpoLoss,
         batch: &GrpoBatch,
         norm: Normalizers,
         stats: Vec<RowStats>,
         layout: &LogitsLayout,
+        grad_rows: Option<&[f32]>,
     ) -> Result<Self> {
         let logp: Vec<f32> = stats.iter().map(|s| s.logp).collect();
         let entropy: Vec<f32> = stats.iter().map(|s| s.entropy).collect();
-        let policy = policy_stage(loss, batch, norm, &logp, &entropy);
+        let policy = match grad_rows {
+            None => policy_stage(loss, batch, norm, &logp, &entropy),
+            Some(g) => policy_stage_per_token(loss, batch, &logp, &entropy, g),
+        };
         let live = |i: usize| batch.mask[i];
         let n = batch.rows();
         check_policy_rows(&policy, |i| entropy[i], 0..n, live, batch.seq_len, None)?;
@@ -85,6 +96,7 @@ impl GrpoLogitsForward {
             stats,
             kl: policy.kl,
             clip: policy.clip,
+            token_loss: policy.token_loss,
             dlogp: policy.dlogp,
             dentropy: policy.dentropy,
             targets: batch.target_ids.to_vec(),
@@ -156,15 +168,15 @@ pub(crate) fn grpo_logits_forward_sharded(
         merge_partial(split.comm, &partial, rows.transform.inv_temp)?.finish(&rows, shard.vocab);
     let checked = check_row_stats(&stats, |i| batch.mask[i], batch.target_ids, batch.seq_len);
     agree(grid.world, checked)?;
-    let fwd = GrpoLogitsForward::from_stats(loss, batch, norm, stats, layout);
+    let fwd = GrpoLogitsForward::from_stats(loss, batch, norm, stats, layout, None);
     let mut fwd = agree(grid.world, fwd)?;
     fwd.targets = targets;
     (fwd.loss, fwd.metrics) = reduce_policy_outputs(
         grid.tokens.as_ref(),
         fwd.loss,
         &fwd.metrics,
-        local.token_count,
-        norm.token_count,
+        (local, norm),
+        clips_per_sequence(loss, batch),
     )?;
     Ok(fwd)
 }

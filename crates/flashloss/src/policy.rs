@@ -91,29 +91,68 @@ impl PolicyOutput {
     }
 
     /// Sums the loss and the metrics over live tokens, serially in row order (so the
-    /// result does not depend on how rows were blocked or threaded).
-    pub fn finish(&mut self, mask: &[bool], entropy: &[f32]) {
-        let (mut loss, mut kl, mut ent, mut tokens) = (0.0, 0.0, 0.0, 0.0);
-        let (mut low, mut high, mut region) = (0.0, 0.0, 0.0);
+    /// result does not depend on how rows were blocked or threaded). The clip metrics
+    /// are TRL 1.16's `global_masked_mean`: over tokens, or over the B sequences where
+    /// the ratio and the advantage are both one per sequence ([`clips_per_sequence`]).
+    pub fn finish(&mut self, loss: &GrpoLoss, batch: &GrpoBatch, entropy: &[f32]) {
+        let mask = batch.mask;
+        let (mut total, mut kl, mut ent, mut tokens) = (0.0, 0.0, 0.0, 0.0);
+        let mut clips = [0.0; 3];
+        let count = |flags: u8, clips: &mut [f64; 3]| {
+            clips[0] += (flags & CLIP_LOW != 0) as u8 as f64;
+            clips[1] += (flags & CLIP_HIGH != 0) as u8 as f64;
+            clips[2] += (flags != 0) as u8 as f64;
+        };
+        let per_sequence = clips_per_sequence(loss, batch);
         for i in (0..mask.len()).filter(|&i| mask[i]) {
-            loss += self.token_loss[i];
+            total += self.token_loss[i];
             kl += self.kl[i] as f64;
             ent += entropy[i] as f64;
             tokens += 1.0;
-            low += (self.clip[i] & CLIP_LOW != 0) as u8 as f64;
-            high += (self.clip[i] & CLIP_HIGH != 0) as u8 as f64;
-            region += (self.clip[i] != 0) as u8 as f64;
+            if !per_sequence {
+                count(self.clip[i], &mut clips);
+            }
+        }
+        if per_sequence {
+            for b in 0..batch.batch {
+                count(self.sequence_clip(loss, batch, b), &mut clips);
+            }
         }
         let denom = f64::max(tokens, 1.0);
-        self.loss = loss;
+        let clip_denom = if per_sequence {
+            f64::max(batch.batch as f64, 1.0)
+        } else {
+            denom
+        };
+        self.loss = total;
         self.metrics = GrpoMetrics {
             kl_mean: kl / denom,
-            clip_ratio_low: low / denom,
-            clip_ratio_high: high / denom,
-            clip_ratio_region: region / denom,
+            clip_ratio_low: clips[0] / clip_denom,
+            clip_ratio_high: clips[1] / clip_denom,
+            clip_ratio_region: clips[2] / clip_denom,
             entropy_mean: ent / denom,
         };
     }
+
+    /// Sequence `b`'s clip flags at sequence level: its live tokens' (they share `R_b`
+    /// and `A_b`), or those of `R_b = 1` when it has none (TRL counts every sequence).
+    fn sequence_clip(&self, loss: &GrpoLoss, batch: &GrpoBatch, b: usize) -> u8 {
+        let t = batch.seq_len;
+        let seq = b * t..(b + 1) * t;
+        match seq.clone().find(|&i| batch.mask[i]) {
+            Some(i) => self.clip[i],
+            None => clip_flags(loss.config(), 1.0, batch.advantages.at(b * t, t) as f64),
+        }
+    }
+}
+
+/// True when TRL 1.16's clip metrics are means over sequences: the ratio is one per
+/// sequence (sequence level) and so is the advantage (`[B]`, `[B, 1]`), so TRL's
+/// clip flags are `[B, 1]` and its `global_masked_mean` divides by B. Per-token
+/// advantages make the flags `[B, T]`, a mean over live tokens.
+pub fn clips_per_sequence(loss: &GrpoLoss, batch: &GrpoBatch) -> bool {
+    loss.config().importance_sampling_level == ImportanceSamplingLevel::Sequence
+        && matches!(batch.advantages, PerSeqOrToken::Sequence(_))
 }
 
 /// Policy term of one token: `ℓ` and `∂ℓ/∂r` (ratio-based losses) or `∂ℓ/∂logp`
@@ -259,7 +298,7 @@ pub fn policy_stage(
 ) -> PolicyOutput {
     let mut out = PolicyOutput::new(batch.rows());
     policy_rows(loss, batch, norm, logp, entropy, 0..batch.rows(), &mut out);
-    out.finish(batch.mask, entropy);
+    out.finish(loss, batch, entropy);
     out
 }
 
@@ -279,13 +318,65 @@ pub fn policy_rows(
     rows: Range<usize>,
     out: &mut PolicyOutput,
 ) {
+    let weights = Weights::Reduction(norm);
+    weighted_rows(loss, batch, weights, (logp, entropy), rows, out);
+}
+
+/// How each live token's `ℓ_tot,i` enters the loss.
+#[derive(Debug, Clone, Copy)]
+enum Weights<'a> {
+    /// The loss type's reduction weight `w_i` (and the entropy bonus).
+    Reduction(Normalizers),
+    /// A given weight per token `[N]` and no entropy bonus: `L = Σ_i g_i·ℓ_tot,i`.
+    PerToken(&'a [f32]),
+}
+
+/// The per-token losses `ℓ_tot,i = ℓ_i·e_i·ρ_i + β·kl_i` of every live token (0 where
+/// masked), unreduced: Liger's `triton_grpo_loss(..., reduce=False)`. With
+/// `grad_rows` `[N]` (the upstream gradient of each token's loss; ones for the
+/// losses themselves), [`PolicyOutput::token_loss`] holds `g_i·ℓ_tot,i`, the loss their
+/// sum, and `dlogp`, `dentropy` the derivatives of that sum (at sequence level with the
+/// cross-token terms through `R_b`). The entropy bonus, a batch mean, is no token's
+/// loss and takes no part. Metrics as [`policy_stage`]'s.
+pub fn policy_stage_per_token(
+    loss: &GrpoLoss,
+    batch: &GrpoBatch,
+    logp: &[f32],
+    entropy: &[f32],
+    grad_rows: &[f32],
+) -> PolicyOutput {
+    let mut out = PolicyOutput::new(batch.rows());
+    let weights = Weights::PerToken(grad_rows);
+    weighted_rows(
+        loss,
+        batch,
+        weights,
+        (logp, entropy),
+        0..batch.rows(),
+        &mut out,
+    );
+    out.finish(loss, batch, entropy);
+    out
+}
+
+fn weighted_rows(
+    loss: &GrpoLoss,
+    batch: &GrpoBatch,
+    weights: Weights,
+    (logp, entropy): (&[f32], &[f32]),
+    rows: Range<usize>,
+    out: &mut PolicyOutput,
+) {
     let c = loss.config();
     let t_len = batch.seq_len;
     let sequence_level = c.importance_sampling_level == ImportanceSamplingLevel::Sequence;
     let lp = |i: usize| logp[i] as f64;
     let old = |i: usize| batch.old_logp.map_or(lp(i), |o| o[i] as f64);
     let needs_sequence = loss.needs_sequence_reduction();
-    let entropy_scale = -c.entropy_coef / norm.entropy_count.max(1.0);
+    let entropy_scale = match weights {
+        Weights::Reduction(norm) => -c.entropy_coef / norm.entropy_count.max(1.0),
+        Weights::PerToken(_) => 0.0,
+    };
     // ℓ is a function of the ratio (its gradient goes through r), or linear in logp.
     let ratio_based = !matches!(c.loss_type, LossType::Cispo | LossType::Vespo);
 
@@ -310,9 +401,16 @@ pub fn policy_rows(
         // (the policy terms; `seq_grad_kl` holds the KL's, already times R_b).
         let (mut seq_grad, mut seq_grad_kl) = (0.0f64, 0.0f64);
         let here = seq.start.max(rows.start)..seq.end.min(rows.end);
-        let w = reduction_weight(c, norm, len_b);
+        let w_seq = match weights {
+            Weights::Reduction(norm) => reduction_weight(c, norm, len_b),
+            Weights::PerToken(_) => 0.0,
+        };
 
         for i in live(&here) {
+            let w = match weights {
+                Weights::Reduction(_) => w_seq,
+                Weights::PerToken(g) => g[i] as f64,
+            };
             let adv = batch.advantages.at(i, t_len) as f64;
             let rho = match (c.loss_type, batch.sampler_ratio) {
                 (LossType::Vespo, _) | (_, None) => 1.0,

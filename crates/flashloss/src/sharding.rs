@@ -211,32 +211,39 @@ pub(crate) fn global_normalizers(
     })
 }
 
-/// The loss (a sum of row terms) summed over token groups, and the metrics (masked
-/// means over each group's `local_tokens`) turned into means over `global_tokens`.
+/// The loss (a sum of row terms) summed over token groups, and the metrics (means over
+/// each group's `local` tokens, or its sequences for clip metrics taken per sequence:
+/// [`crate::policy::clips_per_sequence`]) turned into means over the `global` ones.
 pub(crate) fn reduce_policy_outputs(
     tokens: &dyn Collective,
     loss: f64,
     m: &GrpoMetrics,
-    local_tokens: f64,
-    global_tokens: f64,
+    (local, global): (Normalizers, Normalizers),
+    clips_per_sequence: bool,
 ) -> Result<(f64, GrpoMetrics)> {
+    let clip_count = |n: Normalizers| match clips_per_sequence {
+        true => n.batch_size,
+        false => n.token_count,
+    };
+    let (here, clips_here) = (local.token_count, clip_count(local));
     let mut sums = [
         loss,
-        m.kl_mean * local_tokens,
-        m.clip_ratio_low * local_tokens,
-        m.clip_ratio_high * local_tokens,
-        m.clip_ratio_region * local_tokens,
-        m.entropy_mean * local_tokens,
+        m.kl_mean * here,
+        m.clip_ratio_low * clips_here,
+        m.clip_ratio_high * clips_here,
+        m.clip_ratio_region * clips_here,
+        m.entropy_mean * here,
     ];
     tokens.all_reduce_sum_f64(&mut sums)?;
-    let denom = global_tokens.max(1.0);
+    let denom = global.token_count.max(1.0);
+    let clip_denom = clip_count(global).max(1.0);
     Ok((
         sums[0],
         GrpoMetrics {
             kl_mean: sums[1] / denom,
-            clip_ratio_low: sums[2] / denom,
-            clip_ratio_high: sums[3] / denom,
-            clip_ratio_region: sums[4] / denom,
+            clip_ratio_low: sums[2] / clip_denom,
+            clip_ratio_high: sums[3] / clip_denom,
+            clip_ratio_region: sums[4] / clip_denom,
             entropy_mean: sums[5] / denom,
         },
     ))

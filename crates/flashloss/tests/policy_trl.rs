@@ -322,3 +322,205 @@ fn vespo_sampler_ratio_enters_phi() {
     let out = policy_stage(&loss, &batch, norm, &logp, &entropy);
     assert!(out.loss.is_finite() && out.dlogp.iter().all(|g| g.is_finite()));
 }
+
+/// TRL 1.16's `global_masked_mean` of `[B, 1]` clip flags (issue 33): at sequence level
+/// with per-sequence advantages the clip metrics are means over the B sequences, a
+/// sequence with no live token counting with `R_b = 1`; with per-token advantages they
+/// stay means over live tokens. Sequence 0 (4 live tokens) has `R_0 = 1.5`, sequence 1
+/// (1 live token) `R_1 = 1`, sequence 2 none.
+#[test]
+fn sequence_level_clip_metrics_are_means_over_sequences() {
+    let t = 4;
+    let mask: Vec<bool> = (0..3 * t).map(|i| i <= t).collect();
+    let targets = vec![0i64; 3 * t];
+    let logp = vec![-1.0f32; 3 * t];
+    let old: Vec<f32> = (0..3 * t)
+        .map(|i| if i < t { -1.0 - 1.5f32.ln() } else { -1.0 })
+        .collect();
+    let adv = vec![1.0f32, 1.0, 1.0];
+    let adv_tokens = vec![1.0f32; 3 * t];
+    let entropy = vec![0.5f32; 3 * t];
+    let batch = |advantages| GrpoBatch {
+        batch: 3,
+        seq_len: t,
+        target_ids: &targets,
+        mask: &mask,
+        advantages,
+        old_logp: Some(&old),
+        ref_logp: None,
+        sampler_ratio: None,
+        policy_mask: None,
+        entropy_mask: None,
+    };
+    let metric = |loss_type, eps_high, advantages| {
+        let c = GrpoLossConfig {
+            loss_type,
+            importance_sampling_level: ImportanceSamplingLevel::Sequence,
+            epsilon_high: eps_high,
+            ..GrpoLossConfig::default()
+        };
+        let (loss, batch) = (GrpoLoss::new(c).unwrap(), batch(advantages));
+        let m = policy_stage(&loss, &batch, Normalizers::local(&batch), &logp, &entropy).metrics;
+        (m.clip_ratio_high, m.clip_ratio_region, m.clip_ratio_low)
+    };
+    let per_seq = PerSeqOrToken::Sequence(&adv);
+    let per_token = PerSeqOrToken::Token(&adv_tokens);
+    // Rows 0..=t: sequence 0 whole and position 0 of sequence 1. Only sequence 0 is clipped: 1 of 3 sequences (the token mean would be 4/5).
+    assert_eq!(
+        metric(LossType::Grpo, 0.2, per_seq),
+        (1.0 / 3.0, 1.0 / 3.0, 0.0)
+    );
+    assert_eq!(metric(LossType::Grpo, 0.2, per_token), (0.8, 0.8, 0.0));
+    // cispo with ε_high = 0.5: every sequence has R_b > 0.5 and A_b > 0, the empty one too.
+    assert_eq!(metric(LossType::Cispo, 0.5, per_seq), (1.0, 1.0, 0.0));
+}
+
+/// Per-token losses (Liger's `reduce=False`, issue 33) against the reference's: the
+/// losses `ℓ_tot,i` with unit weights, and the derivatives of `Σ_i g_i·ℓ_tot,i` for
+/// drawn `g` (sequence level: the cross-token terms through `R_b`). Then ties them to
+/// the reduced loss: bnpo's `L = Σ_i ℓ_tot,i / Σ m` with no entropy bonus.
+#[test]
+fn per_token_losses_match_the_reference() {
+    use ImportanceSamplingLevel::*;
+    use flashloss::policy::policy_stage_per_token;
+    use flashloss::reference::grpo_reference_per_token;
+    let mut seed = 500;
+    for t in LossType::ALL {
+        for level in [Token, Sequence] {
+            if !t.allows_level(level) {
+                continue;
+            }
+            for rho in [0, 1, 2] {
+                let x = Extras {
+                    policy_mask: false,
+                    entropy_mask: false,
+                    rho,
+                };
+                let loss = GrpoLoss::new(config(t, level, 0.04)).unwrap();
+                let case = Case::new(seed, x);
+                seed += 1;
+                let batch = case.batch();
+                let mut d = Draw(seed);
+                let ones = vec![1.0f32; B * T];
+                let g: Vec<f32> = (0..B * T).map(|_| (d.next() * 2.0 - 0.5) as f32).collect();
+                for grad_rows in [&ones, &g] {
+                    let name = format!("{} {level:?} rho={rho}", t.name());
+                    let r = grpo_reference_per_token(&loss, &batch, grad_rows, &case.logits, V);
+                    let logp: Vec<f32> = r.logp.iter().map(|&v| v as f32).collect();
+                    let entropy: Vec<f32> = r.entropy.iter().map(|&v| v as f32).collect();
+                    let out = policy_stage_per_token(&loss, &batch, &logp, &entropy, grad_rows);
+                    let close = |a: f64, b: f64, scale: f64| (a - b).abs() <= 1e-4 * scale + 1e-6;
+                    let loss_scale = max_abs(r.token_loss.iter().copied()).max(1.0);
+                    assert!(close(out.loss, r.loss, loss_scale), "{name}: loss");
+                    for i in 0..B * T {
+                        let tl = (out.token_loss[i], r.token_loss[i]);
+                        assert!(close(tl.0, tl.1, loss_scale), "{name}: token_loss[{i}]");
+                        assert!(batch.mask[i] || tl.1 == 0.0, "{name}: masked {i}");
+                    }
+                    let scale = max_abs(r.dlogp.iter().copied());
+                    for i in 0..B * T {
+                        let dl = (out.dlogp[i] as f64, r.dlogp[i]);
+                        assert!(close(dl.0, dl.1, scale), "{name}: dlogp[{i}] {dl:?}");
+                        assert_eq!(out.dentropy[i], 0.0, "{name}: no entropy bonus");
+                    }
+                }
+            }
+        }
+    }
+    // Unit weights: the per-token losses are the reduced loss's terms.
+    let cfg = GrpoLossConfig {
+        entropy_coef: 0.0,
+        ..config(LossType::Bnpo, Token, 0.04)
+    };
+    let loss = GrpoLoss::new(cfg).unwrap();
+    let case = Case::new(
+        7,
+        Extras {
+            policy_mask: true,
+            entropy_mask: false,
+            rho: 1,
+        },
+    );
+    let batch = case.batch();
+    let norm = Normalizers::local(&batch);
+    let reduced = grpo_reference(&loss, &batch, norm, &case.logits, V, 1.0);
+    let per_token = grpo_reference_per_token(&loss, &batch, &[1.0; B * T], &case.logits, V);
+    let sum: f64 = per_token.token_loss.iter().sum();
+    assert!((sum / norm.token_count - reduced.loss).abs() < 1e-12);
+}
+
+/// The CPU's logits-level per-token call (`Device::grpo_logits_per_token`) against the
+/// reference: the losses with unit weights, and `∂(Σ g_i·ℓ_tot,i)/∂z`.
+#[test]
+fn per_token_logits_kernel_matches_the_reference() {
+    use flashloss::reference::grpo_reference_per_token;
+    use flashloss::{Device, LogitsLayout};
+    for level in [
+        ImportanceSamplingLevel::Token,
+        ImportanceSamplingLevel::Sequence,
+    ] {
+        let loss = GrpoLoss::new(config(LossType::Grpo, level, 0.04)).unwrap();
+        let case = Case::new(
+            11,
+            Extras {
+                policy_mask: false,
+                entropy_mask: false,
+                rho: 2,
+            },
+        );
+        let batch = case.batch();
+        let logits: Vec<f32> = case.logits.iter().map(|&z| z as f32).collect();
+        let z64: Vec<f64> = logits.iter().map(|&z| z as f64).collect();
+        let layout = LogitsLayout::contiguous(B, T, V);
+        let mut d = Draw(3);
+        let g: Vec<f32> = (0..B * T).map(|_| d.next() as f32 - 0.3).collect();
+        let device = Device::cpu();
+        let ones = vec![1.0f32; B * T];
+        let fwd = device
+            .grpo_logits_per_token(&loss, &batch, &logits, &layout, &ones, None)
+            .unwrap();
+        let r = grpo_reference_per_token(&loss, &batch, &ones, &z64, V);
+        for i in 0..B * T {
+            let (got, want) = (fwd.token_loss[i], r.token_loss[i]);
+            assert!(
+                (got - want).abs() <= 1e-5 * want.abs().max(1.0),
+                "{level:?} loss {i}"
+            );
+        }
+        let mut dlogits = vec![0.0f32; B * T * V];
+        device
+            .grpo_logits_per_token(&loss, &batch, &logits, &layout, &g, Some(&mut dlogits))
+            .unwrap();
+        let r = grpo_reference_per_token(&loss, &batch, &g, &z64, V);
+        let scale = max_abs(r.dlogits.iter().copied());
+        let err = max_abs(dlogits.iter().zip(&r.dlogits).map(|(a, b)| *a as f64 - b));
+        assert!(
+            err <= 1e-4 * scale + 1e-6,
+            "{level:?}: dlogits {err:.3e} of {scale:.3e}"
+        );
+    }
+    // grad_rows of the wrong length or not finite are errors naming it.
+    let loss = GrpoLoss::new(config(LossType::Dapo, ImportanceSamplingLevel::Token, 0.0)).unwrap();
+    let case = Case::new(
+        12,
+        Extras {
+            policy_mask: false,
+            entropy_mask: false,
+            rho: 0,
+        },
+    );
+    let logits: Vec<f32> = case.logits.iter().map(|&z| z as f32).collect();
+    let layout = flashloss::LogitsLayout::contiguous(B, T, V);
+    let device = flashloss::Device::cpu();
+    let batch = case.batch();
+    let err = device
+        .grpo_logits_per_token(&loss, &batch, &logits, &layout, &[1.0; 3], None)
+        .unwrap_err();
+    assert!(err.to_string().starts_with("argument `grad_rows`"), "{err}");
+    let mut g = vec![1.0f32; B * T];
+    g[0] = f32::NAN;
+    let err = device
+        .grpo_logits_per_token(&loss, &batch, &logits, &layout, &g, None)
+        .unwrap_err();
+    assert!(err.to_string().starts_with("argument `grad_rows`"), "{err}");
+}

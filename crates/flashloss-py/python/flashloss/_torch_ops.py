@@ -251,6 +251,140 @@ def _ce_rows_backward(ctx, grad_rows):
 ce_linear_rows.register_autograd(_ce_rows_backward, setup_context=_ce_rows_setup)
 
 
+# --- Cross-entropy with each row's log-sum-exp (Cut Cross-Entropy's return_lse) ---------
+
+
+@torch.library.custom_op("flashloss::ce_linear_lse_backward", mutates_args=())
+def ce_linear_lse_backward(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    targets: Tensor,
+    grad_rows: Optional[Tensor],
+    grad_lse: Tensor,
+    grad_output: float,
+    config: str,
+    mode: str,
+    budget_mib: float,
+    group: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The f32 gradients of ``grad_output·L + Σ_i grad_lse_i·lse_i`` (``L`` with
+    ``grad_rows`` for reduction ``none``)."""
+    f32 = dict(device="cpu", dtype=torch.float32)
+    rows = None if grad_rows is None else grad_rows.detach().to(**f32).contiguous()
+    dh, dw, db = _grad_buffers(hidden, weight, bias)
+    out_rows = torch.empty(targets.shape, dtype=torch.float32)
+    _native.ce_linear(
+        hidden, weight, bias, targets, config, mode, budget_mib, rows, dh, dw, None if bias is None else db,
+        out_rows, _stream(hidden.device), _dist.ops(group), grad_lse.detach().to(**f32).contiguous(), grad_output,
+    )  # fmt: skip
+    return dh, dw, db
+
+
+@ce_linear_lse_backward.register_fake
+def _(hidden, weight, bias, *args):
+    return _fake_grads(hidden, weight, bias)
+
+
+@torch.library.custom_op("flashloss::ce_linear_lse", mutates_args=())
+def ce_linear_lse(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    targets: Tensor,
+    config: str,
+    mode: str,
+    budget_mib: float,
+    group: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(loss, lse, dhidden, dweight, dbias)``: reduction ``mean``/``sum``'s loss and
+    its gradients, with each row's log-sum-exp ``[N]`` (0 where ignored)."""
+    dh, dw, db = _grad_buffers(hidden, weight, bias)
+    rows, lse = (torch.empty(targets.shape, dtype=torch.float32) for _ in range(2))
+    out = _native.ce_linear(
+        hidden, weight, bias, targets, config, mode, budget_mib, None, dh, dw, None if bias is None else db,
+        rows, _stream(hidden.device), _dist.ops(group), None, 1.0, lse,
+    )  # fmt: skip
+    loss = torch.tensor(out["loss"], dtype=torch.float32, device=hidden.device)
+    return loss, lse.to(hidden.device), dh, dw, db
+
+
+@ce_linear_lse.register_fake
+def _(hidden, weight, bias, targets, *args):
+    f32 = dict(dtype=torch.float32)
+    return (hidden.new_empty((), **f32), hidden.new_empty(targets.shape, **f32), *_fake_grads(hidden, weight, bias))
+
+
+def _ce_lse_setup(ctx, inputs, output):
+    hidden, weight, bias, targets, config, mode, budget_mib, group = inputs
+    ctx.save_for_backward(hidden, weight, bias, targets, *output[2:])
+    ctx.args = (config, mode, budget_mib, group)
+    ctx.mark_non_differentiable(*output[2:])
+    ctx.set_materialize_grads(False)
+
+
+def _ce_lse_backward(ctx, grad, grad_lse, *_):
+    hidden, weight, bias, targets, *grads = ctx.saved_tensors
+    dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+    out = [None, None, None] if grad is None else _scale(grad, grads, dtypes)
+    if grad_lse is not None:
+        extra = ce_linear_lse_backward(hidden, weight, bias, targets, None, grad_lse, 0.0, *ctx.args)
+        out = [None if dt is None else (e if o is None else o + e).to(dt) for o, e, dt in zip(out, extra, dtypes)]
+    return (*out, None, None, None, None, None)
+
+
+ce_linear_lse.register_autograd(_ce_lse_backward, setup_context=_ce_lse_setup)
+
+
+@torch.library.custom_op("flashloss::ce_linear_rows_lse", mutates_args=())
+def ce_linear_rows_lse(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    targets: Tensor,
+    config: str,
+    mode: str,
+    budget_mib: float,
+    group: str,
+) -> tuple[Tensor, Tensor]:
+    """Reduction ``none``: each row's loss and log-sum-exp ``[N]`` (f32, 0 where ignored)."""
+    rows, lse = (torch.empty(targets.shape, dtype=torch.float32) for _ in range(2))
+    if hidden.device.type == "cpu" and not group:
+        _native.ce_rows(hidden, weight, bias, targets, config, budget_mib, rows, lse)
+        return rows, lse
+    dh, dw, db = _grad_buffers(hidden, weight, bias)
+    _native.ce_linear(
+        hidden, weight, bias, targets, config, mode, budget_mib, torch.zeros_like(rows), dh, dw,
+        None if bias is None else db, rows, _stream(hidden.device), _dist.ops(group), None, 1.0, lse,
+    )  # fmt: skip
+    return rows.to(hidden.device), lse.to(hidden.device)
+
+
+@ce_linear_rows_lse.register_fake
+def _(hidden, weight, bias, targets, *args):
+    return tuple(hidden.new_empty(targets.shape, dtype=torch.float32) for _ in range(2))
+
+
+def _ce_rows_lse_backward(ctx, grad_rows, grad_lse):
+    hidden, weight, bias, targets = ctx.saved_tensors
+    dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+    if grad_lse is None:
+        grads = ce_linear_rows_backward(hidden, weight, bias, targets, grad_rows, *ctx.args)
+    else:
+        rows = torch.zeros_like(grad_lse) if grad_rows is None else grad_rows
+        grads = ce_linear_lse_backward(hidden, weight, bias, targets, rows, grad_lse, 1.0, *ctx.args)
+    out = [None if dt is None else g.to(dt) for g, dt in zip(grads, dtypes)]
+    return (*out, None, None, None, None, None)
+
+
+def _ce_rows_lse_setup(ctx, inputs, output):
+    _ce_rows_setup(ctx, inputs, output)
+    ctx.set_materialize_grads(False)
+
+
+ce_linear_rows_lse.register_autograd(_ce_rows_lse_backward, setup_context=_ce_rows_lse_setup)
+
+
 # --- Log-probabilities (no gradient) ---------------------------------------------------
 
 
@@ -329,3 +463,88 @@ def _grpo_logits_backward(ctx, grad, *_):
 
 
 grpo_logits.register_autograd(_grpo_logits_backward, setup_context=_grpo_logits_setup)
+
+
+# --- Per-token GRPO losses on materialized logits (reduce=False) ------------------------
+
+
+def _per_token_call(logits, ids, mask, adv, old, ref, ratio, config, grad_rows, dlogits):
+    """The native per-token call: ``(token_loss, kl, clipped)`` ``[B, T]`` f32."""
+    outs = [torch.empty(ids.shape, dtype=torch.float32) for _ in range(5)]
+    _native.grpo_logits_per_token(
+        logits.contiguous(), ids, mask, adv, old, ref, ratio, config, grad_rows, dlogits, *outs
+    )
+    token_loss, _, _, kl, clipped = outs
+    return token_loss, kl, clipped
+
+
+@torch.library.custom_op("flashloss::grpo_logits_rows", mutates_args=())
+def grpo_logits_rows(
+    logits: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    advantages: Tensor,
+    old_per_token_logps: Optional[Tensor],
+    ref_per_token_logps: Optional[Tensor],
+    importance_sampling_ratio: Optional[Tensor],
+    config: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Each token's loss ``ℓ_tot = ℓ·ρ + β·kl`` unreduced, its KL and its clip flag (0/1),
+    ``[B, T]`` f32, 0 where masked (Liger's ``reduce=False``)."""
+    return _per_token_call(
+        logits, completion_ids, completion_mask, advantages, old_per_token_logps, ref_per_token_logps,
+        importance_sampling_ratio, config, None, None,
+    )  # fmt: skip
+
+
+@grpo_logits_rows.register_fake
+def _(logits, completion_ids, *args):
+    return tuple(logits.new_empty(completion_ids.shape, dtype=torch.float32) for _ in range(3))
+
+
+@torch.library.custom_op("flashloss::grpo_logits_rows_backward", mutates_args=())
+def grpo_logits_rows_backward(
+    logits: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    advantages: Tensor,
+    old_per_token_logps: Optional[Tensor],
+    ref_per_token_logps: Optional[Tensor],
+    importance_sampling_ratio: Optional[Tensor],
+    config: str,
+    grad_rows: Tensor,
+) -> Tensor:
+    """``∂(Σ_i grad_rows_i·ℓ_tot,i)/∂logits`` in ``logits``' shape and dtype (zero at
+    positions ``t ≥ T``)."""
+    b, t = completion_ids.shape
+    dlogits = torch.empty((b, t, logits.shape[-1]), dtype=logits.dtype)
+    g = grad_rows.detach().to(device="cpu", dtype=torch.float32).contiguous()
+    _per_token_call(
+        logits, completion_ids, completion_mask, advantages, old_per_token_logps, ref_per_token_logps,
+        importance_sampling_ratio, config, g, dlogits,
+    )  # fmt: skip
+    if logits.shape[1] != t:
+        dlogits = torch.nn.functional.pad(dlogits, (0, 0, 0, logits.shape[1] - t))
+    return dlogits
+
+
+@grpo_logits_rows_backward.register_fake
+def _(logits, *args):
+    return logits.new_empty(logits.shape)
+
+
+def _grpo_rows_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:7])
+    ctx.config = inputs[7]
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.set_materialize_grads(False)
+
+
+def _grpo_rows_backward(ctx, grad_rows, *_):
+    if grad_rows is None:
+        return (None,) * 8
+    dlogits = grpo_logits_rows_backward(*ctx.saved_tensors, ctx.config, grad_rows)
+    return (dlogits, *([None] * 7))
+
+
+grpo_logits_rows.register_autograd(_grpo_rows_backward, setup_context=_grpo_rows_setup)

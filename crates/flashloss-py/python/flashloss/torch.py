@@ -5,8 +5,8 @@ forward and backward in one fused call (the gradients are formed while each bloc
 logits is on hand) and autograd scales them by the upstream gradient, so nothing
 ``[N, V]``-sized is ever allocated, and ``torch.compile(fullgraph=True)`` and
 ``torch.export`` trace through the ops. Tensors are borrowed, not copied: ``hidden``
-and ``weight`` must share a dtype (float32 or bfloat16; mixed dtypes are cast to
-bfloat16, as autocast would), and non-contiguous inputs are made contiguous. Every
+and ``weight`` must share a dtype (float32, bfloat16 or float16; a half dtype mixed
+with float32 is cast to the half one, as autocast would), and non-contiguous inputs are made contiguous. Every
 error is a ``ValueError`` naming the argument.
 
 ``vocab_parallel_group`` (a ``torch.distributed`` ``ProcessGroup``) splits the LM head
@@ -48,7 +48,8 @@ __all__ = [
 ]
 
 
-_FLOATS = (torch.float32, torch.bfloat16)
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_HALVES = (torch.bfloat16, torch.float16)
 
 
 @dataclass
@@ -99,9 +100,11 @@ def _head(hidden, weight, bias):
     """``hidden``, ``weight``, ``bias`` as the kernels read them: one float dtype, contiguous."""
     for arg, t in (("hidden", hidden), ("weight", weight), ("bias", bias)):
         if t is not None and t.dtype not in _FLOATS:
-            raise ValueError(f"argument `{arg}`: expected dtype float32 or bfloat16, got {t.dtype}")
+            raise ValueError(f"argument `{arg}`: expected dtype float32, bfloat16 or float16, got {t.dtype}")
     dtypes = {t.dtype for t in (hidden, weight, bias) if t is not None}
-    dtype = torch.float32 if dtypes == {torch.float32} else torch.bfloat16
+    # One dtype as it is; float32 with one half dtype: that one (as autocast); both halves: float32.
+    halves = [d for d in _HALVES if d in dtypes]
+    dtype = halves[0] if len(halves) == 1 else torch.float32
     cast = [None if t is None else t.to(dtype).contiguous() for t in (hidden, weight, bias)]
     return cast
 
@@ -231,9 +234,11 @@ class LinearGRPOLoss(torch.nn.Module):
     scalar tensors ``[kl_mean (when beta != 0), clip_ratio]`` as Liger does.
 
     Liger-only knobs that do not change the result (``compiled``, ``chunk_size``) are
-    accepted and ignored; ``ref_input``/``ref_weight``/``ref_bias`` (a reference head run
-    inside the loss) are not supported: pass ``ref_per_token_logps`` (from
-    :func:`linear_logprobs` on the reference model's hidden states) instead.
+    accepted and ignored. As in Liger, the reference is ``ref_per_token_logps``, else the
+    reference head ``ref_input @ ref_weight.T + ref_bias`` (log-probs without gradient),
+    used only with ``use_ref_model``; ``ref_weight``/``ref_bias`` without ``ref_input``
+    are ignored. With no reference the KL term is zero, and ``beta != 0`` still reports
+    it (``kl_mean`` 0), as Liger does.
     """
 
     def __init__(
@@ -295,14 +300,13 @@ class LinearGRPOLoss(torch.nn.Module):
         vllm_is_ratio=None,
         num_items_in_batch=None,
     ):
-        if ref_input is not None or ref_weight is not None or ref_bias is not None:
-            raise ValueError(
-                "argument `ref_input`: a reference head inside the loss is not supported; "
-                "pass ref_per_token_logps (flashloss.torch.linear_logprobs on the reference hidden states)"
-            )
-        beta = self.beta if self.use_ref_model else 0.0
         b, t = selected_token_ids.shape
         hidden = _input.reshape(b, t, -1) if _input.dim() == 2 else _input
+        ref = ref_per_token_logps if self.use_ref_model else None
+        if ref is None and self.use_ref_model and ref_input is not None:
+            ref = self._reference(ref_input.reshape(b, t, -1), ref_weight, ref_bias, selected_token_ids)
+        # No reference model: Liger's KL is that of the policy with itself, zero.
+        beta = self.beta if self.use_ref_model else 0.0
         loss, out = linear_grpo_loss(
             hidden,
             lin_weight,
@@ -311,15 +315,23 @@ class LinearGRPOLoss(torch.nn.Module):
             advantages,
             bias=bias,
             old_per_token_logps=old_per_token_logps,
-            ref_per_token_logps=ref_per_token_logps,
+            ref_per_token_logps=ref,
             importance_sampling_ratio=vllm_is_ratio,
             beta=beta,
             num_items_in_batch=num_items_in_batch,
             **self.kwargs,
         )
         clip = out.metrics["clip_ratio/region_mean"]
-        metrics = [out.metrics["kl"], clip] if beta != 0.0 else [clip]
+        metrics = [out.metrics["kl"], clip] if self.beta != 0.0 else [clip]
         return loss, metrics
+
+    def _reference(self, ref_input, ref_weight, ref_bias, ids):
+        """Liger's reference log-probs from a reference head (no gradient)."""
+        if ref_weight is None:
+            raise ValueError("argument `ref_weight`: required with ref_input (the reference model's LM head)")
+        with torch.no_grad():
+            temperature = self.kwargs["temperature"]
+            return linear_logprobs(ref_input, ref_weight, ids, temperature, bias=ref_bias)
 
 
 def linear_cross_entropy(
@@ -334,15 +346,20 @@ def linear_cross_entropy(
     reduction: str = "mean",
     temperature: float = 1.0,
     *,
+    return_lse: bool = False,
     mode: str = "auto",
     budget_mib: Optional[float] = None,
     vocab_parallel_group=None,
-) -> torch.Tensor:
+):
     """Cross-entropy of ``hidden @ weight.T + bias`` at ``targets``, as Cut Cross-Entropy's
     ``linear_cross_entropy(e, c, targets, ...)`` and PyTorch's
     ``F.linear_cross_entropy(input, linear_weight, target, ...)`` compute it (with the
     options of ``docs/spec/losses.md``: label smoothing, z-loss, soft-cap, temperature).
-    ``hidden`` ``[..., H]`` and ``targets`` ``[...]``; reduction ``none`` returns ``[...]``."""
+    ``hidden`` ``[..., H]`` and ``targets`` ``[...]``; reduction ``none`` returns ``[...]``.
+    ``return_lse`` returns ``(loss, lse)`` as Cut Cross-Entropy does: ``lse`` ``[...]``
+    float32, each row's log-sum-exp of the logits as the loss sees them (soft-capped,
+    divided by the temperature), 0 where ``targets`` is ``ignore_index``, differentiable
+    (e.g. for a z-loss of the caller's own)."""
     group = _dist.register(vocab_parallel_group)
 
     def prepare():
@@ -361,6 +378,13 @@ def linear_cross_entropy(
     h2, w, b, config = _dist.agreed(group, prepare)
     tgt = targets.reshape(-1).to(device="cpu", dtype=torch.int64).contiguous()
     budget = DEFAULT_BUDGET_MIB if budget_mib is None else float(budget_mib)
+    if return_lse:
+        args = (h2, w, b, tgt, config, mode, budget, group)
+        if reduction == "none":
+            rows, lse = ops.ce_linear_rows_lse(*args)
+            return rows.reshape(targets.shape), lse.reshape(targets.shape)
+        loss, lse = ops.ce_linear_lse(*args)[:2]
+        return loss, lse.reshape(targets.shape)
     if reduction == "none":
         return ops.ce_linear_rows(h2, w, b, tgt, config, mode, budget, group).reshape(targets.shape)
     return ops.ce_linear(h2, w, b, tgt, config, mode, budget, group)[0]
@@ -446,10 +470,13 @@ def grpo_loss(
     ``(loss, metrics)`` with ``metrics = [kl_mean, clip_ratio]`` (``[clip_ratio]`` when
     ``beta == 0``). The gradient is formed in the forward; with ``inplace`` it overwrites
     ``logits`` (which must then not be used again), else a ``[B, T, V]`` buffer is
-    allocated. Only ``reduce=True`` is provided (the reduced loss is what the fused
-    backward is of). Under ``torch.compile`` the call is never in place."""
-    if not reduce:
-        raise ValueError("argument `reduce`: only reduce=True is provided (per-token losses are not returned)")
+    allocated. Under ``torch.compile`` the call is never in place.
+
+    ``reduce=False`` returns Liger's ``(per_token_loss, per_token_kl, is_clipped)``
+    ``[B, T]`` float32, each 0 where masked (``per_token_kl`` None when ``beta == 0``):
+    ``per_token_loss = ℓ·ρ + β·kl`` before the loss type's reduction, differentiable in
+    ``logits`` (at sequence level through the shared ratio ``R_b``); its backward runs the
+    logits again with the upstream gradient (never in place)."""
     _same_device(
         dict(
             logits=logits,
@@ -463,7 +490,7 @@ def grpo_loss(
         cuda=False,
     )
     if logits.dtype not in _FLOATS:
-        raise ValueError(f"argument `logits`: expected dtype float32 or bfloat16, got {logits.dtype}")
+        raise ValueError(f"argument `logits`: expected dtype float32, bfloat16 or float16, got {logits.dtype}")
     ids, mask, adv = _grpo_batch(completion_ids, completion_mask, advantages)
     items, items_tensor = _items(num_items_in_batch)
     config = grpo_config(
@@ -473,6 +500,9 @@ def grpo_loss(
         vespo_lambda_neg,
     )  # fmt: skip
     old, ref, ratio = _f32(old_logp), _f32(ref_logp), _f32(vllm_is_ratio)
+    if not reduce:
+        token_loss, kl, clipped = ops.grpo_logits_rows(logits, ids, mask, adv, old, ref, ratio, config)
+        return token_loss, (kl if beta != 0.0 else None), clipped
     if inplace and logits.is_contiguous() and not torch.compiler.is_compiling():
         loss, metrics = _grpo_logits_in_place(logits, ids, mask, adv, old, ref, ratio, items_tensor, config)
     else:

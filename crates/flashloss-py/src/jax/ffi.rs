@@ -26,6 +26,7 @@ pub mod dtype {
     pub const PRED: i32 = 1;
     pub const S32: i32 = 4;
     pub const S64: i32 = 5;
+    pub const F16: i32 = 10;
     pub const F32: i32 = 11;
     pub const F64: i32 = 12;
     pub const BF16: i32 = 16;

@@ -235,7 +235,7 @@ pub(super) fn grpo_outputs(
     Ok(())
 }
 
-/// `E` from the dtype of `x`: f32 or bf16.
+/// `E` from the dtype of `x`: f32, bf16 or f16.
 macro_rules! by_dtype {
     ($x:expr, $E:ident, $code:ident => $body:expr) => {
         match $x.dtype() {
@@ -249,9 +249,14 @@ macro_rules! by_dtype {
                 let $code = ($crate::jax::ffi::dtype::BF16, "bfloat16");
                 $body
             }
+            $crate::jax::ffi::dtype::F16 => {
+                type $E = half::f16;
+                let $code = ($crate::jax::ffi::dtype::F16, "float16");
+                $body
+            }
             other => Err($crate::jax::frame::bad(
                 $x.name,
-                format!("expected float32 or bfloat16, got XLA dtype {other}"),
+                format!("expected float32, bfloat16 or float16, got XLA dtype {other}"),
             )),
         }
     };
@@ -383,17 +388,7 @@ unsafe extern "C" fn grpo_logits(frame: *mut CallFrame) -> *mut c_void {
             let loss = GrpoLoss::new(parse::<GrpoLossConfig>(f.attr_str("config")?)?)?;
             let z = f.arg(0, "logits")?;
             let tokens = Tokens::read(f, 1)?;
-            let d = z.dims();
-            if d.len() != 3 || d[0] as usize != tokens.b || d[1] as usize != tokens.t {
-                return Err(bad(
-                    "logits",
-                    format!(
-                        "expected shape [B={}, T={}, V], got {d:?}",
-                        tokens.b, tokens.t
-                    ),
-                ));
-            }
-            let layout = LogitsLayout::contiguous(tokens.b, tokens.t, d[2] as usize);
+            let layout = logits_layout(&z, &tokens)?;
             let batch = tokens.batch();
             let dz = f.ret(1, "dlogits")?;
             let fwd = by_dtype!(z, E, code => {
@@ -402,6 +397,56 @@ unsafe extern "C" fn grpo_logits(frame: *mut CallFrame) -> *mut c_void {
                 Ok(cpu().grpo_logits(&loss, &batch, logits, &layout, 1.0, out)?)
             })?;
             grpo_outputs(f, 2, fwd.loss, &fwd.metrics, &fwd.stats, &fwd.kl)
+        })
+    }
+}
+
+/// The dense layout of logits `[B, T, V]` for `tokens`' `[B, T]`.
+fn logits_layout(z: &Named, tokens: &Tokens) -> Result<LogitsLayout> {
+    let d = z.dims();
+    if d.len() != 3 || d[0] as usize != tokens.b || d[1] as usize != tokens.t {
+        let (b, t) = (tokens.b, tokens.t);
+        return Err(bad(
+            "logits",
+            format!("expected shape [B={b}, T={t}, V], got {d:?}"),
+        ));
+    }
+    Ok(LogitsLayout::contiguous(tokens.b, tokens.t, d[2] as usize))
+}
+
+/// Per-token GRPO losses on logits `[B, T, V]`, unreduced (Liger's `reduce=False`).
+/// Arguments: logits, completion_ids, completion_mask, advantages, old and ref logp,
+/// grad_rows `[B, T]` (each token's upstream gradient; ones for the losses themselves);
+/// attribute: config. Results: token_loss `g·ℓ_tot`, kl, clipped (0/1) `[B, T]` f32, and
+/// dlogits (the logits' shape and dtype: `∂(Σ g·ℓ_tot)/∂logits`; `[0]` for none).
+unsafe extern "C" fn grpo_logits_rows(frame: *mut CallFrame) -> *mut c_void {
+    // SAFETY: XLA's frame.
+    unsafe {
+        handle(frame, |f| {
+            let loss = GrpoLoss::new(parse::<GrpoLossConfig>(f.attr_str("config")?)?)?;
+            let z = f.arg(0, "logits")?;
+            let tokens = Tokens::read(f, 1)?;
+            let layout = logits_layout(&z, &tokens)?;
+            let batch = tokens.batch();
+            let g = f.arg(6, "grad_rows")?;
+            g.expect_dims(&[tokens.b, tokens.t])?;
+            let g = g.f32s()?;
+            let dz = f.ret(3, "dlogits")?;
+            let fwd = by_dtype!(z, E, code => {
+                let logits = z.slice::<E>(code.0, code.1)?;
+                let out = (dz.numel() > 0).then(|| dz.slice_mut::<E>(code.0, code.1)).transpose()?;
+                Ok(cpu().grpo_logits_per_token(&loss, &batch, logits, &layout, g, out)?)
+            })?;
+            let rows = f.ret(0, "token_loss")?.f32s_mut()?;
+            rows.iter_mut()
+                .zip(&fwd.token_loss)
+                .for_each(|(o, &x)| *o = x as f32);
+            f.ret(1, "kl")?.f32s_mut()?.copy_from_slice(&fwd.kl);
+            let clip = f.ret(2, "clipped")?.f32s_mut()?;
+            clip.iter_mut()
+                .zip(&fwd.clip)
+                .for_each(|(o, &c)| *o = (c != 0) as u8 as f32);
+            Ok(())
         })
     }
 }
@@ -416,6 +461,7 @@ pub fn targets() -> Vec<(&'static str, super::ffi::Handler)> {
         ("flashloss_ce_rows", ce_rows),
         ("flashloss_logp_linear", logp_linear),
         ("flashloss_grpo_logits", grpo_logits),
-    ] as [(&'static str, super::ffi::Handler); 5]);
+        ("flashloss_grpo_logits_rows", grpo_logits_rows),
+    ] as [(&'static str, super::ffi::Handler); 6]);
     all
 }

@@ -18,7 +18,7 @@ use flashloss::memory;
 use flashloss::policy::Normalizers;
 use flashloss::{Bf16Products, LinearGrads};
 use flashloss::{CrossEntropy, DType, Device, Element, Error, GrpoLoss, Result};
-use half::bf16;
+use half::{bf16, f16};
 use rayon::prelude::*;
 use std::convert::Infallible;
 use std::time::Instant;
@@ -46,6 +46,8 @@ pub(super) fn run(
         (Level::Logits, DType::Bf16) => run_logits::<bf16>(cfg, progress),
         (Level::Linear, DType::F32) => run_linear::<f32>(cfg, progress),
         (Level::Linear, DType::Bf16) => run_linear::<bf16>(cfg, progress),
+        (Level::Logits, DType::F16) => run_logits::<f16>(cfg, progress),
+        (Level::Linear, DType::F16) => run_linear::<f16>(cfg, progress),
     }
 }
 

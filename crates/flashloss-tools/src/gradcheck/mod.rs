@@ -6,7 +6,7 @@
 use crate::inputs::GrpoInputs;
 use crate::{Error, Result};
 use flashloss::{DType, GrpoLoss};
-use half::bf16;
+use half::{bf16, f16};
 use linear::check_linear;
 
 mod config;
@@ -58,11 +58,16 @@ pub fn run_with(cfg: &GradcheckConfig, note: &mut dyn FnMut(&str)) -> Result<Gra
                     let data = inputs.logits.iter().map(|&x| bf16::from_f32(x)).collect();
                     check_inputs(cfg, &loss, &inputs, data)
                 }
+                DType::F16 => {
+                    let data = inputs.logits.iter().map(|&x| f16::from_f32(x)).collect();
+                    check_inputs(cfg, &loss, &inputs, data)
+                }
             }
         }
         (Kernel::Linear, _) => match cfg.dtype {
             DType::F32 => check_linear::<f32>(cfg),
             DType::Bf16 => check_linear::<bf16>(cfg),
+            DType::F16 => check_linear::<f16>(cfg),
         },
     }
 }

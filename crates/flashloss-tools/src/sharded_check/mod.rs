@@ -10,7 +10,7 @@ use crate::gradcheck::{Backend, FaultKind, GradcheckConfig, GradcheckReport, Ker
 use flashloss::collective::{Collective, agree, run_in_process};
 use flashloss::element::DType;
 use flashloss::{Error, Parallel, Result};
-use half::bf16;
+use half::{bf16, f16};
 use linear::Check;
 use logits::LogitsCheck;
 use serde::Serialize;
@@ -58,6 +58,14 @@ pub fn run(cfg: &GradcheckConfig, ranks: usize) -> crate::Result<Vec<crate::Resu
             let check = LogitsCheck::<bf16>::new(cfg)?;
             run_in_process(ranks, timeout(cfg), |comm| check.rank(comm))
         }
+        (Kernel::Linear, DType::F16) => {
+            let check = Check::<f16>::new(cfg)?;
+            run_in_process(ranks, timeout(cfg), |comm| check.rank(comm))
+        }
+        (Kernel::Logits, DType::F16) => {
+            let check = LogitsCheck::<f16>::new(cfg)?;
+            run_in_process(ranks, timeout(cfg), |comm| check.rank(comm))
+        }
     };
     Ok(results
         .into_iter()
@@ -89,6 +97,8 @@ pub fn run_on(cfg: &GradcheckConfig, comm: &dyn Collective) -> crate::Result<Ran
         (Kernel::Linear, DType::Bf16) => Check::<bf16>::new(cfg)?.rank(comm),
         (Kernel::Logits, DType::F32) => LogitsCheck::<f32>::new(cfg)?.rank(comm),
         (Kernel::Logits, DType::Bf16) => LogitsCheck::<bf16>::new(cfg)?.rank(comm),
+        (Kernel::Linear, DType::F16) => Check::<f16>::new(cfg)?.rank(comm),
+        (Kernel::Logits, DType::F16) => LogitsCheck::<f16>::new(cfg)?.rank(comm),
     };
     Ok(report?)
 }

@@ -61,6 +61,12 @@ pub fn bf16(mut cfg: GradcheckConfig) -> GradcheckConfig {
     cfg
 }
 
+/// The dtype-agnostic default config with f16 logits.
+pub fn f16(mut cfg: GradcheckConfig) -> GradcheckConfig {
+    cfg.dtype = DType::F16;
+    cfg
+}
+
 /// Random GRPO inputs of the default spec at `[B, T, V]`.
 pub fn draw(
     batch: usize,

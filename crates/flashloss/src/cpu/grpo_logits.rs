@@ -10,7 +10,7 @@ use super::simd;
 use crate::batch::{GrpoBatch, LogitsLayout};
 use crate::collective::agree;
 use crate::element::Element;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::grpo_config::GrpoLoss;
 use crate::grpo_logits::GrpoLogitsForward;
 use crate::policy::Normalizers;
@@ -45,7 +45,48 @@ pub fn grpo_logits_forward_with<E: Element>(
         Some(batch.mask),
         Temperature::checked(loss.config().temperature),
     )?;
-    GrpoLogitsForward::from_stats(loss, batch, norm, stats, layout)
+    GrpoLogitsForward::from_stats(loss, batch, norm, stats, layout, None)
+}
+
+/// The per-token GRPO losses on logits `[B, T, V]`, unreduced (Liger's `reduce=False`):
+/// the forward of `L = Σ_i g_i·ℓ_tot,i` with `grad_rows` `[N]` (the upstream gradient
+/// of each token's loss; ones for the losses themselves, in
+/// [`GrpoLogitsForward::token_loss`]), whose backward is then that sum's gradient
+/// ([`crate::policy::policy_stage_per_token`]).
+pub fn grpo_logits_forward_per_token<E: Element>(
+    loss: &GrpoLoss,
+    batch: &GrpoBatch,
+    logits: &[E],
+    layout: &LogitsLayout,
+    grad_rows: &[f32],
+) -> Result<GrpoLogitsForward> {
+    GrpoLogitsForward::check_batch(loss, batch, layout, layout.vocab)?;
+    let n = batch.rows();
+    if grad_rows.len() != n {
+        return Err(Error::ShapeMismatch {
+            arg: "grad_rows",
+            shape: format!("[B={}, T={}]", batch.batch, batch.seq_len),
+            expected: n,
+            actual: grad_rows.len(),
+        });
+    }
+    if let Some(index) = (0..n).find(|&i| batch.mask[i] && !grad_rows[i].is_finite()) {
+        let value = grad_rows[index] as f64;
+        return Err(Error::NonFinite {
+            arg: "grad_rows",
+            index,
+            value,
+        });
+    }
+    let stats = selective_log_softmax(
+        logits,
+        layout,
+        batch.target_ids,
+        Some(batch.mask),
+        Temperature::checked(loss.config().temperature),
+    )?;
+    let norm = Normalizers::local(batch);
+    GrpoLogitsForward::from_stats(loss, batch, norm, stats, layout, Some(grad_rows))
 }
 
 /// The logits-level GRPO forward on a [`Grid`] of ranks: this rank's token group's

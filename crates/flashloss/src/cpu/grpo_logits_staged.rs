@@ -87,7 +87,7 @@ pub fn grpo_logits_forward_staged<E: Element>(
         .collect();
     check_row_stats(&stats, |i| batch.mask[i], batch.target_ids, layout.seq_len)?;
     let forward =
-        GrpoLogitsForward::from_stats(loss, batch, Normalizers::local(batch), stats, layout)?;
+        GrpoLogitsForward::from_stats(loss, batch, Normalizers::local(batch), stats, layout, None)?;
     Ok(StagedForward {
         forward,
         tile_max,

@@ -22,7 +22,10 @@ pub use baseline_linear::{
     BaselineWorkspace, ce_linear_baseline_into, grpo_linear_baseline, grpo_linear_baseline_into,
 };
 pub use bf16_gemm::Avx512Bf16;
-pub use grpo_logits::{grpo_logits_forward, grpo_logits_forward_sharded, grpo_logits_forward_with};
+pub use grpo_logits::{
+    grpo_logits_forward, grpo_logits_forward_per_token, grpo_logits_forward_sharded,
+    grpo_logits_forward_with,
+};
 pub use grpo_logits_staged::{StagedForward, grpo_logits_forward_staged};
 pub use online_softmax::{VOCAB_TILE, row_state, tile_state};
 pub use passes::{CpuHead, GEMM_SCRATCH_PER_THREAD, gemm_reserve_bytes, plan};

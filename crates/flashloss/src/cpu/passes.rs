@@ -12,7 +12,7 @@ use super::tiles::{
 };
 use crate::batch::{HeadShape, LinearInputs};
 use crate::collective::Collective;
-use crate::element::Element;
+use crate::element::{DType, Element};
 use crate::error::Result;
 use crate::fused::{
     Bf16Products, Block, FusedOptions, FusedPasses, GradPart, GradsOf, Head, LinearGradsMut, Plan,
@@ -49,18 +49,21 @@ const VOCAB_TILE_MAX: usize = 2048;
 const MAX_BLOCK_ROWS: usize = 512;
 
 /// The CPU's plan for a head of `n × h × v`: the largest blocks whose workspace fits
-/// the budget less the GEMM reserve. `bf16`: bf16 inputs, widened a tile at a time or
-/// packed for bf16 products (`opts.bf16_products`, resolved for this CPU); `layout`:
-/// the weight's (a single-pass lane holds its tile's `dW` for an `[H, V]` one).
+/// the budget less the GEMM reserve. `dtype`: the inputs' (bf16 and f16 are widened a
+/// tile at a time; bf16 may instead be packed for bf16 products, `opts.bf16_products`
+/// resolved for this CPU); `layout`: the weight's (a single-pass lane holds its tile's
+/// `dW` for an `[H, V]` one).
 pub fn plan(
     n: usize,
     h: usize,
     v: usize,
-    (bf16, layout): (bool, WeightLayout),
+    (dtype, layout): (DType, WeightLayout),
     opts: &FusedOptions,
     single_pass_allowed: bool,
 ) -> Result<Plan> {
-    let products = bf16
+    // Inputs that are widened a tile at a time (or packed): bf16 and f16.
+    let narrow = dtype != DType::F32;
+    let products = (dtype == DType::Bf16)
         .then(|| Engine::resolve(opts.bf16_products))
         .transpose()?;
     // bf16 products pack `dZ` twice, 4 bytes an entry in all (`gemm` packs its own).
@@ -76,7 +79,7 @@ pub fn plan(
         min_single_pass_rows: 1,
         half_rate_rows: HALF_RATE_ROWS,
         has_compact: true,
-        extra_name: if bf16 {
+        extra_name: if narrow {
             " and a widened weight tile"
         } else {
             ""
@@ -86,7 +89,9 @@ pub fn plan(
     // vocab_tile × H f32; keep it within a quarter of the budget.
     let lane_dweight = layout == WeightLayout::HiddenMajor;
     let budget = tile_budget(opts, &limits)?;
-    while (bf16 || lane_dweight) && limits.vocab_tile > 64 && limits.vocab_tile * h * 4 > budget / 4
+    while (narrow || lane_dweight)
+        && limits.vocab_tile > 64
+        && limits.vocab_tile * h * 4 > budget / 4
     {
         limits.vocab_tile /= 2;
     }
@@ -95,7 +100,7 @@ pub fn plan(
     // an entry: the hidden block for its two products, a weight tile for the logits and
     // for dH).
     let widened = |rows: usize, tiles: usize| {
-        if bf16 {
+        if narrow {
             (tiles * vocab_tile + rows) * h * 4
         } else {
             0
@@ -116,7 +121,7 @@ pub fn plan(
     } else {
         0
     };
-    let gathered_row = h * if bf16 { 2 } else { 4 };
+    let gathered_row = h * if dtype == DType::Bf16 { 2 } else { 4 };
     let whole_row = v.div_ceil(vocab_tile.max(1)) * 4 + lane_row + gathered_row;
     // Two-pass: the logits tile and a transposed `[rows, vocab_tile]` gradient tile (and
     // a packed one); dH rows and gathered hidden rows for blocks with gaps.
@@ -313,12 +318,11 @@ impl<E: Element> Head for CpuHead<'_, E> {
 
     fn plan(&self, opts: &FusedOptions, single_pass_allowed: bool) -> Result<Plan> {
         let s = self.shape();
-        let bf16 = E::as_bf16(self.inputs.weight).is_some();
         plan(
             s.tokens,
             s.hidden_size,
             s.vocab,
-            (bf16, self.inputs.layout),
+            (E::DTYPE, self.inputs.layout),
             opts,
             single_pass_allowed,
         )

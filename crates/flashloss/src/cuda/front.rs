@@ -219,6 +219,10 @@ pub(crate) fn run_on_borrowed<R>(
     let out = match dtype {
         DType::F32 => typed::<f32, R>(base, ws, b, work),
         DType::Bf16 => typed::<bf16, R>(base, ws, b, work),
+        DType::F16 => Err(Error::InvalidArgument {
+            arg: "hidden",
+            reason: "the CUDA backend takes f32 or bf16, not F16 (widen float16 first)".into(),
+        }),
     };
     if let Some(ctx) = previous {
         // SAFETY: `ctx` was current on this thread when the call began.
@@ -228,8 +232,8 @@ pub(crate) fn run_on_borrowed<R>(
     out
 }
 
-/// The logits-level step on a device copy of host `logits` (f32 or bf16; the copies are
-/// exact), turned into the gradient in place on the device and copied into `dlogits`
+/// The logits-level step on a device copy of host `logits` (f32 or bf16, f16 as f32; the
+/// copies are exact), turned into the gradient in place on the device and copied into `dlogits`
 /// (dense `[N, V]`).
 pub(crate) fn grpo_logits_host<E: Element>(
     gpu: &Gpu,
@@ -264,5 +268,7 @@ pub(crate) fn grpo_logits_host<E: Element>(
     match E::DTYPE {
         DType::F32 => typed::<f32, E>(gpu, loss, batch, logits, layout, grad_output, dlogits),
         DType::Bf16 => typed::<bf16, E>(gpu, loss, batch, logits, layout, grad_output, dlogits),
+        // f16 host logits go up widened to f32 (exact), the gradient comes back rounded.
+        DType::F16 => typed::<f32, E>(gpu, loss, batch, logits, layout, grad_output, dlogits),
     }
 }

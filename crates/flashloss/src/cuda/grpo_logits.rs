@@ -36,7 +36,7 @@ pub fn grpo_logits_forward<E: GpuElement>(
         RowTransform::grpo(loss).inv_temp,
     )?;
     check_row_stats(&stats, |i| batch.mask[i], batch.target_ids, batch.seq_len)?;
-    GrpoLogitsForward::from_stats(loss, batch, Normalizers::local(batch), stats, layout)
+    GrpoLogitsForward::from_stats(loss, batch, Normalizers::local(batch), stats, layout, None)
 }
 
 /// Writes `grad_output · ∂L/∂z` of `fwd` into `dlogits` (a dense `[N, V]` buffer), or

@@ -37,7 +37,8 @@ const MIN_SINGLE_PASS_ROWS: usize = 1024;
 fn tile_bytes(dtype: DType) -> usize {
     match dtype {
         DType::F32 => 4,
-        DType::Bf16 => 6,
+        // f16 never reaches the GPU's passes (`run_on_borrowed` refuses it).
+        DType::Bf16 | DType::F16 => 6,
     }
 }
 

@@ -46,6 +46,23 @@ pub fn ce_linear(
     grad_rows: Option<&[f32]>,
     opts: &FusedOptions,
 ) -> Result<CeLinearOutput> {
+    ce_linear_lse(head, ce, targets, grad_rows, None, opts)
+}
+
+/// [`ce_linear`] whose gradients are those of `grad_output·L + Σ_i grad_lse_i·lse_i`:
+/// `grad_lse` `[N]` is the upstream gradient of each row's log-sum-exp (Cut
+/// Cross-Entropy's `return_lse`, e.g. for a z-loss of the caller's own), `lse_i` that of
+/// the scaled logits `s_i` (soft-cap and temperature applied), in
+/// [`CeLinearOutput::stats`]; ignored rows take none. `∂lse_i/∂s_ij = p_ij`, so the row's
+/// `coef_p` grows by `grad_lse_i`.
+pub fn ce_linear_lse(
+    head: &mut dyn Head,
+    ce: &CrossEntropy,
+    targets: &[i64],
+    grad_rows: Option<&[f32]>,
+    grad_lse: Option<&[f32]>,
+    opts: &FusedOptions,
+) -> Result<CeLinearOutput> {
     check_head(head, true)?;
     let shape = head.shape();
     let rows = CeRows::new(
@@ -55,7 +72,8 @@ pub fn ce_linear(
         shape.vocab,
         opts.grad_output,
         grad_rows,
-    )?;
+    )?
+    .with_grad_lse(grad_lse)?;
     let plan = head.plan(opts, true)?;
     let out = ce_linear_checked(head, &rows, plan, None)?;
     head.check_grads(shape.tokens)?;
@@ -130,6 +148,7 @@ pub(crate) struct CeRows<'a> {
     weight: f64,
     grad_output: f32,
     grad_rows: Option<&'a [f32]>,
+    grad_lse: Option<&'a [f32]>,
     vocab: usize,
 }
 
@@ -165,8 +184,34 @@ impl<'a> CeRows<'a> {
             weight: ce.row_weight(count),
             grad_output,
             grad_rows,
+            grad_lse: None,
             vocab,
         })
+    }
+
+    /// The same rows with an upstream gradient `grad_lse` `[N]` of each row's
+    /// log-sum-exp (checked: length and finite values).
+    pub(crate) fn with_grad_lse(self, grad_lse: Option<&'a [f32]>) -> Result<Self> {
+        if let Some(g) = grad_lse {
+            let n = self.targets.len();
+            if g.len() != n {
+                return Err(Error::ShapeMismatch {
+                    arg: "grad_lse",
+                    shape: format!("[N={n}]"),
+                    expected: n,
+                    actual: g.len(),
+                });
+            }
+            if let Some(index) = g.iter().position(|x| !x.is_finite()) {
+                let value = g[index] as f64;
+                return Err(Error::NonFinite {
+                    arg: "grad_lse",
+                    index,
+                    value,
+                });
+            }
+        }
+        Ok(CeRows { grad_lse, ..self })
     }
 
     /// The pass inputs of these rows: `targets` as the head's ids (shard-local in a
@@ -205,9 +250,12 @@ impl<'a> CeRows<'a> {
             .transform
             .grad_scale(self.row_weight(i) * self.grad_output as f64);
         let eps = c.label_smoothing;
+        let lse_scale = self
+            .grad_lse
+            .map_or(0.0, |g| self.transform.grad_scale(g[i] as f64));
         RowGrad {
             stats: *st,
-            coef_p: (scale * (1.0 + 2.0 * c.z_loss * st.lse as f64)) as f32,
+            coef_p: (scale * (1.0 + 2.0 * c.z_loss * st.lse as f64) + lse_scale) as f32,
             coef_h: 0.0,
             coef_uniform: (-scale * eps / self.vocab as f64) as f32,
             coef_target: (-scale * (1.0 - eps)) as f32,

@@ -226,6 +226,6 @@ fn single_pass(
         check_row_stats(&stats, |i| batch.mask[i], batch.target_ids, batch.seq_len)?;
         return Err(err);
     }
-    policy.finish(batch.mask, &entropy);
+    policy.finish(loss, batch, &entropy);
     Ok((stats, policy))
 }

@@ -15,7 +15,7 @@ mod sharded;
 mod split;
 mod two_pass;
 
-pub use ce::{CeLinearOutput, ce_linear, ce_row_losses};
+pub use ce::{CeLinearOutput, ce_linear, ce_linear_lse, ce_row_losses};
 pub use grpo::{GrpoLinearOutput, grpo_linear};
 pub use logp::logp_linear;
 pub use passes::{

@@ -21,7 +21,7 @@ use crate::collective::agree;
 use crate::cross_entropy::CrossEntropy;
 use crate::error::{Error, Result};
 use crate::grpo_config::GrpoLoss;
-use crate::policy::Normalizers;
+use crate::policy::{Normalizers, clips_per_sequence};
 use crate::rows::{RowInputs, RowStats, RowTransform, check_row_stats, check_targets};
 use crate::sharding::{
     Grid, Shard, VocabSplit, global_normalizers, merge_partial, reduce_policy_outputs,
@@ -93,8 +93,8 @@ pub fn grpo_linear_sharded(
         grid.tokens.as_ref(),
         out.loss,
         &out.metrics,
-        local.token_count,
-        norm.token_count,
+        (local, norm),
+        clips_per_sequence(loss, batch),
     )?;
     Ok(out)
 }

@@ -36,6 +36,21 @@ pub fn ce_reference(
     grad_output: f64,
     grad_rows: Option<&[f32]>,
 ) -> CeReference {
+    ce_reference_lse(ce, targets, logits, vocab, (grad_output, grad_rows), None)
+}
+
+/// [`ce_reference`] of `grad_output·L + Σ_i grad_lse_i·lse_i` (Cut Cross-Entropy's
+/// `return_lse`: an upstream gradient on each counted row's log-sum-exp of the scaled
+/// logits): `loss` is still `L`, `dlogits` the sum's gradient, adding
+/// `grad_lse_i·p_ij·∂s_j/∂z_j` per row.
+pub fn ce_reference_lse(
+    ce: &CrossEntropy,
+    targets: &[i64],
+    logits: &[f64],
+    vocab: usize,
+    (grad_output, grad_rows): (f64, Option<&[f32]>),
+    grad_lse: Option<&[f32]>,
+) -> CeReference {
     let c = ce.config();
     let n = targets.len();
     let count = targets.iter().filter(|&&y| ce.counts(y)).count();
@@ -63,6 +78,7 @@ pub fn ce_reference(
         let z_term = c.z_loss * row.lse * row.lse;
         let loss = (1.0 - eps) * nll + eps * (row.lse - mean_s) + z_term;
         let upstream = weight * grad_rows.map_or(1.0, |g| g[i] as f64);
+        let lse_upstream = grad_lse.map_or(0.0, |g| g[i] as f64);
         out.row_loss[i] = loss;
         out.lse[i] = row.lse;
         out.logp[i] = row.log_probs[y];
@@ -78,7 +94,7 @@ pub fn ce_reference(
                 Some(cap) => 1.0 - (z[j] / cap).tanh().powi(2),
                 None => 1.0,
             };
-            *d = grad_output * upstream * ds * cap_slope / c.temperature;
+            *d = (grad_output * upstream * ds + lse_upstream * p) * cap_slope / c.temperature;
         }
     }
     out

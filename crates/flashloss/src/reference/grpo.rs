@@ -23,12 +23,23 @@ pub struct GrpoReference {
     pub entropy: Vec<f64>,
     /// Per-token KL as it enters the loss.
     pub kl: Vec<f64>,
+    /// Each token's share `weight·ℓ_tot + bonus` of the loss.
+    pub token_loss: Vec<f64>,
     /// `∂L/∂logp_i`.
     pub dlogp: Vec<f64>,
     /// `∂L/∂H_i`.
     pub dentropy: Vec<f64>,
     /// `grad_output · ∂L/∂z` `[N, V]`, dense.
     pub dlogits: Vec<f64>,
+}
+
+/// How each token's `ℓ_tot` enters the loss: the loss type's reduction (with the
+/// entropy bonus), or given per-token weights `g_i` (`L = Σ_i g_i·ℓ_tot,i`, no bonus:
+/// the per-token losses of Liger's `reduce=False`).
+#[derive(Clone, Copy)]
+enum Weights<'a> {
+    Reduction(Normalizers),
+    PerToken(&'a [f32]),
 }
 
 /// One token's share of the loss: `L = Σ (weight · total + bonus)`.
@@ -44,11 +55,23 @@ struct TokenTerm<N> {
     bonus: N,
 }
 
+/// TRL's clip flags `(low, high)` of ratio `r` and advantage `a`.
+fn clipped(c: &GrpoLossConfig, r: f64, a: f64) -> (bool, bool) {
+    match c.loss_type {
+        LossType::Cispo => (false, r > c.epsilon_high && a > 0.0),
+        LossType::Sapo | LossType::Vespo => (false, false),
+        _ => (
+            r < 1.0 - c.epsilon_low && a < 0.0,
+            r > 1.0 + c.epsilon_high && a > 0.0,
+        ),
+    }
+}
+
 /// The terms of sequence `b`, given its T logp and entropy values.
 fn sequence_terms<N: Num>(
     c: &GrpoLossConfig,
     batch: &GrpoBatch,
-    norm: Normalizers,
+    weights: Weights,
     b: usize,
     logp: &[N],
     entropy: &[N],
@@ -142,23 +165,29 @@ fn sequence_terms<N: Num>(
             }
             _ => N::c(0.0),
         };
-        let weight = match c.loss_type {
-            LossType::Grpo | LossType::Sapo => 1.0 / (norm.batch_size * len_b),
-            LossType::Bnpo => 1.0 / norm.token_count.max(1.0),
-            LossType::DrGrpo => {
-                1.0 / (norm.batch_size * c.max_completion_length.unwrap_or(1) as f64)
+        let (weight, bonus) = match weights {
+            Weights::PerToken(g) => (g[i] as f64, N::c(0.0)),
+            Weights::Reduction(norm) => {
+                let weight = match c.loss_type {
+                    LossType::Grpo | LossType::Sapo => 1.0 / (norm.batch_size * len_b),
+                    LossType::Bnpo => 1.0 / norm.token_count.max(1.0),
+                    LossType::DrGrpo => {
+                        1.0 / (norm.batch_size * c.max_completion_length.unwrap_or(1) as f64)
+                    }
+                    LossType::Dapo | LossType::Cispo | LossType::Vespo => {
+                        1.0 / c.num_items_in_batch.unwrap_or(norm.token_count.max(1.0))
+                    }
+                    LossType::Luspo => 1.0 / norm.batch_size,
+                };
+                let bonus = if in_bonus {
+                    -(N::c(c.entropy_coef / norm.entropy_count.max(1.0)) * entropy[t])
+                } else {
+                    N::c(0.0)
+                };
+                (weight, bonus)
             }
-            LossType::Dapo | LossType::Cispo | LossType::Vespo => {
-                1.0 / c.num_items_in_batch.unwrap_or(norm.token_count.max(1.0))
-            }
-            LossType::Luspo => 1.0 / norm.batch_size,
         };
         let total = policy * N::c(e) * N::c(rho) + N::c(c.beta) * kl;
-        let bonus = if in_bonus {
-            -(N::c(c.entropy_coef / norm.entropy_count.max(1.0)) * entropy[t])
-        } else {
-            N::c(0.0)
-        };
         terms.push(TokenTerm {
             row: i,
             weight,
@@ -195,7 +224,7 @@ pub fn grpo_reference_loss(
             let terms = sequence_terms::<f64>(
                 loss.config(),
                 batch,
-                norm,
+                Weights::Reduction(norm),
                 b,
                 &logp[rows.clone()],
                 &entropy[rows],
@@ -215,6 +244,39 @@ pub fn grpo_reference(
     vocab: usize,
     grad_output: f64,
 ) -> GrpoReference {
+    let weights = Weights::Reduction(norm);
+    reference_with(loss, batch, weights, logits, vocab, grad_output)
+}
+
+/// The reference of the per-token losses (Liger's `reduce=False`): `L = Σ_i g_i·ℓ_tot,i`
+/// with `grad_rows` `[N]` the upstream gradient of each token's loss and no entropy
+/// bonus; [`GrpoReference::token_loss`] holds `g_i·ℓ_tot,i` (the losses themselves for
+/// ones), the derivatives are those of `L`.
+pub fn grpo_reference_per_token(
+    loss: &GrpoLoss,
+    batch: &GrpoBatch,
+    grad_rows: &[f32],
+    logits: &[f64],
+    vocab: usize,
+) -> GrpoReference {
+    reference_with(
+        loss,
+        batch,
+        Weights::PerToken(grad_rows),
+        logits,
+        vocab,
+        1.0,
+    )
+}
+
+fn reference_with(
+    loss: &GrpoLoss,
+    batch: &GrpoBatch,
+    weights: Weights,
+    logits: &[f64],
+    vocab: usize,
+    grad_output: f64,
+) -> GrpoReference {
     let c = loss.config();
     let (b_count, t_len) = (batch.batch, batch.seq_len);
     let n = b_count * t_len;
@@ -225,6 +287,7 @@ pub fn grpo_reference(
         lse: vec![0.0; n],
         entropy: vec![0.0; n],
         kl: vec![0.0; n],
+        token_loss: vec![0.0; n],
         dlogp: vec![0.0; n],
         dentropy: vec![0.0; n],
         dlogits: vec![0.0; n * vocab],
@@ -243,31 +306,41 @@ pub fn grpo_reference(
     }
 
     let (mut tokens, mut kl_sum, mut ent_sum) = (0.0, 0.0, 0.0);
+    // TRL 1.16's `global_masked_mean`: clip flags of shape `[B, 1]` (a sequence-level
+    // ratio and per-sequence advantages) are averaged over the B sequences.
+    let per_sequence = c.importance_sampling_level == ImportanceSamplingLevel::Sequence
+        && matches!(batch.advantages, PerSeqOrToken::Sequence(_));
     let (mut low, mut high, mut region) = (0.0, 0.0, 0.0);
     for b in 0..b_count {
         let rows = b * t_len..(b + 1) * t_len;
         let lp = &out.logp[rows.clone()];
         let ent = &out.entropy[rows.clone()];
-        let terms = sequence_terms::<f64>(c, batch, norm, b, lp, ent);
+        let terms = sequence_terms::<f64>(c, batch, weights, b, lp, ent);
         out.loss += sequence_loss(&terms);
-        for term in &terms {
-            let i = term.row;
-            out.kl[i] = term.kl;
-            let (r, a) = (term.ratio, term.advantage);
-            let (is_low, is_high) = match c.loss_type {
-                LossType::Cispo => (false, r > c.epsilon_high && a > 0.0),
-                LossType::Sapo | LossType::Vespo => (false, false),
-                _ => (
-                    r < 1.0 - c.epsilon_low && a < 0.0,
-                    r > 1.0 + c.epsilon_high && a > 0.0,
-                ),
-            };
-            tokens += 1.0;
-            kl_sum += term.kl;
-            ent_sum += out.entropy[i];
+        let mut flags = |(is_low, is_high): (bool, bool)| {
             low += is_low as u8 as f64;
             high += is_high as u8 as f64;
             region += (is_low || is_high) as u8 as f64;
+        };
+        for term in &terms {
+            let i = term.row;
+            out.kl[i] = term.kl;
+            out.token_loss[i] = term.weight * term.total + term.bonus;
+            tokens += 1.0;
+            kl_sum += term.kl;
+            ent_sum += out.entropy[i];
+            if !per_sequence {
+                flags(clipped(c, term.ratio, term.advantage));
+            }
+        }
+        if per_sequence {
+            // TRL's `[B, 1]` flags: one per sequence, `R_b = exp(0) = 1` for a sequence
+            // with no live token.
+            let (r, a) = terms.first().map_or_else(
+                || (1.0, batch.advantages.at(b * t_len, t_len) as f64),
+                |term| (term.ratio, term.advantage),
+            );
+            flags(clipped(c, r, a));
         }
         // Exact derivatives: one dual evaluation per seeded input.
         for seed in 0..2 * t_len {
@@ -288,7 +361,7 @@ pub fn grpo_reference(
             let terms = sequence_terms(
                 c,
                 batch,
-                norm,
+                weights,
                 b,
                 &dual(lp, !seed_entropy),
                 &dual(ent, seed_entropy),
@@ -302,11 +375,15 @@ pub fn grpo_reference(
         }
     }
     let denom = f64::max(tokens, 1.0);
+    let clip_denom = match per_sequence {
+        true => f64::max(b_count as f64, 1.0),
+        false => denom,
+    };
     out.metrics = GrpoMetrics {
         kl_mean: kl_sum / denom,
-        clip_ratio_low: low / denom,
-        clip_ratio_high: high / denom,
-        clip_ratio_region: region / denom,
+        clip_ratio_low: low / clip_denom,
+        clip_ratio_high: high / clip_denom,
+        clip_ratio_region: region / clip_denom,
         entropy_mean: ent_sum / denom,
     };
 

@@ -8,8 +8,8 @@ pub mod dual;
 mod grpo;
 mod softmax;
 
-pub use cross_entropy::{CeReference, ce_reference};
-pub use grpo::{GrpoReference, grpo_reference, grpo_reference_loss};
+pub use cross_entropy::{CeReference, ce_reference, ce_reference_lse};
+pub use grpo::{GrpoReference, grpo_reference, grpo_reference_loss, grpo_reference_per_token};
 pub use softmax::{RowSoftmax, row_softmax};
 
 use crate::batch::{LinearInputs, LogitsLayout};

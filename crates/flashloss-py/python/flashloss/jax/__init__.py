@@ -21,7 +21,8 @@ logits-level GRPO loss. Argument names and defaults are TRL's, as in
   for a Flax kernel ``[H, V]`` (``'BTD,DV->BTV'``); no path makes a transposed copy.
 
 They work under ``jax.jit``, ``jax.grad`` / ``value_and_grad``, ``jax.vmap`` and
-``jax.shard_map`` (``token_axis``, ``vocab_axis``), in float32 and bfloat16. The
+``jax.shard_map`` (``token_axis``, ``vocab_axis``), in float32, bfloat16 and float16
+(float16 widened to float32 on the Pallas path). The
 per-token outputs (``logp``, ``entropy``, ``kl``) and the metrics carry no gradient.
 
 Errors known at trace time (shapes, dtypes, the loss config) are ``ValueError`` naming
@@ -79,9 +80,15 @@ def _on_path(impl: str, interpret: Any, pallas: Callable, ffi: Callable, *operan
 
 def _floats(arg: str, x) -> jax.Array:
     x = jnp.asarray(x)
-    if x.dtype not in (jnp.float32, jnp.bfloat16):
-        raise ValueError(f"argument `{arg}`: expected dtype float32 or bfloat16, got {x.dtype}")
+    if x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        raise ValueError(f"argument `{arg}`: expected dtype float32, bfloat16 or float16, got {x.dtype}")
     return x
+
+
+def _wide(*xs):
+    """float16 widened to float32 (exact) for the Pallas kernels, which take float32 and
+    bfloat16 (TPUs have no float16 arithmetic); JAX casts the gradients back."""
+    return [x.astype(jnp.float32) if x is not None and x.dtype == jnp.float16 else x for x in xs]
 
 
 def _head(hidden, weight, bias, layout: str):
@@ -100,7 +107,9 @@ def _head(hidden, weight, bias, layout: str):
     if bias is not None and bias.shape != (v,):
         raise ValueError(f"argument `bias`: expected shape [V={v}], got {list(bias.shape)}")
     dtypes = {x.dtype for x in (hidden, weight, bias) if x is not None}
-    dtype = jnp.float32 if dtypes == {jnp.dtype(jnp.float32)} else jnp.bfloat16
+    # One dtype as it is; float32 with one half dtype: that one (as autocast); both halves: float32.
+    halves = [d for d in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) if d in dtypes]
+    dtype = halves[0] if len(halves) == 1 else jnp.float32
     cast = [None if x is None else x.astype(dtype) for x in (hidden, weight, bias)]
     return cast
 
@@ -264,21 +273,26 @@ def linear_grpo_loss(
         )  # fmt: skip
 
     def pallas(hidden, weight, bias, ids, mask, adv, old, ref):
-        return _pallas.grpo(hidden, weight, bias, ids, mask, adv, old, ref, args, spec)
+        return _pallas.grpo(*_wide(hidden, weight, bias), ids, mask, adv, old, ref, args, spec)
 
     loss, (logp, entropy, kl, metrics) = _on_path(impl, interpret, pallas, ffi, hidden, weight, bias, ids, mask,
                                                   adv, old, ref)  # fmt: skip
     if token_axis is not None:
-        loss, metrics = _over_tokens(loss, metrics, mask, token_axis, loss_type, num_items_in_batch)
+        per_seq = _policy.clips_per_sequence(args, adv)
+        loss, metrics = _over_tokens(loss, metrics, mask, token_axis, loss_type, num_items_in_batch, per_seq)
     aux = jax.lax.stop_gradient((logp, entropy, kl, metrics))
     return loss, GRPOOutputs(aux[0], aux[1], aux[2], dict(zip(_METRICS, aux[3])))
 
 
-def _over_tokens(loss, metrics, mask, axis, loss_type, num_items_in_batch):
+def _over_tokens(loss, metrics, mask, axis, loss_type, num_items_in_batch, clips_per_sequence):
     """The one-device loss and metrics from each device's: the loss is a sum of row terms
     over a normalizer, so `L = Σ_d L_d · n_d / Σ_d n_d` (`n_d` the device's normalizer);
-    the metrics are token means, so they are weighted by the devices' token counts."""
+    the metrics are token means, so they are weighted by the devices' token counts (the
+    clip metrics by their sequence counts where they are sequence means)."""
     tokens = mask.sum().astype(jnp.float32)
+    clips = jnp.float32(mask.shape[0]) if clips_per_sequence else tokens
+    weights = jnp.stack([tokens, tokens, clips, clips, clips])
+    metrics = jax.lax.psum(metrics * weights, axis) / jnp.maximum(jax.lax.psum(weights, axis), 1.0)
     if loss_type in ("dapo", "cispo", "vespo") and num_items_in_batch is not None:
         norm = jnp.float32(1.0)  # already global: the device's losses add up
         share = norm
@@ -286,7 +300,6 @@ def _over_tokens(loss, metrics, mask, axis, loss_type, num_items_in_batch):
         norm = tokens if loss_type in ("dapo", "bnpo", "cispo", "vespo") else jnp.float32(mask.shape[0])
         share = norm / jax.lax.psum(norm, axis)
     loss = jax.lax.psum(jax.lax.stop_gradient(share) * loss, axis)
-    metrics = jax.lax.psum(metrics * tokens, axis) / jnp.maximum(jax.lax.psum(tokens, axis), 1.0)
     return loss, metrics
 
 
@@ -343,7 +356,7 @@ def linear_cross_entropy(
 
     def pallas(h2, weight, bias, t1):
         return _pallas.cross_entropy(
-            h2, weight, bias, t1, spec, ignore_index=int(ignore_index), label_smoothing=float(label_smoothing),
+            *_wide(h2, weight, bias), t1, spec, ignore_index=int(ignore_index), label_smoothing=float(label_smoothing),
             z_loss=float(z_loss), reduction=reduction,
         )  # fmt: skip
 
@@ -397,7 +410,7 @@ def linear_logprobs(
         )
 
     def pallas(x, weight, bias, flat_ids, flat_mask):
-        return _pallas.logprobs(x, weight, bias, flat_ids, flat_mask, spec, seq_len)
+        return _pallas.logprobs(*_wide(x, weight, bias), flat_ids, flat_mask, spec, seq_len)
 
     logp, entropy = _on_path(impl, interpret, pallas, ffi, x, weight, bias, ids.reshape(-1), m.reshape(-1))
     logp, entropy = logp.reshape(ids.shape), entropy.reshape(ids.shape)
@@ -422,14 +435,20 @@ def grpo_loss(
     use_bias_correction_kl: bool = True,
     num_items_in_batch: Optional[float] = None,
     max_completion_length: Optional[int] = None,
+    reduce: bool = True,
     impl: str = "auto",
     interpret: Any = False,
 ):
-    """TRL's GRPO loss on materialized ``logits`` ``[B, T, V]`` (float32 or bfloat16):
+    """TRL's GRPO loss on materialized ``logits`` ``[B, T, V]`` (float32, bfloat16 or float16):
     the loss and ``dlogits`` in one pass (the place of the original Pallas kernel), the
     gradient in the logits' dtype with no float32 copy of bfloat16 logits. Returns
     ``(loss, GRPOOutputs)``, differentiable in ``logits``. ``impl``, ``interpret``: see
-    the module."""
+    the module.
+
+    ``reduce=False`` returns Liger's ``(per_token_loss, per_token_kl, is_clipped)``
+    ``[B, T]`` float32, 0 where masked (``per_token_kl`` None when ``beta == 0``):
+    ``per_token_loss = ℓ + β·kl`` before the loss type's reduction, differentiable in
+    ``logits`` (at sequence level through ``R_b``); its backward reads the logits again."""
     logits = _floats("logits", logits)
     ids, mask, adv, old, ref = _grpo_batch(
         completion_ids, completion_mask, advantages, old_per_token_logps, ref_per_token_logps
@@ -444,12 +463,20 @@ def grpo_loss(
         1.0, 1.05, 2.0, 3.0, 3.0, 2.0,
     )  # fmt: skip
     config = args.config_json()
+    if not reduce:
+        rows, (kl, clipped) = _on_path(
+            impl, interpret,
+            lambda *xs: _pallas.grpo_logits_rows(*_wide(xs[0]), *xs[1:], args, interpret),
+            lambda *xs: _ffi.grpo_logits_rows(*xs, config),
+            logits, ids, mask, adv, old, ref,
+        )  # fmt: skip
+        return rows, (jax.lax.stop_gradient(kl) if beta != 0.0 else None), jax.lax.stop_gradient(clipped)
 
     def ffi(logits, ids, mask, adv, old, ref):
         return _ffi.grpo_logits(logits, ids, mask, adv, old, ref, config)
 
     def pallas(logits, ids, mask, adv, old, ref):
-        return _pallas.grpo_logits(logits, ids, mask, adv, old, ref, args, interpret)
+        return _pallas.grpo_logits(*_wide(logits), ids, mask, adv, old, ref, args, interpret)
 
     loss, aux = _on_path(impl, interpret, pallas, ffi, logits, ids, mask, adv, old, ref)
     aux = jax.lax.stop_gradient(aux)

@@ -118,3 +118,26 @@ def _logits_bwd(config, dz, cts):
 
 
 grpo_logits.defvjp(_logits_fwd, _logits_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def grpo_logits_rows(logits, ids, mask, adv, old, ref, config):
+    """``(token_loss, (kl, clipped))`` ``[B, T]``: the per-token losses ``ℓ_tot`` (Liger's
+    ``reduce=False``); the backward runs the logits again with the cotangent."""
+    ones = jnp.ones(ids.shape, jnp.float32)
+    rows, kl, clipped, _ = _ops.grpo_logits_rows(logits, ids, mask, adv, old, ref, ones, config=config, with_grad=False)
+    return rows, (kl, clipped)
+
+
+def _rows_fwd(logits, ids, mask, adv, old, ref, config):
+    return grpo_logits_rows(logits, ids, mask, adv, old, ref, config), (logits, ids, mask, adv, old, ref)
+
+
+def _rows_bwd(config, res, cts):
+    logits, ids, mask, adv, old, ref = res
+    g = cts[0].astype(jnp.float32)
+    dz = _ops.grpo_logits_rows(logits, ids, mask, adv, old, ref, g, config=config, with_grad=True)[3]
+    return (dz, None, None, None, None, None)
+
+
+grpo_logits_rows.defvjp(_rows_fwd, _rows_bwd)

@@ -140,3 +140,17 @@ def grpo_logits(logits, ids, mask, advantages, old, ref, *, config: str):
         logits, ids, mask, advantages, _or_empty(old, jnp.float32), _or_empty(ref, jnp.float32),
         config=config,
     )  # fmt: skip
+
+
+def grpo_logits_rows(logits, ids, mask, advantages, old, ref, grad_rows, *, config: str, with_grad: bool):
+    """``(token_loss, kl, clipped, dlogits)``, ``[B, T]`` f32 and (``with_grad``) the
+    gradient of ``Σ grad_rows·ℓ_tot`` in the logits' shape and dtype (else ``[0]``)."""
+    b, t = ids.shape
+    z = logits
+    dz = _like(z, logits.shape if with_grad else (0,), logits.dtype)
+    results = (_like(z, (b, t)), _like(z, (b, t)), _like(z, (b, t)), dz)
+    return _call(
+        "flashloss_grpo_logits_rows", results,
+        logits, ids, mask, advantages, _or_empty(old, jnp.float32), _or_empty(ref, jnp.float32), grad_rows,
+        config=config,
+    )  # fmt: skip

@@ -43,8 +43,10 @@ __all__ = [
     "METRICS",
     "ce_loss_from_stats",
     "clip_flags",
+    "clips_per_sequence",
     "entropy_weights",
     "grpo_policy_loss",
+    "per_token_losses",
     "is_token_local",
     "reduction_weights",
     "token_kl",
@@ -294,6 +296,14 @@ def clip_flags(
     return (r < 1.0 - args.epsilon_low) & (adv < 0), (r > 1.0 + args.eps_high) & (adv > 0)
 
 
+def clips_per_sequence(args: GrpoArgs, advantages) -> bool:
+    """True when TRL 1.16's clip metrics are means over the B sequences: a sequence-level
+    ratio with per-sequence advantages (``[B]`` or ``[B, 1]``) makes its clip flags
+    ``[B, 1]``, which its ``global_masked_mean`` divides by B (else by the live tokens)."""
+    shape = jnp.shape(advantages)
+    return args.sequence_level and (len(shape) == 1 or shape[1:] == (1,))
+
+
 def _counts(mask: jax.Array, dtype=jnp.float32) -> Tuple[jax.Array, jax.Array]:
     """``(L_b [B, 1], Σ m)`` as floats."""
     m = mask.astype(dtype)
@@ -344,24 +354,10 @@ def entropy_weights(
     return jnp.where(mask, -args.entropy_coef / jnp.maximum(count, 1.0), 0.0).astype(dtype)
 
 
-def grpo_policy_loss(
-    logp: jax.Array,
-    entropy: jax.Array,
-    mask: jax.Array,
-    advantages: jax.Array,
-    old: Optional[jax.Array],
-    ref: Optional[jax.Array],
-    args: GrpoArgs,
-) -> Tuple[jax.Array, jax.Array, jax.Array]:
-    """TRL's GRPO loss from the per-token statistics: ``(loss, kl, metrics)``.
-
-    ``logp``, ``entropy`` ``[B, T]`` (differentiable), ``mask`` ``[B, T]`` (bool or 0/1),
-    ``advantages`` ``[B]``, ``[B, 1]`` or ``[B, T]``, ``old`` / ``ref`` ``[B, T]`` or None
-    (``old`` None: on-policy; ``ref`` is required when ``β > 0``). Returns the scalar loss,
-    the per-token KL ``[B, T]`` as it enters the loss (0 where masked) and TRL's metrics
-    ``[5]`` in the order of :data:`METRICS` (no gradient): the values of the FFI handler
-    ``flashloss_grpo_policy``. Masked tokens take no part (their inputs are never read
-    into a value or a gradient); a fully masked batch gives 0."""
+def _prepared(logp, entropy, mask, advantages, old, ref, args: GrpoArgs) -> dict:
+    """The checked per-token inputs of :func:`grpo_policy_loss` (masked tokens zeroed, so
+    that neither a value nor a gradient reads them), the sequence-level reductions and each
+    token's ``ℓ_tot``."""
     validate_grpo(args)
     logp, entropy = jnp.asarray(logp), jnp.asarray(entropy)
     if logp.ndim != 2:
@@ -396,6 +392,43 @@ def grpo_policy_loss(
     vespo_log_w = vespo_log_weight(lp - old_, mask) if args.loss_type == "vespo" else None
 
     ell = token_loss(lp, ent, old_, ref_, adv_t, args, log_ratio=log_ratio, vespo_log_w=vespo_log_w)
+    return dict(mask=mask, dtype=dtype, shape=shape, lp=lp, ent=ent, old=old_, ref=ref_, adv=adv, adv_t=adv_t,
+                log_ratio=log_ratio, ell=ell)  # fmt: skip
+
+
+def per_token_losses(logp, entropy, mask, advantages, old, ref, args: GrpoArgs):
+    """Liger's ``reduce=False`` outputs: ``(ℓ_tot·m, kl·m, clipped)`` ``[B, T]`` (spec,
+    flashloss addition 7), differentiable in ``logp`` through ``ℓ_tot`` (at sequence level
+    through ``R_b``); the entropy bonus is no token's loss."""
+    p = _prepared(logp, entropy, mask, advantages, old, ref, args)
+    mask = p["mask"]
+    kl = jnp.where(mask, token_kl(p["lp"], p["old"], p["ref"], args, log_ratio=p["log_ratio"]), 0.0)
+    low, high = clip_flags(p["lp"], p["old"], p["adv_t"], args, log_ratio=p["log_ratio"])
+    clipped = jnp.where(mask, (low | high).astype(p["dtype"]), 0.0)
+    return jnp.where(mask, p["ell"], 0.0), jax.lax.stop_gradient(kl), clipped
+
+
+def grpo_policy_loss(
+    logp: jax.Array,
+    entropy: jax.Array,
+    mask: jax.Array,
+    advantages: jax.Array,
+    old: Optional[jax.Array],
+    ref: Optional[jax.Array],
+    args: GrpoArgs,
+) -> Tuple[jax.Array, jax.Array, jax.Array]:
+    """TRL's GRPO loss from the per-token statistics: ``(loss, kl, metrics)``.
+
+    ``logp``, ``entropy`` ``[B, T]`` (differentiable), ``mask`` ``[B, T]`` (bool or 0/1),
+    ``advantages`` ``[B]``, ``[B, 1]`` or ``[B, T]``, ``old`` / ``ref`` ``[B, T]`` or None
+    (``old`` None: on-policy; ``ref`` is required when ``β > 0``). Returns the scalar loss,
+    the per-token KL ``[B, T]`` as it enters the loss (0 where masked) and TRL's metrics
+    ``[5]`` in the order of :data:`METRICS` (no gradient): the values of the FFI handler
+    ``flashloss_grpo_policy``. Masked tokens take no part (their inputs are never read
+    into a value or a gradient); a fully masked batch gives 0."""
+    p = _prepared(logp, entropy, mask, advantages, old, ref, args)
+    mask, dtype, shape, ent, ell = p["mask"], p["dtype"], p["shape"], p["ent"], p["ell"]
+    lp, old_, ref_, adv, adv_t, log_ratio = (p[k] for k in ("lp", "old", "ref", "adv", "adv_t", "log_ratio"))
     w = reduction_weights(mask, args, dtype=dtype)
     e = entropy_weights(mask, args, dtype=dtype)
     loss = jnp.sum(jnp.where(mask, w * ell, 0.0))
@@ -403,13 +436,22 @@ def grpo_policy_loss(
         loss = loss + jnp.sum(e * ent)
 
     kl = jnp.where(mask, token_kl(lp, old_, ref_, args, log_ratio=log_ratio), 0.0)
-    low, high = clip_flags(lp, old_, adv_t, args, log_ratio=log_ratio)
     count = jnp.maximum(jnp.sum(mask.astype(dtype)), 1.0)
 
     def mean(x: jax.Array) -> jax.Array:
         return jnp.sum(jnp.where(mask, x.astype(dtype), 0.0)) / count
 
-    metrics = jnp.stack([mean(kl), mean(ent), mean(low), mean(high), mean(low | high)])
+    if clips_per_sequence(args, adv):
+        # TRL's `[B, 1]` flags, averaged over the B sequences (a sequence with no live
+        # token has R_b = 1 and keeps its advantage).
+        low, high = (f[:, 0] for f in clip_flags(lp, old_, adv, args, log_ratio=log_ratio))
+
+        def clip_mean(x: jax.Array) -> jax.Array:
+            return jnp.sum(x.astype(dtype)) / max(shape[0], 1)
+    else:
+        low, high = clip_flags(lp, old_, adv_t, args, log_ratio=log_ratio)
+        clip_mean = mean
+    metrics = jnp.stack([mean(kl), mean(ent), clip_mean(low), clip_mean(high), clip_mean(low | high)])
     return loss, kl, jax.lax.stop_gradient(metrics)
 
 

@@ -124,6 +124,22 @@ def grpo_logits(z, ids, mask, adv, old, ref, args: _policy.GrpoArgs, interpret: 
     return loss, (logp, entropy, kl, metrics)
 
 
+def grpo_logits_rows(z, ids, mask, adv, old, ref, args: _policy.GrpoArgs, interpret: Any):
+    """The per-token losses on logits ``z`` ``[B, T, V]`` (Liger's ``reduce=False``):
+    ``(token_loss, (kl, clipped))`` ``[B, T]`` from the statistics kernel and the loss in
+    JAX, which JAX differentiates (the gradient kernel then takes each token's cotangent)."""
+    b, t, v = z.shape
+    checks.ids_in_range("completion_ids", ids, mask, v, t, interpret)
+    for name, values in (("advantages", adv), ("old_per_token_logps", old), ("ref_per_token_logps", ref)):
+        checks.finite(name, values, None if name == "advantages" else mask, interpret)
+    ids = jnp.where(mask, ids, 0).astype(jnp.int32)
+    logp, entropy = logits.logits_logprobs(
+        z.reshape(b * t, v), ids.reshape(-1), mask=mask.reshape(-1), temperature=args.temperature, interpret=interpret
+    )
+    rows, kl, clipped = _policy.per_token_losses(logp.reshape(b, t), entropy.reshape(b, t), mask, adv, old, ref, args)
+    return rows, (kl, clipped)
+
+
 def spec_for(
     layout: str,
     temperature: float,
