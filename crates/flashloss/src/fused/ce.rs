@@ -46,7 +46,7 @@ pub fn ce_linear(
     grad_rows: Option<&[f32]>,
     opts: &FusedOptions,
 ) -> Result<CeLinearOutput> {
-    check_head(head, true)?;
+    check_head(head, Some(opts.head_grad))?;
     let shape = head.shape();
     let rows = CeRows::new(
         ce,
@@ -71,7 +71,7 @@ pub fn ce_row_losses(
     targets: &[i64],
     opts: &FusedOptions,
 ) -> Result<CeLinearOutput> {
-    check_head(head, false)?;
+    check_head(head, None)?;
     let shape = head.shape();
     let rows = CeRows::new(
         ce,
