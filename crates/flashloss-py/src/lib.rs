@@ -22,6 +22,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(losses::ce_linear, m)?)?;
     m.add_function(wrap_pyfunction!(losses::ce_rows, m)?)?;
     m.add_function(wrap_pyfunction!(losses::logp_linear, m)?)?;
+    m.add_function(wrap_pyfunction!(losses::logp_linear_grads, m)?)?;
     m.add_function(wrap_pyfunction!(losses::grpo_logits, m)?)?;
     m.add_function(wrap_pyfunction!(jax::jax_targets, m)?)?;
     m.add_function(wrap_pyfunction!(jax::jax_abi_layout, m)?)?;
