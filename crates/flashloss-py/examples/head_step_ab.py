@@ -3,6 +3,8 @@ forward and the gradients of the hidden states and the head, at N tokens, H, V, 
 f32 or a bf16 head. Arms:
 
 - ``flashloss``: ``flashloss.torch.linear_grpo_loss`` (shipped defaults) and ``backward``;
+- ``flashloss_frozen``: the same with a frozen head (``weight.requires_grad`` False: the
+  gradient of the hidden states only, no dW buffer or product);
 - ``torch``: PyTorch eager with TRL's formulas on materialized logits (``hidden @ W.T`` in
   the head's dtype, ``log_softmax`` of the logits in f32, ``gather``, the clipped ratio, the
   k3 KL, dapo's masked mean) and ``backward``.
@@ -10,11 +12,12 @@ f32 or a bf16 head. Arms:
 Each (arm, dtype) runs in its own process, rounds alternate the arms, and each process
 prints its median step (after one warm-up step), its peak RSS above the inputs
 (``ru_maxrss``) and its loss, as one JSON line; the parent prints all of them and the
-ratios of the best medians as JSON.
+ratios of the best medians (and of the peaks: the frozen head's memory saved) as JSON.
 
     python crates/flashloss-py/examples/head_step_ab.py [--tokens 2048] [--hidden 1024] \\
         [--vocab 151936] [--dtypes f32,bf16] [--arms flashloss,torch] [--rounds 2] [--steps 3] \\
         [--padding 0.125]
+    python crates/flashloss-py/examples/head_step_ab.py --arms flashloss,flashloss_frozen --padding 0
 """
 
 import argparse
@@ -76,8 +79,8 @@ def child(arm, dtype, args):
     dt = {"f32": torch.float32, "bf16": torch.bfloat16}[dtype]
     hidden, weight, *rest = inputs(args.tokens, args.hidden, args.vocab, dt, args.padding)
     hidden.requires_grad_(True)
-    weight.requires_grad_(True)
-    step_fn = {"torch": torch_step, "flashloss": flashloss_step}[arm]
+    weight.requires_grad_(arm != "flashloss_frozen")
+    step_fn = {"torch": torch_step, "flashloss": flashloss_step, "flashloss_frozen": flashloss_step}[arm]
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     times, loss = [], None
     for _ in range(args.steps + 1):
@@ -130,10 +133,11 @@ def main():
                 run["round"] = r
                 print(json.dumps(run), file=sys.stderr, flush=True)
                 runs.append(run)
-    best = {}
+    best, peak = {}, {}
     for run in runs:
         key = f"{run['arm']}_{run['dtype']}"
         best[key] = min(best.get(key, float("inf")), run["median_s"])
+        peak[key] = max(peak.get(key, 0.0), run["peak_above_inputs_mib"])
     ratios = {
         f"flashloss_over_torch_{d}": best[f"flashloss_{d}"] / best[f"torch_{d}"]
         for d in args.dtypes.split(",")
@@ -141,6 +145,10 @@ def main():
     }
     if "flashloss_bf16" in best and "flashloss_f32" in best:
         ratios["flashloss_bf16_over_f32"] = best["flashloss_bf16"] / best["flashloss_f32"]
+    for d in args.dtypes.split(","):
+        if f"flashloss_frozen_{d}" in best and f"flashloss_{d}" in best:
+            ratios[f"frozen_over_trainable_{d}"] = best[f"flashloss_frozen_{d}"] / best[f"flashloss_{d}"]
+            ratios[f"peak_saved_by_frozen_{d}_mib"] = peak[f"flashloss_{d}"] - peak[f"flashloss_frozen_{d}"]
     print(
         json.dumps(
             {
@@ -148,6 +156,7 @@ def main():
                 "padding": args.padding,
                 "runs": runs,
                 "best_median_s": best,
+                "max_peak_above_inputs_mib": peak,
                 "ratios": ratios,
             },
             indent=1,
