@@ -197,9 +197,7 @@ def _logprobs_sum(h, w, b, ids, mask, adv, old):
     return (logp * adv[:, None]).sum() + entropy.sum()
 
 
-@pytest.mark.parametrize(
-    "loss_fn", [_grpo, _ce, _ce_rows, _logprobs_sum], ids=["grpo", "ce", "ce_rows", "logprobs"]
-)
+@pytest.mark.parametrize("loss_fn", [_grpo, _ce, _ce_rows, _logprobs_sum], ids=["grpo", "ce", "ce_rows", "logprobs"])
 @pytest.mark.parametrize("compiled", [False, True])
 def test_frozen_head_gives_the_trainable_loss_and_dhidden(loss_fn, compiled, monkeypatch):
     hidden, weight, bias, ids, mask, up = _data(6)

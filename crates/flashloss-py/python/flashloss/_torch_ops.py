@@ -51,6 +51,7 @@ def _grad_buffers(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The head's zeroed f32 gradient buffers; ``dweight`` and ``dbias`` are empty (an op
     returns tensors) for a frozen head (``head_grad`` False), ``dbias`` without a bias."""
+
     def empty():  # one tensor per output: an op's outputs may not alias each other
         return hidden.new_empty((0,), dtype=torch.float32)
 

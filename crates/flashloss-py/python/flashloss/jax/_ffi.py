@@ -41,7 +41,9 @@ def _wanted(grads, primals):
 def wants(hidden, weight, bias):
     """A residual saying which gradients are wanted: a ``[0]`` array of each perturbed
     primal's dtype, ``None`` for the others (residuals hold arrays, not strings)."""
-    return tuple(None if p is None or not p.perturbed else jnp.zeros((0,), p.value.dtype) for p in (hidden, weight, bias))
+    return tuple(
+        None if p is None or not p.perturbed else jnp.zeros((0,), p.value.dtype) for p in (hidden, weight, bias)
+    )
 
 
 def head_grad_wanted(wanted) -> str:

@@ -172,8 +172,7 @@ def _logprobs_bwd(axis, temperature, budget, mode, weight_layout, res, cts):
     if all(isinstance(c, SymbolicZero) for c in cts):
         return None, None, None, None, None
     g_logp, g_entropy = (
-        jnp.zeros_like(top) if isinstance(c, SymbolicZero) else jnp.where(mask, c, 0.0).astype(jnp.float32)
-        for c in cts
+        jnp.zeros_like(top) if isinstance(c, SymbolicZero) else jnp.where(mask, c, 0.0).astype(jnp.float32) for c in cts
     )
     stats = (top, log_sum, entropy, g_logp, g_entropy)
     offset = _offset(w, axis, weight_layout)
