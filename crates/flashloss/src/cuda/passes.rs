@@ -124,7 +124,7 @@ impl<'a, E: GpuElement> GpuPasses<'a, E> {
         out: Option<&'a mut GpuGrads>,
     ) -> Result<Self> {
         if let Some(out) = &out {
-            out.check(head)?;
+            out.check(head, plan.head_grad)?;
         }
         let n = head.tokens;
         ws.prepare(gpu, &plan, head.vocab, E::DTYPE == DType::Bf16)?;
