@@ -207,6 +207,7 @@ pub fn batch_validation(data: &[u8]) {
             mode,
             budget_bytes: flashloss::cpu::gemm_reserve_bytes() + (1 << 20),
             grad_output,
+            head_grad: Default::default(),
         };
         if let Ok(out) = device.grpo_linear(&loss, &batch, &inputs, &opts) {
             assert!(out.loss.is_finite(), "fused GRPO loss {}", out.loss);

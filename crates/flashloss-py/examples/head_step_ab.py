@@ -3,25 +3,32 @@ forward and the gradients of the hidden states and the head, at N tokens, H, V, 
 f32 or a bf16 head. Arms:
 
 - ``flashloss``: ``flashloss.torch.linear_grpo_loss`` (shipped defaults) and ``backward``;
+- ``flashloss_frozen``: the same with a frozen head (``weight.requires_grad`` False: the
+  gradient of the hidden states only, no dW buffer or product);
 - ``torch``: PyTorch eager with TRL's formulas on materialized logits (``hidden @ W.T`` in
   the head's dtype, ``log_softmax`` of the logits in f32, ``gather``, the clipped ratio, the
   k3 KL, dapo's masked mean) and ``backward``.
 
 Each (arm, dtype) runs in its own process, rounds alternate the arms, and each process
 prints its median step (after one warm-up step), its peak RSS above the inputs
-(``ru_maxrss``) and its loss, as one JSON line; the parent prints all of them and the
-ratios of the best medians as JSON.
+(``ru_maxrss``, a high-water mark that the inputs' own temporaries may already hold), the
+peak of the RSS sampled every 2 ms during the steps above the RSS before them
+(``step_peak_rss_mib``), and its loss, as one JSON line; the parent prints all of them and
+the ratios of the best medians (and the frozen head's memory saved) as JSON.
 
     python crates/flashloss-py/examples/head_step_ab.py [--tokens 2048] [--hidden 1024] \\
         [--vocab 151936] [--dtypes f32,bf16] [--arms flashloss,torch] [--rounds 2] [--steps 3] \\
         [--padding 0.125]
+    python crates/flashloss-py/examples/head_step_ab.py --arms flashloss,flashloss_frozen --padding 0
 """
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
+import threading
 import time
 
 import torch
@@ -72,13 +79,39 @@ def flashloss_step(hidden, weight, ids, mask, adv, old, ref):
     return loss
 
 
+def rss_bytes():
+    """The resident set now (``/proc/self/statm``)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class RssPeak:
+    """The largest RSS seen every 2 ms while running (a thread; the GIL is released by
+    the kernels and by torch's operators)."""
+
+    def __init__(self):
+        self.peak, self._stop = rss_bytes(), threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, rss_bytes())
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join()
+        return max(self.peak, rss_bytes())
+
+
 def child(arm, dtype, args):
     dt = {"f32": torch.float32, "bf16": torch.bfloat16}[dtype]
     hidden, weight, *rest = inputs(args.tokens, args.hidden, args.vocab, dt, args.padding)
     hidden.requires_grad_(True)
-    weight.requires_grad_(True)
-    step_fn = {"torch": torch_step, "flashloss": flashloss_step}[arm]
+    weight.requires_grad_(arm != "flashloss_frozen")
+    step_fn = {"torch": torch_step, "flashloss": flashloss_step, "flashloss_frozen": flashloss_step}[arm]
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    base_rss, sampler = rss_bytes(), RssPeak()
     times, loss = [], None
     for _ in range(args.steps + 1):
         hidden.grad = weight.grad = None
@@ -86,6 +119,7 @@ def child(arm, dtype, args):
         loss = step_fn(hidden, weight, *rest)
         loss.backward()
         times.append(time.perf_counter() - start)
+    step_peak = sampler.stop() - base_rss
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     times = sorted(times[1:])
     print(
@@ -96,6 +130,7 @@ def child(arm, dtype, args):
                 "median_s": times[len(times) // 2],
                 "best_s": times[0],
                 "peak_above_inputs_mib": (peak - base) / 1024,
+                "step_peak_rss_mib": step_peak / 2**20,
                 "loss": loss.item(),
                 "threads": torch.get_num_threads(),
             }
@@ -130,10 +165,11 @@ def main():
                 run["round"] = r
                 print(json.dumps(run), file=sys.stderr, flush=True)
                 runs.append(run)
-    best = {}
+    best, peak = {}, {}
     for run in runs:
         key = f"{run['arm']}_{run['dtype']}"
         best[key] = min(best.get(key, float("inf")), run["median_s"])
+        peak[key] = max(peak.get(key, 0.0), run["step_peak_rss_mib"])
     ratios = {
         f"flashloss_over_torch_{d}": best[f"flashloss_{d}"] / best[f"torch_{d}"]
         for d in args.dtypes.split(",")
@@ -141,6 +177,10 @@ def main():
     }
     if "flashloss_bf16" in best and "flashloss_f32" in best:
         ratios["flashloss_bf16_over_f32"] = best["flashloss_bf16"] / best["flashloss_f32"]
+    for d in args.dtypes.split(","):
+        if f"flashloss_frozen_{d}" in best and f"flashloss_{d}" in best:
+            ratios[f"frozen_over_trainable_{d}"] = best[f"flashloss_frozen_{d}"] / best[f"flashloss_{d}"]
+            ratios[f"peak_saved_by_frozen_{d}_mib"] = peak[f"flashloss_{d}"] - peak[f"flashloss_frozen_{d}"]
     print(
         json.dumps(
             {
@@ -148,6 +188,7 @@ def main():
                 "padding": args.padding,
                 "runs": runs,
                 "best_median_s": best,
+                "max_step_peak_rss_mib": peak,
                 "ratios": ratios,
             },
             indent=1,

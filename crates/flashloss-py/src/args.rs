@@ -4,7 +4,7 @@
 //! argument.
 
 use crate::tensor::{DType, Tensor, arg_error};
-use flashloss::fused::LinearGradsMut;
+use flashloss::fused::{HeadGrad, LinearGradsMut};
 use flashloss::{Element, GrpoBatch, LinearInputs, PerSeqOrToken};
 use half::{bf16, f16};
 use pyo3::prelude::*;
@@ -137,10 +137,12 @@ fn device_mismatch(t: &Tensor, hidden: &Tensor) -> String {
     )
 }
 
-/// f32 gradient tensors shaped like the head's inputs (`grad_bias` iff `bias`).
+/// f32 gradient tensors shaped like the head's inputs: `grad_hidden`, and for a
+/// trainable head `grad_weight` and `grad_bias` (iff `bias`); a frozen head has neither
+/// (`grad_weight` None).
 pub(crate) struct Grads<'py> {
     pub(crate) hidden: Tensor<'py>,
-    pub(crate) weight: Tensor<'py>,
+    pub(crate) weight: Option<Tensor<'py>>,
     pub(crate) bias: Option<Tensor<'py>>,
 }
 
@@ -148,27 +150,43 @@ impl<'py> Grads<'py> {
     pub(crate) fn new(
         head: &HeadTensors,
         hidden: &Bound<'py, PyAny>,
-        weight: &Bound<'py, PyAny>,
+        weight: Option<&Bound<'py, PyAny>>,
         bias: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Self> {
         let g = Grads {
             hidden: Tensor::new("grad_hidden", hidden, F32)?,
-            weight: Tensor::new("grad_weight", weight, F32)?,
+            weight: Tensor::optional("grad_weight", weight, F32)?,
             bias: Tensor::optional("grad_bias", bias, F32)?,
         };
-        for t in [&g.hidden, &g.weight].into_iter().chain(&g.bias) {
+        for t in std::iter::once(&g.hidden).chain(&g.weight).chain(&g.bias) {
             if t.cuda != head.hidden.cuda {
                 return Err(arg_error(t.arg, device_mismatch(t, &head.hidden)));
             }
         }
         g.hidden.expect_shape(&head.hidden.shape)?;
-        g.weight.expect_shape(&head.weight.shape)?;
-        match (&g.bias, &head.bias) {
-            (Some(gb), Some(b)) => gb.expect_shape(&b.shape)?,
-            (None, None) => {}
+        if let Some(gw) = &g.weight {
+            gw.expect_shape(&head.weight.shape)?;
+        }
+        match (&g.bias, &head.bias, &g.weight) {
+            (Some(gb), Some(b), Some(_)) => gb.expect_shape(&b.shape)?,
+            (None, None, _) | (None, Some(_), None) => {}
+            (Some(_), _, None) => {
+                return Err(arg_error(
+                    "grad_bias",
+                    "given without grad_weight (a frozen head has neither)",
+                ));
+            }
             _ => return Err(arg_error("grad_bias", "given exactly when bias is")),
         }
         Ok(g)
+    }
+
+    /// Which of the head's gradients these buffers hold: frozen without `grad_weight`.
+    pub(crate) fn head_grad(&self) -> HeadGrad {
+        match self.weight {
+            Some(_) => HeadGrad::Full,
+            None => HeadGrad::Frozen,
+        }
     }
 
     /// # Safety
@@ -178,7 +196,10 @@ impl<'py> Grads<'py> {
         unsafe {
             Ok(LinearGradsMut {
                 dhidden: self.hidden.f32s_mut()?,
-                dweight: self.weight.f32s_mut()?,
+                dweight: match self.weight.as_mut() {
+                    Some(w) => w.f32s_mut()?,
+                    None => &mut [],
+                },
                 dbias: self.bias.as_mut().map(|b| b.f32s_mut()).transpose()?,
             })
         }

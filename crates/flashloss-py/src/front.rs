@@ -134,7 +134,7 @@ fn call_borrowed<E: TorchElement, R: Send>(
             head.weight.device_ptr(),
             head.bias.as_ref().map(|b| b.device_ptr()),
             g.hidden.device_ptr(),
-            g.weight.device_ptr(),
+            g.weight.as_ref().map(|w| w.device_ptr()),
             g.bias.as_ref().map(|b| b.device_ptr()),
             (head.tokens, head.hidden_size, head.vocab),
         )

@@ -25,6 +25,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(losses::logp_linear, m)?)?;
     m.add_function(wrap_pyfunction!(logits::grpo_logits, m)?)?;
     m.add_function(wrap_pyfunction!(logits::grpo_logits_per_token, m)?)?;
+    m.add_function(wrap_pyfunction!(losses::logp_linear_grads, m)?)?;
     m.add_function(wrap_pyfunction!(jax::jax_targets, m)?)?;
     m.add_function(wrap_pyfunction!(jax::jax_abi_layout, m)?)?;
     m.add_function(wrap_pyfunction!(jax::check_grpo_config, m)?)?;

@@ -95,8 +95,9 @@ pub(crate) fn grpo_result<'py>(
 }
 
 /// GRPO from hidden states: the loss of `config_json` (a `GrpoLossConfig`), `∂L/∂hidden`,
-/// `∂L/∂weight`, `∂L/∂bias` added into the `grad_*` tensors, per-token `logp`, entropy
-/// and KL written into `out_*` (`[B, T]` f32). Returns the loss and the metrics.
+/// `∂L/∂weight`, `∂L/∂bias` added into the `grad_*` tensors (no `grad_weight`: a frozen
+/// head, neither dW nor dbias formed), per-token `logp`, entropy and KL written into
+/// `out_*` (`[B, T]` f32). Returns the loss and the metrics.
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
 #[pyo3(signature = (hidden, weight, bias, completion_ids, completion_mask, advantages,
@@ -120,7 +121,7 @@ pub fn grpo_linear<'py>(
     mode: &str,
     budget_mib: f64,
     grad_hidden: &Bound<'py, PyAny>,
-    grad_weight: &Bound<'py, PyAny>,
+    grad_weight: Option<&Bound<'py, PyAny>>,
     grad_bias: Option<&Bound<'py, PyAny>>,
     out_logp: &Bound<'py, PyAny>,
     out_entropy: &Bound<'py, PyAny>,
@@ -132,9 +133,12 @@ pub fn grpo_linear<'py>(
     let parsed = (|| {
         let loss = GrpoLoss::new(parse_json::<GrpoLossConfig>("config", config_json)?)
             .map_err(|e| PyValueError::new_err(e.to_string()))?;
-        let opts = budget(mode, budget_mib)?;
         let head = HeadTensors::new(hidden, weight, bias)?;
         let grads = Grads::new(&head, grad_hidden, grad_weight, grad_bias)?;
+        let opts = FusedOptions {
+            head_grad: grads.head_grad(),
+            ..budget(mode, budget_mib)?
+        };
         let tensors = BatchTensors::new(
             completion_ids,
             completion_mask,
@@ -207,9 +211,10 @@ fn grpo_outputs<'py>(
 
 /// Cross-entropy from hidden states at `targets` `[N]` (`config_json`: a `CeConfig`);
 /// gradients of `grad_output·L + Σ_i grad_lse_i·lse_i` added into `grad_*` (`L` with
-/// `grad_rows` `[N]` for reduction `none`), the per-row losses written into
-/// `out_row_loss` `[N]` and, given `out_lse`, each row's log-sum-exp of the scaled logits
-/// (0 where ignored). Returns loss, z-loss and the count of rows that are not ignored.
+/// `grad_rows` `[N]` for reduction `none`; no `grad_weight`: a frozen head), the per-row
+/// losses written into `out_row_loss` `[N]` and, given `out_lse`, each row's log-sum-exp
+/// of the scaled logits (0 where ignored). Returns loss, z-loss and the count of rows that
+/// are not ignored.
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
 #[pyo3(signature = (hidden, weight, bias, targets, config_json, mode, budget_mib, grad_rows,
@@ -226,7 +231,7 @@ pub fn ce_linear<'py>(
     budget_mib: f64,
     grad_rows: Option<&Bound<'py, PyAny>>,
     grad_hidden: &Bound<'py, PyAny>,
-    grad_weight: &Bound<'py, PyAny>,
+    grad_weight: Option<&Bound<'py, PyAny>>,
     grad_bias: Option<&Bound<'py, PyAny>>,
     out_row_loss: &Bound<'py, PyAny>,
     stream: usize,
@@ -241,6 +246,10 @@ pub fn ce_linear<'py>(
             ce_args(config_json, mode, budget_mib, hidden, weight, bias, targets)?;
         opts.grad_output = grad_output as f32;
         let grads = Grads::new(&head, grad_hidden, grad_weight, grad_bias)?;
+        let opts = FusedOptions {
+            head_grad: grads.head_grad(),
+            ..opts
+        };
         let grad_rows = Tensor::optional("grad_rows", grad_rows, F32)?;
         let grad_lse = Tensor::optional("grad_lse", grad_lse, F32)?;
         for g in grad_rows.iter().chain(&grad_lse) {
@@ -373,23 +382,7 @@ pub fn logp_linear<'py>(
     let parsed = (|| {
         let opts = budget("two_pass", budget_mib)?;
         let head = HeadTensors::new(hidden, weight, bias)?;
-        let ids = Tensor::new("ids", ids, I64)?;
-        if ids.numel() != head.tokens {
-            return Err(arg_error(
-                "ids",
-                format!(
-                    "has {} elements but hidden has {} rows",
-                    ids.numel(),
-                    head.tokens
-                ),
-            ));
-        }
-        let mask = Tensor::optional("mask", mask, BOOL)?;
-        if let Some(m) = &mask {
-            m.expect_shape(&ids.shape)?;
-        }
-        let mask = mask.map(|m| m.bools()).transpose()?;
-        let t = Temperature::new(temperature).map_err(|e| arg_error("temperature", e))?;
+        let (ids, mask, t) = logp_rows(&head, ids, mask, temperature)?;
         Ok((opts, head, ids, mask, t))
     })();
     let (opts, head, ids, mask, temperature) = agreed(py, group.as_ref(), parsed)?;
@@ -414,4 +407,100 @@ pub fn logp_linear<'py>(
         &mut Tensor::new("out_logp", out_logp, F32)?,
         &mut Tensor::new("out_entropy", out_entropy, F32)?,
     )
+}
+
+/// The gradient of `Σ_i grad_logp_i·logp_i + grad_entropy_i·H_i` of [`logp_linear`]'s
+/// outputs (`[N]` f32 each; `grad_entropy` None: zero) w.r.t. hidden, weight and bias,
+/// added into `grad_*` (no `grad_weight`: a frozen head, dH alone).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+#[pyo3(signature = (hidden, weight, bias, ids, mask, grad_logp, grad_entropy, temperature, mode,
+    budget_mib, grad_hidden, grad_weight, grad_bias, group=None))]
+pub fn logp_linear_grads<'py>(
+    py: Python<'py>,
+    hidden: &Bound<'py, PyAny>,
+    weight: &Bound<'py, PyAny>,
+    bias: Option<&Bound<'py, PyAny>>,
+    ids: &Bound<'py, PyAny>,
+    mask: Option<&Bound<'py, PyAny>>,
+    grad_logp: &Bound<'py, PyAny>,
+    grad_entropy: Option<&Bound<'py, PyAny>>,
+    temperature: f64,
+    mode: &str,
+    budget_mib: f64,
+    grad_hidden: &Bound<'py, PyAny>,
+    grad_weight: Option<&Bound<'py, PyAny>>,
+    grad_bias: Option<&Bound<'py, PyAny>>,
+    group: Option<&Bound<'py, PyAny>>,
+) -> PyResult<()> {
+    let group = VocabGroup::new(group)?;
+    let parsed = (|| {
+        let head = HeadTensors::new(hidden, weight, bias)?;
+        let (ids, mask, t) = logp_rows(&head, ids, mask, temperature)?;
+        let grads = Grads::new(&head, grad_hidden, grad_weight, grad_bias)?;
+        let opts = FusedOptions {
+            head_grad: grads.head_grad(),
+            ..budget(mode, budget_mib)?
+        };
+        let g_logp = Tensor::new("grad_logp", grad_logp, F32)?;
+        let g_entropy = Tensor::optional("grad_entropy", grad_entropy, F32)?;
+        for g in std::iter::once(&g_logp).chain(&g_entropy) {
+            g.expect_shape(&ids.shape)?;
+        }
+        Ok((head, ids, mask, t, grads, opts, g_logp, g_entropy))
+    })();
+    let (head, ids, mask, temperature, mut grads, opts, g_logp, g_entropy) =
+        agreed(py, group.as_ref(), parsed)?;
+    let seq_len = ids.shape.last().copied().unwrap_or(1);
+    let rows = fused::LogpRows {
+        targets: ids.i64s()?,
+        mask: mask.as_deref(),
+        temperature,
+    };
+    let upstream = fused::LogpUpstream {
+        logp: g_logp.f32s()?,
+        entropy: g_entropy.as_ref().map(|t| t.f32s()).transpose()?,
+    };
+    match &group {
+        None => with_element!(head.hidden.dtype, E => call_head::<E, _>(
+            py, &head, Some(&mut grads), 0,
+            |d, h| d.logp_linear_grads_into(h, rows, upstream, &opts, seq_len),
+        ))?,
+        Some(g) => {
+            let shard = head_shard(py, g, &head)?;
+            with_element!(head.hidden.dtype, E => call_head::<E, _>(
+                py, &head, Some(&mut grads), 0,
+                |d, h| d.logp_linear_grads_sharded_into(&Grid::vocab(&g.0), shard, h, rows, upstream, &opts, seq_len),
+            ))?
+        }
+    };
+    Ok(())
+}
+
+/// A log-prob call's ids (`N` elements), mask (of the ids' shape) and temperature,
+/// checked against `head`.
+fn logp_rows<'py>(
+    head: &HeadTensors,
+    ids: &Bound<'py, PyAny>,
+    mask: Option<&Bound<'py, PyAny>>,
+    temperature: f64,
+) -> PyResult<(Tensor<'py>, Option<Vec<bool>>, Temperature)> {
+    let ids = Tensor::new("ids", ids, I64)?;
+    if ids.numel() != head.tokens {
+        return Err(arg_error(
+            "ids",
+            format!(
+                "has {} elements but hidden has {} rows",
+                ids.numel(),
+                head.tokens
+            ),
+        ));
+    }
+    let mask = Tensor::optional("mask", mask, BOOL)?;
+    if let Some(m) = &mask {
+        m.expect_shape(&ids.shape)?;
+    }
+    let mask = mask.map(|m| m.bools()).transpose()?;
+    let t = Temperature::new(temperature).map_err(|e| arg_error("temperature", e))?;
+    Ok((ids, mask, t))
 }

@@ -82,12 +82,30 @@ def check_ce(rank, block, group, reduction, options):
 
 
 def check_logprobs(rank, block, group):
+    """Values, and gradients through logp and entropy: a trainable head, then a frozen
+    one (no weight or bias gradient, the same hidden gradient)."""
     hidden, weight, bias, ids, mask, _, _ = data(4)
-    lp1, ent1 = fl.linear_logprobs(hidden, weight, ids, 0.7, True, bias=bias, mask=mask)
-    lp, ent = fl.linear_logprobs(hidden, weight[block], ids, 0.7, True, bias=bias[block], mask=mask,
-                                 vocab_parallel_group=group)  # fmt: skip
-    close(f"logprobs rank {rank}", lp, lp1)
-    close(f"entropy rank {rank}", ent, ent1)
+    g = torch.Generator().manual_seed(5)
+    up_logp, up_ent = torch.randn(B, T, generator=g), torch.randn(B, T, generator=g)
+    for frozen in (False, True):
+        results = []
+        for w_rows, b_rows, grp in ((weight, bias, None), (weight[block], bias[block], group)):
+            h, w, b = leaves(hidden, w_rows, b_rows)
+            if frozen:
+                w.requires_grad_(False), b.requires_grad_(False)
+            lp, ent = fl.linear_logprobs(h, w, ids, 0.7, True, bias=b, mask=mask, vocab_parallel_group=grp)
+            ((lp * up_logp).sum() + (ent * up_ent).sum()).backward()
+            results.append((lp.detach(), ent.detach(), h.grad, w.grad, b.grad))
+        (lp1, ent1, dh1, dw1, db1), (lp, ent, dh, dw, db) = results
+        name = f"logprobs frozen={frozen} rank {rank}"
+        close(name, lp, lp1)
+        close(name + " entropy", ent, ent1)
+        close(name + " dhidden", dh, dh1, rtol=1e-4)
+        if frozen:
+            assert dw is None and db is None and dw1 is None, name + ": a frozen head got gradients"
+        else:
+            close(name + " dweight", dw, dw1[block], rtol=1e-4)
+            close(name + " dbias", db, db1[block], rtol=1e-4)
 
 
 def bad_inputs(rank, block, group):

@@ -28,7 +28,7 @@ def test_opcheck_grpo_linear(bias):
     w = d["weight"].requires_grad_()
     b = None if d["bias"] is None else d["bias"].requires_grad_()
     args = (h, w, b, d["ids"], d["mask"], d["adv"], old, old - 0.05, None, None, None, None,
-            GRPO_CONFIG, "auto", 160.0, "")  # fmt: skip
+            GRPO_CONFIG, "auto", 160.0, "", True)  # fmt: skip
     # The gradients are formed in the forward (the op's outputs); gradcheck of the op's
     # formula is test_grpo's job (against float64 TRL), so opcheck checks the rest.
     tests = ("test_schema", "test_faketensor", "test_autograd_registration")
@@ -47,10 +47,10 @@ def test_opcheck_ce_ops(reduction):
         torch.library.opcheck(ops.ce_linear_rows, (h2, w, b, tgt, config, "auto", 160.0, ""), test_utils=tests)
         grad_rows = torch.randn(tgt.shape)
         torch.library.opcheck(
-            ops.ce_linear_rows_backward, (h2, w, b, tgt, grad_rows, config, "auto", 160.0, ""), test_utils=tests
+            ops.ce_linear_rows_backward, (h2, w, b, tgt, grad_rows, config, "auto", 160.0, "", True), test_utils=tests
         )
     else:
-        torch.library.opcheck(ops.ce_linear, (h2, w, b, tgt, config, "auto", 160.0, ""), test_utils=tests)
+        torch.library.opcheck(ops.ce_linear, (h2, w, b, tgt, config, "auto", 160.0, "", True), test_utils=tests)
     lse_op = ops.ce_linear_rows_lse if reduction == "none" else ops.ce_linear_lse
     torch.library.opcheck(lse_op, (h2, w, b, tgt, config, "auto", 160.0, ""), test_utils=tests)
     rows = torch.randn(tgt.shape) if reduction == "none" else None

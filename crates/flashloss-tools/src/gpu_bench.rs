@@ -157,7 +157,7 @@ fn typed<E: flashloss::cuda::GpuElement>(
     }
     let mut run_one = |name: &'static str, materialized: bool| -> Result<BenchResult> {
         let mut ws = GpuWorkspace::new(&gpu)?;
-        let mut grads = GpuGrads::zeros(&gpu, &head)?;
+        let mut grads = GpuGrads::zeros(&gpu, &head, opts.head_grad)?;
         gpu.memory().reset_peak();
         let mut times = Vec::new();
         let mut value = 0.0;
@@ -167,7 +167,9 @@ fn typed<E: flashloss::cuda::GpuElement>(
             let t = gpu.timed(|| {
                 // A training step zeroes its gradients; the kernels add into them.
                 gpu.fill_zeros(&mut grads.dhidden)?;
-                gpu.fill_zeros(&mut grads.dweight)?;
+                if let Some(dw) = &mut grads.dweight {
+                    gpu.fill_zeros(dw)?;
+                }
                 let head = &mut CudaHead {
                     gpu: &gpu,
                     head: &head,

@@ -275,7 +275,7 @@ fn rank_typed<E: Element>(
         let base = memory::in_use();
         let inputs = RankInputs::<E>::new(cfg, &loss, 0..cfg.batch, 0..v);
         let mut ws = Workspace::new();
-        let mut grads = LinearGrads::zeros(&inputs.linear(h));
+        let mut grads = LinearGrads::zeros_for(&inputs.linear(h), opts.head_grad);
         let batch = inputs.tokens.batch();
         let norm = Normalizers::local(&batch);
         let (timing, (value, _), peak) =

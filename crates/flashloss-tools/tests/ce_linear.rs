@@ -91,6 +91,7 @@ fn check<E: Element>(
         mode,
         budget_bytes: flashloss::cpu::gemm_reserve_bytes() + (1 << 20),
         grad_output: 0.75,
+        head_grad: Default::default(),
     };
     let case = format!(
         "{cfg:?} {:?} {mode:?} [N={n},H={h},V={v}] bias={bias}",

@@ -29,6 +29,7 @@ fn opts(mode: Mode) -> FusedOptions {
         mode,
         budget_bytes: flashloss::cpu::gemm_reserve_bytes() + (1 << 20),
         grad_output: 1.0,
+        head_grad: Default::default(),
     }
 }
 

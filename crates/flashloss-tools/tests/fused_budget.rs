@@ -47,6 +47,7 @@ fn fused_kernels_stay_within_the_budget() {
             mode,
             budget_bytes: budget,
             grad_output: 1.0,
+            head_grad: Default::default(),
         };
         measure(&format!("grpo {mode:?}"), &|| {
             grpo_linear(&grpo, &x.batch(), &head.inputs(), &opts)

@@ -100,6 +100,7 @@ fn blocks_skip_masked_rows_between_live_ones() {
                         mode,
                         budget_bytes: mib_to_bytes(mib),
                         grad_output: 1.0,
+                        head_grad: Default::default(),
                     };
                     flashloss::cpu::plan(
                         n,

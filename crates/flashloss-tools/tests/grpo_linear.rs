@@ -32,6 +32,7 @@ fn check<E: Element>(
         mode,
         budget_bytes: flashloss::cpu::gemm_reserve_bytes() + (1 << 20),
         grad_output: 0.75,
+        head_grad: Default::default(),
     };
     let case = format!(
         "{} {:?} {mode:?} [B={b},T={t},H={h},V={v}] bias={bias}",
@@ -305,6 +306,7 @@ fn compact_on_confident_rows() {
                 mode: Mode::Compact,
                 budget_bytes: flashloss::cpu::gemm_reserve_bytes() + (1 << 20),
                 grad_output: 1.0,
+                head_grad: Default::default(),
             };
             let out = grpo_linear(&loss, &batch, &head.inputs(), &opts).unwrap();
             let r = grpo_reference(&loss, &batch, Normalizers::local(&batch), &z, v, 1.0);
@@ -359,6 +361,7 @@ fn bf16_products_on_flat_and_peaked_rows() {
                     mode,
                     budget_bytes: flashloss::cpu::gemm_reserve_bytes() + (4 << 20),
                     grad_output: 1.0,
+                    head_grad: Default::default(),
                 };
                 let out = grpo_linear(&loss, &batch, &head.inputs(), &opts).unwrap();
                 assert_eq!(out.plan.bf16_products, Some(products));

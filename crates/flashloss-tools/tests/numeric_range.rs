@@ -263,6 +263,7 @@ fn fused_linear_out_of_range_is_an_error_in_both_modes() {
                 mode,
                 budget_bytes: flashloss::cpu::gemm_reserve_bytes() + (1 << 20),
                 grad_output: 1.0,
+                head_grad: Default::default(),
             };
             let got = grpo_linear(&loss, &batch, &head.inputs(), &opts);
             let case = format!("{mode:?} shift {shift}");
@@ -311,6 +312,7 @@ fn grad_output_at_f32_max_is_out_of_range_not_inf() {
             mode,
             budget_bytes: flashloss::cpu::gemm_reserve_bytes() + (1 << 20),
             grad_output: f32::MAX,
+            head_grad: Default::default(),
         };
         match grpo_linear(&loss, &batch, &head.inputs(), &opts) {
             Ok(out) => assert!(out.grads.dhidden.iter().all(|g| g.is_finite())),
@@ -380,6 +382,7 @@ fn upstream_scale_beyond_f32_with_products_within_it() {
             mode,
             budget_bytes: flashloss::cpu::gemm_reserve_bytes() + (1 << 20),
             grad_output: g,
+            head_grad: Default::default(),
         };
         let out = grpo_linear(&loss, &batch, &head.inputs(), &opts).unwrap();
         zero("fused dhidden", &out.grads.dhidden);

@@ -339,6 +339,26 @@ proptest! {
     }
 }
 
+proptest! {
+    #![proptest_config(cases(300))]
+    /// A frozen head: dH against the reference, no dW or dbias returned.
+    #[test]
+    fn frozen_head_matches_the_reference_without_dw(
+        b in 1usize..4, t in 1usize..6, v in vocab(), h in 1usize..9,
+        knobs in knobs(), ce in ce_config(), grpo in any::<bool>(),
+        two_pass in any::<bool>(), bias in any::<bool>(), bf16 in head_dtype(),
+        masked_fraction in 0.0f64..=1.0, seed in 0u64..1000, threads in 1usize..4,
+    ) {
+        let objective = if grpo { Objective::Grpo } else { Objective::Ce };
+        let cfg = GradcheckConfig {
+            head_grad: flashloss::HeadGrad::Frozen,
+            ..linear_cfg(b, t, v, h, objective, knobs.config(t), ce, two_pass, bias, bf16,
+                masked_fraction, seed)
+        };
+        run_linear(&cfg, threads)?;
+    }
+}
+
 /// Minimal cases found by the property tests, kept as regular tests.
 mod regressions {
     use super::*;

@@ -31,6 +31,7 @@ fn opts() -> FusedOptions {
         mode: Mode::TwoPass,
         budget_bytes: flashloss::cpu::gemm_reserve_bytes() + (1 << 20),
         grad_output: 0.75,
+        head_grad: Default::default(),
     }
 }
 

@@ -358,17 +358,22 @@ fn gradient_buffers_must_match_the_head() {
     let head = HeadInputs::<f32>::random(5, 3, 7, false, 0);
     let inputs = head.inputs();
     let good = LinearGrads::zeros(&inputs);
-    assert!(good.check(&inputs).is_ok());
+    assert!(good.check(&inputs, Default::default()).is_ok());
     let mut short = good.clone();
     short.dhidden.pop();
     assert_eq!(
-        short.check(&inputs).unwrap_err().to_string(),
+        short
+            .check(&inputs, Default::default())
+            .unwrap_err()
+            .to_string(),
         "argument `dhidden`: expected 15 elements for shape [N=5, H=3], got 14"
     );
     let mut wide = good.clone();
     wide.dweight.push(0.0);
     assert_eq!(
-        wide.check(&inputs).unwrap_err().to_string(),
+        wide.check(&inputs, Default::default())
+            .unwrap_err()
+            .to_string(),
         "argument `dweight`: expected 21 elements for shape [V=7, H=3], got 22"
     );
     let with_bias = LinearGrads {
@@ -376,7 +381,10 @@ fn gradient_buffers_must_match_the_head() {
         ..good
     };
     assert_eq!(
-        with_bias.check(&inputs).unwrap_err().to_string(),
+        with_bias
+            .check(&inputs, Default::default())
+            .unwrap_err()
+            .to_string(),
         "argument `dbias`: must be present exactly when the head has a bias"
     );
 }

@@ -150,6 +150,7 @@ fn check_grpo<E: Element>(shape: (usize, usize, usize, usize), bias: bool, mode:
             mode,
             budget_bytes: flashloss::cpu::gemm_reserve_bytes() + (2 << 20),
             grad_output: 0.75,
+            head_grad: Default::default(),
         };
         let case = format!(
             "grpo {:?} {products:?} {mode:?} [B={b},T={t},H={h},V={v}] bias={bias}",
@@ -226,6 +227,7 @@ fn check_ce<E: Element>(shape: (usize, usize, usize), reduction: Reduction, mode
             mode,
             budget_bytes: flashloss::cpu::gemm_reserve_bytes() + (2 << 20),
             grad_output: 0.75,
+            head_grad: Default::default(),
         };
         let case = format!(
             "ce {:?} {products:?} {mode:?} {reduction:?} [N={n},H={h},V={v}]",
@@ -446,7 +448,10 @@ fn shape_errors_name_the_weight_in_its_layout() {
     let inputs = hidden_major(&head, &wt);
     let mut grads = LinearGrads::zeros(&inputs);
     grads.dweight.pop();
-    let err = grads.check(&inputs).unwrap_err().to_string();
+    let err = grads
+        .check(&inputs, Default::default())
+        .unwrap_err()
+        .to_string();
     assert!(
         err.starts_with("argument `dweight`: expected 400 elements for shape [H=8, V=50]"),
         "{err}"

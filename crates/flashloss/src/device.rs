@@ -18,7 +18,7 @@ use crate::element::Element;
 use crate::error::{Error, Result};
 use crate::fused::{
     self, CeLinearOutput, FusedOptions, GrpoLinearOutput, Head, LinearGrads, LinearGradsMut,
-    RowGrad,
+    LogpRows, LogpUpstream, RowGrad,
 };
 use crate::grpo_config::GrpoLoss;
 use crate::grpo_logits::GrpoLogitsForward;
@@ -196,7 +196,7 @@ impl Device {
         inputs: &LinearInputs<E>,
         opts: &FusedOptions,
     ) -> Result<GrpoLinearOutput> {
-        let mut grads = LinearGrads::zeros(inputs);
+        let mut grads = LinearGrads::zeros_for(inputs, opts.head_grad);
         let grads_mut = grads.view();
         let out = self.grpo_linear_into(loss, batch, host(inputs, grads_mut), opts)?;
         Ok(GrpoLinearOutput { grads, ..out })
@@ -224,7 +224,7 @@ impl Device {
         inputs: &LinearInputs<E>,
         opts: &FusedOptions,
     ) -> Result<CeLinearOutput> {
-        let mut grads = LinearGrads::zeros(inputs);
+        let mut grads = LinearGrads::zeros_for(inputs, opts.head_grad);
         let grads_mut = grads.view();
         let head = host(inputs, grads_mut);
         let out = self.ce_linear_into(ce, targets, grad_rows, head, opts)?;
@@ -286,6 +286,40 @@ impl Device {
         })
     }
 
+    /// The gradient of [`Device::logp_linear`]'s `logp` and entropy for `upstream`
+    /// (see [`fused::logp_linear_grads`]), added into the caller's buffers; returns the
+    /// rows' statistics.
+    pub fn logp_linear_grads_into<E: Element>(
+        &self,
+        head: HeadArgs<E>,
+        rows: LogpRows,
+        upstream: LogpUpstream,
+        opts: &FusedOptions,
+        seq_len: usize,
+    ) -> Result<Vec<RowStats>> {
+        self.run(head, |h| {
+            fused::logp_linear_grads(h, rows, upstream, opts, seq_len)
+        })
+    }
+
+    /// [`Device::logp_linear_grads_into`] of a head split over `grid` (see
+    /// [`fused::logp_linear_grads_sharded`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn logp_linear_grads_sharded_into<E: Element>(
+        &self,
+        grid: &Grid,
+        shard: Shard,
+        head: HeadArgs<E>,
+        rows: LogpRows,
+        upstream: LogpUpstream,
+        opts: &FusedOptions,
+        seq_len: usize,
+    ) -> Result<Vec<RowStats>> {
+        self.run(head, |h| {
+            fused::logp_linear_grads_sharded(grid, h, shard, rows, upstream, opts, seq_len)
+        })
+    }
+
     /// GRPO on a [`Grid`] of ranks: this rank's token group's `batch` and its head,
     /// the [`Shard`] of the vocabulary its weight rows hold (see
     /// [`fused::grpo_linear_sharded`]), with its gradients returned.
@@ -298,7 +332,7 @@ impl Device {
         inputs: &LinearInputs<E>,
         opts: &FusedOptions,
     ) -> Result<GrpoLinearOutput> {
-        let mut grads = LinearGrads::zeros(inputs);
+        let mut grads = LinearGrads::zeros_for(inputs, opts.head_grad);
         let head = host(inputs, grads.view());
         let out = self.grpo_linear_sharded_into(grid, shard, loss, batch, head, opts)?;
         Ok(GrpoLinearOutput { grads, ..out })
@@ -330,7 +364,7 @@ impl Device {
         inputs: &LinearInputs<E>,
         opts: &FusedOptions,
     ) -> Result<CeLinearOutput> {
-        let mut grads = LinearGrads::zeros(inputs);
+        let mut grads = LinearGrads::zeros_for(inputs, opts.head_grad);
         let head = host(inputs, grads.view());
         let out = self.ce_linear_sharded_into(grid, shard, ce, targets, None, head, opts)?;
         Ok(CeLinearOutput { grads, ..out })

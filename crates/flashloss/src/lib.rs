@@ -42,8 +42,8 @@ pub use device::{Device, HeadArgs};
 pub use element::{DType, Element};
 pub use error::{Error, Result};
 pub use fused::{
-    Bf16Products, CeLinearOutput, FusedOptions, GrpoLinearOutput, LinearGrads, LinearGradsMut,
-    Mode, Plan,
+    Bf16Products, CeLinearOutput, FusedOptions, GrpoLinearOutput, HeadGrad, LinearGrads,
+    LinearGradsMut, Mode, Plan,
 };
 pub use grpo_config::{GrpoLoss, GrpoLossConfig, ImportanceSamplingLevel, LossType};
 pub use grpo_logits::GrpoLogitsForward;

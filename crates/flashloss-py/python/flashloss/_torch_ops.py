@@ -7,8 +7,17 @@ The fused ops form their gradients in the forward, while each block of logits is
 hand: ``grpo_linear`` and ``ce_linear`` return the loss and ``∂loss/∂(hidden, weight,
 bias)`` in f32; their backward is ``grad_loss · ∂loss/∂x`` in ``x``'s dtype. Reduction
 ``none`` (``ce_linear_rows``) runs the head again in its backward
-(``ce_linear_rows_backward``) with each row's upstream gradient. ``grpo_logits`` returns
-``∂loss/∂logits`` (zero at positions it does not read). Inputs arrive checked and
+(``ce_linear_rows_backward``) with each row's upstream gradient, and so does
+``logp_linear`` (``logp_linear_backward``, with the upstream gradients of ``logp`` and
+the entropy). ``grpo_logits`` returns ``∂loss/∂logits`` (zero at positions it does not
+read).
+
+A frozen head (``weight`` and ``bias`` need no gradient) gets no ``[V, H]`` buffer and no
+dW/dbias product: the fused ops, which form the gradients in their forward, take
+``head_grad`` (False: frozen; :mod:`flashloss.torch` passes whether autograd will want
+them, and ``setup_context`` checks that against ``ctx.needs_input_grad``) and return
+``[0]``-shaped ``dweight``/``dbias``; the ops whose backward runs the head again read
+``ctx.needs_input_grad`` there. Inputs arrive checked and
 converted by :mod:`flashloss.torch`: per-token tensors on the CPU, the head in one
 dtype, contiguous. ``group`` names a vocab-parallel group registered in
 :mod:`flashloss._dist` ("" for none).
@@ -37,11 +46,26 @@ def _zeros_f32(t: Optional[Tensor]) -> Optional[Tensor]:
     return None if t is None else torch.zeros(t.shape, dtype=torch.float32, device=t.device)
 
 
-def _grad_buffers(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-    """The head's zeroed f32 gradient buffers; the bias's is empty when there is no bias
-    (an op returns tensors)."""
-    db = hidden.new_empty((0,), dtype=torch.float32) if bias is None else _zeros_f32(bias)
-    return _zeros_f32(hidden), _zeros_f32(weight), db
+def _grad_buffers(
+    hidden: Tensor, weight: Tensor, bias: Optional[Tensor], head_grad: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The head's zeroed f32 gradient buffers; ``dweight`` and ``dbias`` are empty (an op
+    returns tensors) for a frozen head (``head_grad`` False), ``dbias`` without a bias."""
+
+    def empty():  # one tensor per output: an op's outputs may not alias each other
+        return hidden.new_empty((0,), dtype=torch.float32)
+
+    dw = _zeros_f32(weight) if head_grad else empty()
+    db = _zeros_f32(bias) if head_grad and bias is not None else empty()
+    return _zeros_f32(hidden), dw, db
+
+
+def _native_grads(dw: Tensor, db: Tensor, bias: Optional[Tensor], head_grad: bool) -> tuple:
+    """``(grad_weight, grad_bias)`` as the native calls take them: None for a frozen head
+    (no dW, no dbias formed) and for an absent bias."""
+    if not head_grad:
+        return None, None
+    return dw, None if bias is None else db
 
 
 def metrics_tensor(out: dict, device=None) -> Tensor:
@@ -76,30 +100,46 @@ def _only_the_loss_differentiable(ctx, output) -> None:
     ctx.set_materialize_grads(False)
 
 
-def _fake_grads(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-    """The fake (meta) gradient buffers of a head."""
+def _fake_grads(
+    hidden: Tensor, weight: Tensor, bias: Optional[Tensor], head_grad: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The fake (meta) gradient buffers of a head (as :func:`_grad_buffers` shapes them)."""
     f32 = dict(dtype=torch.float32)
-    db = hidden.new_empty((0,) if bias is None else bias.shape, **f32)
-    return hidden.new_empty(hidden.shape, **f32), hidden.new_empty(weight.shape, **f32), db
+    dw = hidden.new_empty(weight.shape if head_grad else (0,), **f32)
+    db = hidden.new_empty(bias.shape if head_grad and bias is not None else (0,), **f32)
+    return hidden.new_empty(hidden.shape, **f32), dw, db
 
 
-def _ce_call(hidden, weight, bias, targets, grad_rows, config, mode, budget_mib, group):
+def _head_dtypes(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], head_grad: bool) -> tuple:
+    """The dtypes the gradients go back in; None where no gradient is returned."""
+    return (
+        hidden.dtype,
+        weight.dtype if head_grad else None,
+        bias.dtype if head_grad and bias is not None else None,
+    )
+
+
+def _ce_call(hidden, weight, bias, targets, grad_rows, config, mode, budget_mib, group, head_grad):
     """The native CE call: ``(result dict, per-row losses, dhidden, dweight, dbias)``,
     gradients times ``grad_rows`` where given."""
-    dh, dw, db = _grad_buffers(hidden, weight, bias)
+    dh, dw, db = _grad_buffers(hidden, weight, bias, head_grad)
     rows = torch.empty(targets.shape, dtype=torch.float32)
     out = _native.ce_linear(
-        hidden, weight, bias, targets, config, mode, budget_mib, grad_rows, dh, dw,
-        None if bias is None else db, rows, _stream(hidden.device), _dist.ops(group),
+        hidden, weight, bias, targets, config, mode, budget_mib, grad_rows, dh,
+        *_native_grads(dw, db, bias, head_grad), rows, _stream(hidden.device), _dist.ops(group),
     )  # fmt: skip
     return out, rows, dh, dw, db
 
 
 def _head_setup(ctx, inputs, output) -> None:
-    """Saves the head's gradients (outputs 1-3; output 0 is the loss) for the backward."""
+    """Saves the head's gradients (outputs 1-3; output 0 is the loss) for the backward;
+    the op's last input is ``head_grad``, which must cover what autograd wants."""
     hidden, weight, bias = inputs[:3]
+    head_grad = inputs[-1]
+    if not head_grad and (ctx.needs_input_grad[1] or ctx.needs_input_grad[2]):
+        raise ValueError("argument `head_grad`: False, but autograd wants the gradient of `weight` or `bias`")
     ctx.save_for_backward(*output[1:4])
-    ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+    ctx.dtypes = _head_dtypes(hidden, weight, bias, head_grad)
     _only_the_loss_differentiable(ctx, output)
 
 
@@ -124,15 +164,17 @@ def grpo_linear(
     mode: str,
     budget_mib: float,
     group: str,
+    head_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``(loss, dhidden, dweight, dbias, logp, entropy, kl, metrics)``."""
+    """``(loss, dhidden, dweight, dbias, logp, entropy, kl, metrics)`` (``dweight``,
+    ``dbias`` ``[0]`` for a frozen head: ``head_grad`` False)."""
     device = hidden.device
-    dh, dw, db = _grad_buffers(hidden, weight, bias)
+    dh, dw, db = _grad_buffers(hidden, weight, bias, head_grad)
     logp, entropy, kl = (torch.empty(completion_ids.shape, dtype=torch.float32) for _ in range(3))
     out = _native.grpo_linear(
         hidden, weight, bias, completion_ids, completion_mask, advantages, old_per_token_logps,
         ref_per_token_logps, importance_sampling_ratio, policy_mask, entropy_mask,
-        _with_items(config, num_items), mode, budget_mib, dh, dw, None if bias is None else db,
+        _with_items(config, num_items), mode, budget_mib, dh, *_native_grads(dw, db, bias, head_grad),
         logp, entropy, kl, _stream(device), _dist.ops(group),
     )  # fmt: skip
     loss = torch.tensor(out["loss"], dtype=torch.float32, device=device)
@@ -144,11 +186,11 @@ def grpo_linear(
 def _(hidden, weight, bias, completion_ids, *args):
     per_token = tuple(hidden.new_empty(completion_ids.shape, dtype=torch.float32) for _ in range(3))
     loss, metrics = hidden.new_empty((), dtype=torch.float32), hidden.new_empty((len(METRICS),), dtype=torch.float64)
-    return (loss, *_fake_grads(hidden, weight, bias), *per_token, metrics)
+    return (loss, *_fake_grads(hidden, weight, bias, args[-1]), *per_token, metrics)
 
 
 def _grpo_linear_backward(ctx, grad, *_):
-    return (*_scale(grad, ctx.saved_tensors, ctx.dtypes), *([None] * 13))
+    return (*_scale(grad, ctx.saved_tensors, ctx.dtypes), *([None] * 14))
 
 
 grpo_linear.register_autograd(_grpo_linear_backward, setup_context=_head_setup)
@@ -167,19 +209,21 @@ def ce_linear(
     mode: str,
     budget_mib: float,
     group: str,
+    head_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(loss, dhidden, dweight, dbias)`` of reduction ``mean`` or ``sum``."""
-    out, _, dh, dw, db = _ce_call(hidden, weight, bias, targets, None, config, mode, budget_mib, group)
+    """``(loss, dhidden, dweight, dbias)`` of reduction ``mean`` or ``sum`` (``dweight``,
+    ``dbias`` ``[0]`` for a frozen head)."""
+    out, _, dh, dw, db = _ce_call(hidden, weight, bias, targets, None, config, mode, budget_mib, group, head_grad)
     return torch.tensor(out["loss"], dtype=torch.float32, device=hidden.device), dh, dw, db
 
 
 @ce_linear.register_fake
 def _(hidden, weight, bias, *args):
-    return (hidden.new_empty((), dtype=torch.float32), *_fake_grads(hidden, weight, bias))
+    return (hidden.new_empty((), dtype=torch.float32), *_fake_grads(hidden, weight, bias, args[-1]))
 
 
 def _ce_linear_backward(ctx, grad, *_):
-    return (*_scale(grad, ctx.saved_tensors, ctx.dtypes), *([None] * 5))
+    return (*_scale(grad, ctx.saved_tensors, ctx.dtypes), *([None] * 6))
 
 
 ce_linear.register_autograd(_ce_linear_backward, setup_context=_head_setup)
@@ -196,15 +240,17 @@ def ce_linear_rows_backward(
     mode: str,
     budget_mib: float,
     group: str,
+    head_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``Σ_i grad_rows_i · ∂loss_i/∂(hidden, weight, bias)`` (f32)."""
+    """``Σ_i grad_rows_i · ∂loss_i/∂(hidden, weight, bias)`` (f32; ``[0]`` for the head's
+    when frozen)."""
     g = grad_rows.detach().to(device="cpu", dtype=torch.float32).contiguous()
-    return _ce_call(hidden, weight, bias, targets, g, config, mode, budget_mib, group)[2:]
+    return _ce_call(hidden, weight, bias, targets, g, config, mode, budget_mib, group, head_grad)[2:]
 
 
 @ce_linear_rows_backward.register_fake
 def _(hidden, weight, bias, *args):
-    return _fake_grads(hidden, weight, bias)
+    return _fake_grads(hidden, weight, bias, args[-1])
 
 
 @torch.library.custom_op("flashloss::ce_linear_rows", mutates_args=())
@@ -226,7 +272,8 @@ def ce_linear_rows(
         _native.ce_rows(hidden, weight, bias, targets, config, budget_mib, rows)
         return rows
     zero = torch.zeros(targets.shape, dtype=torch.float32)
-    return _ce_call(hidden, weight, bias, targets, zero, config, mode, budget_mib, group)[1].to(hidden.device)
+    rows = _ce_call(hidden, weight, bias, targets, zero, config, mode, budget_mib, group, False)[1]
+    return rows.to(hidden.device)
 
 
 @ce_linear_rows.register_fake
@@ -240,10 +287,16 @@ def _ce_rows_setup(ctx, inputs, output):
     ctx.args = (config, mode, budget_mib, group)
 
 
+def _head_wanted(ctx) -> bool:
+    """Whether autograd wants the gradient of ``weight`` or ``bias`` (inputs 1, 2)."""
+    return bool(ctx.needs_input_grad[1] or ctx.needs_input_grad[2])
+
+
 def _ce_rows_backward(ctx, grad_rows):
     hidden, weight, bias, targets = ctx.saved_tensors
-    grads = ce_linear_rows_backward(hidden, weight, bias, targets, grad_rows, *ctx.args)
-    dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+    head_grad = _head_wanted(ctx)
+    grads = ce_linear_rows_backward(hidden, weight, bias, targets, grad_rows, *ctx.args, head_grad)
+    dtypes = _head_dtypes(hidden, weight, bias, head_grad)
     out = [None if dt is None else g.to(dt) for g, dt in zip(grads, dtypes)]
     return (*out, None, None, None, None, None)
 
@@ -272,7 +325,7 @@ def ce_linear_lse_backward(
     ``grad_rows`` for reduction ``none``)."""
     f32 = dict(device="cpu", dtype=torch.float32)
     rows = None if grad_rows is None else grad_rows.detach().to(**f32).contiguous()
-    dh, dw, db = _grad_buffers(hidden, weight, bias)
+    dh, dw, db = _grad_buffers(hidden, weight, bias, True)  # the lse ops train the head
     out_rows = torch.empty(targets.shape, dtype=torch.float32)
     _native.ce_linear(
         hidden, weight, bias, targets, config, mode, budget_mib, rows, dh, dw, None if bias is None else db,
@@ -283,7 +336,7 @@ def ce_linear_lse_backward(
 
 @ce_linear_lse_backward.register_fake
 def _(hidden, weight, bias, *args):
-    return _fake_grads(hidden, weight, bias)
+    return _fake_grads(hidden, weight, bias, True)
 
 
 @torch.library.custom_op("flashloss::ce_linear_lse", mutates_args=())
@@ -299,7 +352,7 @@ def ce_linear_lse(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(loss, lse, dhidden, dweight, dbias)``: reduction ``mean``/``sum``'s loss and
     its gradients, with each row's log-sum-exp ``[N]`` (0 where ignored)."""
-    dh, dw, db = _grad_buffers(hidden, weight, bias)
+    dh, dw, db = _grad_buffers(hidden, weight, bias, True)  # the lse ops train the head
     rows, lse = (torch.empty(targets.shape, dtype=torch.float32) for _ in range(2))
     out = _native.ce_linear(
         hidden, weight, bias, targets, config, mode, budget_mib, None, dh, dw, None if bias is None else db,
@@ -312,7 +365,9 @@ def ce_linear_lse(
 @ce_linear_lse.register_fake
 def _(hidden, weight, bias, targets, *args):
     f32 = dict(dtype=torch.float32)
-    return (hidden.new_empty((), **f32), hidden.new_empty(targets.shape, **f32), *_fake_grads(hidden, weight, bias))
+    return (
+        hidden.new_empty((), **f32), hidden.new_empty(targets.shape, **f32), *_fake_grads(hidden, weight, bias, True)
+    )
 
 
 def _ce_lse_setup(ctx, inputs, output):
@@ -352,7 +407,7 @@ def ce_linear_rows_lse(
     if hidden.device.type == "cpu" and not group:
         _native.ce_rows(hidden, weight, bias, targets, config, budget_mib, rows, lse)
         return rows, lse
-    dh, dw, db = _grad_buffers(hidden, weight, bias)
+    dh, dw, db = _grad_buffers(hidden, weight, bias, True)  # the lse ops train the head
     _native.ce_linear(
         hidden, weight, bias, targets, config, mode, budget_mib, torch.zeros_like(rows), dh, dw,
         None if bias is None else db, rows, _stream(hidden.device), _dist.ops(group), None, 1.0, lse,
@@ -369,7 +424,7 @@ def _ce_rows_lse_backward(ctx, grad_rows, grad_lse):
     hidden, weight, bias, targets = ctx.saved_tensors
     dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
     if grad_lse is None:
-        grads = ce_linear_rows_backward(hidden, weight, bias, targets, grad_rows, *ctx.args)
+        grads = ce_linear_rows_backward(hidden, weight, bias, targets, grad_rows, *ctx.args, True)
     else:
         rows = torch.zeros_like(grad_lse) if grad_rows is None else grad_rows
         grads = ce_linear_lse_backward(hidden, weight, bias, targets, rows, grad_lse, 1.0, *ctx.args)
@@ -385,7 +440,7 @@ def _ce_rows_lse_setup(ctx, inputs, output):
 ce_linear_rows_lse.register_autograd(_ce_rows_lse_backward, setup_context=_ce_rows_lse_setup)
 
 
-# --- Log-probabilities (no gradient) ---------------------------------------------------
+# --- Log-probabilities -----------------------------------------------------------------
 
 
 @torch.library.custom_op("flashloss::logp_linear", mutates_args=())
@@ -410,6 +465,64 @@ def logp_linear(
 @logp_linear.register_fake
 def _(hidden, weight, bias, ids, *args):
     return tuple(hidden.new_empty(ids.shape, dtype=torch.float32) for _ in range(2))
+
+
+@torch.library.custom_op("flashloss::logp_linear_backward", mutates_args=())
+def logp_linear_backward(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    ids: Tensor,
+    mask: Optional[Tensor],
+    grad_logp: Optional[Tensor],
+    grad_entropy: Optional[Tensor],
+    temperature: float,
+    budget_mib: float,
+    group: str,
+    head_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``∂(Σ grad_logp·logp + grad_entropy·entropy)/∂(hidden, weight, bias)`` (f32;
+    ``[0]`` for the head's when frozen: ``head_grad`` False)."""
+    dh, dw, db = _grad_buffers(hidden, weight, bias, head_grad)
+
+    def upstream(g):
+        return None if g is None else g.detach().to(device="cpu", dtype=torch.float32).contiguous()
+
+    g_logp = upstream(grad_logp)
+    if g_logp is None:
+        g_logp = torch.zeros(ids.shape, dtype=torch.float32)
+    h = hidden.reshape(-1, hidden.shape[-1])
+    _native.logp_linear_grads(
+        h, weight, bias, ids, mask, g_logp, upstream(grad_entropy), temperature, "auto", budget_mib,
+        dh.view(h.shape), *_native_grads(dw, db, bias, head_grad), _dist.ops(group),
+    )  # fmt: skip
+    return dh, dw, db
+
+
+@logp_linear_backward.register_fake
+def _(hidden, weight, bias, *args):
+    return _fake_grads(hidden, weight, bias, args[-1])
+
+
+def _logp_setup(ctx, inputs, output):
+    hidden, weight, bias, ids, mask, temperature, budget_mib, group = inputs
+    ctx.save_for_backward(hidden, weight, bias, ids, mask)
+    ctx.args = (temperature, budget_mib, group)
+    ctx.set_materialize_grads(False)
+
+
+def _logp_backward(ctx, grad_logp, grad_entropy):
+    hidden, weight, bias, ids, mask = ctx.saved_tensors
+    head_grad = _head_wanted(ctx)
+    if grad_logp is None and grad_entropy is None:
+        return None, None, None, None, None, None, None, None
+    grads = logp_linear_backward(hidden, weight, bias, ids, mask, grad_logp, grad_entropy, *ctx.args, head_grad)
+    dtypes = _head_dtypes(hidden, weight, bias, head_grad)
+    out = [None if dt is None else g.to(dt) for g, dt in zip(grads, dtypes)]
+    return (*out, None, None, None, None, None)
+
+
+logp_linear.register_autograd(_logp_backward, setup_context=_logp_setup)
 
 
 # --- GRPO on materialized logits -------------------------------------------------------

@@ -109,6 +109,14 @@ def _head(hidden, weight, bias):
     return cast
 
 
+def _head_grad(weight, bias) -> bool:
+    """Whether autograd will want the head's own gradients: False for a frozen head
+    (``weight`` and ``bias`` without ``requires_grad``, or grad mode off), which then gets
+    no ``[V, H]`` gradient buffer and no dW/dbias product."""
+    wants = weight.requires_grad or (bias is not None and bias.requires_grad)
+    return bool(torch.is_grad_enabled() and wants)
+
+
 def _f32(t):
     return None if t is None else t.detach().to(device="cpu", dtype=torch.float32).contiguous()
 
@@ -222,7 +230,7 @@ def linear_grpo_loss(
     loss, _, _, _, logp, entropy, kl, metrics = ops.grpo_linear(
         h, w, b, ids, mask, adv, _f32(old_per_token_logps), _f32(ref_per_token_logps),
         _f32(importance_sampling_ratio), _bool(policy_mask), _bool(entropy_mask), items, config, mode,
-        budget, group,
+        budget, group, _head_grad(weight, bias),
     )  # fmt: skip
     named = {k: metrics[i] for i, k in enumerate(ops.METRICS)}
     return loss, GRPOOutputs(logp=logp, entropy=entropy, kl=kl, metrics=named)
@@ -387,10 +395,9 @@ def linear_cross_entropy(
         return loss, lse.reshape(targets.shape)
     if reduction == "none":
         return ops.ce_linear_rows(h2, w, b, tgt, config, mode, budget, group).reshape(targets.shape)
-    return ops.ce_linear(h2, w, b, tgt, config, mode, budget, group)[0]
+    return ops.ce_linear(h2, w, b, tgt, config, mode, budget, group, _head_grad(weight, bias))[0]
 
 
-@torch.no_grad()
 def linear_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -404,9 +411,15 @@ def linear_logprobs(
     vocab_parallel_group=None,
 ):
     """Per-token log-probabilities of ``ids`` ``[...]`` under ``(hidden @ weight.T + bias) /
-    temperature`` (``hidden`` ``[..., H]``), without gradient: the old- and reference-policy
-    passes of GRPO. Returns ``logp`` (float32, ``ids``' shape), and the entropy too when
-    ``return_entropy``. Rows where ``mask`` is false are not computed (zero)."""
+    temperature`` (``hidden`` ``[..., H]``): the old- and reference-policy passes of GRPO
+    (one statistics pass, 2NHV FLOPs), and the primitive a loss written in PyTorch builds
+    on. Returns ``logp`` (float32, ``ids``' shape), and the entropy too when
+    ``return_entropy``. Rows where ``mask`` is false are not computed (zero, no gradient).
+
+    Differentiable in ``hidden``, ``weight`` and ``bias`` through both outputs: the
+    backward runs the head again with each row's upstream gradients (6NHV FLOPs; 4NHV
+    when ``weight`` and ``bias`` need no gradient, a frozen head, which gets no ``[V, H]``
+    buffer)."""
     group = _dist.register(vocab_parallel_group)
 
     def prepare():

@@ -8,7 +8,7 @@
 
 use super::ffi::CallFrame;
 use super::frame::{Frame, Named, Result, bad, handle};
-use super::handlers::{by_dtype, grads, head, options, parse, weight_layout};
+use super::handlers::{by_dtype, grad_options, grads, head, options, parse, weight_layout};
 use super::vocab::{merged_stats, offset_of};
 use crate::front::cpu;
 use flashloss::rows::RowStats;
@@ -69,8 +69,8 @@ unsafe extern "C" fn ce_vocab_partial(frame: *mut CallFrame) -> *mut c_void {
 /// The row stage and pass B. Arguments: hidden, weight (block), bias, targets `[N]`,
 /// offset, the merged max, log_sum, entropy, logp, mean_logit (`[N]` each), grad_rows
 /// (`[N]` for reduction none, `[0]` otherwise); attributes: budget_mib, config, mode,
-/// vocab, weight_layout. Results: loss, row_loss `[N]`, dhidden (the block's part),
-/// dweight (the weight's shape), dbias (the block's).
+/// vocab, weight_layout, head_grad. Results: loss, row_loss `[N]`, dhidden (the block's
+/// part), dweight (the weight's shape), dbias (the block's; both `[0]` for a frozen head).
 unsafe extern "C" fn ce_vocab_grads(frame: *mut CallFrame) -> *mut c_void {
     // SAFETY: XLA's frame.
     unsafe {
@@ -79,7 +79,7 @@ unsafe extern "C" fn ce_vocab_grads(frame: *mut CallFrame) -> *mut c_void {
             let layout = weight_layout(f)?;
             let targets = f.arg(3, "targets")?.ids()?;
             let (ce, shard) = loss_and_shard(f, &f.arg(4, "offset")?)?;
-            let opts = options(f)?;
+            let opts = grad_options(f)?;
             let inv_temp = (1.0 / ce.config().temperature) as f32;
             let n = targets.len();
             let names = ["max", "log_sum", "entropy", "logp", "mean_logit"];

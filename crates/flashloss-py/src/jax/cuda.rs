@@ -11,7 +11,7 @@
 use super::ffi::{self, Buffer, CallFrame, StreamGetArgs};
 use super::frame::{Frame, Result, bad, handle};
 use super::handlers::{
-    Tokens, ce_outputs, grpo_outputs, options, parse, vocab_hidden, weight_layout,
+    Tokens, ce_outputs, grad_options, grpo_outputs, parse, vocab_hidden, weight_layout,
 };
 use crate::front::gpu;
 use cudarc::driver::{result as cu, sys};
@@ -255,7 +255,7 @@ fn borrowed(
             w.address(),
             bias,
             dh.address(),
-            dw.address(),
+            (dw.numel() > 0).then(|| dw.address()),
             (db.numel() > 0).then(|| db.address()),
             (x.numel() / h.max(1), h, v),
         )
@@ -293,7 +293,7 @@ unsafe extern "C" fn grpo_linear(frame: *mut CallFrame) -> *mut c_void {
     unsafe {
         run_cuda(frame, 1, |f, device, head, dtype| {
             let loss = GrpoLoss::new(parse::<GrpoLossConfig>(f.attr_str("config")?)?)?;
-            let opts = options(f)?;
+            let opts = grad_options(f)?;
             let tokens = Tokens::read(f, 3)?;
             let batch = tokens.batch();
             let out = match dtype {
@@ -314,7 +314,7 @@ unsafe extern "C" fn ce_linear(frame: *mut CallFrame) -> *mut c_void {
     unsafe {
         run_cuda(frame, 1, |f, device, head, dtype| {
             let ce = CrossEntropy::new(parse::<CeConfig>(f.attr_str("config")?)?)?;
-            let opts = options(f)?;
+            let opts = grad_options(f)?;
             let targets = f.arg(3, "targets")?.ids()?;
             let rows = f.arg(4, "grad_rows")?;
             let grad_rows = (rows.numel() > 0).then(|| rows.f32s()).transpose()?;

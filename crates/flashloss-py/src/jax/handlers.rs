@@ -9,7 +9,7 @@
 use super::ffi::CallFrame;
 use super::frame::{Frame, Named, Result, bad, handle};
 use crate::front::cpu;
-use flashloss::fused::{FusedOptions, LinearGradsMut, Mode};
+use flashloss::fused::{FusedOptions, HeadGrad, LinearGradsMut, Mode};
 use flashloss::policy::GrpoMetrics;
 use flashloss::{
     CeConfig, CrossEntropy, Element, GrpoBatch, GrpoLoss, GrpoLossConfig, HeadArgs, LinearInputs,
@@ -26,6 +26,16 @@ pub(super) fn parse<T: serde::de::DeserializeOwned>(json: &str) -> Result<T> {
 pub(super) fn options(f: &Frame) -> Result<FusedOptions> {
     let mode: Mode = parse(&format!("{:?}", f.attr_str("mode")?))?;
     options_of(f, mode)
+}
+
+/// [`options`] of a call that forms gradients, with the attribute `head_grad`
+/// (`"full"`, or `"frozen"`: no dW or dbias, whose results are then `[0]`).
+pub(super) fn grad_options(f: &Frame) -> Result<FusedOptions> {
+    let head_grad: HeadGrad = parse(&format!("{:?}", f.attr_str("head_grad")?))?;
+    Ok(FusedOptions {
+        head_grad,
+        ..options(f)?
+    })
 }
 
 /// The options of `mode` with the attribute `budget_mib` (checked positive).
@@ -265,14 +275,15 @@ pub(super) use by_dtype;
 
 /// GRPO from hidden states. Arguments: hidden, weight, bias, completion_ids,
 /// completion_mask, advantages, old and ref logp; attributes: budget_mib, config (the
-/// JSON of `GrpoLossConfig`), mode, weight_layout. Results: loss, dhidden, dweight, dbias, logp,
-/// entropy, kl, metrics `[kl, entropy, clip low, high, region]`.
+/// JSON of `GrpoLossConfig`), mode, weight_layout, head_grad. Results: loss, dhidden,
+/// dweight, dbias (`[0]` each for a frozen head), logp, entropy, kl, metrics
+/// `[kl, entropy, clip low, high, region]`.
 unsafe extern "C" fn grpo_linear(frame: *mut CallFrame) -> *mut c_void {
     // SAFETY: XLA's frame.
     unsafe {
         handle(frame, |f| {
             let loss = GrpoLoss::new(parse::<GrpoLossConfig>(f.attr_str("config")?)?)?;
-            let opts = options(f)?;
+            let opts = grad_options(f)?;
             let (x, w, bias) = (f.arg(0, "hidden")?, f.arg(1, "weight")?, f.arg(2, "bias")?);
             let layout = weight_layout(f)?;
             let tokens = Tokens::read(f, 3)?;
@@ -289,14 +300,14 @@ unsafe extern "C" fn grpo_linear(frame: *mut CallFrame) -> *mut c_void {
 
 /// Cross-entropy from hidden states. Arguments: hidden, weight, bias, targets `[N]`,
 /// grad_rows `[N]` (reduction none; `[0]` otherwise); attributes: budget_mib, config
-/// (the JSON of `CeConfig`), mode, weight_layout. Results: loss, dhidden, dweight, dbias,
-/// row_loss `[N]`, count.
+/// (the JSON of `CeConfig`), mode, weight_layout, head_grad. Results: loss, dhidden,
+/// dweight, dbias (`[0]` each for a frozen head), row_loss `[N]`, count.
 unsafe extern "C" fn ce_linear(frame: *mut CallFrame) -> *mut c_void {
     // SAFETY: XLA's frame.
     unsafe {
         handle(frame, |f| {
             let ce = CrossEntropy::new(parse::<CeConfig>(f.attr_str("config")?)?)?;
-            let opts = options(f)?;
+            let opts = grad_options(f)?;
             let (x, w, bias) = (f.arg(0, "hidden")?, f.arg(1, "weight")?, f.arg(2, "bias")?);
             let layout = weight_layout(f)?;
             let targets = f.arg(3, "targets")?.ids()?;

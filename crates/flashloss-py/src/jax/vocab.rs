@@ -8,7 +8,9 @@
 
 use super::ffi::CallFrame;
 use super::frame::{Frame, Named, Result, bad, handle};
-use super::handlers::{Tokens, by_dtype, grads, head, options, vocab_hidden, weight_layout};
+use super::handlers::{
+    Tokens, by_dtype, grad_options, grads, head, options, vocab_hidden, weight_layout,
+};
 use crate::front::cpu;
 use flashloss::fused::{FusedOptions, RowGrad};
 use flashloss::policy::{Normalizers, policy_stage};
@@ -59,7 +61,8 @@ struct ShardCall<'a> {
 }
 
 impl<'a> ShardCall<'a> {
-    fn read(f: &Frame<'a>) -> Result<Self> {
+    /// The arguments, with the options `opts_of` reads (pass B's: with `head_grad`).
+    fn read(f: &Frame<'a>, opts_of: fn(&Frame) -> Result<FusedOptions>) -> Result<Self> {
         let t = Temperature::new(f.attr_f64("temperature")?)?;
         let (x, w, b) = (f.arg(0, "hidden")?, f.arg(1, "weight")?, f.arg(2, "bias")?);
         let (ids, live) = (f.arg(3, "ids")?.ids()?, f.arg(4, "mask")?.bools()?);
@@ -67,7 +70,7 @@ impl<'a> ShardCall<'a> {
         let layout = weight_layout(f)?;
         let range = start..start + vocab_hidden(&x, &w, layout)?.0;
         let targets = local_ids(&ids, &range);
-        let (transform, opts) = (RowTransform::with_temperature(t), options(f)?);
+        let (transform, opts) = (RowTransform::with_temperature(t), opts_of(f)?);
         Ok(ShardCall {
             x,
             w,
@@ -99,7 +102,7 @@ unsafe extern "C" fn vocab_partial(frame: *mut CallFrame) -> *mut c_void {
     // SAFETY: XLA's frame.
     unsafe {
         handle(frame, |f| {
-            let c = ShardCall::read(f)?;
+            let c = ShardCall::read(f, options)?;
             let (x, w, b, opts) = (&c.x, &c.w, &c.b, &c.opts);
             let part = by_dtype!(x, E, code => {
                 let inputs: LinearInputs<E> = head((x, w, b), c.layout, code)?;
@@ -173,13 +176,14 @@ unsafe extern "C" fn grpo_policy(frame: *mut CallFrame) -> *mut c_void {
 
 /// Pass B. Arguments: hidden, weight (shard), bias, ids `[N]`, mask `[N]`, offset, and
 /// the merged max, log_sum, entropy with the policy's dlogp, dentropy (`[N]` each);
-/// attributes: budget_mib, mode, temperature, weight_layout. Results: dhidden (this
-/// shard's part), dweight (the weight's shape), dbias (the shard's).
+/// attributes: budget_mib, mode, temperature, weight_layout, head_grad. Results: dhidden
+/// (this shard's part), dweight (the weight's shape), dbias (the shard's; both `[0]`
+/// for a frozen head).
 unsafe extern "C" fn vocab_grads(frame: *mut CallFrame) -> *mut c_void {
     // SAFETY: XLA's frame.
     unsafe {
         handle(frame, |f| {
-            let c = ShardCall::read(f)?;
+            let c = ShardCall::read(f, grad_options)?;
             let (x, w, b, opts) = (&c.x, &c.w, &c.b, &c.opts);
             let (ids, live, range, transform) = (&c.ids, &c.live, &c.range, c.transform);
             let n = ids.len();

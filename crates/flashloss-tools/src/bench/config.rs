@@ -1,7 +1,7 @@
 //! What a bench runs: the config file (`configs/bench/*.yaml`).
 
 use crate::gradcheck::Backend;
-use flashloss::{Bf16Products, FusedOptions, Mode, Parallel};
+use flashloss::{Bf16Products, FusedOptions, HeadGrad, Mode, Parallel};
 use flashloss::{CeConfig, DType, GrpoLossConfig};
 use serde::{Deserialize, Serialize};
 
@@ -78,6 +78,9 @@ pub struct BenchConfig {
     pub budget_mib: f64,
     /// The CPU's products on a bf16 head (`auto`, `widened`, `avx512bf16`).
     pub bf16_products: Bf16Products,
+    /// The head's own gradients (level `linear`): `full` (dW, dbias) or `frozen` (dH
+    /// alone, no dW buffer or product).
+    pub head_grad: HeadGrad,
     /// Where the step runs (`cuda`: GPU 0, level `linear`, a build with feature `cuda`).
     pub device: Backend,
     /// The GRPO loss.
@@ -87,10 +90,12 @@ pub struct BenchConfig {
 }
 
 impl BenchConfig {
-    /// The fused kernel's options (mode, budget, bf16 products), `grad_output` 1.
+    /// The fused kernel's options (mode, budget, bf16 products, head gradients),
+    /// `grad_output` 1.
     pub fn fused_options(&self) -> FusedOptions {
         FusedOptions {
             bf16_products: self.bf16_products,
+            head_grad: self.head_grad,
             ..FusedOptions::from_mib(self.mode, self.budget_mib, 1.0)
         }
     }
@@ -116,6 +121,7 @@ impl Default for BenchConfig {
             mode: Mode::Auto,
             budget_mib: flashloss::fused::plan::DEFAULT_BUDGET_MIB,
             bf16_products: Bf16Products::Auto,
+            head_grad: HeadGrad::Full,
             device: Backend::Cpu,
             grpo: GrpoLossConfig::default(),
             ce: CeConfig::default(),

@@ -177,7 +177,7 @@ fn run_linear<E: Element>(
         let opts = cfg.fused_options();
         let mut plan = None;
         let mut ws = Workspace::new();
-        let mut grads = LinearGrads::zeros(&inputs);
+        let mut grads = LinearGrads::zeros_for(&inputs, opts.head_grad);
         let norm = Normalizers::local(&batch);
         let mut r = measure(cfg, "fused", base, io_bytes, progress, &mut || {
             // A training step zeroes its gradients; the fused kernel adds into them.

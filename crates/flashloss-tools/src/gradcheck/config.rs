@@ -1,7 +1,7 @@
 //! What gradcheck runs: the config file (`configs/gradcheck/*.yaml`) and its gates.
 
 use crate::inputs::InputSpec;
-use flashloss::{Bf16Products, Mode, Parallel};
+use flashloss::{Bf16Products, HeadGrad, Mode, Parallel};
 use flashloss::{CeConfig, DType, GrpoLossConfig};
 use serde::{Deserialize, Serialize};
 
@@ -136,6 +136,9 @@ pub struct GradcheckConfig {
     pub budget_mib: f64,
     /// The CPU's products on a bf16 head (`auto`, `widened`, `avx512bf16`; kernel `linear`).
     pub bf16_products: Bf16Products,
+    /// The head's own gradients (kernel `linear`): `full`, or `frozen` (dH alone; the
+    /// gates check that no dW or dbias came back).
+    pub head_grad: HeadGrad,
     /// Gates; unset ones take the spec's value for `dtype`.
     pub tolerance: Tolerance,
 }
@@ -173,6 +176,7 @@ impl Default for GradcheckConfig {
             mode: Mode::Auto,
             budget_mib: 64.0,
             bf16_products: Bf16Products::Auto,
+            head_grad: HeadGrad::Full,
             tolerance: Tolerance::default(),
         }
     }

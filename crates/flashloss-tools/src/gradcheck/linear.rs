@@ -1,5 +1,5 @@
 //! The fused LM-head kernels (GRPO and cross-entropy) against the reference: loss,
-//! logp (and entropy for GRPO), dH, dW, dbias.
+//! logp (and entropy for GRPO), dH, dW, dbias (a frozen head: dH, and no dW or dbias).
 
 use super::config::{GradcheckConfig, Objective};
 use super::report::{
@@ -107,6 +107,18 @@ pub(super) fn check_linear<E: Element>(cfg: &GradcheckConfig) -> Result<Gradchec
         &tol,
         1.0,
     ));
+    if !cfg.head_grad.has_dweight() {
+        // A frozen head: the entries of dW and dbias that came back (none).
+        let returned = grads.dweight.len() + grads.dbias.as_ref().map_or(0, Vec::len);
+        gates.push(Gate::new("frozen_head_grads", returned as f64, 0.0));
+        return Ok(GradcheckReport::new(
+            name,
+            loss_pair,
+            metrics,
+            kernel_seconds,
+            gates,
+        ));
+    }
     gates.push(grad_gate_scaled(
         "dweight",
         f64s(&grads.dweight).into_iter(),
@@ -173,6 +185,7 @@ impl<E: Element> LinearCase<E> {
         tokens.follow_policy(&z, cfg.loss.temperature);
         let opts = FusedOptions {
             bf16_products: cfg.bf16_products,
+            head_grad: cfg.head_grad,
             ..FusedOptions::from_mib(cfg.mode, cfg.budget_mib, cfg.grad_output as f32)
         };
         Ok(LinearCase {

@@ -160,12 +160,20 @@ impl<'c, E: Element> Check<'c, E> {
                 &held.grads.dhidden,
                 &one.dhidden[held.rows.start * h..held.rows.end * h],
             ),
-            gate(
+        ];
+        match cfg.head_grad.has_dweight() {
+            true => gates.push(gate(
                 "dweight",
                 &held.grads.dweight,
                 &one.dweight[held.vocab.start * h..held.vocab.end * h],
-            ),
-        ];
+            )),
+            // A frozen head: the entries of dW and dbias that came back (none).
+            false => {
+                let g = &held.grads;
+                let returned = g.dweight.len() + g.dbias.as_ref().map_or(0, Vec::len);
+                gates.push(Gate::new("frozen_head_grads", returned as f64, 0.0));
+            }
+        }
         if let (Some(got), Some(want)) = (&held.grads.dbias, &one.dbias) {
             gates.push(gate("dbias", got, &want[held.vocab.clone()]));
         }

@@ -159,6 +159,7 @@ pub fn assert_modes_agree_and_threads_invariant(
                 mode,
                 budget_bytes: 8 << 20,
                 grad_output: 1.0,
+                head_grad: Default::default(),
             })
         })
     };

@@ -11,7 +11,7 @@ use crate::batch::{GrpoBatch, LinearInputs, LogitsLayout};
 use crate::cross_entropy::CrossEntropy;
 use crate::element::Element;
 use crate::error::Result;
-use crate::fused::LinearGrads;
+use crate::fused::{HeadGrad, LinearGrads};
 use crate::grpo_config::GrpoLoss;
 use crate::rows::{RowTransform, check_targets};
 use crate::weight_layout::WeightLayout;
@@ -51,7 +51,7 @@ pub fn grpo_linear_baseline_into<E: Element>(
     grads: &mut LinearGrads,
 ) -> Result<f64> {
     inputs.validate()?;
-    grads.check(inputs)?;
+    grads.check(inputs, HeadGrad::Full)?;
     head_logits(inputs, None, ws)?;
     let layout = LogitsLayout::contiguous(batch.batch, batch.seq_len, inputs.vocab);
     let value = grpo_logits_unfused_into(
@@ -79,7 +79,7 @@ pub fn ce_linear_baseline_into<E: Element>(
     grads: &mut LinearGrads,
 ) -> Result<f64> {
     inputs.validate()?;
-    grads.check(inputs)?;
+    grads.check(inputs, HeadGrad::Full)?;
     let c = ce.config();
     let (n, v) = (inputs.tokens, inputs.vocab);
     let live: Vec<bool> = targets.iter().map(|&y| ce.counts(y)).collect();

@@ -2,7 +2,8 @@
 //! `[block_rows, vocab_tile]` tile (two-pass) or a `[block_rows, V]` block
 //! (single-pass) in a [`Workspace`] sized from the memory budget, less `gemm`'s
 //! packing buffers. [`CpuHead`] is the CPU's [`Head`]: inputs and gradients in host
-//! memory.
+//! memory. A frozen head's plan ([`HeadGrad::Frozen`]) holds no `dW` tile, `dZᵀ` or
+//! second `dZ` packing, and its passes run no `dW`/`dbias` product.
 
 use super::products::{DzPacks, Engine, Hidden, Weight};
 use super::single_pass::{DZ_T_PACK_ENTRIES, LANES, single_pass};
@@ -15,8 +16,8 @@ use crate::collective::Collective;
 use crate::element::{DType, Element};
 use crate::error::Result;
 use crate::fused::{
-    Bf16Products, Block, FusedOptions, FusedPasses, GradPart, GradsOf, Head, LinearGradsMut, Plan,
-    PlanLimits, RowGrad, plan_blocks, tile_budget,
+    Bf16Products, Block, FusedOptions, FusedPasses, GradPart, GradsOf, Head, HeadGrad,
+    LinearGradsMut, Plan, PlanLimits, RowGrad, plan_blocks, tile_budget,
 };
 use crate::range::check_linear_grads;
 use crate::rows::{PartialStats, RowInputs, RowStats};
@@ -52,7 +53,7 @@ const MAX_BLOCK_ROWS: usize = 512;
 /// the budget less the GEMM reserve. `dtype`: the inputs' (bf16 and f16 are widened a
 /// tile at a time; bf16 may instead be packed for bf16 products, `opts.bf16_products`
 /// resolved for this CPU); `layout`: the weight's (a single-pass lane holds its tile's
-/// `dW` for an `[H, V]` one).
+/// `dW` for an `[H, V]` one, unless the head is frozen: `opts.head_grad`).
 pub fn plan(
     n: usize,
     h: usize,
@@ -66,8 +67,14 @@ pub fn plan(
     let products = (dtype == DType::Bf16)
         .then(|| Engine::resolve(opts.bf16_products))
         .transpose()?;
-    // bf16 products pack `dZ` twice, 4 bytes an entry in all (`gemm` packs its own).
-    let packs_dz = products == Some(Bf16Products::Avx512Bf16);
+    // bf16 products pack `dZ` for dH and for dW, 2 bytes an entry each (`gemm` packs
+    // its own); a frozen head has no dW product.
+    let has_dweight = opts.head_grad.has_dweight();
+    let dz_pack_bytes = match (products == Some(Bf16Products::Avx512Bf16), has_dweight) {
+        (false, _) => 0,
+        (true, true) => 4,
+        (true, false) => 2,
+    };
     let reserve = gemm_reserve_bytes();
     let mut limits = PlanLimits {
         reserve_bytes: reserve,
@@ -87,7 +94,7 @@ pub fn plan(
     };
     // A widened bf16 weight tile (and a lane's `dW` tile of an `[H, V]` weight) holds
     // vocab_tile × H f32; keep it within a quarter of the budget.
-    let lane_dweight = layout == WeightLayout::HiddenMajor;
+    let lane_dweight = layout == WeightLayout::HiddenMajor && has_dweight;
     let budget = tile_budget(opts, &limits)?;
     while (narrow || lane_dweight)
         && limits.vocab_tile > 64
@@ -111,9 +118,9 @@ pub fn plan(
     // weight tile) and its dH rows; the block's hidden rows gathered where masked rows
     // fall between live ones (f32, or bf16 for packing).
     let lane_tile = vocab_tile
-        + match packs_dz {
-            true => vocab_tile,
-            false => vocab_tile.min(DZ_T_PACK_ENTRIES),
+        + match dz_pack_bytes {
+            0 => vocab_tile.min(DZ_T_PACK_ENTRIES),
+            bytes => vocab_tile * bytes / 4,
         };
     let lane_row = LANES * (lane_tile + h) * 4;
     let lane_dweight = if lane_dweight {
@@ -123,9 +130,11 @@ pub fn plan(
     };
     let gathered_row = h * if dtype == DType::Bf16 { 2 } else { 4 };
     let whole_row = v.div_ceil(vocab_tile.max(1)) * 4 + lane_row + gathered_row;
-    // Two-pass: the logits tile and a transposed `[rows, vocab_tile]` gradient tile (and
-    // a packed one); dH rows and gathered hidden rows for blocks with gaps.
-    let tile_row = vocab_tile * (8 + if packs_dz { 4 } else { 0 }) + h * 4 + gathered_row;
+    // Two-pass: the logits tile, a transposed `[rows, vocab_tile]` gradient tile for dW
+    // (a trainable head's) and the packed `dZ`; dH rows and gathered hidden rows for
+    // blocks with gaps.
+    let transposed = if has_dweight { 4 } else { 0 };
+    let tile_row = vocab_tile * (4 + transposed + dz_pack_bytes) + h * 4 + gathered_row;
     let planned = plan_blocks(
         n,
         v,
@@ -157,8 +166,8 @@ struct Tile<'t> {
 }
 
 /// Forms every `[block_rows, vocab_tile]` logits tile of the rows of `blocks` in the
-/// workspace and hands it to `each` (with its weight tile ready for dH too when
-/// `for_grads`).
+/// workspace and hands it to `each` (with its weight tile ready for dH, and its hidden
+/// block for dW where the plan forms it, when `for_grads`).
 fn for_each_tile<E: Element>(
     p: &Problem<E>,
     plan: &Plan,
@@ -172,7 +181,8 @@ fn for_each_tile<E: Element>(
     let scratch = ws.prepare(plan.block_rows, plan.vocab_tile);
     for block in blocks.iter().filter(|b| !b.ids.is_empty()) {
         let nb = block.ids.len();
-        let hid = scratch.hidden.load_rows(engine, p.inputs, block, threads);
+        let with_dweight = for_grads && plan.head_grad.has_dweight();
+        let hid = (scratch.hidden).load_rows(engine, (p.inputs, with_dweight), block, threads);
         for vocab in p.vocab_tiles(plan.vocab_tile) {
             let w = scratch
                 .weight
@@ -242,8 +252,7 @@ fn accumulate_grads<E: Element>(
         );
         accumulate_tile(
             out,
-            tile.z,
-            ld,
+            (tile.z, ld, plan.head_grad),
             (tile.hidden, tile.weight),
             tile.block,
             &tile.vocab,
@@ -301,11 +310,11 @@ impl<E: Element> Head for CpuHead<'_, E> {
         self.inputs.shape()
     }
 
-    fn validate(&self, with_grads: bool) -> Result<()> {
+    fn validate(&self, grads: Option<HeadGrad>) -> Result<()> {
         self.inputs.validate()?;
-        match with_grads {
-            true => self.grads.check(self.inputs),
-            false => Ok(()),
+        match grads {
+            Some(head_grad) => self.grads.check(self.inputs, head_grad),
+            None => Ok(()),
         }
     }
 

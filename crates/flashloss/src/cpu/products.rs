@@ -110,20 +110,22 @@ impl HiddenBlock {
             + self.dweight_t.bytes()
     }
 
-    /// Packs `rows` `[n, h]` for the logits and for dW in `layout`.
-    fn pack(&mut self, rows: MatRef<bf16>, layout: WeightLayout, threads: usize) {
+    /// Packs `rows` `[n, h]` for the logits and, given its layout, for dW.
+    fn pack(&mut self, rows: MatRef<bf16>, dweight: Option<WeightLayout>, threads: usize) {
         self.logits.pack_a(rows, threads);
-        match layout {
-            WeightLayout::VocabMajor => self.dweight.pack_b(rows, threads),
-            WeightLayout::HiddenMajor => self.dweight_t.pack_a(rows.t(), threads),
+        match dweight {
+            Some(WeightLayout::VocabMajor) => self.dweight.pack_b(rows, threads),
+            Some(WeightLayout::HiddenMajor) => self.dweight_t.pack_a(rows.t(), threads),
+            None => {}
         }
     }
 
-    /// Rows `rows` of `hidden` (`[*, h]`) for `engine`'s products (dW in `layout`).
-    pub(crate) fn load<'a, E: Element>(
+    /// Rows `rows` of `hidden` (`[*, h]`) for `engine`'s products (dW in `layout`, or
+    /// none: statistics only, or a frozen head).
+    fn load<'a, E: Element>(
         &'a mut self,
         engine: Engine,
-        (hidden, h, layout): (&'a [E], usize, WeightLayout),
+        (hidden, h, layout): (&'a [E], usize, Option<WeightLayout>),
         rows: Range<usize>,
         threads: usize,
     ) -> Hidden<'a> {
@@ -137,17 +139,18 @@ impl HiddenBlock {
         }
     }
 
-    /// The rows of `block` of `inputs`' hidden states for `engine`'s products:
-    /// [`HiddenBlock::load`] where they are consecutive, else gathered (and widened or
-    /// packed).
+    /// The rows of `block` of `inputs`' hidden states for `engine`'s products (the dW
+    /// product too `with_dweight`): [`HiddenBlock::load`] where they are consecutive,
+    /// else gathered (and widened or packed).
     pub(crate) fn load_rows<'a, E: Element>(
         &'a mut self,
         engine: Engine,
-        inputs: &LinearInputs<'a, E>,
+        (inputs, with_dweight): (&LinearInputs<'a, E>, bool),
         block: &RowBlock,
         threads: usize,
     ) -> Hidden<'a> {
-        let (hidden, h, layout) = (inputs.hidden, inputs.hidden_size, inputs.layout);
+        let (hidden, h) = (inputs.hidden, inputs.hidden_size);
+        let layout = with_dweight.then_some(inputs.layout);
         if let Some(rows) = block.range() {
             return self.load(engine, (hidden, h, layout), rows, threads);
         }

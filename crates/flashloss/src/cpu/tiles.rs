@@ -13,7 +13,7 @@ use super::products::{
 use super::simd;
 use crate::batch::LinearInputs;
 use crate::element::Element;
-use crate::fused::{LinearGradsMut, RowGrad};
+use crate::fused::{HeadGrad, LinearGradsMut, RowGrad};
 use crate::rows::{PartialStats, RowInputs};
 use crate::weight_layout::WeightLayout;
 use rayon::prelude::*;
@@ -190,19 +190,19 @@ impl Workspace {
 
     /// Sizes the tile maxima and lanes of a single-pass block of `rows` rows in `tiles`
     /// tiles of up to `vocab_tile` entries, with `lanes` lanes, for hidden size `h` (and
-    /// a weight in `layout`).
+    /// the layout of the dW it forms: none for a frozen head).
     pub(crate) fn prepare_lanes(
         &mut self,
         rows: usize,
         (tiles, vocab_tile): (usize, usize),
-        (h, layout): (usize, WeightLayout),
+        (h, dweight): (usize, Option<WeightLayout>),
         lanes: usize,
     ) {
         resize_fresh(&mut self.tile_max, rows * tiles);
         self.lanes.resize_with(lanes, Lane::default);
-        let dweight = match layout {
-            WeightLayout::VocabMajor => 0,
-            WeightLayout::HiddenMajor => h * vocab_tile,
+        let dweight = match dweight {
+            Some(WeightLayout::HiddenMajor) => h * vocab_tile,
+            Some(WeightLayout::VocabMajor) | None => 0,
         };
         for lane in self.lanes.iter_mut() {
             resize_fresh(&mut lane.tile, rows * vocab_tile);
@@ -321,15 +321,14 @@ pub(crate) fn grad_row(
     }
 }
 
-/// `dH[block] += dZ·W[vocab]`, `dW[vocab] += dZᵀ·H[block]`, `dbias[vocab] += Σ_rows dZ`
-/// for one gradient tile `dz` of the rows of `block` (`[rows, cols]`, row stride `ld`)
-/// of `inputs`' head; `dz_t`, `dz_pack` and `dh_rows` (the dH rows of a block with gaps,
-/// added into dH after the product) are scratch.
-#[allow(clippy::too_many_arguments)]
+/// `dH[block] += dZ·W[vocab]`, and for a trainable head (`head_grad`)
+/// `dW[vocab] += dZᵀ·H[block]`, `dbias[vocab] += Σ_rows dZ`, for one gradient tile `dz`
+/// of the rows of `block` (`[rows, cols]`, row stride `ld`) of `inputs`' head; `dz_t`,
+/// `dz_pack` and `dh_rows` (the dH rows of a block with gaps, added into dH after the
+/// product) are scratch.
 pub(crate) fn accumulate_tile<E>(
     grads: &mut LinearGradsMut,
-    dz: &[f32],
-    ld: usize,
+    (dz, ld, head_grad): (&[f32], usize, HeadGrad),
     (hidden, weight): (Hidden, Weight),
     block: &RowBlock,
     vocab: &Range<usize>,
@@ -361,6 +360,9 @@ pub(crate) fn accumulate_tile<E>(
                 .zip(dh_rows.par_chunks(h))
                 .for_each(|(d, x)| d.iter_mut().zip(x).for_each(|(d, x)| *d += x));
         }
+    }
+    if !head_grad.has_dweight() {
+        return;
     }
     // `dZᵀ` dense: `gemm` copies a transposed view into fresh memory on every call.
     transpose_into(dz, ld, nb, vt, dz_t);

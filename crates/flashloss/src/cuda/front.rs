@@ -11,15 +11,16 @@ use super::passes::CudaHead;
 use crate::batch::{GrpoBatch, LinearInputs, LogitsLayout};
 use crate::element::{DType, Element};
 use crate::error::{Error, Result};
-use crate::fused::{Head, LinearGradsMut};
+use crate::fused::{Head, HeadGrad, LinearGradsMut};
 use crate::grpo_config::GrpoLoss;
 use crate::grpo_logits::GrpoLogitsForward;
 use crate::weight_layout::WeightLayout;
 use half::bf16;
 
 /// Device addresses of an LM head (`hidden [N, H]`, `weight [V, H]` in the call's
-/// element type, an f32 `bias [V]`) and of its f32 gradient buffers, memory the caller
-/// owns, with the stream the caller orders its work on.
+/// element type, an f32 `bias [V]`) and of its f32 gradient buffers (no `dweight` or
+/// `dbias` for a frozen head), memory the caller owns, with the stream the caller
+/// orders its work on.
 #[derive(Debug, Clone, Copy)]
 pub struct BorrowedHead {
     stream: usize,
@@ -27,7 +28,7 @@ pub struct BorrowedHead {
     weight: u64,
     bias: Option<u64>,
     dhidden: u64,
-    dweight: u64,
+    dweight: Option<u64>,
     dbias: Option<u64>,
     tokens: usize,
     hidden_size: usize,
@@ -49,7 +50,7 @@ impl BorrowedHead {
         weight: u64,
         bias: Option<u64>,
         dhidden: u64,
-        dweight: u64,
+        dweight: Option<u64>,
         dbias: Option<u64>,
         (tokens, hidden_size, vocab): (usize, usize, usize),
     ) -> Self {
@@ -128,10 +129,16 @@ pub(crate) fn run_on_host_buffers<E: Element, R>(
     ) -> Result<R> {
         let head = GpuInputs::upload(gpu, inputs)?;
         let with_grads = !(grads.dhidden.is_empty() && grads.dweight.is_empty());
+        // Host buffers without dW are a frozen head's (the driver checks them against
+        // the options).
+        let head_grad = match grads.dweight.is_empty() {
+            true => HeadGrad::Frozen,
+            false => HeadGrad::Full,
+        };
         let mut device_grads = match with_grads {
             true => {
-                grads.check(inputs)?;
-                Some(GpuGrads::zeros(gpu, &head)?)
+                grads.check(inputs, head_grad)?;
+                Some(GpuGrads::zeros(gpu, &head, head_grad)?)
             }
             false => None,
         };
@@ -198,7 +205,7 @@ pub(crate) fn run_on_borrowed<R>(
             };
             let mut grads = GpuGrads {
                 dhidden: gpu.borrow(b.dhidden, n * h),
-                dweight: gpu.borrow(b.dweight, v * h),
+                dweight: b.dweight.map(|p| gpu.borrow(p, v * h)),
                 dbias: b.dbias.map(|p| gpu.borrow(p, v)),
             };
             let result = work(&mut CudaHead {

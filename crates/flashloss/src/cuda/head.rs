@@ -7,7 +7,7 @@ use super::blas::{CUBLAS_WORKSPACE_BYTES, GemmShape, Operand, gemm};
 use super::device::{DeviceBuffer, Gpu, GpuElement, device_error};
 use crate::batch::{HeadShape, LinearInputs};
 use crate::error::{Error, Result};
-use crate::fused::{LinearGrads, Plan, check_grad_lens};
+use crate::fused::{HeadGrad, LinearGrads, Plan, check_grad_lens};
 use crate::weight_layout::WeightLayout;
 use cudarc::cublas::CudaBlas;
 use half::bf16;
@@ -63,31 +63,36 @@ impl<E: GpuElement> GpuInputs<E> {
 pub struct GpuGrads {
     /// `dH` `[N, H]`.
     pub dhidden: DeviceBuffer<f32>,
-    /// `dW` `[V, H]`.
-    pub dweight: DeviceBuffer<f32>,
-    /// `dbias` `[V]` (when the head has a bias).
+    /// `dW` `[V, H]` (none for a frozen head).
+    pub dweight: Option<DeviceBuffer<f32>>,
+    /// `dbias` `[V]` (when the head has a bias and is not frozen).
     pub dbias: Option<DeviceBuffer<f32>>,
 }
 
 impl GpuGrads {
-    /// Zeroed gradients for `head`'s shapes.
-    pub fn zeros<E>(gpu: &Gpu, head: &GpuInputs<E>) -> Result<Self> {
+    /// Zeroed gradients for `head`'s shapes: dH, and dW and dbias as `head_grad` forms
+    /// them.
+    pub fn zeros<E>(gpu: &Gpu, head: &GpuInputs<E>, head_grad: HeadGrad) -> Result<Self> {
         let (n, h, v) = (head.tokens, head.hidden_size, head.vocab);
+        let full = head_grad.has_dweight();
         Ok(GpuGrads {
             dhidden: gpu.zeros(n * h)?,
-            dweight: gpu.zeros(v * h)?,
+            dweight: if full { Some(gpu.zeros(v * h)?) } else { None },
             dbias: match head.bias {
-                Some(_) => Some(gpu.zeros(v)?),
-                None => None,
+                Some(_) if full => Some(gpu.zeros(v)?),
+                _ => None,
             },
         })
     }
 
-    /// Host copies.
+    /// Host copies (an empty `dweight` for a frozen head).
     pub fn download(&self, gpu: &Gpu) -> Result<LinearGrads> {
         Ok(LinearGrads {
             dhidden: gpu.download(&self.dhidden)?,
-            dweight: gpu.download(&self.dweight)?,
+            dweight: match &self.dweight {
+                Some(d) => gpu.download(d)?,
+                None => Vec::new(),
+            },
             dbias: match &self.dbias {
                 Some(d) => Some(gpu.download(d)?),
                 None => None,
@@ -95,14 +100,15 @@ impl GpuGrads {
         })
     }
 
-    /// Checks that the buffers match `head`'s shapes (and bias presence).
-    pub fn check<E>(&self, head: &GpuInputs<E>) -> Result<()> {
+    /// Checks that the buffers match `head`'s shapes (and bias presence) for
+    /// `head_grad`.
+    pub fn check<E>(&self, head: &GpuInputs<E>, head_grad: HeadGrad) -> Result<()> {
         check_grad_lens(
             head.shape(),
-            WeightLayout::VocabMajor,
+            (WeightLayout::VocabMajor, head_grad),
             head.bias.is_some(),
             self.dhidden.len(),
-            self.dweight.len(),
+            self.dweight.as_ref().map_or(0, DeviceBuffer::len),
             self.dbias.as_ref().map(DeviceBuffer::len),
         )
     }

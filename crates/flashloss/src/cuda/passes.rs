@@ -16,7 +16,7 @@ use crate::collective::Collective;
 use crate::element::DType;
 use crate::error::{Error, Result};
 use crate::fused::{
-    Block, FusedOptions, FusedPasses, GradPart, GradsOf, Head, Plan, PlanLimits, RowGrad,
+    Block, FusedOptions, FusedPasses, GradPart, GradsOf, Head, HeadGrad, Plan, PlanLimits, RowGrad,
     plan_blocks,
 };
 use crate::range::grad_out_of_range;
@@ -87,6 +87,7 @@ pub fn materialized_plan(n: usize, v: usize, dtype: DType) -> Plan {
         workspace_bytes: n * v * tile_bytes(dtype),
         gemm_reserve_bytes: CUBLAS_WORKSPACE_BYTES,
         bf16_products: None,
+        head_grad: HeadGrad::Full,
     }
 }
 
@@ -124,7 +125,7 @@ impl<'a, E: GpuElement> GpuPasses<'a, E> {
         out: Option<&'a mut GpuGrads>,
     ) -> Result<Self> {
         if let Some(out) = &out {
-            out.check(head)?;
+            out.check(head, plan.head_grad)?;
         }
         let n = head.tokens;
         ws.prepare(gpu, &plan, head.vocab, E::DTYPE == DType::Bf16)?;
@@ -350,17 +351,20 @@ impl<'a, E: GpuElement> GpuPasses<'a, E> {
             gpu.addr(&out.dhidden, rows.start * h),
             1.0,
         )?;
-        gemm(
-            &self.ws.blas,
-            GemmShape::dweight(rows.len(), vocab.len(), h, ldz),
-            Operand {
-                addr: gpu.addr(&self.head.hidden, rows.start * h),
-                dtype: E::BLAS_TYPE,
-            },
-            dz_op,
-            gpu.addr(&out.dweight, vocab.start * h),
-            1.0,
-        )?;
+        // A frozen head (`Plan::head_grad`) has no dW buffer: dH alone.
+        if let Some(dweight) = &out.dweight {
+            gemm(
+                &self.ws.blas,
+                GemmShape::dweight(rows.len(), vocab.len(), h, ldz),
+                Operand {
+                    addr: gpu.addr(&self.head.hidden, rows.start * h),
+                    dtype: E::BLAS_TYPE,
+                },
+                dz_op,
+                gpu.addr(dweight, vocab.start * h),
+                1.0,
+            )?;
+        }
         if let Some(db) = &out.dbias {
             let sums = if dz_type == cudaDataType_t::CUDA_R_16BF {
                 "col_sums_bf16"
@@ -492,17 +496,17 @@ impl<E: GpuElement> Head for CudaHead<'_, E> {
         self.head.shape()
     }
 
-    fn validate(&self, with_grads: bool) -> Result<()> {
+    fn validate(&self, grads: Option<HeadGrad>) -> Result<()> {
         let (gpu, head) = (self.gpu, self.head);
         check_finite(gpu, "hidden", &head.hidden)?;
         check_finite(gpu, "weight", &head.weight)?;
         if let Some(b) = &head.bias {
             check_finite(gpu, "bias", b)?;
         }
-        match (&self.grads, with_grads) {
-            (Some(g), true) => g.check(head),
-            (None, true) => Err(no_grads()),
-            (_, false) => Ok(()),
+        match (&self.grads, grads) {
+            (Some(g), Some(head_grad)) => g.check(head, head_grad),
+            (None, Some(_)) => Err(no_grads()),
+            (_, None) => Ok(()),
         }
     }
 
@@ -511,8 +515,8 @@ impl<E: GpuElement> Head for CudaHead<'_, E> {
             return Ok(());
         };
         let h = self.head.hidden_size;
-        for (quantity, buf) in [("dhidden", &g.dhidden), ("dweight", &g.dweight)]
-            .into_iter()
+        for (quantity, buf) in std::iter::once(("dhidden", &g.dhidden))
+            .chain(g.dweight.as_ref().map(|w| ("dweight", w)))
             .chain(g.dbias.as_ref().map(|b| ("dbias", b)))
         {
             if let Some(k) = self.gpu.first_non_finite(buf)? {
@@ -552,7 +556,9 @@ impl<E: GpuElement> Head for CudaHead<'_, E> {
         let grads = self.grads.as_deref_mut().ok_or_else(no_grads)?;
         let bufs = match part {
             GradPart::Hidden => vec![&mut grads.dhidden],
-            GradPart::Head => std::iter::once(&mut grads.dweight)
+            GradPart::Head => grads
+                .dweight
+                .iter_mut()
                 .chain(grads.dbias.as_mut())
                 .collect(),
         };

@@ -63,7 +63,7 @@ pub fn ce_linear_lse(
     grad_lse: Option<&[f32]>,
     opts: &FusedOptions,
 ) -> Result<CeLinearOutput> {
-    check_head(head, true)?;
+    check_head(head, Some(opts.head_grad))?;
     let shape = head.shape();
     let rows = CeRows::new(
         ce,
@@ -89,7 +89,7 @@ pub fn ce_row_losses(
     targets: &[i64],
     opts: &FusedOptions,
 ) -> Result<CeLinearOutput> {
-    check_head(head, false)?;
+    check_head(head, None)?;
     let shape = head.shape();
     let rows = CeRows::new(
         ce,

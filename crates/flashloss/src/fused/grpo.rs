@@ -105,7 +105,7 @@ pub fn grpo_linear(
     norm: Normalizers,
     opts: &FusedOptions,
 ) -> Result<GrpoLinearOutput> {
-    check_head(head, true)?;
+    check_head(head, Some(opts.head_grad))?;
     let shape = head.shape();
     check_batch(loss, batch, shape, shape.vocab, opts)?;
     let plan = head.plan(opts, !loss.needs_sequence_reduction())?;

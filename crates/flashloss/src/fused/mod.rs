@@ -3,8 +3,10 @@
 //! the `[N, V]` logits or their gradient. A backend provides a [`Head`] (its buffers,
 //! workspace and [`FusedPasses`]); the [`plan`] cuts the work to a memory budget; the
 //! drivers here run each loss's per-row stage between the passes, once for every
-//! backend, on one rank ([`grpo_linear`], [`ce_linear`], [`logp_linear`]) or sharded
-//! over a [`Grid`] of ranks ([`grpo_linear_sharded`], [`ce_linear_sharded`]).
+//! backend, on one rank ([`grpo_linear`], [`ce_linear`], [`logp_linear`] and its
+//! gradient [`logp_linear_grads`]) or sharded over a [`Grid`] of ranks
+//! ([`grpo_linear_sharded`], [`ce_linear_sharded`], [`logp_linear_grads_sharded`]).
+//! [`HeadGrad`] chooses whether the head's own gradients (dW, dbias) are formed.
 
 mod ce;
 mod grpo;
@@ -17,15 +19,17 @@ mod two_pass;
 
 pub use ce::{CeLinearOutput, ce_linear, ce_linear_lse, ce_row_losses};
 pub use grpo::{GrpoLinearOutput, grpo_linear};
-pub use logp::logp_linear;
+pub use logp::{LogpRows, LogpUpstream, logp_linear, logp_linear_grads};
 pub use passes::{
     FusedPasses, GradPart, GradsOf, Head, LinearGrads, LinearGradsMut, RowGrad, check_grad_lens,
 };
 pub use plan::{
-    Bf16Products, Block, FusedOptions, Mode, Plan, PlanLimits, mib_to_bytes, plan_blocks,
+    Bf16Products, Block, FusedOptions, HeadGrad, Mode, Plan, PlanLimits, mib_to_bytes, plan_blocks,
     tile_budget,
 };
-pub use sharded::{ce_linear_sharded, grpo_linear_sharded, logp_linear_sharded};
+pub use sharded::{
+    ce_linear_sharded, grpo_linear_sharded, logp_linear_grads_sharded, logp_linear_sharded,
+};
 pub use split::{
     accumulate_row_grads, ce_accumulate_row_grads, ce_partial_row_states, partial_row_states,
 };

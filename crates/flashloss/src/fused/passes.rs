@@ -4,10 +4,11 @@
 //! vocabulary for each row's softmax state; pass B recomputes each tile, turns it into
 //! `dZ` with one [`RowGrad`] per row and adds `dH += dZ·W`, `dW += dZᵀ·H`,
 //! `dbias += Σ_rows dZ` (8NHV FLOPs in all); a single pass keeps a row block's logits
-//! whole between its statistics and its gradients (6NHV). The loss drivers (GRPO,
-//! cross-entropy, log-probs, sharded) are written once over these.
+//! whole between its statistics and its gradients (6NHV). A frozen head
+//! ([`HeadGrad::Frozen`]) has no `dW`/`dbias` buffers and skips their products. The loss
+//! drivers (GRPO, cross-entropy, log-probs, sharded) are written once over these.
 
-use super::plan::{FusedOptions, Plan};
+use super::plan::{FusedOptions, HeadGrad, Plan};
 use crate::batch::{HeadShape, LinearInputs};
 use crate::collective::Collective;
 use crate::element::Element;
@@ -94,9 +95,10 @@ pub trait Head {
     /// Its shape.
     fn shape(&self) -> HeadShape;
 
-    /// Checks the head's inputs (finite values) and, `with_grads`, that the gradient
-    /// buffers match it. The drivers check the shape first ([`check_head`]).
-    fn validate(&self, with_grads: bool) -> Result<()>;
+    /// Checks the head's inputs (finite values) and, given `grads` (which of the head's
+    /// gradients a step forms), that the gradient buffers match it. The drivers check
+    /// the shape first ([`check_head`]).
+    fn validate(&self, grads: Option<HeadGrad>) -> Result<()>;
 
     /// Checks the gradient buffers after a step: the first entry that is not finite is
     /// the error of [`crate::range::grad_out_of_range`] (`seq_len` places a `dH` row in
@@ -120,10 +122,11 @@ pub trait Head {
 }
 
 /// Checks a head before a driver runs on it: its shape ([`HeadShape::check`]), then the
-/// backend's [`Head::validate`].
-pub(crate) fn check_head(head: &dyn Head, with_grads: bool) -> Result<()> {
+/// backend's [`Head::validate`] (`grads`: the gradients the step forms, none for
+/// statistics only).
+pub(crate) fn check_head(head: &dyn Head, grads: Option<HeadGrad>) -> Result<()> {
     head.shape().check()?;
-    head.validate(with_grads)
+    head.validate(grads)
 }
 
 /// Gradients of an LM head in host memory, accumulated in f32.
@@ -131,20 +134,27 @@ pub(crate) fn check_head(head: &dyn Head, with_grads: bool) -> Result<()> {
 pub struct LinearGrads {
     /// `dH` `[N, H]`.
     pub dhidden: Vec<f32>,
-    /// `dW`, `[V, H]` or `[H, V]` as the weight.
+    /// `dW`, `[V, H]` or `[H, V]` as the weight (empty for a frozen head).
     pub dweight: Vec<f32>,
-    /// `dbias` `[V]` (when the head has a bias).
+    /// `dbias` `[V]` (when the head has a bias and is not frozen).
     pub dbias: Option<Vec<f32>>,
 }
 
 impl LinearGrads {
-    /// Zeroed gradients for `inputs`' shapes.
+    /// Zeroed gradients for `inputs`' shapes, a trainable head's.
     pub fn zeros<E>(inputs: &LinearInputs<E>) -> Self {
+        Self::zeros_for(inputs, HeadGrad::Full)
+    }
+
+    /// Zeroed gradients for `inputs`' shapes: `dH`, and `dW` and `dbias` as `head_grad`
+    /// forms them (a frozen head gets none: an empty `dweight`, no `dbias`).
+    pub fn zeros_for<E>(inputs: &LinearInputs<E>, head_grad: HeadGrad) -> Self {
         let (n, h, v) = (inputs.tokens, inputs.hidden_size, inputs.vocab);
+        let full = head_grad.has_dweight();
         LinearGrads {
             dhidden: vec![0.0; n * h],
-            dweight: vec![0.0; v * h],
-            dbias: inputs.bias.map(|_| vec![0.0; v]),
+            dweight: if full { vec![0.0; v * h] } else { Vec::new() },
+            dbias: inputs.bias.filter(|_| full).map(|_| vec![0.0; v]),
         }
     }
 
@@ -163,11 +173,12 @@ impl LinearGrads {
         }
     }
 
-    /// Checks that the buffers match `inputs`' shapes (and bias presence).
-    pub fn check<E>(&self, inputs: &LinearInputs<E>) -> Result<()> {
+    /// Checks that the buffers match `inputs`' shapes (and bias presence) for
+    /// `head_grad`.
+    pub fn check<E>(&self, inputs: &LinearInputs<E>, head_grad: HeadGrad) -> Result<()> {
         check_grad_lens(
             inputs.shape(),
-            inputs.layout,
+            (inputs.layout, head_grad),
             inputs.bias.is_some(),
             self.dhidden.len(),
             self.dweight.len(),
@@ -191,18 +202,19 @@ impl LinearGrads {
 pub struct LinearGradsMut<'a> {
     /// `dH` `[N, H]`.
     pub dhidden: &'a mut [f32],
-    /// `dW`, `[V, H]` or `[H, V]` as the weight.
+    /// `dW`, `[V, H]` or `[H, V]` as the weight (empty for a frozen head).
     pub dweight: &'a mut [f32],
-    /// `dbias` `[V]` (when the head has a bias).
+    /// `dbias` `[V]` (when the head has a bias and is not frozen).
     pub dbias: Option<&'a mut [f32]>,
 }
 
 impl LinearGradsMut<'_> {
-    /// Checks that the buffers match `inputs`' shapes (and bias presence).
-    pub fn check<E>(&self, inputs: &LinearInputs<E>) -> Result<()> {
+    /// Checks that the buffers match `inputs`' shapes (and bias presence) for
+    /// `head_grad`.
+    pub fn check<E>(&self, inputs: &LinearInputs<E>, head_grad: HeadGrad) -> Result<()> {
         check_grad_lens(
             inputs.shape(),
-            inputs.layout,
+            (inputs.layout, head_grad),
             inputs.bias.is_some(),
             self.dhidden.len(),
             self.dweight.len(),
@@ -226,11 +238,12 @@ impl LinearGradsMut<'_> {
 }
 
 /// Checks gradient buffers of `dhidden`, `dweight` and `dbias` elements against a head
-/// of `shape` with its weight in `layout` (a bias buffer exactly when the head has a
-/// bias); any backend's.
+/// of `shape` with its weight in `layout` for `head_grad` (a trainable head: `dW` of
+/// the weight's size and a bias buffer exactly when the head has a bias; a frozen one:
+/// neither); any backend's.
 pub fn check_grad_lens(
     shape: HeadShape,
-    layout: WeightLayout,
+    (layout, head_grad): (WeightLayout, HeadGrad),
     has_bias: bool,
     dhidden: usize,
     dweight: usize,
@@ -247,6 +260,16 @@ pub fn check_grad_lens(
     };
     if dhidden != n * h {
         return bad("dhidden", format!("[N={n}, H={h}]"), n * h, dhidden);
+    }
+    if !head_grad.has_dweight() {
+        return match (dweight, dbias) {
+            (0, None) => Ok(()),
+            (0, Some(_)) => Err(Error::InvalidArgument {
+                arg: "dbias",
+                reason: "must be absent for a frozen head (head_grad frozen)".into(),
+            }),
+            _ => bad("dweight", "[0] (a frozen head)".into(), 0, dweight),
+        };
     }
     if dweight != v * h {
         return bad("dweight", layout.shape(v, h), v * h, dweight);

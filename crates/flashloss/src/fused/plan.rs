@@ -2,7 +2,8 @@
 //! the whole vocabulary kept at once, 6NHV FLOPs) or two-pass (statistics first, then a
 //! recomputation for the gradients, 8NHV), and the largest row block and vocabulary
 //! tile whose workspace fits the memory budget. The search is written once; a backend
-//! gives its [`PlanLimits`] and what a block costs it.
+//! gives its [`PlanLimits`] and what a block costs it. A frozen head ([`HeadGrad`])
+//! drops the `dW = dZᵀ·H` product: 4NHV single-pass, 6NHV two-pass.
 
 use crate::error::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -97,6 +98,33 @@ impl Bf16Products {
     }
 }
 
+/// Which gradients of the LM head's own parameters a fused step forms (`dH` always).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum HeadGrad {
+    /// `dW = dZᵀ·H`, and `dbias = Σ_rows dZ` where the head has a bias.
+    #[default]
+    Full,
+    /// A frozen head: neither `dW` nor `dbias`, no buffers for them and no product
+    /// (`2NHV` FLOPs less; `dH` exactly as with [`HeadGrad::Full`]).
+    Frozen,
+}
+
+impl HeadGrad {
+    /// The gradient products per `NHV`: `dH` (2) and `dW` (2, a trainable head).
+    pub fn product_flops(self) -> f64 {
+        match self {
+            HeadGrad::Full => 4.0,
+            HeadGrad::Frozen => 2.0,
+        }
+    }
+
+    /// Whether `dW` (and `dbias`) are formed.
+    pub fn has_dweight(self) -> bool {
+        self == HeadGrad::Full
+    }
+}
+
 /// Options of the fused LM-head kernels.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct FusedOptions {
@@ -109,6 +137,8 @@ pub struct FusedOptions {
     pub budget_bytes: usize,
     /// Upstream gradient `∂(outer loss)/∂L`.
     pub grad_output: f32,
+    /// Which of the head's own gradients are formed.
+    pub head_grad: HeadGrad,
 }
 
 impl FusedOptions {
@@ -119,6 +149,7 @@ impl FusedOptions {
             bf16_products: Bf16Products::Auto,
             budget_bytes: mib_to_bytes(budget_mib),
             grad_output,
+            head_grad: HeadGrad::Full,
         }
     }
 }
@@ -159,17 +190,16 @@ pub struct Plan {
     /// The products a bf16 head ran on the CPU (never `Auto`); `None` for f32 heads and
     /// on the GPU (cuBLAS takes bf16 operands).
     pub bf16_products: Option<Bf16Products>,
+    /// Which of the head's own gradients the passes form.
+    pub head_grad: HeadGrad,
 }
 
 impl Plan {
-    /// FLOPs of the whole step: `2NHV` per logits computation, plus `4NHV` for dH, dW.
+    /// FLOPs of the whole step: `2NHV` per logits computation, plus `4NHV` for dH, dW
+    /// (`2NHV` for dH alone on a frozen head).
     pub fn flops(&self, n: usize, h: usize, v: usize) -> f64 {
         let nhv = n as f64 * h as f64 * v as f64;
-        if self.single_pass {
-            6.0 * nhv
-        } else {
-            8.0 * nhv
-        }
+        step_flops(self.single_pass, self.head_grad) * nhv
     }
 
     /// Columns of a block's logits: the whole vocabulary `v` (single-pass) or a tile.
@@ -194,7 +224,7 @@ pub struct PlanLimits {
     pub min_single_pass_rows: usize,
     /// The rate model of auto mode (0: none, the row threshold alone decides): a block
     /// of `k` rows runs its products at `k / (k + half_rate_rows)` of the plain GEMM
-    /// rate, so a plan's time is its FLOPs (6NHV or 8NHV) times `1 + half_rate_rows/k`,
+    /// rate, so a plan's time is its FLOPs (6NHV or 8NHV; 4NHV or 6NHV on a frozen head) times `1 + half_rate_rows/k`,
     /// and auto takes the faster of single-pass and two-pass for the budget.
     pub half_rate_rows: f64,
     /// Whether the backend has a compact block ([`Mode::Compact`]; without one, compact
@@ -245,9 +275,13 @@ pub fn plan_blocks(
     let two_rows = largest(Block::Tile);
     let compact_rows = limits.has_compact.then(|| largest(Block::Compact));
     let min_rows = limits.min_single_pass_rows.min(n);
+    let (single_flops, two_flops) = (
+        step_flops(true, opts.head_grad),
+        step_flops(false, opts.head_grad),
+    );
     let (t_single, t_two) = (
-        modelled_time(6.0, single_rows, limits),
-        modelled_time(8.0, two_rows, limits),
+        modelled_time(single_flops, single_rows, limits),
+        modelled_time(two_flops, two_rows, limits),
     );
     let useful = single_rows >= min_rows && (limits.half_rate_rows == 0.0 || t_single <= t_two);
     // Auto takes the compact block only where the model says it is strictly faster (an
@@ -255,7 +289,7 @@ pub fn plan_blocks(
     let compact_faster = opts.mode == Mode::Auto
         && limits.half_rate_rows > 0.0
         && compact_rows.is_some_and(|rows| {
-            rows >= min_rows && modelled_time(6.0, rows, limits) < t_single.min(t_two)
+            rows >= min_rows && modelled_time(single_flops, rows, limits) < t_single.min(t_two)
         });
     let single = opts
         .mode
@@ -284,7 +318,15 @@ pub fn plan_blocks(
         workspace_bytes: block_bytes(rows, block),
         gemm_reserve_bytes: limits.reserve_bytes,
         bf16_products: None,
+        head_grad: opts.head_grad,
     })
+}
+
+/// FLOPs per `NHV` of a step: the logits once (single-pass) or twice (two-pass), then
+/// the gradient products of `head_grad`.
+fn step_flops(single_pass: bool, head_grad: HeadGrad) -> f64 {
+    let logits = if single_pass { 2.0 } else { 4.0 };
+    logits + head_grad.product_flops()
 }
 
 /// Auto mode's model of a plan's time, in units of `NHV` FLOPs at the plain GEMM rate:

@@ -14,8 +14,9 @@
 
 use super::ce::{CeLinearOutput, CeRows, ce_linear_checked};
 use super::grpo::{GrpoLinearOutput, check_batch, grpo_linear_checked};
+use super::logp::{LogpGradRows, LogpRows, LogpUpstream, logp_grads_checked};
 use super::passes::{GradPart, Head, check_head};
-use super::plan::{FusedOptions, Mode, Plan};
+use super::plan::{FusedOptions, HeadGrad, Mode, Plan};
 use crate::batch::GrpoBatch;
 use crate::collective::agree;
 use crate::cross_entropy::CrossEntropy;
@@ -38,7 +39,7 @@ fn sharded_plan<'g>(
     single_pass_allowed: bool,
 ) -> Result<(Plan, Option<VocabSplit<'g>>)> {
     let range = shard.range(head.shape().vocab)?;
-    check_head(head, true)?;
+    check_head(head, Some(opts.head_grad))?;
     if grid.vocab.world_size() == 1 && range.len() == shard.vocab {
         return Ok((head.plan(opts, single_pass_allowed)?, None));
     }
@@ -56,14 +57,20 @@ fn sharded_plan<'g>(
     Ok((head.plan(opts, false)?, Some(split)))
 }
 
-/// dH summed over the ranks that split the vocabulary, dW and dbias over those that
-/// split the rows (a group of one reduces nothing); then the gradients are checked
-/// finite, and a failure on any rank is the same error on every rank.
-fn all_reduce_grads(grid: &Grid, head: &mut dyn Head, split: bool, seq_len: usize) -> Result<()> {
+/// dH summed over the ranks that split the vocabulary, dW and dbias (a trainable
+/// head's, as `plan` forms them) over those that split the rows (a group of one reduces
+/// nothing); then the gradients are checked finite, and a failure on any rank is the
+/// same error on every rank.
+fn all_reduce_grads(
+    grid: &Grid,
+    head: &mut dyn Head,
+    (plan, split): (&Plan, bool),
+    seq_len: usize,
+) -> Result<()> {
     if split && grid.vocab.world_size() > 1 {
         head.all_reduce(grid.vocab.as_ref(), GradPart::Hidden)?;
     }
-    if grid.tokens.world_size() > 1 {
+    if grid.tokens.world_size() > 1 && plan.head_grad.has_dweight() {
         head.all_reduce(grid.tokens.as_ref(), GradPart::Head)?;
     }
     agree(grid.world, head.check_grads(seq_len))
@@ -88,7 +95,7 @@ pub fn grpo_linear_sharded(
     let norm = global_normalizers(grid.tokens.as_ref(), local)?;
     let out = grpo_linear_checked(head, loss, batch, norm, opts, plan, split.as_ref());
     let mut out = agree(grid.world, out)?;
-    all_reduce_grads(grid, head, split.is_some(), batch.seq_len)?;
+    all_reduce_grads(grid, head, (&plan, split.is_some()), batch.seq_len)?;
     (out.loss, out.metrics) = reduce_policy_outputs(
         grid.tokens.as_ref(),
         out.loss,
@@ -130,7 +137,7 @@ pub fn ce_linear_sharded(
     let rows = rows.with_count(count[0] as usize);
     let out = ce_linear_checked(head, &rows, plan, split.as_ref());
     let mut out = agree(grid.world, out)?;
-    all_reduce_grads(grid, head, split.is_some(), shape.tokens)?;
+    all_reduce_grads(grid, head, (&plan, split.is_some()), shape.tokens)?;
     let mut sums = [out.loss, out.z_loss];
     grid.tokens.all_reduce_sum_f64(&mut sums)?;
     (out.loss, out.z_loss) = (sums[0], sums[1]);
@@ -153,7 +160,7 @@ pub fn logp_linear_sharded(
 ) -> Result<Vec<RowStats>> {
     let n = head.shape().tokens;
     let seq_len = seq_len.clamp(1, n.max(1));
-    let checked = check_head(head, false)
+    let checked = check_head(head, None)
         .and_then(|_| shard.range(head.shape().vocab))
         .and_then(|range| {
             check_targets(target_ids, mask, n, shard.vocab, seq_len)?;
@@ -178,6 +185,7 @@ pub fn logp_linear_sharded(
         mode: Mode::TwoPass,
         budget_bytes,
         grad_output: 1.0,
+        head_grad: HeadGrad::Full,
     };
     let local = super::partial_row_states(
         head,
@@ -194,5 +202,29 @@ pub fn logp_linear_sharded(
         grid.world,
         check_row_stats(&stats, |i| live[i], target_ids, seq_len),
     )?;
+    Ok(stats)
+}
+
+/// The gradient of a log-prob call on a [`Grid`] (see [`super::logp_linear_grads`]):
+/// each rank passes its token group's `rows` and `upstream` gradients and its head (its
+/// vocab group's [`Shard`] of those rows). Returns the rows' statistics over the whole
+/// vocabulary; dH (in the head's buffers) is summed within the token group, the
+/// shard's dW and dbias (a trainable head's) over token groups.
+pub fn logp_linear_grads_sharded(
+    grid: &Grid,
+    head: &mut dyn Head,
+    shard: Shard,
+    rows: LogpRows,
+    upstream: LogpUpstream,
+    opts: &FusedOptions,
+    seq_len: usize,
+) -> Result<Vec<RowStats>> {
+    let n = head.shape().tokens;
+    let checked = LogpGradRows::new((rows, upstream), n, shard.vocab, opts, seq_len)
+        .and_then(|rows| Ok((rows, sharded_plan(grid, head, shard, opts, true)?)));
+    let (rows, (plan, split)) = agree(grid.world, checked)?;
+    let stats = logp_grads_checked(head, &rows, plan, split.as_ref());
+    let stats = agree(grid.world, stats)?;
+    all_reduce_grads(grid, head, (&plan, split.is_some()), rows.seq_len)?;
     Ok(stats)
 }

@@ -57,7 +57,7 @@ pub fn partial_row_states(
     rows: RowInputs,
     opts: &FusedOptions,
 ) -> Result<PartialStats> {
-    check_head(head, false)?;
+    check_head(head, None)?;
     let s = head.shape();
     check_rows(&rows, s.tokens, s.vocab)?;
     let plan = head.plan(&two_pass(opts), false)?;
@@ -74,7 +74,7 @@ pub fn accumulate_row_grads(
     opts: &FusedOptions,
     seq_len: usize,
 ) -> Result<()> {
-    check_head(head, true)?;
+    check_head(head, Some(opts.head_grad))?;
     let s = head.shape();
     check_rows(&rows, s.tokens, s.vocab)?;
     if grads.len() != s.tokens {
@@ -113,7 +113,7 @@ pub fn ce_partial_row_states(
     targets: &[i64],
     opts: &FusedOptions,
 ) -> Result<PartialStats> {
-    check_head(head, false)?;
+    check_head(head, None)?;
     let n = head.shape().tokens;
     let rows = CeRows::new(ce, targets, n, shard.vocab, 1.0, None)?;
     let local = local_ids(targets, &shard.range(head.shape().vocab)?);
@@ -134,7 +134,7 @@ pub fn ce_accumulate_row_grads(
     stats: Vec<RowStats>,
     opts: &FusedOptions,
 ) -> Result<CeLinearOutput> {
-    check_head(head, true)?;
+    check_head(head, Some(opts.head_grad))?;
     let n = head.shape().tokens;
     let rows = CeRows::new(ce, targets, n, shard.vocab, opts.grad_output, grad_rows)?;
     if stats.len() != n {

@@ -9,7 +9,9 @@ normalizers span its sequences.
 Every call that takes the LM head's ``weight`` takes ``weight_layout``: ``"vh"`` for
 ``[V, H]`` (PyTorch's layout, a tied embedding) or ``"hv"`` for ``[H, V]`` (a Flax
 kernel, ``'BTD,DV->BTV'``), read as it lies (no transposed copy); ``dweight`` has the
-weight's shape."""
+weight's shape. Every call that forms gradients takes ``head_grad``: ``"full"``, or
+``"frozen"`` (a frozen head: ``dweight`` and ``dbias`` come back ``[0]``, no dW/dbias
+product, no ``[V, H]`` buffer)."""
 
 from __future__ import annotations
 
@@ -42,6 +44,16 @@ def _or_empty(x: Optional[jax.Array], dtype) -> jax.Array:
     return jnp.zeros((0,), dtype) if x is None else x
 
 
+def head_grad_results(x, weight, bias, v: int, head_grad: str):
+    """The result types of ``dweight`` and ``dbias``: the weight's shape and ``[V]`` (or
+    ``[0]`` without a bias), both ``[0]`` for a frozen head."""
+    if head_grad not in ("full", "frozen"):
+        raise ValueError(f'argument `head_grad`: expected "full" or "frozen", got {head_grad!r}')
+    if head_grad == "frozen":
+        return _like(x, (0,)), _like(x, (0,))
+    return _like(x, weight.shape), _like(x, (0,) if bias is None else (v,))
+
+
 def vocab_size(weight, weight_layout: str) -> int:
     """``V`` of ``weight`` (``[V, H]`` for ``weight_layout="vh"``, ``[H, V]`` for ``"hv"``)."""
     if weight_layout not in ("vh", "hv"):
@@ -55,7 +67,7 @@ def vocab_size(weight, weight_layout: str) -> int:
 
 def grpo_linear(
     hidden, weight, bias, ids, mask, advantages, old, ref, *, config: str, mode: str, budget_mib: float,
-    weight_layout: str = "vh",
+    weight_layout: str = "vh", head_grad: str = "full",
 ):  # fmt: skip
     """``(loss, dhidden, dweight, dbias, logp, entropy, kl, metrics[5])``."""
     b, t = ids.shape
@@ -64,8 +76,7 @@ def grpo_linear(
     results = (
         _like(x, ()),
         _like(x, hidden.shape),
-        _like(x, weight.shape),
-        _like(x, (0,) if bias is None else (v,)),
+        *head_grad_results(x, weight, bias, v, head_grad),
         _like(x, (b, t)),
         _like(x, (b, t)),
         _like(x, (b, t)),
@@ -76,11 +87,13 @@ def grpo_linear(
         hidden, weight, _or_empty(bias, hidden.dtype), ids, mask, advantages,
         _or_empty(old, jnp.float32), _or_empty(ref, jnp.float32),
         budget_mib=float(budget_mib), config=config, mode=mode, weight_layout=weight_layout,
+        head_grad=head_grad,
     )  # fmt: skip
 
 
 def ce_linear(
-    hidden, weight, bias, targets, grad_rows, *, config: str, mode: str, budget_mib: float, weight_layout: str = "vh"
+    hidden, weight, bias, targets, grad_rows, *, config: str, mode: str, budget_mib: float, weight_layout: str = "vh",
+    head_grad: str = "full",
 ):  # fmt: skip
     """``(loss, dhidden, dweight, dbias, row_loss[N], count)``."""
     v = vocab_size(weight, weight_layout)
@@ -89,15 +102,14 @@ def ce_linear(
     results = (
         _like(x, ()),
         _like(x, hidden.shape),
-        _like(x, weight.shape),
-        _like(x, (0,) if bias is None else (v,)),
+        *head_grad_results(x, weight, bias, v, head_grad),
         _like(x, (n,)),
         _like(x, ()),
     )
     return _call(
         "flashloss_ce_linear", results,
         hidden, weight, _or_empty(bias, hidden.dtype), targets, _or_empty(grad_rows, jnp.float32),
-        budget_mib=float(budget_mib), config=config, mode=mode, weight_layout=weight_layout,
+        budget_mib=float(budget_mib), config=config, mode=mode, weight_layout=weight_layout, head_grad=head_grad,
     )  # fmt: skip
 
 

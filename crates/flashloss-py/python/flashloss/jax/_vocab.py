@@ -9,7 +9,8 @@ the transpose of that cast is the sum).
 
 Each function takes ``weight_layout``: ``"vh"`` (the block ``[V_r, H]``) or ``"hv"``
 (``[H, V_r]``, a Flax kernel split along its columns); the block's ``dweight`` has its
-shape."""
+shape. The custom_vjps take symbolic zeros: a block whose ``weight`` and ``bias`` are not
+perturbed (a frozen head) runs pass B with ``head_grad="frozen"`` (dH alone)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ._ops import _call, _like, _or_empty, vocab_size
+from jax.custom_derivatives import SymbolicZero
+
+from ._ffi import _values, head_grad_wanted, wants
+from ._ops import _call, _like, _or_empty, head_grad_results, vocab_size
 
 
 def _partial(x, w, bias, ids, mask, offset, temperature, budget, mode, layout):
@@ -65,13 +69,18 @@ def _policy(logp, entropy, ids, mask, adv, old, ref, config, vocab):
     )  # fmt: skip
 
 
-def _grads(x, w, bias, ids, mask, offset, stats, temperature, budget, mode, layout):
+def _grads(x, w, bias, ids, mask, offset, stats, temperature, budget, mode, layout, head_grad):
     v = vocab_size(w, layout)
-    results = (_like(x, x.shape), _like(x, w.shape), _like(x, (0,) if bias is None else (v,)))
+    results = (_like(x, x.shape), *head_grad_results(x, w, bias, v, head_grad))
     return _call(
         "flashloss_vocab_grads", results, x, w, _or_empty(bias, x.dtype), ids, mask, offset, *stats,
-        budget_mib=budget, mode=mode, temperature=temperature, weight_layout=layout,
+        budget_mib=budget, mode=mode, temperature=temperature, weight_layout=layout, head_grad=head_grad,
     )  # fmt: skip
+
+
+def _cast_wanted(grads, wanted):
+    """Each gradient in its input's dtype, ``None`` where it is not wanted."""
+    return tuple(None if w is None else d.astype(w.dtype) for d, w in zip(grads, wanted))
 
 
 def _offset(weight, axis, layout):
@@ -81,7 +90,9 @@ def _offset(weight, axis, layout):
     return (jax.lax.axis_index(axis) * vocab_size(weight, layout)).astype(jnp.int32)
 
 
-def _step(hidden, weight, bias, ids, mask, adv, old, ref, config, axis, temperature, vocab, mode, budget, layout):
+def _step(
+    hidden, weight, bias, ids, mask, adv, old, ref, config, axis, temperature, vocab, mode, budget, layout, head_grad
+):  # fmt: skip
     b, t = ids.shape
     x = hidden.reshape(b * t, hidden.shape[-1])
     flat_ids, flat_mask = ids.reshape(-1), mask.reshape(-1)
@@ -92,9 +103,13 @@ def _step(hidden, weight, bias, ids, mask, adv, old, ref, config, axis, temperat
         logp.reshape(b, t), entropy.reshape(b, t), ids, mask, adv, old, ref, config, vocab
     )
     stats = (top, log_sum, entropy, dlogp.reshape(-1), dentropy.reshape(-1))
-    dh, dw, db = _grads(x, weight, bias, flat_ids, flat_mask, offset, stats, temperature, budget, mode, layout)
+    if head_grad is None:  # not differentiated: no pass B
+        return loss, (logp.reshape(b, t), entropy.reshape(b, t), kl, metrics), None
+    dh, dw, db = _grads(
+        x, weight, bias, flat_ids, flat_mask, offset, stats, temperature, budget, mode, layout, head_grad
+    )
     aux = (logp.reshape(b, t), entropy.reshape(b, t), kl, metrics)
-    return loss, aux, (dh.reshape(hidden.shape), dw, None if bias is None else db)
+    return loss, aux, (dh.reshape(hidden.shape), dw, db)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12, 13, 14))
@@ -102,7 +117,7 @@ def grpo(
     hidden, weight, bias, ids, mask, adv, old, ref, config, axis, temperature, vocab, mode, budget, weight_layout="vh"
 ):  # fmt: skip
     """``(loss, (logp, entropy, kl, metrics))`` of this device's block of the head."""
-    args = (config, axis, temperature, vocab, mode, budget, weight_layout)
+    args = (config, axis, temperature, vocab, mode, budget, weight_layout, None)
     loss, aux, _ = _step(hidden, weight, bias, ids, mask, adv, old, ref, *args)
     return loss, aux
 
@@ -110,27 +125,37 @@ def grpo(
 def _fwd(
     hidden, weight, bias, ids, mask, adv, old, ref, config, axis, temperature, vocab, mode, budget, weight_layout="vh"
 ):  # fmt: skip
-    args = (config, axis, temperature, vocab, mode, budget, weight_layout)
-    loss, aux, grads = _step(hidden, weight, bias, ids, mask, adv, old, ref, *args)
-    protos = tuple(None if x is None else jnp.zeros((0,), x.dtype) for x in (hidden, weight, bias))
-    return (loss, aux), (grads, protos)
+    wanted = wants(hidden, weight, bias)
+    args = (config, axis, temperature, vocab, mode, budget, weight_layout, head_grad_wanted(wanted))
+    primals = _values(hidden, weight, bias, ids, mask, adv, old, ref)
+    loss, aux, grads = _step(*primals, *args)
+    return (loss, aux), (grads, wanted)
 
 
 def _bwd(config, axis, temperature, vocab, mode, budget, weight_layout, res, cts):
-    grads, protos = res
+    grads, wanted = res
     g = cts[0]
-    out = tuple(None if d is None else (g * d).astype(p.dtype) for d, p in zip(grads, protos))
+    if isinstance(g, SymbolicZero):
+        return None, None, None, None, None, None, None, None
+    out = _cast_wanted(tuple(g * d for d in grads), wanted)
     return (*out, None, None, None, None, None)
 
 
-grpo.defvjp(_fwd, _bwd)
+grpo.defvjp(_fwd, _bwd, symbolic_zeros=True)
 
 
-def _logprobs_fwd(x, w, bias, ids, mask, axis, temperature, budget, mode, weight_layout="vh"):
+def _logprobs_stats(x, w, bias, ids, mask, axis, temperature, budget, mode, weight_layout):
     offset = _offset(w, axis, weight_layout)
     part = _partial(x, w, bias, ids, mask, offset, temperature, budget, mode, weight_layout)
     top, log_sum, entropy, logp = _merge(part, mask, axis, temperature)
     return (logp, entropy), (x, w, bias, ids, mask, top, log_sum, entropy)
+
+
+def _logprobs_fwd(x, w, bias, ids, mask, axis, temperature, budget, mode, weight_layout="vh"):
+    wanted = wants(x, w, bias)
+    x, w, bias, ids, mask = _values(x, w, bias, ids, mask)
+    out, res = _logprobs_stats(x, w, bias, ids, mask, axis, temperature, budget, mode, weight_layout)
+    return out, (res, wanted)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
@@ -139,20 +164,24 @@ def logprobs(x, w, bias, ids, mask, axis, temperature, budget, mode, weight_layo
     block of the head (``axis``: the mesh axis the head is split over, or None),
     differentiable: the backward is pass B with each row's cotangents as the
     coefficients of ``∂logp/∂z`` and ``∂entropy/∂z``."""
-    return _logprobs_fwd(x, w, bias, ids, mask, axis, temperature, budget, mode, weight_layout)[0]
+    return _logprobs_stats(x, w, bias, ids, mask, axis, temperature, budget, mode, weight_layout)[0]
 
 
 def _logprobs_bwd(axis, temperature, budget, mode, weight_layout, res, cts):
-    x, w, bias, ids, mask, top, log_sum, entropy = res
-    g_logp, g_entropy = (jnp.where(mask, c, 0.0).astype(jnp.float32) for c in cts)
+    (x, w, bias, ids, mask, top, log_sum, entropy), wanted = res
+    if all(isinstance(c, SymbolicZero) for c in cts):
+        return None, None, None, None, None
+    g_logp, g_entropy = (
+        jnp.zeros_like(top) if isinstance(c, SymbolicZero) else jnp.where(mask, c, 0.0).astype(jnp.float32) for c in cts
+    )
     stats = (top, log_sum, entropy, g_logp, g_entropy)
     offset = _offset(w, axis, weight_layout)
-    dh, dw, db = _grads(x, w, bias, ids, mask, offset, stats, temperature, budget, mode, weight_layout)
-    db = None if bias is None else db.astype(bias.dtype)
-    return dh.astype(x.dtype), dw.astype(w.dtype), db, None, None
+    head_grad = head_grad_wanted(wanted)
+    grads = _grads(x, w, bias, ids, mask, offset, stats, temperature, budget, mode, weight_layout, head_grad)
+    return (*_cast_wanted(grads, wanted), None, None)
 
 
-logprobs.defvjp(_logprobs_fwd, _logprobs_bwd)
+logprobs.defvjp(_logprobs_fwd, _logprobs_bwd, symbolic_zeros=True)
 
 
 def _ce_partial(x, w, bias, targets, offset, config, vocab, budget, mode, layout):
@@ -164,19 +193,13 @@ def _ce_partial(x, w, bias, targets, offset, config, vocab, budget, mode, layout
     )  # fmt: skip
 
 
-def _ce_grads(x, w, bias, targets, offset, stats, grad_rows, config, vocab, budget, mode, layout):
+def _ce_grads(x, w, bias, targets, offset, stats, grad_rows, config, vocab, budget, mode, layout, head_grad):
     n, v = targets.shape[0], vocab_size(w, layout)
-    results = (
-        _like(x, ()),
-        _like(x, (n,)),
-        _like(x, x.shape),
-        _like(x, w.shape),
-        _like(x, (0,) if bias is None else (v,)),
-    )
+    results = (_like(x, ()), _like(x, (n,)), _like(x, x.shape), *head_grad_results(x, w, bias, v, head_grad))
     return _call(
         "flashloss_ce_vocab_grads", results, x, w, _or_empty(bias, x.dtype), targets, offset, *stats,
         _or_empty(grad_rows, jnp.float32), budget_mib=budget, mode=mode, config=config, vocab=int(vocab),
-        weight_layout=layout,
+        weight_layout=layout, head_grad=head_grad,
     )  # fmt: skip
 
 
@@ -191,18 +214,29 @@ def _ce_stats(x, w, bias, targets, axis, config, temperature, ignore_index, voca
     return offset, (top, log_sum, entropy, logp, mean)
 
 
-def _ce_fwd(
-    x, w, bias, targets, axis, config, temperature, ignore_index, vocab, reduction, budget, mode, weight_layout="vh"
-):  # fmt: skip
-    args = (axis, config, temperature, ignore_index, vocab, budget, mode, weight_layout)
+def _ce_forward(x, w, bias, targets, args, reduction, head_grad):
+    """The loss (or per-row losses) and, for mean and sum, the gradients of ``head_grad``
+    (``args``: axis, config, temperature, ignore_index, vocab, budget, mode, layout)."""
+    axis, config, _, _, vocab, budget, mode, layout = args
     offset, stats = _ce_stats(x, w, bias, targets, *args)
     zero = jnp.zeros(targets.shape, jnp.float32) if reduction == "none" else None
-    tail = (config, vocab, budget, mode, weight_layout)
-    loss, rows, dh, dw, db = _ce_grads(x, w, bias, targets, offset, stats, zero, *tail)
+    head_grad = "frozen" if reduction == "none" else head_grad  # none: pass B in the backward
+    loss, rows, dh, dw, db = _ce_grads(x, w, bias, targets, offset, stats, zero, config, vocab, budget, mode, layout,
+                                       head_grad)  # fmt: skip
     out = rows if reduction == "none" else loss
     if axis is not None:  # the same on every device (from the merged statistics): say so
         out = jax.lax.pmax(out, axis)
-    return out, (x, w, bias, targets, offset, stats, (dh, dw, None if bias is None else db))
+    return out, (offset, stats, (dh, dw, db))
+
+
+def _ce_fwd(
+    x, w, bias, targets, axis, config, temperature, ignore_index, vocab, reduction, budget, mode, weight_layout="vh"
+):  # fmt: skip
+    wanted = wants(x, w, bias)
+    x, w, bias, targets = _values(x, w, bias, targets)
+    args = (axis, config, temperature, ignore_index, vocab, budget, mode, weight_layout)
+    out, (offset, stats, grads) = _ce_forward(x, w, bias, targets, args, reduction, head_grad_wanted(wanted))
+    return out, (x, w, bias, targets, offset, stats, grads, wanted)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9, 10, 11, 12))
@@ -214,20 +248,20 @@ def cross_entropy(
     the loss (reduction mean, sum) or the per-row losses (none), the same on every
     device. Mean and sum form the gradients in the forward; none runs pass B in its
     backward with each row's cotangent."""
-    args = (axis, config, temperature, ignore_index, vocab, reduction, budget, mode, weight_layout)
-    return _ce_fwd(x, w, bias, targets, *args)[0]
+    args = (axis, config, temperature, ignore_index, vocab, budget, mode, weight_layout)
+    return _ce_forward(x, w, bias, targets, args, reduction, "frozen")[0]
 
 
 def _ce_bwd(axis, config, temperature, ignore_index, vocab, reduction, budget, mode, weight_layout, res, g):
-    x, w, bias, targets, offset, stats, grads = res
+    x, w, bias, targets, offset, stats, grads, wanted = res
+    if isinstance(g, SymbolicZero):
+        return None, None, None, None
     if reduction == "none":
-        tail = (config, vocab, budget, mode, weight_layout)
-        _, _, dh, dw, db = _ce_grads(x, w, bias, targets, offset, stats, g.astype(jnp.float32), *tail)
-        grads = (dh, dw, None if bias is None else db)
+        tail = (config, vocab, budget, mode, weight_layout, head_grad_wanted(wanted))
+        _, _, *grads = _ce_grads(x, w, bias, targets, offset, stats, g.astype(jnp.float32), *tail)
     else:
-        grads = tuple(None if d is None else g * d for d in grads)
-    like = (x, w, bias)
-    return (*(None if d is None else d.astype(p.dtype) for d, p in zip(grads, like)), None)
+        grads = [g * d for d in grads]
+    return (*_cast_wanted(grads, wanted), None)
 
 
-cross_entropy.defvjp(_ce_fwd, _ce_bwd)
+cross_entropy.defvjp(_ce_fwd, _ce_bwd, symbolic_zeros=True)
