@@ -14,7 +14,7 @@ use flashloss::fused::{self, LogpRows, LogpUpstream};
 use flashloss::policy::Normalizers;
 use flashloss::reference::{grpo_reference, linear_grads, linear_logits, row_softmax};
 use flashloss::{
-    Bf16Products, CeConfig, CrossEntropy, Device, Element, FusedOptions, Grid, GrpoLoss,
+    Bf16Products, CeConfig, CrossEntropy, DType, Device, Element, FusedOptions, Grid, GrpoLoss,
     GrpoLossConfig, HeadArgs, HeadGrad, LinearGrads, LinearInputs, Mode, Shard, Temperature,
     WeightLayout, shard_range,
 };
@@ -166,14 +166,14 @@ fn frozen_head_bf16_on_each_product_path() {
 fn planner_leaves_out_dw_bytes_and_flops() {
     let (n, h, v) = (2048, 1024, 151_936);
     for layout in [WeightLayout::VocabMajor, WeightLayout::HiddenMajor] {
-        for bf16 in [false, true] {
+        for dtype in [DType::F32, DType::Bf16] {
             let plan = |head_grad, mode| {
                 let o = opts(mode, Bf16Products::Widened, head_grad, 160.0);
-                flashloss::cpu::plan(n, h, v, (bf16, layout), &o, true).unwrap()
+                flashloss::cpu::plan(n, h, v, (dtype, layout), &o, true).unwrap()
             };
             for mode in [Mode::SinglePass, Mode::TwoPass] {
                 let (full, frozen) = (plan(HeadGrad::Full, mode), plan(HeadGrad::Frozen, mode));
-                let case = format!("{layout:?} bf16={bf16} {mode:?}");
+                let case = format!("{layout:?} {dtype:?} {mode:?}");
                 assert!(frozen.block_rows >= full.block_rows, "{case}: rows");
                 let per_row = |p: &flashloss::Plan| p.workspace_bytes as f64 / p.block_rows as f64;
                 // Fewer where the trainable plan holds dW-only buffers: the two-pass
