@@ -193,6 +193,14 @@ def vocab_size(weight: jax.Array, layout: str) -> int:
     return weight.shape[0] if layout == "vh" else weight.shape[1]
 
 
+def plan(kernel: str, x: jax.Array, weight: jax.Array, layout: str, chip, max_rows, max_vocab) -> tuple:
+    """``(n, hidden, v, chip, blocks)`` of ``kernel`` on rows ``x`` and ``weight``."""
+    n, hidden = x.shape
+    v = vocab_size(weight, layout)
+    target = _chips.chip(chip)
+    return n, hidden, v, target, _chips.choose(kernel, n, v, hidden, x.dtype.itemsize, target, max_rows, max_vocab)
+
+
 @functools.partial(jax.jit, static_argnames=("layout", "transform", "chip", "interpret", "max_rows", "max_vocab"))
 def forward_state(
     x: jax.Array,
@@ -210,10 +218,7 @@ def forward_state(
     """The state :data:`STATE` ``[N]`` f32 of rows ``x`` ``[N, H]`` over the head
     ``weight`` (``ids`` ``[N]`` int32: the target columns of this head; others, e.g.
     another device's ids, match no column)."""
-    n, hidden = x.shape
-    v = vocab_size(weight, layout)
-    target = _chips.chip(chip)
-    blocks = _chips.choose("forward", n, v, hidden, x.dtype.itemsize, target, max_rows, max_vocab)
+    n, hidden, v, target, blocks = plan("forward", x, weight, layout, chip, max_rows, max_vocab)
     bn, bv = blocks.rows, blocks.vocab
     grid = (pl.cdiv(n, bn), pl.cdiv(v, bv))
     in_specs = [row_spec(bn), pl.BlockSpec((bn, hidden), lambda i, j: (i, 0)), weight_spec(layout, bv, hidden, 1)]

@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from . import _chips
-from .head import Transform, bias_spec, launch, row_spec, tail, tile_logits, to_lanes, vocab_size, weight_spec
+from .head import Transform, bias_spec, launch, plan, row_spec, tail, tile_logits, to_lanes, vocab_size, weight_spec
 
 #: Per-row inputs of the backward kernels, in order (after ``ids``).
 COEFFICIENTS = ("lse", "entropy", "target", "softmax", "entropy_term", "uniform")
@@ -138,10 +138,7 @@ def dhidden(
     max_vocab: Optional[int] = None,
 ) -> jax.Array:
     """``dH = dZ·W`` ``[N, H]`` in ``x``'s dtype; ``rows``: :data:`COEFFICIENTS` ``[N]``."""
-    n, hidden = x.shape
-    v = vocab_size(weight, layout)
-    target = _chips.chip(chip)
-    blocks = _chips.choose("dh", n, v, hidden, x.dtype.itemsize, target, max_rows, max_vocab)
+    n, hidden, v, target, blocks = plan("dh", x, weight, layout, chip, max_rows, max_vocab)
     in_specs, args = _inputs(x, weight, bias, ids, rows, layout, blocks, 0, 1)
     grid = (pl.cdiv(n, blocks.rows), pl.cdiv(v, blocks.vocab))
     kernel = functools.partial(
@@ -184,10 +181,7 @@ def dweight(
 ) -> tuple[jax.Array, jax.Array]:
     """``(dW, dc)``: ``dW = dZᵀ·H`` in ``weight``'s shape and dtype, ``dc = Σ_rows dZ``
     ``[V]`` f32."""
-    n, hidden = x.shape
-    v = vocab_size(weight, layout)
-    target = _chips.chip(chip)
-    blocks = _chips.choose("dw", n, v, hidden, x.dtype.itemsize, target, max_rows, max_vocab)
+    n, hidden, v, target, blocks = plan("dw", x, weight, layout, chip, max_rows, max_vocab)
     bn, bv = blocks.rows, blocks.vocab
     in_specs, args = _inputs(x, weight, bias, ids, rows, layout, blocks, 1, 0)
     grid = (pl.cdiv(v, bv), pl.cdiv(n, bn))
