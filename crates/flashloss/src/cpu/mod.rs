@@ -12,6 +12,7 @@ pub mod matmul;
 mod online_softmax;
 mod passes;
 mod products;
+mod row_blocks;
 mod selective_log_softmax;
 pub mod simd;
 mod single_pass;

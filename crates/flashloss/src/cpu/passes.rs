@@ -6,11 +6,9 @@
 //! second `dZ` packing, and its passes run no `dW`/`dbias` product.
 
 use super::products::{DzPacks, Engine, Hidden, Weight};
+use super::row_blocks::{RowBlock, live_row_blocks};
 use super::single_pass::{DZ_T_PACK_ENTRIES, LANES, single_pass};
-use super::tiles::{
-    Problem, RowBlock, Workspace, accumulate_tile, grad_tile, live_row_blocks, logits_tile,
-    merge_tile_stats,
-};
+use super::tiles::{Problem, Workspace, accumulate_tile, grad_tile, logits_tile, merge_tile_stats};
 use crate::batch::{HeadShape, LinearInputs};
 use crate::collective::Collective;
 use crate::element::{DType, Element};

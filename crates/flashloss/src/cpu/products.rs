@@ -14,8 +14,8 @@
 
 use super::bf16_gemm::{Avx512Bf16, PackedA, PackedB};
 use super::matmul::{MatRef, matmul_on};
+use super::row_blocks::RowBlock;
 use super::simd;
-use super::tiles::RowBlock;
 use crate::batch::LinearInputs;
 use crate::element::Element;
 use crate::error::{Error, Result};

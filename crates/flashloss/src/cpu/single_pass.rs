@@ -14,7 +14,7 @@
 //! own dH rows, which are added to dH after the block in lane order, and the lanes' row
 //! states merge in lane order: the result does not depend on the thread count.
 //!
-//! A block holds live rows only ([`super::tiles::live_row_blocks`]): a masked or ignored
+//! A block holds live rows only ([`super::row_blocks::live_row_blocks`]): a masked or ignored
 //! row has no statistics and a zero gradient, so its hidden state joins none of the
 //! three products (a padded batch pays for the rows it trains on).
 //!

@@ -99,7 +99,7 @@ pub fn ce_row_losses(
         opts.grad_output,
         None,
     )?;
-    let plan = head.plan(&super::split::two_pass(opts), false)?;
+    let plan = head.plan(&opts.two_pass(), false)?;
     let inputs = rows.inputs(targets);
     let stats = head
         .passes(inputs, plan)?

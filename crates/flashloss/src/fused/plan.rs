@@ -142,6 +142,14 @@ pub struct FusedOptions {
 }
 
 impl FusedOptions {
+    /// These options in mode two-pass (the split passes and the statistics-only drivers).
+    pub fn two_pass(&self) -> FusedOptions {
+        FusedOptions {
+            mode: Mode::TwoPass,
+            ..*self
+        }
+    }
+
     /// Options with a budget of `budget_mib` MiB (`2^20` bytes, fractions allowed).
     pub fn from_mib(mode: Mode, budget_mib: f64, grad_output: f32) -> Self {
         FusedOptions {

@@ -10,7 +10,7 @@
 
 use super::ce::{CeLinearOutput, CeRows};
 use super::passes::{Head, RowGrad, check_head};
-use super::plan::{FusedOptions, Mode};
+use super::plan::FusedOptions;
 use crate::cross_entropy::CrossEntropy;
 use crate::error::{Error, Result};
 use crate::rows::{PartialStats, RowInputs, RowStats};
@@ -42,14 +42,6 @@ fn check_rows(rows: &RowInputs, n: usize, v: usize) -> Result<()> {
     }
 }
 
-/// `opts` in mode two-pass (the split passes and the statistics-only drivers).
-pub(super) fn two_pass(opts: &FusedOptions) -> FusedOptions {
-    FusedOptions {
-        mode: Mode::TwoPass,
-        ..*opts
-    }
-}
-
 /// Pass A over `head`'s vocabulary: every live row's partial state (max, `Σexp`,
 /// `Σexp·s`, the target's raw logit where the head holds it, 0 elsewhere).
 pub fn partial_row_states(
@@ -60,7 +52,7 @@ pub fn partial_row_states(
     check_head(head, None)?;
     let s = head.shape();
     check_rows(&rows, s.tokens, s.vocab)?;
-    let plan = head.plan(&two_pass(opts), false)?;
+    let plan = head.plan(&opts.two_pass(), false)?;
     head.passes(rows, plan)?.row_states()
 }
 
@@ -97,7 +89,7 @@ pub fn accumulate_row_grads(
             ),
         });
     }
-    let plan = head.plan(&two_pass(opts), false)?;
+    let plan = head.plan(&opts.two_pass(), false)?;
     head.passes(rows, plan)?.accumulate_grads(grads)?;
     head.check_grads(seq_len)
 }
@@ -117,7 +109,7 @@ pub fn ce_partial_row_states(
     let n = head.shape().tokens;
     let rows = CeRows::new(ce, targets, n, shard.vocab, 1.0, None)?;
     let local = local_ids(targets, &shard.range(head.shape().vocab)?);
-    let plan = head.plan(&two_pass(opts), false)?;
+    let plan = head.plan(&opts.two_pass(), false)?;
     head.passes(rows.inputs(&local), plan)?.row_states()
 }
 
@@ -150,7 +142,7 @@ pub fn ce_accumulate_row_grads(
     let grads: Vec<RowGrad> = (0..n)
         .map(|i| rows.row_grad(i, &stats[i]).on_shard(&range))
         .collect();
-    let plan = head.plan(&two_pass(opts), false)?;
+    let plan = head.plan(&opts.two_pass(), false)?;
     let out = rows.output(stats, plan)?;
     let zero = |g: &RowGrad| [g.coef_p, g.coef_h, g.coef_uniform, g.coef_target] == [0.0; 4];
     if !grads.iter().all(zero) {
