@@ -462,17 +462,14 @@ unsafe extern "C" fn grpo_logits_rows(frame: *mut CallFrame) -> *mut c_void {
     }
 }
 
-/// The handlers by target name (with the vocabulary-split ones of [`super::vocab`]).
+/// The handlers of whole (unsplit) heads and logits, by target name.
 pub fn targets() -> Vec<(&'static str, super::ffi::Handler)> {
-    let mut all = super::vocab::targets();
-    all.extend(super::ce_vocab::targets());
-    all.extend([
+    vec![
         ("flashloss_grpo_linear", grpo_linear),
         ("flashloss_ce_linear", ce_linear),
         ("flashloss_ce_rows", ce_rows),
         ("flashloss_logp_linear", logp_linear),
         ("flashloss_grpo_logits", grpo_logits),
         ("flashloss_grpo_logits_rows", grpo_logits_rows),
-    ] as [(&'static str, super::ffi::Handler); 6]);
-    all
+    ]
 }

@@ -1,7 +1,8 @@
 //! `flashloss.jax`'s native part: XLA FFI handlers ([`handlers`]) over a hand-written
 //! mirror of the FFI C API ([`ffi`], [`frame`]), handed to Python as capsules of their
-//! function pointers for `jax.ffi.register_ffi_target`. JAX itself is not a dependency
-//! of the build: the handlers speak the C ABI that jaxlib loads.
+//! function pointers for `jax.ffi.register_ffi_target`: the whole-head ones, and the
+//! vocabulary-split ones of [`vocab`] (GRPO, log-probs) and [`ce_vocab`]. JAX itself is
+//! not a dependency of the build: the handlers speak the C ABI that jaxlib loads.
 
 mod ce_vocab;
 #[cfg(feature = "cuda")]
@@ -23,7 +24,7 @@ use pyo3::types::PyDict;
 #[pyo3(signature = (platform="cpu"))]
 pub fn jax_targets<'py>(py: Python<'py>, platform: &str) -> PyResult<Bound<'py, PyDict>> {
     let handlers = match platform {
-        "cpu" => handlers::targets(),
+        "cpu" => [handlers::targets(), vocab::targets(), ce_vocab::targets()].concat(),
         #[cfg(feature = "cuda")]
         "CUDA" => cuda::targets(),
         _ => Vec::new(),
