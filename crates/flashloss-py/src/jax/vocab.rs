@@ -97,7 +97,7 @@ impl<'a> ShardCall<'a> {
 
 /// Pass A. Arguments: hidden, weight (shard), bias (shard or `[0]`), ids `[N]`, mask
 /// `[N]`, offset; attributes: budget_mib, mode, temperature, weight_layout. Results `[N]`
-/// each: max, sum, weighted, target logit.
+/// each: max, sum, weighted, target logit, sum2 (`S₂ = Σ exp(2(z-μ)/T)`, for `Σp²`).
 unsafe extern "C" fn vocab_partial(frame: *mut CallFrame) -> *mut c_void {
     // SAFETY: XLA's frame.
     unsafe {
@@ -113,12 +113,13 @@ unsafe extern "C" fn vocab_partial(frame: *mut CallFrame) -> *mut c_void {
                 f.ret(1, "sum")?,
                 f.ret(2, "weighted")?,
                 f.ret(3, "target_logit")?,
+                f.ret(4, "sum2")?,
             ];
-            let [mx, sum, wt, tgt] = outs.map(|o| o.f32s_mut());
-            let (mx, sum, wt, tgt) = (mx?, sum?, wt?, tgt?);
+            let [mx, sum, wt, tgt, sum2] = outs.map(|o| o.f32s_mut());
+            let (mx, sum, wt, tgt, sum2) = (mx?, sum?, wt?, tgt?, sum2?);
             for (i, st) in part.states.iter().enumerate() {
                 (mx[i], sum[i], wt[i]) = (st.max, st.sum as f32, st.weighted as f32);
-                tgt[i] = part.target_logits[i];
+                (tgt[i], sum2[i]) = (part.target_logits[i], st.sum2 as f32);
             }
             Ok(())
         })

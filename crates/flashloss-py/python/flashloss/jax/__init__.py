@@ -446,12 +446,11 @@ def linear_logprobs(
         return _logprobs.gathered_logp(x, weight, bias, cand, live, lse, **gather_kw)
 
     def ffi(x, weight, bias, flat_ids, flat_mask, cand):
-        if return_sum_p2:
-            raise ValueError("argument `return_sum_p2`: not on the FFI path yet (impl='pallas' computes it)")
-        logp, entropy, lse, top = _vocab.logprobs(
+        logp, entropy, lse, top, p2 = _vocab.logprobs(
             x, weight, bias, flat_ids, flat_mask, vocab_axis, float(temperature), budget, mode, weight_layout
         )
-        return (logp, entropy, lse, top, None, gathered(x, weight, bias, flat_mask, lse, cand, True))
+        p2 = p2 if return_sum_p2 else None
+        return logp, entropy, lse, top, p2, gathered(x, weight, bias, flat_mask, lse, cand, True)
 
     def pallas(x, weight, bias, flat_ids, flat_mask, cand):
         x, weight, bias = _wide(x, weight, bias)

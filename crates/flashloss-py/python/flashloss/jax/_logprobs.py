@@ -78,15 +78,7 @@ def _block_rows(n: int, k: int, hidden: int) -> int:
 
 
 def gathered_logits(
-    x,
-    weight,
-    bias,
-    ids,
-    live,
-    *,
-    layout: str,
-    transform: Transform,
-    vocab_axis: Optional[str],
+    x, weight, bias, ids, live, *, layout: str, transform: Transform, vocab_axis: Optional[str]
 ) -> jax.Array:
     """``s_ik`` ``[N, K]`` f32: the scaled logits of rows ``x`` ``[N, H]`` at ``ids``
     ``[N, K]`` (ids of the whole vocabulary; inside a ``shard_map`` over ``vocab_axis``

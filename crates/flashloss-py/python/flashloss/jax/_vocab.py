@@ -26,8 +26,9 @@ from ._ops import _call, _like, _or_empty, head_grad_results, vocab_size
 
 
 def _partial(x, w, bias, ids, mask, offset, temperature, budget, mode, layout):
+    """Pass A: ``(max, Σexp, Σexp·s, target logit, S₂)`` ``[N]`` of this block."""
     n = ids.shape[0]
-    results = tuple(_like(x, (n,)) for _ in range(4))
+    results = tuple(_like(x, (n,)) for _ in range(5))
     return _call(
         "flashloss_vocab_partial", results, x, w, _or_empty(bias, x.dtype), ids, mask, offset,
         budget_mib=budget, mode=mode, temperature=temperature, weight_layout=layout,
@@ -42,7 +43,7 @@ def _psum(x, axis):
 def _merge(part, mask, axis, temperature):
     """The row statistics over the whole vocabulary from every block's partial state
     (``axis`` None: one block, the whole head)."""
-    mx, s, u, tgt = part
+    mx, s, u, tgt = part[:4]
     live = mask
     top = jnp.where(live, mx, -jnp.inf)
     top = top if axis is None else jax.lax.pmax(top, axis)
@@ -57,6 +58,15 @@ def _merge(part, mask, axis, temperature):
     entropy = jnp.where(live, log_sum - weighted / total, 0.0)
     logp = jnp.where(live, (_psum(tgt, axis) - top) * inv_t - log_sum, 0.0)
     return top, jnp.where(live, log_sum, 0.0), entropy, logp
+
+
+def _sum_p2(part, mask, top, axis, temperature):
+    """``Σ_j p_j² = Σ S₂·f² / (Σ S·f)²`` over the blocks, ``f = exp((max - top)/T)`` each
+    block's rescale to the merged ``top`` (0 where not ``mask``)."""
+    mx, s, _, _, s2 = part
+    f = jnp.where(mask & (s > 0), jnp.exp((mx - top) * jnp.float32(1.0 / temperature)), 0.0)
+    total = jnp.where(mask, _psum(s * f, axis), 1.0)
+    return jnp.where(mask, _psum(s2 * f * f, axis) / (total * total), 0.0)
 
 
 def _policy(logp, entropy, ids, mask, adv, old, ref, config, vocab, ratio=None):
@@ -157,7 +167,7 @@ def _logprobs_stats(x, w, bias, ids, mask, axis, temperature, budget, mode, weig
     part = _partial(x, w, bias, ids, mask, offset, temperature, budget, mode, weight_layout)
     top, log_sum, entropy, logp = _merge(part, mask, axis, temperature)
     top_s = jnp.where(mask, top * jnp.float32(1.0 / temperature), 0.0)
-    out = (logp, entropy, top_s + log_sum, top_s)
+    out = (logp, entropy, top_s + log_sum, top_s, _sum_p2(part, mask, top, axis, temperature))
     return out, (x, w, bias, ids, mask, top, log_sum, entropy)
 
 
@@ -170,10 +180,11 @@ def _logprobs_fwd(x, w, bias, ids, mask, axis, temperature, budget, mode, weight
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
 def logprobs(x, w, bias, ids, mask, axis, temperature, budget, mode, weight_layout="vh"):
-    """``(logp, entropy, lse, max)`` ``[N]`` of rows ``x`` ``[N, H]`` at ``ids`` under this
-    device's block of the head (``axis``: the mesh axis the head is split over, or None;
-    ``lse`` and ``max`` of the scaled logits ``s = z / T``, 0 where not ``mask``),
-    differentiable in ``logp``, ``entropy`` and ``lse`` (``max`` takes no gradient): the
+    """``(logp, entropy, lse, max, sum_p2)`` ``[N]`` of rows ``x`` ``[N, H]`` at ``ids`` under
+    this device's block of the head (``axis``: the mesh axis the head is split over, or
+    None; ``lse``, ``max`` and ``Σp²`` of the scaled logits ``s = z / T``, 0 where not
+    ``mask``), differentiable in ``logp``, ``entropy`` and ``lse`` (``max`` and ``sum_p2``
+    take none): the
     backward is pass B with each row's cotangents as the coefficients of ``∂logp/∂z``,
     ``∂entropy/∂z`` and ``∂lse/∂z``."""
     return _logprobs_stats(x, w, bias, ids, mask, axis, temperature, budget, mode, weight_layout)[0]
@@ -181,7 +192,7 @@ def logprobs(x, w, bias, ids, mask, axis, temperature, budget, mode, weight_layo
 
 def _logprobs_bwd(axis, temperature, budget, mode, weight_layout, res, cts):
     (x, w, bias, ids, mask, top, log_sum, entropy), wanted = res
-    cts = cts[:3]  # `max` takes no gradient
+    cts = cts[:3]  # `max` and `sum_p2` take no gradient
     if all(isinstance(c, SymbolicZero) for c in cts):
         return None, None, None, None, None
     g_logp, g_entropy, g_lse = (
