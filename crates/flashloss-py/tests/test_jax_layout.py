@@ -87,7 +87,7 @@ def test_vocab_steps_on_one_device_hv_equal_vh():
     flat_ids, flat_mask = ids.reshape(-1), mask.reshape(-1)
 
     def logprobs(x, w, b, layout):
-        lp, ent, lse, _ = _vocab.logprobs(x, w, b, flat_ids, flat_mask, None, 0.8, BUDGET, "auto", layout)
+        lp, ent, lse, *_ = _vocab.logprobs(x, w, b, flat_ids, flat_mask, None, 0.8, BUDGET, "auto", layout)
         return (lp * 0.7).sum() + (ent * 0.3).sum() + (lse * 0.2).sum()
 
     def grpo(x, w, b, layout):
@@ -150,7 +150,7 @@ def _main():
         def f(x, w, b):
             x = jax.lax.pcast(x, "vocab", to="varying")
             if kind == "logprobs":
-                lp, ent, lse, _ = _vocab.logprobs(x, w, b, flat_ids, flat_mask, "vocab", 0.8, BUDGET, "auto", layout)
+                lp, ent, lse, *_ = _vocab.logprobs(x, w, b, flat_ids, flat_mask, "vocab", 0.8, BUDGET, "auto", layout)
                 return (lp * 0.7).sum() + (ent * 0.3).sum() + (lse * 0.2).sum()
             if kind == "grpo":
                 args = (GRPO, "vocab", 0.9, v, "auto", BUDGET, layout)
