@@ -67,11 +67,12 @@ def test_ce_linear_rows_and_logp_hv_equal_vh(dtype):
     vh = _ops.ce_linear(hidden, weight, bias, targets, None, **kw)
     hv = _ops.ce_linear(hidden, weight.T, bias, targets, None, weight_layout="hv", **kw)
     assert hv[2].shape == (H, V)
-    for name, a, b in zip(("loss", "dhidden", "dweight", "dbias", "row_loss", "count"), hv, vh):
+    for name, a, b in zip(("loss", "dhidden", "dweight", "dbias", "row_loss", "count", "lse"), hv, vh):
         _close(a, b.T if name == "dweight" else b, 1e-5, name)
     rows = _ops.ce_rows(hidden, weight, bias, targets, config=CE, budget_mib=BUDGET)
     rows_hv = _ops.ce_rows(hidden, weight.T, bias, targets, config=CE, budget_mib=BUDGET, weight_layout="hv")
-    _close(rows_hv, rows, 1e-5, "ce_rows")
+    for name, a, b in zip(("ce_rows", "ce_rows lse"), rows_hv, rows):
+        _close(a, b, 1e-5, name)
     flat_ids, flat_mask = ids.reshape(-1), mask.reshape(-1)
     lp = _ops.logp_linear(hidden, weight, bias, flat_ids, flat_mask, temperature=0.8, budget_mib=BUDGET)
     lp_hv = _ops.logp_linear(
@@ -86,8 +87,8 @@ def test_vocab_steps_on_one_device_hv_equal_vh():
     flat_ids, flat_mask = ids.reshape(-1), mask.reshape(-1)
 
     def logprobs(x, w, b, layout):
-        lp, ent = _vocab.logprobs(x, w, b, flat_ids, flat_mask, None, 0.8, BUDGET, "auto", layout)
-        return (lp * 0.7).sum() + (ent * 0.3).sum()
+        lp, ent, lse, *_ = _vocab.logprobs(x, w, b, flat_ids, flat_mask, None, 0.8, BUDGET, "auto", layout)
+        return (lp * 0.7).sum() + (ent * 0.3).sum() + (lse * 0.2).sum()
 
     def grpo(x, w, b, layout):
         loss, _ = _vocab.grpo(x, w, b, ids, mask, adv, old, old - 0.05, GRPO, None, 0.9, V, "auto", BUDGET, layout)
@@ -149,8 +150,8 @@ def _main():
         def f(x, w, b):
             x = jax.lax.pcast(x, "vocab", to="varying")
             if kind == "logprobs":
-                lp, ent = _vocab.logprobs(x, w, b, flat_ids, flat_mask, "vocab", 0.8, BUDGET, "auto", layout)
-                return (lp * 0.7).sum() + (ent * 0.3).sum()
+                lp, ent, lse, *_ = _vocab.logprobs(x, w, b, flat_ids, flat_mask, "vocab", 0.8, BUDGET, "auto", layout)
+                return (lp * 0.7).sum() + (ent * 0.3).sum() + (lse * 0.2).sum()
             if kind == "grpo":
                 args = (GRPO, "vocab", 0.9, v, "auto", BUDGET, layout)
                 return _vocab.grpo(x, w, b, ids, mask, adv, old, old - 0.05, *args)[0]

@@ -11,7 +11,8 @@
 use super::ffi::{self, Buffer, CallFrame, StreamGetArgs};
 use super::frame::{Frame, Result, bad, handle};
 use super::handlers::{
-    Tokens, ce_outputs, grad_options, grpo_outputs, parse, vocab_hidden, weight_layout,
+    Tokens, ce_grad_options, ce_outputs, ce_upstream, grad_options, grpo_outputs, parse,
+    vocab_hidden, weight_layout,
 };
 use crate::front::gpu;
 use cudarc::driver::{result as cu, sys};
@@ -314,22 +315,21 @@ unsafe extern "C" fn ce_linear(frame: *mut CallFrame) -> *mut c_void {
     unsafe {
         run_cuda(frame, 1, |f, device, head, dtype| {
             let ce = CrossEntropy::new(parse::<CeConfig>(f.attr_str("config")?)?)?;
-            let opts = grad_options(f)?;
+            let opts = ce_grad_options(f)?;
             let targets = f.arg(3, "targets")?.ids()?;
-            let rows = f.arg(4, "grad_rows")?;
-            let grad_rows = (rows.numel() > 0).then(|| rows.f32s()).transpose()?;
+            let upstream = ce_upstream(f, targets.len())?;
             let out = match dtype {
-                ffi::dtype::F32 => device.ce_linear_into(
+                ffi::dtype::F32 => device.ce_linear_lse_into(
                     &ce,
                     &targets,
-                    grad_rows,
+                    upstream,
                     HeadArgs::<f32>::Cuda(head),
                     &opts,
                 )?,
-                _ => device.ce_linear_into(
+                _ => device.ce_linear_lse_into(
                     &ce,
                     &targets,
-                    grad_rows,
+                    upstream,
                     HeadArgs::<bf16>::Cuda(head),
                     &opts,
                 )?,

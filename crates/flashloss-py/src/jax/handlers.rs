@@ -147,8 +147,27 @@ fn per_token<'a>(a: &Named<'a>, bt: [usize; 2]) -> Result<Option<&'a [f32]>> {
     a.f32s().map(Some)
 }
 
-/// The per-token inputs of a GRPO step: arguments `first..first + 5` (ids `[B, T]`,
-/// mask, advantages `[B]` or `[B, T]`, old and reference logp `[B, T]` or `[0]`).
+/// The sampler's importance ratio ρ (TRL's `importance_sampling_ratio`): `[0]` for
+/// none, `[B]` or `[B, 1]` per sequence, `[B, T]` per token.
+fn sampler_ratio<'a>(a: &Named<'a>, [b, t]: [usize; 2]) -> Result<Option<PerSeqOrToken<'a>>> {
+    let d: Vec<usize> = a.dims().iter().map(|&x| x.max(0) as usize).collect();
+    match d[..] {
+        [0] => Ok(None),
+        [rows] | [rows, 1] if rows == b => Ok(Some(PerSeqOrToken::Sequence(a.f32s()?))),
+        [rows, cols] if rows == b && cols == t => Ok(Some(PerSeqOrToken::Token(a.f32s()?))),
+        _ => Err(bad(
+            "importance_sampling_ratio",
+            format!(
+                "expected shape [B={b}], [B, 1] or [B, T] with B·T = {}, got {d:?}",
+                b * t
+            ),
+        )),
+    }
+}
+
+/// The per-token inputs of a GRPO step: arguments `first..first + 6` (ids `[B, T]`,
+/// mask, advantages `[B]` or `[B, T]`, old and reference logp `[B, T]` or `[0]`, the
+/// sampler ratio `[B]`, `[B, 1]`, `[B, T]` or `[0]`).
 pub(super) struct Tokens<'a> {
     pub(super) b: usize,
     pub(super) t: usize,
@@ -157,6 +176,7 @@ pub(super) struct Tokens<'a> {
     adv: &'a [f32],
     old: Option<&'a [f32]>,
     reference: Option<&'a [f32]>,
+    ratio: Option<PerSeqOrToken<'a>>,
 }
 
 impl<'a> Tokens<'a> {
@@ -187,6 +207,7 @@ impl<'a> Tokens<'a> {
             adv: adv.f32s()?,
             old: per_token(&f.arg(first + 3, "old_per_token_logps")?, [b, t])?,
             reference: per_token(&f.arg(first + 4, "ref_per_token_logps")?, [b, t])?,
+            ratio: sampler_ratio(&f.arg(first + 5, "importance_sampling_ratio")?, [b, t])?,
         })
     }
 
@@ -202,7 +223,7 @@ impl<'a> Tokens<'a> {
             },
             old_logp: self.old,
             ref_logp: self.reference,
-            sampler_ratio: None,
+            sampler_ratio: self.ratio,
             policy_mask: None,
             entropy_mask: None,
         }
@@ -274,7 +295,7 @@ macro_rules! by_dtype {
 pub(super) use by_dtype;
 
 /// GRPO from hidden states. Arguments: hidden, weight, bias, completion_ids,
-/// completion_mask, advantages, old and ref logp; attributes: budget_mib, config (the
+/// completion_mask, advantages, old and ref logp, importance_sampling_ratio; attributes: budget_mib, config (the
 /// JSON of `GrpoLossConfig`), mode, weight_layout, head_grad. Results: loss, dhidden,
 /// dweight, dbias (`[0]` each for a frozen head), logp, entropy, kl, metrics
 /// `[kl, entropy, clip low, high, region]`.
@@ -299,43 +320,83 @@ unsafe extern "C" fn grpo_linear(frame: *mut CallFrame) -> *mut c_void {
 }
 
 /// Cross-entropy from hidden states. Arguments: hidden, weight, bias, targets `[N]`,
-/// grad_rows `[N]` (reduction none; `[0]` otherwise); attributes: budget_mib, config
-/// (the JSON of `CeConfig`), mode, weight_layout, head_grad. Results: loss, dhidden,
-/// dweight, dbias (`[0]` each for a frozen head), row_loss `[N]`, count.
+/// grad_rows `[N]` (reduction none; `[0]` otherwise), grad_lse `[N]` (the upstream
+/// gradient of each row's log-sum-exp; `[0]` for none); attributes: budget_mib, config
+/// (the JSON of `CeConfig`), mode, weight_layout, head_grad, grad_output. Results: loss,
+/// dhidden, dweight, dbias (`[0]` each for a frozen head: the gradients of
+/// `grad_output·L + Σ_i grad_lse_i·lse_i`), row_loss `[N]`, count, lse `[N]` (0 where
+/// ignored).
 unsafe extern "C" fn ce_linear(frame: *mut CallFrame) -> *mut c_void {
     // SAFETY: XLA's frame.
     unsafe {
         handle(frame, |f| {
             let ce = CrossEntropy::new(parse::<CeConfig>(f.attr_str("config")?)?)?;
-            let opts = grad_options(f)?;
+            let opts = ce_grad_options(f)?;
             let (x, w, bias) = (f.arg(0, "hidden")?, f.arg(1, "weight")?, f.arg(2, "bias")?);
             let layout = weight_layout(f)?;
             let targets = f.arg(3, "targets")?.ids()?;
-            let rows = f.arg(4, "grad_rows")?;
-            let grad_rows = (rows.numel() > 0).then(|| rows.f32s()).transpose()?;
+            let upstream = ce_upstream(f, targets.len())?;
             let out = by_dtype!(x, E, code => {
                 let inputs = head::<E>((&x, &w, &bias), layout, code)?;
                 let args = HeadArgs::Host { inputs: &inputs, grads: grads(f, 1)? };
-                Ok(cpu().ce_linear_into(&ce, &targets, grad_rows, args, &opts)?)
+                Ok(cpu().ce_linear_lse_into(&ce, &targets, upstream, args, &opts)?)
             })?;
             ce_outputs(f, &out)
         })
     }
 }
 
-/// Writes a CE call's loss (result 0), per-row losses (4) and counted rows (5).
+/// [`grad_options`] of a CE call, with the attribute `grad_output` (the upstream
+/// gradient of the loss, finite).
+pub(super) fn ce_grad_options(f: &Frame) -> Result<FusedOptions> {
+    let g = f.attr_f64("grad_output")?;
+    if !g.is_finite() {
+        return Err(bad("grad_output", format!("must be finite, got {g}")));
+    }
+    Ok(FusedOptions {
+        grad_output: g as f32,
+        ..grad_options(f)?
+    })
+}
+
+/// Per-row upstream gradients of a CE call: `(grad_rows, grad_lse)`, each optional.
+type CeUpstream<'a> = (Option<&'a [f32]>, Option<&'a [f32]>);
+
+/// The per-row upstream gradients of a CE call: arguments 4 (grad_rows) and 5
+/// (grad_lse), each `[N]` or `[0]` (none).
+pub(super) fn ce_upstream<'a>(f: &Frame<'a>, n: usize) -> Result<CeUpstream<'a>> {
+    let [rows, lse] = [(4, "grad_rows"), (5, "grad_lse")].map(|(i, name)| {
+        let a = f.arg(i, name)?;
+        if a.numel() == 0 {
+            return Ok(None);
+        }
+        a.expect_dims(&[n])?;
+        a.f32s().map(Some)
+    });
+    Ok((rows?, lse?))
+}
+
+/// Writes a CE call's loss (result 0), per-row losses (4), counted rows (5) and each
+/// row's log-sum-exp (6).
 pub(super) fn ce_outputs(f: &Frame, out: &flashloss::fused::CeLinearOutput) -> Result<()> {
     f.ret(0, "loss")?.f32s_mut()?[0] = out.loss as f32;
     f.ret(4, "row_loss")?
         .f32s_mut()?
         .copy_from_slice(&out.row_loss);
     f.ret(5, "count")?.f32s_mut()?[0] = out.count as f32;
+    write_lse(f, 6, &out.stats)
+}
+
+/// Writes each row's log-sum-exp (0 where the row was not computed) into result `index`.
+fn write_lse(f: &Frame, index: usize, stats: &[flashloss::RowStats]) -> Result<()> {
+    let lse = f.ret(index, "lse")?.f32s_mut()?;
+    lse.iter_mut().zip(stats).for_each(|(o, s)| *o = s.lse);
     Ok(())
 }
 
 /// Per-row CE losses without gradients (reduction `none`'s forward: one statistics
 /// pass). Arguments: hidden, weight, bias, targets `[N]`; attributes: budget_mib,
-/// config, weight_layout. Result: row_loss `[N]`.
+/// config, weight_layout. Results: row_loss, lse `[N]` (0 where ignored).
 unsafe extern "C" fn ce_rows(frame: *mut CallFrame) -> *mut c_void {
     // SAFETY: XLA's frame.
     unsafe {
@@ -352,7 +413,7 @@ unsafe extern "C" fn ce_rows(frame: *mut CallFrame) -> *mut c_void {
             f.ret(0, "row_loss")?
                 .f32s_mut()?
                 .copy_from_slice(&out.row_loss);
-            Ok(())
+            write_lse(f, 1, &out.stats)
         })
     }
 }
@@ -390,7 +451,7 @@ unsafe extern "C" fn logp_linear(frame: *mut CallFrame) -> *mut c_void {
 
 /// GRPO on materialized logits `[B, T, V]` (f32 or bf16; the gradient in their dtype,
 /// no f32 copy of bf16 logits). Arguments: logits, completion_ids, completion_mask,
-/// advantages, old and ref logp; attribute: config. Results: loss, dlogits, logp,
+/// advantages, old and ref logp, importance_sampling_ratio; attribute: config. Results: loss, dlogits, logp,
 /// entropy, kl, metrics.
 unsafe extern "C" fn grpo_logits(frame: *mut CallFrame) -> *mut c_void {
     // SAFETY: XLA's frame.
@@ -427,7 +488,7 @@ fn logits_layout(z: &Named, tokens: &Tokens) -> Result<LogitsLayout> {
 
 /// Per-token GRPO losses on logits `[B, T, V]`, unreduced (Liger's `reduce=False`).
 /// Arguments: logits, completion_ids, completion_mask, advantages, old and ref logp,
-/// grad_rows `[B, T]` (each token's upstream gradient; ones for the losses themselves);
+/// importance_sampling_ratio, grad_rows `[B, T]` (each token's upstream gradient; ones for the losses themselves);
 /// attribute: config. Results: token_loss `g·ℓ_tot`, kl, clipped (0/1) `[B, T]` f32, and
 /// dlogits (the logits' shape and dtype: `∂(Σ g·ℓ_tot)/∂logits`; `[0]` for none).
 unsafe extern "C" fn grpo_logits_rows(frame: *mut CallFrame) -> *mut c_void {
@@ -439,7 +500,7 @@ unsafe extern "C" fn grpo_logits_rows(frame: *mut CallFrame) -> *mut c_void {
             let tokens = Tokens::read(f, 1)?;
             let layout = logits_layout(&z, &tokens)?;
             let batch = tokens.batch();
-            let g = f.arg(6, "grad_rows")?;
+            let g = f.arg(7, "grad_rows")?;
             g.expect_dims(&[tokens.b, tokens.t])?;
             let g = g.f32s()?;
             let dz = f.ret(3, "dlogits")?;

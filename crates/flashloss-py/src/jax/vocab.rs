@@ -97,7 +97,7 @@ impl<'a> ShardCall<'a> {
 
 /// Pass A. Arguments: hidden, weight (shard), bias (shard or `[0]`), ids `[N]`, mask
 /// `[N]`, offset; attributes: budget_mib, mode, temperature, weight_layout. Results `[N]`
-/// each: max, sum, weighted, target logit.
+/// each: max, sum, weighted, target logit, sum2 (`S₂ = Σ exp(2(z-μ)/T)`, for `Σp²`).
 unsafe extern "C" fn vocab_partial(frame: *mut CallFrame) -> *mut c_void {
     // SAFETY: XLA's frame.
     unsafe {
@@ -113,12 +113,13 @@ unsafe extern "C" fn vocab_partial(frame: *mut CallFrame) -> *mut c_void {
                 f.ret(1, "sum")?,
                 f.ret(2, "weighted")?,
                 f.ret(3, "target_logit")?,
+                f.ret(4, "sum2")?,
             ];
-            let [mx, sum, wt, tgt] = outs.map(|o| o.f32s_mut());
-            let (mx, sum, wt, tgt) = (mx?, sum?, wt?, tgt?);
+            let [mx, sum, wt, tgt, sum2] = outs.map(|o| o.f32s_mut());
+            let (mx, sum, wt, tgt, sum2) = (mx?, sum?, wt?, tgt?, sum2?);
             for (i, st) in part.states.iter().enumerate() {
                 (mx[i], sum[i], wt[i]) = (st.max, st.sum as f32, st.weighted as f32);
-                tgt[i] = part.target_logits[i];
+                (tgt[i], sum2[i]) = (part.target_logits[i], st.sum2 as f32);
             }
             Ok(())
         })
@@ -126,7 +127,8 @@ unsafe extern "C" fn vocab_partial(frame: *mut CallFrame) -> *mut c_void {
 }
 
 /// The policy stage on merged statistics. Arguments: logp, entropy `[B, T]`,
-/// completion_ids, completion_mask, advantages, old and ref logp; attributes: config,
+/// completion_ids, completion_mask, advantages, old and ref logp,
+/// importance_sampling_ratio; attributes: config,
 /// vocab (the whole vocabulary's size, for the ids' check).
 /// Results: loss, dlogp, dentropy, kl `[B, T]`, metrics.
 unsafe extern "C" fn grpo_policy(frame: *mut CallFrame) -> *mut c_void {
@@ -175,7 +177,9 @@ unsafe extern "C" fn grpo_policy(frame: *mut CallFrame) -> *mut c_void {
 }
 
 /// Pass B. Arguments: hidden, weight (shard), bias, ids `[N]`, mask `[N]`, offset, and
-/// the merged max, log_sum, entropy with the policy's dlogp, dentropy (`[N]` each);
+/// the merged max, log_sum, entropy with the policy's dlogp, dentropy (`[N]` each), and
+/// dlse (`[N]`: the upstream gradient of each row's log-sum-exp, `∂lse/∂s_j = p_j`, so
+/// it adds to `coef_p`; `[0]` for none);
 /// attributes: budget_mib, mode, temperature, weight_layout, head_grad. Results: dhidden
 /// (this shard's part), dweight (the weight's shape), dbias (the shard's; both `[0]`
 /// for a frozen head).
@@ -194,14 +198,23 @@ unsafe extern "C" fn vocab_grads(frame: *mut CallFrame) -> *mut c_void {
                 a.expect_dims(&[n])?;
                 cols.push(a.f32s()?);
             }
+            let dlse = f.arg(11, "dlse")?;
+            let dlse = match dlse.numel() {
+                0 => None,
+                _ => {
+                    dlse.expect_dims(&[n])?;
+                    Some(dlse.f32s()?)
+                }
+            };
             let grads_of: Vec<RowGrad> = (0..n)
                 .map(|i| {
                     let (mx, ls) = (cols[0][i], cols[1][i]);
                     let c = transform.grpo_coefs(1.0, cols[3][i], cols[4][i]);
                     let stats = merged_stats(mx, ls, cols[2][i], transform.inv_temp);
+                    let lse_p = dlse.map_or(0.0, |d| transform.grad_scale(d[i] as f64));
                     let g = RowGrad {
                         stats,
-                        coef_p: c.p,
+                        coef_p: (c.p as f64 + lse_p) as f32,
                         coef_h: c.h,
                         coef_uniform: 0.0,
                         coef_target: c.target,

@@ -32,6 +32,7 @@ f32) are raised by JAX as ``JaxRuntimeError`` with flashloss's message.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -39,10 +40,12 @@ import jax
 import jax.numpy as jnp
 
 from .._config import DEFAULT_BUDGET_MIB, ce_config
-from . import _ffi, _ops, _policy, _vocab
+from . import _ffi, _logprobs, _ops, _policy, _vocab
+from ._logprobs import LogprobOutputs
+from .pallas import checks as _checks
 from .pallas import losses as _pallas
 
-__all__ = ["GRPOOutputs", "grpo_loss", "linear_cross_entropy", "linear_grpo_loss", "linear_logprobs"]
+__all__ = ["GRPOOutputs", "LogprobOutputs", "grpo_loss", "linear_cross_entropy", "linear_grpo_loss", "linear_logprobs"]
 
 _ops.register()
 
@@ -183,6 +186,7 @@ def linear_grpo_loss(
     bias=None,
     old_per_token_logps=None,
     ref_per_token_logps=None,
+    importance_sampling_ratio=None,
     loss_type: str = "dapo",
     beta: float = 0.0,
     epsilon_low: float = 0.2,
@@ -215,7 +219,10 @@ def linear_grpo_loss(
     Returns ``(loss, GRPOOutputs)``, differentiable in ``hidden``, ``weight`` and
     ``bias``. ``epsilon_high=None`` means ``epsilon_low``; ``old_per_token_logps=None``
     means on-policy (ratio 1); ``num_items_in_batch`` must be a Python number (it is part
-    of the compiled call). ``mode`` and ``budget_mib`` tune the FFI path's kernel.
+    of the compiled call). ``importance_sampling_ratio``: TRL's vLLM importance-sampling
+    correction ``ρ`` ``[B]``, ``[B, 1]`` or ``[B, T]`` (finite, ``>= 0``, detached), which
+    multiplies each token's policy loss (``ℓ·ρ + β·kl``; for vespo it enters ``log w_b``).
+    ``mode`` and ``budget_mib`` tune the FFI path's kernel.
 
     ``token_axis``: inside ``jax.shard_map``, the mesh axis over which the sequences are
     split (each device passes its own sequences and the whole head): the loss's
@@ -242,6 +249,7 @@ def linear_grpo_loss(
         raise ValueError(
             f"argument `hidden`: has {hidden.size // hidden.shape[-1]} rows but completion_ids has B·T = {b * t}"
         )
+    rho = _policy.sampler_ratio(importance_sampling_ratio, b, t)
     args = _grpo_args(
         loss_type, beta, epsilon_low, epsilon_high, delta, importance_sampling_level, temperature,
         use_bias_correction_kl, entropy_coef, num_items_in_batch, max_completion_length,
@@ -264,19 +272,19 @@ def linear_grpo_loss(
         hidden = jax.lax.pcast(hidden, vocab_axis, to="varying")
     spec = _pallas.spec_for(weight_layout, temperature, None, vocab_axis, vocab, interpret)
 
-    def ffi(hidden, weight, bias, ids, mask, adv, old, ref):
+    def ffi(hidden, weight, bias, ids, mask, adv, old, ref, rho):
         if vocab_axis is None:
-            return _ffi.grpo(hidden, weight, bias, ids, mask, adv, old, ref, config, mode, budget, weight_layout)
+            return _ffi.grpo(hidden, weight, bias, ids, mask, adv, old, ref, rho, config, mode, budget, weight_layout)
         return _vocab.grpo(
             hidden, weight, bias, ids, mask, adv, old, ref, config, vocab_axis, float(temperature), int(vocab),
-            mode, budget, weight_layout,
+            mode, budget, weight_layout, ratio=rho,
         )  # fmt: skip
 
-    def pallas(hidden, weight, bias, ids, mask, adv, old, ref):
-        return _pallas.grpo(*_wide(hidden, weight, bias), ids, mask, adv, old, ref, args, spec)
+    def pallas(hidden, weight, bias, ids, mask, adv, old, ref, rho):
+        return _pallas.grpo(*_wide(hidden, weight, bias), ids, mask, adv, old, ref, rho, args, spec)
 
     loss, (logp, entropy, kl, metrics) = _on_path(impl, interpret, pallas, ffi, hidden, weight, bias, ids, mask,
-                                                  adv, old, ref)  # fmt: skip
+                                                  adv, old, ref, rho)  # fmt: skip
     if token_axis is not None:
         per_seq = _policy.clips_per_sequence(args, adv)
         loss, metrics = _over_tokens(loss, metrics, mask, token_axis, loss_type, num_items_in_batch, per_seq)
@@ -315,6 +323,7 @@ def linear_cross_entropy(
     softcap: Optional[float] = None,
     reduction: str = "mean",
     temperature: float = 1.0,
+    return_lse: bool = False,
     mode: str = "auto",
     budget_mib: Optional[float] = None,
     vocab_axis: Optional[str] = None,
@@ -324,11 +333,15 @@ def linear_cross_entropy(
 ):
     """Cross-entropy of ``hidden @ weight.T + bias`` at ``targets`` (Cut Cross-Entropy's
     call): ``hidden`` ``[..., H]``, ``targets`` ``[...]``; reduction ``mean``, ``sum`` or
-    ``none`` (``[...]``). ``vocab_axis``: inside ``jax.shard_map``, the mesh axis over
-    which the head's vocabulary is split in equal contiguous blocks, as in
-    :func:`linear_grpo_loss`; every device passes all the rows and gets the loss, the
-    whole ``hidden`` gradient and its block's gradients. ``impl``, ``interpret``,
-    ``weight_layout``: see the module."""
+    ``none`` (``[...]``). ``return_lse`` returns ``(loss, lse)`` as Cut Cross-Entropy does:
+    ``lse`` ``[...]`` float32, each row's log-sum-exp of the logits as the loss sees them
+    (soft-capped, divided by the temperature), 0 where ``targets`` is ``ignore_index``,
+    differentiable (``∂lse/∂s_j = p_j``; on the FFI path a cotangent on it runs the kernel
+    once more; not with ``vocab_axis`` there yet). ``vocab_axis``: inside
+    ``jax.shard_map``, the mesh axis over which the head's vocabulary is split in equal
+    contiguous blocks, as in :func:`linear_grpo_loss`; every device passes all the rows
+    and gets the loss, the whole ``hidden`` gradient and its block's gradients. ``impl``,
+    ``interpret``, ``weight_layout``: see the module."""
     config = ce_config(ignore_index, label_smoothing, z_loss, softcap, reduction, temperature)
     _policy.validate_ce(
         label_smoothing, z_loss, reduction, ignore_index=ignore_index, softcap=softcap, temperature=temperature
@@ -348,20 +361,27 @@ def linear_cross_entropy(
 
     def ffi(h2, weight, bias, t1):
         if vocab_axis is not None:
+            if return_lse:
+                raise ValueError(
+                    "argument `return_lse`: not supported with `vocab_axis` on the FFI path (so far); "
+                    "the Pallas path (impl='pallas') takes both"
+                )
             args = (vocab_axis, config, float(temperature), int(ignore_index), int(vocab), reduction, budget, mode)
-            return _vocab.cross_entropy(h2, weight, bias, t1, *args, weight_layout)
+            return _vocab.cross_entropy(h2, weight, bias, t1, *args, weight_layout), None
         if reduction == "none":
             return _ffi.cross_entropy_rows(h2, weight, bias, t1, config, mode, budget, weight_layout)
         return _ffi.cross_entropy(h2, weight, bias, t1, config, mode, budget, weight_layout)
 
     def pallas(h2, weight, bias, t1):
-        return _pallas.cross_entropy(
+        out, lse = _pallas.cross_entropy(
             *_wide(h2, weight, bias), t1, spec, ignore_index=int(ignore_index), label_smoothing=float(label_smoothing),
             z_loss=float(z_loss), reduction=reduction,
         )  # fmt: skip
+        return out, (lse if return_lse or vocab_axis is None else None)
 
-    out = _on_path(impl, interpret, pallas, ffi, h2, weight, bias, t1)
-    return out.reshape(targets.shape) if reduction == "none" else out
+    out, lse = _on_path(impl, interpret, pallas, ffi, h2, weight, bias, t1)
+    out = out.reshape(targets.shape) if reduction == "none" else out
+    return (out, lse.reshape(targets.shape)) if return_lse else out
 
 
 def linear_logprobs(
@@ -373,6 +393,10 @@ def linear_logprobs(
     *,
     bias=None,
     mask=None,
+    return_lse: bool = False,
+    return_max: bool = False,
+    return_sum_p2: bool = False,
+    gather_ids=None,
     budget_mib=None,
     mode: str = "auto",
     vocab_axis: Optional[str] = None,
@@ -386,7 +410,14 @@ def linear_logprobs(
     ``bias`` through both (the forward keeps each row's ``max``, ``log Σexp`` and entropy;
     the backward is one more pass over the head, and no dW pass for a head that needs no
     gradient on the Pallas path); ``vocab_axis`` as in :func:`linear_grpo_loss`.
-    ``impl``, ``interpret``, ``weight_layout``: see the module."""
+    ``impl``, ``interpret``, ``weight_layout``: see the module.
+
+    More per-row outputs (``docs/spec/losses.md``, all of the scaled logits ``s``):
+    ``return_lse`` (``log Σ_j e^{s_j}``, differentiable), ``return_max`` (``max_j s_j``),
+    ``return_sum_p2`` (``Σ_j p_j²``; neither takes a gradient) and ``gather_ids``
+    ``[..., K]`` (candidate ids per row, repeats allowed: ``log p`` of each,
+    ``s_{ik} - lse``, differentiable). When any is asked the return is a
+    :class:`LogprobOutputs` (None where not asked), else as above."""
     hidden, weight, bias = _head(hidden, weight, bias, weight_layout)
     ids = _ids("ids", ids)
     if hidden.shape[:-1] != ids.shape:
@@ -396,25 +427,50 @@ def linear_logprobs(
     m = jnp.ones(ids.shape, bool) if mask is None else jnp.asarray(mask) != 0
     if m.shape != ids.shape:
         raise ValueError(f"argument `mask`: expected shape {list(ids.shape)}, got {list(m.shape)}")
+    candidates = None if gather_ids is None else _logprobs.gather_ids(gather_ids, ids.shape)
     budget = DEFAULT_BUDGET_MIB if budget_mib is None else float(budget_mib)
     x = hidden.reshape(-1, hidden.shape[-1])
     vocab = _vocab_size(weight, weight_layout, vocab_axis)
     if vocab_axis is not None:
         x = jax.lax.pcast(x, vocab_axis, to="varying")
     spec = _pallas.spec_for(weight_layout, temperature, None, vocab_axis, vocab, interpret)
+    spec = dataclasses.replace(spec, sum_p2=bool(return_sum_p2))
     seq_len = ids.shape[-1] if ids.ndim else 1
+    gather_kw = dict(layout=weight_layout, transform=spec.transform, vocab_axis=vocab_axis)
 
-    def ffi(x, weight, bias, flat_ids, flat_mask):
-        return _vocab.logprobs(
+    def gathered(x, weight, bias, live, lse, cand, check: bool):
+        if cand is None:
+            return None
+        if check:
+            _logprobs.check_gather_ids(cand, live, vocab)
+        return _logprobs.gathered_logp(x, weight, bias, cand, live, lse, **gather_kw)
+
+    def ffi(x, weight, bias, flat_ids, flat_mask, cand):
+        logp, entropy, lse, top, p2 = _vocab.logprobs(
             x, weight, bias, flat_ids, flat_mask, vocab_axis, float(temperature), budget, mode, weight_layout
         )
+        p2 = p2 if return_sum_p2 else None
+        return logp, entropy, lse, top, p2, gathered(x, weight, bias, flat_mask, lse, cand, True)
 
-    def pallas(x, weight, bias, flat_ids, flat_mask):
-        return _pallas.logprobs(*_wide(x, weight, bias), flat_ids, flat_mask, spec, seq_len)
+    def pallas(x, weight, bias, flat_ids, flat_mask, cand):
+        x, weight, bias = _wide(x, weight, bias)
+        st = _pallas.logprob_stats(x, weight, bias, flat_ids, flat_mask, spec, seq_len)
+        p2 = st.sum_p2 if return_sum_p2 else None
+        g = gathered(x, weight, bias, flat_mask, st.lse, cand, _checks.runs_here(interpret))
+        return st.logp, st.entropy, st.lse, st.max, p2, g
 
-    logp, entropy = _on_path(impl, interpret, pallas, ffi, x, weight, bias, ids.reshape(-1), m.reshape(-1))
-    logp, entropy = logp.reshape(ids.shape), entropy.reshape(ids.shape)
-    return (logp, entropy) if return_entropy else logp
+    out = _on_path(impl, interpret, pallas, ffi, x, weight, bias, ids.reshape(-1), m.reshape(-1), candidates)
+    logp, entropy, lse, top, p2, g = (None if y is None else y.reshape(ids.shape + y.shape[1:]) for y in out)
+    if not (return_lse or return_max or return_sum_p2 or gather_ids is not None):
+        return (logp, entropy) if return_entropy else logp
+    return LogprobOutputs(
+        logp=logp,
+        entropy=entropy if return_entropy else None,
+        lse=lse if return_lse else None,
+        max_logit=jax.lax.stop_gradient(top) if return_max else None,
+        sum_p2=None if p2 is None else jax.lax.stop_gradient(p2),
+        gathered_logp=g,
+    )
 
 
 def grpo_loss(
@@ -425,6 +481,7 @@ def grpo_loss(
     *,
     old_per_token_logps=None,
     ref_per_token_logps=None,
+    importance_sampling_ratio=None,
     loss_type: str = "dapo",
     beta: float = 0.0,
     epsilon_low: float = 0.2,
@@ -442,12 +499,12 @@ def grpo_loss(
     """TRL's GRPO loss on materialized ``logits`` ``[B, T, V]`` (float32, bfloat16 or float16):
     the loss and ``dlogits`` in one pass (the place of the original Pallas kernel), the
     gradient in the logits' dtype with no float32 copy of bfloat16 logits. Returns
-    ``(loss, GRPOOutputs)``, differentiable in ``logits``. ``impl``, ``interpret``: see
-    the module.
+    ``(loss, GRPOOutputs)``, differentiable in ``logits``. ``importance_sampling_ratio``
+    as in :func:`linear_grpo_loss`. ``impl``, ``interpret``: see the module.
 
     ``reduce=False`` returns Liger's ``(per_token_loss, per_token_kl, is_clipped)``
     ``[B, T]`` float32, 0 where masked (``per_token_kl`` None when ``beta == 0``):
-    ``per_token_loss = ℓ + β·kl`` before the loss type's reduction, differentiable in
+    ``per_token_loss = ℓ·ρ + β·kl`` before the loss type's reduction, differentiable in
     ``logits`` (at sequence level through ``R_b``); its backward reads the logits again."""
     logits = _floats("logits", logits)
     ids, mask, adv, old, ref = _grpo_batch(
@@ -463,21 +520,22 @@ def grpo_loss(
         1.0, 1.05, 2.0, 3.0, 3.0, 2.0,
     )  # fmt: skip
     config = args.config_json()
+    rho = _policy.sampler_ratio(importance_sampling_ratio, *ids.shape)
     if not reduce:
         rows, (kl, clipped) = _on_path(
             impl, interpret,
             lambda *xs: _pallas.grpo_logits_rows(*_wide(xs[0]), *xs[1:], args, interpret),
             lambda *xs: _ffi.grpo_logits_rows(*xs, config),
-            logits, ids, mask, adv, old, ref,
+            logits, ids, mask, adv, old, ref, rho,
         )  # fmt: skip
         return rows, (jax.lax.stop_gradient(kl) if beta != 0.0 else None), jax.lax.stop_gradient(clipped)
 
-    def ffi(logits, ids, mask, adv, old, ref):
-        return _ffi.grpo_logits(logits, ids, mask, adv, old, ref, config)
+    def ffi(logits, ids, mask, adv, old, ref, rho):
+        return _ffi.grpo_logits(logits, ids, mask, adv, old, ref, rho, config)
 
-    def pallas(logits, ids, mask, adv, old, ref):
-        return _pallas.grpo_logits(*_wide(logits), ids, mask, adv, old, ref, args, interpret)
+    def pallas(logits, ids, mask, adv, old, ref, rho):
+        return _pallas.grpo_logits(*_wide(logits), ids, mask, adv, old, ref, rho, args, interpret)
 
-    loss, aux = _on_path(impl, interpret, pallas, ffi, logits, ids, mask, adv, old, ref)
+    loss, aux = _on_path(impl, interpret, pallas, ffi, logits, ids, mask, adv, old, ref, rho)
     aux = jax.lax.stop_gradient(aux)
     return loss, GRPOOutputs(aux[0], aux[1], aux[2], dict(zip(_METRICS, aux[3])))

@@ -66,10 +66,11 @@ def vocab_size(weight, weight_layout: str) -> int:
 
 
 def grpo_linear(
-    hidden, weight, bias, ids, mask, advantages, old, ref, *, config: str, mode: str, budget_mib: float,
+    hidden, weight, bias, ids, mask, advantages, old, ref, ratio=None, *, config: str, mode: str, budget_mib: float,
     weight_layout: str = "vh", head_grad: str = "full",
 ):  # fmt: skip
-    """``(loss, dhidden, dweight, dbias, logp, entropy, kl, metrics[5])``."""
+    """``(loss, dhidden, dweight, dbias, logp, entropy, kl, metrics[5])``; ``ratio``: the
+    sampler's importance ratio ``[B]``, ``[B, T]`` or None."""
     b, t = ids.shape
     v = vocab_size(weight, weight_layout)
     x = hidden
@@ -85,7 +86,7 @@ def grpo_linear(
     return _call(
         "flashloss_grpo_linear", results,
         hidden, weight, _or_empty(bias, hidden.dtype), ids, mask, advantages,
-        _or_empty(old, jnp.float32), _or_empty(ref, jnp.float32),
+        _or_empty(old, jnp.float32), _or_empty(ref, jnp.float32), _or_empty(ratio, jnp.float32),
         budget_mib=float(budget_mib), config=config, mode=mode, weight_layout=weight_layout,
         head_grad=head_grad,
     )  # fmt: skip
@@ -93,9 +94,11 @@ def grpo_linear(
 
 def ce_linear(
     hidden, weight, bias, targets, grad_rows, *, config: str, mode: str, budget_mib: float, weight_layout: str = "vh",
-    head_grad: str = "full",
+    head_grad: str = "full", grad_lse=None, grad_output: float = 1.0,
 ):  # fmt: skip
-    """``(loss, dhidden, dweight, dbias, row_loss[N], count)``."""
+    """``(loss, dhidden, dweight, dbias, row_loss[N], count, lse[N])``: the gradients of
+    ``grad_output·L + Σ_i grad_lse_i·lse_i`` (``grad_lse`` ``[N]`` or None), ``lse`` each
+    row's log-sum-exp of the scaled logits (0 where ignored)."""
     v = vocab_size(weight, weight_layout)
     n = targets.shape[0]
     x = hidden
@@ -105,23 +108,26 @@ def ce_linear(
         *head_grad_results(x, weight, bias, v, head_grad),
         _like(x, (n,)),
         _like(x, ()),
+        _like(x, (n,)),
     )
     return _call(
         "flashloss_ce_linear", results,
         hidden, weight, _or_empty(bias, hidden.dtype), targets, _or_empty(grad_rows, jnp.float32),
-        budget_mib=float(budget_mib), config=config, mode=mode, weight_layout=weight_layout, head_grad=head_grad,
+        _or_empty(grad_lse, jnp.float32), budget_mib=float(budget_mib), config=config, mode=mode,
+        weight_layout=weight_layout, head_grad=head_grad, grad_output=float(grad_output),
     )  # fmt: skip
 
 
 def ce_rows(hidden, weight, bias, targets, *, config: str, budget_mib: float, weight_layout: str = "vh"):
-    """``row_loss[N]``: the per-row CE losses, one statistics pass (no gradient buffers)."""
+    """``(row_loss[N], lse[N])``: the per-row CE losses and log-sum-exps (0 where
+    ignored), one statistics pass (no gradient buffers)."""
     n = targets.shape[0]
     vocab_size(weight, weight_layout)
     return _call(
-        "flashloss_ce_rows", (_like(hidden, (n,)),),
+        "flashloss_ce_rows", (_like(hidden, (n,)), _like(hidden, (n,))),
         hidden, weight, _or_empty(bias, hidden.dtype), targets, budget_mib=float(budget_mib), config=config,
         weight_layout=weight_layout,
-    )[0]  # fmt: skip
+    )  # fmt: skip
 
 
 def logp_linear(hidden, weight, bias, ids, mask, *, temperature: float, budget_mib: float, weight_layout: str = "vh"):
@@ -135,7 +141,7 @@ def logp_linear(hidden, weight, bias, ids, mask, *, temperature: float, budget_m
     )  # fmt: skip
 
 
-def grpo_logits(logits, ids, mask, advantages, old, ref, *, config: str):
+def grpo_logits(logits, ids, mask, advantages, old, ref, ratio=None, *, config: str):
     """``(loss, dlogits (logits' dtype), logp, entropy, kl, metrics[5])``."""
     b, t = ids.shape
     z = logits
@@ -150,11 +156,11 @@ def grpo_logits(logits, ids, mask, advantages, old, ref, *, config: str):
     return _call(
         "flashloss_grpo_logits", results,
         logits, ids, mask, advantages, _or_empty(old, jnp.float32), _or_empty(ref, jnp.float32),
-        config=config,
+        _or_empty(ratio, jnp.float32), config=config,
     )  # fmt: skip
 
 
-def grpo_logits_rows(logits, ids, mask, advantages, old, ref, grad_rows, *, config: str, with_grad: bool):
+def grpo_logits_rows(logits, ids, mask, advantages, old, ref, grad_rows, *, config: str, with_grad: bool, ratio=None):
     """``(token_loss, kl, clipped, dlogits)``, ``[B, T]`` f32 and (``with_grad``) the
     gradient of ``Σ grad_rows·ℓ_tot`` in the logits' shape and dtype (else ``[0]``)."""
     b, t = ids.shape
@@ -163,6 +169,6 @@ def grpo_logits_rows(logits, ids, mask, advantages, old, ref, grad_rows, *, conf
     results = (_like(z, (b, t)), _like(z, (b, t)), _like(z, (b, t)), dz)
     return _call(
         "flashloss_grpo_logits_rows", results,
-        logits, ids, mask, advantages, _or_empty(old, jnp.float32), _or_empty(ref, jnp.float32), grad_rows,
-        config=config,
+        logits, ids, mask, advantages, _or_empty(old, jnp.float32), _or_empty(ref, jnp.float32),
+        _or_empty(ratio, jnp.float32), grad_rows, config=config,
     )  # fmt: skip

@@ -49,6 +49,7 @@ __all__ = [
     "per_token_losses",
     "is_token_local",
     "reduction_weights",
+    "sampler_ratio",
     "token_kl",
     "token_loss",
     "validate_ce",
@@ -163,11 +164,19 @@ def _has_kl(ref: Optional[jax.Array], args: GrpoArgs) -> bool:
     return ref is not None and args.beta != 0.0
 
 
-def vespo_log_weight(log_ratio: jax.Array, mask: jax.Array) -> jax.Array:
-    """vespo's ``log w_b = clamp(Σ_t m·clamp(log r_t, ±20), ln 1e-8, 20)`` ``[B, 1]`` (no
-    gradient) from the token log-ratios ``[B, T]``."""
+def vespo_log_weight(log_ratio: jax.Array, mask: jax.Array, ratio: Optional[jax.Array] = None) -> jax.Array:
+    """vespo's ``log w_b = clamp(Σ_t m·clamp(log r_t, ±20) + log ρ, ln 1e-8, 20)`` ``[B, 1]``
+    (no gradient) from the token log-ratios ``[B, T]``, where the sampler ratio ``ratio``
+    adds ``Σ_t m·clamp(log ρ_t, ln 1e-8, 20)`` (per token, ``[B, T]``) or
+    ``clamp(log ρ_b, ln 1e-8, 20)`` once (per sequence, ``[B, 1]``)."""
     per_token = jnp.where(mask, jnp.clip(log_ratio, -_VESPO_LOG_HI, _VESPO_LOG_HI), 0.0)
     total = jnp.sum(per_token, axis=-1, keepdims=True)
+    if ratio is not None:
+        log_rho = jnp.clip(jnp.log(ratio), _VESPO_LOG_LO, _VESPO_LOG_HI)
+        if ratio.ndim == 1 or ratio.shape[-1] == 1:  # per sequence (as Rust reads [B, 1], T = 1 included)
+            total = total + log_rho.reshape(-1, 1)
+        else:
+            total = total + jnp.sum(jnp.where(mask, log_rho, 0.0), axis=-1, keepdims=True)
     return jax.lax.stop_gradient(jnp.clip(total, _VESPO_LOG_LO, _VESPO_LOG_HI))
 
 
@@ -250,8 +259,9 @@ def token_loss(
     *,
     log_ratio: Optional[jax.Array] = None,
     vespo_log_w: Optional[jax.Array] = None,
+    ratio: Optional[jax.Array] = None,
 ) -> jax.Array:
-    """The per-token loss ``ℓ_tot,i = ℓ_i + β·kl_i`` (spec: "GRPO per-token policy loss",
+    """The per-token loss ``ℓ_tot,i = ℓ_i·ρ_i + β·kl_i`` (spec: "GRPO per-token policy loss",
     "KL penalty"), elementwise over broadcastable shapes (``adv`` per token or broadcast
     from ``[B, 1]``; ``old`` None: on-policy). No reduction, gather or sort, so a kernel can
     evaluate it per row; ``L = Σ_i w_i·ℓ_tot,i + Σ_i e_i·H_i`` with
@@ -264,12 +274,18 @@ def token_loss(
     For the token-local configs (:func:`is_token_local`) that is all. Otherwise the
     per-sequence reductions come first: ``log_ratio`` the sequence's mean log-ratio
     (sequence level, broadcast to its tokens), ``vespo_log_w`` vespo's ``log w_b``
-    (:func:`vespo_log_weight`)."""
+    (:func:`vespo_log_weight`).
+
+    ``ratio``: the sampler's importance ratio ``ρ`` (TRL's ``importance_sampling_ratio``,
+    detached; None: 1), broadcastable to ``logp``. For vespo it enters ``vespo_log_w``
+    instead, so it is not a factor here."""
     del entropy
     if args.sequence_level and log_ratio is None:
         raise ValueError("importance_sampling_level 'sequence' needs the sequence's mean log-ratio: pass `log_ratio`")
     lr = _log_ratio(logp, old, log_ratio)
     ell = _policy_term(logp, lr, adv, args, vespo_log_w)
+    if ratio is not None and args.loss_type != "vespo":
+        ell = ell * jax.lax.stop_gradient(ratio)
     if _has_kl(ref, args):
         ell = ell + args.beta * token_kl(logp, old, ref, args, log_ratio=log_ratio)
     return ell
@@ -354,7 +370,24 @@ def entropy_weights(
     return jnp.where(mask, -args.entropy_coef / jnp.maximum(count, 1.0), 0.0).astype(dtype)
 
 
-def _prepared(logp, entropy, mask, advantages, old, ref, args: GrpoArgs) -> dict:
+def sampler_ratio(ratio, batch: int, seq_len: int, dtype=jnp.float32) -> Optional[jax.Array]:
+    """TRL's ``importance_sampling_ratio`` shaped for the loss: ``[B]`` or ``[B, 1]`` (per
+    sequence) as ``[B, 1]``, ``[B, T]`` (per token) as it is, None as None; another shape
+    raises ``ValueError`` with the FFI handlers' (and the torch binding's) message."""
+    if ratio is None:
+        return None
+    rho = jnp.asarray(ratio, dtype)
+    if rho.shape in ((batch,), (batch, 1)):
+        return rho.reshape(batch, 1)
+    if rho.shape == (batch, seq_len):
+        return rho
+    raise ValueError(
+        f"argument `importance_sampling_ratio`: expected shape [B={batch}], [B, 1] or [B, T] with "
+        f"B·T = {batch * seq_len}, got {list(rho.shape)}"
+    )
+
+
+def _prepared(logp, entropy, mask, advantages, old, ref, args: GrpoArgs, ratio=None) -> dict:
     """The checked per-token inputs of :func:`grpo_policy_loss` (masked tokens zeroed, so
     that neither a value nor a gradient reads them), the sequence-level reductions and each
     token's ``ℓ_tot``."""
@@ -382,25 +415,29 @@ def _prepared(logp, entropy, mask, advantages, old, ref, args: GrpoArgs) -> dict
     def live(x: Optional[jax.Array]) -> Optional[jax.Array]:
         return None if x is None else jnp.where(mask, jnp.asarray(x, dtype), 0.0)
 
-    lp, ent, adv_t = live(logp.astype(dtype)), live(entropy), live(jnp.broadcast_to(adv, shape))
+    lp, ent, adv_t = (live(logp.astype(dtype)), live(entropy), live(jnp.broadcast_to(adv, shape)))
+    rho = sampler_ratio(ratio, shape[0], shape[1], dtype)
+    if rho is not None and rho.shape == shape:
+        rho = jnp.where(mask, rho, 1.0)
     old_, ref_ = _old(lp, live(old)), live(ref)
     len_b, _ = _counts(mask, dtype)
     log_ratio = None
     if args.sequence_level:
         log_ratio = jnp.sum(jnp.where(mask, lp - old_, 0.0), -1, keepdims=True) / jnp.maximum(len_b, 1.0)
         log_ratio = jnp.broadcast_to(log_ratio, shape)
-    vespo_log_w = vespo_log_weight(lp - old_, mask) if args.loss_type == "vespo" else None
+    vespo_log_w = vespo_log_weight(lp - old_, mask, rho) if args.loss_type == "vespo" else None
 
-    ell = token_loss(lp, ent, old_, ref_, adv_t, args, log_ratio=log_ratio, vespo_log_w=vespo_log_w)
+    ell = token_loss(lp, ent, old_, ref_, adv_t, args, log_ratio=log_ratio, vespo_log_w=vespo_log_w, ratio=rho)
     return dict(mask=mask, dtype=dtype, shape=shape, lp=lp, ent=ent, old=old_, ref=ref_, adv=adv, adv_t=adv_t,
                 log_ratio=log_ratio, ell=ell)  # fmt: skip
 
 
-def per_token_losses(logp, entropy, mask, advantages, old, ref, args: GrpoArgs):
+def per_token_losses(logp, entropy, mask, advantages, old, ref, args: GrpoArgs, ratio=None):
     """Liger's ``reduce=False`` outputs: ``(ℓ_tot·m, kl·m, clipped)`` ``[B, T]`` (spec,
     flashloss addition 7), differentiable in ``logp`` through ``ℓ_tot`` (at sequence level
-    through ``R_b``); the entropy bonus is no token's loss."""
-    p = _prepared(logp, entropy, mask, advantages, old, ref, args)
+    through ``R_b``); the entropy bonus is no token's loss. ``ratio``: as in
+    :func:`grpo_policy_loss`."""
+    p = _prepared(logp, entropy, mask, advantages, old, ref, args, ratio)
     mask = p["mask"]
     kl = jnp.where(mask, token_kl(p["lp"], p["old"], p["ref"], args, log_ratio=p["log_ratio"]), 0.0)
     low, high = clip_flags(p["lp"], p["old"], p["adv_t"], args, log_ratio=p["log_ratio"])
@@ -416,17 +453,21 @@ def grpo_policy_loss(
     old: Optional[jax.Array],
     ref: Optional[jax.Array],
     args: GrpoArgs,
+    ratio: Optional[jax.Array] = None,
 ) -> Tuple[jax.Array, jax.Array, jax.Array]:
     """TRL's GRPO loss from the per-token statistics: ``(loss, kl, metrics)``.
 
     ``logp``, ``entropy`` ``[B, T]`` (differentiable), ``mask`` ``[B, T]`` (bool or 0/1),
     ``advantages`` ``[B]``, ``[B, 1]`` or ``[B, T]``, ``old`` / ``ref`` ``[B, T]`` or None
-    (``old`` None: on-policy; ``ref`` is required when ``β > 0``). Returns the scalar loss,
+    (``old`` None: on-policy; ``ref`` is required when ``β > 0``), ``ratio`` the sampler's
+    importance ratio ``ρ`` ``[B]``, ``[B, 1]`` or ``[B, T]`` (TRL's
+    ``importance_sampling_ratio``, detached; None: 1): ``ℓ_tot = ℓ·ρ + β·kl``, for vespo
+    inside ``log w_b`` (:func:`vespo_log_weight`). Returns the scalar loss,
     the per-token KL ``[B, T]`` as it enters the loss (0 where masked) and TRL's metrics
     ``[5]`` in the order of :data:`METRICS` (no gradient): the values of the FFI handler
     ``flashloss_grpo_policy``. Masked tokens take no part (their inputs are never read
     into a value or a gradient); a fully masked batch gives 0."""
-    p = _prepared(logp, entropy, mask, advantages, old, ref, args)
+    p = _prepared(logp, entropy, mask, advantages, old, ref, args, ratio)
     mask, dtype, shape, ent, ell = p["mask"], p["dtype"], p["shape"], p["ent"], p["ell"]
     lp, old_, ref_, adv, adv_t, log_ratio = (p[k] for k in ("lp", "old", "ref", "adv", "adv_t", "log_ratio"))
     w = reduction_weights(mask, args, dtype=dtype)

@@ -26,8 +26,9 @@ from ._ops import _call, _like, _or_empty, head_grad_results, vocab_size
 
 
 def _partial(x, w, bias, ids, mask, offset, temperature, budget, mode, layout):
+    """Pass A: ``(max, Σexp, Σexp·s, target logit, S₂)`` ``[N]`` of this block."""
     n = ids.shape[0]
-    results = tuple(_like(x, (n,)) for _ in range(4))
+    results = tuple(_like(x, (n,)) for _ in range(5))
     return _call(
         "flashloss_vocab_partial", results, x, w, _or_empty(bias, x.dtype), ids, mask, offset,
         budget_mib=budget, mode=mode, temperature=temperature, weight_layout=layout,
@@ -42,7 +43,7 @@ def _psum(x, axis):
 def _merge(part, mask, axis, temperature):
     """The row statistics over the whole vocabulary from every block's partial state
     (``axis`` None: one block, the whole head)."""
-    mx, s, u, tgt = part
+    mx, s, u, tgt = part[:4]
     live = mask
     top = jnp.where(live, mx, -jnp.inf)
     top = top if axis is None else jax.lax.pmax(top, axis)
@@ -59,22 +60,35 @@ def _merge(part, mask, axis, temperature):
     return top, jnp.where(live, log_sum, 0.0), entropy, logp
 
 
-def _policy(logp, entropy, ids, mask, adv, old, ref, config, vocab):
+def _sum_p2(part, mask, top, axis, temperature):
+    """``Σ_j p_j² = Σ S₂·f² / (Σ S·f)²`` over the blocks, ``f = exp((max - top)/T)`` each
+    block's rescale to the merged ``top`` (0 where not ``mask``)."""
+    mx, s, _, _, s2 = part
+    f = jnp.where(mask & (s > 0), jnp.exp((mx - top) * jnp.float32(1.0 / temperature)), 0.0)
+    total = jnp.where(mask, _psum(s * f, axis), 1.0)
+    return jnp.where(mask, _psum(s2 * f * f, axis) / (total * total), 0.0)
+
+
+def _policy(logp, entropy, ids, mask, adv, old, ref, config, vocab, ratio=None):
     b, t = ids.shape
     results = (_like(logp, ()), _like(logp, (b, t)), _like(logp, (b, t)), _like(logp, (b, t)), _like(logp, (5,)))
     return _call(
         "flashloss_grpo_policy", results,
         logp, entropy, ids, mask, adv, _or_empty(old, jnp.float32), _or_empty(ref, jnp.float32),
-        config=config, vocab=int(vocab),
+        _or_empty(ratio, jnp.float32), config=config, vocab=int(vocab),
     )  # fmt: skip
 
 
-def _grads(x, w, bias, ids, mask, offset, stats, temperature, budget, mode, layout, head_grad):
+def _grads(x, w, bias, ids, mask, offset, stats, temperature, budget, mode, layout, head_grad, dlse=None):
+    """Pass B: ``(dhidden, dweight, dbias)`` from the merged ``stats`` (max, log_sum,
+    entropy) and the rows' cotangents (dlogp, dentropy; ``dlse`` of the log-sum-exp or
+    None)."""
     v = vocab_size(w, layout)
     results = (_like(x, x.shape), *head_grad_results(x, w, bias, v, head_grad))
     return _call(
         "flashloss_vocab_grads", results, x, w, _or_empty(bias, x.dtype), ids, mask, offset, *stats,
-        budget_mib=budget, mode=mode, temperature=temperature, weight_layout=layout, head_grad=head_grad,
+        _or_empty(dlse, jnp.float32), budget_mib=budget, mode=mode, temperature=temperature, weight_layout=layout,
+        head_grad=head_grad,
     )  # fmt: skip
 
 
@@ -91,7 +105,8 @@ def _offset(weight, axis, layout):
 
 
 def _step(
-    hidden, weight, bias, ids, mask, adv, old, ref, config, axis, temperature, vocab, mode, budget, layout, head_grad
+    hidden, weight, bias, ids, mask, adv, old, ref, ratio, config, axis, temperature, vocab, mode, budget, layout,
+    head_grad,
 ):  # fmt: skip
     b, t = ids.shape
     x = hidden.reshape(b * t, hidden.shape[-1])
@@ -100,7 +115,7 @@ def _step(
     part = _partial(x, weight, bias, flat_ids, flat_mask, offset, temperature, budget, mode, layout)
     top, log_sum, entropy, logp = _merge(part, flat_mask, axis, temperature)
     loss, dlogp, dentropy, kl, metrics = _policy(
-        logp.reshape(b, t), entropy.reshape(b, t), ids, mask, adv, old, ref, config, vocab
+        logp.reshape(b, t), entropy.reshape(b, t), ids, mask, adv, old, ref, config, vocab, ratio
     )
     stats = (top, log_sum, entropy, dlogp.reshape(-1), dentropy.reshape(-1))
     if head_grad is None:  # not differentiated: no pass B
@@ -114,20 +129,23 @@ def _step(
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12, 13, 14))
 def grpo(
-    hidden, weight, bias, ids, mask, adv, old, ref, config, axis, temperature, vocab, mode, budget, weight_layout="vh"
+    hidden, weight, bias, ids, mask, adv, old, ref, config, axis, temperature, vocab, mode, budget, weight_layout="vh",
+    ratio=None,
 ):  # fmt: skip
-    """``(loss, (logp, entropy, kl, metrics))`` of this device's block of the head."""
+    """``(loss, (logp, entropy, kl, metrics))`` of this device's block of the head
+    (``ratio``: the sampler's importance ratio ``[B]``, ``[B, T]`` or None)."""
     args = (config, axis, temperature, vocab, mode, budget, weight_layout, None)
-    loss, aux, _ = _step(hidden, weight, bias, ids, mask, adv, old, ref, *args)
+    loss, aux, _ = _step(hidden, weight, bias, ids, mask, adv, old, ref, ratio, *args)
     return loss, aux
 
 
 def _fwd(
-    hidden, weight, bias, ids, mask, adv, old, ref, config, axis, temperature, vocab, mode, budget, weight_layout="vh"
+    hidden, weight, bias, ids, mask, adv, old, ref, config, axis, temperature, vocab, mode, budget, weight_layout="vh",
+    ratio=None,
 ):  # fmt: skip
     wanted = wants(hidden, weight, bias)
     args = (config, axis, temperature, vocab, mode, budget, weight_layout, head_grad_wanted(wanted))
-    primals = _values(hidden, weight, bias, ids, mask, adv, old, ref)
+    primals = _values(hidden, weight, bias, ids, mask, adv, old, ref, ratio)
     loss, aux, grads = _step(*primals, *args)
     return (loss, aux), (grads, wanted)
 
@@ -136,9 +154,9 @@ def _bwd(config, axis, temperature, vocab, mode, budget, weight_layout, res, cts
     grads, wanted = res
     g = cts[0]
     if isinstance(g, SymbolicZero):
-        return None, None, None, None, None, None, None, None
+        return (None,) * 9
     out = _cast_wanted(tuple(g * d for d in grads), wanted)
-    return (*out, None, None, None, None, None)
+    return (*out, None, None, None, None, None, None)
 
 
 grpo.defvjp(_fwd, _bwd, symbolic_zeros=True)
@@ -148,7 +166,9 @@ def _logprobs_stats(x, w, bias, ids, mask, axis, temperature, budget, mode, weig
     offset = _offset(w, axis, weight_layout)
     part = _partial(x, w, bias, ids, mask, offset, temperature, budget, mode, weight_layout)
     top, log_sum, entropy, logp = _merge(part, mask, axis, temperature)
-    return (logp, entropy), (x, w, bias, ids, mask, top, log_sum, entropy)
+    top_s = jnp.where(mask, top * jnp.float32(1.0 / temperature), 0.0)
+    out = (logp, entropy, top_s + log_sum, top_s, _sum_p2(part, mask, top, axis, temperature))
+    return out, (x, w, bias, ids, mask, top, log_sum, entropy)
 
 
 def _logprobs_fwd(x, w, bias, ids, mask, axis, temperature, budget, mode, weight_layout="vh"):
@@ -160,24 +180,29 @@ def _logprobs_fwd(x, w, bias, ids, mask, axis, temperature, budget, mode, weight
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
 def logprobs(x, w, bias, ids, mask, axis, temperature, budget, mode, weight_layout="vh"):
-    """``(logp, entropy)`` ``[N]`` of rows ``x`` ``[N, H]`` at ``ids`` under this device's
-    block of the head (``axis``: the mesh axis the head is split over, or None),
-    differentiable: the backward is pass B with each row's cotangents as the
-    coefficients of ``∂logp/∂z`` and ``∂entropy/∂z``."""
+    """``(logp, entropy, lse, max, sum_p2)`` ``[N]`` of rows ``x`` ``[N, H]`` at ``ids`` under
+    this device's block of the head (``axis``: the mesh axis the head is split over, or
+    None; ``lse``, ``max`` and ``Σp²`` of the scaled logits ``s = z / T``, 0 where not
+    ``mask``), differentiable in ``logp``, ``entropy`` and ``lse`` (``max`` and ``sum_p2``
+    take none): the
+    backward is pass B with each row's cotangents as the coefficients of ``∂logp/∂z``,
+    ``∂entropy/∂z`` and ``∂lse/∂z``."""
     return _logprobs_stats(x, w, bias, ids, mask, axis, temperature, budget, mode, weight_layout)[0]
 
 
 def _logprobs_bwd(axis, temperature, budget, mode, weight_layout, res, cts):
     (x, w, bias, ids, mask, top, log_sum, entropy), wanted = res
+    cts = cts[:3]  # `max` and `sum_p2` take no gradient
     if all(isinstance(c, SymbolicZero) for c in cts):
         return None, None, None, None, None
-    g_logp, g_entropy = (
+    g_logp, g_entropy, g_lse = (
         jnp.zeros_like(top) if isinstance(c, SymbolicZero) else jnp.where(mask, c, 0.0).astype(jnp.float32) for c in cts
     )
+    dlse = None if isinstance(cts[2], SymbolicZero) else g_lse
     stats = (top, log_sum, entropy, g_logp, g_entropy)
     offset = _offset(w, axis, weight_layout)
     head_grad = head_grad_wanted(wanted)
-    grads = _grads(x, w, bias, ids, mask, offset, stats, temperature, budget, mode, weight_layout, head_grad)
+    grads = _grads(x, w, bias, ids, mask, offset, stats, temperature, budget, mode, weight_layout, head_grad, dlse)
     return (*_cast_wanted(grads, wanted), None, None)
 
 

@@ -63,6 +63,24 @@ def finite(arg: str, values: Optional[jax.Array], live: Optional[jax.Array], int
     jax.debug.callback(report, any_bad, index, values.reshape(-1)[index].astype(jnp.float32))
 
 
+def sampler_ratio(ratio: Optional[jax.Array], mask: jax.Array, interpret: Any) -> None:
+    """The sampler's importance ratio (``[B, 1]``: every value; ``[B, T]``: where ``mask``)
+    finite and ``>= 0``, with the FFI handlers' message (which name it ``sampler_ratio``)."""
+    if ratio is None or not runs_here(interpret):
+        return
+    bad = ~(jnp.isfinite(ratio) & (ratio >= 0))
+    if ratio.shape == mask.shape:
+        bad = bad & mask
+    any_bad, index = _first(bad)
+
+    def report(any_bad, index, value):
+        if any_bad:
+            why = "is negative" if np.isfinite(value) else "is not finite"
+            raise ValueError(f"argument `sampler_ratio`: value {float(value)} at index {int(index)} {why}")
+
+    jax.debug.callback(report, any_bad, index, ratio.reshape(-1)[index].astype(jnp.float32))
+
+
 def row_stats_finite(lse: jax.Array, logp: jax.Array, live: jax.Array, seq_len: int, interpret: Any) -> None:
     """A live row's statistics finite: NaN or +inf in its logits names ``hidden``/
     ``weight``; a ``-inf`` target logit (probability zero) names the row."""

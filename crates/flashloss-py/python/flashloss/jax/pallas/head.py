@@ -9,7 +9,8 @@ row ``i`` the kernel keeps a running softmax state over the tiles seen,
 
 rescaled when ``m`` grows (``σ ← σ·e^{m-m'}``, ``u ← (u + σ·(m - m'))·e^{m-m'}``), from
 which ``lse = m + log σ``, ``logp = t - lse``, entropy ``= log σ - u/σ`` and the mean
-logit ``ζ/V`` follow (:mod:`.stats`; states of several devices merge first). The
+logit ``ζ/V`` follow; on request (``sum_p2``) also ``σ₂_i = Σ_j e^{2(s_ij - m_i)}``
+(``σ₂ ← σ₂·e^{2(m-m')}``), so that ``Σ_j p_ij² = σ₂/σ²`` (:mod:`.stats`; states of several devices merge first). The
 target's logit is taken by an iota compare (no gather). Columns past ``V`` in the last
 tile (151936 = 128·1187, 1187 prime: every tile wider than 128 leaves a ragged tail) are
 ``-inf``; rows past ``N`` in the last row block are never written back. Never an
@@ -32,8 +33,10 @@ from jax.experimental import pallas as pl
 
 from . import _chips
 
-#: Per-row vectors of the forward kernel's state, in order.
+#: Per-row vectors of the forward kernel's state, in order (``sum_exp2`` last, with
+#: ``sum_p2`` only).
 STATE = ("max", "sum_exp", "sum_exp_shift", "target", "sum")
+SUM_EXP2 = "sum_exp2"
 #: Per-row vectors cross the kernels' boundary as ``[N, LANES]`` arrays, the value
 #: repeated along the lanes: a block ``(bn, 128)`` is the TPU's native tile (a 1-D block
 #: needs multiples of 1024 rows and, lowered on a host without a TPU, fails in jax
@@ -140,16 +143,16 @@ def tail(v: int, bv: int, j) -> Optional[Any]:
     return None if v % bv == 0 else v - j * bv
 
 
-def _forward_kernel(*refs, v: int, bv: int, layout: str, transform: Transform, has_bias: bool):
+def _forward_kernel(*refs, v: int, bv: int, layout: str, transform: Transform, has_bias: bool, sum_p2: bool):
     ids_ref, x_ref, w_ref = refs[:3]
     bias_ref = refs[3] if has_bias else None
-    m_ref, s_ref, u_ref, t_ref, sum_ref = refs[4 if has_bias else 3 :]
+    m_ref, s_ref, u_ref, t_ref, sum_ref, *s2_ref = refs[4 if has_bias else 3 :]
     j = pl.program_id(1)
 
     @pl.when(j == 0)
     def _init():
         m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
-        for r in (s_ref, u_ref, t_ref, sum_ref):
+        for r in (s_ref, u_ref, t_ref, sum_ref, *s2_ref):
             r[...] = jnp.zeros(r.shape, jnp.float32)
 
     s, _ = tile_logits(x_ref, w_ref, bias_ref, layout, transform, None)
@@ -171,6 +174,9 @@ def _forward_kernel(*refs, v: int, bv: int, layout: str, transform: Transform, h
     u_ref[...] = jnp.broadcast_to(u_new, shape)
     t_ref[...] += jnp.broadcast_to(target, shape)
     sum_ref[...] += jnp.broadcast_to(total, shape)
+    if sum_p2:
+        (s2,) = s2_ref
+        s2[...] = jnp.broadcast_to(alpha * alpha * s2[:, :1] + jnp.sum(e * e, axis=1, keepdims=True), shape)
 
 
 def row_spec(bn: int, axis: int = 0) -> pl.BlockSpec:
@@ -201,7 +207,9 @@ def plan(kernel: str, x: jax.Array, weight: jax.Array, layout: str, chip, max_ro
     return n, hidden, v, target, _chips.choose(kernel, n, v, hidden, x.dtype.itemsize, target, max_rows, max_vocab)
 
 
-@functools.partial(jax.jit, static_argnames=("layout", "transform", "chip", "interpret", "max_rows", "max_vocab"))
+@functools.partial(
+    jax.jit, static_argnames=("layout", "transform", "chip", "interpret", "max_rows", "max_vocab", "sum_p2")
+)
 def forward_state(
     x: jax.Array,
     weight: jax.Array,
@@ -214,10 +222,11 @@ def forward_state(
     interpret: Any = False,
     max_rows: Optional[int] = None,
     max_vocab: Optional[int] = None,
+    sum_p2: bool = False,
 ) -> tuple[jax.Array, ...]:
     """The state :data:`STATE` ``[N]`` f32 of rows ``x`` ``[N, H]`` over the head
     ``weight`` (``ids`` ``[N]`` int32: the target columns of this head; others, e.g.
-    another device's ids, match no column)."""
+    another device's ids, match no column), and :data:`SUM_EXP2` last when ``sum_p2``."""
     n, hidden, v, target, blocks = plan("forward", x, weight, layout, chip, max_rows, max_vocab)
     bn, bv = blocks.rows, blocks.vocab
     grid = (pl.cdiv(n, bn), pl.cdiv(v, bv))
@@ -227,8 +236,9 @@ def forward_state(
         in_specs.append(bias_spec(bv, 1))
         args.append(bias.reshape(1, v))
     kernel = functools.partial(
-        _forward_kernel, v=v, bv=bv, layout=layout, transform=transform, has_bias=bias is not None
+        _forward_kernel, v=v, bv=bv, layout=layout, transform=transform, has_bias=bias is not None, sum_p2=sum_p2
     )
+    outputs = len(STATE) + int(sum_p2)
     flops = 2 * n * hidden * v
     bytes_accessed = grid[0] * weight.size * weight.dtype.itemsize + x.size * x.dtype.itemsize + 24 * n
 
@@ -237,7 +247,7 @@ def forward_state(
             kernel,
             grid=grid,
             in_specs=in_specs,
-            out_specs=[row_spec(bn) for _ in STATE],
+            out_specs=[row_spec(bn) for _ in range(outputs)],
             out_shape=out_shape,
             compiler_params=_chips.compiler_params(target, ("parallel", "arbitrary")),
             cost_estimate=pl.CostEstimate(flops=flops, transcendentals=n * v, bytes_accessed=bytes_accessed),
@@ -245,5 +255,5 @@ def forward_state(
             name="flashloss_head_forward",
         )
 
-    results = [((n, LANES), jnp.float32)] * len(STATE)
+    results = [((n, LANES), jnp.float32)] * outputs
     return tuple(from_lanes(x) for x in launch(make, results, args, interpret))

@@ -15,27 +15,41 @@ import jax.numpy as jnp
 from .. import _policy
 from . import checks, logits
 from .head import Transform
-from .stats import HeadSpec, row_stats
+from .stats import HeadSpec, RowStats, row_stats
 
 
-def logprobs(x, weight, bias, ids, live, spec: HeadSpec, seq_len: int, ids_arg: str = "ids"):
-    """``(logp, entropy)`` ``[N]`` of rows ``x`` ``[N, H]`` at ``ids`` (0 where not ``live``);
-    ``ids_arg`` names ``ids`` in errors."""
+def logprob_stats(x, weight, bias, ids, live, spec: HeadSpec, seq_len: int, ids_arg: str = "ids") -> RowStats:
+    """:class:`.stats.RowStats` ``[N]`` of rows ``x`` ``[N, H]`` at ``ids`` (0 where not
+    ``live``), checked; ``ids_arg`` names ``ids`` in errors."""
     checks.ids_in_range(ids_arg, ids, live, spec.vocab, seq_len, spec.interpret)
     stats = row_stats(x, weight, bias, jnp.where(live, ids, 0).astype(jnp.int32), live, spec)
     checks.row_stats_finite(stats.lse, stats.logp, live, seq_len, spec.interpret)
+    return stats
+
+
+def logprobs(x, weight, bias, ids, live, spec: HeadSpec, seq_len: int, ids_arg: str = "ids"):
+    """``(logp, entropy)`` ``[N]`` of :func:`logprob_stats`."""
+    stats = logprob_stats(x, weight, bias, ids, live, spec, seq_len, ids_arg)
     return stats.logp, stats.entropy
 
 
-def grpo(hidden, weight, bias, ids, mask, adv, old, ref, args: _policy.GrpoArgs, spec: HeadSpec):
-    """``(loss, (logp, entropy, kl, metrics))`` of TRL's GRPO loss at ``ids`` ``[B, T]``."""
-    b, t = ids.shape
+def _check_batch(adv, old, ref, ratio, mask, interpret) -> None:
+    """The GRPO batch's values: finite advantages, old and ref logp (where live), a
+    finite non-negative sampler ratio."""
     for name, values in (("advantages", adv), ("old_per_token_logps", old), ("ref_per_token_logps", ref)):
-        checks.finite(name, values, None if name == "advantages" else mask, spec.interpret)
+        checks.finite(name, values, None if name == "advantages" else mask, interpret)
+    checks.sampler_ratio(ratio, mask, interpret)
+
+
+def grpo(hidden, weight, bias, ids, mask, adv, old, ref, ratio, args: _policy.GrpoArgs, spec: HeadSpec):
+    """``(loss, (logp, entropy, kl, metrics))`` of TRL's GRPO loss at ``ids`` ``[B, T]``
+    (``ratio``: the sampler's importance ratio ``[B, 1]``, ``[B, T]`` or None)."""
+    b, t = ids.shape
+    _check_batch(adv, old, ref, ratio, mask, spec.interpret)
     x = hidden.reshape(b * t, hidden.shape[-1])
     logp, entropy = logprobs(x, weight, bias, ids.reshape(-1), mask.reshape(-1), spec, t, "completion_ids")
     logp, entropy = logp.reshape(b, t), entropy.reshape(b, t)
-    loss, kl, metrics = _policy.grpo_policy_loss(logp, entropy, mask, adv, old, ref, args)
+    loss, kl, metrics = _policy.grpo_policy_loss(logp, entropy, mask, adv, old, ref, args, ratio)
     return loss, (logp, entropy, kl, metrics)
 
 
@@ -51,59 +65,64 @@ def cross_entropy(
     z_loss: float,
     reduction: str,
 ) -> jax.Array:
-    """The cross-entropy of rows ``x`` ``[N, H]`` at ``targets`` ``[N]``: a scalar
-    (mean over rows whose target is not ``ignore_index``, or sum) or ``[N]`` (none)."""
+    """``(loss, lse)``: the cross-entropy of rows ``x`` ``[N, H]`` at ``targets`` ``[N]``, a
+    scalar (mean over rows whose target is not ``ignore_index``, or sum) or ``[N]``
+    (none), and each row's log-sum-exp ``[N]`` (0 where ignored), both differentiable."""
     live = targets != ignore_index
     checks.ids_in_range("targets", targets, live, spec.vocab, targets.shape[0], spec.interpret)
     stats = row_stats(x, weight, bias, jnp.where(live, targets, 0).astype(jnp.int32), live, spec)
     checks.row_stats_finite(stats.lse, stats.logp, live, targets.shape[0], spec.interpret)
-    return _policy.ce_loss_from_stats(
+    loss = _policy.ce_loss_from_stats(
         stats.lse, stats.logp, stats.mean, live, label_smoothing=label_smoothing, z_loss=z_loss, reduction=reduction
     )
+    return loss, stats.lse
 
 
-def _token_local_step(z, ids, mask, adv, old, ref, args: _policy.GrpoArgs, interpret):
+def _token_local_step(z, ids, mask, adv, old, ref, ratio, args: _policy.GrpoArgs, interpret):
     """One :func:`.logits.logits_fused` call: each live row's ``w_i·ℓ_i`` and its
     ``dlogits`` (``w`` the reduction weights, from the mask alone), then the KL and the
     metrics from the rows' statistics."""
     b, t, v = z.shape
-    has_old, has_kl = old is not None, ref is not None and args.beta != 0.0
+    has_old, has_kl, has_rho = (old is not None, ref is not None and args.beta != 0.0, ratio is not None)
     inputs = [jnp.broadcast_to(adv[:, None], (b, t)), _policy.reduction_weights(mask, args)]
     inputs += ([old] if has_old else []) + ([ref] if has_kl else [])
+    inputs += [jnp.broadcast_to(ratio, (b, t))] if has_rho else []
 
     def row_fn(logp, entropy, adv, w, *rest):
+        rest = list(rest)
+        rho_row = rest.pop() if has_rho else None
         old_row = rest[0] if has_old else None
         ref_row = rest[-1] if has_kl else None
-        return w * _policy.token_loss(logp, entropy, old_row, ref_row, adv, args)
+        return w * _policy.token_loss(logp, entropy, old_row, ref_row, adv, args, ratio=rho_row)
 
     row_loss, logp, entropy, dz = logits.logits_fused(
         z.reshape(b * t, v), ids.reshape(-1), [x.reshape(-1).astype(jnp.float32) for x in inputs], row_fn,
         mask=mask.reshape(-1), temperature=args.temperature, interpret=interpret,
     )  # fmt: skip
     logp, entropy = logp.reshape(b, t), entropy.reshape(b, t)
-    _, kl, metrics = _policy.grpo_policy_loss(logp, entropy, mask, adv, old, ref, args)
+    _, kl, metrics = _policy.grpo_policy_loss(logp, entropy, mask, adv, old, ref, args, ratio)
     return jnp.sum(row_loss), (logp, entropy, kl, metrics), dz.reshape(z.shape)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _token_local(z, ids, mask, adv, old, ref, args, interpret):
-    loss, aux, _ = _token_local_step(z, ids, mask, adv, old, ref, args, interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _token_local(z, ids, mask, adv, old, ref, ratio, args, interpret):
+    loss, aux, _ = _token_local_step(z, ids, mask, adv, old, ref, ratio, args, interpret)
     return loss, aux
 
 
-def _token_local_fwd(z, ids, mask, adv, old, ref, args, interpret):
-    loss, aux, dz = _token_local_step(z, ids, mask, adv, old, ref, args, interpret)
+def _token_local_fwd(z, ids, mask, adv, old, ref, ratio, args, interpret):
+    loss, aux, dz = _token_local_step(z, ids, mask, adv, old, ref, ratio, args, interpret)
     return (loss, aux), dz
 
 
 def _token_local_bwd(args, interpret, dz, cts):
-    return ((cts[0] * dz).astype(dz.dtype), None, None, None, None, None)
+    return ((cts[0] * dz).astype(dz.dtype), None, None, None, None, None, None)
 
 
 _token_local.defvjp(_token_local_fwd, _token_local_bwd)
 
 
-def grpo_logits(z, ids, mask, adv, old, ref, args: _policy.GrpoArgs, interpret: Any):
+def grpo_logits(z, ids, mask, adv, old, ref, ratio, args: _policy.GrpoArgs, interpret: Any):
     """TRL's GRPO loss on logits ``z`` ``[B, T, V]``: ``(loss, (logp, entropy, kl,
     metrics))``. A token-local loss (token-level ratios, not vespo) runs one fused kernel,
     one read and one write of the logits; the others need every token of a sequence
@@ -111,32 +130,33 @@ def grpo_logits(z, ids, mask, adv, old, ref, args: _policy.GrpoArgs, interpret: 
     the gradient kernel (two reads, one write)."""
     b, t, v = z.shape
     checks.ids_in_range("completion_ids", ids, mask, v, t, interpret)
-    for name, values in (("advantages", adv), ("old_per_token_logps", old), ("ref_per_token_logps", ref)):
-        checks.finite(name, values, None if name == "advantages" else mask, interpret)
+    _check_batch(adv, old, ref, ratio, mask, interpret)
     ids = jnp.where(mask, ids, 0).astype(jnp.int32)
     if _policy.is_token_local(args):
-        return _token_local(z, ids, mask, adv, old, ref, args, interpret)
+        if ratio is not None and ratio.shape == mask.shape:
+            ratio = jnp.where(mask, ratio, 1.0)  # masked tokens' values are never read
+        return _token_local(z, ids, mask, adv, old, ref, ratio, args, interpret)
     logp, entropy = logits.logits_logprobs(
         z.reshape(b * t, v), ids.reshape(-1), mask=mask.reshape(-1), temperature=args.temperature, interpret=interpret
     )
     logp, entropy = logp.reshape(b, t), entropy.reshape(b, t)
-    loss, kl, metrics = _policy.grpo_policy_loss(logp, entropy, mask, adv, old, ref, args)
+    loss, kl, metrics = _policy.grpo_policy_loss(logp, entropy, mask, adv, old, ref, args, ratio)
     return loss, (logp, entropy, kl, metrics)
 
 
-def grpo_logits_rows(z, ids, mask, adv, old, ref, args: _policy.GrpoArgs, interpret: Any):
+def grpo_logits_rows(z, ids, mask, adv, old, ref, ratio, args: _policy.GrpoArgs, interpret: Any):
     """The per-token losses on logits ``z`` ``[B, T, V]`` (Liger's ``reduce=False``):
     ``(token_loss, (kl, clipped))`` ``[B, T]`` from the statistics kernel and the loss in
     JAX, which JAX differentiates (the gradient kernel then takes each token's cotangent)."""
     b, t, v = z.shape
     checks.ids_in_range("completion_ids", ids, mask, v, t, interpret)
-    for name, values in (("advantages", adv), ("old_per_token_logps", old), ("ref_per_token_logps", ref)):
-        checks.finite(name, values, None if name == "advantages" else mask, interpret)
+    _check_batch(adv, old, ref, ratio, mask, interpret)
     ids = jnp.where(mask, ids, 0).astype(jnp.int32)
     logp, entropy = logits.logits_logprobs(
         z.reshape(b * t, v), ids.reshape(-1), mask=mask.reshape(-1), temperature=args.temperature, interpret=interpret
     )
-    rows, kl, clipped = _policy.per_token_losses(logp.reshape(b, t), entropy.reshape(b, t), mask, adv, old, ref, args)
+    logp, entropy = logp.reshape(b, t), entropy.reshape(b, t)
+    rows, kl, clipped = _policy.per_token_losses(logp, entropy, mask, adv, old, ref, args, ratio)
     return rows, (kl, clipped)
 
 

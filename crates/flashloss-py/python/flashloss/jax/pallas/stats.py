@@ -6,8 +6,9 @@ cotangents as coefficients. The loss above it (GRPO, CE) is plain JAX on ``[N]``
 vectors, differentiated by JAX.
 
 For the merged state ``(m, σ, u, t, ζ)`` of a row (:mod:`.head`): ``lse = m + log σ``,
-``logp = t - lse``, entropy ``= log σ - u/σ``, mean logit ``= ζ / V``. Rows where ``live``
-is false give zeros and no gradient. Symbolic zeros tell which inputs need a gradient:
+``logp = t - lse``, entropy ``= log σ - u/σ``, mean logit ``= ζ / V``, the max logit ``m``
+and (``HeadSpec.sum_p2``) ``Σ_j p_j² = σ₂/σ²``; the last two take no gradient. Rows where
+``live`` is false give zeros and no gradient. Symbolic zeros tell which inputs need a gradient:
 a head that needs none (frozen, LoRA) runs no dW kernel; ``hidden`` without one runs no
 dH kernel.
 """
@@ -33,6 +34,10 @@ class RowStats(NamedTuple):
     entropy: jax.Array
     #: ``Σ_j s_j / V``: label smoothing's uniform term.
     mean: jax.Array
+    #: ``max_j s_j`` (no gradient).
+    max: jax.Array
+    #: ``Σ_j p_j²`` (no gradient; zeros unless ``HeadSpec.sum_p2``).
+    sum_p2: jax.Array
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,8 @@ class HeadSpec:
     #: Caps on the blocks' rows and vocabulary entries (multiples of 128), or None.
     max_rows: Optional[int] = None
     max_vocab: Optional[int] = None
+    #: Whether the forward kernel also sums ``e^{2(s - m)}`` (for ``RowStats.sum_p2``).
+    sum_p2: bool = False
 
     def kernel_args(self) -> dict:
         return dict(
@@ -75,12 +82,14 @@ def _local_ids(ids, weight, spec: HeadSpec):
 
 
 def _merge(state, live, spec: HeadSpec) -> RowStats:
-    m, sigma, u, t, zeta = state
+    m, sigma, u, t, zeta, *sigma2 = state
     axis = spec.vocab_axis
     top = m if axis is None else jax.lax.pmax(m, axis)
     top = jnp.where(jnp.isfinite(top), top, 0.0)
     f = jnp.where(sigma > 0, jnp.exp(m - top), 0.0)
     total = _psum(sigma * f, axis)
+    # Σp² = Σ e^{2(s - top)} / (Σ e^{s - top})², each device's σ₂ rescaled by f².
+    total2 = _psum(sigma2[0] * f * f, axis) if sigma2 else jnp.zeros_like(total)
     shifted = _psum(jnp.where(sigma > 0, f * (u + sigma * (m - top)), 0.0), axis)
     total = jnp.where(live, total, 1.0)
     log_total = jnp.log(total)
@@ -91,11 +100,14 @@ def _merge(state, live, spec: HeadSpec) -> RowStats:
         logp=jnp.where(live, _psum(t, axis) - lse, zero),
         entropy=jnp.where(live, log_total - shifted / total, zero),
         mean=jnp.where(live, _psum(zeta, axis) / spec.vocab, zero),
+        max=jnp.where(live, top, zero),
+        sum_p2=jnp.where(live, total2 / (total * total), zero),
     )
 
 
 def _forward(x, weight, bias, ids, live, spec: HeadSpec) -> RowStats:
-    state = head.forward_state(x, weight, bias, _local_ids(ids, weight, spec), **spec.kernel_args())
+    ids = _local_ids(ids, weight, spec)
+    state = head.forward_state(x, weight, bias, ids, sum_p2=spec.sum_p2, **spec.kernel_args())
     return _merge(state, live, spec)
 
 
@@ -123,7 +135,7 @@ def _dense(ct, like):
 
 def _bwd(spec, res, cts):
     x, weight, bias, ids, live, lse, entropy, wants = res
-    g_lse, g_logp, g_ent, g_mean = (_dense(c, lse) for c in cts)
+    g_lse, g_logp, g_ent, g_mean = (_dense(c, lse) for c in cts[:4])  # max and sum_p2 take none
     zero = jnp.zeros_like(lse)
     coef = [jnp.where(live, c, zero) for c in (g_logp, g_lse - g_logp, g_ent, g_mean / spec.vocab)]
     rows = (jnp.where(live, lse, jnp.inf), entropy, *coef)
