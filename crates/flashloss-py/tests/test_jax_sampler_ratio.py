@@ -148,10 +148,10 @@ def test_bad_ratio_names_it(impl):
         fj.linear_grpo_loss(*args, importance_sampling_ratio=jnp.ones((3, 2)), **kw)
     for value, why in ((-1.0, "is negative"), (float("nan"), "is not finite")):
         rho = jnp.ones(3).at[1].set(value)
-        with pytest.raises(Exception, match=f"argument `sampler_ratio`: value .* at index 1 {why}"):
+        with pytest.raises(Exception, match=f"argument `importance_sampling_ratio`: value .* at index 1 {why}"):
             jax.block_until_ready(fj.linear_grpo_loss(*args, importance_sampling_ratio=rho, **kw)[0])
     z = jnp.zeros((3, 5, 37))
-    with pytest.raises(Exception, match="argument `sampler_ratio`: value .* at index 1 is negative"):
+    with pytest.raises(Exception, match="argument `importance_sampling_ratio`: value .* at index 1 is negative"):
         jax.block_until_ready(
             fj.grpo_loss(z, *args[2:], importance_sampling_ratio=jnp.ones(3).at[1].set(-2.0), **kw)[0]
         )

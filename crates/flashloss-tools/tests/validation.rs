@@ -214,7 +214,7 @@ fn bad_inputs_name_the_argument_and_index() {
     let rho = vec![1.0f32, 1.0, -0.5, 1.0, 1.0, 1.0, 1.0, 1.0];
     assert_eq!(
         forward_error(&x, |b| b.sampler_ratio = Some(PerSeqOrToken::Token(&rho))),
-        "argument `sampler_ratio`: value -0.5 at index 2 is negative"
+        "argument `importance_sampling_ratio`: value -0.5 at index 2 is negative"
     );
     let short_mask = vec![true; 7];
     assert_eq!(

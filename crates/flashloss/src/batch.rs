@@ -220,7 +220,7 @@ impl GrpoBatch<'_> {
         check_len("mask", self.mask.len(), n, self.bt())?;
         self.check_per_seq_or_token("advantages", &self.advantages, false)?;
         if let Some(rho) = &self.sampler_ratio {
-            self.check_per_seq_or_token("sampler_ratio", rho, true)?;
+            self.check_per_seq_or_token("importance_sampling_ratio", rho, true)?;
         }
         for (arg, values) in [
             ("policy_mask", self.policy_mask),

@@ -65,7 +65,7 @@ def finite(arg: str, values: Optional[jax.Array], live: Optional[jax.Array], int
 
 def sampler_ratio(ratio: Optional[jax.Array], mask: jax.Array, interpret: Any) -> None:
     """The sampler's importance ratio (``[B, 1]``: every value; ``[B, T]``: where ``mask``)
-    finite and ``>= 0``, with the FFI handlers' message (which name it ``sampler_ratio``)."""
+    finite and ``>= 0``, with the FFI handlers' message."""
     if ratio is None or not runs_here(interpret):
         return
     bad = ~(jnp.isfinite(ratio) & (ratio >= 0))
@@ -76,7 +76,7 @@ def sampler_ratio(ratio: Optional[jax.Array], mask: jax.Array, interpret: Any) -
     def report(any_bad, index, value):
         if any_bad:
             why = "is negative" if np.isfinite(value) else "is not finite"
-            raise ValueError(f"argument `sampler_ratio`: value {float(value)} at index {int(index)} {why}")
+            raise ValueError(f"argument `importance_sampling_ratio`: value {float(value)} at index {int(index)} {why}")
 
     jax.debug.callback(report, any_bad, index, ratio.reshape(-1)[index].astype(jnp.float32))
 
