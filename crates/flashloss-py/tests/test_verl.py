@@ -4,6 +4,9 @@ bf16, vocabularies not a multiple of 256, temperatures; verl's HF forward patch 
 Qwen2 (its torch and Triton backends), patch/unpatch by identity. Skipped without verl
 (``scripts/ci_verl.sh`` makes a venv with it)."""
 
+import json
+import os
+import subprocess
 import sys
 import types
 
@@ -266,3 +269,31 @@ def test_verl_model_forward_patch_on_a_tiny_qwen2(fused_forward_restored, backen
     torch.testing.assert_close(ent, want_ent, rtol=1e-5, atol=1e-5)
     for got, want in zip(grads, want_grads):
         assert max_rel(got, want) < 1e-4
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_vocab_parallel_triton_entry_matches_one_process(world, tmp_path):
+    if not torch.distributed.is_available():
+        pytest.skip("torch.distributed is not available")
+    worker = os.path.join(os.path.dirname(__file__), "verl_dist_worker.py")
+    env = dict(os.environ, OMP_NUM_THREADS="1", RAYON_NUM_THREADS="1")
+    store = str(tmp_path / "store")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, worker, str(world), str(rank), store],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )  # fmt: skip
+        for rank in range(world)
+    ]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, f"rank exited with {p.returncode}:\n{err[-4000:]}"
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    assert [o["rank"] for o in outs] == list(range(world))
+    for o in outs:
+        for key in ("logp", "entropy", "dhidden_summed", "dhidden_share", "dweight_block"):
+            assert o[key] < 1e-5, f"rank {o['rank']} {key}: {o[key]:.3g}"
