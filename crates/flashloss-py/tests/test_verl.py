@@ -278,16 +278,8 @@ def test_vocab_parallel_triton_entry_matches_one_process(world, tmp_path):
     worker = os.path.join(os.path.dirname(__file__), "verl_dist_worker.py")
     env = dict(os.environ, OMP_NUM_THREADS="1", RAYON_NUM_THREADS="1")
     store = str(tmp_path / "store")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, worker, str(world), str(rank), store],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )  # fmt: skip
-        for rank in range(world)
-    ]
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, "env": env}
+    procs = [subprocess.Popen([sys.executable, worker, str(world), str(rank), store], **pipes) for rank in range(world)]
     outs = []
     for p in procs:
         out, err = p.communicate(timeout=300)
