@@ -289,3 +289,15 @@ def test_vocab_parallel_triton_entry_matches_one_process(world, tmp_path):
     for o in outs:
         for key in ("logp", "entropy", "dhidden_summed", "dhidden_share", "dweight_block"):
             assert o[key] < 1e-5, f"rank {o['rank']} {key}: {o[key]:.3g}"
+
+
+def test_verl_before_0_8_gets_log_probs_in_the_hidden_dtype(monkeypatch):
+    # verl <= 0.7's FusedLinearForPPO returned both outputs in the hidden states' dtype.
+    monkeypatch.setattr(sys.modules["verl"], "__version__", "0.7.1")
+    h, w, ids, _, _ = make((5,), 100, 16, torch.bfloat16, seed=2)
+    fverl.patch()
+    try:
+        logp, ent = verl_fused(h, w, ids, 1.0)
+    finally:
+        fverl.unpatch()
+    assert (logp.dtype, ent.dtype) == (torch.bfloat16, torch.bfloat16)
