@@ -301,3 +301,26 @@ def test_verl_before_0_8_gets_log_probs_in_the_hidden_dtype(monkeypatch):
     finally:
         fverl.unpatch()
     assert (logp.dtype, ent.dtype) == (torch.bfloat16, torch.bfloat16)
+
+
+def test_verl_imports_the_autopatch_module_it_is_told_to():
+    # VERL_USE_EXTERNAL_MODULES is read by `import verl` in every process (Ray workers too).
+    code = (
+        "import verl, flashloss.verl as f\n"
+        "from verl.utils.experimental.torch_functional import FusedLinearForPPO\n"
+        "print(f.is_patched(), FusedLinearForPPO.forward is f.fused_linear_for_ppo_forward)"
+    )
+    env = dict(os.environ, VERL_USE_EXTERNAL_MODULES="flashloss.verl_autopatch")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300, check=True)
+    assert out.stdout.split() == ["True", "True"]
+    # actor_rollout_ref.model.external_lib goes through verl's import_external_libs.
+    from verl.utils.import_utils import import_external_libs
+
+    assert not fverl.is_patched()
+    sys.modules.pop("flashloss.verl_autopatch", None)
+    try:
+        import_external_libs("flashloss.verl_autopatch")
+        assert fverl.is_patched() and verl_lce.linear_cross_entropy is fverl.linear_cross_entropy
+    finally:
+        fverl.unpatch()
+    assert verl_lce.linear_cross_entropy is ORIGINAL_LCE

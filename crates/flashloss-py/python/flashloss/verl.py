@@ -7,6 +7,9 @@ so the ``[tokens, V]`` logits are never formed, not even one chunk of them::
     ...                          # verl as usual, with use_fused_kernels=True
     flashloss.verl.unpatch()     # verl exactly as it was
 
+In verl's worker processes: ``actor_rollout_ref.model.external_lib=flashloss.verl_autopatch``
+or ``VERL_USE_EXTERNAL_MODULES=flashloss.verl_autopatch`` (importing it patches).
+
 What is replaced (and restored by :func:`unpatch`, by identity), in verl >= 0.8:
 
 - ``verl.utils.experimental.torch_functional.FusedLinearForPPO.forward``: the torch backend
