@@ -9,8 +9,10 @@
 //! [`HeadGrad`] chooses whether the head's own gradients (dW, dbias) are formed.
 
 mod ce;
+mod gather;
 mod grpo;
 mod logp;
+mod logp_request;
 mod passes;
 pub mod plan;
 mod sharded;
@@ -19,16 +21,23 @@ mod two_pass;
 
 pub use ce::{CeLinearOutput, ce_linear, ce_linear_lse, ce_row_losses};
 pub use grpo::{GrpoLinearOutput, grpo_linear};
-pub use logp::{LogpRows, LogpUpstream, logp_linear, logp_linear_grads};
+pub use logp::{
+    LogpRows, logp_linear, logp_linear_grads, logp_linear_grads_with, logp_linear_with,
+};
+pub use logp_request::{
+    GatherIds, LogpOutput, LogpRequest, LogpUpstream, SupportFilter, SupportStats,
+};
 pub use passes::{
-    FusedPasses, GradPart, GradsOf, Head, LinearGrads, LinearGradsMut, RowGrad, check_grad_lens,
+    FusedPasses, GradPart, GradsOf, Head, LinearGrads, LinearGradsMut, RowGrad, SparseGrads,
+    TileVisitor, check_grad_lens,
 };
 pub use plan::{
     Bf16Products, Block, FusedOptions, HeadGrad, Mode, Plan, PlanLimits, mib_to_bytes, plan_blocks,
     tile_budget,
 };
 pub use sharded::{
-    ce_linear_sharded, grpo_linear_sharded, logp_linear_grads_sharded, logp_linear_sharded,
+    ce_linear_sharded, grpo_linear_sharded, logp_linear_grads_sharded,
+    logp_linear_grads_sharded_with, logp_linear_sharded, logp_linear_sharded_with,
 };
 pub use split::{
     accumulate_row_grads, ce_accumulate_row_grads, ce_partial_row_states, partial_row_states,
