@@ -324,3 +324,70 @@ def test_verl_imports_the_autopatch_module_it_is_told_to():
     finally:
         fverl.unpatch()
     assert verl_lce.linear_cross_entropy is ORIGINAL_LCE
+
+
+class TopKStandIn(torch.nn.Module):
+    """verl's ``FusedLinearForPPOTopK`` contract (on-policy distillation; not in verl 0.9.1),
+    written on materialized logits: the module attribute the patch looks for."""
+
+    def forward(self, hidden_states, vocab_weights, input_ids, gather_ids, temperature=1.0):
+        logits = (hidden_states @ vocab_weights.t()) / temperature
+        dtype = logits.dtype
+        logp_all = logits.float().log_softmax(-1)
+        logp = logp_all.gather(-1, input_ids.long().unsqueeze(-1)).squeeze(-1)
+        ent = -(logp_all.exp() * logp_all).sum(-1)
+        gathered = logp_all.gather(-1, gather_ids.long())
+        return logp.to(dtype), ent.to(dtype), gathered.to(dtype)
+
+
+@pytest.fixture
+def topk_class(monkeypatch):
+    monkeypatch.setattr(verl_tf, "FusedLinearForPPOTopK", TopKStandIn, raising=False)
+    original = TopKStandIn.forward
+    yield TopKStandIn
+    assert TopKStandIn.forward is original
+
+
+def topk_case(shape, vocab, k, dtype, seed):
+    h, w, ids, g_logp, g_ent = make(shape, vocab, 40, dtype, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    gather = torch.randint(0, vocab, (*shape, k), generator=g)
+    gather[..., 0] = ids  # the target among the candidates
+    gather[..., 1] = gather[..., 2]  # a repeat
+    g_gathered = torch.randn((*shape, k), generator=g)
+    return h, w, ids, gather, (g_logp, g_ent, g_gathered)
+
+
+def topk_run(cls, h, w, ids, gather, upstream, temperature):
+    outs = cls()(h, w, ids, gather, temperature)
+    loss = sum((o.double() * u.double()).sum() for o, u in zip(outs, upstream))
+    return outs, torch.autograd.grad(loss, [h, w])
+
+
+@pytest.mark.parametrize(
+    ("dtype", "shape", "temperature"), [(torch.float32, (2, 9), 0.7), (torch.bfloat16, (13,), 1.0)]
+)
+def test_topk_variant_is_routed_when_verl_has_it(topk_class, dtype, shape, temperature):
+    h, w, ids, gather, upstream = topk_case(shape, 151, 6, dtype, seed=21)
+    hd, wd = (t.detach().double().requires_grad_() for t in (h, w))
+    want, want_grads = topk_run(topk_class, hd, wd, ids, gather, upstream, temperature)  # f64 reference
+    fverl.patch()
+    try:
+        assert topk_class.forward is fverl.fused_linear_for_ppo_topk_forward
+        outs, grads = topk_run(topk_class, h, w, ids, gather, upstream, temperature)
+        plain = verl_fused(h, w, ids, temperature)
+    finally:
+        fverl.unpatch()
+    assert [o.shape for o in outs] == [ids.shape, ids.shape, gather.shape]
+    assert all(o.dtype == dtype for o in outs)
+    out_tol, grad_tol = (1e-5, 1e-5) if dtype == torch.float32 else (2**-8, 1e-2)
+    for got, ref in zip(outs, want):
+        assert max_rel(got, ref) < out_tol
+    for got, ref in zip(grads, want_grads):
+        assert max_rel(got, ref) < grad_tol
+    # The token log-probs and entropy are the plain call's (FusedLinearForPPO, patched), and
+    # the target's candidate is its log-prob (the two paths may round differently).
+    atol = 2e-2 if dtype == torch.bfloat16 else 1e-6
+    torch.testing.assert_close(outs[0].float(), plain[0].float(), rtol=0, atol=atol)
+    torch.testing.assert_close(outs[1].float(), plain[1].float(), rtol=0, atol=atol)
+    torch.testing.assert_close(outs[2][..., 0], outs[0], rtol=0, atol=atol)

@@ -16,6 +16,13 @@ What is replaced (and restored by :func:`unpatch`, by identity), in verl >= 0.8:
   (``fused_kernel_options.impl_backend: torch``, and its ``liger`` variant), which every
   HF forward patch of verl (``verl.models.transformers.dense_common``, ``qwen2_vl``,
   ``qwen3_vl``, ``qwen3_5``, ``glm4v``) instantiates and calls;
+- ``FusedLinearForPPOTopK.forward`` in the same module, where a verl has it (0.9.1 does
+  not; its contract: ``forward(hidden_states, vocab_weights, input_ids, gather_ids,
+  temperature)`` gives the token log-probs, the entropy and the log-probs at ``gather_ids``
+  ``[..., K]``, the teacher's top-k ids of on-policy distillation, all in the hidden
+  states' dtype). Its ``extract_topk`` (the teacher's top-k selection, no gradient) stays
+  verl's: flashloss has no top-k selection. Another class with this ``forward`` contract
+  can take :func:`fused_linear_for_ppo_topk_forward` as its ``forward``;
 - ``verl.utils.kernel.linear_cross_entropy.linear_cross_entropy``: the Triton backend, which
   the HF forward patches import when called, and which Megatron's fused forward
   (``verl.models.mcore.model_forward_fused``, ``model_forward_1f1b_overlap``) imports when
@@ -97,6 +104,32 @@ def fused_linear_for_ppo_forward(
         hidden_states, vocab_weights, input_ids, _temperature(temperature), True, budget_mib=_options["budget_mib"]
     )
     return logp.to(_logp_dtype(hidden_states)), entropy.to(hidden_states.dtype)
+
+
+def fused_linear_for_ppo_topk_forward(
+    self: Any,
+    hidden_states: torch.Tensor,
+    vocab_weights: torch.Tensor,
+    input_ids: torch.Tensor,
+    gather_ids: torch.Tensor,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The replacement of ``FusedLinearForPPOTopK.forward`` (on-policy distillation, the
+    student's pass): ``(token_log_probs, entropy, gathered_log_probs)``, the first two of
+    ``input_ids``' shape and the last of ``gather_ids``' (``[T, K]`` or ``[B, T, K]``: the
+    log-probs ``s_k - lse`` at the teacher's top-k ids), all in the hidden states' dtype,
+    differentiable in ``hidden_states`` and ``vocab_weights`` through the three."""
+    if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() not in (2, 3):
+        shape = list(hidden_states.shape) if isinstance(hidden_states, torch.Tensor) else type(hidden_states).__name__
+        raise ValueError(f"argument `hidden_states`: expected shape [T, H] or [B, T, H], got {shape}")
+    if not isinstance(gather_ids, torch.Tensor):
+        raise TypeError(f"argument `gather_ids`: expected a tensor [..., K], got {type(gather_ids).__name__}")
+    out = linear_logprobs(
+        hidden_states, vocab_weights, input_ids, _temperature(temperature), True,
+        budget_mib=_options["budget_mib"], gather_ids=gather_ids,
+    )  # fmt: skip
+    dtype = hidden_states.dtype
+    return out.logp.to(dtype), out.entropy.to(dtype), out.gathered_logp.to(dtype)
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -195,6 +228,10 @@ def patch(*, budget_mib: float | None = None) -> None:
     _state["legacy_logp_dtype"] = _version() < (0, 8)
     _state["FusedLinearForPPO.forward"] = forward
     fused.forward = fused_linear_for_ppo_forward
+    topk = getattr(torch_backend, "FusedLinearForPPOTopK", None)  # not in verl 0.9.1
+    if topk is not None:
+        _state["FusedLinearForPPOTopK.forward"] = _expect(topk, "forward")
+        topk.forward = fused_linear_for_ppo_topk_forward
     _state[_TRITON_BACKEND] = original_lce
     triton_backend.linear_cross_entropy = linear_cross_entropy
     for name in _TRITON_IMPORTERS:
@@ -209,9 +246,17 @@ def unpatch() -> None:
     replaced since is left as it is)."""
     if not _state:
         return
-    fused = _import(_TORCH_BACKEND).FusedLinearForPPO
+    torch_backend = _import(_TORCH_BACKEND)
+    fused = torch_backend.FusedLinearForPPO
     if fused.forward is fused_linear_for_ppo_forward:
         fused.forward = _state["FusedLinearForPPO.forward"]
+    topk = getattr(torch_backend, "FusedLinearForPPOTopK", None)
+    if (
+        "FusedLinearForPPOTopK.forward" in _state
+        and topk is not None
+        and topk.forward is fused_linear_for_ppo_topk_forward
+    ):
+        topk.forward = _state["FusedLinearForPPOTopK.forward"]
     for name in (_TRITON_BACKEND, *_TRITON_IMPORTERS):
         module = sys.modules.get(name)
         if name in _state and module is not None and module.linear_cross_entropy is linear_cross_entropy:
