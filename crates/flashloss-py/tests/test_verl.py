@@ -391,3 +391,17 @@ def test_topk_variant_is_routed_when_verl_has_it(topk_class, dtype, shape, tempe
     torch.testing.assert_close(outs[0].float(), plain[0].float(), rtol=0, atol=atol)
     torch.testing.assert_close(outs[1].float(), plain[1].float(), rtol=0, atol=atol)
     torch.testing.assert_close(outs[2][..., 0], outs[0], rtol=0, atol=atol)
+
+
+def test_topk_variant_errors_name_the_argument(topk_class):
+    h, w, ids, gather, _ = topk_case((7,), 60, 3, torch.float32, seed=8)
+    fverl.patch()
+    try:
+        with pytest.raises(TypeError, match="gather_ids"):
+            topk_class()(h, w, ids, gather.tolist(), 1.0)
+        with pytest.raises(ValueError, match="gather_ids"):
+            topk_class()(h, w, ids, gather[:5], 1.0)
+        with pytest.raises(ValueError, match="gather_ids"):
+            topk_class()(h, w, ids, gather.float(), 1.0)
+    finally:
+        fverl.unpatch()

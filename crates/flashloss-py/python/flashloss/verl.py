@@ -87,6 +87,13 @@ def _logp_dtype(hidden: torch.Tensor) -> torch.dtype:
     return hidden.dtype if _state.get("legacy_logp_dtype") else torch.float32
 
 
+def _check_hidden_states(hidden_states: Any) -> None:
+    """verl's fused forwards take ``[T, H]`` or ``[B, T, H]``."""
+    if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() not in (2, 3):
+        shape = list(hidden_states.shape) if isinstance(hidden_states, torch.Tensor) else type(hidden_states).__name__
+        raise ValueError(f"argument `hidden_states`: expected shape [T, H] or [B, T, H], got {shape}")
+
+
 def fused_linear_for_ppo_forward(
     self: Any,
     hidden_states: torch.Tensor,
@@ -97,9 +104,7 @@ def fused_linear_for_ppo_forward(
     """The replacement of ``FusedLinearForPPO.forward``: ``(log_probs, entropy)`` of
     ``input_ids``' shape (``hidden_states`` ``[T, H]`` or ``[B, T, H]``, ``vocab_weights``
     ``[V, H]``), differentiable in ``hidden_states`` and ``vocab_weights`` through both."""
-    if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() not in (2, 3):
-        shape = list(hidden_states.shape) if isinstance(hidden_states, torch.Tensor) else type(hidden_states).__name__
-        raise ValueError(f"argument `hidden_states`: expected shape [T, H] or [B, T, H], got {shape}")
+    _check_hidden_states(hidden_states)
     logp, entropy = linear_logprobs(
         hidden_states, vocab_weights, input_ids, _temperature(temperature), True, budget_mib=_options["budget_mib"]
     )
@@ -119,9 +124,7 @@ def fused_linear_for_ppo_topk_forward(
     ``input_ids``' shape and the last of ``gather_ids``' (``[T, K]`` or ``[B, T, K]``: the
     log-probs ``s_k - lse`` at the teacher's top-k ids), all in the hidden states' dtype,
     differentiable in ``hidden_states`` and ``vocab_weights`` through the three."""
-    if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() not in (2, 3):
-        shape = list(hidden_states.shape) if isinstance(hidden_states, torch.Tensor) else type(hidden_states).__name__
-        raise ValueError(f"argument `hidden_states`: expected shape [T, H] or [B, T, H], got {shape}")
+    _check_hidden_states(hidden_states)
     if not isinstance(gather_ids, torch.Tensor):
         raise TypeError(f"argument `gather_ids`: expected a tensor [..., K], got {type(gather_ids).__name__}")
     out = linear_logprobs(
