@@ -15,6 +15,7 @@ mod passes;
 pub mod plan;
 mod sharded;
 mod split;
+mod support_search;
 mod two_pass;
 
 pub use ce::{CeLinearOutput, ce_linear, ce_linear_lse, ce_row_losses};
