@@ -118,6 +118,14 @@ pub enum Error {
         /// What happened, naming the ranks.
         reason: String,
     },
+    /// A feature that this backend or build does not implement (yet).
+    #[error("`{feature}` is not supported: {reason}")]
+    Unsupported {
+        /// The feature or argument, e.g. `gather_ids`.
+        feature: &'static str,
+        /// Which backend or build lacks it, and what to use instead.
+        reason: String,
+    },
     /// Some rank of a sharded run failed; every rank returns this same error.
     #[error("rank {rank}: {reason}")]
     OnRank {

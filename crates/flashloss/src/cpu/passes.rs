@@ -8,8 +8,8 @@
 use super::products::{DzPacks, Engine, Hidden, Weight};
 use super::single_pass::{DZ_T_PACK_ENTRIES, LANES, single_pass};
 use super::tiles::{
-    Problem, RowBlock, Workspace, accumulate_tile, grad_tile, live_row_blocks, logits_tile,
-    merge_tile_stats,
+    Problem, RowBlock, Workspace, accumulate_tile, grad_tile, grad_tile_sparse, live_row_blocks,
+    logits_tile, merge_tile_stats,
 };
 use crate::batch::{HeadShape, LinearInputs};
 use crate::collective::Collective;
@@ -17,7 +17,7 @@ use crate::element::{DType, Element};
 use crate::error::Result;
 use crate::fused::{
     Bf16Products, Block, FusedOptions, FusedPasses, GradPart, GradsOf, Head, HeadGrad,
-    LinearGradsMut, Plan, PlanLimits, RowGrad, plan_blocks, tile_budget,
+    LinearGradsMut, Plan, PlanLimits, RowGrad, SparseGrads, TileVisitor, plan_blocks, tile_budget,
 };
 use crate::range::check_linear_grads;
 use crate::rows::{PartialStats, RowInputs, RowStats};
@@ -215,41 +215,53 @@ fn for_each_tile<E: Element>(
 }
 
 /// Pass A over the vocabulary the problem holds: every live row's partial state (the
-/// tiles hold live rows only).
-fn row_states<E: Element>(p: &Problem<E>, plan: &Plan, ws: &mut Workspace) -> PartialStats {
+/// tiles hold live rows only), each tile shown to `visitor` after its statistics.
+fn row_states<E: Element>(
+    p: &Problem<E>,
+    plan: &Plan,
+    ws: &mut Workspace,
+    mut visitor: Option<&mut dyn TileVisitor>,
+) -> PartialStats {
     let mut out = PartialStats::empty(p.inputs.tokens, p.rows.transform.inv_temp);
     let blocks = p.live_row_blocks(plan.block_rows);
     for_each_tile(p, plan, ws, (&blocks, false), |t| {
-        merge_tile_stats(&p.rows, t.z, t.vocab.len(), t.block, &t.vocab, &mut out);
+        let ld = t.vocab.len();
+        merge_tile_stats(&p.rows, t.z, ld, t.block, &t.vocab, &mut out);
+        if let Some(v) = visitor.as_mut() {
+            v.visit(&t.block.ids, t.vocab.clone(), t.z, ld);
+        }
     });
     out
 }
 
 /// Pass B: recomputes the tiles of the rows with a gradient, turns them into `dZ` with
-/// `grads` (one per row) and adds the LM head's gradients into `out`.
+/// `grads` (one per row) and the `sparse` terms, and adds the LM head's gradients into
+/// `out`.
 fn accumulate_grads<E: Element>(
     p: &Problem<E>,
     plan: &Plan,
-    grads: &[RowGrad],
+    (grads, sparse): (&[RowGrad], Option<&SparseGrads>),
     ws: &mut Workspace,
     out: &mut LinearGradsMut,
 ) {
     let t = &p.rows.transform;
-    let with_gradient: Vec<bool> = grads.iter().map(|g| !g.is_zero()).collect();
+    let with_gradient: Vec<bool> = (grads.iter().enumerate())
+        .map(|(i, g)| !g.is_zero() || sparse.is_some_and(|s| !s.row_is_zero(i)))
+        .collect();
     let blocks = live_row_blocks(&with_gradient, plan.block_rows);
     let mut block_grads = Vec::with_capacity(plan.block_rows);
     for_each_tile(p, plan, ws, (&blocks, true), |tile| {
         let ld = tile.vocab.len();
         block_grads.clear();
         block_grads.extend(tile.block.ids.iter().map(|&i| grads[i]));
-        grad_tile(
-            tile.z,
-            ld,
-            &tile.vocab,
-            &block_grads,
-            t.inv_temp,
-            t.inv_cap(),
-        );
+        let (inv_temp, inv_cap) = (t.inv_temp, t.inv_cap());
+        match sparse {
+            None => grad_tile(tile.z, ld, &tile.vocab, &block_grads, inv_temp, inv_cap),
+            Some(s) => {
+                let rows = (&block_grads[..], &tile.block.ids[..], s);
+                grad_tile_sparse(tile.z, ld, &tile.vocab, rows, inv_temp, inv_cap);
+            }
+        }
         accumulate_tile(
             out,
             (tile.z, ld, plan.head_grad),
@@ -276,11 +288,37 @@ impl<E: Element> FusedPasses for CpuPasses<'_, '_, E> {
     }
 
     fn row_states(&mut self) -> Result<PartialStats> {
-        Ok(row_states(&self.problem, &self.plan, self.ws))
+        Ok(row_states(&self.problem, &self.plan, self.ws, None))
     }
 
     fn accumulate_grads(&mut self, grads: &[RowGrad]) -> Result<()> {
-        accumulate_grads(&self.problem, &self.plan, grads, self.ws, self.out);
+        let (p, plan) = (&self.problem, &self.plan);
+        accumulate_grads(p, plan, (grads, None), self.ws, self.out);
+        Ok(())
+    }
+
+    fn row_states_visiting(&mut self, visitor: &mut dyn TileVisitor) -> Result<PartialStats> {
+        Ok(row_states(
+            &self.problem,
+            &self.plan,
+            self.ws,
+            Some(visitor),
+        ))
+    }
+
+    fn visit_tiles(&mut self, visitor: &mut dyn TileVisitor) -> Result<()> {
+        let (p, plan) = (&self.problem, &self.plan);
+        let blocks = p.live_row_blocks(plan.block_rows);
+        for_each_tile(p, plan, self.ws, (&blocks, false), |t| {
+            visitor.visit(&t.block.ids, t.vocab.clone(), t.z, t.vocab.len());
+        });
+        Ok(())
+    }
+
+    fn accumulate_grads_sparse(&mut self, grads: &[RowGrad], sparse: &SparseGrads) -> Result<()> {
+        let (p, plan) = (&self.problem, &self.plan);
+        sparse.check(p.inputs.tokens, p.inputs.vocab)?;
+        accumulate_grads(p, plan, (grads, Some(sparse)), self.ws, self.out);
         Ok(())
     }
 

@@ -13,7 +13,7 @@ use super::products::{
 use super::simd;
 use crate::batch::LinearInputs;
 use crate::element::Element;
-use crate::fused::{HeadGrad, LinearGradsMut, RowGrad};
+use crate::fused::{HeadGrad, LinearGradsMut, RowGrad, SparseGrads};
 use crate::rows::{PartialStats, RowInputs};
 use crate::weight_layout::WeightLayout;
 use rayon::prelude::*;
@@ -287,6 +287,42 @@ pub(crate) fn grad_tile(
     z.par_chunks_mut(ld)
         .zip(grads.par_iter())
         .for_each(|(row, g)| grad_row(&mut row[..cols], vocab, g, inv_temp, inv_cap));
+}
+
+/// [`grad_tile`] with sparse terms: `rows` are the tile rows' [`RowGrad`]s, their global
+/// ids and the [`SparseGrads`] of every row; each id in `vocab` adds
+/// `coef·slope(z_j)` at its entry (the slope read before the tile becomes `dZ`).
+pub(crate) fn grad_tile_sparse(
+    z: &mut [f32],
+    ld: usize,
+    vocab: &Range<usize>,
+    (grads, ids, sparse): (&[RowGrad], &[usize], &SparseGrads),
+    inv_temp: f32,
+    inv_cap: f32,
+) {
+    let cols = vocab.len();
+    let (lo, hi) = (vocab.start as i64, vocab.end as i64);
+    (z.par_chunks_mut(ld)
+        .zip(grads.par_iter())
+        .zip(ids.par_iter()))
+    .for_each_init(Vec::new, |adds: &mut Vec<(usize, f32)>, ((row, g), &i)| {
+        let row = &mut row[..cols];
+        let (row_ids, coefs) = sparse.row(i);
+        adds.clear();
+        for (&id, &c) in row_ids.iter().zip(coefs) {
+            if (lo..hi).contains(&id) && c != 0.0 {
+                let j = (id - lo) as usize;
+                let slope = if inv_cap == 0.0 {
+                    1.0
+                } else {
+                    simd::softcap_slope(row[j], inv_cap)
+                };
+                adds.push((j, c * slope));
+            }
+        }
+        grad_row(row, vocab, g, inv_temp, inv_cap);
+        adds.iter().for_each(|&(j, d)| row[j] += d);
+    });
 }
 
 /// [`grad_tile`] for one row's logits `row` at vocabulary entries `vocab`.

@@ -22,7 +22,8 @@ pub use ce::{CeLinearOutput, ce_linear, ce_linear_lse, ce_row_losses};
 pub use grpo::{GrpoLinearOutput, grpo_linear};
 pub use logp::{LogpRows, LogpUpstream, logp_linear, logp_linear_grads};
 pub use passes::{
-    FusedPasses, GradPart, GradsOf, Head, LinearGrads, LinearGradsMut, RowGrad, check_grad_lens,
+    FusedPasses, GradPart, GradsOf, Head, LinearGrads, LinearGradsMut, RowGrad, SparseGrads,
+    TileVisitor, check_grad_lens,
 };
 pub use plan::{
     Bf16Products, Block, FusedOptions, HeadGrad, Mode, Plan, PlanLimits, mib_to_bytes, plan_blocks,

@@ -59,6 +59,103 @@ impl RowGrad {
     }
 }
 
+/// Sparse terms of pass B beside the rows' [`RowGrad`]s: per row `k` pairs (id local to
+/// the head's vocabulary, coefficient), adding `dz_ij += coef_ik·slope_j·[j = id_ik]`
+/// (`slope_j` the soft-cap's, as for [`RowGrad::coef_target`]; like it, a coefficient
+/// already holds the `g/T` of the scaled logits). Repeats add up; a negative id (another
+/// vocabulary shard holds it) adds nothing. Candidate sets' one-hot terms.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SparseGrads {
+    /// Pairs per row.
+    pub k: usize,
+    /// Local ids `[N, k]` (negative: not on this head).
+    pub ids: Vec<i64>,
+    /// Coefficients `[N, k]`.
+    pub coefs: Vec<f32>,
+}
+
+impl SparseGrads {
+    /// Row `i`'s ids and coefficients.
+    pub fn row(&self, i: usize) -> (&[i64], &[f32]) {
+        let span = i * self.k..(i + 1) * self.k;
+        (&self.ids[span.clone()], &self.coefs[span])
+    }
+
+    /// Whether row `i` adds nothing.
+    pub fn row_is_zero(&self, i: usize) -> bool {
+        let (ids, coefs) = self.row(i);
+        ids.iter().zip(coefs).all(|(&id, &c)| id < 0 || c == 0.0)
+    }
+
+    /// The terms restricted to a vocabulary shard `range` (ids of the whole vocabulary
+    /// become shard-local; the others -1).
+    pub fn on_shard(&self, range: &Range<usize>) -> SparseGrads {
+        let local = |id: i64| match usize::try_from(id) {
+            Ok(j) if range.contains(&j) => (j - range.start) as i64,
+            _ => -1,
+        };
+        SparseGrads {
+            k: self.k,
+            ids: self.ids.iter().map(|&id| local(id)).collect(),
+            coefs: self.coefs.clone(),
+        }
+    }
+
+    /// Checks the terms against a head of `n` rows and `vocab` entries: `[n, k]` ids and
+    /// coefficients, ids below `vocab`.
+    pub fn check(&self, n: usize, vocab: usize) -> Result<()> {
+        for (arg, len) in [
+            ("sparse ids", self.ids.len()),
+            ("sparse coefs", self.coefs.len()),
+        ] {
+            if len != n * self.k {
+                return Err(Error::ShapeMismatch {
+                    arg,
+                    shape: format!("[N={n}, K={}]", self.k),
+                    expected: n * self.k,
+                    actual: len,
+                });
+            }
+        }
+        match self.ids.iter().position(|&id| id >= vocab as i64) {
+            Some(at) => Err(Error::InvalidArgument {
+                arg: "sparse ids",
+                reason: format!(
+                    "id {} at [{}, {}] is outside the head's {vocab} entries",
+                    self.ids[at],
+                    at / self.k,
+                    at % self.k
+                ),
+            }),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Sees the logits tiles of a pass: `z` `[rows.len(), vocab.len()]` with row stride `ld`,
+/// the logits after bias and soft-cap and before 1/T (scaled logits
+/// `s = fl(z·inv_temp)`); `rows` are the tile's global row ids (live rows), `vocab` the
+/// tile's entries in the head's own (shard-local) vocabulary. Called once per tile,
+/// serially; an implementation may parallelize over the rows itself (rayon).
+///
+/// A plan whose passes take a visitor or [`SparseGrads`] must be two-pass (planned with
+/// `single_pass_allowed = false`): a single pass forms each block's gradients before
+/// the whole row's statistics could be visited.
+pub trait TileVisitor: Send {
+    /// One tile.
+    fn visit(&mut self, rows: &[usize], vocab: Range<usize>, z: &[f32], ld: usize);
+}
+
+/// The error of a backend without the pass hooks.
+fn hooks_unsupported(feature: &'static str) -> Error {
+    Error::Unsupported {
+        feature,
+        reason: "this backend does not support the pass hooks yet (gather_ids, \
+                 top_k/top_p/min_p need them); use the CPU backend"
+            .into(),
+    }
+}
+
 /// Given a block's rows and every row's stats so far, the block's [`RowGrad`]s.
 pub type GradsOf<'a> = dyn FnMut(Range<usize>, &[RowStats]) -> Vec<RowGrad> + 'a;
 
@@ -73,6 +170,27 @@ pub trait FusedPasses {
 
     /// Pass B: the head's gradients of every row's [`RowGrad`], added into its buffers.
     fn accumulate_grads(&mut self, grads: &[RowGrad]) -> Result<()>;
+
+    /// Pass A with `visitor` seeing every logits tile (two-pass plans only; see
+    /// [`TileVisitor`]).
+    fn row_states_visiting(&mut self, visitor: &mut dyn TileVisitor) -> Result<PartialStats> {
+        let _ = visitor;
+        Err(hooks_unsupported("row_states_visiting"))
+    }
+
+    /// An extra pass that only forms the logits tiles of the live rows and hands each to
+    /// `visitor` (two-pass plans only).
+    fn visit_tiles(&mut self, visitor: &mut dyn TileVisitor) -> Result<()> {
+        let _ = visitor;
+        Err(hooks_unsupported("visit_tiles"))
+    }
+
+    /// Pass B with the [`SparseGrads`] `sparse` added to the rows' [`RowGrad`]s (two-pass
+    /// plans only; ids local to the head).
+    fn accumulate_grads_sparse(&mut self, grads: &[RowGrad], sparse: &SparseGrads) -> Result<()> {
+        let _ = (grads, sparse);
+        Err(hooks_unsupported("accumulate_grads_sparse"))
+    }
 
     /// Single pass: per row block, its logits over the whole vocabulary, its statistics,
     /// then `grads_of(rows, stats)` gives the block's [`RowGrad`]s and the gradients are
