@@ -15,6 +15,7 @@ mod products;
 mod selective_log_softmax;
 pub mod simd;
 mod single_pass;
+mod support_grad;
 mod tiles;
 mod unfused_logits;
 

@@ -167,6 +167,7 @@ impl<'a> LogpGradRows<'a> {
             coef_uniform: 0.0,
             coef_target: c.target,
             target: self.rows.targets[i] as usize,
+            support: None,
         }
     }
 }

@@ -9,6 +9,7 @@
 //! drivers (GRPO, cross-entropy, log-probs, sharded) are written once over these.
 
 use super::plan::{FusedOptions, HeadGrad, Plan};
+use super::support::SupportTerm;
 use crate::batch::{HeadShape, LinearInputs};
 use crate::collective::Collective;
 use crate::element::Element;
@@ -20,7 +21,8 @@ use std::ops::Range;
 /// What turns a row's logits into its gradient: with
 /// `p_j = exp((z_j - max)·inv_temp - log_sum)`,
 /// `dz_j = (coef_p·p_j + coef_h·p_j·(log p_j + H) + coef_uniform + [j = target]·coef_target)
-/// · slope_j`, where `slope_j` is the soft-cap's `1 - (z_j/cap)²` (1 without one).
+/// · slope_j`, where `slope_j` is the soft-cap's `1 - (z_j/cap)²` (1 without one), plus
+/// a truncated support's `coef·p^K_j·1[j∈K]·slope_j` where the row has a [`SupportTerm`].
 #[derive(Debug, Clone, Copy, Default)]
 pub struct RowGrad {
     /// Softmax statistics of the row.
@@ -35,6 +37,9 @@ pub struct RowGrad {
     pub coef_target: f32,
     /// Target id, local to the head's vocabulary (unused when `coef_target` is 0).
     pub target: usize,
+    /// The truncated support's term (log-probs with top-k/top-p/min-p; two-pass plans
+    /// only, on the backends with the pass hooks).
+    pub support: Option<SupportTerm>,
 }
 
 impl RowGrad {
@@ -44,6 +49,7 @@ impl RowGrad {
             && self.coef_h == 0.0
             && self.coef_uniform == 0.0
             && self.coef_target == 0.0
+            && self.support.is_none_or(|s| s.coef == 0.0)
     }
 
     /// The gradient restricted to a vocabulary shard `range`: the target term stays

@@ -39,6 +39,13 @@ pub(crate) fn order_key(s: f32, j: usize) -> u64 {
     (u64::from(ord) << 32) | j as u64
 }
 
+/// The key of entry `j` of raw logit `z` (before `1/T`): what a backend compares with a
+/// [`crate::fused::SupportTerm`]'s cut.
+#[inline(always)]
+pub fn support_key(z: f32, inv_temp: f32, j: usize) -> u64 {
+    order_key(scaled(z, inv_temp), j)
+}
+
 /// The scaled logit of `key`.
 pub(crate) fn key_value(key: u64) -> f32 {
     let ord = (key >> 32) as u32;
@@ -321,7 +328,7 @@ impl Search {
 }
 
 /// The searches of one extra pass, one per row that has one (`None`: no search), as
-/// a tile visitor: [`SearchPass::visit`] sees every tile of the pass.
+/// a tile visitor: [`SearchPass::see`] sees every tile of the pass.
 pub(crate) struct SearchPass {
     pub(crate) inv_temp: f32,
     pub(crate) rows: Vec<Option<Search>>,
@@ -335,7 +342,7 @@ impl SearchPass {
     }
 
     /// Sees the tile `z` (`[rows.len(), vocab.len()]`, row stride `ld`) of rows `rows`.
-    pub(crate) fn visit(
+    pub(crate) fn see(
         &mut self,
         rows: &[usize],
         vocab: std::ops::Range<usize>,
@@ -388,7 +395,7 @@ impl BufferPass {
     }
 
     /// Sees the tile `z` (`[rows.len(), vocab.len()]`, row stride `ld`) of rows `rows`.
-    pub(crate) fn visit(
+    pub(crate) fn see(
         &mut self,
         rows: &[usize],
         vocab: std::ops::Range<usize>,
@@ -433,7 +440,7 @@ mod tests {
             let mut p = SearchPass::new(1.0, rows);
             for start in (0..z.len()).step_by(7) {
                 let end = (start + 7).min(z.len());
-                p.visit(&[0], start..end, &z[start..end], end - start);
+                p.see(&[0], start..end, &z[start..end], end - start);
             }
             let (found, next) = p.finish();
             if let Some(f) = found[0] {
