@@ -457,10 +457,10 @@ pub fn logp_linear_grads<'py>(
         mask: mask.as_deref(),
         temperature,
     };
-    let upstream = fused::LogpUpstream {
-        logp: g_logp.f32s()?,
-        entropy: g_entropy.as_ref().map(|t| t.f32s()).transpose()?,
-    };
+    let upstream = fused::LogpUpstream::new(
+        g_logp.f32s()?,
+        g_entropy.as_ref().map(|t| t.f32s()).transpose()?,
+    );
     match &group {
         None => with_element!(head.hidden.dtype, E => call_head::<E, _>(
             py, &head, Some(&mut grads), 0,

@@ -317,10 +317,7 @@ fn check_logp_grads<E: Element>(bias: bool, layout: WeightLayout) {
         mask: Some(&mask),
         temperature: Temperature::new(temp).unwrap(),
     };
-    let up = LogpUpstream {
-        logp: &g_logp,
-        entropy: Some(&g_entropy),
-    };
+    let up = LogpUpstream::new(&g_logp, Some(&g_entropy));
     let z = linear_logits(&inputs);
     let mut dz = logp_dlogits_fd(&z, v, (&targets, &mask, temp), (&g_logp, &g_entropy));
     dz.iter_mut().for_each(|x| *x *= 0.75); // grad_output
@@ -402,10 +399,7 @@ fn logp_grads_vocab_parallel_match_one_rank() {
         mask: None,
         temperature: Temperature::new(1.3).unwrap(),
     };
-    let up = LogpUpstream {
-        logp: &g_logp,
-        entropy: None,
-    };
+    let up = LogpUpstream::new(&g_logp, None);
     for head_grad in [HeadGrad::Full, HeadGrad::Frozen] {
         let o = opts(Mode::Auto, Bf16Products::Auto, head_grad, 64.0);
         let mut one = LinearGrads::zeros_for(&head.inputs(), head_grad);

@@ -18,7 +18,7 @@ use crate::element::Element;
 use crate::error::{Error, Result};
 use crate::fused::{
     self, CeLinearOutput, FusedOptions, GrpoLinearOutput, Head, LinearGrads, LinearGradsMut,
-    LogpRows, LogpUpstream, RowGrad,
+    RowGrad,
 };
 use crate::grpo_config::GrpoLoss;
 use crate::grpo_logits::GrpoLogitsForward;
@@ -26,8 +26,9 @@ use crate::policy::Normalizers;
 use crate::rows::RowStats;
 use crate::rows::{PartialStats, RowInputs};
 use crate::sharding::{Grid, Shard};
-use crate::temperature::Temperature;
 use std::sync::{Mutex, MutexGuard};
+
+mod logp;
 
 /// A backend and the state it keeps between calls.
 pub struct Device {
@@ -270,56 +271,6 @@ impl Device {
         self.run(head, |h| fused::ce_row_losses(h, ce, targets, opts))
     }
 
-    /// Per-row `logp`, `lse` and entropy of `(hidden · weightᵀ + bias) / temperature`
-    /// at `targets` (see [`fused::logp_linear`]); no gradient buffer is made.
-    pub fn logp_linear<E: Element>(
-        &self,
-        head: HeadArgs<E>,
-        targets: &[i64],
-        mask: Option<&[bool]>,
-        temperature: Temperature,
-        budget_bytes: usize,
-        seq_len: usize,
-    ) -> Result<Vec<RowStats>> {
-        self.run(head, |h| {
-            fused::logp_linear(h, targets, mask, temperature, budget_bytes, seq_len)
-        })
-    }
-
-    /// The gradient of [`Device::logp_linear`]'s `logp` and entropy for `upstream`
-    /// (see [`fused::logp_linear_grads`]), added into the caller's buffers; returns the
-    /// rows' statistics.
-    pub fn logp_linear_grads_into<E: Element>(
-        &self,
-        head: HeadArgs<E>,
-        rows: LogpRows,
-        upstream: LogpUpstream,
-        opts: &FusedOptions,
-        seq_len: usize,
-    ) -> Result<Vec<RowStats>> {
-        self.run(head, |h| {
-            fused::logp_linear_grads(h, rows, upstream, opts, seq_len)
-        })
-    }
-
-    /// [`Device::logp_linear_grads_into`] of a head split over `grid` (see
-    /// [`fused::logp_linear_grads_sharded`]).
-    #[allow(clippy::too_many_arguments)]
-    pub fn logp_linear_grads_sharded_into<E: Element>(
-        &self,
-        grid: &Grid,
-        shard: Shard,
-        head: HeadArgs<E>,
-        rows: LogpRows,
-        upstream: LogpUpstream,
-        opts: &FusedOptions,
-        seq_len: usize,
-    ) -> Result<Vec<RowStats>> {
-        self.run(head, |h| {
-            fused::logp_linear_grads_sharded(grid, h, shard, rows, upstream, opts, seq_len)
-        })
-    }
-
     /// GRPO on a [`Grid`] of ranks: this rank's token group's `batch` and its head,
     /// the [`Shard`] of the vocabulary its weight rows hold (see
     /// [`fused::grpo_linear_sharded`]), with its gradients returned.
@@ -385,34 +336,6 @@ impl Device {
     ) -> Result<CeLinearOutput> {
         self.run(head, |h| {
             fused::ce_linear_sharded(grid, h, shard, ce, targets, grad_rows, opts)
-        })
-    }
-
-    /// [`Device::logp_linear`] of a head split over `grid`'s vocab groups (see
-    /// [`fused::logp_linear_sharded`]).
-    #[allow(clippy::too_many_arguments)]
-    pub fn logp_linear_sharded<E: Element>(
-        &self,
-        grid: &Grid,
-        shard: Shard,
-        head: HeadArgs<E>,
-        targets: &[i64],
-        mask: Option<&[bool]>,
-        temperature: Temperature,
-        budget_bytes: usize,
-        seq_len: usize,
-    ) -> Result<Vec<RowStats>> {
-        self.run(head, |h| {
-            fused::logp_linear_sharded(
-                grid,
-                h,
-                shard,
-                targets,
-                mask,
-                temperature,
-                budget_bytes,
-                seq_len,
-            )
         })
     }
 

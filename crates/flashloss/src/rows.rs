@@ -1,9 +1,10 @@
 //! Per-row softmax statistics, shared by every kernel and backend. For raw logits `z`
 //! of a row and scaled logits `s = z·inv_temp`, a kernel keeps an online state of the
 //! row (running max `μ` of `z`, `S = Σ exp((z-μ)·inv_temp)`,
-//! `U = Σ exp((z-μ)·inv_temp)·(z-μ)·inv_temp`), merges the states of disjoint parts of
-//! the row (tiles, vocabulary shards on other ranks) and finishes them into
-//! `lse = μ·inv_temp + log S`, `H = log S - U/S` and `logp = (z_y - μ)·inv_temp - log S`.
+//! `U = Σ exp((z-μ)·inv_temp)·(z-μ)·inv_temp`, `S₂ = Σ exp(2(z-μ)·inv_temp)`), merges the
+//! states of disjoint parts of the row (tiles, vocabulary shards on other ranks) and
+//! finishes them into `lse = μ·inv_temp + log S`, `H = log S - U/S`,
+//! `logp = (z_y - μ)·inv_temp - log S` and `Σp² = S₂/S²`.
 //! Keeping `μ` in raw units makes `z - μ` exact before scaling (small temperatures,
 //! large logits), and shifting `U` by `μ` keeps the entropy free of cancellation.
 //!
@@ -27,6 +28,8 @@ pub struct OnlineSoftmax {
     pub sum: f64,
     /// `U = Σ exp((z - μ)·inv_temp)·(z - μ)·inv_temp`.
     pub weighted: f64,
+    /// `S₂ = Σ exp(2(z - μ)·inv_temp)` (NaN where a backend does not form it).
+    pub sum2: f64,
 }
 
 impl OnlineSoftmax {
@@ -37,11 +40,13 @@ impl OnlineSoftmax {
             max: f32::NEG_INFINITY,
             sum: 0.0,
             weighted: 0.0,
+            sum2: 0.0,
         }
     }
 
     /// Combines with the state of another, disjoint part of the row (same `inv_temp`):
-    /// rescales both to the larger max, `U' = e^d·(U + d·S)` with `d = (μ - μ_new)·inv_temp`.
+    /// rescales both to the larger max, `U' = e^d·(U + d·S)`, `S₂' = e^{2d}·S₂` with
+    /// `d = (μ - μ_new)·inv_temp`.
     pub fn merge(&mut self, other: OnlineSoftmax) {
         if other.max == f32::NEG_INFINITY {
             return;
@@ -54,15 +59,16 @@ impl OnlineSoftmax {
         let rescale = |st: &OnlineSoftmax| {
             let d = (st.max as f64 - max as f64) * self.inv_temp as f64;
             let f = d.exp();
-            (f * st.sum, f * (st.weighted + d * st.sum))
+            (f * st.sum, f * (st.weighted + d * st.sum), f * f * st.sum2)
         };
-        let (s1, u1) = rescale(self);
-        let (s2, u2) = rescale(&other);
+        let (s1, u1, q1) = rescale(self);
+        let (s2, u2, q2) = rescale(&other);
         *self = OnlineSoftmax {
             inv_temp: self.inv_temp,
             max,
             sum: s1 + s2,
             weighted: u1 + u2,
+            sum2: q1 + q2,
         };
     }
 
@@ -79,6 +85,11 @@ impl OnlineSoftmax {
     /// `H = log S - U / S`.
     pub fn entropy(&self) -> f64 {
         self.log_sum() - self.weighted / self.sum
+    }
+
+    /// `Σ p² = S₂ / S²`.
+    pub fn sum_p2(&self) -> f64 {
+        self.sum2 / (self.sum * self.sum)
     }
 }
 
@@ -99,6 +110,8 @@ pub struct RowStats {
     /// `Σ_j s_j / V`, the mean scaled logit, where a kernel needs it (label
     /// smoothing); 0 otherwise.
     pub mean_logit: f32,
+    /// `Σ_j p_j² = S₂/S²` (NaN where the backend does not form `S₂`).
+    pub sum_p2: f32,
 }
 
 impl RowStats {
@@ -113,6 +126,7 @@ impl RowStats {
             entropy: state.entropy() as f32,
             logp: (shifted - log_sum) as f32,
             mean_logit: 0.0,
+            sum_p2: state.sum_p2() as f32,
         }
     }
 }

@@ -3,7 +3,7 @@
 //! [`Collective`], the [`Shard`] of the vocabulary a rank holds ([`shard_range`] for an
 //! even split), the vocabulary split of a rank's head ([`VocabSplit`]), the merge of
 //! partial row states in rank order ([`merge_partial`]: `lse`, entropy, the target logit
-//! from the shard that holds it, the logit sum; `40·N` bytes gathered from each rank),
+//! from the shard that holds it, the logit sum; `48·N` bytes gathered from each rank),
 //! and the reductions of normalizers, loss and metrics over token groups.
 
 use crate::collective::{Collective, Solo};
@@ -285,13 +285,14 @@ pub(crate) fn merge_partial(
     inv_temp: f32,
 ) -> Result<PartialStats> {
     let n = local.states.len();
-    let mut packed = Vec::with_capacity(5 * n);
+    let mut packed = Vec::with_capacity(6 * n);
     for i in 0..n {
         let st = &local.states[i];
         packed.extend([
             st.max as f64,
             st.sum,
             st.weighted,
+            st.sum2,
             local.target_logits[i] as f64,
             local.sums[i],
         ]);
@@ -299,15 +300,16 @@ pub(crate) fn merge_partial(
     let gathered = comm.all_gather_f64(&packed)?;
     let mut out = PartialStats::empty(n, inv_temp);
     for part in &gathered {
-        for (i, row) in part.chunks_exact(5).enumerate().take(n) {
+        for (i, row) in part.chunks_exact(6).enumerate().take(n) {
             out.states[i].merge(OnlineSoftmax {
                 inv_temp,
                 max: row[0] as f32,
                 sum: row[1],
                 weighted: row[2],
+                sum2: row[3],
             });
-            out.target_logits[i] += row[3] as f32;
-            out.sums[i] += row[4];
+            out.target_logits[i] += row[4] as f32;
+            out.sums[i] += row[5];
         }
     }
     Ok(out)

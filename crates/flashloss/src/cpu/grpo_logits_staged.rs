@@ -73,12 +73,14 @@ pub fn grpo_logits_forward_staged<E: Element>(
                         dst[j0..j1].fill(0.0);
                         continue;
                     }
-                    let (sum, weighted) = simd::exp_sums_store(z, &mut dst[j0..j1], max, inv_temp);
+                    let (sum, weighted, sum2) =
+                        simd::exp_sums_store(z, &mut dst[j0..j1], max, inv_temp);
                     state.merge(OnlineSoftmax {
                         inv_temp,
                         max,
                         sum,
                         weighted,
+                        sum2,
                     });
                 }
                 RowStats::finish(&state, row[batch.target_ids[i] as usize].to_f32())

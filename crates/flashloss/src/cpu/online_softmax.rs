@@ -16,12 +16,13 @@ pub fn tile_state(z: &[f32], inv_temp: f32) -> OnlineSoftmax {
     if max == f32::NEG_INFINITY {
         return OnlineSoftmax::empty(inv_temp);
     }
-    let (sum, weighted) = simd::exp_sums(z, max, inv_temp);
+    let (sum, weighted, sum2) = simd::exp_sums(z, max, inv_temp);
     OnlineSoftmax {
         inv_temp,
         max,
         sum,
         weighted,
+        sum2,
     }
 }
 

@@ -170,30 +170,34 @@ pub fn sum(x: &[f32]) -> f64 {
 /// f64 work is negligible.
 const F32_BLOCK: usize = 8;
 
-/// `(Σ_j e_j, Σ_j e_j·d_j)` with `d_j = (x_j - shift)·scale ≤ 0`, `e_j = exp(d_j)`,
-/// for `shift ≥ max_j x_j`; `-inf` entries contribute 0 to both. Subtracting before
+/// `(Σ_j e_j, Σ_j e_j·d_j, Σ_j e_j²)` with `d_j = (x_j - shift)·scale ≤ 0`,
+/// `e_j = exp(d_j)`, for `shift ≥ max_j x_j`; `-inf` entries contribute 0 to all. Subtracting before
 /// scaling keeps `d_j` exact when `x` and `scale = 1/T_temp` are large; the sums run in
 /// f32 lanes over blocks of `F32_BLOCK` vectors, then in f64 lanes.
 #[multiversion(targets("x86_64+avx512f+avx512vl+avx2+fma", "x86_64+avx2+fma"))]
-pub fn exp_sums(x: &[f32], shift: f32, scale: f32) -> (f64, f64) {
+pub fn exp_sums(x: &[f32], shift: f32, scale: f32) -> (f64, f64, f64) {
     let mut sum = [0.0f64; LANES];
     let mut weighted = [0.0f64; LANES];
+    let mut sum2 = [0.0f64; LANES];
     let blocks = x.chunks_exact(LANES * F32_BLOCK);
     let tail = blocks.remainder();
     for block in blocks {
         let mut s32 = [0.0f32; LANES];
         let mut w32 = [0.0f32; LANES];
+        let mut q32 = [0.0f32; LANES];
         for c in block.chunks_exact(LANES) {
             for k in 0..LANES {
                 let d = (c[k] - shift) * scale;
                 let e = exp_nonpositive(d);
                 s32[k] += e;
                 w32[k] += if e > 0.0 { e * d } else { 0.0 };
+                q32[k] += e * e;
             }
         }
         for k in 0..LANES {
             sum[k] += s32[k] as f64;
             weighted[k] += w32[k] as f64;
+            sum2[k] += q32[k] as f64;
         }
     }
     for (k, &v) in tail.iter().enumerate() {
@@ -201,8 +205,10 @@ pub fn exp_sums(x: &[f32], shift: f32, scale: f32) -> (f64, f64) {
         let e = exp_nonpositive(d);
         sum[k % LANES] += e as f64;
         weighted[k % LANES] += if e > 0.0 { (e * d) as f64 } else { 0.0 };
+        sum2[k % LANES] += (e * e) as f64;
     }
-    (sum.iter().sum(), weighted.iter().sum())
+    let total = |x: [f64; LANES]| x.iter().sum();
+    (total(sum), total(weighted), total(sum2))
 }
 
 /// `x_j ← a·x_j + b`.
@@ -213,11 +219,13 @@ pub fn scale_add(x: &mut [f32], a: f32, b: f32) {
     }
 }
 
-/// [`exp_sums`] that also writes `e_j` into `dst` (the one-`exp` logits kernel).
+/// [`exp_sums`] that also writes `e_j` into `dst` (the one-`exp` logits kernel, the
+/// single pass).
 #[multiversion(targets("x86_64+avx512f+avx512vl+avx2+fma", "x86_64+avx2+fma"))]
-pub fn exp_sums_store(x: &[f32], dst: &mut [f32], shift: f32, scale: f32) -> (f64, f64) {
+pub fn exp_sums_store(x: &[f32], dst: &mut [f32], shift: f32, scale: f32) -> (f64, f64, f64) {
     let mut sum = [0.0f64; LANES];
     let mut weighted = [0.0f64; LANES];
+    let mut sum2 = [0.0f64; LANES];
     let n = x.len().min(dst.len());
     let (x, dst) = (&x[..n], &mut dst[..n]);
     let full = n - n % (LANES * F32_BLOCK);
@@ -227,6 +235,7 @@ pub fn exp_sums_store(x: &[f32], dst: &mut [f32], shift: f32, scale: f32) -> (f6
     {
         let mut s32 = [0.0f32; LANES];
         let mut w32 = [0.0f32; LANES];
+        let mut q32 = [0.0f32; LANES];
         for (c, o) in block.chunks_exact(LANES).zip(out.chunks_exact_mut(LANES)) {
             for k in 0..LANES {
                 let d = (c[k] - shift) * scale;
@@ -234,11 +243,13 @@ pub fn exp_sums_store(x: &[f32], dst: &mut [f32], shift: f32, scale: f32) -> (f6
                 o[k] = e;
                 s32[k] += e;
                 w32[k] += if e > 0.0 { e * d } else { 0.0 };
+                q32[k] += e * e;
             }
         }
         for k in 0..LANES {
             sum[k] += s32[k] as f64;
             weighted[k] += w32[k] as f64;
+            sum2[k] += q32[k] as f64;
         }
     }
     for (k, (&v, o)) in x[full..].iter().zip(&mut dst[full..]).enumerate() {
@@ -247,8 +258,10 @@ pub fn exp_sums_store(x: &[f32], dst: &mut [f32], shift: f32, scale: f32) -> (f6
         *o = e;
         sum[k % LANES] += e as f64;
         weighted[k % LANES] += if e > 0.0 { (e * d) as f64 } else { 0.0 };
+        sum2[k % LANES] += (e * e) as f64;
     }
-    (sum.iter().sum(), weighted.iter().sum())
+    let total = |x: [f64; LANES]| x.iter().sum();
+    (total(sum), total(weighted), total(sum2))
 }
 
 /// [`softmax_grad`]'s general formula (no soft-cap, no uniform term) from stored
@@ -418,8 +431,10 @@ mod tests {
         let x: Vec<f32> = (0..37).map(|i| (i as f32 * 0.37).sin() * 5.0).collect();
         let want_max = x.iter().cloned().fold(f32::MIN, f32::max);
         assert_eq!(max(&x), want_max);
-        let (s, w) = exp_sums(&x, want_max, 1.0);
+        let (s, w, q) = exp_sums(&x, want_max, 1.0);
         let s_ref: f64 = x.iter().map(|&v| ((v - want_max) as f64).exp()).sum();
+        let q_ref: f64 = x.iter().map(|&v| (2.0 * (v - want_max) as f64).exp()).sum();
+        assert!(((q - q_ref) / q_ref).abs() < 1e-6);
         let w_ref: f64 = x
             .iter()
             .map(|&v| ((v - want_max) as f64).exp() * (v - want_max) as f64)
@@ -430,7 +445,7 @@ mod tests {
         assert_eq!(max(&neg), f32::NEG_INFINITY);
         let mut with_inf = x.clone();
         with_inf[3] = f32::NEG_INFINITY;
-        let (s2, w2) = exp_sums(&with_inf, want_max, 1.0);
-        assert!(s2.is_finite() && w2.is_finite());
+        let (s2, w2, q2) = exp_sums(&with_inf, want_max, 1.0);
+        assert!(s2.is_finite() && w2.is_finite() && q2.is_finite());
     }
 }

@@ -339,13 +339,14 @@ fn store_tile<S: Stored>(
                     e.fill(S::default());
                     return;
                 }
-                let (s, u) = simd::exp_sums_store(row, buf, *mu, inv_temp);
+                let (s, u, q) = simd::exp_sums_store(row, buf, *mu, inv_temp);
                 S::store(buf, e);
                 state.merge(OnlineSoftmax {
                     inv_temp,
                     max: *mu,
                     sum: s,
                     weighted: u,
+                    sum2: q,
                 });
             },
         );

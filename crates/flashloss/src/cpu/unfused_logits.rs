@@ -65,7 +65,7 @@ pub fn grpo_logits_unfused_into<E: Element>(
         let start = layout.offset(i);
         simd::load_scaled(&logits[start..start + v], inv_temp, lp);
         let max = simd::max(lp);
-        let (sum, _) = simd::exp_sums(lp, max, 1.0);
+        let (sum, _, _) = simd::exp_sums(lp, max, 1.0);
         let lse = max + sum.ln() as f32;
         lp.iter_mut().for_each(|x| *x -= lse);
     });

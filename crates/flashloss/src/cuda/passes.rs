@@ -286,6 +286,8 @@ impl<'a, E: GpuElement> GpuPasses<'a, E> {
                     max: mu[r],
                     sum: s[r] as f64,
                     weighted: u[r] as f64,
+                    // The CUDA kernels do not form `S₂` (yet): `Σp²` is refused.
+                    sum2: f64::NAN,
                 })
                 .collect(),
             target_logits: target,

@@ -71,6 +71,8 @@ pub(crate) fn row_stats<E: GpuElement>(
             max: mu[i],
             sum: s[i] as f64,
             weighted: u[i] as f64,
+            // Not formed by the CUDA kernel (yet).
+            sum2: f64::NAN,
         };
         stats[i] = RowStats::finish(&state, target[i]);
     }

@@ -9,13 +9,21 @@
 //! the GRPO row gradient with `dlogp = g_logp`, `dentropy = g_H`
 //! ([`RowTransform::grpo_coefs`]): a token-level loss, so single-pass where the plan
 //! allows (6NHV; 4NHV on a frozen head), on any backend's [`Head`].
+//!
+//! A [`LogpRequest`] adds `Σp²`, candidate sets (`super::gather`) and the truncated
+//! support; upstream gradients of `lse` (`∂lse/∂z_j = p_j/T`) and of the candidates'
+//! log-probs join the same row gradient (`coef_p`) and, for the candidates' one-hot
+//! terms, pass B's [`SparseGrads`]. Candidate sets use the pass hooks, so their plans run
+//! two-pass.
 
-use super::passes::{Head, RowGrad, check_head};
+use super::gather::{GatherVisitor, finish_gathered, sparse_terms};
+use super::logp_request::{LogpOutput, LogpRequest, LogpUpstream};
+use super::passes::{Head, RowGrad, SparseGrads, check_head};
 use super::plan::{FusedOptions, HeadGrad, Mode, Plan};
-use super::two_pass::{grads_pass, stats_pass};
+use super::two_pass::grads_pass;
 use crate::error::{Error, Result};
 use crate::rows::{RowInputs, RowStats, RowTransform, check_row_stats, check_targets};
-use crate::sharding::VocabSplit;
+use crate::sharding::{VocabSplit, merge_partial};
 use crate::temperature::Temperature;
 
 /// Per-row statistics of `head`'s logits divided by `temperature`, at `target_ids`
@@ -29,32 +37,47 @@ pub fn logp_linear(
     budget_bytes: usize,
     seq_len: usize,
 ) -> Result<Vec<RowStats>> {
+    let rows = LogpRows {
+        targets: target_ids,
+        mask,
+        temperature,
+    };
+    let request = LogpRequest::default();
+    Ok(logp_linear_with(head, rows, &request, budget_bytes, seq_len)?.stats)
+}
+
+/// [`logp_linear`] with what `request` asks beyond the statistics (two-pass: pass A
+/// alone, with the candidate sets gathered in it).
+pub fn logp_linear_with(
+    head: &mut dyn Head,
+    rows: LogpRows,
+    request: &LogpRequest,
+    budget_bytes: usize,
+    seq_len: usize,
+) -> Result<LogpOutput> {
     check_head(head, None)?;
     let shape = head.shape();
-    let n = shape.tokens;
-    let seq_len = seq_len.clamp(1, n.max(1));
-    check_targets(target_ids, mask, n, shape.vocab, seq_len)?;
-    let all = vec![true; if mask.is_none() { n } else { 0 }];
-    let live = mask.unwrap_or(&all);
-    let opts = FusedOptions {
+    let opts = forward_options(budget_bytes);
+    let call = LogpCall::new(
+        (rows, *request, None),
+        shape.tokens,
+        shape.vocab,
+        &opts,
+        seq_len,
+    )?;
+    let plan = head.plan(&opts, false)?;
+    logp_checked(head, &call, plan, None)
+}
+
+/// The options of a call without gradients: two-pass in `budget_bytes`.
+pub(crate) fn forward_options(budget_bytes: usize) -> FusedOptions {
+    FusedOptions {
         bf16_products: Default::default(),
         mode: Mode::TwoPass,
         budget_bytes,
         grad_output: 1.0,
         head_grad: HeadGrad::Full,
-    };
-    let plan = head.plan(&opts, false)?;
-    let rows = RowInputs {
-        targets: target_ids,
-        live,
-        transform: RowTransform::with_temperature(temperature),
-    };
-    let stats = head
-        .passes(rows, plan)?
-        .row_states()?
-        .finish(&rows, shape.vocab);
-    check_row_stats(&stats, |i| live[i], target_ids, seq_len)?;
-    Ok(stats)
+    }
 }
 
 /// The rows of a log-prob call: target ids `[N]` (of the whole vocabulary), the rows
@@ -69,32 +92,24 @@ pub struct LogpRows<'a> {
     pub temperature: Temperature,
 }
 
-/// The upstream gradients of a log-prob call's outputs: `∂L/∂logp_i` and `∂L/∂H_i`
-/// `[N]` (`None`: the entropy is not used).
-#[derive(Debug, Clone, Copy)]
-pub struct LogpUpstream<'a> {
-    /// `∂L/∂logp_i`.
-    pub logp: &'a [f32],
-    /// `∂L/∂H_i`.
-    pub entropy: Option<&'a [f32]>,
-}
-
-/// Checked rows of a log-prob gradient: which are live, their transform and row
-/// gradients.
-pub(crate) struct LogpGradRows<'a> {
+/// A checked log-prob call: its rows (which are live), request, upstream gradients
+/// (none without a gradient) and transform.
+pub(crate) struct LogpCall<'a> {
     rows: LogpRows<'a>,
-    upstream: LogpUpstream<'a>,
+    request: LogpRequest<'a>,
+    upstream: Option<LogpUpstream<'a>>,
     live: Vec<bool>,
     transform: RowTransform,
     grad_output: f64,
     pub(crate) seq_len: usize,
 }
 
-impl<'a> LogpGradRows<'a> {
-    /// Checks targets (ids in `[0, vocab)` where live), mask and upstream gradients
-    /// (`[N]`, finite where live) for a head of `n` rows.
+impl<'a> LogpCall<'a> {
+    /// Checks targets (ids in `[0, vocab)` where live), mask, the request and the
+    /// upstream gradients (`[N]`, `[N, K]` for the candidates'; finite where live) for a
+    /// head of `n` rows.
     pub(crate) fn new(
-        (rows, upstream): (LogpRows<'a>, LogpUpstream<'a>),
+        (rows, request, upstream): (LogpRows<'a>, LogpRequest<'a>, Option<LogpUpstream<'a>>),
         n: usize,
         vocab: usize,
         opts: &FusedOptions,
@@ -103,28 +118,9 @@ impl<'a> LogpGradRows<'a> {
         let seq_len = seq_len.clamp(1, n.max(1));
         check_targets(rows.targets, rows.mask, n, vocab, seq_len)?;
         let live: Vec<bool> = (0..n).map(|i| rows.mask.is_none_or(|m| m[i])).collect();
-        let named = [
-            ("grad_logp", Some(upstream.logp)),
-            ("grad_entropy", upstream.entropy),
-        ];
-        for (arg, values) in named {
-            let Some(values) = values else { continue };
-            if values.len() != n {
-                return Err(Error::ShapeMismatch {
-                    arg,
-                    shape: format!("[N={n}]"),
-                    expected: n,
-                    actual: values.len(),
-                });
-            }
-            if let Some(i) = (0..n).find(|&i| live[i] && !values[i].is_finite()) {
-                let value = values[i] as f64;
-                return Err(Error::NonFinite {
-                    arg,
-                    index: i,
-                    value,
-                });
-            }
+        request.check(n, vocab, &live, seq_len)?;
+        if let Some(up) = &upstream {
+            check_upstream(up, &request, &live)?;
         }
         if !opts.grad_output.is_finite() {
             let value = opts.grad_output as f64;
@@ -134,8 +130,9 @@ impl<'a> LogpGradRows<'a> {
                 value,
             });
         }
-        Ok(LogpGradRows {
+        Ok(LogpCall {
             rows,
+            request,
             upstream,
             live,
             transform: RowTransform::with_temperature(rows.temperature),
@@ -153,23 +150,119 @@ impl<'a> LogpGradRows<'a> {
         }
     }
 
-    /// Row i's gradient: `dz = (g/T)·[g_logp·(1[j=y] - p) - g_H·p·(log p + H)]`.
+    /// Whether the call's passes need the pass hooks (then its plan is two-pass).
+    pub(crate) fn needs_hooks(&self) -> bool {
+        self.request.needs_hooks()
+    }
+
+    /// Row i's gradient, with `scale = g/T`: `dz = scale·[g_logp·(1[j=y] - p) -
+    /// g_H·p·(log p + H) + g_lse·p - (Σ_k c_k)·p]` (the candidates' one-hot terms are
+    /// [`LogpCall::sparse`]'s).
     fn row_grad(&self, i: usize, stats: &RowStats) -> RowGrad {
-        if !self.live[i] {
+        let Some(up) = self.upstream.filter(|_| self.live[i]) else {
             return RowGrad::default();
-        }
-        let g_entropy = self.upstream.entropy.map_or(0.0, |e| e[i]);
-        let c = (self.transform).grpo_coefs(self.grad_output, self.upstream.logp[i], g_entropy);
+        };
+        let scale = self.transform.grad_scale(self.grad_output);
+        let at = |g: Option<&[f32]>| g.map_or(0.0, |g| g[i] as f64);
+        let g_logp = up.logp[i] as f64;
+        let gathered = match (up.gathered, &self.request.gather_ids) {
+            (Some(c), Some(ids)) => c[i * ids.k..(i + 1) * ids.k]
+                .iter()
+                .map(|&x| x as f64)
+                .sum(),
+            _ => 0.0,
+        };
         RowGrad {
             stats: *stats,
-            coef_p: c.p,
-            coef_h: c.h,
+            coef_p: (scale * (at(up.lse) - g_logp - gathered)) as f32,
+            coef_h: (-scale * at(up.entropy)) as f32,
             coef_uniform: 0.0,
-            coef_target: c.target,
+            coef_target: (scale * g_logp) as f32,
             target: self.rows.targets[i] as usize,
             support: None,
         }
     }
+
+    /// The candidates' one-hot terms `scale·c_ik` at `k_ik` (ids of the whole
+    /// vocabulary), where there are cotangents.
+    fn sparse(&self) -> Option<SparseGrads> {
+        let up = self.upstream?;
+        let (ids, grads) = (self.request.gather_ids.as_ref()?, up.gathered?);
+        let scale = self.transform.grad_scale(self.grad_output);
+        Some(sparse_terms(ids, grads, scale, &self.live))
+    }
+
+    /// The call's outputs from every row's statistics and the gathered log-probs.
+    fn output(&self, stats: Vec<RowStats>, gathered: Option<Vec<f32>>) -> Result<LogpOutput> {
+        let inv_temp = self.transform.inv_temp;
+        let live = |i: usize| self.live[i];
+        let max_logit = (stats.iter().enumerate())
+            .map(|(i, st)| if live(i) { st.max * inv_temp } else { 0.0 })
+            .collect();
+        let sum_p2 = self
+            .request
+            .sum_p2
+            .then(|| stats.iter().map(|st| st.sum_p2).collect());
+        if let Some(i) =
+            (0..stats.len()).find(|&i| self.request.sum_p2 && stats[i].sum_p2.is_nan() && live(i))
+        {
+            return Err(Error::Unsupported {
+                feature: "sum_p2",
+                reason: format!(
+                    "this backend does not form Σexp(2s) (row {i}); use the CPU backend"
+                ),
+            });
+        }
+        Ok(LogpOutput {
+            stats,
+            max_logit,
+            sum_p2,
+            gathered,
+            support: None,
+        })
+    }
+}
+
+/// Checks upstream gradients: `[N]` each (`[N, K]` for the candidates', which need
+/// `gather_ids`), finite where the row is live.
+fn check_upstream(up: &LogpUpstream, request: &LogpRequest, live: &[bool]) -> Result<()> {
+    let n = live.len();
+    let k = match (up.gathered, &request.gather_ids) {
+        (Some(_), None) => {
+            return Err(Error::InvalidArgument {
+                arg: "grad_gathered",
+                reason: "given without gather_ids".into(),
+            });
+        }
+        (_, ids) => ids.map_or(1, |g| g.k),
+    };
+    let named = [
+        ("grad_logp", Some(up.logp), 1),
+        ("grad_entropy", up.entropy, 1),
+        ("grad_lse", up.lse, 1),
+        ("grad_gathered", up.gathered, k),
+    ];
+    for (arg, values, per_row) in named {
+        let Some(values) = values else { continue };
+        if values.len() != n * per_row {
+            let shape = match per_row {
+                1 => format!("[N={n}]"),
+                k => format!("[N={n}, K={k}]"),
+            };
+            return Err(Error::ShapeMismatch {
+                arg,
+                shape,
+                expected: n * per_row,
+                actual: values.len(),
+            });
+        }
+        let bad = (0..values.len()).find(|&at| live[at / per_row] && !values[at].is_finite());
+        if let Some(index) = bad {
+            let value = values[index] as f64;
+            return Err(Error::NonFinite { arg, index, value });
+        }
+    }
+    Ok(())
 }
 
 /// The gradient of `Σ_i g_logp_i·logp_i + g_H_i·H_i` (`upstream`) of `head`'s
@@ -183,41 +276,110 @@ pub fn logp_linear_grads(
     opts: &FusedOptions,
     seq_len: usize,
 ) -> Result<Vec<RowStats>> {
-    check_head(head, Some(opts.head_grad))?;
-    let shape = head.shape();
-    let grad_rows = LogpGradRows::new((rows, upstream), shape.tokens, shape.vocab, opts, seq_len)?;
-    let plan = head.plan(opts, true)?;
-    let stats = logp_grads_checked(head, &grad_rows, plan, None)?;
-    head.check_grads(grad_rows.seq_len)?;
-    Ok(stats)
+    let request = LogpRequest::default();
+    Ok(logp_linear_grads_with(head, rows, &request, upstream, opts, seq_len)?.stats)
 }
 
-/// [`logp_linear_grads`] on checked rows with `plan`; in a vocab-parallel run, `split`
-/// merges the statistics of the head's shard with the other shards'.
-pub(crate) fn logp_grads_checked(
+/// [`logp_linear_grads`] with `request`'s outputs and the upstream gradients of `lse`
+/// and of the candidates' log-probs (`upstream.lse`, `upstream.gathered`); returns the
+/// outputs. Single-pass where the plan allows and the request needs no pass hooks.
+pub fn logp_linear_grads_with(
     head: &mut dyn Head,
-    rows: &LogpGradRows,
+    rows: LogpRows,
+    request: &LogpRequest,
+    upstream: LogpUpstream,
+    opts: &FusedOptions,
+    seq_len: usize,
+) -> Result<LogpOutput> {
+    check_head(head, Some(opts.head_grad))?;
+    let shape = head.shape();
+    let call = (rows, *request, Some(upstream));
+    let call = LogpCall::new(call, shape.tokens, shape.vocab, opts, seq_len)?;
+    check_hooks_mode(&call, opts)?;
+    let plan = head.plan(opts, !call.needs_hooks())?;
+    let out = logp_checked(head, &call, plan, None)?;
+    head.check_grads(call.seq_len)?;
+    Ok(out)
+}
+
+/// A request that needs the pass hooks runs two-pass: asking for a single pass is an
+/// error naming them.
+pub(crate) fn check_hooks_mode(call: &LogpCall, opts: &FusedOptions) -> Result<()> {
+    match opts.mode {
+        Mode::SinglePass | Mode::Compact if call.needs_hooks() => Err(Error::InvalidArgument {
+            arg: "mode",
+            reason: "gather_ids and top_k/top_p/min_p run two-pass; use two_pass or auto".into(),
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// A log-prob call on checked rows with `plan` (two-pass where the call needs the pass
+/// hooks): pass A (gathering the candidates), and pass B where the call has upstream
+/// gradients; in a vocab-parallel run, `split` merges the statistics of the head's
+/// shard with the other shards' and sums the gathered logits.
+pub(crate) fn logp_checked(
+    head: &mut dyn Head,
+    call: &LogpCall,
     plan: Plan,
     split: Option<&VocabSplit>,
-) -> Result<Vec<RowStats>> {
+) -> Result<LogpOutput> {
     let vocab = head.shape().vocab;
-    let targets = rows.rows.targets;
+    let targets = call.rows.targets;
     let local_targets = split.map(|s| s.local_targets(targets));
-    let inputs = rows.inputs(local_targets.as_deref().unwrap_or(targets));
+    let inputs = call.inputs(local_targets.as_deref().unwrap_or(targets));
     let mut passes = head.passes(inputs, plan)?;
-    let stats = if plan.single_pass {
-        passes.single_pass(&mut |range, stats: &[RowStats]| {
-            range.map(|i| rows.row_grad(i, &stats[i])).collect()
-        })?
+    let (stats, gathered) = if plan.single_pass {
+        let stats = passes.single_pass(&mut |range, stats: &[RowStats]| {
+            range.map(|i| call.row_grad(i, &stats[i])).collect()
+        })?;
+        (stats, None)
     } else {
-        let stats = stats_pass(passes.as_mut(), &inputs, vocab, split)?;
-        let all: Vec<RowGrad> = (0..stats.len())
-            .map(|i| rows.row_grad(i, &stats[i]))
-            .collect();
-        grads_pass(passes.as_mut(), all, split)?;
-        stats
+        let range = split.map_or(0..vocab, |s| s.range.clone());
+        let gather = call.request.gather_ids.as_ref();
+        let mut visitor = gather.map(|ids| GatherVisitor::new(ids, &call.live, &range));
+        let local = match visitor.as_mut() {
+            Some(v) => passes.row_states_visiting(v)?,
+            None => passes.row_states()?,
+        };
+        let (states, whole_vocab) = match split {
+            None => (local, vocab),
+            Some(s) => (
+                merge_partial(s.comm, &local, inputs.transform.inv_temp)?,
+                s.vocab,
+            ),
+        };
+        let stats = states.finish(&inputs, whole_vocab);
+        let gathered = match (visitor, gather) {
+            (Some(mut v), Some(ids)) => {
+                if let Some(s) = split {
+                    s.comm.all_reduce_sum_f32(&mut v.z)?;
+                }
+                Some(finish_gathered(&states, &v.z, ids.k, &call.live))
+            }
+            _ => None,
+        };
+        if call.upstream.is_some() {
+            let grads: Vec<RowGrad> = (0..stats.len())
+                .map(|i| call.row_grad(i, &stats[i]))
+                .collect();
+            match call.sparse() {
+                None => grads_pass(passes.as_mut(), grads, split)?,
+                Some(sparse) => {
+                    let (grads, sparse) = match split {
+                        None => (grads, sparse),
+                        Some(s) => (
+                            grads.into_iter().map(|g| g.on_shard(&s.range)).collect(),
+                            sparse.on_shard(&s.range),
+                        ),
+                    };
+                    passes.accumulate_grads_sparse(&grads, &sparse)?;
+                }
+            }
+        }
+        (stats, gathered)
     };
     drop(passes);
-    check_row_stats(&stats, |i| rows.live[i], targets, rows.seq_len)?;
-    Ok(stats)
+    check_row_stats(&stats, |i| call.live[i], targets, call.seq_len)?;
+    call.output(stats, gathered)
 }

@@ -9,8 +9,10 @@
 //! [`HeadGrad`] chooses whether the head's own gradients (dW, dbias) are formed.
 
 mod ce;
+mod gather;
 mod grpo;
 mod logp;
+mod logp_request;
 mod passes;
 pub mod plan;
 mod sharded;
@@ -23,7 +25,12 @@ mod two_pass;
 
 pub use ce::{CeLinearOutput, ce_linear, ce_linear_lse, ce_row_losses};
 pub use grpo::{GrpoLinearOutput, grpo_linear};
-pub use logp::{LogpRows, LogpUpstream, logp_linear, logp_linear_grads};
+pub use logp::{
+    LogpRows, logp_linear, logp_linear_grads, logp_linear_grads_with, logp_linear_with,
+};
+pub use logp_request::{
+    GatherIds, LogpOutput, LogpRequest, LogpUpstream, SupportFilter, SupportStats,
+};
 pub use passes::{
     FusedPasses, GradPart, GradsOf, Head, LinearGrads, LinearGradsMut, RowGrad, SparseGrads,
     TileVisitor, check_grad_lens,
@@ -33,7 +40,8 @@ pub use plan::{
     tile_budget,
 };
 pub use sharded::{
-    ce_linear_sharded, grpo_linear_sharded, logp_linear_grads_sharded, logp_linear_sharded,
+    ce_linear_sharded, grpo_linear_sharded, logp_linear_grads_sharded,
+    logp_linear_grads_sharded_with, logp_linear_sharded, logp_linear_sharded_with,
 };
 pub use split::{
     accumulate_row_grads, ce_accumulate_row_grads, ce_partial_row_states, partial_row_states,

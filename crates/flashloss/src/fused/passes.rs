@@ -15,6 +15,7 @@ use crate::collective::Collective;
 use crate::element::Element;
 use crate::error::{Error, Result};
 use crate::rows::{PartialStats, RowInputs, RowStats};
+use crate::sharding::local_ids;
 use crate::weight_layout::WeightLayout;
 use std::ops::Range;
 
@@ -96,13 +97,9 @@ impl SparseGrads {
     /// The terms restricted to a vocabulary shard `range` (ids of the whole vocabulary
     /// become shard-local; the others -1).
     pub fn on_shard(&self, range: &Range<usize>) -> SparseGrads {
-        let local = |id: i64| match usize::try_from(id) {
-            Ok(j) if range.contains(&j) => (j - range.start) as i64,
-            _ => -1,
-        };
         SparseGrads {
             k: self.k,
-            ids: self.ids.iter().map(|&id| local(id)).collect(),
+            ids: local_ids(&self.ids, range),
             coefs: self.coefs.clone(),
         }
     }

@@ -9,24 +9,23 @@
 //! (single-pass where the plan allows); vocabulary shards run two-pass and merge their
 //! row statistics within the token group ([`super::two_pass`]), then all-reduce dH
 //! there. dW and dbias are all-reduced over token groups, and the loss and metrics
-//! summed. Per step: `4·(V_r·H + V_r)` bytes each way over token groups, `40·N` bytes
+//! summed. Per step: `4·(V_r·H + V_r)` bytes each way over token groups, `48·N` bytes
 //! of states and `4·N·H` of dH over vocab groups.
 
 use super::ce::{CeLinearOutput, CeRows, ce_linear_checked};
 use super::grpo::{GrpoLinearOutput, check_batch, grpo_linear_checked};
-use super::logp::{LogpGradRows, LogpRows, LogpUpstream, logp_grads_checked};
+use super::logp::{LogpCall, LogpRows, check_hooks_mode, forward_options, logp_checked};
+use super::logp_request::{LogpOutput, LogpRequest, LogpUpstream};
 use super::passes::{GradPart, Head, check_head};
-use super::plan::{FusedOptions, HeadGrad, Mode, Plan};
+use super::plan::{FusedOptions, Mode, Plan};
 use crate::batch::GrpoBatch;
 use crate::collective::agree;
 use crate::cross_entropy::CrossEntropy;
 use crate::error::{Error, Result};
 use crate::grpo_config::GrpoLoss;
 use crate::policy::{Normalizers, clips_per_sequence};
-use crate::rows::{RowInputs, RowStats, RowTransform, check_row_stats, check_targets};
-use crate::sharding::{
-    Grid, Shard, VocabSplit, global_normalizers, merge_partial, reduce_policy_outputs,
-};
+use crate::rows::RowStats;
+use crate::sharding::{Grid, Shard, VocabSplit, global_normalizers, reduce_policy_outputs};
 use crate::temperature::Temperature;
 
 /// What a sharded step agrees on before it runs: the plan, and the vocabulary split of
@@ -158,51 +157,42 @@ pub fn logp_linear_sharded(
     budget_bytes: usize,
     seq_len: usize,
 ) -> Result<Vec<RowStats>> {
+    let rows = LogpRows {
+        targets: target_ids,
+        mask,
+        temperature,
+    };
+    let request = LogpRequest::default();
+    let out = logp_linear_sharded_with(grid, head, shard, rows, &request, budget_bytes, seq_len)?;
+    Ok(out.stats)
+}
+
+/// [`logp_linear_sharded`] with what `request` asks (see [`super::logp_linear_with`]):
+/// each rank gathers the candidates its shard holds, and the ranks sum them.
+pub fn logp_linear_sharded_with(
+    grid: &Grid,
+    head: &mut dyn Head,
+    shard: Shard,
+    rows: LogpRows,
+    request: &LogpRequest,
+    budget_bytes: usize,
+    seq_len: usize,
+) -> Result<LogpOutput> {
     let n = head.shape().tokens;
-    let seq_len = seq_len.clamp(1, n.max(1));
+    let opts = forward_options(budget_bytes);
     let checked = check_head(head, None)
         .and_then(|_| shard.range(head.shape().vocab))
         .and_then(|range| {
-            check_targets(target_ids, mask, n, shard.vocab, seq_len)?;
-            Ok(range)
+            let call = LogpCall::new((rows, *request, None), n, shard.vocab, &opts, seq_len)?;
+            Ok((range, call, head.plan(&opts, false)?))
         });
-    let range = agree(grid.world, checked)?;
+    let (range, call, plan) = agree(grid.world, checked)?;
     let split = VocabSplit {
         comm: grid.vocab.as_ref(),
         range,
         vocab: shard.vocab,
     };
-    let all = vec![true; if mask.is_none() { n } else { 0 }];
-    let live = mask.unwrap_or(&all);
-    let rows = RowInputs {
-        targets: target_ids,
-        live,
-        transform: RowTransform::with_temperature(temperature),
-    };
-    let local_targets = split.local_targets(target_ids);
-    let opts = FusedOptions {
-        bf16_products: Default::default(),
-        mode: Mode::TwoPass,
-        budget_bytes,
-        grad_output: 1.0,
-        head_grad: HeadGrad::Full,
-    };
-    let local = super::partial_row_states(
-        head,
-        RowInputs {
-            targets: &local_targets,
-            ..rows
-        },
-        &opts,
-    );
-    let local = agree(grid.world, local)?;
-    let stats =
-        merge_partial(split.comm, &local, rows.transform.inv_temp)?.finish(&rows, shard.vocab);
-    agree(
-        grid.world,
-        check_row_stats(&stats, |i| live[i], target_ids, seq_len),
-    )?;
-    Ok(stats)
+    agree(grid.world, logp_checked(head, &call, plan, Some(&split)))
 }
 
 /// The gradient of a log-prob call on a [`Grid`] (see [`super::logp_linear_grads`]):
@@ -219,12 +209,45 @@ pub fn logp_linear_grads_sharded(
     opts: &FusedOptions,
     seq_len: usize,
 ) -> Result<Vec<RowStats>> {
+    let request = LogpRequest::default();
+    let out = logp_linear_grads_sharded_with(
+        grid,
+        head,
+        shard,
+        (rows, &request, upstream),
+        opts,
+        seq_len,
+    )?;
+    Ok(out.stats)
+}
+
+/// [`logp_linear_grads_sharded`] with what `request` asks and the upstream gradients of
+/// `lse` and the candidates (see [`super::logp_linear_grads_with`]); the candidates'
+/// one-hot terms go to the shard holding their ids.
+pub fn logp_linear_grads_sharded_with(
+    grid: &Grid,
+    head: &mut dyn Head,
+    shard: Shard,
+    (rows, request, upstream): (LogpRows, &LogpRequest, LogpUpstream),
+    opts: &FusedOptions,
+    seq_len: usize,
+) -> Result<LogpOutput> {
     let n = head.shape().tokens;
-    let checked = LogpGradRows::new((rows, upstream), n, shard.vocab, opts, seq_len)
-        .and_then(|rows| Ok((rows, sharded_plan(grid, head, shard, opts, true)?)));
-    let (rows, (plan, split)) = agree(grid.world, checked)?;
-    let stats = logp_grads_checked(head, &rows, plan, split.as_ref());
-    let stats = agree(grid.world, stats)?;
-    all_reduce_grads(grid, head, (&plan, split.is_some()), rows.seq_len)?;
-    Ok(stats)
+    let checked = LogpCall::new(
+        (rows, *request, Some(upstream)),
+        n,
+        shard.vocab,
+        opts,
+        seq_len,
+    )
+    .and_then(|call| {
+        check_hooks_mode(&call, opts)?;
+        let plan = sharded_plan(grid, head, shard, opts, !call.needs_hooks())?;
+        Ok((call, plan))
+    });
+    let (call, (plan, split)) = agree(grid.world, checked)?;
+    let out = logp_checked(head, &call, plan, split.as_ref());
+    let out = agree(grid.world, out)?;
+    all_reduce_grads(grid, head, (&plan, split.is_some()), call.seq_len)?;
+    Ok(out)
 }

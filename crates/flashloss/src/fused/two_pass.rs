@@ -4,7 +4,7 @@
 //! merged in rank order ([`merge_partial`]: `lse`, entropy, the
 //! target logit from the shard that holds it, the logit sum), so every rank holds the
 //! same global statistics; pass B then keeps each row's target term on the shard that
-//! holds the target. Per step: `40·N` bytes of states gathered from each rank.
+//! holds the target. Per step: `48·N` bytes of states gathered from each rank.
 
 use super::passes::{FusedPasses, RowGrad};
 use crate::error::Result;

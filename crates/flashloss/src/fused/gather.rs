@@ -1,0 +1,115 @@
+//! Candidate sets of a log-prob call: `logp_ik = s_{i,k_ik} - lse_i` at `gather_ids`
+//! `[N, K]`, gathered in pass A by a [`TileVisitor`] that checks each row's ids against
+//! the tile's range (each row's ids sorted once, so a tile costs a binary search per
+//! row; `O(N·K)` memory, never `[N, V]`), and finished like the target's `logp`
+//! (`(z_k - μ)·inv_temp - log S` in f64) once the row's state is whole. On a vocabulary
+//! shard each rank gathers the ids it holds into a zero-filled `[N, K]` buffer and the
+//! ranks sum it. The gradient for cotangents `c_ik`: `-(Σ_k c_ik)·p_j` joins the dense
+//! [`super::RowGrad`] and `c_ik·1[j = k_ik]` is a [`SparseGrads`] term on the shard
+//! holding `k_ik`.
+
+use super::logp_request::GatherIds;
+use super::passes::{SparseGrads, TileVisitor};
+use crate::rows::PartialStats;
+use std::ops::Range;
+
+/// Gathers the raw logits `z_{i,k_ik}` of the ids a head holds, tile by tile.
+pub(crate) struct GatherVisitor {
+    k: usize,
+    /// Per row, `(local id, slot)` sorted by id: rows' lists at `starts[i]..starts[i+1]`.
+    order: Vec<(usize, usize)>,
+    starts: Vec<usize>,
+    /// Raw logits `[N, K]` (0 where not gathered on this head).
+    pub(crate) z: Vec<f32>,
+}
+
+impl GatherVisitor {
+    /// For the live rows of `ids` (of the whole vocabulary; checked in `[0, V)` where
+    /// live), the ids a head holding vocabulary entries `range` sees.
+    pub(crate) fn new(ids: &GatherIds, live: &[bool], range: &Range<usize>) -> Self {
+        let (n, k) = (live.len(), ids.k);
+        let mut order = Vec::with_capacity(n * k);
+        let mut starts = Vec::with_capacity(n + 1);
+        starts.push(0);
+        for (i, row) in ids.ids.chunks(k).enumerate().take(n) {
+            let first = order.len();
+            if live[i] {
+                let held = (row.iter().enumerate())
+                    .map(|(slot, &id)| (id as usize, slot))
+                    .filter(|(id, _)| range.contains(id))
+                    .map(|(id, slot)| (id - range.start, slot));
+                order.extend(held);
+                order[first..].sort_unstable();
+            }
+            starts.push(order.len());
+        }
+        GatherVisitor {
+            k,
+            order,
+            starts,
+            z: vec![0.0; n * k],
+        }
+    }
+}
+
+impl TileVisitor for GatherVisitor {
+    fn visit(&mut self, rows: &[usize], vocab: Range<usize>, z: &[f32], ld: usize) {
+        for (r, &i) in rows.iter().enumerate() {
+            let list = &self.order[self.starts[i]..self.starts[i + 1]];
+            let from = list.partition_point(|&(j, _)| j < vocab.start);
+            for &(j, slot) in list[from..].iter().take_while(|(j, _)| *j < vocab.end) {
+                self.z[i * self.k + slot] = z[r * ld + j - vocab.start];
+            }
+        }
+    }
+}
+
+/// `logp_ik = (z_ik - μ_i)·inv_temp - log S_i` from the gathered raw logits `z` `[N, K]`
+/// and the rows' whole states (0 where a row is not live): the formula of the target's
+/// `logp`, so an id equal to the target gives the same value.
+pub(crate) fn finish_gathered(
+    states: &PartialStats,
+    z: &[f32],
+    k: usize,
+    live: &[bool],
+) -> Vec<f32> {
+    let mut out = vec![0.0; z.len()];
+    for (i, (o, zr)) in out.chunks_mut(k).zip(z.chunks(k)).enumerate() {
+        if !live[i] {
+            continue;
+        }
+        let st = &states.states[i];
+        let log_sum = st.log_sum();
+        for (o, &zk) in o.iter_mut().zip(zr) {
+            *o = ((zk as f64 - st.max as f64) * st.inv_temp as f64 - log_sum) as f32;
+        }
+    }
+    out
+}
+
+/// The sparse terms of the cotangents `grads` `[N, K]` at `ids` (ids of the whole
+/// vocabulary): `scale·c_ik` at `k_ik` for live rows (`scale = g/T`), nothing elsewhere.
+pub(crate) fn sparse_terms(
+    ids: &GatherIds,
+    grads: &[f32],
+    scale: f64,
+    live: &[bool],
+) -> SparseGrads {
+    let k = ids.k;
+    let keep = |at: usize| live[at / k];
+    SparseGrads {
+        k,
+        ids: (ids.ids.iter().enumerate())
+            .map(|(at, &id)| if keep(at) { id } else { -1 })
+            .collect(),
+        coefs: (grads.iter().enumerate())
+            .map(|(at, &c)| {
+                if keep(at) {
+                    (scale * c as f64) as f32
+                } else {
+                    0.0
+                }
+            })
+            .collect(),
+    }
+}
