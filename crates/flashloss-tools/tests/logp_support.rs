@@ -139,24 +139,43 @@ fn forward<E: Element>(inputs: &LinearInputs<E>, call: &Call, f: SupportFilter) 
         support: Some(f),
         ..LogpRequest::default()
     };
-    fused::logp_linear_with(&mut head, call.rows(), &request, small_budget(), inputs.tokens)
-        .unwrap()
+    fused::logp_linear_with(
+        &mut head,
+        call.rows(),
+        &request,
+        small_budget(),
+        inputs.tokens,
+    )
+    .unwrap()
 }
 
 /// Compares the support outputs of `out` with the reference on every live row whose
 /// margin is at least `min_margin`; returns the rows compared.
-fn check_forward(case: &str, out: &LogpOutput, z: &[f64], call: &Call, f: SupportFilter, min_margin: f64) -> usize {
+fn check_forward(
+    case: &str,
+    out: &LogpOutput,
+    z: &[f64],
+    call: &Call,
+    f: SupportFilter,
+    min_margin: f64,
+) -> usize {
     let s: &SupportStats = out.support.as_ref().expect("support outputs");
     let (n, v) = (call.targets.len(), z.len() / call.targets.len());
     let mut compared = 0;
     for i in 0..n {
         if !call.mask.is_none_or(|m| m[i]) {
-            assert_eq!((s.logp[i], s.lse[i], s.size[i], s.outside[i]), (0.0, 0.0, 0, false));
+            assert_eq!(
+                (s.logp[i], s.lse[i], s.size[i], s.outside[i]),
+                (0.0, 0.0, 0, false)
+            );
             continue;
         }
         let y = call.targets[i] as usize;
         let want = support_row(&z[i * v..(i + 1) * v], call.temperature, y, as_reference(f));
-        assert!(s.lse[i].is_finite() && !s.logp[i].is_nan(), "{case} row {i}");
+        assert!(
+            s.lse[i].is_finite() && !s.logp[i].is_nan(),
+            "{case} row {i}"
+        );
         if want.margin < min_margin {
             continue;
         }
@@ -165,10 +184,20 @@ fn check_forward(case: &str, out: &LogpOutput, z: &[f64], call: &Call, f: Suppor
         assert_eq!(s.size[i], want.size as u64, "{what}: size");
         assert_eq!(s.outside[i], !want.in_support[y], "{what}: outside");
         let close = |a: f32, b: f64| (a as f64 - b).abs() <= 1e-5 * b.abs().max(1.0);
-        assert!(close(s.lse[i], want.lse), "{what}: lse {} vs {}", s.lse[i], want.lse);
+        assert!(
+            close(s.lse[i], want.lse),
+            "{what}: lse {} vs {}",
+            s.lse[i],
+            want.lse
+        );
         match s.outside[i] {
             true => assert_eq!(s.logp[i], f32::NEG_INFINITY, "{what}"),
-            false => assert!(close(s.logp[i], want.logp), "{what}: logp {} vs {}", s.logp[i], want.logp),
+            false => assert!(
+                close(s.logp[i], want.logp),
+                "{what}: logp {} vs {}",
+                s.logp[i],
+                want.logp
+            ),
         }
     }
     compared
@@ -212,7 +241,13 @@ fn exact_rows_every_combination_of_the_filters() {
 
 /// The reference gradient `g_out·(g_logp·∂logp^K/∂z + g_H·∂H/∂z)` `[N, V]` (the entropy
 /// the full softmax's), zero on masked rows.
-fn reference_dz(z: &[f64], call: &Call, f: SupportFilter, (g_logp, g_h): (&[f32], &[f32]), g_out: f64) -> Vec<f64> {
+fn reference_dz(
+    z: &[f64],
+    call: &Call,
+    f: SupportFilter,
+    (g_logp, g_h): (&[f32], &[f32]),
+    g_out: f64,
+) -> Vec<f64> {
     let (n, v) = (call.targets.len(), z.len() / call.targets.len());
     let t = call.temperature;
     let mut dz = vec![0.0; n * v];
@@ -222,7 +257,11 @@ fn reference_dz(z: &[f64], call: &Call, f: SupportFilter, (g_logp, g_h): (&[f32]
         let sm = row_softmax(row, t);
         for j in 0..v {
             let (lp, p) = (sm.log_probs[j], sm.log_probs[j].exp());
-            let dh = if p > 0.0 { -p * (lp + sm.entropy) / t } else { 0.0 };
+            let dh = if p > 0.0 {
+                -p * (lp + sm.entropy) / t
+            } else {
+                0.0
+            };
             dz[i * v + j] = g_out * (g_logp[i] as f64 * sup.dlogp[j] + g_h[i] as f64 * dh);
         }
     }
@@ -276,7 +315,10 @@ fn check_grads<E: Element>(bias: bool, ties: bool, tol: f64) {
             let out = fused::logp_linear_grads_with(&mut cpu, call.rows(), &request, up, &opts, n)
                 .unwrap_or_else(|e| panic!("{case}: {e}"));
             check_forward(&case, &out, &z, &call, f, 0.0);
-            assert!(grads.dhidden[h..2 * h].iter().all(|&x| x == 7.0), "{case}: masked row");
+            assert!(
+                grads.dhidden[h..2 * h].iter().all(|&x| x == 7.0),
+                "{case}: masked row"
+            );
             grads.dhidden[h..2 * h].fill(0.0);
             assert_close(&format!("{case} dH"), &grads.dhidden, &dh, tol);
             if head_grad == HeadGrad::Full {
@@ -338,9 +380,15 @@ fn targets_outside_the_support_get_minus_inf_and_no_gradient() {
     assert!(s.outside.iter().all(|&o| o));
     assert!(s.logp.iter().all(|&l| l == f32::NEG_INFINITY));
     assert!(s.lse.iter().all(|l| l.is_finite()));
-    assert!(out.stats.iter().all(|st| st.logp.is_finite()), "the plain logp stays");
+    assert!(
+        out.stats.iter().all(|st| st.logp.is_finite()),
+        "the plain logp stays"
+    );
     let all_zero = |x: &[f32]| x.iter().all(|&g| g == 0.0);
-    assert!(all_zero(&grads.dhidden) && all_zero(&grads.dweight), "no gradient, no NaN");
+    assert!(
+        all_zero(&grads.dhidden) && all_zero(&grads.dweight),
+        "no gradient, no NaN"
+    );
     assert!(all_zero(grads.dbias.as_deref().unwrap()));
 }
 
@@ -358,7 +406,7 @@ fn random_rows_away_from_a_boundary() {
     };
     for f in combinations(v) {
         let out = forward(&inputs, &call, f);
-        let compared = check_forward(&format!("random {f:?}"), &out, &z, &call, f, 1e-4);
+        let compared = check_forward(&format!("random {f:?}"), &out, &z, &call, f, 1e-5);
         assert!(compared >= n / 2, "{f:?}: {compared} rows compared");
     }
 }
@@ -370,17 +418,24 @@ fn flat_rows_take_extra_passes_and_ties_split_by_index() {
     let head = ExactHead::<f32>::new((n, h, v), false, true, 5);
     let inputs = head.inputs();
     let z = linear_logits(&inputs);
-    let targets: Vec<i64> = vec![v as i64 - 1, 100, 2];
+    let targets: Vec<i64> = vec![2, 100, v as i64 - 1];
     let call = Call {
         targets: &targets,
         mask: None,
         temperature: 1.0,
     };
-    for f in [filter(None, Some(0.5), None), filter(Some(600), None, None), filter(Some(2), Some(0.3), None)] {
+    for f in [
+        filter(None, Some(0.5), None),
+        filter(Some(600), None, None),
+        filter(Some(2), Some(0.3), None),
+    ] {
         let out = forward(&inputs, &call, f);
         check_forward(&format!("{f:?}"), &out, &z, &call, f, 0.0);
         let s = out.support.as_ref().unwrap();
-        assert!(s.extra_passes >= 1, "{f:?}: the buffer holds no flat row's cut");
+        assert!(
+            s.extra_passes >= 1,
+            "{f:?}: the buffer holds no flat row's cut"
+        );
     }
     let f = filter(None, Some(0.5), None);
     let s = forward(&inputs, &call, f).support.unwrap();

@@ -13,13 +13,17 @@
 //! A [`LogpRequest`] adds `Σp²`, candidate sets (`super::gather`) and the truncated
 //! support; upstream gradients of `lse` (`∂lse/∂z_j = p_j/T`) and of the candidates'
 //! log-probs join the same row gradient (`coef_p`) and, for the candidates' one-hot
-//! terms, pass B's [`SparseGrads`]. Candidate sets use the pass hooks, so their plans run
+//! terms, pass B's [`SparseGrads`]. With a truncated support (`super::support`) the
+//! upstream of `logp` is that of `logp^K`: its dense term `-g_logp·p^K_j` on the support
+//! is a [`super::SupportTerm`] and the target term stays where the target is in the
+//! support. Candidate sets and the support use the pass hooks, so their plans run
 //! two-pass.
 
 use super::gather::{GatherVisitor, finish_gathered, sparse_terms};
-use super::logp_request::{LogpOutput, LogpRequest, LogpUpstream};
+use super::logp_request::{LogpOutput, LogpRequest, LogpUpstream, SupportStats};
 use super::passes::{Head, RowGrad, SparseGrads, check_head};
 use super::plan::{FusedOptions, HeadGrad, Mode, Plan};
+use super::support::{RowSupport, SupportCall, VisitBoth};
 use super::two_pass::grads_pass;
 use crate::error::{Error, Result};
 use crate::rows::{RowInputs, RowStats, RowTransform, check_row_stats, check_targets};
@@ -157,8 +161,9 @@ impl<'a> LogpCall<'a> {
 
     /// Row i's gradient, with `scale = g/T`: `dz = scale·[g_logp·(1[j=y] - p) -
     /// g_H·p·(log p + H) + g_lse·p - (Σ_k c_k)·p]` (the candidates' one-hot terms are
-    /// [`LogpCall::sparse`]'s).
-    fn row_grad(&self, i: usize, stats: &RowStats) -> RowGrad {
+    /// [`LogpCall::sparse`]'s); with the row's truncated `support`, `g_logp`'s terms are
+    /// `g_logp·(1[j=y] - p^K_j)·1[j∈K]` instead (none where `y ∉ K`).
+    fn row_grad(&self, i: usize, stats: &RowStats, support: Option<&RowSupport>) -> RowGrad {
         let Some(up) = self.upstream.filter(|_| self.live[i]) else {
             return RowGrad::default();
         };
@@ -172,14 +177,19 @@ impl<'a> LogpCall<'a> {
                 .sum(),
             _ => 0.0,
         };
+        let (dense_logp, target_logp) = match support {
+            None => (g_logp, g_logp),
+            Some(s) if s.outside => (0.0, 0.0),
+            Some(_) => (0.0, g_logp),
+        };
         RowGrad {
             stats: *stats,
-            coef_p: (scale * (at(up.lse) - g_logp - gathered)) as f32,
+            coef_p: (scale * (at(up.lse) - dense_logp - gathered)) as f32,
             coef_h: (-scale * at(up.entropy)) as f32,
             coef_uniform: 0.0,
-            coef_target: (scale * g_logp) as f32,
+            coef_target: (scale * target_logp) as f32,
             target: self.rows.targets[i] as usize,
-            support: None,
+            support: support.and_then(|s| s.grad(scale * g_logp)),
         }
     }
 
@@ -192,8 +202,14 @@ impl<'a> LogpCall<'a> {
         Some(sparse_terms(ids, grads, scale, &self.live))
     }
 
-    /// The call's outputs from every row's statistics and the gathered log-probs.
-    fn output(&self, stats: Vec<RowStats>, gathered: Option<Vec<f32>>) -> Result<LogpOutput> {
+    /// The call's outputs from every row's statistics, the gathered log-probs and the
+    /// truncated support's.
+    fn output(
+        &self,
+        stats: Vec<RowStats>,
+        gathered: Option<Vec<f32>>,
+        support: Option<SupportStats>,
+    ) -> Result<LogpOutput> {
         let inv_temp = self.transform.inv_temp;
         let live = |i: usize| self.live[i];
         let max_logit = (stats.iter().enumerate())
@@ -218,7 +234,7 @@ impl<'a> LogpCall<'a> {
             max_logit,
             sum_p2,
             gathered,
-            support: None,
+            support,
         })
     }
 }
@@ -325,22 +341,32 @@ pub(crate) fn logp_checked(
     split: Option<&VocabSplit>,
 ) -> Result<LogpOutput> {
     let vocab = head.shape().vocab;
+    let support = SupportCall::new(call.request.support, split.map_or(vocab, |s| s.vocab));
+    if split.is_some() && support.is_some() {
+        return Err(Error::Unsupported {
+            feature: "top_k/top_p/min_p",
+            reason: "a vocab-parallel run does not support a truncated support yet".into(),
+        });
+    }
     let targets = call.rows.targets;
     let local_targets = split.map(|s| s.local_targets(targets));
     let inputs = call.inputs(local_targets.as_deref().unwrap_or(targets));
     let mut passes = head.passes(inputs, plan)?;
-    let (stats, gathered) = if plan.single_pass {
+    let (stats, gathered, support) = if plan.single_pass {
         let stats = passes.single_pass(&mut |range, stats: &[RowStats]| {
-            range.map(|i| call.row_grad(i, &stats[i])).collect()
+            range.map(|i| call.row_grad(i, &stats[i], None)).collect()
         })?;
-        (stats, None)
+        (stats, None, None)
     } else {
         let range = split.map_or(0..vocab, |s| s.range.clone());
         let gather = call.request.gather_ids.as_ref();
         let mut visitor = gather.map(|ids| GatherVisitor::new(ids, &call.live, &range));
-        let local = match visitor.as_mut() {
-            Some(v) => passes.row_states_visiting(v)?,
-            None => passes.row_states()?,
+        let mut buffers = support.as_ref().and_then(|s| s.buffers(&inputs));
+        let local = match (visitor.as_mut(), buffers.as_mut()) {
+            (Some(v), Some(b)) => passes.row_states_visiting(&mut VisitBoth(v, b))?,
+            (Some(v), None) => passes.row_states_visiting(v)?,
+            (None, Some(b)) => passes.row_states_visiting(b)?,
+            (None, None) => passes.row_states()?,
         };
         let (states, whole_vocab) = match split {
             None => (local, vocab),
@@ -359,9 +385,18 @@ pub(crate) fn logp_checked(
             }
             _ => None,
         };
+        let support = match support {
+            Some(s) => Some(s.run(passes.as_mut(), buffers, &states, &inputs)?),
+            None => None,
+        };
         if call.upstream.is_some() {
+            let row_support = |i: usize| {
+                support
+                    .as_ref()
+                    .and_then(|s| s.rows.as_ref().map(|r| &r[i]))
+            };
             let grads: Vec<RowGrad> = (0..stats.len())
-                .map(|i| call.row_grad(i, &stats[i]))
+                .map(|i| call.row_grad(i, &stats[i], row_support(i)))
                 .collect();
             match call.sparse() {
                 None => grads_pass(passes.as_mut(), grads, split)?,
@@ -377,9 +412,10 @@ pub(crate) fn logp_checked(
                 }
             }
         }
-        (stats, gathered)
+        (stats, gathered, support)
     };
     drop(passes);
     check_row_stats(&stats, |i| call.live[i], targets, call.seq_len)?;
-    call.output(stats, gathered)
+    let support = support.map(|s| s.stats(&stats, &call.live));
+    call.output(stats, gathered, support)
 }

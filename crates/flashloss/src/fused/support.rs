@@ -27,13 +27,14 @@
 //! Masses are `exp(s_j - s_max)` of the f32 scaled logits that decide the support, so
 //! with `T ≠ 1` `lse^K` carries their rounding (`|s|·2^-24` absolute).
 
+use super::logp_request::{SupportFilter, SupportStats};
 use super::passes::{FusedPasses, TileVisitor};
 use super::support_search::{
     BufferPass, Found, Goal, Search, SearchPass, Tally, key_value, order_key, rel_mass, scaled,
     value_floor,
 };
 use crate::error::Result;
-use crate::rows::{OnlineSoftmax, PartialStats, RowInputs};
+use crate::rows::{OnlineSoftmax, PartialStats, RowInputs, RowStats};
 
 /// The sampler's filters with the unset ones as `None` (`top_k ≥ V`, `top_p = 1` and
 /// `min_p = 0` keep every entry); validated by the caller.
@@ -122,6 +123,18 @@ impl RowSupport {
         })
     }
 
+    /// The support of a row that nothing cuts: its full softmax's statistics.
+    fn whole(st: &RowStats, vocab: usize) -> Self {
+        RowSupport {
+            logp: st.logp,
+            lse: st.lse,
+            size: vocab as u64,
+            outside: false,
+            log_sum: st.log_sum as f64,
+            cut: 0,
+        }
+    }
+
     /// Row `i`'s statistics given its cut, state and target's raw logit `z_y`.
     fn of(cut: &SupportCut, state: &OnlineSoftmax, (z_y, y): (f32, usize)) -> Self {
         let inv_temp = state.inv_temp;
@@ -178,6 +191,83 @@ pub(crate) fn support_buffers(t: &Truncation, n: usize, inv_temp: f32) -> Buffer
     BufferPass::new(n, inv_temp, t.buffer_cap())
 }
 
+/// A log-prob call's truncated support on a vocabulary of `vocab` entries: the filters
+/// that cut (`None` where the request's filters cut nothing: its outputs are then the
+/// full softmax's).
+pub(crate) struct SupportCall {
+    cuts: Option<Truncation>,
+    vocab: usize,
+}
+
+/// What a call's support found: every row's [`RowSupport`] (`None`: nothing cut) and the
+/// extra passes.
+pub(crate) struct SupportRun {
+    pub(crate) rows: Option<Vec<RowSupport>>,
+    extra_passes: usize,
+    vocab: usize,
+}
+
+impl SupportCall {
+    /// The support of a request's `filter` (validated), if it has one.
+    pub(crate) fn new(filter: Option<SupportFilter>, vocab: usize) -> Option<Self> {
+        filter.map(|f| SupportCall {
+            cuts: Truncation::new(f.top_k, f.top_p, f.min_p, vocab),
+            vocab,
+        })
+    }
+
+    /// Pass A's visitor for `rows`, where the filters cut.
+    pub(crate) fn buffers(&self, rows: &RowInputs) -> Option<BufferPass> {
+        let t = self.cuts.as_ref()?;
+        Some(support_buffers(t, rows.live.len(), rows.transform.inv_temp))
+    }
+
+    /// After pass A (`partial`, `buffers` its visitor): every row's support
+    /// ([`support_passes`]).
+    pub(crate) fn run(
+        self,
+        passes: &mut dyn FusedPasses,
+        buffers: Option<BufferPass>,
+        partial: &PartialStats,
+        rows: &RowInputs,
+    ) -> Result<SupportRun> {
+        let (rows, extra_passes) = match (self.cuts, buffers) {
+            (Some(t), Some(b)) => {
+                let (found, extra) = support_passes(passes, b, partial, rows, &t)?;
+                (Some(found), extra)
+            }
+            _ => (None, 0),
+        };
+        Ok(SupportRun {
+            rows,
+            extra_passes,
+            vocab: self.vocab,
+        })
+    }
+}
+
+impl SupportRun {
+    /// The call's support outputs; where nothing was cut, the full softmax's `stats`
+    /// (zeros where a row is not `live`).
+    pub(crate) fn stats(self, stats: &[RowStats], live: &[bool]) -> SupportStats {
+        let rows = self.rows.unwrap_or_else(|| {
+            (stats.iter().zip(live))
+                .map(|(st, &live)| match live {
+                    true => RowSupport::whole(st, self.vocab),
+                    false => RowSupport::default(),
+                })
+                .collect()
+        });
+        SupportStats {
+            logp: rows.iter().map(|r| r.logp).collect(),
+            lse: rows.iter().map(|r| r.lse).collect(),
+            outside: rows.iter().map(|r| r.outside).collect(),
+            size: rows.iter().map(|r| r.size).collect(),
+            extra_passes: self.extra_passes,
+        }
+    }
+}
+
 /// Both visitors see each tile (pass A of a call with candidates and a support).
 pub(crate) struct VisitBoth<'v>(
     pub(crate) &'v mut dyn TileVisitor,
@@ -209,19 +299,25 @@ pub(crate) fn support_passes(
     let s_max: Vec<f32> = (partial.states.iter())
         .map(|st| scaled(st.max, inv_temp))
         .collect();
+    type Decided = ((Pending, Option<Search>), Option<Vec<u64>>);
+    let decided: Vec<Decided> = (buffers.rows.into_par_iter().enumerate())
+        .map(|(i, buf)| {
+            let st = &partial.states[i];
+            if !rows.live[i] || !st.max.is_finite() {
+                return ((Pending::Idle, None), None);
+            }
+            let (keys, complete) = buf.finish(cap);
+            // Pass A's mass relative to `exp(s_max)` instead of `exp(max·inv_temp)`.
+            let total = st.sum * (st.max as f64 * inv_temp as f64 - s_max[i] as f64).exp();
+            let decision = decide(&keys, complete, (s_max[i], total), t);
+            // A top-p search that sums the mass first may find the cut among the keys.
+            let sums_first = matches!(&decision.1, Some(s) if s.sums_mass_first());
+            (decision, sums_first.then_some(keys))
+        })
+        .collect();
+    let (decisions, held): (Vec<_>, Vec<_>) = decided.into_iter().unzip();
     let (mut pending, mut searches): (Vec<Pending>, Vec<Option<Search>>) =
-        (buffers.rows.into_par_iter().enumerate())
-            .map(|(i, buf)| {
-                let st = &partial.states[i];
-                if !rows.live[i] || !st.max.is_finite() {
-                    return (Pending::Idle, None);
-                }
-                let (keys, complete) = buf.finish(cap);
-                // Pass A's mass relative to `exp(s_max)` instead of `exp(max·inv_temp)`.
-                let total = st.sum * (st.max as f64 * inv_temp as f64 - s_max[i] as f64).exp();
-                decide(&keys, complete, (s_max[i], total), t)
-            })
-            .unzip();
+        decisions.into_iter().unzip();
     let mut extra_passes = 0;
     while searches.iter().any(Option::is_some) {
         let mut pass = SearchPass::new(inv_temp, searches);
@@ -241,6 +337,16 @@ pub(crate) fn support_passes(
                 }
                 (Pending::Last { .. }, Found::Cut { cut, kept }) => {
                     (Pending::Done(SupportCut { cut, kept }), None)
+                }
+                (Pending::Last { .. }, Found::Above { target }) => {
+                    let keys = held[i].as_deref().unwrap_or_default();
+                    let cut = top_p_descending(keys, target, s_max[i]);
+                    // Rounding aside the keys reach the target; else they are all kept.
+                    let all = || SupportCut {
+                        cut: keys.last().copied().unwrap_or(0),
+                        kept: Tally::of(keys, s_max[i]),
+                    };
+                    (Pending::Done(cut.unwrap_or_else(all)), None)
                 }
                 (p, f) => unreachable!("a search of {p:?} found {f:?}"),
             };

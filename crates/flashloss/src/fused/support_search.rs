@@ -164,6 +164,9 @@ pub(crate) enum Found {
     Kth(Option<u64>),
     /// [`Goal::Mass`]: the keys `≥ cut` are kept, with their tally.
     Cut { cut: u64, kept: Tally },
+    /// [`Goal::Mass`] without a target: the keys `≥ hi` alone reach the `target` the
+    /// first pass summed (the cut is among them, which the caller holds).
+    Above { target: f64 },
 }
 
 /// One row's search over its keys in `[lo, hi)`, `above` the tally of its keys `≥ hi`.
@@ -194,6 +197,12 @@ impl Search {
             bins: Vec::new(),
             keys: Vec::new(),
         }
+    }
+
+    /// Whether the search is top-p's with a mass to sum first (its cut may lie above
+    /// its range: [`Found::Above`]).
+    pub(crate) fn sums_mass_first(&self) -> bool {
+        matches!(self.goal, Goal::Mass { target: None, .. })
     }
 
     fn width(&self) -> u64 {
@@ -260,7 +269,11 @@ impl Search {
                 Box::new(move |run: Tally, bin: Tally| run.count + bin.count >= k)
             }
             Goal::Mass { top_p, target } => {
+                let fresh = target.is_none();
                 let t = *target.get_or_insert(*top_p * (run.mass + total.mass));
+                if fresh && run.mass >= t {
+                    return Some(Found::Above { target: t });
+                }
                 Box::new(move |run: Tally, bin: Tally| bin.count > 0 && run.mass + bin.mass >= t)
             }
         };

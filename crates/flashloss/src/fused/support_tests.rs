@@ -70,6 +70,7 @@ impl FusedPasses for Dense {
                     max,
                     sum,
                     weighted: 0.0,
+                    sum2: 0.0,
                 });
                 let y = targets[i] as usize;
                 if vocab.contains(&y) {
@@ -262,6 +263,13 @@ fn flat_rows_with_top_p_alone_take_extra_passes() {
             (2..=4).contains(&extra),
             "top_p {top_p}: {extra} extra passes"
         );
+    }
+    // Top-p after a min-p cut below the buffer: the first pass sums the mass, and the
+    // cut lies in the buffer (0.1) or below it (0.9).
+    for top_p in [0.01, 0.9] {
+        let f = filters(None, Some(top_p), Some(0.1));
+        let extra = check("flat min-p top-p", z.clone(), (n, v), 1.0, f, 1e-9);
+        assert!(extra >= 1, "{f:?}: {extra}");
     }
     // min-p far below the buffer: the mass of what it keeps takes a pass.
     let extra = check(
