@@ -543,6 +543,6 @@ mod tests {
         assert!(!complete);
         let mut small = TopBuffer::default();
         small.push_tile(&z[..10], 0, 1.0, 64);
-        assert_eq!(small.finish(64).1, true);
+        assert!(small.finish(64).1);
     }
 }
