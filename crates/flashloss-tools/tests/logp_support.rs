@@ -480,3 +480,36 @@ fn bad_filters_are_errors_naming_the_argument() {
         }
     }
 }
+
+#[test]
+fn candidates_and_a_support_in_one_call() {
+    let (n, h, v) = (5, 12, 1777);
+    let head = ExactHead::<f32>::new((n, h, v), true, true, 29);
+    let inputs = head.inputs();
+    let targets: Vec<i64> = (0..n as i64).map(|i| (i * 97 + 70) % v as i64).collect();
+    let ids: Vec<i64> = (0..n as i64 * 3).map(|x| (x * 389) % v as i64).collect();
+    let call = Call {
+        targets: &targets,
+        mask: None,
+        temperature: 0.5,
+    };
+    let f = filter(Some(40), Some(0.7), None);
+    let run = |gather: bool, support: bool| {
+        let mut ws = Workspace::new();
+        let mut grads = LinearGrads::zeros_for(&inputs, HeadGrad::Frozen);
+        let mut cpu = CpuHead {
+            inputs: &inputs,
+            ws: &mut ws,
+            grads: grads.view(),
+        };
+        let request = LogpRequest {
+            gather_ids: gather.then_some(fused::GatherIds { ids: &ids, k: 3 }),
+            support: support.then_some(f),
+            ..LogpRequest::default()
+        };
+        fused::logp_linear_with(&mut cpu, call.rows(), &request, small_budget(), n).unwrap()
+    };
+    let both = run(true, true);
+    assert_eq!(both.gathered, run(true, false).gathered);
+    assert_eq!(both.support, run(false, true).support);
+}
