@@ -2,8 +2,7 @@
 //! candidates it holds; the one-hot terms stay on the shard holding the id) equal one
 //! rank; bad requests are typed errors naming the argument and index: `gather_ids` out
 //! of range or of the wrong shape, cotangents without ids or not finite, the support
-//! filter's ranges (and a support refused vocab-parallel), a single pass asked with
-//! candidates.
+//! filter's ranges, a single pass asked with candidates.
 
 mod common;
 use common::*;
@@ -378,7 +377,7 @@ fn bad_requests_are_typed_errors() {
 }
 
 #[test]
-fn support_filters_are_checked_and_refused_vocab_parallel() {
+fn support_filters_are_checked() {
     let filter = |top_k, top_p, min_p| LogpRequest {
         support: Some(SupportFilter {
             top_k,
@@ -397,31 +396,5 @@ fn support_filters_are_checked_and_refused_vocab_parallel() {
     }
     for m in [-0.1, 1.01, f64::NAN] {
         assert_eq!(named(forward_error(&filter(None, None, Some(m)))), "min_p");
-    }
-    // A truncated support over vocabulary shards is not implemented yet: every rank
-    // returns the typed error.
-    let head = Head::<f32>::random(N, H, V, false, 8);
-    let r = rows();
-    let request = filter(Some(5), Some(0.9), Some(0.1));
-    let results = run_in_process(2, Duration::from_secs(60), |comm| {
-        let range = shard_range(V, comm.world_size(), comm.rank());
-        let part = head.vocab_shard(range.clone());
-        let shard = Shard {
-            offset: range.start,
-            vocab: V,
-        };
-        let call = (r.logp_rows(), &request);
-        let inputs = part.inputs();
-        let args = HeadArgs::host(&inputs);
-        Device::cpu().logp_linear_sharded_with(&Grid::vocab(comm), shard, args, call, 1 << 26, N)
-    });
-    for res in results {
-        let e = res.unwrap_err();
-        let text = e.to_string();
-        assert!(
-            text.contains("`top_k/top_p/min_p` is not supported")
-                && text.contains("vocab-parallel"),
-            "{e}"
-        );
     }
 }

@@ -29,7 +29,7 @@ pub(crate) fn support_grad_row(
             0.0
         };
         let mut d = g.coef_p * p + g.coef_h * h + g.coef_uniform;
-        if support_key(z, inv_temp, start + o) >= term.cut {
+        if support_key(z, inv_temp, term.offset + start + o) >= term.cut {
             d += term.coef * exp_nonpositive((shifted - term.log_sum).min(0.0));
         }
         *v = if inv_cap == 0.0 {
@@ -83,6 +83,7 @@ mod tests {
                 coef: -0.75,
                 log_sum: log_sum_k as f32,
                 cut,
+                offset: 0,
             };
             let mut got = row.clone();
             support_grad_row(&mut got, start, (&g, &term), inv_temp, inv_cap);

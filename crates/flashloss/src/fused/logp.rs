@@ -342,12 +342,6 @@ pub(crate) fn logp_checked(
 ) -> Result<LogpOutput> {
     let vocab = head.shape().vocab;
     let support = SupportCall::new(call.request.support, split.map_or(vocab, |s| s.vocab));
-    if split.is_some() && support.is_some() {
-        return Err(Error::Unsupported {
-            feature: "top_k/top_p/min_p",
-            reason: "a vocab-parallel run does not support a truncated support yet".into(),
-        });
-    }
     let targets = call.rows.targets;
     let local_targets = split.map(|s| s.local_targets(targets));
     let inputs = call.inputs(local_targets.as_deref().unwrap_or(targets));
@@ -361,7 +355,7 @@ pub(crate) fn logp_checked(
         let range = split.map_or(0..vocab, |s| s.range.clone());
         let gather = call.request.gather_ids.as_ref();
         let mut visitor = gather.map(|ids| GatherVisitor::new(ids, &call.live, &range));
-        let mut buffers = support.as_ref().and_then(|s| s.buffers(&inputs));
+        let mut buffers = (support.as_ref()).and_then(|s| s.buffers(&inputs, range.start));
         let local = match (visitor.as_mut(), buffers.as_mut()) {
             (Some(v), Some(b)) => passes.row_states_visiting(&mut VisitBoth(v, b))?,
             (Some(v), None) => passes.row_states_visiting(v)?,
@@ -386,7 +380,15 @@ pub(crate) fn logp_checked(
             _ => None,
         };
         let support = match support {
-            Some(s) => Some(s.run(passes.as_mut(), buffers, &states, &inputs)?),
+            Some(s) => {
+                let run = s.run(
+                    passes.as_mut(),
+                    (buffers, &states),
+                    (&inputs, targets),
+                    split,
+                )?;
+                Some(run)
+            }
             None => None,
         };
         if call.upstream.is_some() {

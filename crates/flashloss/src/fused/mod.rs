@@ -19,6 +19,7 @@ mod sharded;
 mod split;
 mod support;
 mod support_search;
+mod support_shards;
 #[cfg(test)]
 mod support_tests;
 mod two_pass;

@@ -54,8 +54,12 @@ impl RowGrad {
     }
 
     /// The gradient restricted to a vocabulary shard `range`: the target term stays
-    /// with the shard that holds the target, as a shard-local id.
+    /// with the shard that holds the target, as a shard-local id; a support term learns
+    /// the shard's offset.
     pub fn on_shard(mut self, range: &Range<usize>) -> RowGrad {
+        if let Some(term) = self.support.as_mut() {
+            term.offset = range.start;
+        }
         if range.contains(&self.target) {
             self.target -= range.start;
         } else {

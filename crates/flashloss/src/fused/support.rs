@@ -22,6 +22,10 @@
 //! - `lse^K` from the kept mass (f64, relative to the max), and the gradient is pass B's
 //!   [`super::RowGrad`] with a [`SupportTerm`] `coef·p^K_j·1[key_j ≥ cut]`.
 //!
+//! Vocab-parallel, keys carry ids of the whole vocabulary; the buffers are merged and
+//! each extra pass's tallies summed over the shards (`super::support_shards`), so every
+//! rank decides alike.
+//!
 //! FLOPs: `2NHV·(1 + extra)` for log-probs, `2NHV·(1 + extra) + 6NHV` with gradients
 //! (`4NHV` on a frozen head). The entropy stays the full softmax's, its gradient too.
 //! Masses are `exp(s_j - s_max)` of the f32 scaled logits that decide the support, so
@@ -33,8 +37,10 @@ use super::support_search::{
     BufferPass, Found, Goal, Search, SearchPass, Tally, key_value, order_key, rel_mass, scaled,
     value_floor,
 };
+use super::support_shards::{combine_pass, merge_buffers};
 use crate::error::Result;
 use crate::rows::{OnlineSoftmax, PartialStats, RowInputs, RowStats};
+use crate::sharding::VocabSplit;
 
 /// The sampler's filters with the unset ones as `None` (`top_k ≥ V`, `top_p = 1` and
 /// `min_p = 0` keep every entry); validated by the caller.
@@ -90,8 +96,12 @@ pub struct SupportTerm {
     pub coef: f32,
     /// `log Σ_{j∈K} exp((z_j - max)·inv_temp)`.
     pub log_sum: f32,
-    /// The support's lowest key (`support_search::order_key`).
+    /// The support's lowest key (`support_search::order_key`, ids of the whole
+    /// vocabulary).
     pub cut: u64,
+    /// The head's first id in the whole vocabulary (a vocabulary shard's offset): entry
+    /// `j` of the head has id `offset + j`.
+    pub offset: usize,
 }
 
 /// One row's statistics under the truncated support.
@@ -120,6 +130,7 @@ impl RowSupport {
             coef: (-scale_dlogp) as f32,
             log_sum: self.log_sum as f32,
             cut: self.cut,
+            offset: 0,
         })
     }
 
@@ -186,9 +197,15 @@ impl TileVisitor for SearchPass {
     }
 }
 
-/// Pass A's visitor of a truncated support: the top buffers of `n` rows.
-pub(crate) fn support_buffers(t: &Truncation, n: usize, inv_temp: f32) -> BufferPass {
-    BufferPass::new(n, inv_temp, t.buffer_cap())
+/// Pass A's visitor of a truncated support: the top buffers of `n` rows of a head
+/// whose first id is `offset`.
+pub(crate) fn support_buffers(
+    t: &Truncation,
+    n: usize,
+    inv_temp: f32,
+    offset: usize,
+) -> BufferPass {
+    BufferPass::new(n, inv_temp, t.buffer_cap(), offset)
 }
 
 /// A log-prob call's truncated support on a vocabulary of `vocab` entries: the filters
@@ -216,25 +233,31 @@ impl SupportCall {
         })
     }
 
-    /// Pass A's visitor for `rows`, where the filters cut.
-    pub(crate) fn buffers(&self, rows: &RowInputs) -> Option<BufferPass> {
+    /// Pass A's visitor for `rows` of a head whose first id is `offset`, where the
+    /// filters cut.
+    pub(crate) fn buffers(&self, rows: &RowInputs, offset: usize) -> Option<BufferPass> {
         let t = self.cuts.as_ref()?;
-        Some(support_buffers(t, rows.live.len(), rows.transform.inv_temp))
+        Some(support_buffers(
+            t,
+            rows.live.len(),
+            rows.transform.inv_temp,
+            offset,
+        ))
     }
 
     /// After pass A (`partial`, `buffers` its visitor): every row's support
-    /// ([`support_passes`]).
+    /// ([`support_passes`]; `targets` of the whole vocabulary).
     pub(crate) fn run(
         self,
         passes: &mut dyn FusedPasses,
-        buffers: Option<BufferPass>,
-        partial: &PartialStats,
-        rows: &RowInputs,
+        (buffers, partial): (Option<BufferPass>, &PartialStats),
+        (rows, targets): (&RowInputs, &[i64]),
+        split: Option<&VocabSplit>,
     ) -> Result<SupportRun> {
         let (rows, extra_passes) = match (self.cuts, buffers) {
             (Some(t), Some(b)) => {
-                let (found, extra) = support_passes(passes, b, partial, rows, &t)?;
-                (Some(found), extra)
+                let found = support_passes(passes, (b, partial), (rows, targets), &t, split)?;
+                (Some(found.0), found.1)
             }
             _ => (None, 0),
         };
@@ -281,16 +304,18 @@ impl TileVisitor for VisitBoth<'_> {
     }
 }
 
-/// After pass A (`partial`, with `buffers` its visitor): decides each live row's cut
-/// from its buffer and runs extra passes until every cut is known; returns each row's
-/// [`RowSupport`] (default where the row takes no part) and the extra passes.
-/// `rows.targets` are the head's ids.
+/// After pass A (`partial`, the whole vocabulary's states, with `buffers` its visitor):
+/// decides each live row's cut from its buffer and runs extra passes until every cut
+/// is known; returns each row's [`RowSupport`] (default where the row takes no part)
+/// and the extra passes. `targets` are ids of the whole vocabulary; on a vocabulary
+/// shard (`split`) the buffers and each pass's tallies are combined over the shards
+/// (`super::support_shards`).
 pub(crate) fn support_passes(
     passes: &mut dyn FusedPasses,
-    buffers: BufferPass,
-    partial: &PartialStats,
-    rows: &RowInputs,
+    (buffers, partial): (BufferPass, &PartialStats),
+    (rows, targets): (&RowInputs, &[i64]),
     t: &Truncation,
+    split: Option<&VocabSplit>,
 ) -> Result<(Vec<RowSupport>, usize)> {
     use rayon::prelude::*;
     let n = rows.live.len();
@@ -299,14 +324,20 @@ pub(crate) fn support_passes(
     let s_max: Vec<f32> = (partial.states.iter())
         .map(|st| scaled(st.max, inv_temp))
         .collect();
+    let mut tops: Vec<(Vec<u64>, bool)> = (buffers.rows.into_par_iter())
+        .map(|buf| buf.finish(cap))
+        .collect();
+    if let Some(s) = split {
+        tops = merge_buffers(s.comm, tops, cap)?;
+    }
+    let offset = split.map_or(0, |s| s.range.start);
     type Decided = ((Pending, Option<Search>), Option<Vec<u64>>);
-    let decided: Vec<Decided> = (buffers.rows.into_par_iter().enumerate())
-        .map(|(i, buf)| {
+    let decided: Vec<Decided> = (tops.into_par_iter().enumerate())
+        .map(|(i, (keys, complete))| {
             let st = &partial.states[i];
             if !rows.live[i] || !st.max.is_finite() {
                 return ((Pending::Idle, None), None);
             }
-            let (keys, complete) = buf.finish(cap);
             // Pass A's mass relative to `exp(s_max)` instead of `exp(max·inv_temp)`.
             let total = st.sum * (st.max as f64 * inv_temp as f64 - s_max[i] as f64).exp();
             let decision = decide(&keys, complete, (s_max[i], total), t);
@@ -320,8 +351,11 @@ pub(crate) fn support_passes(
         decisions.into_iter().unzip();
     let mut extra_passes = 0;
     while searches.iter().any(Option::is_some) {
-        let mut pass = SearchPass::new(inv_temp, searches);
+        let mut pass = SearchPass::new(inv_temp, offset, searches);
         passes.visit_tiles(&mut pass)?;
+        if let Some(s) = split {
+            combine_pass(s.comm, &mut pass)?;
+        }
         extra_passes += 1;
         let (found, rest) = pass.finish();
         searches = rest;
@@ -355,7 +389,7 @@ pub(crate) fn support_passes(
     let out = (0..n)
         .map(|i| match pending[i] {
             Pending::Done(cut) => {
-                let y = rows.targets[i] as usize;
+                let y = targets[i] as usize;
                 let target = (partial.target_logits[i], y);
                 RowSupport::of(&cut, &partial.states[i], target)
             }

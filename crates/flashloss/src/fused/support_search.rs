@@ -179,8 +179,10 @@ pub(crate) struct Search {
     s_max: f32,
     /// The next pass collects the range's keys (else it bins them).
     collect: bool,
-    bins: Vec<Tally>,
-    keys: Vec<u64>,
+    /// The pass's tallies per bin (a histogram pass) or the range's keys (a collecting
+    /// pass); vocabulary shards sum them (`super::support_shards`).
+    pub(crate) bins: Vec<Tally>,
+    pub(crate) keys: Vec<u64>,
 }
 
 impl Search {
@@ -344,14 +346,20 @@ impl Search {
 /// a tile visitor: [`SearchPass::see`] sees every tile of the pass.
 pub(crate) struct SearchPass {
     pub(crate) inv_temp: f32,
+    /// The head's first id in the whole vocabulary (a vocabulary shard's offset).
+    pub(crate) offset: usize,
     pub(crate) rows: Vec<Option<Search>>,
 }
 
 impl SearchPass {
     /// Starts a pass over `rows`' searches.
-    pub(crate) fn new(inv_temp: f32, mut rows: Vec<Option<Search>>) -> Self {
+    pub(crate) fn new(inv_temp: f32, offset: usize, mut rows: Vec<Option<Search>>) -> Self {
         rows.iter_mut().flatten().for_each(Search::start_pass);
-        SearchPass { inv_temp, rows }
+        SearchPass {
+            inv_temp,
+            offset,
+            rows,
+        }
     }
 
     /// Sees the tile `z` (`[rows.len(), vocab.len()]`, row stride `ld`) of rows `rows`.
@@ -362,13 +370,12 @@ impl SearchPass {
         z: &[f32],
         ld: usize,
     ) {
-        let inv_temp = self.inv_temp;
-        let cols = vocab.len();
+        let (inv_temp, start, cols) = (self.inv_temp, vocab.start + self.offset, vocab.len());
         (pick(&mut self.rows, rows).into_par_iter())
             .zip(z.par_chunks(ld))
             .for_each(|(search, row)| {
                 if let Some(search) = search {
-                    search.see(&row[..cols], vocab.start, inv_temp);
+                    search.see(&row[..cols], start, inv_temp);
                 }
             });
     }
@@ -394,15 +401,18 @@ impl SearchPass {
 pub(crate) struct BufferPass {
     pub(crate) inv_temp: f32,
     pub(crate) cap: usize,
+    /// The head's first id in the whole vocabulary.
+    pub(crate) offset: usize,
     pub(crate) rows: Vec<TopBuffer>,
 }
 
 impl BufferPass {
-    /// Empty buffers of `cap` keys for `n` rows.
-    pub(crate) fn new(n: usize, inv_temp: f32, cap: usize) -> Self {
+    /// Empty buffers of `cap` keys for `n` rows of a head whose first id is `offset`.
+    pub(crate) fn new(n: usize, inv_temp: f32, cap: usize, offset: usize) -> Self {
         BufferPass {
             inv_temp,
             cap,
+            offset,
             rows: vec![TopBuffer::default(); n],
         }
     }
@@ -416,9 +426,10 @@ impl BufferPass {
         ld: usize,
     ) {
         let (inv_temp, cap, cols) = (self.inv_temp, self.cap, vocab.len());
+        let start = vocab.start + self.offset;
         (pick(&mut self.rows, rows).into_par_iter())
             .zip(z.par_chunks(ld))
-            .for_each(|(buf, row)| buf.push_tile(&row[..cols], vocab.start, inv_temp, cap));
+            .for_each(|(buf, row)| buf.push_tile(&row[..cols], start, inv_temp, cap));
     }
 }
 
@@ -450,7 +461,7 @@ mod tests {
             s_max,
         ))];
         for pass in 1.. {
-            let mut p = SearchPass::new(1.0, rows);
+            let mut p = SearchPass::new(1.0, 0, rows);
             for start in (0..z.len()).step_by(7) {
                 let end = (start + 7).min(z.len());
                 p.see(&[0], start..end, &z[start..end], end - start);

@@ -158,9 +158,10 @@ fn check(
     let Some(t) = Truncation::new(f.top_k, f.top_p, f.min_p, v) else {
         panic!("{case}: no filter cuts");
     };
-    let mut buffers = support_buffers(&t, n, transform.inv_temp);
+    let mut buffers = support_buffers(&t, n, transform.inv_temp, 0);
     let partial = dense.row_states_visiting(&mut buffers).unwrap();
-    let (got, extra) = support_passes(&mut dense, buffers, &partial, &rows, &t).unwrap();
+    let (got, extra) =
+        support_passes(&mut dense, (buffers, &partial), (&rows, &targets), &t, None).unwrap();
     let mut compared = 0;
     for i in 0..n {
         let zi: Vec<f64> = dense.z[i * v..(i + 1) * v]
