@@ -355,7 +355,7 @@ pub(crate) fn logp_checked(
         let range = split.map_or(0..vocab, |s| s.range.clone());
         let gather = call.request.gather_ids.as_ref();
         let mut visitor = gather.map(|ids| GatherVisitor::new(ids, &call.live, &range));
-        let mut buffers = (support.as_ref()).and_then(|s| s.buffers(&inputs, range.start));
+        let mut buffers = (support.as_ref()).and_then(|s| s.buffers(&inputs, range.clone()));
         let local = match (visitor.as_mut(), buffers.as_mut()) {
             (Some(v), Some(b)) => passes.row_states_visiting(&mut VisitBoth(v, b))?,
             (Some(v), None) => passes.row_states_visiting(v)?,

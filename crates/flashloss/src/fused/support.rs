@@ -7,7 +7,8 @@
 //! Streaming, on a two-pass plan (the cut needs each row's max and log-sum first):
 //! - pass A (2NHV) computes the softmax states as usual and a [`TileVisitor`] keeps per
 //!   row its top `C = clamp(top_k + 1, 256, 4096)` keys (`support_search::TopBuffer`:
-//!   amortized O(V), `8·2C` bytes a row at most);
+//!   amortized O(V); `8·C` bytes a row once its tiles are seen, `8·2C` while they are,
+//!   beyond the workspace budget);
 //! - each row's cut is then decided from its buffer where the buffer provably holds it:
 //!   min-p's threshold is exact from the max; top-k's k-th value is the buffer's k-th key
 //!   (`C > k`); top-p needs the mass of what min-p and top-k left, known where that set
@@ -198,14 +199,14 @@ impl TileVisitor for SearchPass {
 }
 
 /// Pass A's visitor of a truncated support: the top buffers of `n` rows of a head
-/// whose first id is `offset`.
+/// whose entries are the ids `head` (of the whole vocabulary).
 pub(crate) fn support_buffers(
     t: &Truncation,
     n: usize,
     inv_temp: f32,
-    offset: usize,
+    head: std::ops::Range<usize>,
 ) -> BufferPass {
-    BufferPass::new(n, inv_temp, t.buffer_cap(), offset)
+    BufferPass::new(n, inv_temp, t.buffer_cap(), (head.start, head.len()))
 }
 
 /// A log-prob call's truncated support on a vocabulary of `vocab` entries: the filters
@@ -233,16 +234,16 @@ impl SupportCall {
         })
     }
 
-    /// Pass A's visitor for `rows` of a head whose first id is `offset`, where the
+    /// Pass A's visitor for `rows` of a head whose entries are the ids `head`, where the
     /// filters cut.
-    pub(crate) fn buffers(&self, rows: &RowInputs, offset: usize) -> Option<BufferPass> {
+    pub(crate) fn buffers(
+        &self,
+        rows: &RowInputs,
+        head: std::ops::Range<usize>,
+    ) -> Option<BufferPass> {
         let t = self.cuts.as_ref()?;
-        Some(support_buffers(
-            t,
-            rows.live.len(),
-            rows.transform.inv_temp,
-            offset,
-        ))
+        let (n, inv_temp) = (rows.live.len(), rows.transform.inv_temp);
+        Some(support_buffers(t, n, inv_temp, head))
     }
 
     /// After pass A (`partial`, `buffers` its visitor): every row's support

@@ -125,6 +125,12 @@ impl TopBuffer {
         }
     }
 
+    /// After the row's last tile: its top `cap` keys, in no more memory than they need.
+    fn settle(&mut self, cap: usize) {
+        self.shrink(cap);
+        self.keys.shrink_to_fit();
+    }
+
     fn shrink(&mut self, cap: usize) {
         if self.keys.len() > cap {
             let cut = self.keys.len() - cap;
@@ -401,18 +407,26 @@ impl SearchPass {
 pub(crate) struct BufferPass {
     pub(crate) inv_temp: f32,
     pub(crate) cap: usize,
-    /// The head's first id in the whole vocabulary.
+    /// The head's first id in the whole vocabulary, and its entries.
     pub(crate) offset: usize,
+    pub(crate) vocab: usize,
     pub(crate) rows: Vec<TopBuffer>,
 }
 
 impl BufferPass {
-    /// Empty buffers of `cap` keys for `n` rows of a head whose first id is `offset`.
-    pub(crate) fn new(n: usize, inv_temp: f32, cap: usize, offset: usize) -> Self {
+    /// Empty buffers of `cap` keys for `n` rows of a head of `vocab` entries whose first
+    /// id is `offset`.
+    pub(crate) fn new(
+        n: usize,
+        inv_temp: f32,
+        cap: usize,
+        (offset, vocab): (usize, usize),
+    ) -> Self {
         BufferPass {
             inv_temp,
             cap,
             offset,
+            vocab,
             rows: vec![TopBuffer::default(); n],
         }
     }
@@ -426,10 +440,15 @@ impl BufferPass {
         ld: usize,
     ) {
         let (inv_temp, cap, cols) = (self.inv_temp, self.cap, vocab.len());
-        let start = vocab.start + self.offset;
+        let (start, last) = (vocab.start + self.offset, vocab.end == self.vocab);
         (pick(&mut self.rows, rows).into_par_iter())
             .zip(z.par_chunks(ld))
-            .for_each(|(buf, row)| buf.push_tile(&row[..cols], start, inv_temp, cap));
+            .for_each(|(buf, row)| {
+                buf.push_tile(&row[..cols], start, inv_temp, cap);
+                if last {
+                    buf.settle(cap);
+                }
+            });
     }
 }
 

@@ -158,7 +158,7 @@ fn check(
     let Some(t) = Truncation::new(f.top_k, f.top_p, f.min_p, v) else {
         panic!("{case}: no filter cuts");
     };
-    let mut buffers = support_buffers(&t, n, transform.inv_temp, 0);
+    let mut buffers = support_buffers(&t, n, transform.inv_temp, 0..v);
     let partial = dense.row_states_visiting(&mut buffers).unwrap();
     let (got, extra) =
         support_passes(&mut dense, (buffers, &partial), (&rows, &targets), &t, None).unwrap();
