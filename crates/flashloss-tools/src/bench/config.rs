@@ -35,6 +35,10 @@ pub enum LossKind {
     Grpo,
     /// Cross-entropy (`ce:` holds its config; level `linear` only).
     Ce,
+    /// The log-prob gradient (`linear_logprobs`' backward: upstream 1 on every row's
+    /// `logp`; level `linear` only, no baseline). With `gather_k`, also the same call
+    /// with `gather_k` candidate ids per row and their cotangents, timed beside it.
+    Logprobs,
 }
 
 /// The bench config file (`configs/bench/*.yaml`).
@@ -87,6 +91,8 @@ pub struct BenchConfig {
     pub grpo: GrpoLossConfig,
     /// The cross-entropy loss.
     pub ce: CeConfig,
+    /// Candidate ids per row of a `logprobs` bench's second call (0: none).
+    pub gather_k: usize,
 }
 
 impl BenchConfig {
@@ -125,6 +131,7 @@ impl Default for BenchConfig {
             device: Backend::Cpu,
             grpo: GrpoLossConfig::default(),
             ce: CeConfig::default(),
+            gather_k: 0,
         }
     }
 }
