@@ -145,7 +145,7 @@ fn check(
         z,
         n,
         v,
-        tile: 333,
+        tile: 333.min(v / 3 + 1),
         inv_temp: transform.inv_temp,
         targets: targets.clone(),
     };
@@ -327,5 +327,45 @@ fn top_k_beyond_the_largest_buffer_is_searched() {
     ] {
         let extra = check(&format!("{f:?}"), z.clone(), (n, v), 0.5, f, 1e-9);
         assert!(extra >= 2, "{f:?}: {extra}");
+    }
+}
+
+#[test]
+fn random_shapes_scales_ties_and_filters() {
+    let mut rng = Rng(77);
+    for case in 0..150 {
+        let v = 2 + (rng.uniform() * 6000.0) as usize;
+        let n = 1 + (rng.uniform() * 4.0) as usize;
+        let scale = [0.01, 0.5, 3.0, 20.0][case % 4];
+        // Quantized values make ties; a fraction of cases keep full floats.
+        let levels = [0.0, 4.0, 64.0][(case / 4) % 3];
+        let z: Vec<f32> = (0..n * v)
+            .map(|_| {
+                let x = rng.normal() * scale;
+                if levels > 0.0 {
+                    (x * levels).round() / levels
+                } else {
+                    x
+                }
+            })
+            .map(|x| x as f32)
+            .collect();
+        let pick = |rng: &mut Rng, p: f64| rng.uniform() < p;
+        let top_k = pick(&mut rng, 0.5).then(|| 1 + (rng.uniform() * v as f64 * 0.6) as usize);
+        let top_p = pick(&mut rng, 0.5).then(|| 0.02 + rng.uniform() * 0.97);
+        let min_p = pick(&mut rng, 0.4).then(|| rng.uniform().powi(3));
+        let f = filters(top_k, top_p, min_p);
+        if Truncation::new(top_k, top_p, min_p, v).is_none() {
+            continue;
+        }
+        let temperature = [1.0, 0.5, 0.8][case % 3];
+        check(
+            &format!("case {case} v={v} {f:?}"),
+            z,
+            (n, v),
+            temperature,
+            f,
+            1e-9,
+        );
     }
 }

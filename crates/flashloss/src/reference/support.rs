@@ -1,7 +1,8 @@
 //! The truncated support of vLLM V1's sampler on one row, materialized in f64
 //! (docs/spec/losses.md, "Truncated support", and flashloss addition 12 for ties).
 //!
-//! The support is decided on the f32 scaled logits `s_j = fl(fl(z_j)·fl(1/T))`, the
+//! The support is decided on the f32 scaled logits `s_j = fl(fl(z_j)·fl(1/T))` (`-0` as
+//! `+0`), the
 //! values a kernel sees, in vLLM's order: min-p keeps `exp(s_j - max s) ≥ min_p` (f64);
 //! top-k keeps, of what is left, `s_j ≥` the k-th largest remaining value (ties kept);
 //! top-p sorts what is left ascending by `(s_j, j)` (stable: among equal values the lower
@@ -53,7 +54,8 @@ pub fn support_row(
 ) -> SupportRow {
     let v = z.len();
     let inv_temp = (1.0 / temperature) as f32;
-    let s: Vec<f32> = z.iter().map(|&x| x as f32 * inv_temp).collect();
+    // `+ 0.0` makes `-0` `+0`: equal values compare equal in the (value, index) order.
+    let s: Vec<f32> = z.iter().map(|&x| x as f32 * inv_temp + 0.0).collect();
     let s_max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
     let rel = |j: usize| (s[j] as f64 - s_max).exp();
     let mut keep = vec![true; v];
