@@ -45,7 +45,7 @@ def reference(hidden, weight, bias, ids, temperature, top_k, top_p, min_p):
         keep &= s >= kth
     if top_p is not None and top_p < 1:
         left = s.masked_fill(~keep, float("-inf"))
-        order = torch.sort(left, -1, stable=True).indices
+        order = torch.sort(left, stable=True, dim=-1).indices
         mass = torch.exp(s64 - s_max).masked_fill(~keep, 0.0)
         q = mass.gather(-1, order) / mass.sum(-1, keepdim=True)
         drop = q.cumsum(-1) <= 1 - top_p
@@ -73,7 +73,10 @@ FILTERS = [
 def test_values_and_gradients_match_the_float64_reference(top_k, top_p, min_p, dtype):
     n, h, v = 6, 12, 2077
     hidden, weight, bias = exact_head(n, h, v, dtype, 3, ties=True)
-    ids = (torch.arange(n) * 331 + 64) % v
+    # Even rows: the largest (value, index), always in the support; odd rows: anywhere.
+    z = hidden.double() @ weight.double().T + bias.double()
+    largest = torch.sort(z, stable=True, dim=-1).indices[:, -1]
+    ids = torch.where(torch.arange(n) % 2 == 0, largest, (torch.arange(n) * 331 + 64) % v)
     mask = torch.ones(n, dtype=torch.bool)
     mask[1] = False
     temperature = 0.5
@@ -81,7 +84,15 @@ def test_values_and_gradients_match_the_float64_reference(top_k, top_p, min_p, d
     weight.requires_grad_(True)
     bias.requires_grad_(True)
     out = ft.linear_logprobs(
-        hidden, weight, ids, temperature, bias=bias, mask=mask, top_k=top_k, top_p=top_p, min_p=min_p
+        hidden,
+        weight,
+        ids,
+        temperature,
+        bias=bias,
+        mask=mask,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
     )
     assert isinstance(out, ft.LogprobOutputs)
     hr, wr, br = (t.detach().double().requires_grad_(True) for t in (hidden, weight, bias))
@@ -100,7 +111,11 @@ def test_values_and_gradients_match_the_float64_reference(top_k, top_p, min_p, d
     (out.logp.double().masked_fill(~finite, 0.0) * g).sum().backward()
     (want.masked_fill(~finite, 0.0) * g).sum().backward()
     tol = 1e-4 if dtype == torch.float32 else 1e-2
-    for name, a, b in (("hidden", hidden, hr), ("weight", weight, wr), ("bias", bias, br)):
+    for name, a, b in (
+        ("hidden", hidden, hr),
+        ("weight", weight, wr),
+        ("bias", bias, br),
+    ):
         scale = b.grad.abs().max().item()
         err = (a.grad.double() - b.grad).abs().max().item()
         assert err <= tol * scale + 1e-7, f"{name}: {err} vs max {scale}"
@@ -145,3 +160,23 @@ def test_bad_filters_name_the_argument(kwargs: dict, arg: Optional[str]):
     hidden, weight, bias = exact_head(2, 4, 50, torch.float32, 1, ties=False)
     with pytest.raises(ValueError, match=arg):
         ft.linear_logprobs(hidden, weight, torch.tensor([1, 2]), bias=bias, **kwargs)
+
+
+def test_opcheck_and_compile_with_a_support():
+    from flashloss import _torch_ops as ops
+
+    hidden, weight, bias = exact_head(6, 8, 301, torch.float32, 11, ties=True)
+    hidden.requires_grad_(True)
+    weight.requires_grad_(True)
+    ids = torch.arange(6) * 41 % 301
+    tests = ("test_schema", "test_faketensor", "test_autograd_registration")
+    args = (hidden, weight, bias, ids, None, 0.5, 160.0, "", None, False, 20, 0.9, None)
+    torch.library.opcheck(ops.logp_linear, args, test_utils=tests)
+
+    def step(hidden, weight):
+        out = ft.linear_logprobs(hidden, weight, ids, 0.5, bias=bias, top_k=20, top_p=0.9)
+        return out.logp.masked_fill(out.outside_support, 0.0).sum()
+
+    eager = step(hidden, weight)
+    compiled = torch.compile(step, fullgraph=True)(hidden, weight)
+    assert torch.equal(eager, compiled)
