@@ -222,7 +222,7 @@ fn exact_rows_every_combination_of_the_filters() {
             for f in combinations(v) {
                 let case = format!("bias={bias} ties={ties} T={temperature} {f:?}");
                 let out = forward(&inputs, &call, f);
-                check_forward(&case, &out, &z, &call, f, 0.0);
+                check_forward(&case, &out, &z, &call, f, 1e-9);
                 let s = out.support.as_ref().unwrap();
                 let cuts = f.top_k.is_some_and(|k| k < v)
                     || f.top_p.is_some_and(|p| p < 1.0)
@@ -271,17 +271,35 @@ fn reference_dz(
 /// Gradients of `E` against the reference for each filter, full and frozen heads.
 fn check_grads<E: Element>(bias: bool, ties: bool, tol: f64) {
     let (n, h, v) = (6, 10, 2077);
-    let head = ExactHead::<E>::new((n, h, v), bias, ties, 17);
+    check_grads_of(
+        &ExactHead::<E>::new((n, h, v), bias, ties, 17),
+        (0.5, true),
+        tol,
+    );
+}
+
+/// Gradients of `head` at `temperature` against the reference for each filter, full and
+/// frozen heads, with an upstream of the entropy where `entropy`.
+fn check_grads_of<E: Element>(head: &ExactHead<E>, (temperature, entropy): (f64, bool), tol: f64) {
+    let (n, h, v, bias) = (head.n, head.h, head.v, head.bias.is_some());
     let inputs = head.inputs();
     let z = linear_logits(&inputs);
     let targets: Vec<i64> = (0..n as i64).map(|i| (i * 331 + 64) % v as i64).collect();
     let mask: Vec<bool> = (0..n).map(|i| i != 1).collect();
     let g_logp: Vec<f32> = (0..n).map(|i| 0.75 - 0.25 * i as f32).collect();
-    let g_h: Vec<f32> = (0..n).map(|i| 0.125 * (i % 3) as f32 - 0.125).collect();
+    let g_h: Vec<f32> = (0..n)
+        .map(|i| {
+            if entropy {
+                0.125 * (i % 3) as f32 - 0.125
+            } else {
+                0.0
+            }
+        })
+        .collect();
     let call = Call {
         targets: &targets,
         mask: Some(&mask),
-        temperature: 0.5,
+        temperature,
     };
     for f in [
         filter(Some(5), None, None),
@@ -292,7 +310,10 @@ fn check_grads<E: Element>(bias: bool, ties: bool, tol: f64) {
         let dz = reference_dz(&z, &call, f, (&g_logp, &g_h), 0.75);
         let (dh, dw, db) = linear_grads(&inputs, &dz);
         for head_grad in [HeadGrad::Full, HeadGrad::Frozen] {
-            let case = format!("{:?} bias={bias} ties={ties} {f:?} {head_grad:?}", E::DTYPE);
+            let case = format!(
+                "{:?} bias={bias} T={temperature} {f:?} {head_grad:?}",
+                E::DTYPE
+            );
             let opts = FusedOptions {
                 head_grad,
                 budget_bytes: small_budget(),
@@ -314,7 +335,7 @@ fn check_grads<E: Element>(bias: bool, ties: bool, tol: f64) {
             let up = LogpUpstream::new(&g_logp, Some(&g_h));
             let out = fused::logp_linear_grads_with(&mut cpu, call.rows(), &request, up, &opts, n)
                 .unwrap_or_else(|e| panic!("{case}: {e}"));
-            check_forward(&case, &out, &z, &call, f, 0.0);
+            check_forward(&case, &out, &z, &call, f, 1e-9);
             assert!(
                 grads.dhidden[h..2 * h].iter().all(|&x| x == 7.0),
                 "{case}: masked row"
@@ -335,6 +356,18 @@ fn check_grads<E: Element>(bias: bool, ties: bool, tol: f64) {
 fn gradients_hold_the_support_fixed_f32() {
     check_grads::<f32>(true, false, 1e-4);
     check_grads::<f32>(false, true, 1e-4);
+    // Random floats at T = 0.7: pass B must recompute pass A's logits bitwise (rows
+    // outside the support take no gradient, yet keep their place in the row blocks).
+    let random = flashloss_tools::inputs::HeadInputs::<f32>::random(6, 10, 2077, true, 19);
+    let head = ExactHead {
+        hidden: random.hidden.clone(),
+        weight: random.weight.clone(),
+        bias: random.bias.clone(),
+        n: 6,
+        h: 10,
+        v: 2077,
+    };
+    check_grads_of(&head, (0.7, false), 1e-4);
 }
 
 #[test]
@@ -528,10 +561,37 @@ fn shard_of<E: Element>(head: &ExactHead<E>, range: std::ops::Range<usize>) -> E
 
 #[test]
 fn vocab_parallel_over_three_ranks_matches_one_rank() {
+    let exact = ExactHead::<f32>::new((5, 10, 3001), true, true, 13);
+    let filters = [
+        filter(Some(20), None, None),
+        filter(None, Some(0.5), None),
+        filter(Some(700), Some(0.8), Some(0.01)),
+        filter(Some(5000), None, None),
+    ];
+    check_vocab_parallel(&exact, 0.5, &filters);
+    // Random floats at T = 0.9 over a small vocabulary (every buffer whole).
+    let random = flashloss_tools::inputs::HeadInputs::<f32>::random(15, 16, 37, true, 8);
+    let head = ExactHead {
+        hidden: random.hidden.clone(),
+        weight: random.weight.clone(),
+        bias: random.bias.clone(),
+        n: 15,
+        h: 16,
+        v: 37,
+    };
+    let filters = [
+        filter(Some(5), None, None),
+        filter(None, Some(0.7), None),
+        filter(Some(12), Some(0.8), Some(0.05)),
+    ];
+    check_vocab_parallel(&head, 0.9, &filters);
+}
+
+/// `head` split over three ranks against one rank, for each of `filters`.
+fn check_vocab_parallel(head: &ExactHead<f32>, temperature: f64, filters: &[SupportFilter]) {
     use flashloss::collective::{Collective, run_in_process};
     use flashloss::{Device, Grid, HeadArgs, Shard, shard_range};
-    let (n, h, v) = (5, 10, 3001);
-    let head = ExactHead::<f32>::new((n, h, v), true, true, 13);
+    let (n, h, v) = (head.n, head.h, head.v);
     let inputs = head.inputs();
     let z = linear_logits(&inputs);
     let targets: Vec<i64> = (0..n as i64).map(|i| (i * 613 + 2) % v as i64).collect();
@@ -540,19 +600,14 @@ fn vocab_parallel_over_three_ranks_matches_one_rank() {
     let call = Call {
         targets: &targets,
         mask: Some(&mask),
-        temperature: 0.5,
+        temperature,
     };
     let opts = FusedOptions {
         budget_bytes: small_budget(),
         ..FusedOptions::from_mib(Mode::TwoPass, 1.0, 1.0)
     };
     let up = LogpUpstream::new(&g_logp, None);
-    for f in [
-        filter(Some(20), None, None),
-        filter(None, Some(0.5), None),
-        filter(Some(700), Some(0.8), Some(0.01)),
-        filter(Some(5000), None, None),
-    ] {
+    for &f in filters {
         let request = LogpRequest {
             support: Some(f),
             ..LogpRequest::default()
@@ -566,10 +621,10 @@ fn vocab_parallel_over_three_ranks_matches_one_rank() {
         let one_out = device
             .logp_linear_grads_with_into(args, (call.rows(), &request), up, &opts, n)
             .unwrap();
-        check_forward(&format!("one rank {f:?}"), &one_out, &z, &call, f, 0.0);
+        check_forward(&format!("one rank {f:?}"), &one_out, &z, &call, f, 1e-5);
         let results = run_in_process(3, std::time::Duration::from_secs(60), |comm| {
             let range = shard_range(v, comm.world_size(), comm.rank());
-            let part = shard_of(&head, range.clone());
+            let part = shard_of(head, range.clone());
             let inputs = part.inputs();
             let shard = Shard {
                 offset: range.start,
