@@ -82,19 +82,35 @@ fn reference_dz(
     dz
 }
 
+/// The filters of the gradient checks.
+const GRAD_FILTERS: [SupportFilter; 4] = [
+    filter(Some(5), None, None),
+    filter(None, Some(0.6), None),
+    filter(Some(300), Some(0.8), Some(0.01)),
+    filter(None, None, Some(0.2)),
+];
+
 /// Gradients of `E` against the reference for each filter, full and frozen heads.
 fn check_grads<E: Element>(bias: bool, ties: bool, tol: f64) {
     let (n, h, v) = (6, 10, 2077);
-    check_grads_of(
-        &ExactHead::<E>::new((n, h, v), bias, ties, 17),
-        (0.5, true),
-        tol,
+    let head = ExactHead::<E>::new((n, h, v), bias, ties, 17);
+    assert_eq!(
+        check_grads_of(&head, (0.5, true), tol, &GRAD_FILTERS),
+        GRAD_FILTERS.len()
     );
 }
 
 /// Gradients of `head` at `temperature` against the reference for each filter, full and
-/// frozen heads, with an upstream of the entropy where `entropy`.
-fn check_grads_of<E: Element>(head: &ExactHead<E>, (temperature, entropy): (f64, bool), tol: f64) {
+/// frozen heads, with an upstream of the entropy where `entropy`; a filter that puts a
+/// live row's cut on a boundary (the reference's margin below 1e-9: top-p's cumulative
+/// sum equal to `1 - top_p` up to rounding) is left out. Returns the filters compared.
+fn check_grads_of<E: Element>(
+    head: &ExactHead<E>,
+    (temperature, entropy): (f64, bool),
+    tol: f64,
+    filters: &[SupportFilter],
+) -> usize {
+    let mut compared = 0;
     let (n, h, v, bias) = (head.n, head.h, head.v, head.bias.is_some());
     let inputs = head.inputs();
     let z = linear_logits(&inputs);
@@ -115,12 +131,15 @@ fn check_grads_of<E: Element>(head: &ExactHead<E>, (temperature, entropy): (f64,
         mask: Some(&mask),
         temperature,
     };
-    for f in [
-        filter(Some(5), None, None),
-        filter(None, Some(0.6), None),
-        filter(Some(300), Some(0.8), Some(0.01)),
-        filter(None, None, Some(0.2)),
-    ] {
+    for &f in filters {
+        let on_boundary = (0..n).filter(|&i| mask[i]).any(|i| {
+            let row = &z[i * v..(i + 1) * v];
+            support_row(row, temperature, targets[i] as usize, as_reference(f)).margin < 1e-9
+        });
+        if on_boundary {
+            continue;
+        }
+        compared += 1;
         let dz = reference_dz(&z, &call, f, (&g_logp, &g_h), 0.75);
         let (dh, dw, db) = linear_grads(&inputs, &dz);
         for head_grad in [HeadGrad::Full, HeadGrad::Frozen] {
@@ -164,6 +183,7 @@ fn check_grads_of<E: Element>(head: &ExactHead<E>, (temperature, entropy): (f64,
             }
         }
     }
+    compared
 }
 
 #[test]
@@ -173,7 +193,10 @@ fn gradients_hold_the_support_fixed_f32() {
     // Random floats at T = 0.7: pass B must recompute pass A's logits bitwise (rows
     // outside the support take no gradient, yet keep their place in the row blocks).
     let head = ExactHead::random((6, 10, 2077), 19);
-    check_grads_of(&head, (0.7, false), 1e-4);
+    assert_eq!(
+        check_grads_of(&head, (0.7, false), 1e-4, &GRAD_FILTERS),
+        GRAD_FILTERS.len()
+    );
 }
 
 #[test]
@@ -318,4 +341,30 @@ fn bad_filters_are_errors_naming_the_argument() {
             other => panic!("{f:?}: {other:?}"),
         }
     }
+}
+
+#[test]
+fn random_exact_heads_and_filters_end_to_end() {
+    let mut state = 0x2545_F491_4F6C_DD1Du64;
+    let mut draw = |hi: usize| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state % hi as u64) as usize
+    };
+    let mut compared = 0;
+    for case in 0..16 {
+        let (n, h, v) = (2 + draw(6), 1 + draw(12), 2 + draw(5000));
+        let head = ExactHead::<f32>::new((n, h, v), draw(2) == 0, draw(2) == 0, case);
+        let top_k = (draw(2) == 0).then(|| 1 + draw(v.min(6000)));
+        let top_p = (draw(2) == 0).then(|| [0.05, 0.3, 0.5, 0.77, 0.95][draw(5)]);
+        let min_p = (draw(3) == 0).then(|| [0.001, 0.1, 0.5][draw(3)]);
+        let temperature = [1.0, 0.5, 2.0][draw(3)];
+        let f = filter(top_k, top_p, min_p);
+        compared += check_grads_of(&head, (temperature, draw(2) == 0), 1e-4, &[f]);
+    }
+    assert!(
+        compared >= 12,
+        "{compared} of 16 cases away from a boundary"
+    );
 }

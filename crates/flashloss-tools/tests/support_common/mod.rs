@@ -65,7 +65,7 @@ impl<E: Element> ExactHead<E> {
     }
 }
 
-pub fn filter(top_k: Option<usize>, top_p: Option<f64>, min_p: Option<f64>) -> SupportFilter {
+pub const fn filter(top_k: Option<usize>, top_p: Option<f64>, min_p: Option<f64>) -> SupportFilter {
     SupportFilter {
         top_k,
         top_p,
