@@ -6,7 +6,10 @@
 //! `dbias += Σ_rows dZ` (8NHV FLOPs in all); a single pass keeps a row block's logits
 //! whole between its statistics and its gradients (6NHV). A frozen head
 //! ([`HeadGrad::Frozen`]) has no `dW`/`dbias` buffers and skips their products. The loss
-//! drivers (GRPO, cross-entropy, log-probs, sharded) are written once over these.
+//! drivers (GRPO, cross-entropy, log-probs, sharded) are written once over these. Two
+//! hooks serve statistics beyond the softmax state (two-pass plans only): a
+//! [`TileVisitor`] sees every logits tile of pass A or of an extra pass, and
+//! [`SparseGrads`] add per-row one-hot terms to pass B.
 
 use super::plan::{FusedOptions, HeadGrad, Plan};
 use super::support::SupportTerm;
