@@ -1,8 +1,8 @@
 //! The log-prob entry points of `flashloss._native`: per-token `logp` and entropy of
 //! `(hidden·weightᵀ + bias)/temperature` at `ids` `[B, T]` (or any shape of N elements),
 //! with what a call asks beyond them (each row's `lse`, max scaled logit and `Σp²`, the
-//! log-probs of candidate ids `gather_ids` `[..., K]`, the truncated support's filters
-//! passed through), and their gradient w.r.t. hidden, weight and bias for upstream
+//! log-probs of candidate ids `gather_ids` `[..., K]`, the log-probs under the truncated
+//! support of `top_k`/`top_p`/`min_p`), and their gradient w.r.t. hidden, weight and bias for upstream
 //! gradients of `logp`, entropy, `lse` and the candidates' log-probs. CPU tensors; a
 //! vocab-parallel `group` splits the head's vocabulary.
 
@@ -111,12 +111,14 @@ fn logp_rows<'py>(
 /// `out_logp`, `out_entropy`; and, where their tensors are given, each token's `lse`,
 /// max scaled logit and `Σp²` (`[N]` f32) and the log-probs of `gather_ids` `[..., K]`
 /// (`out_gathered`, of their shape); `top_k`/`top_p`/`min_p` ask for the truncated
-/// support. No gradient.
+/// support: `out_logp` then holds `logp^K` (`-inf` where the target is outside the
+/// support; the entropy and `lse` stay the full softmax's) and `out_outside` (f32, 1.0
+/// where outside), if given, the flags. No gradient.
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
 #[pyo3(signature = (hidden, weight, bias, ids, mask, temperature, budget_mib, out_logp, out_entropy,
     group=None, out_lse=None, out_max=None, out_sum_p2=None, gather_ids=None, out_gathered=None,
-    top_k=None, top_p=None, min_p=None))]
+    top_k=None, top_p=None, min_p=None, out_outside=None))]
 pub fn logp_linear<'py>(
     py: Python<'py>,
     hidden: &Bound<'py, PyAny>,
@@ -137,6 +139,7 @@ pub fn logp_linear<'py>(
     top_k: Option<i64>,
     top_p: Option<f64>,
     min_p: Option<f64>,
+    out_outside: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<()> {
     let group = VocabGroup::new(group)?;
     let parsed = (|| {
@@ -168,12 +171,38 @@ pub fn logp_linear<'py>(
             }))?
         }
     };
+    let mut logp = Tensor::new("out_logp", out_logp, F32)?;
     write_stats(
         &out.stats,
-        &mut Tensor::new("out_logp", out_logp, F32)?,
+        &mut logp,
         &mut Tensor::new("out_entropy", out_entropy, F32)?,
     )?;
+    write_support(&out, &mut logp, out_outside)?;
     write_extras(&out, (out_lse, out_max, out_sum_p2, out_gathered))
+}
+
+/// Under a truncated support: its `logp^K` over `logp` (`-inf` where the target is
+/// outside it) and the outside flags (1.0 where outside) into `out_outside`.
+fn write_support(
+    out: &LogpOutput,
+    logp: &mut Tensor,
+    out_outside: Option<&Bound<'_, PyAny>>,
+) -> PyResult<()> {
+    match (&out.support, out_outside) {
+        (Some(s), outside) => {
+            write_f32(&s.logp, logp)?;
+            if let Some(t) = outside {
+                let flags: Vec<f32> = s.outside.iter().map(|&o| f32::from(u8::from(o))).collect();
+                write_f32(&flags, &mut Tensor::new("out_outside", t, F32)?)?;
+            }
+            Ok(())
+        }
+        (None, Some(_)) => Err(arg_error(
+            "out_outside",
+            "given without the input that asks for it (top_k, top_p or min_p)",
+        )),
+        (None, None) => Ok(()),
+    }
 }
 
 /// Writes the outputs a call asked beyond `logp` and entropy into their tensors.

@@ -172,5 +172,3 @@ def test_bad_arguments_name_themselves():
         call(top_p=1.5)
     with pytest.raises(ValueError, match="min_p"):
         call(min_p=-0.2)
-    with pytest.raises(ValueError, match="not implemented in this build"):
-        call(top_k=5, top_p=0.9)

@@ -67,7 +67,7 @@ fn typed<E: flashloss::cuda::GpuElement>(
     progress: &mut dyn FnMut(&str, usize, usize),
 ) -> flashloss::Result<BenchReport> {
     use crate::bench::inputs::linear_inputs;
-    use crate::bench::step::{LogprobRows, fused_step};
+    use crate::bench::step::{LogprobCall, LogprobRows, fused_step};
     use flashloss::FusedOptions;
     use flashloss::GrpoLoss;
     use flashloss::Result;
@@ -184,7 +184,7 @@ fn typed<E: flashloss::cuda::GpuElement>(
                     cfg.loss,
                     (&loss, &ce),
                     step,
-                    (&logprobs, false),
+                    (&logprobs, LogprobCall::Plain),
                     &opts,
                 )?;
                 value = l;

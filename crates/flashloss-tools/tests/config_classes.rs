@@ -101,6 +101,8 @@ fn bench_classes_and_memory() {
         ("budget_mib=0", "budget_mib"),
         ("budget_mib=.nan", "budget_mib"),
         ("gather_k=4", "gather_k"),
+        ("top_k=4", "top_k"),
+        ("min_p=0.1", "min_p"),
     ];
     for (set, key) in cases {
         let cfg = bench_with(&[set]);
@@ -110,6 +112,15 @@ fn bench_classes_and_memory() {
     let cfg = bench_with(&["loss=logprobs", "level=logits"]);
     let err = bench::run(&cfg, &mut |l, _, _| notes.push(l.to_string())).unwrap_err();
     assert_eq!(key_of(&err), "loss", "{err}");
+    for (set, key) in [
+        ("top_k=0", "top_k"),
+        ("top_p=1.5", "top_p"),
+        ("min_p=-1", "min_p"),
+    ] {
+        let cfg = bench_with(&["loss=logprobs", "level=linear", set]);
+        let err = bench::run(&cfg, &mut |l, _, _| notes.push(l.to_string())).unwrap_err();
+        assert_eq!(key_of(&err), key, "{set}: {err}");
+    }
     let cfg = bench_with(&["loss=logprobs", "gather_k=4", "device=cuda"]);
     let err = bench::run(&cfg, &mut |l, _, _| notes.push(l.to_string())).unwrap_err();
     assert_eq!(key_of(&err), "gather_k", "{err}");

@@ -2,7 +2,7 @@
 //! candidates it holds; the one-hot terms stay on the shard holding the id) equal one
 //! rank; bad requests are typed errors naming the argument and index: `gather_ids` out
 //! of range or of the wrong shape, cotangents without ids or not finite, the support
-//! filter's ranges (and its not-implemented path), a single pass asked with candidates.
+//! filter's ranges, a single pass asked with candidates.
 
 mod common;
 use common::*;
@@ -377,7 +377,7 @@ fn bad_requests_are_typed_errors() {
 }
 
 #[test]
-fn support_filters_are_checked_then_refused() {
+fn support_filters_are_checked() {
     let filter = |top_k, top_p, min_p| LogpRequest {
         support: Some(SupportFilter {
             top_k,
@@ -397,19 +397,4 @@ fn support_filters_are_checked_then_refused() {
     for m in [-0.1, 1.01, f64::NAN] {
         assert_eq!(named(forward_error(&filter(None, None, Some(m)))), "min_p");
     }
-    let e = forward_error(&filter(Some(5), Some(0.9), Some(0.1)));
-    assert!(
-        matches!(
-            e,
-            Error::Unsupported {
-                feature: "top_k/top_p/min_p",
-                ..
-            }
-        ),
-        "{e}"
-    );
-    assert!(
-        e.to_string().contains("not implemented in this build"),
-        "{e}"
-    );
 }

@@ -30,6 +30,9 @@ class LogprobOutputs(NamedTuple):
     sum_p2: Optional[torch.Tensor]
     #: ``s_k - lse`` at ``gather_ids`` ``[..., K]`` (``gather_ids``' shape).
     gathered_logp: Optional[torch.Tensor]
+    #: Whether each target is outside the truncated support (bool; ``top_k``, ``top_p`` or
+    #: ``min_p`` given), where ``logp`` is ``-inf``.
+    outside_support: Optional[torch.Tensor] = None
 
 
 def _check_gather_ids(ids: torch.Tensor, gather_ids) -> None:
@@ -71,13 +74,19 @@ def linear_logprobs(
     ``return_lse`` (``logsumexp_j s_j``), ``return_max`` (``max_j s_j``), ``return_sum_p2``
     (``Σ_j p_j²``), ``gather_ids`` ``[..., K]`` (integer, any ``K >= 1``, repeats allowed:
     ``gathered_logp = s_k - lse`` at each id, with no ``[N, V]`` array). ``top_k``,
-    ``top_p`` and ``min_p`` (the truncated support) are checked and passed through (not
-    implemented in this build: an error).
+    ``top_p`` and ``min_p`` (vLLM V1's sampler filters, in its order: min-p, top-k, top-p;
+    ``None``, ``top_k >= V``, ``top_p = 1`` and ``min_p = 0`` cut nothing) make ``logp`` the
+    log-prob under the truncated support ``K`` the sampler draws from, ``s_y - logsumexp_{j∈K}
+    s_j``, ``-inf`` where the target is outside ``K`` (flagged in ``outside_support``; such a
+    token takes no gradient); the entropy and ``lse`` stay the full softmax's. Ties at a cut
+    are kept (top-k, min-p) or split by index, the lower dropped first (top-p); rows whose
+    cut the kernel's top buffers cannot decide (flat rows under top-p) take extra passes.
 
     Differentiable in ``hidden``, ``weight`` and ``bias`` through ``logp``, the entropy,
     ``lse`` and ``gathered_logp``: the backward runs the head again with each row's
     upstream gradients (6NHV FLOPs; 4NHV when ``weight`` and ``bias`` need no gradient, a
-    frozen head, which gets no ``[V, H]`` buffer; two-pass, 8NHV, with ``gather_ids``)."""
+    frozen head, which gets no ``[V, H]`` buffer; two-pass, 8NHV, with ``gather_ids`` or a
+    support, whose ``K`` is held fixed)."""
     group = _dist.register(vocab_parallel_group)
 
     def prepare():
@@ -97,8 +106,10 @@ def linear_logprobs(
     g = None if gather_ids is None else gather_ids.to(torch.int64).contiguous()
     support = (top_k, top_p, min_p)
     args = (m, float(temperature), budget, group, g, bool(return_sum_p2), *support)
-    logp, entropy, lse, max_logit, sum_p2, gathered = ops.logp_linear(h, w, b, ids.to(torch.int64).contiguous(), *args)
-    if not (return_lse or return_max or return_sum_p2 or g is not None or any(x is not None for x in support)):
+    out = ops.logp_linear(h, w, b, ids.to(torch.int64).contiguous(), *args)
+    logp, entropy, lse, max_logit, sum_p2, gathered, outside = out
+    truncated = any(x is not None for x in support)
+    if not (return_lse or return_max or return_sum_p2 or g is not None or truncated):
         return (logp, entropy) if return_entropy else logp
     return LogprobOutputs(
         logp,
@@ -107,4 +118,5 @@ def linear_logprobs(
         max_logit if return_max else None,
         sum_p2 if return_sum_p2 else None,
         gathered if g is not None else None,
+        outside != 0 if truncated else None,
     )

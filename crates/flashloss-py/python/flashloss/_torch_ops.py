@@ -368,15 +368,20 @@ ce_linear_rows_lse.register_autograd(_ce_rows_lse_backward, setup_context=_ce_ro
 # --- Log-probabilities -----------------------------------------------------------------
 
 
-def _logp_outputs(ids: Tensor, gather_ids: Optional[Tensor], sum_p2: bool, new) -> tuple:
-    """``(logp, entropy, lse, max_logit, sum_p2, gathered)`` buffers from ``new(shape)``:
-    ``ids``' shape each, ``sum_p2`` ``[0]`` unless asked, ``gathered`` ``gather_ids``'
-    shape (``[0]`` without)."""
+def _logp_outputs(ids: Tensor, gather_ids: Optional[Tensor], sum_p2: bool, support: bool, new) -> tuple:
+    """``(logp, entropy, lse, max_logit, sum_p2, gathered, outside)`` buffers from
+    ``new(shape)``: ``ids``' shape each, ``sum_p2`` ``[0]`` unless asked, ``gathered``
+    ``gather_ids``' shape (``[0]`` without), ``outside`` ``[0]`` without a support."""
     return (
         *(new(ids.shape) for _ in range(4)),
         new(ids.shape if sum_p2 else (0,)),
         new((0,) if gather_ids is None else gather_ids.shape),
+        new(ids.shape if support else (0,)),
     )
+
+
+def _has_support(top_k, top_p, min_p) -> bool:
+    return any(x is not None for x in (top_k, top_p, min_p))
 
 
 @torch.library.custom_op("flashloss::logp_linear", mutates_args=())
@@ -394,23 +399,31 @@ def logp_linear(
     top_k: Optional[int] = None,
     top_p: Optional[float] = None,
     min_p: Optional[float] = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``(logp, entropy, lse, max_logit, sum_p2, gathered)`` f32: ``ids``' shape each (zero
-    where ``mask`` is false), ``sum_p2`` ``[0]`` unless asked, ``gathered`` the log-probs
-    of ``gather_ids`` ``[..., K]`` (``[0]`` without)."""
-    out = _logp_outputs(ids, gather_ids, sum_p2, lambda shape: torch.empty(shape, dtype=torch.float32))
-    logp, entropy, lse, max_logit, p2, gathered = out
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(logp, entropy, lse, max_logit, sum_p2, gathered, outside)`` f32: ``ids``' shape
+    each (zero where ``mask`` is false), ``sum_p2`` ``[0]`` unless asked, ``gathered`` the
+    log-probs of ``gather_ids`` ``[..., K]`` (``[0]`` without); with ``top_k``/``top_p``/
+    ``min_p``, ``logp`` under the truncated support (``-inf`` outside it) and ``outside``
+    1.0 where the target is outside (``[0]`` without a support)."""
+    support = _has_support(top_k, top_p, min_p)
+    out = _logp_outputs(ids, gather_ids, sum_p2, support, lambda shape: torch.empty(shape, dtype=torch.float32))
+    logp, entropy, lse, max_logit, p2, gathered, outside = out
     h = hidden.reshape(-1, hidden.shape[-1])
     _native.logp_linear(
         h, weight, bias, ids, mask, temperature, budget_mib, logp, entropy, _dist.ops(group), lse, max_logit,
         p2 if sum_p2 else None, gather_ids, None if gather_ids is None else gathered, top_k, top_p, min_p,
+        outside if support else None,
     )  # fmt: skip
     return tuple(t.to(hidden.device) for t in out)
 
 
 @logp_linear.register_fake
-def _(hidden, weight, bias, ids, mask, temperature, budget_mib, group, gather_ids=None, sum_p2=False, *_):
-    return _logp_outputs(ids, gather_ids, sum_p2, lambda shape: hidden.new_empty(shape, dtype=torch.float32))
+def _(
+    hidden, weight, bias, ids, mask, temperature, budget_mib, group, gather_ids=None, sum_p2=False,
+    top_k=None, top_p=None, min_p=None,
+):  # fmt: skip
+    support = _has_support(top_k, top_p, min_p)
+    return _logp_outputs(ids, gather_ids, sum_p2, support, lambda shape: hidden.new_empty(shape, dtype=torch.float32))
 
 
 @torch.library.custom_op("flashloss::logp_linear_backward", mutates_args=())
@@ -464,11 +477,11 @@ def _logp_setup(ctx, inputs, output):
     ctx.save_for_backward(hidden, weight, bias, ids, mask, gather_ids)
     ctx.args = (temperature, budget_mib, group)
     ctx.support = tuple(support)  # top_k, top_p, min_p
-    ctx.mark_non_differentiable(output[3], output[4])  # the max logit and Σp²
+    ctx.mark_non_differentiable(output[3], output[4], output[6])  # max logit, Σp², outside
     ctx.set_materialize_grads(False)
 
 
-def _logp_backward(ctx, grad_logp, grad_entropy, grad_lse, _max, _sum_p2, grad_gathered):
+def _logp_backward(ctx, grad_logp, grad_entropy, grad_lse, _max, _sum_p2, grad_gathered, _outside):
     hidden, weight, bias, ids, mask, gather_ids = ctx.saved_tensors
     head_grad = _head_wanted(ctx)
     if all(g is None for g in (grad_logp, grad_entropy, grad_lse, grad_gathered)):

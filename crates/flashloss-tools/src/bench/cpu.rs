@@ -5,7 +5,7 @@
 use super::config::{BenchConfig, Impl, Level, LossKind};
 use super::inputs::{linear_inputs, token_inputs};
 use super::report::{BenchReport, BenchResult, time_steps};
-use super::step::{LogprobRows, fused_step};
+use super::step::{LogprobCall, LogprobRows, fused_step};
 use flashloss::batch::{LinearInputs, LogitsLayout};
 use flashloss::cpu::Avx512Bf16;
 use flashloss::cpu::bf16_gemm::{PackedA, PackedB};
@@ -183,12 +183,16 @@ fn run_linear<E: Element>(
     } else {
         0
     };
-    let logprobs = LogprobRows::new(n, v, gather_k);
-    let fused_runs: &[(&'static str, bool)] = match gather_k {
-        0 => &[("fused", false)],
-        _ => &[("fused", false), ("fused_gather", true)],
-    };
-    for &(name, gather) in fused_runs {
+    let mut logprobs = LogprobRows::new(n, v, gather_k);
+    logprobs.support = cfg.support().filter(|_| cfg.loss == LossKind::Logprobs);
+    let mut fused_runs = vec![("fused", LogprobCall::Plain)];
+    if gather_k > 0 {
+        fused_runs.push(("fused_gather", LogprobCall::Gather));
+    }
+    if logprobs.support.is_some() {
+        fused_runs.push(("fused_support", LogprobCall::Support));
+    }
+    for (name, call) in fused_runs {
         if cfg.implementation == Impl::Baseline {
             break;
         }
@@ -211,13 +215,19 @@ fn run_linear<E: Element>(
                 cfg.loss,
                 (&loss, &ce),
                 (&batch, norm),
-                (&logprobs, gather),
+                (&logprobs, call),
                 &opts,
             )?;
             plan = Some(ran);
             Ok(value)
         })?;
-        let flops = plan.map(|p| p.flops(n, h, v));
+        // The support's extra passes each form the logits once more (2NHV).
+        let extra = match call {
+            LogprobCall::Support => logprobs.extra_passes.get(),
+            _ => 0,
+        };
+        let extra_flops = 2.0 * extra as f64 * (n * h) as f64 * v as f64;
+        let flops = plan.map(|p| p.flops(n, h, v) + extra_flops);
         r.flops = flops;
         r.gflops_per_s = flops.map(|f| f / r.step_seconds.median / 1e9);
         r.gemm_gflops_per_s = Some(gemm_gflops_per_s);
@@ -228,6 +238,10 @@ fn run_linear<E: Element>(
         }
         r.plan = plan;
         report.results.push(r);
+        if call == LogprobCall::Support {
+            let note = format!("{name}: {extra} extra passes over the vocabulary (2NHV each)");
+            report.notes.push(note);
+        }
     }
     Ok(report)
 }
