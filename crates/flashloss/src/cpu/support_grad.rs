@@ -3,46 +3,48 @@
 //! `p^K_j = exp((z_j - max)·inv_temp - log_sum^K)` and `K = {j : key(s_j, j) ≥ cut}`
 //! (`s_j = fl(z_j·inv_temp)`, the key of the support's order),
 //! `dz_j = (coef_p·p_j + coef_h·p_j·(log p_j + H) + uniform + coef·p^K_j·1[j∈K])·slope_j`,
-//! each logit read once (the row becomes `dZ` in place; the target term is added by the
-//! caller).
+//! the softmax terms vectorized as on any row, the support's term added at the entries
+//! of `K` (the row becomes `dZ` in place; the target term is added by the caller).
 
-use super::simd::{exp_nonpositive, softcap_slope};
-use crate::fused::{RowGrad, SupportTerm, support_key};
+use super::simd::{SoftmaxGrad, exp_nonpositive, softcap_slope, softmax_grad};
+use crate::fused::{SupportTerm, support_key};
 
-/// Writes the gradient of `row` (logits of vocabulary entries from `start`) over it.
+/// Writes the gradient of `row` (logits of vocabulary entries from `start`) over it:
+/// the row's softmax terms `params` (vectorized, as a row without a support), then the
+/// support's term at the entries of `K`, found by their scaled logit first
+/// (`s_j ≥ value(cut)` is necessary for `key_j ≥ cut`) and read before the row is
+/// overwritten.
 pub(crate) fn support_grad_row(
     row: &mut [f32],
     start: usize,
-    (g, term): (&RowGrad, &SupportTerm),
-    inv_temp: f32,
-    inv_cap: f32,
+    (params, term): (&SoftmaxGrad, &SupportTerm),
 ) {
-    let st = &g.stats;
-    for (o, v) in row.iter_mut().enumerate() {
-        let z = *v;
-        let shifted = (z - st.max) * inv_temp;
-        let log_p = shifted - st.log_sum;
-        let p = exp_nonpositive(log_p);
-        let h = if p > 0.0 {
-            p * (log_p + st.entropy)
-        } else {
-            0.0
-        };
-        let mut d = g.coef_p * p + g.coef_h * h + g.coef_uniform;
-        if support_key(z, inv_temp, term.offset + start + o) >= term.cut {
-            d += term.coef * exp_nonpositive((shifted - term.log_sum).min(0.0));
+    let (inv_temp, cut_value) = (params.scale, term.cut_value());
+    let mut adds = Vec::new();
+    for (o, &z) in row.iter().enumerate() {
+        if z * inv_temp >= cut_value
+            && support_key(z, inv_temp, term.offset + start + o) >= term.cut
+        {
+            let shifted = (z - params.max) * inv_temp;
+            let add = term.coef * exp_nonpositive((shifted - term.log_sum).min(0.0));
+            let slope = if params.inv_cap == 0.0 {
+                1.0
+            } else {
+                softcap_slope(z, params.inv_cap)
+            };
+            adds.push((o, add * slope));
         }
-        *v = if inv_cap == 0.0 {
-            d
-        } else {
-            d * softcap_slope(z, inv_cap)
-        };
+    }
+    softmax_grad(row, params);
+    for (o, add) in adds {
+        row[o] += add;
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fused::RowGrad;
     use crate::rows::RowStats;
 
     /// Every term against f64, with and without a soft-cap, the support cut inside a
@@ -85,8 +87,18 @@ mod tests {
                 cut,
                 offset: 0,
             };
+            let params = SoftmaxGrad {
+                max: g.stats.max,
+                scale: inv_temp,
+                log_sum: g.stats.log_sum,
+                coef_p: g.coef_p,
+                coef_h: g.coef_h,
+                entropy: g.stats.entropy,
+                uniform: g.coef_uniform,
+                inv_cap,
+            };
             let mut got = row.clone();
-            support_grad_row(&mut got, start, (&g, &term), inv_temp, inv_cap);
+            support_grad_row(&mut got, start, (&params, &term));
             for (j, &z) in row.iter().enumerate() {
                 let (lp, lpk) = (s(z) - log_sum, s(z) - log_sum_k);
                 let slope = 1.0 - (z as f64 * inv_cap as f64).powi(2);

@@ -105,6 +105,13 @@ pub struct SupportTerm {
     pub offset: usize,
 }
 
+impl SupportTerm {
+    /// The scaled logit of the cut: every entry of `K` has `s_j ≥` it.
+    pub fn cut_value(&self) -> f32 {
+        key_value(self.cut)
+    }
+}
+
 /// One row's statistics under the truncated support.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct RowSupport {
