@@ -337,7 +337,7 @@ def linear_cross_entropy(
     ``lse`` ``[...]`` float32, each row's log-sum-exp of the logits as the loss sees them
     (soft-capped, divided by the temperature), 0 where ``targets`` is ``ignore_index``,
     differentiable (``∂lse/∂s_j = p_j``; on the FFI path a cotangent on it runs the kernel
-    once more; not with ``vocab_axis`` there yet). ``vocab_axis``: inside
+    once more, or joins reduction none's backward pass). ``vocab_axis``: inside
     ``jax.shard_map``, the mesh axis over which the head's vocabulary is split in equal
     contiguous blocks, as in :func:`linear_grpo_loss`; every device passes all the rows
     and gets the loss, the whole ``hidden`` gradient and its block's gradients. ``impl``,
@@ -361,13 +361,8 @@ def linear_cross_entropy(
 
     def ffi(h2, weight, bias, t1):
         if vocab_axis is not None:
-            if return_lse:
-                raise ValueError(
-                    "argument `return_lse`: not supported with `vocab_axis` on the FFI path (so far); "
-                    "the Pallas path (impl='pallas') takes both"
-                )
             args = (vocab_axis, config, float(temperature), int(ignore_index), int(vocab), reduction, budget, mode)
-            return _vocab.cross_entropy(h2, weight, bias, t1, *args, weight_layout), None
+            return _vocab.cross_entropy(h2, weight, bias, t1, *args, weight_layout)
         if reduction == "none":
             return _ffi.cross_entropy_rows(h2, weight, bias, t1, config, mode, budget, weight_layout)
         return _ffi.cross_entropy(h2, weight, bias, t1, config, mode, budget, weight_layout)
@@ -377,7 +372,7 @@ def linear_cross_entropy(
             *_wide(h2, weight, bias), t1, spec, ignore_index=int(ignore_index), label_smoothing=float(label_smoothing),
             z_loss=float(z_loss), reduction=reduction,
         )  # fmt: skip
-        return out, (lse if return_lse or vocab_axis is None else None)
+        return out, lse
 
     out, lse = _on_path(impl, interpret, pallas, ffi, h2, weight, bias, t1)
     out = out.reshape(targets.shape) if reduction == "none" else out
