@@ -81,7 +81,7 @@ def _call(impl, x, w, b, ids, live, temperature, filters, **kw):
                               top_p=top_p, min_p=min_p, impl=impl, interpret=impl == "pallas", **kw)  # fmt: skip
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", (*IMPLS, "auto"))  # auto: both paths traced, the FFI one runs on the CPU
 @pytest.mark.parametrize("filters", FILTERS)
 def test_values_and_gradients_match_the_f64_reference(impl, filters):
     n, h, v, temperature = 7, 12, 301, 0.5
