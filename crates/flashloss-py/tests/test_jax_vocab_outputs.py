@@ -5,7 +5,8 @@ an lse cotangent with and without the loss's) and ``linear_logprobs``' ``gather_
 (candidates in other devices' blocks, repeats, masked rows), against the materialized
 float64 reference of ``test_jax_logprob_outputs``: values, and the gradients of
 ``hidden``, each device's block of ``weight`` and ``bias``. ``impl="auto"`` traces both
-paths (``platform_dependent``) and takes the FFI one on the CPU. Runs in a subprocess,
+paths (``platform_dependent``) and takes the FFI one on the CPU. Also ``top_k``/``top_p``
+with the rows (not the head) split. Runs in a subprocess,
 since the device count must be set before JAX starts."""
 
 import importlib
@@ -18,7 +19,7 @@ import pytest
 pytest.importorskip("jax")
 pytest.importorskip("flashloss.jax")
 
-CASES = 2 * 4 + 1 + 2 * 2
+CASES = 2 * 4 + 1 + 2 * 2 + 2
 
 
 def test_vocab_axis_outputs_match_f64():
@@ -119,6 +120,40 @@ def _gather_ids(jax, jnp, np, fj, ref):
             print("ok gather_ids", layout, impl)
 
 
+def _support_rows_split(jax, jnp, np, fj):
+    """top_k/top_p with the rows split over 8 devices (the head passed whole, cast to
+    varying): the Pallas path's scan carries the varying type; equal to one device."""
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    rng = np.random.default_rng(51)
+    n, h, v = 16, 8, 90
+    x = jnp.asarray(rng.standard_normal((n, h)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((v, h)) * 0.5, jnp.float32)
+    ids = jnp.asarray(rng.integers(0, v, n), jnp.int32)
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
+    for impl in ("ffi", "pallas"):
+
+        def loss(x, w, ids):
+            out = fj.linear_logprobs(x, w, ids, 0.7, top_k=30, top_p=0.9, impl=impl, interpret=impl == "pallas")
+            return jnp.where(out.outside_support, 0.0, out.logp).sum()
+
+        want, (dx, dw) = jax.value_and_grad(loss, (0, 1))(x, w, ids)
+
+        def local(x, w, ids):
+            w = jax.lax.pcast(w, "d", to="varying")
+            value, (gx, gw) = jax.value_and_grad(loss, (0, 1))(x, w, ids)
+            return jax.lax.psum(value, "d"), gx, jax.lax.psum(gw, "d")
+
+        specs = (P("d"), P(), P("d"))
+        step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(P(), P("d"), P())))
+        got, gx, gw = step(*[jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((x, w, ids), specs)])
+        assert abs(float(got) - float(want)) <= 1e-5 * max(1.0, abs(float(want))), (impl, got, want)
+        assert float(jnp.abs(gx - dx).max()) <= 1e-5 * float(jnp.abs(dx).max()), impl
+        assert float(jnp.abs(gw - dw).max()) <= 1e-5 * float(jnp.abs(dw).max()), impl
+        print("ok support rows split", impl)
+
+
 def _main():
     import jax
     import jax.numpy as jnp
@@ -132,6 +167,7 @@ def _main():
     assert len(jax.devices()) == 8
     _ce_return_lse(jax, jnp, np, fj, ref)
     _gather_ids(jax, jnp, np, fj, ref)
+    _support_rows_split(jax, jnp, np, fj)
 
 
 if __name__ == "__main__":

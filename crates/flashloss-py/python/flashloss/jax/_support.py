@@ -127,6 +127,14 @@ def truncated_logp(x, weight, bias, ids, live, spec):
     return jax.lax.map(row, (x, ids, live), batch_size=_blocks(x.shape[0], vocab_size(weight, spec[1])))
 
 
+def _zeros(shape, like) -> jax.Array:
+    """f32 zeros varying over every mesh axis any of ``like`` varies over (inside
+    ``shard_map``: the scan's carry has the type of what it accumulates)."""
+    axes = set().union(*(getattr(jax.typeof(a).mat, "varying", ()) for a in like if a is not None))
+    z = jnp.zeros(shape, jnp.float32)
+    return jax.lax.pcast(z, tuple(sorted(axes)), to="varying") if axes else z
+
+
 def _fwd(x, weight, bias, ids, live, spec):
     x, weight, bias, ids, live = _values(x, weight, bias, ids, live)
     out = truncated_logp(x, weight, bias, ids, live, spec)
@@ -156,7 +164,8 @@ def _bwd(spec, res, cts):
         dw_sum, db_sum = carry
         return (dw_sum + dw.astype(jnp.float32), None if bias is None else db_sum + db.astype(jnp.float32)), dx
 
-    zero = (jnp.zeros(weight.shape, jnp.float32), None if bias is None else jnp.zeros(bias.shape, jnp.float32))
+    varying = (x, weight, bias, ids, g)
+    zero = (_zeros(weight.shape, varying), None if bias is None else _zeros(bias.shape, varying))
     (dw, db), dx = jax.lax.scan(block, zero, tuple(blocks))
     db = None if bias is None else db.astype(bias.dtype)
     return dx.reshape(-1, x.shape[1])[:n], dw.astype(weight.dtype), db, None, None
