@@ -84,6 +84,17 @@ def _call(impl, x, w, b, ids, live, temperature, filters, **kw):
 @pytest.mark.parametrize("impl", (*IMPLS, "auto"))  # auto: both paths traced, the FFI one runs on the CPU
 @pytest.mark.parametrize("filters", FILTERS)
 def test_values_and_gradients_match_the_f64_reference(impl, filters):
+    _check_against_reference(impl, filters, "vh", jnp.float32)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("layout,dtype", [("hv", jnp.float32), ("vh", jnp.bfloat16), ("hv", jnp.bfloat16)])
+def test_layouts_and_bf16_match_the_f64_reference(impl, layout, dtype):
+    """The exact inputs are exact in bf16 too: the same logits, the gradients in bf16."""
+    _check_against_reference(impl, (40, 0.8, 0.01), layout, dtype)
+
+
+def _check_against_reference(impl, filters, layout, dtype):
     n, h, v, temperature = 7, 12, 301, 0.5
     x, w, b = exact_head(n, h, v, 3)
     z = x.astype(np.float64) @ w.T.astype(np.float64) + b
@@ -96,21 +107,22 @@ def test_values_and_gradients_match_the_f64_reference(impl, filters):
     finite = live & ~want_out
 
     def f(x, w, bias):
-        out = _call(impl, x, w, bias, ids, live, temperature, filters, return_entropy=False)
+        out = _call(impl, x, w, bias, ids, live, temperature, filters, weight_layout=layout)
         return (jnp.where(out.outside_support, 0.0, out.logp) * jnp.asarray(g, jnp.float32)).sum(), out
 
-    (_, out), grads = jax.jit(jax.value_and_grad(f, (0, 1, 2), has_aux=True))(
-        jnp.asarray(x), jnp.asarray(w), jnp.asarray(b)
-    )
+    wt = w if layout == "vh" else w.T
+    args = (jnp.asarray(x, dtype), jnp.asarray(wt, dtype), jnp.asarray(b, dtype))
+    (_, out), grads = jax.jit(jax.value_and_grad(f, (0, 1, 2), has_aux=True))(*args)
     assert isinstance(out, fj.LogprobOutputs) and out.outside_support.dtype == jnp.bool_
     np.testing.assert_array_equal(np.asarray(out.outside_support), want_out)
     got = np.asarray(out.logp, np.float64)
     assert np.array_equal(np.isneginf(got), want_out) and (got[~live] == 0).all()
     assert finite.any()
     np.testing.assert_allclose(got[finite], want[finite], rtol=1e-5, atol=1e-6)
-    for name, a, ref in zip(("dhidden", "dweight", "dbias"), grads, (dx, dw, db)):
-        err = np.abs(np.asarray(a, np.float64) - ref).max()
-        assert err <= 1e-4 * max(np.abs(ref).max(), 1e-6) + 1e-7, (name, err)
+    tol = 1e-4 if dtype == jnp.float32 else 1e-2
+    for name, a, ref in zip(("dhidden", "dweight", "dbias"), grads, (dx, dw if layout == "vh" else dw.T, db)):
+        err = np.abs(np.asarray(a.astype(jnp.float32), np.float64) - ref).max()
+        assert err <= tol * max(np.abs(ref).max(), 1e-6) + 1e-7, (name, err)
 
 
 def test_the_filters_cut_inside_ties_and_drop_targets():
