@@ -17,8 +17,9 @@ keep the largest). ``logp^K_i = s_{i,y_i} - logsumexp_{j∈K_i} s_ij``, ``-inf``
   the vocabulary: each block's logits ``[rows, V]`` in f32 (``hidden·Wᵀ + bias``, the
   head's transform), the filters, ``logp^K``; the backward recomputes each block's logits
   and support (nothing ``[N, V]`` is kept) and takes the block's VJP of its logits. Memory
-  ``O(rows_per_block · V)``; the top-p sums are f32 (the kernel's are f64), so a support may
-  differ where an ascending cumulative mass is within f32 rounding of ``1 - top_p``.
+  ``O(rows_per_block · V)``; min-p's ratios and top-p's sums are f32 (the kernel's f64), so
+  a support may differ where ``p_j / max p`` is within f32 rounding of ``min_p`` or an
+  ascending cumulative mass within f32 rounding of ``1 - top_p``.
 """
 
 from __future__ import annotations
