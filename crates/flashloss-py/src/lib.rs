@@ -9,6 +9,7 @@ mod dist;
 mod front;
 mod jax;
 mod logits;
+mod logprobs;
 mod losses;
 mod tensor;
 
@@ -22,10 +23,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(losses::grpo_linear, m)?)?;
     m.add_function(wrap_pyfunction!(losses::ce_linear, m)?)?;
     m.add_function(wrap_pyfunction!(losses::ce_rows, m)?)?;
-    m.add_function(wrap_pyfunction!(losses::logp_linear, m)?)?;
+    m.add_function(wrap_pyfunction!(logprobs::logp_linear, m)?)?;
     m.add_function(wrap_pyfunction!(logits::grpo_logits, m)?)?;
     m.add_function(wrap_pyfunction!(logits::grpo_logits_per_token, m)?)?;
-    m.add_function(wrap_pyfunction!(losses::logp_linear_grads, m)?)?;
+    m.add_function(wrap_pyfunction!(logprobs::logp_linear_grads, m)?)?;
     m.add_function(wrap_pyfunction!(jax::jax_targets, m)?)?;
     m.add_function(wrap_pyfunction!(jax::jax_abi_layout, m)?)?;
     m.add_function(wrap_pyfunction!(jax::check_grpo_config, m)?)?;

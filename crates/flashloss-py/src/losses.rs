@@ -4,15 +4,13 @@
 //! `GrpoLossConfig`/`CeConfig` (unknown keys are errors). Gradients are added into f32
 //! tensors the caller zeroed.
 
-use crate::args::{BOOL, BatchTensors, F32, Grads, HeadTensors, I64};
+use crate::args::{BatchTensors, F32, Grads, HeadTensors, I64};
 use crate::dist::VocabGroup;
 use crate::front::{call_head, with_element};
 use crate::tensor::{Tensor, arg_error};
 use flashloss::fused::{self, FusedOptions, Mode, Plan};
 use flashloss::policy::GrpoMetrics;
-use flashloss::{
-    CeConfig, CrossEntropy, Grid, GrpoLoss, GrpoLossConfig, RowStats, Shard, Temperature,
-};
+use flashloss::{CeConfig, CrossEntropy, Grid, GrpoLoss, GrpoLossConfig, RowStats, Shard};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -27,7 +25,7 @@ pub(crate) fn parse_json<T: serde::de::DeserializeOwned>(arg: &str, json: &str) 
     })
 }
 
-fn budget(mode: &str, budget_mib: f64) -> PyResult<FusedOptions> {
+pub(crate) fn budget(mode: &str, budget_mib: f64) -> PyResult<FusedOptions> {
     if !(budget_mib.is_finite() && budget_mib > 0.0) {
         return Err(arg_error(
             "budget_mib",
@@ -180,7 +178,11 @@ pub fn grpo_linear<'py>(
 }
 
 /// `parsed` as is without a group, else agreed over it (see [`VocabGroup::agree`]).
-fn agreed<T>(py: Python<'_>, group: Option<&VocabGroup>, parsed: PyResult<T>) -> PyResult<T> {
+pub(crate) fn agreed<T>(
+    py: Python<'_>,
+    group: Option<&VocabGroup>,
+    parsed: PyResult<T>,
+) -> PyResult<T> {
     match group {
         Some(g) => g.agree(py, parsed),
         None => parsed,
@@ -188,7 +190,11 @@ fn agreed<T>(py: Python<'_>, group: Option<&VocabGroup>, parsed: PyResult<T>) ->
 }
 
 /// This rank's shard of a head split over `group` (see [`VocabGroup::shard`]).
-fn head_shard(py: Python<'_>, group: &VocabGroup, head: &HeadTensors) -> PyResult<Shard> {
+pub(crate) fn head_shard(
+    py: Python<'_>,
+    group: &VocabGroup,
+    head: &HeadTensors,
+) -> PyResult<Shard> {
     let dtype = head.hidden.dtype as u8;
     group.shard(py, head.vocab, head.tokens, head.hidden_size, dtype)
 }
@@ -356,151 +362,4 @@ pub fn ce_rows<'py>(
         &mut Tensor::new("out_row_loss", out_row_loss, F32)?,
     )?;
     write_lse(&out.stats, out_lse)
-}
-
-/// Per-token `logp` and entropy of `(hidden·weightᵀ + bias)/temperature` at `ids`
-/// `[B, T]` (where `mask`, if given, is set), written into `out_logp`, `out_entropy`;
-/// no gradient.
-#[pyfunction]
-#[allow(clippy::too_many_arguments)]
-#[pyo3(signature = (hidden, weight, bias, ids, mask, temperature, budget_mib, out_logp, out_entropy,
-    group=None))]
-pub fn logp_linear<'py>(
-    py: Python<'py>,
-    hidden: &Bound<'py, PyAny>,
-    weight: &Bound<'py, PyAny>,
-    bias: Option<&Bound<'py, PyAny>>,
-    ids: &Bound<'py, PyAny>,
-    mask: Option<&Bound<'py, PyAny>>,
-    temperature: f64,
-    budget_mib: f64,
-    out_logp: &Bound<'py, PyAny>,
-    out_entropy: &Bound<'py, PyAny>,
-    group: Option<&Bound<'py, PyAny>>,
-) -> PyResult<()> {
-    let group = VocabGroup::new(group)?;
-    let parsed = (|| {
-        let opts = budget("two_pass", budget_mib)?;
-        let head = HeadTensors::new(hidden, weight, bias)?;
-        let (ids, mask, t) = logp_rows(&head, ids, mask, temperature)?;
-        Ok((opts, head, ids, mask, t))
-    })();
-    let (opts, head, ids, mask, temperature) = agreed(py, group.as_ref(), parsed)?;
-    let seq_len = ids.shape.last().copied().unwrap_or(1);
-    let (targets, mask) = (ids.i64s()?, mask.as_deref());
-    let budget = opts.budget_bytes;
-    let stats = match &group {
-        None => {
-            with_element!(head.hidden.dtype, E => call_head::<E, _>(py, &head, None, 0, |d, h| {
-                d.logp_linear(h, targets, mask, temperature, budget, seq_len)
-            }))?
-        }
-        Some(g) => {
-            let shard = head_shard(py, g, &head)?;
-            with_element!(head.hidden.dtype, E => call_head::<E, _>(py, &head, None, 0, |d, h| {
-                d.logp_linear_sharded(&Grid::vocab(&g.0), shard, h, targets, mask, temperature, budget, seq_len)
-            }))?
-        }
-    };
-    write_stats(
-        &stats,
-        &mut Tensor::new("out_logp", out_logp, F32)?,
-        &mut Tensor::new("out_entropy", out_entropy, F32)?,
-    )
-}
-
-/// The gradient of `Σ_i grad_logp_i·logp_i + grad_entropy_i·H_i` of [`logp_linear`]'s
-/// outputs (`[N]` f32 each; `grad_entropy` None: zero) w.r.t. hidden, weight and bias,
-/// added into `grad_*` (no `grad_weight`: a frozen head, dH alone).
-#[pyfunction]
-#[allow(clippy::too_many_arguments)]
-#[pyo3(signature = (hidden, weight, bias, ids, mask, grad_logp, grad_entropy, temperature, mode,
-    budget_mib, grad_hidden, grad_weight, grad_bias, group=None))]
-pub fn logp_linear_grads<'py>(
-    py: Python<'py>,
-    hidden: &Bound<'py, PyAny>,
-    weight: &Bound<'py, PyAny>,
-    bias: Option<&Bound<'py, PyAny>>,
-    ids: &Bound<'py, PyAny>,
-    mask: Option<&Bound<'py, PyAny>>,
-    grad_logp: &Bound<'py, PyAny>,
-    grad_entropy: Option<&Bound<'py, PyAny>>,
-    temperature: f64,
-    mode: &str,
-    budget_mib: f64,
-    grad_hidden: &Bound<'py, PyAny>,
-    grad_weight: Option<&Bound<'py, PyAny>>,
-    grad_bias: Option<&Bound<'py, PyAny>>,
-    group: Option<&Bound<'py, PyAny>>,
-) -> PyResult<()> {
-    let group = VocabGroup::new(group)?;
-    let parsed = (|| {
-        let head = HeadTensors::new(hidden, weight, bias)?;
-        let (ids, mask, t) = logp_rows(&head, ids, mask, temperature)?;
-        let grads = Grads::new(&head, grad_hidden, grad_weight, grad_bias)?;
-        let opts = FusedOptions {
-            head_grad: grads.head_grad(),
-            ..budget(mode, budget_mib)?
-        };
-        let g_logp = Tensor::new("grad_logp", grad_logp, F32)?;
-        let g_entropy = Tensor::optional("grad_entropy", grad_entropy, F32)?;
-        for g in std::iter::once(&g_logp).chain(&g_entropy) {
-            g.expect_shape(&ids.shape)?;
-        }
-        Ok((head, ids, mask, t, grads, opts, g_logp, g_entropy))
-    })();
-    let (head, ids, mask, temperature, mut grads, opts, g_logp, g_entropy) =
-        agreed(py, group.as_ref(), parsed)?;
-    let seq_len = ids.shape.last().copied().unwrap_or(1);
-    let rows = fused::LogpRows {
-        targets: ids.i64s()?,
-        mask: mask.as_deref(),
-        temperature,
-    };
-    let upstream = fused::LogpUpstream::new(
-        g_logp.f32s()?,
-        g_entropy.as_ref().map(|t| t.f32s()).transpose()?,
-    );
-    match &group {
-        None => with_element!(head.hidden.dtype, E => call_head::<E, _>(
-            py, &head, Some(&mut grads), 0,
-            |d, h| d.logp_linear_grads_into(h, rows, upstream, &opts, seq_len),
-        ))?,
-        Some(g) => {
-            let shard = head_shard(py, g, &head)?;
-            with_element!(head.hidden.dtype, E => call_head::<E, _>(
-                py, &head, Some(&mut grads), 0,
-                |d, h| d.logp_linear_grads_sharded_into(&Grid::vocab(&g.0), shard, h, rows, upstream, &opts, seq_len),
-            ))?
-        }
-    };
-    Ok(())
-}
-
-/// A log-prob call's ids (`N` elements), mask (of the ids' shape) and temperature,
-/// checked against `head`.
-fn logp_rows<'py>(
-    head: &HeadTensors,
-    ids: &Bound<'py, PyAny>,
-    mask: Option<&Bound<'py, PyAny>>,
-    temperature: f64,
-) -> PyResult<(Tensor<'py>, Option<Vec<bool>>, Temperature)> {
-    let ids = Tensor::new("ids", ids, I64)?;
-    if ids.numel() != head.tokens {
-        return Err(arg_error(
-            "ids",
-            format!(
-                "has {} elements but hidden has {} rows",
-                ids.numel(),
-                head.tokens
-            ),
-        ));
-    }
-    let mask = Tensor::optional("mask", mask, BOOL)?;
-    if let Some(m) = &mask {
-        m.expect_shape(&ids.shape)?;
-    }
-    let mask = mask.map(|m| m.bools()).transpose()?;
-    let t = Temperature::new(temperature).map_err(|e| arg_error("temperature", e))?;
-    Ok((ids, mask, t))
 }

@@ -108,6 +108,60 @@ def check_logprobs(rank, block, group):
             close(name + " dbias", db, db1[block], rtol=1e-4)
 
 
+def check_logprob_outputs(rank, block, group):
+    """lse, max logit, Σp² and the log-probs of candidate ids on every rank's block, and
+    the gradients through logp, lse and the candidates (each id's one-hot term on the rank
+    holding it)."""
+    hidden, weight, bias, ids, mask, _, _ = data(6)
+    g = torch.Generator().manual_seed(7)
+    gather = torch.randint(0, V, (B, T, 3), generator=g)
+    gather[..., 0] = ids
+    gather[0, 0] = torch.tensor([0, V - 1, V - 1])
+    up = torch.randn(2, B, T, generator=g)
+    up_k = torch.randn(B, T, 3, generator=g)
+    results = []
+    for w_rows, b_rows, grp in ((weight, bias, None), (weight[block], bias[block], group)):
+        h, w, b = leaves(hidden, w_rows, b_rows)
+        out = fl.linear_logprobs(
+            h, w, ids, 0.9, bias=b, mask=mask, vocab_parallel_group=grp, return_lse=True, return_max=True,
+            return_sum_p2=True, gather_ids=gather,
+        )  # fmt: skip
+        ((out.logp * up[0]).sum() + (out.lse * up[1]).sum() + (out.gathered_logp * up_k).sum()).backward()
+        results.append(([t.detach() for t in out if t is not None], h.grad, w.grad, b.grad))
+    (outs1, dh1, dw1, db1), (outs, dh, dw, db) = results
+    name = f"logprob outputs rank {rank}"
+    for k, (got, want) in enumerate(zip(outs, outs1)):
+        close(f"{name} output {k}", got, want)
+    close(name + " dhidden", dh, dh1, rtol=1e-4)
+    close(name + " dweight", dw, dw1[block], rtol=1e-4)
+    close(name + " dbias", db, db1[block], rtol=1e-4)
+
+
+def check_logprob_support(rank, block, group):
+    """Log-probs under a truncated support (top-k, top-p, min-p) on every rank's block:
+    the same support, ``logp`` (``-inf`` outside) and gradients as one process."""
+    hidden, weight, bias, ids, mask, _, _ = data(8)
+    up = torch.randn(B, T, generator=torch.Generator().manual_seed(9))
+    for top_k, top_p, min_p in ((5, None, None), (None, 0.7, None), (12, 0.8, 0.05)):
+        results = []
+        for w_rows, b_rows, grp in ((weight, bias, None), (weight[block], bias[block], group)):
+            h, w, b = leaves(hidden, w_rows, b_rows)
+            out = fl.linear_logprobs(
+                h, w, ids, 0.9, bias=b, mask=mask, vocab_parallel_group=grp, top_k=top_k, top_p=top_p, min_p=min_p
+            )
+            inside = ~out.outside_support
+            (out.logp.masked_fill(~inside, 0.0) * up).sum().backward()
+            results.append((out.logp.detach(), out.outside_support, h.grad, w.grad, b.grad))
+        (lp1, out1, dh1, dw1, db1), (lp, out, dh, dw, db) = results
+        name = f"logprob support {top_k}/{top_p}/{min_p} rank {rank}"
+        if not torch.equal(out, out1):
+            raise AssertionError(name + ": supports differ")
+        close(name + " logp", lp[~out], lp1[~out1])
+        close(name + " dhidden", dh, dh1, rtol=1e-4)
+        close(name + " dweight", dw, dw1[block], rtol=1e-4)
+        close(name + " dbias", db, db1[block], rtol=1e-4)
+
+
 def bad_inputs(rank, block, group):
     """Each case is bad on one rank only; returns every case's error message."""
     hidden, weight, _, ids, mask, adv, _ = data(5)
@@ -152,6 +206,8 @@ def main():
     ):
         check_ce(rank, block, group, reduction, options)
     check_logprobs(rank, block, group)
+    check_logprob_outputs(rank, block, group)
+    check_logprob_support(rank, block, group)
     errors = bad_inputs(rank, block, group) if world > 1 else {}
     print(json.dumps({"rank": rank, "errors": errors}))
     dist.destroy_process_group()

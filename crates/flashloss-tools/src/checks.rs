@@ -5,7 +5,7 @@
 //! the machine has available ([`flashloss::Error::OutOfMemory`] with the bytes asked and
 //! available) before its inputs are drawn.
 
-use crate::bench::{BenchConfig, Impl, Level};
+use crate::bench::{BenchConfig, Impl, Level, LossKind};
 use crate::gradcheck::{Backend, GradcheckConfig, Kernel};
 use crate::{Error, Result};
 use flashloss::memory::{bytes_of, check_fits};
@@ -169,6 +169,44 @@ impl BenchConfig {
         product("vocab·hidden", &[self.vocab, self.hidden])?;
         GrpoLoss::new(self.grpo.clone())?;
         CrossEntropy::new(self.ce.clone())?;
+        self.validate_logprobs()
+    }
+
+    /// A `logprobs` bench runs at level `linear`; `gather_k` and the support's keys
+    /// (`top_k`, `top_p`, `min_p`, in range) belong to it, on the CPU.
+    fn validate_logprobs(&self) -> Result<()> {
+        let logprobs = self.loss == LossKind::Logprobs;
+        if logprobs && self.level != Level::Linear {
+            return Err(bad(
+                "loss",
+                "logprobs is benchmarked at level `linear`".into(),
+            ));
+        }
+        if let Some(f) = self.support() {
+            if !(logprobs && self.device == Backend::Cpu) {
+                let key = ["top_k", "top_p", "min_p"]
+                    .into_iter()
+                    .zip([f.top_k.is_some(), f.top_p.is_some(), f.min_p.is_some()])
+                    .find_map(|(k, set)| set.then_some(k))
+                    .unwrap_or("top_k");
+                return Err(bad(
+                    key,
+                    "needs loss `logprobs` on device `cpu` (the CUDA backend has no truncated support)"
+                        .into(),
+                ));
+            }
+            f.check().map_err(|e| match e {
+                flashloss::Error::InvalidArgument { arg, reason } => bad(arg, reason),
+                e => Error::Kernel(e),
+            })?;
+        }
+        if self.gather_k > 0 && !(logprobs && self.device == Backend::Cpu) {
+            return Err(bad(
+                "gather_k",
+                "needs loss `logprobs` on device `cpu` (the CUDA backend has no candidate sets)"
+                    .into(),
+            ));
+        }
         Ok(())
     }
 

@@ -67,7 +67,7 @@ fn typed<E: flashloss::cuda::GpuElement>(
     progress: &mut dyn FnMut(&str, usize, usize),
 ) -> flashloss::Result<BenchReport> {
     use crate::bench::inputs::linear_inputs;
-    use crate::bench::step::fused_step;
+    use crate::bench::step::{LogprobCall, LogprobRows, fused_step};
     use flashloss::FusedOptions;
     use flashloss::GrpoLoss;
     use flashloss::Result;
@@ -99,6 +99,7 @@ fn typed<E: flashloss::cuda::GpuElement>(
     drop((hidden, weight));
     let batch = tokens.batch();
     let norm = Normalizers::local(&batch);
+    let logprobs = LogprobRows::new(n, v, 0);
     let opts = FusedOptions::from_mib(cfg.mode, cfg.budget_mib, 1.0);
     let elem = E::DTYPE.size();
     // Inputs, dH and dW in f32, and the per-row state: targets, live flags, five f32
@@ -177,7 +178,15 @@ fn typed<E: flashloss::cuda::GpuElement>(
                     grads: Some(&mut grads),
                     materialized,
                 };
-                let (l, p) = fused_step(head, cfg.loss, (&loss, &ce), &batch, norm, &opts)?;
+                let step = (&batch, norm);
+                let (l, p) = fused_step(
+                    head,
+                    cfg.loss,
+                    (&loss, &ce),
+                    step,
+                    (&logprobs, LogprobCall::Plain),
+                    &opts,
+                )?;
                 value = l;
                 ran = Some(p);
                 Ok(())

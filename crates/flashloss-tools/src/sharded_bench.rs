@@ -291,6 +291,7 @@ fn rank_typed<E: Element>(
                 let value = match cfg.loss {
                     LossKind::Grpo => grpo_linear(head, &loss, &batch, norm, &opts)?.loss,
                     LossKind::Ce => ce_linear(head, &ce, batch.target_ids, None, &opts)?.loss,
+                    LossKind::Logprobs => return Err(logprobs_unsharded()),
                 };
                 Ok((value, grads.dweight.len()))
             })?;
@@ -328,6 +329,7 @@ fn rank_typed<E: Element>(
                 let o = device.grpo_linear_sharded(&grid, shard, &loss, &batch, &lin, &opts)?;
                 (o.loss, o.grads)
             }
+            LossKind::Logprobs => return Err(logprobs_unsharded()),
             LossKind::Ce => {
                 let targets = batch.target_ids;
                 let o = device.ce_linear_sharded(&grid, shard, &ce, targets, &lin, &opts)?;
@@ -361,4 +363,12 @@ fn rank_typed<E: Element>(
         peak_bytes: peak,
         one_rank_peak_bytes: one_peak as usize,
     })
+}
+
+/// The sharded bench times GRPO and CE only.
+fn logprobs_unsharded() -> Error {
+    Error::InvalidArgument {
+        arg: "loss",
+        reason: "logprobs is benchmarked on one rank (no --ranks)".into(),
+    }
 }

@@ -100,12 +100,30 @@ fn bench_classes_and_memory() {
         ("batch=3", "batch"),
         ("budget_mib=0", "budget_mib"),
         ("budget_mib=.nan", "budget_mib"),
+        ("gather_k=4", "gather_k"),
+        ("top_k=4", "top_k"),
+        ("min_p=0.1", "min_p"),
     ];
     for (set, key) in cases {
         let cfg = bench_with(&[set]);
         let err = bench::run(&cfg, &mut |l, _, _| notes.push(l.to_string())).unwrap_err();
         assert_eq!(key_of(&err), *key, "{set}: {err}");
     }
+    let cfg = bench_with(&["loss=logprobs", "level=logits"]);
+    let err = bench::run(&cfg, &mut |l, _, _| notes.push(l.to_string())).unwrap_err();
+    assert_eq!(key_of(&err), "loss", "{err}");
+    for (set, key) in [
+        ("top_k=0", "top_k"),
+        ("top_p=1.5", "top_p"),
+        ("min_p=-1", "min_p"),
+    ] {
+        let cfg = bench_with(&["loss=logprobs", "level=linear", set]);
+        let err = bench::run(&cfg, &mut |l, _, _| notes.push(l.to_string())).unwrap_err();
+        assert_eq!(key_of(&err), key, "{set}: {err}");
+    }
+    let cfg = bench_with(&["loss=logprobs", "gather_k=4", "device=cuda"]);
+    let err = bench::run(&cfg, &mut |l, _, _| notes.push(l.to_string())).unwrap_err();
+    assert_eq!(key_of(&err), "gather_k", "{err}");
     for level in ["level=logits", "level=linear"] {
         let cfg = bench_with(&[level, "tokens=131072", "vocab=151936000", "hidden=4096"]);
         match bench::run(&cfg, &mut |l, _, _| notes.push(l.to_string())).unwrap_err() {

@@ -264,6 +264,7 @@ fn split_passes_over_three_shards_equal_the_fused_step() {
                     coef_uniform: 0.0,
                     coef_target: c.target,
                     target: batch.target_ids[i] as usize,
+                    support: None,
                 };
                 g.on_shard(r)
             })

@@ -69,3 +69,70 @@ fn reference_gradients_match_central_differences() {
     }
     assert!(checked > 5000, "checked {checked}");
 }
+
+/// The log-prob reference's `dlogits` (logp, entropy, lse and candidates with repeats and
+/// the target among them) against central differences of its own outputs.
+#[test]
+fn logp_reference_gradients_match_central_differences() {
+    use flashloss::reference::{LogpRefRows, LogpRefUpstream, logp_reference};
+    let (n, v, k) = (3, 6, 4);
+    let z: Vec<f64> = (0..n * v)
+        .map(|i| ((i * 7 % 13) as f64 - 6.0) * 0.4)
+        .collect();
+    let targets = [1i64, 5, 0];
+    let live = [true, false, true];
+    let ids = [1i64, 1, 3, 0, 9, 9, 9, 9, 5, 0, 0, 2];
+    let rows = LogpRefRows {
+        targets: &targets,
+        live: &live,
+        temperature: 0.8,
+        gather_ids: &ids,
+        k,
+    };
+    let (g_logp, g_h, g_lse) = (
+        [0.3f32, 1.0, -0.4],
+        [0.2f32, 1.0, 0.5],
+        [-0.6f32, 1.0, 0.25],
+    );
+    let g_gathered: Vec<f32> = (0..n * k).map(|i| 0.1 * i as f32 - 0.5).collect();
+    let up = LogpRefUpstream {
+        logp: &g_logp,
+        entropy: &g_h,
+        lse: &g_lse,
+        gathered: &g_gathered,
+        grad_output: 0.75,
+    };
+    let f = |z: &[f64]| {
+        let r = logp_reference(z, v, rows, LogpRefUpstream::default());
+        let per_row: f64 = (0..n)
+            .map(|i| {
+                g_logp[i] as f64 * r.logp[i]
+                    + g_h[i] as f64 * r.entropy[i]
+                    + g_lse[i] as f64 * r.lse[i]
+            })
+            .sum();
+        let gathered: f64 = (r.gathered.iter().zip(&g_gathered))
+            .map(|(x, &c)| x * c as f64)
+            .sum();
+        0.75 * (per_row + gathered)
+    };
+    let r = logp_reference(&z, v, rows, up);
+    for at in 0..n * v {
+        let (mut hi, mut lo) = (z.clone(), z.clone());
+        hi[at] += 1e-6;
+        lo[at] -= 1e-6;
+        let fd = (f(&hi) - f(&lo)) / 2e-6;
+        assert!(
+            (r.dlogits[at] - fd).abs() <= 1e-7 * fd.abs().max(1.0),
+            "dlogits[{at}]: {} vs {fd}",
+            r.dlogits[at]
+        );
+    }
+    // Σπ² and the max logit of row 0, written out.
+    let s: Vec<f64> = z[..v].iter().map(|x| x / 0.8).collect();
+    let m = s.iter().cloned().fold(f64::MIN, f64::max);
+    let sum: f64 = s.iter().map(|x| (x - m).exp()).sum();
+    let p2: f64 = s.iter().map(|x| ((x - m).exp() / sum).powi(2)).sum();
+    assert!((r.sum_p2[0] - p2).abs() <= 1e-14 && r.max_logit[0] == m);
+    assert_eq!((r.logp[1], r.sum_p2[1], r.dlogits[v]), (0.0, 0.0, 0.0));
+}

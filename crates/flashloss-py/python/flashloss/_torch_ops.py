@@ -25,7 +25,6 @@ dtype, contiguous. ``group`` names a vocab-parallel group registered in
 
 from __future__ import annotations
 
-import json
 from typing import Optional
 
 import torch
@@ -33,90 +32,21 @@ from torch import Tensor
 
 from . import _dist, _native
 
-#: The metrics tensor's entries, in order (TRL's names).
-METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
-
-
-def _stream(device: torch.device) -> int:
-    """PyTorch's current stream on ``device`` (0 on the CPU): the kernels run on it."""
-    return 0 if device.type == "cpu" else torch.cuda.current_stream(device).cuda_stream
-
-
-def _zeros_f32(t: Optional[Tensor]) -> Optional[Tensor]:
-    return None if t is None else torch.zeros(t.shape, dtype=torch.float32, device=t.device)
-
-
-def _grad_buffers(
-    hidden: Tensor, weight: Tensor, bias: Optional[Tensor], head_grad: bool
-) -> tuple[Tensor, Tensor, Tensor]:
-    """The head's zeroed f32 gradient buffers; ``dweight`` and ``dbias`` are empty (an op
-    returns tensors) for a frozen head (``head_grad`` False), ``dbias`` without a bias."""
-
-    def empty():  # one tensor per output: an op's outputs may not alias each other
-        return hidden.new_empty((0,), dtype=torch.float32)
-
-    dw = _zeros_f32(weight) if head_grad else empty()
-    db = _zeros_f32(bias) if head_grad and bias is not None else empty()
-    return _zeros_f32(hidden), dw, db
-
-
-def _native_grads(dw: Tensor, db: Tensor, bias: Optional[Tensor], head_grad: bool) -> tuple:
-    """``(grad_weight, grad_bias)`` as the native calls take them: None for a frozen head
-    (no dW, no dbias formed) and for an absent bias."""
-    if not head_grad:
-        return None, None
-    return dw, None if bias is None else db
-
-
-def metrics_tensor(out: dict, device=None) -> Tensor:
-    """TRL's metrics of a native GRPO call's result, in :data:`METRICS` order (float64)."""
-    return torch.tensor([out[k] for k in METRICS], dtype=torch.float64, device=device)
-
-
-def _with_items(config: str, num_items: Optional[Tensor]) -> str:
-    """``config`` with ``num_items_in_batch`` read from a tensor (TRL passes one)."""
-    if num_items is None:
-        return config
-    c = json.loads(config)
-    c["num_items_in_batch"] = float(num_items)
-    return json.dumps(c)
-
-
-def _scale(grad: Tensor, grads: tuple, dtypes: tuple) -> list:
-    """``grad · g`` in each input's dtype (None where the input is absent). Eager on the
-    CPU with ``grad == 1`` (``loss.backward()``) the saved gradients are returned as they
-    are (cast where the input's dtype differs): autograd then takes them as ``.grad``
-    without a copy, where ``grad * g`` would write a fresh ``[V, H]`` tensor (0.27 s at
-    V=151936, H=1024 on 2 cores, docs/bench/cpu.md)."""
-    unit = grad.device.type == "cpu" and not torch.compiler.is_compiling() and grad.item() == 1.0
-    return [None if dt is None else (g if unit else grad * g).to(dt) for g, dt in zip(grads, dtypes)]
-
-
-def _only_the_loss_differentiable(ctx, output) -> None:
-    """Marks every output but the loss (output 0) non-differentiable, and has autograd
-    pass ``None`` for their gradients instead of zero tensors of their shapes (the
-    gradient outputs' zeros took 0.13 s a backward at V=151936, H=1024)."""
-    ctx.mark_non_differentiable(*output[1:])
-    ctx.set_materialize_grads(False)
-
-
-def _fake_grads(
-    hidden: Tensor, weight: Tensor, bias: Optional[Tensor], head_grad: bool
-) -> tuple[Tensor, Tensor, Tensor]:
-    """The fake (meta) gradient buffers of a head (as :func:`_grad_buffers` shapes them)."""
-    f32 = dict(dtype=torch.float32)
-    dw = hidden.new_empty(weight.shape if head_grad else (0,), **f32)
-    db = hidden.new_empty(bias.shape if head_grad and bias is not None else (0,), **f32)
-    return hidden.new_empty(hidden.shape, **f32), dw, db
-
-
-def _head_dtypes(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], head_grad: bool) -> tuple:
-    """The dtypes the gradients go back in; None where no gradient is returned."""
-    return (
-        hidden.dtype,
-        weight.dtype if head_grad else None,
-        bias.dtype if head_grad and bias is not None else None,
-    )
+# The logits-level ops (re-exported for flashloss.torch) and the helpers every op shares.
+from ._torch_logits_ops import grpo_logits, grpo_logits_rows, grpo_logits_rows_backward
+from ._torch_op_utils import (
+    METRICS,
+    _fake_grads,
+    _grad_buffers,
+    _head_dtypes,
+    _head_wanted,
+    _native_grads,
+    _only_the_loss_differentiable,
+    _scale,
+    _stream,
+    _with_items,
+    metrics_tensor,
+)
 
 
 def _ce_call(hidden, weight, bias, targets, grad_rows, config, mode, budget_mib, group, head_grad):
@@ -287,11 +217,6 @@ def _ce_rows_setup(ctx, inputs, output):
     ctx.args = (config, mode, budget_mib, group)
 
 
-def _head_wanted(ctx) -> bool:
-    """Whether autograd wants the gradient of ``weight`` or ``bias`` (inputs 1, 2)."""
-    return bool(ctx.needs_input_grad[1] or ctx.needs_input_grad[2])
-
-
 def _ce_rows_backward(ctx, grad_rows):
     hidden, weight, bias, targets = ctx.saved_tensors
     head_grad = _head_wanted(ctx)
@@ -443,6 +368,22 @@ ce_linear_rows_lse.register_autograd(_ce_rows_lse_backward, setup_context=_ce_ro
 # --- Log-probabilities -----------------------------------------------------------------
 
 
+def _logp_outputs(ids: Tensor, gather_ids: Optional[Tensor], sum_p2: bool, support: bool, new) -> tuple:
+    """``(logp, entropy, lse, max_logit, sum_p2, gathered, outside)`` buffers from
+    ``new(shape)``: ``ids``' shape each, ``sum_p2`` ``[0]`` unless asked, ``gathered``
+    ``gather_ids``' shape (``[0]`` without), ``outside`` ``[0]`` without a support."""
+    return (
+        *(new(ids.shape) for _ in range(4)),
+        new(ids.shape if sum_p2 else (0,)),
+        new((0,) if gather_ids is None else gather_ids.shape),
+        new(ids.shape if support else (0,)),
+    )
+
+
+def _has_support(top_k, top_p, min_p) -> bool:
+    return any(x is not None for x in (top_k, top_p, min_p))
+
+
 @torch.library.custom_op("flashloss::logp_linear", mutates_args=())
 def logp_linear(
     hidden: Tensor,
@@ -453,18 +394,36 @@ def logp_linear(
     temperature: float,
     budget_mib: float,
     group: str,
-) -> tuple[Tensor, Tensor]:
-    """``(logp, entropy)`` f32 of ``ids``' shape, zero where ``mask`` is false."""
-    logp = torch.empty(ids.shape, dtype=torch.float32)
-    entropy = torch.empty(ids.shape, dtype=torch.float32)
+    gather_ids: Optional[Tensor] = None,
+    sum_p2: bool = False,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    min_p: Optional[float] = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(logp, entropy, lse, max_logit, sum_p2, gathered, outside)`` f32: ``ids``' shape
+    each (zero where ``mask`` is false), ``sum_p2`` ``[0]`` unless asked, ``gathered`` the
+    log-probs of ``gather_ids`` ``[..., K]`` (``[0]`` without); with ``top_k``/``top_p``/
+    ``min_p``, ``logp`` under the truncated support (``-inf`` outside it) and ``outside``
+    1.0 where the target is outside (``[0]`` without a support)."""
+    support = _has_support(top_k, top_p, min_p)
+    out = _logp_outputs(ids, gather_ids, sum_p2, support, lambda shape: torch.empty(shape, dtype=torch.float32))
+    logp, entropy, lse, max_logit, p2, gathered, outside = out
     h = hidden.reshape(-1, hidden.shape[-1])
-    _native.logp_linear(h, weight, bias, ids, mask, temperature, budget_mib, logp, entropy, _dist.ops(group))
-    return logp.to(hidden.device), entropy.to(hidden.device)
+    _native.logp_linear(
+        h, weight, bias, ids, mask, temperature, budget_mib, logp, entropy, _dist.ops(group), lse, max_logit,
+        p2 if sum_p2 else None, gather_ids, None if gather_ids is None else gathered, top_k, top_p, min_p,
+        outside if support else None,
+    )  # fmt: skip
+    return tuple(t.to(hidden.device) for t in out)
 
 
 @logp_linear.register_fake
-def _(hidden, weight, bias, ids, *args):
-    return tuple(hidden.new_empty(ids.shape, dtype=torch.float32) for _ in range(2))
+def _(
+    hidden, weight, bias, ids, mask, temperature, budget_mib, group, gather_ids=None, sum_p2=False,
+    top_k=None, top_p=None, min_p=None,
+):  # fmt: skip
+    support = _has_support(top_k, top_p, min_p)
+    return _logp_outputs(ids, gather_ids, sum_p2, support, lambda shape: hidden.new_empty(shape, dtype=torch.float32))
 
 
 @torch.library.custom_op("flashloss::logp_linear_backward", mutates_args=())
@@ -480,9 +439,16 @@ def logp_linear_backward(
     budget_mib: float,
     group: str,
     head_grad: bool,
+    grad_lse: Optional[Tensor] = None,
+    gather_ids: Optional[Tensor] = None,
+    grad_gathered: Optional[Tensor] = None,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    min_p: Optional[float] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``∂(Σ grad_logp·logp + grad_entropy·entropy)/∂(hidden, weight, bias)`` (f32;
-    ``[0]`` for the head's when frozen: ``head_grad`` False)."""
+    """``∂(Σ grad_logp·logp + grad_entropy·entropy + grad_lse·lse + Σ grad_gathered·gathered)
+    /∂(hidden, weight, bias)`` (f32; ``[0]`` for the head's when frozen: ``head_grad``
+    False)."""
     dh, dw, db = _grad_buffers(hidden, weight, bias, head_grad)
 
     def upstream(g):
@@ -491,173 +457,40 @@ def logp_linear_backward(
     g_logp = upstream(grad_logp)
     if g_logp is None:
         g_logp = torch.zeros(ids.shape, dtype=torch.float32)
+    gathered = upstream(grad_gathered)
     h = hidden.reshape(-1, hidden.shape[-1])
     _native.logp_linear_grads(
         h, weight, bias, ids, mask, g_logp, upstream(grad_entropy), temperature, "auto", budget_mib,
-        dh.view(h.shape), *_native_grads(dw, db, bias, head_grad), _dist.ops(group),
+        dh.view(h.shape), *_native_grads(dw, db, bias, head_grad), _dist.ops(group), upstream(grad_lse),
+        None if gathered is None else gather_ids, gathered, top_k, top_p, min_p,
     )  # fmt: skip
     return dh, dw, db
 
 
 @logp_linear_backward.register_fake
-def _(hidden, weight, bias, *args):
-    return _fake_grads(hidden, weight, bias, args[-1])
+def _(hidden, weight, bias, ids, mask, grad_logp, grad_entropy, temperature, budget_mib, group, head_grad, *_):
+    return _fake_grads(hidden, weight, bias, head_grad)
 
 
 def _logp_setup(ctx, inputs, output):
-    hidden, weight, bias, ids, mask, temperature, budget_mib, group = inputs
-    ctx.save_for_backward(hidden, weight, bias, ids, mask)
+    hidden, weight, bias, ids, mask, temperature, budget_mib, group, gather_ids, _, *support = inputs
+    ctx.save_for_backward(hidden, weight, bias, ids, mask, gather_ids)
     ctx.args = (temperature, budget_mib, group)
+    ctx.support = tuple(support)  # top_k, top_p, min_p
+    ctx.mark_non_differentiable(output[3], output[4], output[6])  # max logit, Σp², outside
     ctx.set_materialize_grads(False)
 
 
-def _logp_backward(ctx, grad_logp, grad_entropy):
-    hidden, weight, bias, ids, mask = ctx.saved_tensors
+def _logp_backward(ctx, grad_logp, grad_entropy, grad_lse, _max, _sum_p2, grad_gathered, _outside):
+    hidden, weight, bias, ids, mask, gather_ids = ctx.saved_tensors
     head_grad = _head_wanted(ctx)
-    if grad_logp is None and grad_entropy is None:
-        return None, None, None, None, None, None, None, None
-    grads = logp_linear_backward(hidden, weight, bias, ids, mask, grad_logp, grad_entropy, *ctx.args, head_grad)
+    if all(g is None for g in (grad_logp, grad_entropy, grad_lse, grad_gathered)):
+        return (None,) * 13
+    up = (grad_logp, grad_entropy, *ctx.args, head_grad, grad_lse, gather_ids, grad_gathered, *ctx.support)
+    grads = logp_linear_backward(hidden, weight, bias, ids, mask, *up)
     dtypes = _head_dtypes(hidden, weight, bias, head_grad)
     out = [None if dt is None else g.to(dt) for g, dt in zip(grads, dtypes)]
-    return (*out, None, None, None, None, None)
+    return (*out, *(None,) * 10)
 
 
 logp_linear.register_autograd(_logp_backward, setup_context=_logp_setup)
-
-
-# --- GRPO on materialized logits -------------------------------------------------------
-
-
-@torch.library.custom_op("flashloss::grpo_logits", mutates_args=())
-def grpo_logits(
-    logits: Tensor,
-    completion_ids: Tensor,
-    completion_mask: Tensor,
-    advantages: Tensor,
-    old_per_token_logps: Optional[Tensor],
-    ref_per_token_logps: Optional[Tensor],
-    importance_sampling_ratio: Optional[Tensor],
-    num_items: Optional[Tensor],
-    config: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``(loss, dlogits, logp, entropy, kl, metrics)``; ``dlogits`` has ``logits``' shape
-    and dtype (zero at positions ``t ≥ T``)."""
-    b, t = completion_ids.shape
-    dlogits = torch.empty((b, t, logits.shape[-1]), dtype=logits.dtype)
-    logp, entropy, kl = (torch.empty((b, t), dtype=torch.float32) for _ in range(3))
-    out = _native.grpo_logits(
-        logits.contiguous(), completion_ids, completion_mask, advantages, old_per_token_logps,
-        ref_per_token_logps, importance_sampling_ratio, _with_items(config, num_items), dlogits,
-        logp, entropy, kl,
-    )  # fmt: skip
-    if logits.shape[1] != t:
-        dlogits = torch.nn.functional.pad(dlogits, (0, 0, 0, logits.shape[1] - t))
-    loss = torch.tensor(out["loss"], dtype=torch.float32)
-    metrics = metrics_tensor(out)
-    return loss, dlogits, logp, entropy, kl, metrics
-
-
-@grpo_logits.register_fake
-def _(logits, completion_ids, *args):
-    f32 = dict(dtype=torch.float32)
-    per_token = tuple(logits.new_empty(completion_ids.shape, **f32) for _ in range(3))
-    metrics = logits.new_empty((len(METRICS),), dtype=torch.float64)
-    return (logits.new_empty((), **f32), logits.new_empty(logits.shape), *per_token, metrics)
-
-
-def _grpo_logits_setup(ctx, inputs, output):
-    ctx.save_for_backward(output[1])
-    _only_the_loss_differentiable(ctx, output)
-
-
-def _grpo_logits_backward(ctx, grad, *_):
-    (dlogits,) = ctx.saved_tensors
-    return (*_scale(grad, (dlogits,), (dlogits.dtype,)), *([None] * 8))
-
-
-grpo_logits.register_autograd(_grpo_logits_backward, setup_context=_grpo_logits_setup)
-
-
-# --- Per-token GRPO losses on materialized logits (reduce=False) ------------------------
-
-
-def _per_token_call(logits, ids, mask, adv, old, ref, ratio, config, grad_rows, dlogits):
-    """The native per-token call: ``(token_loss, kl, clipped)`` ``[B, T]`` f32."""
-    outs = [torch.empty(ids.shape, dtype=torch.float32) for _ in range(5)]
-    _native.grpo_logits_per_token(
-        logits.contiguous(), ids, mask, adv, old, ref, ratio, config, grad_rows, dlogits, *outs
-    )
-    token_loss, _, _, kl, clipped = outs
-    return token_loss, kl, clipped
-
-
-@torch.library.custom_op("flashloss::grpo_logits_rows", mutates_args=())
-def grpo_logits_rows(
-    logits: Tensor,
-    completion_ids: Tensor,
-    completion_mask: Tensor,
-    advantages: Tensor,
-    old_per_token_logps: Optional[Tensor],
-    ref_per_token_logps: Optional[Tensor],
-    importance_sampling_ratio: Optional[Tensor],
-    config: str,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Each token's loss ``ℓ_tot = ℓ·ρ + β·kl`` unreduced, its KL and its clip flag (0/1),
-    ``[B, T]`` f32, 0 where masked (Liger's ``reduce=False``)."""
-    return _per_token_call(
-        logits, completion_ids, completion_mask, advantages, old_per_token_logps, ref_per_token_logps,
-        importance_sampling_ratio, config, None, None,
-    )  # fmt: skip
-
-
-@grpo_logits_rows.register_fake
-def _(logits, completion_ids, *args):
-    return tuple(logits.new_empty(completion_ids.shape, dtype=torch.float32) for _ in range(3))
-
-
-@torch.library.custom_op("flashloss::grpo_logits_rows_backward", mutates_args=())
-def grpo_logits_rows_backward(
-    logits: Tensor,
-    completion_ids: Tensor,
-    completion_mask: Tensor,
-    advantages: Tensor,
-    old_per_token_logps: Optional[Tensor],
-    ref_per_token_logps: Optional[Tensor],
-    importance_sampling_ratio: Optional[Tensor],
-    config: str,
-    grad_rows: Tensor,
-) -> Tensor:
-    """``∂(Σ_i grad_rows_i·ℓ_tot,i)/∂logits`` in ``logits``' shape and dtype (zero at
-    positions ``t ≥ T``)."""
-    b, t = completion_ids.shape
-    dlogits = torch.empty((b, t, logits.shape[-1]), dtype=logits.dtype)
-    g = grad_rows.detach().to(device="cpu", dtype=torch.float32).contiguous()
-    _per_token_call(
-        logits, completion_ids, completion_mask, advantages, old_per_token_logps, ref_per_token_logps,
-        importance_sampling_ratio, config, g, dlogits,
-    )  # fmt: skip
-    if logits.shape[1] != t:
-        dlogits = torch.nn.functional.pad(dlogits, (0, 0, 0, logits.shape[1] - t))
-    return dlogits
-
-
-@grpo_logits_rows_backward.register_fake
-def _(logits, *args):
-    return logits.new_empty(logits.shape)
-
-
-def _grpo_rows_setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:7])
-    ctx.config = inputs[7]
-    ctx.mark_non_differentiable(*output[1:])
-    ctx.set_materialize_grads(False)
-
-
-def _grpo_rows_backward(ctx, grad_rows, *_):
-    if grad_rows is None:
-        return (None,) * 8
-    dlogits = grpo_logits_rows_backward(*ctx.saved_tensors, ctx.config, grad_rows)
-    return (dlogits, *([None] * 7))
-
-
-grpo_logits_rows.register_autograd(_grpo_rows_backward, setup_context=_grpo_rows_setup)

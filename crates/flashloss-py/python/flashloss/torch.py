@@ -32,6 +32,8 @@ from . import _torch_ops as ops
 from ._config import DEFAULT_BUDGET_MIB
 from ._config import ce_config as _ce_config
 from ._config import grpo_config as _grpo_config
+from ._torch_args import _FLOATS, _bool, _check_tensor, _f32, _head, _head_grad, _same_device
+from ._torch_logprobs import LogprobOutputs, linear_logprobs
 
 # The configs are JSON built from Python numbers: constants to torch.compile, which
 # calls them while tracing instead of tracing into the JSON encoder.
@@ -41,15 +43,12 @@ ce_config = torch.compiler.assume_constant_result(_ce_config)
 __all__ = [
     "GRPOOutputs",
     "LinearGRPOLoss",
+    "LogprobOutputs",
     "grpo_loss",
     "linear_cross_entropy",
     "linear_grpo_loss",
     "linear_logprobs",
 ]
-
-
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-_HALVES = (torch.bfloat16, torch.float16)
 
 
 @dataclass
@@ -67,62 +66,6 @@ class GRPOOutputs:
     #: ``clip_ratio/high_mean``, ``clip_ratio/region_mean`` (masked means, 0-d float64
     #: tensors: ``float()`` or ``.item()`` them to log).
     metrics: dict
-
-
-def _check_tensor(arg: str, t) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"argument `{arg}`: expected a torch.Tensor, got {type(t).__name__}")
-
-
-def _same_device(tensors: dict, cuda: bool = True) -> torch.device:
-    device = None
-    for arg, t in tensors.items():
-        if t is None:
-            continue
-        _check_tensor(arg, t)
-        if device is None:
-            device = t.device
-        elif t.device != device:
-            first = next(a for a, x in tensors.items() if x is not None)
-            raise ValueError(f"argument `{arg}` is on {t.device} but `{first}` is on {device}")
-    if device is not None and device.type != "cpu":
-        if device.type != "cuda" or not _native.cuda_build:
-            raise ValueError(
-                f"tensors on {device}: this build of flashloss runs CPU tensors "
-                "(CUDA tensors need the build with the `cuda` feature)"
-            )
-        if not cuda:
-            raise ValueError(f"tensors on {device}: this function runs CPU tensors only (so far)")
-    return device
-
-
-def _head(hidden, weight, bias):
-    """``hidden``, ``weight``, ``bias`` as the kernels read them: one float dtype, contiguous."""
-    for arg, t in (("hidden", hidden), ("weight", weight), ("bias", bias)):
-        if t is not None and t.dtype not in _FLOATS:
-            raise ValueError(f"argument `{arg}`: expected dtype float32, bfloat16 or float16, got {t.dtype}")
-    dtypes = {t.dtype for t in (hidden, weight, bias) if t is not None}
-    # One dtype as it is; float32 with one half dtype: that one (as autocast); both halves: float32.
-    halves = [d for d in _HALVES if d in dtypes]
-    dtype = halves[0] if len(halves) == 1 else torch.float32
-    cast = [None if t is None else t.to(dtype).contiguous() for t in (hidden, weight, bias)]
-    return cast
-
-
-def _head_grad(weight, bias) -> bool:
-    """Whether autograd will want the head's own gradients: False for a frozen head
-    (``weight`` and ``bias`` without ``requires_grad``, or grad mode off), which then gets
-    no ``[V, H]`` gradient buffer and no dW/dbias product."""
-    wants = weight.requires_grad or (bias is not None and bias.requires_grad)
-    return bool(torch.is_grad_enabled() and wants)
-
-
-def _f32(t):
-    return None if t is None else t.detach().to(device="cpu", dtype=torch.float32).contiguous()
-
-
-def _bool(t):
-    return None if t is None else (t != 0).cpu().contiguous()
 
 
 def _items(num_items_in_batch):
@@ -396,45 +339,6 @@ def linear_cross_entropy(
     if reduction == "none":
         return ops.ce_linear_rows(h2, w, b, tgt, config, mode, budget, group).reshape(targets.shape)
     return ops.ce_linear(h2, w, b, tgt, config, mode, budget, group, _head_grad(weight, bias))[0]
-
-
-def linear_logprobs(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    ids: torch.Tensor,
-    temperature: float = 1.0,
-    return_entropy: bool = False,
-    *,
-    bias: Optional[torch.Tensor] = None,
-    mask: Optional[torch.Tensor] = None,
-    budget_mib: Optional[float] = None,
-    vocab_parallel_group=None,
-):
-    """Per-token log-probabilities of ``ids`` ``[...]`` under ``(hidden @ weight.T + bias) /
-    temperature`` (``hidden`` ``[..., H]``): the old- and reference-policy passes of GRPO
-    (one statistics pass, 2NHV FLOPs), and the primitive a loss written in PyTorch builds
-    on. Returns ``logp`` (float32, ``ids``' shape), and the entropy too when
-    ``return_entropy``. Rows where ``mask`` is false are not computed (zero, no gradient).
-
-    Differentiable in ``hidden``, ``weight`` and ``bias`` through both outputs: the
-    backward runs the head again with each row's upstream gradients (6NHV FLOPs; 4NHV
-    when ``weight`` and ``bias`` need no gradient, a frozen head, which gets no ``[V, H]``
-    buffer)."""
-    group = _dist.register(vocab_parallel_group)
-
-    def prepare():
-        _same_device(dict(hidden=hidden, weight=weight, ids=ids, bias=bias, mask=mask), cuda=False)
-        if hidden.shape[:-1] != ids.shape:
-            raise ValueError(
-                f"argument `ids`: shape {list(ids.shape)} does not match hidden's rows {list(hidden.shape[:-1])}"
-            )
-        return _head(hidden, weight, bias)
-
-    h, w, b = _dist.agreed(group, prepare)
-    m = None if mask is None else (mask != 0).contiguous()
-    budget = DEFAULT_BUDGET_MIB if budget_mib is None else float(budget_mib)
-    logp, entropy = ops.logp_linear(h, w, b, ids.to(torch.int64).contiguous(), m, float(temperature), budget, group)
-    return (logp, entropy) if return_entropy else logp
 
 
 class _GrpoLogits(torch.autograd.Function):

@@ -219,6 +219,7 @@ unsafe extern "C" fn vocab_grads(frame: *mut CallFrame) -> *mut c_void {
                         coef_uniform: 0.0,
                         coef_target: c.target,
                         target: ids[i].max(0) as usize,
+                        support: None,
                     };
                     match live[i] {
                         true => g.on_shard(range),

@@ -35,6 +35,11 @@ pub enum LossKind {
     Grpo,
     /// Cross-entropy (`ce:` holds its config; level `linear` only).
     Ce,
+    /// The log-prob gradient (`linear_logprobs`' backward: upstream 1 on every row's
+    /// `logp`; level `linear` only, no baseline). With `gather_k`, also the same call
+    /// with `gather_k` candidate ids per row and their cotangents, timed beside it; with
+    /// `top_k`/`top_p`/`min_p`, the call under that truncated support.
+    Logprobs,
 }
 
 /// The bench config file (`configs/bench/*.yaml`).
@@ -87,9 +92,29 @@ pub struct BenchConfig {
     pub grpo: GrpoLossConfig,
     /// The cross-entropy loss.
     pub ce: CeConfig,
+    /// Candidate ids per row of a `logprobs` bench's second call (0: none).
+    pub gather_k: usize,
+    /// A `logprobs` bench's truncated support (vLLM's top-k, top-p, min-p): where any is
+    /// set, the call with that support ("fused_support", with its extra passes in the
+    /// notes) is timed beside the plain one.
+    pub top_k: Option<usize>,
+    /// See [`BenchConfig::top_k`].
+    pub top_p: Option<f64>,
+    /// See [`BenchConfig::top_k`].
+    pub min_p: Option<f64>,
 }
 
 impl BenchConfig {
+    /// The truncated support of a `logprobs` bench, where any of its keys is set.
+    pub fn support(&self) -> Option<flashloss::fused::SupportFilter> {
+        let f = flashloss::fused::SupportFilter {
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+        };
+        (f.top_k.is_some() || f.top_p.is_some() || f.min_p.is_some()).then_some(f)
+    }
+
     /// The fused kernel's options (mode, budget, bf16 products, head gradients),
     /// `grad_output` 1.
     pub fn fused_options(&self) -> FusedOptions {
@@ -125,6 +150,10 @@ impl Default for BenchConfig {
             device: Backend::Cpu,
             grpo: GrpoLossConfig::default(),
             ce: CeConfig::default(),
+            gather_k: 0,
+            top_k: None,
+            top_p: None,
+            min_p: None,
         }
     }
 }

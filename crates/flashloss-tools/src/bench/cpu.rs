@@ -5,7 +5,7 @@
 use super::config::{BenchConfig, Impl, Level, LossKind};
 use super::inputs::{linear_inputs, token_inputs};
 use super::report::{BenchReport, BenchResult, time_steps};
-use super::step::fused_step;
+use super::step::{LogprobCall, LogprobRows, fused_step};
 use flashloss::batch::{LinearInputs, LogitsLayout};
 use flashloss::cpu::Avx512Bf16;
 use flashloss::cpu::bf16_gemm::{PackedA, PackedB};
@@ -134,7 +134,11 @@ fn run_linear<E: Element>(
         results: Vec::new(),
         notes: Vec::new(),
     };
-    if cfg.implementation != Impl::Fused {
+    if cfg.implementation != Impl::Fused && cfg.loss == LossKind::Logprobs {
+        report
+            .notes
+            .push("baseline skipped: loss logprobs has no plain path here".into());
+    } else if cfg.implementation != Impl::Fused {
         let need = 4 * n * v * 4 + (n * h + v * h) * 4;
         let have = available_memory().unwrap_or(usize::MAX);
         if need as f64 > 0.9 * have as f64 {
@@ -156,7 +160,7 @@ fn run_linear<E: Element>(
                     LossKind::Grpo => {
                         grpo_linear_baseline_into(&loss, &batch, &inputs, 1.0, &mut ws, &mut grads)
                     }
-                    LossKind::Ce => ce_linear_baseline_into(
+                    LossKind::Ce | LossKind::Logprobs => ce_linear_baseline_into(
                         &ce,
                         batch.target_ids,
                         &inputs,
@@ -173,13 +177,31 @@ fn run_linear<E: Element>(
             report.results.push(r);
         }
     }
-    if cfg.implementation != Impl::Baseline {
+    // A `logprobs` bench with `gather_k` also times the candidate-set call.
+    let gather_k = if cfg.loss == LossKind::Logprobs {
+        cfg.gather_k
+    } else {
+        0
+    };
+    let mut logprobs = LogprobRows::new(n, v, gather_k);
+    logprobs.support = cfg.support().filter(|_| cfg.loss == LossKind::Logprobs);
+    let mut fused_runs = vec![("fused", LogprobCall::Plain)];
+    if gather_k > 0 {
+        fused_runs.push(("fused_gather", LogprobCall::Gather));
+    }
+    if logprobs.support.is_some() {
+        fused_runs.push(("fused_support", LogprobCall::Support));
+    }
+    for (name, call) in fused_runs {
+        if cfg.implementation == Impl::Baseline {
+            break;
+        }
         let opts = cfg.fused_options();
         let mut plan = None;
         let mut ws = Workspace::new();
         let mut grads = LinearGrads::zeros_for(&inputs, opts.head_grad);
         let norm = Normalizers::local(&batch);
-        let mut r = measure(cfg, "fused", base, io_bytes, progress, &mut || {
+        let mut r = measure(cfg, name, base, io_bytes, progress, &mut || {
             // A training step zeroes its gradients; the fused kernel adds into them.
             grads.dhidden.fill(0.0);
             grads.dweight.fill(0.0);
@@ -188,11 +210,24 @@ fn run_linear<E: Element>(
                 ws: &mut ws,
                 grads: grads.view(),
             };
-            let (value, ran) = fused_step(head, cfg.loss, (&loss, &ce), &batch, norm, &opts)?;
+            let (value, ran) = fused_step(
+                head,
+                cfg.loss,
+                (&loss, &ce),
+                (&batch, norm),
+                (&logprobs, call),
+                &opts,
+            )?;
             plan = Some(ran);
             Ok(value)
         })?;
-        let flops = plan.map(|p| p.flops(n, h, v));
+        // The support's extra passes each form the logits once more (2NHV).
+        let extra = match call {
+            LogprobCall::Support => logprobs.extra_passes.get(),
+            _ => 0,
+        };
+        let extra_flops = 2.0 * extra as f64 * (n * h) as f64 * v as f64;
+        let flops = plan.map(|p| p.flops(n, h, v) + extra_flops);
         r.flops = flops;
         r.gflops_per_s = flops.map(|f| f / r.step_seconds.median / 1e9);
         r.gemm_gflops_per_s = Some(gemm_gflops_per_s);
@@ -203,6 +238,10 @@ fn run_linear<E: Element>(
         }
         r.plan = plan;
         report.results.push(r);
+        if call == LogprobCall::Support {
+            let note = format!("{name}: {extra} extra passes over the vocabulary (2NHV each)");
+            report.notes.push(note);
+        }
     }
     Ok(report)
 }

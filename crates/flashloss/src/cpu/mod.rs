@@ -16,6 +16,7 @@ mod row_blocks;
 mod selective_log_softmax;
 pub mod simd;
 mod single_pass;
+mod support_grad;
 mod tiles;
 mod unfused_logits;
 

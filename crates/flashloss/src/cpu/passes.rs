@@ -245,10 +245,16 @@ fn accumulate_grads<E: Element>(
     out: &mut LinearGradsMut,
 ) {
     let t = &p.rows.transform;
-    let with_gradient: Vec<bool> = (grads.iter().enumerate())
-        .map(|(i, g)| !g.is_zero() || sparse.is_some_and(|s| !s.row_is_zero(i)))
-        .collect();
-    let blocks = live_row_blocks(&with_gradient, plan.block_rows);
+    // A truncated support's membership compares recomputed logits with keys of pass A:
+    // its rows are cut into pass A's blocks, so that every logit is bitwise the same.
+    let blocks = if grads.iter().any(|g| g.support.is_some()) {
+        p.live_row_blocks(plan.block_rows)
+    } else {
+        let with_gradient: Vec<bool> = (grads.iter().enumerate())
+            .map(|(i, g)| !g.is_zero() || sparse.is_some_and(|s| !s.row_is_zero(i)))
+            .collect();
+        live_row_blocks(&with_gradient, plan.block_rows)
+    };
     let mut block_grads = Vec::with_capacity(plan.block_rows);
     for_each_tile(p, plan, ws, (&blocks, true), |tile| {
         let ld = tile.vocab.len();

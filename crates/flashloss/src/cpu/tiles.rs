@@ -12,6 +12,7 @@ use super::products::{
 };
 use super::row_blocks::{RowBlock, live_row_blocks};
 use super::simd;
+use super::support_grad::support_grad_row;
 use crate::batch::LinearInputs;
 use crate::element::Element;
 use crate::fused::{HeadGrad, LinearGradsMut, RowGrad, SparseGrads};
@@ -274,19 +275,23 @@ pub(crate) fn grad_row(
     }
     let target = vocab.contains(&g.target).then(|| g.target - vocab.start);
     let target_slope = target.map(|t| simd::softcap_slope(row[t], inv_cap));
-    simd::softmax_grad(
-        row,
-        &simd::SoftmaxGrad {
-            max: g.stats.max,
-            scale: inv_temp,
-            log_sum: g.stats.log_sum,
-            coef_p: g.coef_p,
-            coef_h: g.coef_h,
-            entropy: g.stats.entropy,
-            uniform: g.coef_uniform,
-            inv_cap,
-        },
-    );
+    if let Some(term) = &g.support {
+        support_grad_row(row, vocab.start, (g, term), inv_temp, inv_cap);
+    } else {
+        simd::softmax_grad(
+            row,
+            &simd::SoftmaxGrad {
+                max: g.stats.max,
+                scale: inv_temp,
+                log_sum: g.stats.log_sum,
+                coef_p: g.coef_p,
+                coef_h: g.coef_h,
+                entropy: g.stats.entropy,
+                uniform: g.coef_uniform,
+                inv_cap,
+            },
+        );
+    }
     if let (Some(t), Some(slope)) = (target, target_slope) {
         row[t] += g.coef_target * slope;
     }

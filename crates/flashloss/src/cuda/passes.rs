@@ -424,6 +424,14 @@ impl<E: GpuElement> FusedPasses for GpuPasses<'_, E> {
     }
 
     fn accumulate_grads(&mut self, grads: &[RowGrad]) -> Result<()> {
+        if grads.iter().any(|g| g.support.is_some()) {
+            return Err(Error::Unsupported {
+                feature: "top_k/top_p/min_p",
+                reason:
+                    "the CUDA backend does not support a truncated support yet; use the CPU backend"
+                        .into(),
+            });
+        }
         let vt = self.plan.vocab_tile;
         for rows in self.row_blocks() {
             if grads[rows.clone()].iter().all(RowGrad::is_zero) {

@@ -260,6 +260,7 @@ impl<'a> CeRows<'a> {
             coef_uniform: (-scale * eps / self.vocab as f64) as f32,
             coef_target: (-scale * (1.0 - eps)) as f32,
             target: self.targets[i] as usize,
+            support: None,
         }
     }
 

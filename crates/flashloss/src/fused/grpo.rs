@@ -58,6 +58,7 @@ pub(crate) fn row_grads(
             coef_uniform: 0.0,
             coef_target: c.target,
             target: targets[i] as usize,
+            support: None,
         }
     })
     .collect()

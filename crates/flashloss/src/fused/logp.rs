@@ -13,18 +13,23 @@
 //! A [`LogpRequest`] adds `Σp²`, candidate sets (`super::gather`) and the truncated
 //! support; upstream gradients of `lse` (`∂lse/∂z_j = p_j/T`) and of the candidates'
 //! log-probs join the same row gradient (`coef_p`) and, for the candidates' one-hot
-//! terms, pass B's [`SparseGrads`]. Candidate sets use the pass hooks, so their plans run
+//! terms, pass B's [`SparseGrads`]. With a truncated support (`super::support`) the
+//! upstream of `logp` is that of `logp^K`: its dense term `-g_logp·p^K_j` on the support
+//! is a [`super::SupportTerm`] and the target term stays where the target is in the
+//! support. Candidate sets and the support use the pass hooks, so their plans run
 //! two-pass.
 
 use super::gather::{GatherVisitor, finish_gathered, sparse_terms};
-use super::logp_request::{LogpOutput, LogpRequest, LogpUpstream};
-use super::passes::{Head, RowGrad, SparseGrads, check_head};
+use super::logp_request::{LogpOutput, LogpRequest, LogpUpstream, SupportStats};
+use super::passes::{FusedPasses, Head, RowGrad, SparseGrads, check_head};
 use super::plan::{FusedOptions, HeadGrad, Mode, Plan};
+use super::support::{RowSupport, SupportCall, SupportRun, VisitBoth};
 use super::two_pass::grads_pass;
 use crate::error::{Error, Result};
 use crate::rows::{RowInputs, RowStats, RowTransform, check_row_stats, check_targets};
 use crate::sharding::{VocabSplit, merge_partial};
 use crate::temperature::Temperature;
+use std::ops::Range;
 
 /// Per-row statistics of `head`'s logits divided by `temperature`, at `target_ids`
 /// `[N]`; rows where `mask` is false are skipped (zeroed stats). `seq_len` only names
@@ -157,8 +162,9 @@ impl<'a> LogpCall<'a> {
 
     /// Row i's gradient, with `scale = g/T`: `dz = scale·[g_logp·(1[j=y] - p) -
     /// g_H·p·(log p + H) + g_lse·p - (Σ_k c_k)·p]` (the candidates' one-hot terms are
-    /// [`LogpCall::sparse`]'s).
-    fn row_grad(&self, i: usize, stats: &RowStats) -> RowGrad {
+    /// [`LogpCall::sparse`]'s); with the row's truncated `support`, `g_logp`'s terms are
+    /// `g_logp·(1[j=y] - p^K_j)·1[j∈K]` instead (none where `y ∉ K`).
+    fn row_grad(&self, i: usize, stats: &RowStats, support: Option<&RowSupport>) -> RowGrad {
         let Some(up) = self.upstream.filter(|_| self.live[i]) else {
             return RowGrad::default();
         };
@@ -172,13 +178,19 @@ impl<'a> LogpCall<'a> {
                 .sum(),
             _ => 0.0,
         };
+        let (dense_logp, target_logp) = match support {
+            None => (g_logp, g_logp),
+            Some(s) if s.outside => (0.0, 0.0),
+            Some(_) => (0.0, g_logp),
+        };
         RowGrad {
             stats: *stats,
-            coef_p: (scale * (at(up.lse) - g_logp - gathered)) as f32,
+            coef_p: (scale * (at(up.lse) - dense_logp - gathered)) as f32,
             coef_h: (-scale * at(up.entropy)) as f32,
             coef_uniform: 0.0,
-            coef_target: (scale * g_logp) as f32,
+            coef_target: (scale * target_logp) as f32,
             target: self.rows.targets[i] as usize,
+            support: support.and_then(|s| s.grad(scale * g_logp)),
         }
     }
 
@@ -191,8 +203,14 @@ impl<'a> LogpCall<'a> {
         Some(sparse_terms(ids, grads, scale, &self.live))
     }
 
-    /// The call's outputs from every row's statistics and the gathered log-probs.
-    fn output(&self, stats: Vec<RowStats>, gathered: Option<Vec<f32>>) -> Result<LogpOutput> {
+    /// The call's outputs from every row's statistics, the gathered log-probs and the
+    /// truncated support's.
+    fn output(
+        &self,
+        stats: Vec<RowStats>,
+        gathered: Option<Vec<f32>>,
+        support: Option<SupportStats>,
+    ) -> Result<LogpOutput> {
         let inv_temp = self.transform.inv_temp;
         let live = |i: usize| self.live[i];
         let max_logit = (stats.iter().enumerate())
@@ -217,7 +235,7 @@ impl<'a> LogpCall<'a> {
             max_logit,
             sum_p2,
             gathered,
-            support: None,
+            support,
         })
     }
 }
@@ -328,57 +346,107 @@ pub(crate) fn logp_checked(
     let local_targets = split.map(|s| s.local_targets(targets));
     let inputs = call.inputs(local_targets.as_deref().unwrap_or(targets));
     let mut passes = head.passes(inputs, plan)?;
-    let (stats, gathered) = if plan.single_pass {
-        let stats = passes.single_pass(&mut |range, stats: &[RowStats]| {
-            range.map(|i| call.row_grad(i, &stats[i])).collect()
-        })?;
-        (stats, None)
-    } else {
-        let range = split.map_or(0..vocab, |s| s.range.clone());
-        let gather = call.request.gather_ids.as_ref();
-        let mut visitor = gather.map(|ids| GatherVisitor::new(ids, &call.live, &range));
-        let local = match visitor.as_mut() {
-            Some(v) => passes.row_states_visiting(v)?,
-            None => passes.row_states()?,
-        };
-        let (states, whole_vocab) = match split {
-            None => (local, vocab),
-            Some(s) => (
-                merge_partial(s.comm, &local, inputs.transform.inv_temp)?,
-                s.vocab,
-            ),
-        };
-        let stats = states.finish(&inputs, whole_vocab);
-        let gathered = match (visitor, gather) {
-            (Some(mut v), Some(ids)) => {
-                if let Some(s) = split {
-                    s.comm.all_reduce_sum_f32(&mut v.z)?;
-                }
-                Some(finish_gathered(&states, &v.z, ids.k, &call.live))
-            }
-            _ => None,
-        };
-        if call.upstream.is_some() {
-            let grads: Vec<RowGrad> = (0..stats.len())
-                .map(|i| call.row_grad(i, &stats[i]))
-                .collect();
-            match call.sparse() {
-                None => grads_pass(passes.as_mut(), grads, split)?,
-                Some(sparse) => {
-                    let (grads, sparse) = match split {
-                        None => (grads, sparse),
-                        Some(s) => (
-                            grads.into_iter().map(|g| g.on_shard(&s.range)).collect(),
-                            sparse.on_shard(&s.range),
-                        ),
-                    };
-                    passes.accumulate_grads_sparse(&grads, &sparse)?;
-                }
-            }
+    let (stats, gathered, support) = match (plan.single_pass, call.needs_hooks()) {
+        (true, true) => {
+            return Err(Error::InvalidArgument {
+                arg: "plan",
+                reason: "a single pass cannot take the pass hooks (gather_ids, top_k/top_p/min_p)"
+                    .into(),
+            });
         }
-        (stats, gathered)
+        (true, false) => {
+            let stats = passes.single_pass(&mut |range, stats: &[RowStats]| {
+                range.map(|i| call.row_grad(i, &stats[i], None)).collect()
+            })?;
+            (stats, None, None)
+        }
+        (false, _) => {
+            let range = split.map_or(0..vocab, |s| s.range.clone());
+            let (stats, gathered, support) =
+                pass_a(passes.as_mut(), call, (&inputs, range), split)?;
+            if call.upstream.is_some() {
+                let rows = support.as_ref().and_then(|s| s.rows.as_deref());
+                pass_b(passes.as_mut(), call, (&stats, rows), split)?;
+            }
+            (stats, gathered, support)
+        }
     };
     drop(passes);
     check_row_stats(&stats, |i| call.live[i], targets, call.seq_len)?;
-    call.output(stats, gathered)
+    let support = support.map(|s| s.stats(&stats, &call.live));
+    call.output(stats, gathered, support)
+}
+
+/// What pass A gives: every row's statistics, the candidates' log-probs and the
+/// truncated support.
+type PassA = (Vec<RowStats>, Option<Vec<f32>>, Option<SupportRun>);
+
+/// Pass A over the head's vocabulary `range` of the whole vocabulary (gathering the
+/// candidates it holds, and the truncated support's top keys): every row's statistics
+/// (merged over `split`'s shards), the candidates' log-probs (their logits summed over
+/// the shards) and every row's support (after its extra passes).
+fn pass_a(
+    passes: &mut dyn FusedPasses,
+    call: &LogpCall,
+    (inputs, range): (&RowInputs, Range<usize>),
+    split: Option<&VocabSplit>,
+) -> Result<PassA> {
+    let gather = call.request.gather_ids.as_ref();
+    let mut visitor = gather.map(|ids| GatherVisitor::new(ids, &call.live, &range));
+    let support = SupportCall::new(call.request.support, split.map_or(range.len(), |s| s.vocab));
+    let mut buffers = (support.as_ref()).and_then(|s| s.buffers(inputs, range.clone()));
+    let local = match (visitor.as_mut(), buffers.as_mut()) {
+        (Some(v), Some(b)) => passes.row_states_visiting(&mut VisitBoth(v, b))?,
+        (Some(v), None) => passes.row_states_visiting(v)?,
+        (None, Some(b)) => passes.row_states_visiting(b)?,
+        (None, None) => passes.row_states()?,
+    };
+    let (states, vocab) = match split {
+        None => (local, range.len()),
+        Some(s) => (
+            merge_partial(s.comm, &local, inputs.transform.inv_temp)?,
+            s.vocab,
+        ),
+    };
+    let gathered = match (visitor, gather) {
+        (Some(mut v), Some(ids)) => {
+            if let Some(s) = split {
+                s.comm.all_reduce_sum_f32(&mut v.z)?;
+            }
+            Some(finish_gathered(&states, &v.z, ids.k, &call.live))
+        }
+        _ => None,
+    };
+    let support = match support {
+        Some(s) => {
+            let targets = call.rows.targets;
+            Some(s.run(passes, (buffers, &states), (inputs, targets), split)?)
+        }
+        None => None,
+    };
+    Ok((states.finish(inputs, vocab), gathered, support))
+}
+
+/// Pass B: every row's gradient from its statistics (and its truncated support's, where
+/// the call has one), with the candidates' one-hot terms where there are cotangents, on
+/// `split`'s shard where there is one.
+fn pass_b(
+    passes: &mut dyn FusedPasses,
+    call: &LogpCall,
+    (stats, support): (&[RowStats], Option<&[RowSupport]>),
+    split: Option<&VocabSplit>,
+) -> Result<()> {
+    let grads: Vec<RowGrad> = (0..stats.len())
+        .map(|i| call.row_grad(i, &stats[i], support.map(|s| &s[i])))
+        .collect();
+    let Some(sparse) = call.sparse() else {
+        return grads_pass(passes, grads, split);
+    };
+    match split {
+        None => passes.accumulate_grads_sparse(&grads, &sparse),
+        Some(s) => {
+            let grads: Vec<RowGrad> = grads.into_iter().map(|g| g.on_shard(&s.range)).collect();
+            passes.accumulate_grads_sparse(&grads, &sparse.on_shard(&s.range))
+        }
+    }
 }

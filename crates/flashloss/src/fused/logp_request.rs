@@ -52,16 +52,6 @@ impl SupportFilter {
     }
 }
 
-/// The truncated support's computation. Not implemented in this build: the one place
-/// that refuses a [`SupportFilter`] (after its ranges are checked).
-pub(crate) fn check_support_implemented(filter: &SupportFilter) -> Result<()> {
-    filter.check()?;
-    Err(Error::Unsupported {
-        feature: "top_k/top_p/min_p",
-        reason: "not implemented in this build".into(),
-    })
-}
-
 /// What a log-prob call computes beyond every row's [`RowStats`] (`logp`, `lse`,
 /// entropy, max); `Default`: nothing more.
 #[derive(Debug, Clone, Copy, Default)]
@@ -114,7 +104,7 @@ impl LogpRequest<'_> {
             }
         }
         match &self.support {
-            Some(filter) => check_support_implemented(filter),
+            Some(filter) => filter.check(),
             None => Ok(()),
         }
     }
@@ -131,6 +121,11 @@ pub struct SupportStats {
     pub lse: Vec<f32>,
     /// Whether row i's target is outside its support.
     pub outside: Vec<bool>,
+    /// `|K_i|` (0 where masked).
+    pub size: Vec<u64>,
+    /// Passes over the vocabulary beyond the call's own (2NHV FLOPs each) that rows
+    /// whose cut the top buffers could not decide took (`fused::support`).
+    pub extra_passes: usize,
 }
 
 /// The outputs of a log-prob call: every row's statistics and what the
@@ -153,7 +148,8 @@ pub struct LogpOutput {
 /// `None`: the output is not used (zero).
 #[derive(Debug, Clone, Copy)]
 pub struct LogpUpstream<'a> {
-    /// `∂L/∂logp_i`.
+    /// `∂L/∂logp_i`; with a truncated support, of `logp^K_i` (the full softmax's `logp`
+    /// is then not differentiated; rows whose target is outside the support take none).
     pub logp: &'a [f32],
     /// `∂L/∂H_i`.
     pub entropy: Option<&'a [f32]>,

@@ -17,6 +17,11 @@ mod passes;
 pub mod plan;
 mod sharded;
 mod split;
+mod support;
+mod support_search;
+mod support_shards;
+#[cfg(test)]
+mod support_tests;
 mod two_pass;
 
 pub use ce::{CeLinearOutput, ce_linear, ce_linear_lse, ce_row_losses};
@@ -42,3 +47,5 @@ pub use sharded::{
 pub use split::{
     accumulate_row_grads, ce_accumulate_row_grads, ce_partial_row_states, partial_row_states,
 };
+pub use support::{RowSupport, SupportTerm};
+pub use support_search::support_key;

@@ -6,9 +6,13 @@
 //! `dbias += Σ_rows dZ` (8NHV FLOPs in all); a single pass keeps a row block's logits
 //! whole between its statistics and its gradients (6NHV). A frozen head
 //! ([`HeadGrad::Frozen`]) has no `dW`/`dbias` buffers and skips their products. The loss
-//! drivers (GRPO, cross-entropy, log-probs, sharded) are written once over these.
+//! drivers (GRPO, cross-entropy, log-probs, sharded) are written once over these. Two
+//! hooks serve statistics beyond the softmax state (two-pass plans only): a
+//! [`TileVisitor`] sees every logits tile of pass A or of an extra pass, and
+//! [`SparseGrads`] add per-row one-hot terms to pass B.
 
 use super::plan::{FusedOptions, HeadGrad, Plan};
+use super::support::SupportTerm;
 use crate::batch::{HeadShape, LinearInputs};
 use crate::collective::Collective;
 use crate::element::Element;
@@ -21,7 +25,8 @@ use std::ops::Range;
 /// What turns a row's logits into its gradient: with
 /// `p_j = exp((z_j - max)·inv_temp - log_sum)`,
 /// `dz_j = (coef_p·p_j + coef_h·p_j·(log p_j + H) + coef_uniform + [j = target]·coef_target)
-/// · slope_j`, where `slope_j` is the soft-cap's `1 - (z_j/cap)²` (1 without one).
+/// · slope_j`, where `slope_j` is the soft-cap's `1 - (z_j/cap)²` (1 without one), plus
+/// a truncated support's `coef·p^K_j·1[j∈K]·slope_j` where the row has a [`SupportTerm`].
 #[derive(Debug, Clone, Copy, Default)]
 pub struct RowGrad {
     /// Softmax statistics of the row.
@@ -36,6 +41,9 @@ pub struct RowGrad {
     pub coef_target: f32,
     /// Target id, local to the head's vocabulary (unused when `coef_target` is 0).
     pub target: usize,
+    /// The truncated support's term (log-probs with top-k/top-p/min-p; two-pass plans
+    /// only, on the backends with the pass hooks).
+    pub support: Option<SupportTerm>,
 }
 
 impl RowGrad {
@@ -45,11 +53,16 @@ impl RowGrad {
             && self.coef_h == 0.0
             && self.coef_uniform == 0.0
             && self.coef_target == 0.0
+            && self.support.is_none_or(|s| s.coef == 0.0)
     }
 
     /// The gradient restricted to a vocabulary shard `range`: the target term stays
-    /// with the shard that holds the target, as a shard-local id.
+    /// with the shard that holds the target, as a shard-local id; a support term learns
+    /// the shard's offset.
     pub fn on_shard(mut self, range: &Range<usize>) -> RowGrad {
+        if let Some(term) = self.support.as_mut() {
+            term.offset = range.start;
+        }
         if range.contains(&self.target) {
             self.target -= range.start;
         } else {

@@ -1,0 +1,578 @@
+//! The streaming half of the truncated support ([`super::support`]): the keys of the
+//! strict total order `(s_j, j)` (docs/spec/losses.md, flashloss addition 12), the
+//! top-C buffer that pass A fills per row, and the histogram search of the extra passes.
+//!
+//! A key is `ord(s) << 32 | j` with `ord` the monotone u32 image of the f32 scaled logit
+//! `s = fl(z·(1/T)) + 0` (`-0` made `+0`, so equal values have equal `ord`): keys compare
+//! as `(s, j)` lexicographically, and a support is `{j : key_j ≥ cut}`.
+//!
+//! A [`Search`] finds, over the keys of one row in an open range `[lo, hi)` whose
+//! entries above `hi` are tallied, either the tally of the range ([`Goal::Sum`]), the
+//! k-th key from the top ([`Goal::Count`]), or the first key from the top at which the
+//! cumulative mass `Σ exp(s - s_max)` reaches a target ([`Goal::Mass`], top-p). Each pass
+//! either bins the range into [`BINS`] equal key ranges (count and f64 mass per bin) and
+//! narrows it to the bin that holds the answer, or, once that bin holds at most
+//! [`COLLECT_MAX`] entries, collects its keys and answers exactly.
+
+use rayon::prelude::*;
+
+/// Bins of a histogram pass.
+pub(crate) const BINS: usize = 2048;
+/// Largest range whose keys are collected instead of binned again.
+pub(crate) const COLLECT_MAX: u64 = 4096;
+
+/// The scaled logit that decides the support: `fl(z·inv_temp)`, `-0` as `+0`.
+#[inline(always)]
+pub(crate) fn scaled(z: f32, inv_temp: f32) -> f32 {
+    z * inv_temp + 0.0
+}
+
+/// The key of entry `j` of scaled logit `s` (see the module header).
+#[inline(always)]
+pub(crate) fn order_key(s: f32, j: usize) -> u64 {
+    let bits = s.to_bits();
+    let ord = if bits >> 31 == 1 {
+        !bits
+    } else {
+        bits | 1 << 31
+    };
+    (u64::from(ord) << 32) | j as u64
+}
+
+/// The key of entry `j` of raw logit `z` (before `1/T`): what a backend compares with a
+/// [`crate::fused::SupportTerm`]'s cut.
+#[inline(always)]
+pub fn support_key(z: f32, inv_temp: f32, j: usize) -> u64 {
+    order_key(scaled(z, inv_temp), j)
+}
+
+/// The scaled logit of `key`.
+pub(crate) fn key_value(key: u64) -> f32 {
+    let ord = (key >> 32) as u32;
+    f32::from_bits(if ord >> 31 == 1 {
+        ord & !(1 << 31)
+    } else {
+        !ord
+    })
+}
+
+/// The smallest key of value `s` (every entry of value `≥ s` has a key `≥` it).
+pub(crate) fn value_floor(s: f32) -> u64 {
+    order_key(s, 0)
+}
+
+/// `exp(s - s_max)` in f64: an entry's mass relative to the row's largest.
+#[inline(always)]
+pub(crate) fn rel_mass(s: f32, s_max: f32) -> f64 {
+    (s as f64 - s_max as f64).exp()
+}
+
+/// Entries and their mass (relative to the row's largest).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub(crate) struct Tally {
+    pub(crate) count: u64,
+    pub(crate) mass: f64,
+}
+
+impl Tally {
+    fn add(&mut self, other: Tally) {
+        self.count += other.count;
+        self.mass += other.mass;
+    }
+
+    /// The tally of `keys` in a row of largest scaled logit `s_max`.
+    pub(crate) fn of(keys: &[u64], s_max: f32) -> Tally {
+        Tally {
+            count: keys.len() as u64,
+            mass: keys.iter().map(|&k| rel_mass(key_value(k), s_max)).sum(),
+        }
+    }
+}
+
+/// The entries of `all` at the ascending indices `ids`, in order.
+pub(crate) fn pick<'a, T>(all: &'a mut [T], ids: &[usize]) -> Vec<&'a mut T> {
+    let (Some(&first), Some(&last)) = (ids.first(), ids.last()) else {
+        return Vec::new();
+    };
+    let mut want = ids.iter().peekable();
+    (all[first..=last].iter_mut().zip(first..))
+        .filter_map(|(x, i)| want.next_if_eq(&&i).map(|_| x))
+        .collect()
+}
+
+/// A row's largest keys, filled tile by tile in pass A: keys above `floor` are appended;
+/// at `2·cap` entries the buffer keeps its top `cap` and the floor rises to their
+/// smallest. Invariant: every key seen and not held is below the smallest held.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct TopBuffer {
+    keys: Vec<u64>,
+    floor: u64,
+    /// Whether a key was ever dropped (else the buffer holds the whole row).
+    dropped: bool,
+}
+
+impl TopBuffer {
+    /// Adds one tile of the row's logits `z` at vocabulary entries from `start`.
+    pub(crate) fn push_tile(&mut self, z: &[f32], start: usize, inv_temp: f32, cap: usize) {
+        for (o, &x) in z.iter().enumerate() {
+            let key = order_key(scaled(x, inv_temp), start + o);
+            if key > self.floor {
+                self.keys.push(key);
+                if self.keys.len() >= 2 * cap {
+                    self.shrink(cap);
+                }
+            }
+        }
+    }
+
+    /// After the row's last tile: its top `cap` keys, in no more memory than they need.
+    fn settle(&mut self, cap: usize) {
+        self.shrink(cap);
+        self.keys.shrink_to_fit();
+    }
+
+    fn shrink(&mut self, cap: usize) {
+        if self.keys.len() > cap {
+            let cut = self.keys.len() - cap;
+            self.keys.select_nth_unstable(cut);
+            self.keys.drain(..cut);
+            self.floor = self.keys.iter().copied().min().unwrap_or(0);
+            self.dropped = true;
+        }
+    }
+
+    /// The top `cap` keys, descending, and whether they are the whole row.
+    pub(crate) fn finish(mut self, cap: usize) -> (Vec<u64>, bool) {
+        self.shrink(cap);
+        self.keys.sort_unstable_by(|a, b| b.cmp(a));
+        (self.keys, !self.dropped)
+    }
+}
+
+/// What a [`Search`] looks for.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) enum Goal {
+    /// The tally of the keys `≥ lo`.
+    Sum,
+    /// The k-th key from the top.
+    Count(u64),
+    /// The first key from the top whose cumulative mass (its own included) reaches
+    /// `top_p·M`, `M` the mass of every key `≥ lo` (known, or summed by the first pass).
+    Mass { top_p: f64, target: Option<f64> },
+}
+
+/// What a finished [`Search`] found.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) enum Found {
+    /// [`Goal::Sum`]: the tally of the keys `≥ lo`.
+    Sum(Tally),
+    /// [`Goal::Count`]: the k-th key, or `None` where fewer than k keys are `≥ lo`.
+    Kth(Option<u64>),
+    /// [`Goal::Mass`]: the keys `≥ cut` are kept, with their tally.
+    Cut { cut: u64, kept: Tally },
+    /// [`Goal::Mass`] without a target: the keys `≥ hi` alone reach the `target` the
+    /// first pass summed (the cut is among them, which the caller holds).
+    Above { target: f64 },
+}
+
+/// One row's search over its keys in `[lo, hi)`, `above` the tally of its keys `≥ hi`.
+#[derive(Debug, Clone)]
+pub(crate) struct Search {
+    lo: u64,
+    hi: u64,
+    above: Tally,
+    goal: Goal,
+    s_max: f32,
+    /// The next pass collects the range's keys (else it bins them).
+    collect: bool,
+    /// The pass's tallies per bin (a histogram pass) or the range's keys (a collecting
+    /// pass); vocabulary shards sum them (`super::support_shards`).
+    pub(crate) bins: Vec<Tally>,
+    pub(crate) keys: Vec<u64>,
+}
+
+impl Search {
+    /// A search of `goal` over `[lo, hi)` with `above` the tally of the keys `≥ hi`, in a
+    /// row of largest scaled logit `s_max`. A [`Goal::Sum`] takes one bin.
+    pub(crate) fn new(goal: Goal, (lo, hi): (u64, u64), above: Tally, s_max: f32) -> Self {
+        Search {
+            lo,
+            hi,
+            above,
+            goal,
+            s_max,
+            collect: false,
+            bins: Vec::new(),
+            keys: Vec::new(),
+        }
+    }
+
+    /// Whether the search is top-p's with a mass to sum first (its cut may lie above
+    /// its range: [`Found::Above`]).
+    pub(crate) fn sums_mass_first(&self) -> bool {
+        matches!(self.goal, Goal::Mass { target: None, .. })
+    }
+
+    fn width(&self) -> u64 {
+        let bins = if self.goal == Goal::Sum {
+            1
+        } else {
+            BINS as u64
+        };
+        (self.hi - self.lo - 1) / bins + 1
+    }
+
+    /// Prepares the next pass's tallies.
+    fn start_pass(&mut self) {
+        self.keys.clear();
+        self.bins.clear();
+        if !self.collect && self.hi > self.lo {
+            let n = (self.hi - self.lo).div_ceil(self.width()) as usize;
+            self.bins.resize(n, Tally::default());
+        }
+    }
+
+    /// Sees one tile of the row's logits `z` at vocabulary entries from `start`.
+    fn see(&mut self, z: &[f32], start: usize, inv_temp: f32) {
+        if self.hi <= self.lo {
+            return;
+        }
+        let width = self.width();
+        for (o, &x) in z.iter().enumerate() {
+            let s = scaled(x, inv_temp);
+            let key = order_key(s, start + o);
+            if key < self.lo || key >= self.hi {
+                continue;
+            }
+            if self.collect {
+                self.keys.push(key);
+            } else {
+                let bin = &mut self.bins[((key - self.lo) / width) as usize];
+                bin.count += 1;
+                bin.mass += rel_mass(s, self.s_max);
+            }
+        }
+    }
+
+    /// After a pass: the answer, or `None` when another pass is needed.
+    fn advance(&mut self) -> Option<Found> {
+        if self.collect {
+            return Some(self.answer_from_keys());
+        }
+        let total = self.bins.iter().fold(Tally::default(), |mut t, b| {
+            t.add(*b);
+            t
+        });
+        let mut run = self.above;
+        let reached: Box<dyn Fn(Tally, Tally) -> bool> = match &mut self.goal {
+            Goal::Sum => {
+                run.add(total);
+                return Some(Found::Sum(run));
+            }
+            Goal::Count(k) => {
+                let k = *k;
+                if run.count + total.count < k {
+                    return Some(Found::Kth(None));
+                }
+                Box::new(move |run: Tally, bin: Tally| run.count + bin.count >= k)
+            }
+            Goal::Mass { top_p, target } => {
+                let fresh = target.is_none();
+                let t = *target.get_or_insert(*top_p * (run.mass + total.mass));
+                if fresh && run.mass >= t {
+                    return Some(Found::Above { target: t });
+                }
+                Box::new(move |run: Tally, bin: Tally| bin.count > 0 && run.mass + bin.mass >= t)
+            }
+        };
+        let Some(mut chosen) = self.bins.iter().position(|b| b.count > 0) else {
+            // An empty range: the answer lies above it.
+            return Some(match self.goal {
+                Goal::Count(_) | Goal::Sum => Found::Kth(None),
+                Goal::Mass { .. } => Found::Cut {
+                    cut: self.hi,
+                    kept: self.above,
+                },
+            });
+        };
+        for (b, bin) in self.bins.iter().enumerate().rev() {
+            if reached(run, *bin) {
+                chosen = b;
+                break;
+            }
+            run.add(*bin);
+        }
+        // The tally above the chosen bin.
+        let mut above = self.above;
+        self.bins[chosen + 1..].iter().for_each(|b| above.add(*b));
+        let width = self.width();
+        self.lo += chosen as u64 * width;
+        self.hi = self.hi.min(self.lo + width);
+        self.above = above;
+        self.collect = self.bins[chosen].count <= COLLECT_MAX || width == 1;
+        None
+    }
+
+    /// The answer from the range's collected keys.
+    fn answer_from_keys(&mut self) -> Found {
+        self.keys.sort_unstable_by(|a, b| b.cmp(a));
+        let mut run = self.above;
+        match self.goal {
+            Goal::Sum => {
+                run.add(Tally::of(&self.keys, self.s_max));
+                Found::Sum(run)
+            }
+            Goal::Count(k) => Found::Kth(
+                (k.checked_sub(run.count + 1)).and_then(|i| self.keys.get(i as usize).copied()),
+            ),
+            Goal::Mass { target, .. } => {
+                let target = target.unwrap_or(0.0);
+                for (i, &key) in self.keys.iter().enumerate() {
+                    run.add(Tally {
+                        count: 1,
+                        mass: rel_mass(key_value(key), self.s_max),
+                    });
+                    if run.mass >= target || i + 1 == self.keys.len() {
+                        return Found::Cut {
+                            cut: key,
+                            kept: run,
+                        };
+                    }
+                }
+                Found::Cut {
+                    cut: self.hi,
+                    kept: run,
+                }
+            }
+        }
+    }
+}
+
+/// The searches of one extra pass, one per row that has one (`None`: no search), as
+/// a tile visitor: [`SearchPass::see`] sees every tile of the pass.
+pub(crate) struct SearchPass {
+    pub(crate) inv_temp: f32,
+    /// The head's first id in the whole vocabulary (a vocabulary shard's offset).
+    pub(crate) offset: usize,
+    pub(crate) rows: Vec<Option<Search>>,
+}
+
+impl SearchPass {
+    /// Starts a pass over `rows`' searches.
+    pub(crate) fn new(inv_temp: f32, offset: usize, mut rows: Vec<Option<Search>>) -> Self {
+        rows.iter_mut().flatten().for_each(Search::start_pass);
+        SearchPass {
+            inv_temp,
+            offset,
+            rows,
+        }
+    }
+
+    /// Sees the tile `z` (`[rows.len(), vocab.len()]`, row stride `ld`) of rows `rows`.
+    pub(crate) fn see(
+        &mut self,
+        rows: &[usize],
+        vocab: std::ops::Range<usize>,
+        z: &[f32],
+        ld: usize,
+    ) {
+        let (inv_temp, start, cols) = (self.inv_temp, vocab.start + self.offset, vocab.len());
+        (pick(&mut self.rows, rows).into_par_iter())
+            .zip(z.par_chunks(ld))
+            .for_each(|(search, row)| {
+                if let Some(search) = search {
+                    search.see(&row[..cols], start, inv_temp);
+                }
+            });
+    }
+
+    /// After the pass: each row's answer where its search finished (the others stay
+    /// for the next pass).
+    pub(crate) fn finish(mut self) -> (Vec<Option<Found>>, Vec<Option<Search>>) {
+        let found = self
+            .rows
+            .iter_mut()
+            .map(|s| s.as_mut().and_then(Search::advance))
+            .collect::<Vec<_>>();
+        for (row, f) in self.rows.iter_mut().zip(&found) {
+            if f.is_some() {
+                *row = None;
+            }
+        }
+        (found, self.rows)
+    }
+}
+
+/// The top buffers of pass A, one per row, as a tile visitor.
+pub(crate) struct BufferPass {
+    pub(crate) inv_temp: f32,
+    pub(crate) cap: usize,
+    /// The head's first id in the whole vocabulary, and its entries.
+    pub(crate) offset: usize,
+    pub(crate) vocab: usize,
+    pub(crate) rows: Vec<TopBuffer>,
+}
+
+impl BufferPass {
+    /// Empty buffers of `cap` keys for `n` rows of a head of `vocab` entries whose first
+    /// id is `offset`.
+    pub(crate) fn new(
+        n: usize,
+        inv_temp: f32,
+        cap: usize,
+        (offset, vocab): (usize, usize),
+    ) -> Self {
+        BufferPass {
+            inv_temp,
+            cap,
+            offset,
+            vocab,
+            rows: vec![TopBuffer::default(); n],
+        }
+    }
+
+    /// Sees the tile `z` (`[rows.len(), vocab.len()]`, row stride `ld`) of rows `rows`.
+    pub(crate) fn see(
+        &mut self,
+        rows: &[usize],
+        vocab: std::ops::Range<usize>,
+        z: &[f32],
+        ld: usize,
+    ) {
+        let (inv_temp, cap, cols) = (self.inv_temp, self.cap, vocab.len());
+        let (start, last) = (vocab.start + self.offset, vocab.end == self.vocab);
+        (pick(&mut self.rows, rows).into_par_iter())
+            .zip(z.par_chunks(ld))
+            .for_each(|(buf, row)| {
+                buf.push_tile(&row[..cols], start, inv_temp, cap);
+                if last {
+                    buf.settle(cap);
+                }
+            });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_order_values_then_ids() {
+        let values = [f32::NEG_INFINITY, -3.5, -1e-30, 0.0, 1e-30, 2.0, f32::MAX];
+        for w in values.windows(2) {
+            assert!(order_key(w[0], 7) < order_key(w[1], 0), "{w:?}");
+        }
+        for &s in &values {
+            assert!(order_key(s, 3) < order_key(s, 4));
+            assert_eq!(key_value(order_key(s, 9)), s);
+        }
+        assert_eq!(order_key(scaled(-0.0, 1.0), 1), order_key(0.0, 1));
+    }
+
+    /// Runs `goal` over `z`'s keys `≥ lo`, tiles of 7 entries: what it found and after how
+    /// many passes.
+    fn run_search(z: &[f32], goal: Goal, lo: u64) -> (Found, usize) {
+        let s_max = z.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut rows = vec![Some(Search::new(
+            goal,
+            (lo, u64::MAX),
+            Tally::default(),
+            s_max,
+        ))];
+        for pass in 1.. {
+            let mut p = SearchPass::new(1.0, 0, rows);
+            for start in (0..z.len()).step_by(7) {
+                let end = (start + 7).min(z.len());
+                p.see(&[0], start..end, &z[start..end], end - start);
+            }
+            let (found, next) = p.finish();
+            if let Some(f) = found[0] {
+                return (f, pass);
+            }
+            rows = next;
+        }
+        unreachable!()
+    }
+
+    #[test]
+    fn searches_find_what_sorting_finds() {
+        // Many ties (values in 0..4) and a spread tail: the histogram narrows onto ids.
+        let v = 20_000;
+        let z: Vec<f32> = (0..v)
+            .map(|j| {
+                if j % 3 == 0 {
+                    (j % 4) as f32
+                } else {
+                    -((j % 1000) as f32) / 64.0
+                }
+            })
+            .collect();
+        let s_max = 3.0;
+        let mut sorted: Vec<u64> = (0..v).map(|j| order_key(z[j], j)).collect();
+        sorted.sort_unstable_by(|a, b| b.cmp(a));
+        for k in [1, 5, 1700, 5000, 19_999, 20_000] {
+            let (found, _) = run_search(&z, Goal::Count(k), 0);
+            assert_eq!(found, Found::Kth(Some(sorted[k as usize - 1])), "k={k}");
+        }
+        assert_eq!(run_search(&z, Goal::Count(20_001), 0).0, Found::Kth(None));
+        let lo = value_floor(-2.0);
+        let want = Tally::of(
+            &sorted
+                .iter()
+                .copied()
+                .filter(|&k| k >= lo)
+                .collect::<Vec<_>>(),
+            s_max,
+        );
+        let Found::Sum(got) = run_search(&z, Goal::Sum, lo).0 else {
+            panic!()
+        };
+        assert_eq!(got.count, want.count);
+        assert!((got.mass - want.mass).abs() < 1e-9 * want.mass);
+        for top_p in [1e-6, 0.3, 0.5, 0.9, 0.999] {
+            let total = Tally::of(&sorted, s_max).mass;
+            let (found, passes) = run_search(
+                &z,
+                Goal::Mass {
+                    top_p,
+                    target: None,
+                },
+                0,
+            );
+            let Found::Cut { cut, kept } = found else {
+                panic!()
+            };
+            // The first key from the top whose inclusive cumulative mass reaches top_p·M.
+            let mut run = 0.0;
+            let i = sorted
+                .iter()
+                .position(|&k| {
+                    run += rel_mass(key_value(k), s_max);
+                    run >= top_p * total
+                })
+                .unwrap();
+            assert_eq!(cut, sorted[i], "top_p={top_p}");
+            assert_eq!(kept.count, i as u64 + 1);
+            assert!(passes >= 2, "top_p={top_p}: {passes} passes");
+        }
+    }
+
+    #[test]
+    fn top_buffer_keeps_the_largest_keys() {
+        let v = 5000;
+        let z: Vec<f32> = (0..v).map(|j| ((j * 7919) % 613) as f32 / 8.0).collect();
+        let mut buf = TopBuffer::default();
+        for start in (0..v).step_by(300) {
+            let end = (start + 300).min(v);
+            buf.push_tile(&z[start..end], start, 1.0, 64);
+        }
+        let (keys, complete) = buf.finish(64);
+        let mut sorted: Vec<u64> = (0..v).map(|j| order_key(z[j], j)).collect();
+        sorted.sort_unstable_by(|a, b| b.cmp(a));
+        assert_eq!(keys, sorted[..64]);
+        assert!(!complete);
+        let mut small = TopBuffer::default();
+        small.push_tile(&z[..10], 0, 1.0, 64);
+        assert!(small.finish(64).1);
+    }
+}

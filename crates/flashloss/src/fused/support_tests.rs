@@ -1,0 +1,371 @@
+//! The truncated support's decisions and extra passes ([`super::support`]) against the
+//! f64 reference ([`crate::reference::support_row`]) on dense rows shown tile by tile, as
+//! a backend's passes show them: peaked, flat and sampled rows, ties beyond the buffer,
+//! min-p and top-k cuts below it, a top-k beyond the largest buffer, every combination of
+//! the filters.
+
+use super::passes::{FusedPasses, GradsOf, RowGrad, TileVisitor};
+use super::plan::{HeadGrad, Plan};
+use super::support::{RowSupport, Truncation, support_buffers, support_passes};
+use crate::error::{Error, Result};
+use crate::reference::{SupportFilters, support_row};
+use crate::rows::{OnlineSoftmax, PartialStats, RowInputs, RowStats, RowTransform};
+use crate::temperature::Temperature;
+
+/// Rows `[n, v]` of logits shown in tiles of `tile` entries.
+struct Dense {
+    z: Vec<f32>,
+    n: usize,
+    v: usize,
+    tile: usize,
+    inv_temp: f32,
+    targets: Vec<i64>,
+}
+
+impl Dense {
+    fn tiles(&self, mut each: impl FnMut(std::ops::Range<usize>, &[f32])) {
+        for start in (0..self.v).step_by(self.tile) {
+            let end = (start + self.tile).min(self.v);
+            let tile: Vec<f32> = (0..self.n)
+                .flat_map(|i| self.z[i * self.v + start..i * self.v + end].iter().copied())
+                .collect();
+            each(start..end, &tile);
+        }
+    }
+}
+
+impl FusedPasses for Dense {
+    fn plan(&self) -> Plan {
+        Plan {
+            single_pass: false,
+            compact: false,
+            block_rows: self.n,
+            vocab_tile: self.tile,
+            workspace_bytes: 0,
+            gemm_reserve_bytes: 0,
+            bf16_products: None,
+            head_grad: HeadGrad::Full,
+        }
+    }
+
+    fn row_states(&mut self) -> Result<PartialStats> {
+        self.row_states_visiting(&mut NoVisitor)
+    }
+
+    fn row_states_visiting(&mut self, visitor: &mut dyn TileVisitor) -> Result<PartialStats> {
+        let mut out = PartialStats::empty(self.n, self.inv_temp);
+        let rows: Vec<usize> = (0..self.n).collect();
+        let (n, inv_temp) = (self.n, self.inv_temp);
+        let targets = self.targets.clone();
+        self.tiles(|vocab, tile| {
+            let cols = vocab.len();
+            for (i, row) in tile.chunks(cols).enumerate().take(n) {
+                let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let sum = row
+                    .iter()
+                    .map(|&x| (((x - max) * inv_temp) as f64).exp())
+                    .sum();
+                out.states[i].merge(OnlineSoftmax {
+                    inv_temp,
+                    max,
+                    sum,
+                    weighted: 0.0,
+                    sum2: 0.0,
+                });
+                let y = targets[i] as usize;
+                if vocab.contains(&y) {
+                    out.target_logits[i] = row[y - vocab.start];
+                }
+            }
+            visitor.visit(&rows, vocab, tile, cols);
+        });
+        Ok(out)
+    }
+
+    fn visit_tiles(&mut self, visitor: &mut dyn TileVisitor) -> Result<()> {
+        let rows: Vec<usize> = (0..self.n).collect();
+        self.tiles(|vocab, tile| visitor.visit(&rows, vocab.clone(), tile, vocab.len()));
+        Ok(())
+    }
+
+    fn accumulate_grads(&mut self, _: &[RowGrad]) -> Result<()> {
+        Err(Error::Unsupported {
+            feature: "accumulate_grads",
+            reason: "a test's dense rows have no head".into(),
+        })
+    }
+
+    fn single_pass(&mut self, _: &mut GradsOf) -> Result<Vec<RowStats>> {
+        Err(Error::Unsupported {
+            feature: "single_pass",
+            reason: "a test's dense rows have no head".into(),
+        })
+    }
+}
+
+struct NoVisitor;
+
+impl TileVisitor for NoVisitor {
+    fn visit(&mut self, _: &[usize], _: std::ops::Range<usize>, _: &[f32], _: usize) {}
+}
+
+/// A small deterministic generator: uniform in `[0, 1)` and standard normal.
+struct Rng(u64);
+
+impl Rng {
+    fn uniform(&mut self) -> f64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        (self.0 >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    fn normal(&mut self) -> f64 {
+        let (u, v) = (self.uniform().max(1e-300), self.uniform());
+        (-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * v).cos()
+    }
+}
+
+/// Runs the support of `z` (`[n, v]`) at `temperature` and compares every row with the
+/// reference (rows whose margin is below `min_margin` only for finiteness); returns the
+/// extra passes.
+fn check(
+    case: &str,
+    z: Vec<f32>,
+    (n, v): (usize, usize),
+    temperature: f64,
+    f: SupportFilters,
+    min_margin: f64,
+) -> usize {
+    let mut rng = Rng(v as u64 * 31 + n as u64);
+    let targets: Vec<i64> = (0..n).map(|_| (rng.uniform() * v as f64) as i64).collect();
+    let transform = RowTransform::with_temperature(Temperature::new(temperature).unwrap());
+    let mut dense = Dense {
+        z,
+        n,
+        v,
+        tile: 333.min(v / 3 + 1),
+        inv_temp: transform.inv_temp,
+        targets: targets.clone(),
+    };
+    let live = vec![true; n];
+    let rows = RowInputs {
+        targets: &targets,
+        live: &live,
+        transform,
+    };
+    let Some(t) = Truncation::new(f.top_k, f.top_p, f.min_p, v) else {
+        panic!("{case}: no filter cuts");
+    };
+    let mut buffers = support_buffers(&t, n, transform.inv_temp, 0..v);
+    let partial = dense.row_states_visiting(&mut buffers).unwrap();
+    let (got, extra) =
+        support_passes(&mut dense, (buffers, &partial), (&rows, &targets), &t, None).unwrap();
+    let mut compared = 0;
+    for i in 0..n {
+        let zi: Vec<f64> = dense.z[i * v..(i + 1) * v]
+            .iter()
+            .map(|&x| x as f64)
+            .collect();
+        let want = support_row(&zi, temperature, targets[i] as usize, f);
+        let g: &RowSupport = &got[i];
+        assert!(
+            g.lse.is_finite() && !g.logp.is_nan(),
+            "{case} row {i}: {g:?}"
+        );
+        if want.margin < min_margin {
+            continue;
+        }
+        compared += 1;
+        let what = format!("{case} row {i} (margin {:.2e})", want.margin);
+        assert_eq!(g.size, want.size as u64, "{what}: size");
+        assert_eq!(
+            g.outside, !want.in_support[targets[i] as usize],
+            "{what}: outside"
+        );
+        let close = |a: f32, b: f64| (a as f64 - b).abs() <= 2e-6 * b.abs().max(1.0);
+        assert!(
+            close(g.lse, want.lse),
+            "{what}: lse {} vs {}",
+            g.lse,
+            want.lse
+        );
+        match g.outside {
+            true => assert_eq!(g.logp, f32::NEG_INFINITY, "{what}"),
+            false => assert!(
+                close(g.logp, want.logp),
+                "{what}: logp {} vs {}",
+                g.logp,
+                want.logp
+            ),
+        }
+    }
+    assert!(
+        2 * compared >= n,
+        "{case}: {compared} of {n} rows away from a boundary"
+    );
+    extra
+}
+
+fn filters(top_k: Option<usize>, top_p: Option<f64>, min_p: Option<f64>) -> SupportFilters {
+    SupportFilters {
+        top_k,
+        top_p,
+        min_p,
+    }
+}
+
+/// Every combination of the three filters, each unset or at one of two values.
+fn combinations() -> Vec<SupportFilters> {
+    let mut out = Vec::new();
+    for top_k in [None, Some(1), Some(40)] {
+        for top_p in [None, Some(0.3), Some(0.92)] {
+            for min_p in [None, Some(0.02), Some(0.5)] {
+                if top_k.is_some() || top_p.is_some() || min_p.is_some() {
+                    out.push(filters(top_k, top_p, min_p));
+                }
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn sampled_peaked_and_flat_rows_every_combination() {
+    let (n, v) = (6, 1531);
+    let mut rng = Rng(5);
+    for (kind, scale) in [("sampled", 2.0), ("peaked", 8.0), ("flat", 0.05)] {
+        let z: Vec<f32> = (0..n * v).map(|_| (rng.normal() * scale) as f32).collect();
+        for temperature in [1.0, 0.7] {
+            for f in combinations() {
+                let case = format!("{kind} T={temperature} {f:?}");
+                check(&case, z.clone(), (n, v), temperature, f, 1e-9);
+            }
+        }
+    }
+}
+
+#[test]
+fn flat_rows_with_top_p_alone_take_extra_passes() {
+    let (n, v) = (3, 20_000);
+    let mut rng = Rng(9);
+    let z: Vec<f32> = (0..n * v).map(|_| (rng.normal() * 0.3) as f32).collect();
+    for top_p in [0.1, 0.5, 0.95] {
+        let extra = check(
+            "flat top-p",
+            z.clone(),
+            (n, v),
+            1.0,
+            filters(None, Some(top_p), None),
+            1e-9,
+        );
+        assert!(
+            (2..=4).contains(&extra),
+            "top_p {top_p}: {extra} extra passes"
+        );
+    }
+    // Top-p after a min-p cut below the buffer: the first pass sums the mass, and the
+    // cut lies in the buffer (0.1) or below it (0.9).
+    for top_p in [0.01, 0.9] {
+        let f = filters(None, Some(top_p), Some(0.1));
+        let extra = check("flat min-p top-p", z.clone(), (n, v), 1.0, f, 1e-9);
+        assert!(extra >= 1, "{f:?}: {extra}");
+    }
+    // min-p far below the buffer: the mass of what it keeps takes a pass.
+    let extra = check(
+        "flat min-p",
+        z.clone(),
+        (n, v),
+        1.0,
+        filters(None, None, Some(0.1)),
+        1e-9,
+    );
+    assert_eq!(extra, 1);
+    // A peaked row decides from its buffer alone.
+    let mut peaked = z;
+    for i in 0..n {
+        peaked[i * v + 17 * i] = 30.0;
+    }
+    let extra = check(
+        "peaked top-p",
+        peaked,
+        (n, v),
+        1.0,
+        filters(Some(50), Some(0.9), None),
+        1e-9,
+    );
+    assert_eq!(extra, 0);
+}
+
+#[test]
+fn ties_beyond_the_buffer_are_kept_or_cut_by_index() {
+    // Values in {0, 1, 2, 3}: thousands of ties at each.
+    let (n, v) = (4, 12_007);
+    let z: Vec<f32> = (0..n * v).map(|x| ((x * 7 + x / v) % 4) as f32).collect();
+    for f in [
+        filters(Some(3), None, None),
+        filters(Some(5000), None, None),
+        filters(None, Some(0.5), None),
+        filters(None, Some(0.9), None),
+        filters(Some(7000), Some(0.6), None),
+        filters(None, Some(0.77), Some(0.3)),
+    ] {
+        let extra = check(&format!("ties {f:?}"), z.clone(), (n, v), 1.0, f, 1e-10);
+        assert!(extra >= 1, "{f:?}: the buffer cannot hold the ties");
+    }
+}
+
+#[test]
+fn top_k_beyond_the_largest_buffer_is_searched() {
+    let (n, v) = (2, 30_000);
+    let mut rng = Rng(3);
+    let z: Vec<f32> = (0..n * v).map(|_| (rng.normal() * 2.0) as f32).collect();
+    for f in [
+        filters(Some(9000), None, None),
+        filters(Some(9000), Some(0.5), Some(1e-9)),
+    ] {
+        let extra = check(&format!("{f:?}"), z.clone(), (n, v), 0.5, f, 1e-9);
+        assert!(extra >= 2, "{f:?}: {extra}");
+    }
+}
+
+#[test]
+fn random_shapes_scales_ties_and_filters() {
+    let mut rng = Rng(77);
+    for case in 0..150 {
+        let v = 2 + (rng.uniform() * 6000.0) as usize;
+        let n = 1 + (rng.uniform() * 4.0) as usize;
+        let scale = [0.01, 0.5, 3.0, 20.0][case % 4];
+        // Quantized values make ties; a fraction of cases keep full floats.
+        let levels = [0.0, 4.0, 64.0][(case / 4) % 3];
+        let z: Vec<f32> = (0..n * v)
+            .map(|_| {
+                let x = rng.normal() * scale;
+                if levels > 0.0 {
+                    (x * levels).round() / levels
+                } else {
+                    x
+                }
+            })
+            .map(|x| x as f32)
+            .collect();
+        let pick = |rng: &mut Rng, p: f64| rng.uniform() < p;
+        let top_k = pick(&mut rng, 0.5).then(|| 1 + (rng.uniform() * v as f64 * 0.6) as usize);
+        let top_p = pick(&mut rng, 0.5).then(|| 0.02 + rng.uniform() * 0.97);
+        let min_p = pick(&mut rng, 0.4).then(|| rng.uniform().powi(3));
+        let f = filters(top_k, top_p, min_p);
+        if Truncation::new(top_k, top_p, min_p, v).is_none() {
+            continue;
+        }
+        let temperature = [1.0, 0.5, 0.8][case % 3];
+        check(
+            &format!("case {case} v={v} {f:?}"),
+            z,
+            (n, v),
+            temperature,
+            f,
+            1e-9,
+        );
+    }
+}

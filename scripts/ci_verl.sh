@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# CI stage for flashloss.verl: a venv with verl 0.9.1 and the few packages that importing
+# its fused-kernel modules needs on CPU, then the equality tests against verl's own torch
+# path (crates/flashloss-py/tests/test_verl.py).
+#
+# verl's declared dependencies (ray[default], wandb, datasets, peft, hydra, ...) are for
+# training clusters; `import verl` and its fused-kernel modules need only torch, transformers,
+# numpy, packaging, ray, tensordict and omegaconf, so verl is installed with --no-deps beside
+# exactly those. Kept apart
+# from target/py-venv so that verl's transformers pin cannot move the main suite's.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=${VERL_VENV:-target/verl-venv}
+"$PY" -m venv "$VENV"
+PIP="$VENV/bin/pip"
+"$PIP" install -q torch numpy pytest packaging "transformers>=5.5.3,<5.11,!=5.6.0" "ray>=2.41.0" \
+    "tensordict>=0.8.0,<=0.10.0,!=0.9.0" omegaconf
+"$PIP" install -q --no-deps "verl==0.9.1"
+CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}" "$PIP" install -q --no-deps ./crates/flashloss-py
+# Run from outside the source tree so that the installed package (with its native module) is tested.
+PYBIN="$(cd "$VENV" && pwd)/bin/python"
+(cd crates/flashloss-py/tests && "$PYBIN" -m pytest -q -p no:cacheprovider test_verl.py)
