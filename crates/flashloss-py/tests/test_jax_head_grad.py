@@ -76,7 +76,7 @@ def _losses():
 
     def split_ce(x, w, b):
         args = (None, _ce_config(), 1.0, -100, V, "mean", 64.0, "two_pass")
-        return _vocab.cross_entropy(x.reshape(-1, H), w, b, jnp.where(mask, ids, -100).reshape(-1), *args)
+        return _vocab.cross_entropy(x.reshape(-1, H), w, b, jnp.where(mask, ids, -100).reshape(-1), *args)[0]
 
     fns = dict(grpo=grpo, ce=ce, ce_rows=ce_rows, logprobs=logprobs, split_grpo=split, split_ce=split_ce)
     return fns, (hidden, weight, bias)

@@ -96,7 +96,7 @@ def test_vocab_steps_on_one_device_hv_equal_vh():
 
     def ce(x, w, b, layout):
         t = flat_ids.at[1].set(-100)
-        return _vocab.cross_entropy(x, w, b, t, None, CE, 0.8, -100, V, "sum", BUDGET, "auto", weight_layout=layout)
+        return _vocab.cross_entropy(x, w, b, t, None, CE, 0.8, -100, V, "sum", BUDGET, "auto", weight_layout=layout)[0]
 
     for name, f in (("logprobs", logprobs), ("grpo", grpo), ("cross_entropy", ce)):
         want, (dh, dw, db) = jax.value_and_grad(f, (0, 1, 2))(hidden, weight, bias, "vh")
@@ -156,7 +156,7 @@ def _main():
                 args = (GRPO, "vocab", 0.9, v, "auto", BUDGET, layout)
                 return _vocab.grpo(x, w, b, ids, mask, adv, old, old - 0.05, *args)[0]
             t = flat_ids.at[1].set(-100)
-            return _vocab.cross_entropy(x, w, b, t, "vocab", CE, 0.8, -100, v, "sum", BUDGET, "auto", layout)
+            return _vocab.cross_entropy(x, w, b, t, "vocab", CE, 0.8, -100, v, "sum", BUDGET, "auto", layout)[0]
 
         specs = (P(), P("vocab", None) if layout == "vh" else P(None, "vocab"), P("vocab"))
         grad = jax.value_and_grad(f, (0, 1, 2))

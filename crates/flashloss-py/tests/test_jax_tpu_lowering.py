@@ -120,6 +120,22 @@ def test_auto_takes_the_pallas_branch_on_tpu():
     assert r["tpu_custom_calls"] == 3 and not r["has_NxV"]
 
 
+def test_truncated_support_lowers_for_tpu_without_nxv():
+    """``linear_logprobs`` with ``top_k``/``top_p`` and ``impl="auto"`` lowered for TPU: the
+    Pallas branch (its support in plain JAX over blocks of rows) holds no ``[N, V]`` array."""
+
+    def step(h, w, ids, mask):
+        def loss(h, w):
+            out = fj.linear_logprobs(h, w, ids, 0.7, True, mask=mask, top_k=50, top_p=0.9)
+            return jnp.where(out.outside_support, 0.0, out.logp).sum() + 0.1 * out.entropy.sum()
+
+        return jax.value_and_grad(loss, (0, 1))(h, w)
+
+    h, w, ids, _, _, _, mask = _structs(B, T, jnp.bfloat16)
+    r = _assert_pallas(_lower(step, h, w, ids, mask))
+    assert not r["has_NxV"], r["NxV_shapes"]
+
+
 def _mesh(axis_type: AxisType = AxisType.Explicit) -> AbstractMesh:
     return AbstractMesh((DEVICES,), ("d",), (axis_type,))
 

@@ -308,9 +308,13 @@ fn split_cross_entropy_over_three_shards_equals_the_fused_call() {
     let mut targets = x.batch().target_ids.to_vec();
     targets[3] = -100; // an ignored row
     let device = Device::cpu();
-    for (reduction, grad_rows) in [
-        (Reduction::Mean, None),
-        (Reduction::None, Some(vec![0.5f32; n])),
+    // each row's lse cotangent: ∂lse/∂s_j = p_j joins the row's coefficients on every shard
+    let grad_lse: Vec<f32> = (0..n).map(|i| 0.3 - 0.07 * i as f32).collect();
+    for (reduction, grad_rows, lse) in [
+        (Reduction::Mean, None, None),
+        (Reduction::None, Some(vec![0.5f32; n]), None),
+        (Reduction::Mean, None, Some(&grad_lse[..])),
+        (Reduction::None, Some(vec![0.5f32; n]), Some(&grad_lse[..])),
     ] {
         let ce = CrossEntropy::new(CeConfig {
             label_smoothing: 0.1,
@@ -322,9 +326,16 @@ fn split_cross_entropy_over_three_shards_equals_the_fused_call() {
         })
         .unwrap();
         let g = grad_rows.as_deref();
+        let inputs = head.inputs();
+        let mut grads = flashloss::LinearGrads::zeros(&inputs);
+        let args = HeadArgs::Host {
+            inputs: &inputs,
+            grads: grads.view(),
+        };
         let whole = device
-            .ce_linear(&ce, &targets, g, &head.inputs(), &opts(Mode::TwoPass))
+            .ce_linear_lse_into(&ce, &targets, (g, lse), args, &opts(Mode::TwoPass))
             .unwrap();
+        let whole = flashloss::fused::CeLinearOutput { grads, ..whole };
         let shards = [0..100, 100..201, 201..301];
         let slice = |r: &std::ops::Range<usize>| LinearInputs {
             weight: &head.weight[r.start * h..r.end * h],
@@ -373,7 +384,7 @@ fn split_cross_entropy_over_three_shards_equals_the_fused_call() {
                     shard(r),
                     &ce,
                     &targets,
-                    g,
+                    (g, lse),
                     stats.clone(),
                     &opts(Mode::Auto),
                 )

@@ -381,7 +381,8 @@ impl Device {
     }
 
     /// Cross-entropy's row stage and pass B on this head's [`Shard`] from merged
-    /// statistics (see [`fused::ce_accumulate_row_grads`]).
+    /// statistics, with the upstream gradients `(grad_rows, grad_lse)` (see
+    /// [`fused::ce_accumulate_row_grads`]).
     #[allow(clippy::too_many_arguments)]
     pub fn ce_accumulate_row_grads<E: Element>(
         &self,
@@ -389,12 +390,12 @@ impl Device {
         shard: Shard,
         ce: &CrossEntropy,
         targets: &[i64],
-        grad_rows: Option<&[f32]>,
+        upstream: (Option<&[f32]>, Option<&[f32]>),
         stats: Vec<RowStats>,
         opts: &FusedOptions,
     ) -> Result<CeLinearOutput> {
         self.run(head, |h| {
-            fused::ce_accumulate_row_grads(h, shard, ce, targets, grad_rows, stats, opts)
+            fused::ce_accumulate_row_grads(h, shard, ce, targets, upstream, stats, opts)
         })
     }
 

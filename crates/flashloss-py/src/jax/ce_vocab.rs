@@ -8,7 +8,9 @@
 
 use super::ffi::CallFrame;
 use super::frame::{Frame, Named, Result, bad, handle};
-use super::handlers::{by_dtype, grad_options, grads, head, options, parse, weight_layout};
+use super::handlers::{
+    by_dtype, ce_grad_options, ce_upstream, grads, head, options, parse, weight_layout,
+};
 use super::vocab::{merged_stats, offset_of};
 use crate::front::cpu;
 use flashloss::rows::RowStats;
@@ -68,9 +70,12 @@ unsafe extern "C" fn ce_vocab_partial(frame: *mut CallFrame) -> *mut c_void {
 
 /// The row stage and pass B. Arguments: hidden, weight (block), bias, targets `[N]`,
 /// offset, the merged max, log_sum, entropy, logp, mean_logit (`[N]` each), grad_rows
-/// (`[N]` for reduction none, `[0]` otherwise); attributes: budget_mib, config, mode,
-/// vocab, weight_layout, head_grad. Results: loss, row_loss `[N]`, dhidden (the block's
-/// part), dweight (the weight's shape), dbias (the block's; both `[0]` for a frozen head).
+/// (`[N]` for reduction none, `[0]` otherwise), grad_lse (`[N]`: the upstream gradient
+/// of each row's log-sum-exp, `∂lse/∂s_j = p_j`; `[0]` for none); attributes:
+/// budget_mib, config, mode, vocab, weight_layout, head_grad, grad_output. Results:
+/// loss, row_loss `[N]`, dhidden (the block's part), dweight (the weight's shape), dbias
+/// (the block's; both `[0]` for a frozen head): the gradients of
+/// `grad_output·L + Σ_i grad_lse_i·lse_i`.
 unsafe extern "C" fn ce_vocab_grads(frame: *mut CallFrame) -> *mut c_void {
     // SAFETY: XLA's frame.
     unsafe {
@@ -79,7 +84,7 @@ unsafe extern "C" fn ce_vocab_grads(frame: *mut CallFrame) -> *mut c_void {
             let layout = weight_layout(f)?;
             let targets = f.arg(3, "targets")?.ids()?;
             let (ce, shard) = loss_and_shard(f, &f.arg(4, "offset")?)?;
-            let opts = grad_options(f)?;
+            let opts = ce_grad_options(f)?;
             let inv_temp = (1.0 / ce.config().temperature) as f32;
             let n = targets.len();
             let names = ["max", "log_sum", "entropy", "logp", "mean_logit"];
@@ -96,12 +101,11 @@ unsafe extern "C" fn ce_vocab_grads(frame: *mut CallFrame) -> *mut c_void {
                     ..merged_stats(cols[0][i], cols[1][i], cols[2][i], inv_temp)
                 })
                 .collect();
-            let rows = f.arg(10, "grad_rows")?;
-            let grad_rows = (rows.numel() > 0).then(|| rows.f32s()).transpose()?;
+            let upstream = ce_upstream(f, 10, n)?;
             let out = by_dtype!(x, E, code => {
                 let inputs: LinearInputs<E> = head((&x, &w, &b), layout, code)?;
                 let args = HeadArgs::Host { inputs: &inputs, grads: grads(f, 2)? };
-                Ok(cpu().ce_accumulate_row_grads(args, shard, &ce, &targets, grad_rows, stats, &opts)?)
+                Ok(cpu().ce_accumulate_row_grads(args, shard, &ce, &targets, upstream, stats, &opts)?)
             })?;
             f.ret(0, "loss")?.f32s_mut()?[0] = out.loss as f32;
             f.ret(1, "row_loss")?

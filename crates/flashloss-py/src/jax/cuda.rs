@@ -317,7 +317,7 @@ unsafe extern "C" fn ce_linear(frame: *mut CallFrame) -> *mut c_void {
             let ce = CrossEntropy::new(parse::<CeConfig>(f.attr_str("config")?)?)?;
             let opts = ce_grad_options(f)?;
             let targets = f.arg(3, "targets")?.ids()?;
-            let upstream = ce_upstream(f, targets.len())?;
+            let upstream = ce_upstream(f, 4, targets.len())?;
             let out = match dtype {
                 ffi::dtype::F32 => device.ce_linear_lse_into(
                     &ce,

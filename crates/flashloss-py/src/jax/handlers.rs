@@ -335,7 +335,7 @@ unsafe extern "C" fn ce_linear(frame: *mut CallFrame) -> *mut c_void {
             let (x, w, bias) = (f.arg(0, "hidden")?, f.arg(1, "weight")?, f.arg(2, "bias")?);
             let layout = weight_layout(f)?;
             let targets = f.arg(3, "targets")?.ids()?;
-            let upstream = ce_upstream(f, targets.len())?;
+            let upstream = ce_upstream(f, 4, targets.len())?;
             let out = by_dtype!(x, E, code => {
                 let inputs = head::<E>((&x, &w, &bias), layout, code)?;
                 let args = HeadArgs::Host { inputs: &inputs, grads: grads(f, 1)? };
@@ -362,10 +362,10 @@ pub(super) fn ce_grad_options(f: &Frame) -> Result<FusedOptions> {
 /// Per-row upstream gradients of a CE call: `(grad_rows, grad_lse)`, each optional.
 type CeUpstream<'a> = (Option<&'a [f32]>, Option<&'a [f32]>);
 
-/// The per-row upstream gradients of a CE call: arguments 4 (grad_rows) and 5
-/// (grad_lse), each `[N]` or `[0]` (none).
-pub(super) fn ce_upstream<'a>(f: &Frame<'a>, n: usize) -> Result<CeUpstream<'a>> {
-    let [rows, lse] = [(4, "grad_rows"), (5, "grad_lse")].map(|(i, name)| {
+/// The per-row upstream gradients of a CE call: arguments `first` (grad_rows) and
+/// `first + 1` (grad_lse), each `[N]` or `[0]` (none).
+pub(super) fn ce_upstream<'a>(f: &Frame<'a>, first: usize, n: usize) -> Result<CeUpstream<'a>> {
+    let [rows, lse] = [(first, "grad_rows"), (first + 1, "grad_lse")].map(|(i, name)| {
         let a = f.arg(i, name)?;
         if a.numel() == 0 {
             return Ok(None);

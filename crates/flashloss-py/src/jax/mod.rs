@@ -1,7 +1,8 @@
 //! `flashloss.jax`'s native part: XLA FFI handlers ([`handlers`]) over a hand-written
 //! mirror of the FFI C API ([`ffi`], [`frame`]), handed to Python as capsules of their
-//! function pointers for `jax.ffi.register_ffi_target`: the whole-head ones, and the
-//! vocabulary-split ones of [`vocab`] (GRPO, log-probs) and [`ce_vocab`]. JAX itself is
+//! function pointers for `jax.ffi.register_ffi_target`: the whole-head ones (and the
+//! truncated-support log-probs of [`support`]), and the vocabulary-split ones of
+//! [`vocab`] (GRPO, log-probs) and [`ce_vocab`]. JAX itself is
 //! not a dependency of the build: the handlers speak the C ABI that jaxlib loads.
 
 mod ce_vocab;
@@ -10,6 +11,7 @@ mod cuda;
 pub(crate) mod ffi;
 pub(crate) mod frame;
 mod handlers;
+mod support;
 mod vocab;
 
 use flashloss::{CeConfig, CrossEntropy, GrpoLoss, GrpoLossConfig};
@@ -24,7 +26,13 @@ use pyo3::types::PyDict;
 #[pyo3(signature = (platform="cpu"))]
 pub fn jax_targets<'py>(py: Python<'py>, platform: &str) -> PyResult<Bound<'py, PyDict>> {
     let handlers = match platform {
-        "cpu" => [handlers::targets(), vocab::targets(), ce_vocab::targets()].concat(),
+        "cpu" => [
+            handlers::targets(),
+            vocab::targets(),
+            ce_vocab::targets(),
+            support::targets(),
+        ]
+        .concat(),
         #[cfg(feature = "cuda")]
         "CUDA" => cuda::targets(),
         _ => Vec::new(),

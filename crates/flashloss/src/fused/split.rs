@@ -115,20 +115,23 @@ pub fn ce_partial_row_states(
 
 /// Cross-entropy's row stage and pass B on `head` (a [`Shard`]) from every row's
 /// statistics over the whole vocabulary (`stats`, merged by the caller): adds this
-/// shard's gradients (times `grad_rows` `[N]` for reduction `none`) into the head's
-/// buffers and returns the loss and the per-row losses (the same on every shard).
+/// shard's gradients of `grad_output·L + Σ_i grad_lse_i·lse_i` (`L` weighted by
+/// `grad_rows` `[N]` for reduction `none`; `grad_lse` `[N]` as in
+/// [`super::ce::ce_linear_lse`]) into the head's buffers and returns the loss and the
+/// per-row losses (the same on every shard).
 pub fn ce_accumulate_row_grads(
     head: &mut dyn Head,
     shard: Shard,
     ce: &CrossEntropy,
     targets: &[i64],
-    grad_rows: Option<&[f32]>,
+    (grad_rows, grad_lse): (Option<&[f32]>, Option<&[f32]>),
     stats: Vec<RowStats>,
     opts: &FusedOptions,
 ) -> Result<CeLinearOutput> {
     check_head(head, Some(opts.head_grad))?;
     let n = head.shape().tokens;
-    let rows = CeRows::new(ce, targets, n, shard.vocab, opts.grad_output, grad_rows)?;
+    let rows = CeRows::new(ce, targets, n, shard.vocab, opts.grad_output, grad_rows)?
+        .with_grad_lse(grad_lse)?;
     if stats.len() != n {
         return Err(Error::ShapeMismatch {
             arg: "stats",

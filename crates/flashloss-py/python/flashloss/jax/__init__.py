@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from .._config import DEFAULT_BUDGET_MIB, ce_config
-from . import _ffi, _logprobs, _ops, _policy, _vocab
+from . import _ffi, _logprobs, _ops, _policy, _support, _vocab
 from ._logprobs import LogprobOutputs
 from .pallas import checks as _checks
 from .pallas import losses as _pallas
@@ -337,7 +337,7 @@ def linear_cross_entropy(
     ``lse`` ``[...]`` float32, each row's log-sum-exp of the logits as the loss sees them
     (soft-capped, divided by the temperature), 0 where ``targets`` is ``ignore_index``,
     differentiable (``∂lse/∂s_j = p_j``; on the FFI path a cotangent on it runs the kernel
-    once more; not with ``vocab_axis`` there yet). ``vocab_axis``: inside
+    once more, or joins reduction none's backward pass). ``vocab_axis``: inside
     ``jax.shard_map``, the mesh axis over which the head's vocabulary is split in equal
     contiguous blocks, as in :func:`linear_grpo_loss`; every device passes all the rows
     and gets the loss, the whole ``hidden`` gradient and its block's gradients. ``impl``,
@@ -361,13 +361,8 @@ def linear_cross_entropy(
 
     def ffi(h2, weight, bias, t1):
         if vocab_axis is not None:
-            if return_lse:
-                raise ValueError(
-                    "argument `return_lse`: not supported with `vocab_axis` on the FFI path (so far); "
-                    "the Pallas path (impl='pallas') takes both"
-                )
             args = (vocab_axis, config, float(temperature), int(ignore_index), int(vocab), reduction, budget, mode)
-            return _vocab.cross_entropy(h2, weight, bias, t1, *args, weight_layout), None
+            return _vocab.cross_entropy(h2, weight, bias, t1, *args, weight_layout)
         if reduction == "none":
             return _ffi.cross_entropy_rows(h2, weight, bias, t1, config, mode, budget, weight_layout)
         return _ffi.cross_entropy(h2, weight, bias, t1, config, mode, budget, weight_layout)
@@ -377,7 +372,7 @@ def linear_cross_entropy(
             *_wide(h2, weight, bias), t1, spec, ignore_index=int(ignore_index), label_smoothing=float(label_smoothing),
             z_loss=float(z_loss), reduction=reduction,
         )  # fmt: skip
-        return out, (lse if return_lse or vocab_axis is None else None)
+        return out, lse
 
     out, lse = _on_path(impl, interpret, pallas, ffi, h2, weight, bias, t1)
     out = out.reshape(targets.shape) if reduction == "none" else out
@@ -397,6 +392,9 @@ def linear_logprobs(
     return_max: bool = False,
     return_sum_p2: bool = False,
     gather_ids=None,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    min_p: Optional[float] = None,
     budget_mib=None,
     mode: str = "auto",
     vocab_axis: Optional[str] = None,
@@ -416,7 +414,12 @@ def linear_logprobs(
     ``return_lse`` (``log Σ_j e^{s_j}``, differentiable), ``return_max`` (``max_j s_j``),
     ``return_sum_p2`` (``Σ_j p_j²``; neither takes a gradient) and ``gather_ids``
     ``[..., K]`` (candidate ids per row, repeats allowed: ``log p`` of each,
-    ``s_{ik} - lse``, differentiable). When any is asked the return is a
+    ``s_{ik} - lse``, differentiable). ``top_k``, ``top_p``, ``min_p``: vLLM V1's truncated
+    support (its filters in its order, ties by ``(s_j, j)``): ``logp`` is then ``logp^K``
+    under the support, ``-inf`` where the target is outside it (``outside_support``), and
+    its gradient holds the support fixed; the other outputs stay the full softmax's. A whole
+    head only (not with ``vocab_axis``); on the Pallas path plain JAX over blocks of rows,
+    not streamed (``flashloss.jax._support``). When any is asked the return is a
     :class:`LogprobOutputs` (None where not asked), else as above."""
     hidden, weight, bias = _head(hidden, weight, bias, weight_layout)
     ids = _ids("ids", ids)
@@ -431,10 +434,15 @@ def linear_logprobs(
     budget = DEFAULT_BUDGET_MIB if budget_mib is None else float(budget_mib)
     x = hidden.reshape(-1, hidden.shape[-1])
     vocab = _vocab_size(weight, weight_layout, vocab_axis)
+    support = _support.filters(top_k, top_p, min_p, vocab)
     if vocab_axis is not None:
+        if _support.active(support):
+            raise ValueError(f"argument `{_support.active(support)}`: a truncated support is not vocab-parallel "
+                             "(not with `vocab_axis`)")  # fmt: skip
         x = jax.lax.pcast(x, vocab_axis, to="varying")
     spec = _pallas.spec_for(weight_layout, temperature, None, vocab_axis, vocab, interpret)
     spec = dataclasses.replace(spec, sum_p2=bool(return_sum_p2))
+    filtered = _support.active(support) is not None
     seq_len = ids.shape[-1] if ids.ndim else 1
     gather_kw = dict(layout=weight_layout, transform=spec.transform, vocab_axis=vocab_axis)
 
@@ -445,23 +453,36 @@ def linear_logprobs(
             _logprobs.check_gather_ids(cand, live, vocab)
         return _logprobs.gathered_logp(x, weight, bias, cand, live, lse, **gather_kw)
 
+    def outside(flat_mask):  # where the support is asked but keeps everything
+        return None if support is None else jnp.zeros(flat_mask.shape, bool)
+
     def ffi(x, weight, bias, flat_ids, flat_mask, cand):
-        logp, entropy, lse, top, p2 = _vocab.logprobs(
-            x, weight, bias, flat_ids, flat_mask, vocab_axis, float(temperature), budget, mode, weight_layout
-        )
+        stats_args = (float(temperature), budget, mode, weight_layout)
+        if filtered:
+            *out, out_k = _support.ffi_logprobs(x, weight, bias, flat_ids, flat_mask, support, *stats_args)
+        else:
+            out, out_k = (
+                _vocab.logprobs(x, weight, bias, flat_ids, flat_mask, vocab_axis, *stats_args),
+                outside(flat_mask),
+            )
+        logp, entropy, lse, top, p2 = out
         p2 = p2 if return_sum_p2 else None
-        return logp, entropy, lse, top, p2, gathered(x, weight, bias, flat_mask, lse, cand, True)
+        return logp, entropy, lse, top, p2, gathered(x, weight, bias, flat_mask, lse, cand, True), out_k
 
     def pallas(x, weight, bias, flat_ids, flat_mask, cand):
         x, weight, bias = _wide(x, weight, bias)
         st = _pallas.logprob_stats(x, weight, bias, flat_ids, flat_mask, spec, seq_len)
         p2 = st.sum_p2 if return_sum_p2 else None
         g = gathered(x, weight, bias, flat_mask, st.lse, cand, _checks.runs_here(interpret))
-        return st.logp, st.entropy, st.lse, st.max, p2, g
+        logp, out_k = st.logp, outside(flat_mask)
+        if filtered:
+            k_spec = (support, weight_layout, spec.transform)
+            logp, out_k = _support.truncated_logp(x, weight, bias, flat_ids, flat_mask, k_spec)
+        return logp, st.entropy, st.lse, st.max, p2, g, out_k
 
     out = _on_path(impl, interpret, pallas, ffi, x, weight, bias, ids.reshape(-1), m.reshape(-1), candidates)
-    logp, entropy, lse, top, p2, g = (None if y is None else y.reshape(ids.shape + y.shape[1:]) for y in out)
-    if not (return_lse or return_max or return_sum_p2 or gather_ids is not None):
+    logp, entropy, lse, top, p2, g, out_k = (None if y is None else y.reshape(ids.shape + y.shape[1:]) for y in out)
+    if not (return_lse or return_max or return_sum_p2 or gather_ids is not None or support is not None):
         return (logp, entropy) if return_entropy else logp
     return LogprobOutputs(
         logp=logp,
@@ -470,6 +491,7 @@ def linear_logprobs(
         max_logit=jax.lax.stop_gradient(top) if return_max else None,
         sum_p2=None if p2 is None else jax.lax.stop_gradient(p2),
         gathered_logp=g,
+        outside_support=out_k,
     )
 
 

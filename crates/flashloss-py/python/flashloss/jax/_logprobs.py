@@ -26,7 +26,8 @@ GATHER_BLOCK_ELEMENTS = 1 << 22
 
 class LogprobOutputs(NamedTuple):
     """:func:`flashloss.jax.linear_logprobs`'s outputs when any of ``return_lse``,
-    ``return_max``, ``return_sum_p2`` or ``gather_ids`` is asked (None where not asked)."""
+    ``return_max``, ``return_sum_p2``, ``gather_ids`` or a support filter is asked (None
+    where not asked)."""
 
     #: Log-probabilities of ``ids`` ``[...]`` (float32).
     logp: jax.Array
@@ -40,6 +41,9 @@ class LogprobOutputs(NamedTuple):
     sum_p2: Optional[jax.Array]
     #: ``log p`` of ``gather_ids`` ``[..., K]`` (differentiable).
     gathered_logp: Optional[jax.Array]
+    #: Where the target is outside the truncated support ``[...]`` bool (``top_k``,
+    #: ``top_p`` or ``min_p`` given; ``logp`` is ``-inf`` there).
+    outside_support: Optional[jax.Array] = None
 
 
 def gather_ids(ids, rows_shape: tuple) -> jax.Array:

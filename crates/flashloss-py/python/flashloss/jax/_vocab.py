@@ -218,13 +218,19 @@ def _ce_partial(x, w, bias, targets, offset, config, vocab, budget, mode, layout
     )  # fmt: skip
 
 
-def _ce_grads(x, w, bias, targets, offset, stats, grad_rows, config, vocab, budget, mode, layout, head_grad):
+def _ce_grads(
+    x, w, bias, targets, offset, stats, grad_rows, config, vocab, budget, mode, layout, head_grad, grad_lse=None,
+    grad_output=1.0,
+):  # fmt: skip
+    """The row stage and pass B: ``(loss, row_loss, dhidden, dweight, dbias)``, the
+    gradients of ``grad_output·L + Σ grad_lse·lse`` (``grad_rows`` weighting reduction
+    none's rows; ``grad_lse`` None: no lse term)."""
     n, v = targets.shape[0], vocab_size(w, layout)
     results = (_like(x, ()), _like(x, (n,)), _like(x, x.shape), *head_grad_results(x, w, bias, v, head_grad))
     return _call(
         "flashloss_ce_vocab_grads", results, x, w, _or_empty(bias, x.dtype), targets, offset, *stats,
-        _or_empty(grad_rows, jnp.float32), budget_mib=budget, mode=mode, config=config, vocab=int(vocab),
-        weight_layout=layout, head_grad=head_grad,
+        _or_empty(grad_rows, jnp.float32), _or_empty(grad_lse, jnp.float32), budget_mib=budget, mode=mode,
+        config=config, vocab=int(vocab), weight_layout=layout, head_grad=head_grad, grad_output=float(grad_output),
     )  # fmt: skip
 
 
@@ -240,18 +246,21 @@ def _ce_stats(x, w, bias, targets, axis, config, temperature, ignore_index, voca
 
 
 def _ce_forward(x, w, bias, targets, args, reduction, head_grad):
-    """The loss (or per-row losses) and, for mean and sum, the gradients of ``head_grad``
-    (``args``: axis, config, temperature, ignore_index, vocab, budget, mode, layout)."""
-    axis, config, _, _, vocab, budget, mode, layout = args
+    """``(loss or per-row losses, lse)`` and, for mean and sum, the loss's gradients of
+    ``head_grad`` (``args``: axis, config, temperature, ignore_index, vocab, budget, mode,
+    layout)."""
+    axis, config, temperature, ignore_index, vocab, budget, mode, layout = args
     offset, stats = _ce_stats(x, w, bias, targets, *args)
     zero = jnp.zeros(targets.shape, jnp.float32) if reduction == "none" else None
     head_grad = "frozen" if reduction == "none" else head_grad  # none: pass B in the backward
     loss, rows, dh, dw, db = _ce_grads(x, w, bias, targets, offset, stats, zero, config, vocab, budget, mode, layout,
                                        head_grad)  # fmt: skip
     out = rows if reduction == "none" else loss
+    top, log_sum = stats[:2]
+    lse = jnp.where(targets != ignore_index, top * jnp.float32(1.0 / temperature) + log_sum, 0.0)
     if axis is not None:  # the same on every device (from the merged statistics): say so
-        out = jax.lax.pmax(out, axis)
-    return out, (offset, stats, (dh, dw, db))
+        out, lse = jax.lax.pmax(out, axis), jax.lax.pmax(lse, axis)
+    return (out, lse), (offset, stats, (dh, dw, db))
 
 
 def _ce_fwd(
@@ -270,22 +279,31 @@ def cross_entropy(
 ):  # fmt: skip
     """Cross-entropy of rows ``x`` ``[N, H]`` at ``targets`` ``[N]`` (ids of the whole
     vocabulary) under this device's block of the head, its rows merged over ``axis``:
-    the loss (reduction mean, sum) or the per-row losses (none), the same on every
-    device. Mean and sum form the gradients in the forward; none runs pass B in its
-    backward with each row's cotangent."""
+    ``(out, lse)``, the loss (reduction mean, sum) or the per-row losses (none) and each
+    row's log-sum-exp of the scaled logits (0 where ignored), the same on every device.
+    Mean and sum form the loss's gradients in the forward; none runs pass B in its
+    backward with each row's cotangent; a cotangent on ``lse`` joins pass B's
+    coefficients (``∂lse/∂s_j = p_j``; for mean and sum one more pass B)."""
     args = (axis, config, temperature, ignore_index, vocab, budget, mode, weight_layout)
     return _ce_forward(x, w, bias, targets, args, reduction, "frozen")[0]
 
 
-def _ce_bwd(axis, config, temperature, ignore_index, vocab, reduction, budget, mode, weight_layout, res, g):
+def _ce_bwd(axis, config, temperature, ignore_index, vocab, reduction, budget, mode, weight_layout, res, cts):
     x, w, bias, targets, offset, stats, grads, wanted = res
-    if isinstance(g, SymbolicZero):
+    g, g_lse = cts
+    no_g, no_lse = isinstance(g, SymbolicZero), isinstance(g_lse, SymbolicZero)
+    if no_g and no_lse:
         return None, None, None, None
-    if reduction == "none":
-        tail = (config, vocab, budget, mode, weight_layout, head_grad_wanted(wanted))
-        _, _, *grads = _ce_grads(x, w, bias, targets, offset, stats, g.astype(jnp.float32), *tail)
-    else:
+    tail = (config, vocab, budget, mode, weight_layout, head_grad_wanted(wanted))
+    dlse = None if no_lse else g_lse.astype(jnp.float32)
+    if reduction == "none":  # one pass B with both cotangents
+        rows = jnp.zeros(targets.shape, jnp.float32) if no_g else g.astype(jnp.float32)
+        _, _, *grads = _ce_grads(x, w, bias, targets, offset, stats, rows, *tail, grad_lse=dlse)
+    elif no_lse:
         grads = [g * d for d in grads]
+    else:  # the lse's pass B (grad_output 0), plus the forward's gradients scaled by g
+        _, _, *extra = _ce_grads(x, w, bias, targets, offset, stats, None, *tail, grad_lse=dlse, grad_output=0.0)
+        grads = extra if no_g else [g * d + e for d, e in zip(grads, extra)]
     return (*_cast_wanted(grads, wanted), None)
 
 
