@@ -60,9 +60,5 @@ def _head_grad(weight, bias) -> bool:
     return bool(torch.is_grad_enabled() and wants)
 
 
-def _f32(t):
-    return None if t is None else t.detach().to(device="cpu", dtype=torch.float32).contiguous()
-
-
 def _bool(t):
     return None if t is None else (t != 0).cpu().contiguous()

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from . import _native
-from ._torch_op_utils import METRICS, _only_the_loss_differentiable, _scale, _with_items, metrics_tensor
+from ._torch_op_utils import METRICS, _f32, _only_the_loss_differentiable, _scale, _with_items, metrics_tensor
 
 # --- GRPO on materialized logits -------------------------------------------------------
 
@@ -119,10 +119,9 @@ def grpo_logits_rows_backward(
     positions ``t ≥ T``)."""
     b, t = completion_ids.shape
     dlogits = torch.empty((b, t, logits.shape[-1]), dtype=logits.dtype)
-    g = grad_rows.detach().to(device="cpu", dtype=torch.float32).contiguous()
     _per_token_call(
         logits, completion_ids, completion_mask, advantages, old_per_token_logps, ref_per_token_logps,
-        importance_sampling_ratio, config, g, dlogits,
+        importance_sampling_ratio, config, _f32(grad_rows), dlogits,
     )  # fmt: skip
     if logits.shape[1] != t:
         dlogits = torch.nn.functional.pad(dlogits, (0, 0, 0, logits.shape[1] - t))

@@ -20,6 +20,11 @@ def _stream(device: torch.device) -> int:
     return 0 if device.type == "cpu" else torch.cuda.current_stream(device).cuda_stream
 
 
+def _f32(t: Optional[Tensor]) -> Optional[Tensor]:
+    """``t`` as the native calls read an f32 input: detached, on the CPU, contiguous."""
+    return None if t is None else t.detach().to(device="cpu", dtype=torch.float32).contiguous()
+
+
 def _zeros_f32(t: Optional[Tensor]) -> Optional[Tensor]:
     return None if t is None else torch.zeros(t.shape, dtype=torch.float32, device=t.device)
 

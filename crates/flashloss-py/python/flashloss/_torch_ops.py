@@ -36,6 +36,7 @@ from . import _dist, _native
 from ._torch_logits_ops import grpo_logits, grpo_logits_rows, grpo_logits_rows_backward
 from ._torch_op_utils import (
     METRICS,
+    _f32,
     _fake_grads,
     _grad_buffers,
     _head_dtypes,
@@ -174,8 +175,7 @@ def ce_linear_rows_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``Σ_i grad_rows_i · ∂loss_i/∂(hidden, weight, bias)`` (f32; ``[0]`` for the head's
     when frozen)."""
-    g = grad_rows.detach().to(device="cpu", dtype=torch.float32).contiguous()
-    return _ce_call(hidden, weight, bias, targets, g, config, mode, budget_mib, group, head_grad)[2:]
+    return _ce_call(hidden, weight, bias, targets, _f32(grad_rows), config, mode, budget_mib, group, head_grad)[2:]
 
 
 @ce_linear_rows_backward.register_fake
@@ -248,13 +248,11 @@ def ce_linear_lse_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The f32 gradients of ``grad_output·L + Σ_i grad_lse_i·lse_i`` (``L`` with
     ``grad_rows`` for reduction ``none``)."""
-    f32 = dict(device="cpu", dtype=torch.float32)
-    rows = None if grad_rows is None else grad_rows.detach().to(**f32).contiguous()
     dh, dw, db = _grad_buffers(hidden, weight, bias, True)  # the lse ops train the head
     out_rows = torch.empty(targets.shape, dtype=torch.float32)
     _native.ce_linear(
-        hidden, weight, bias, targets, config, mode, budget_mib, rows, dh, dw, None if bias is None else db,
-        out_rows, _stream(hidden.device), _dist.ops(group), grad_lse.detach().to(**f32).contiguous(), grad_output,
+        hidden, weight, bias, targets, config, mode, budget_mib, _f32(grad_rows), dh, dw, None if bias is None else db,
+        out_rows, _stream(hidden.device), _dist.ops(group), _f32(grad_lse), grad_output,
     )  # fmt: skip
     return dh, dw, db
 
@@ -450,18 +448,14 @@ def logp_linear_backward(
     /∂(hidden, weight, bias)`` (f32; ``[0]`` for the head's when frozen: ``head_grad``
     False)."""
     dh, dw, db = _grad_buffers(hidden, weight, bias, head_grad)
-
-    def upstream(g):
-        return None if g is None else g.detach().to(device="cpu", dtype=torch.float32).contiguous()
-
-    g_logp = upstream(grad_logp)
+    g_logp = _f32(grad_logp)
     if g_logp is None:
         g_logp = torch.zeros(ids.shape, dtype=torch.float32)
-    gathered = upstream(grad_gathered)
+    gathered = _f32(grad_gathered)
     h = hidden.reshape(-1, hidden.shape[-1])
     _native.logp_linear_grads(
-        h, weight, bias, ids, mask, g_logp, upstream(grad_entropy), temperature, "auto", budget_mib,
-        dh.view(h.shape), *_native_grads(dw, db, bias, head_grad), _dist.ops(group), upstream(grad_lse),
+        h, weight, bias, ids, mask, g_logp, _f32(grad_entropy), temperature, "auto", budget_mib,
+        dh.view(h.shape), *_native_grads(dw, db, bias, head_grad), _dist.ops(group), _f32(grad_lse),
         None if gathered is None else gather_ids, gathered, top_k, top_p, min_p,
     )  # fmt: skip
     return dh, dw, db

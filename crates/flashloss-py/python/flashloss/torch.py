@@ -32,8 +32,9 @@ from . import _torch_ops as ops
 from ._config import DEFAULT_BUDGET_MIB
 from ._config import ce_config as _ce_config
 from ._config import grpo_config as _grpo_config
-from ._torch_args import _FLOATS, _bool, _check_tensor, _f32, _head, _head_grad, _same_device
+from ._torch_args import _FLOATS, _bool, _check_tensor, _head, _head_grad, _same_device
 from ._torch_logprobs import LogprobOutputs, linear_logprobs
+from ._torch_op_utils import _f32
 
 # The configs are JSON built from Python numbers: constants to torch.compile, which
 # calls them while tracing instead of tracing into the JSON encoder.

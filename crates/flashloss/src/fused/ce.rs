@@ -7,7 +7,7 @@
 
 use super::passes::{Head, LinearGrads, RowGrad, check_head};
 use super::plan::{FusedOptions, Plan};
-use super::two_pass::{grads_pass, stats_pass};
+use super::two_pass::row_grad_passes;
 use crate::cross_entropy::CrossEntropy;
 use crate::error::{Error, Result};
 use crate::range::check_ce_row;
@@ -120,18 +120,9 @@ pub(crate) fn ce_linear_checked(
     let local_targets = split.map(|s| s.local_targets(rows.targets));
     let inputs = rows.inputs(local_targets.as_deref().unwrap_or(rows.targets));
     let mut passes = head.passes(inputs, plan)?;
-    let stats = if plan.single_pass {
-        passes.single_pass(&mut |range, stats: &[RowStats]| {
-            range.map(|i| rows.row_grad(i, &stats[i])).collect()
-        })?
-    } else {
-        let stats = stats_pass(passes.as_mut(), &inputs, vocab, split)?;
-        let all: Vec<RowGrad> = (0..stats.len())
-            .map(|i| rows.row_grad(i, &stats[i]))
-            .collect();
-        grads_pass(passes.as_mut(), all, split)?;
-        stats
-    };
+    let stats = row_grad_passes(passes.as_mut(), &plan, (&inputs, vocab), split, |i, st| {
+        rows.row_grad(i, st)
+    })?;
     drop(passes);
     rows.output(stats, plan)
 }

@@ -24,7 +24,7 @@ use super::logp_request::{LogpOutput, LogpRequest, LogpUpstream, SupportStats};
 use super::passes::{FusedPasses, Head, RowGrad, SparseGrads, check_head};
 use super::plan::{FusedOptions, HeadGrad, Mode, Plan};
 use super::support::{RowSupport, SupportCall, SupportRun, VisitBoth};
-use super::two_pass::grads_pass;
+use super::two_pass::{grads_pass, row_grad_passes};
 use crate::error::{Error, Result};
 use crate::rows::{RowInputs, RowStats, RowTransform, check_row_stats, check_targets};
 use crate::sharding::{VocabSplit, merge_partial};
@@ -332,9 +332,10 @@ pub(crate) fn check_hooks_mode(call: &LogpCall, opts: &FusedOptions) -> Result<(
 }
 
 /// A log-prob call on checked rows with `plan` (two-pass where the call needs the pass
-/// hooks): pass A (gathering the candidates), and pass B where the call has upstream
-/// gradients; in a vocab-parallel run, `split` merges the statistics of the head's
-/// shard with the other shards' and sums the gathered logits.
+/// hooks). A gradient call without hooks is token-level ([`row_grad_passes`], single-pass
+/// where the plan is); otherwise pass A (gathering the candidates and the support), and
+/// pass B where the call has upstream gradients. In a vocab-parallel run, `split` merges
+/// the statistics of the head's shard with the other shards' and sums the gathered logits.
 pub(crate) fn logp_checked(
     head: &mut dyn Head,
     call: &LogpCall,
@@ -346,30 +347,26 @@ pub(crate) fn logp_checked(
     let local_targets = split.map(|s| s.local_targets(targets));
     let inputs = call.inputs(local_targets.as_deref().unwrap_or(targets));
     let mut passes = head.passes(inputs, plan)?;
-    let (stats, gathered, support) = match (plan.single_pass, call.needs_hooks()) {
-        (true, true) => {
-            return Err(Error::InvalidArgument {
-                arg: "plan",
-                reason: "a single pass cannot take the pass hooks (gather_ids, top_k/top_p/min_p)"
-                    .into(),
-            });
+    let token_level = !call.needs_hooks() && (plan.single_pass || call.upstream.is_some());
+    let (stats, gathered, support) = if token_level {
+        let row_grad = |i, stats: &RowStats| call.row_grad(i, stats, None);
+        let inputs = (&inputs, vocab);
+        let stats = row_grad_passes(passes.as_mut(), &plan, inputs, split, row_grad)?;
+        (stats, None, None)
+    } else if plan.single_pass {
+        return Err(Error::InvalidArgument {
+            arg: "plan",
+            reason: "a single pass cannot take the pass hooks (gather_ids, top_k/top_p/min_p)"
+                .into(),
+        });
+    } else {
+        let range = split.map_or(0..vocab, |s| s.range.clone());
+        let (stats, gathered, support) = pass_a(passes.as_mut(), call, (&inputs, range), split)?;
+        if call.upstream.is_some() {
+            let rows = support.as_ref().and_then(|s| s.rows.as_deref());
+            pass_b(passes.as_mut(), call, (&stats, rows), split)?;
         }
-        (true, false) => {
-            let stats = passes.single_pass(&mut |range, stats: &[RowStats]| {
-                range.map(|i| call.row_grad(i, &stats[i], None)).collect()
-            })?;
-            (stats, None, None)
-        }
-        (false, _) => {
-            let range = split.map_or(0..vocab, |s| s.range.clone());
-            let (stats, gathered, support) =
-                pass_a(passes.as_mut(), call, (&inputs, range), split)?;
-            if call.upstream.is_some() {
-                let rows = support.as_ref().and_then(|s| s.rows.as_deref());
-                pass_b(passes.as_mut(), call, (&stats, rows), split)?;
-            }
-            (stats, gathered, support)
-        }
+        (stats, gathered, support)
     };
     drop(passes);
     check_row_stats(&stats, |i| call.live[i], targets, call.seq_len)?;

@@ -193,18 +193,6 @@ enum Pending {
     },
 }
 
-impl TileVisitor for BufferPass {
-    fn visit(&mut self, rows: &[usize], vocab: std::ops::Range<usize>, z: &[f32], ld: usize) {
-        self.see(rows, vocab, z, ld);
-    }
-}
-
-impl TileVisitor for SearchPass {
-    fn visit(&mut self, rows: &[usize], vocab: std::ops::Range<usize>, z: &[f32], ld: usize) {
-        self.see(rows, vocab, z, ld);
-    }
-}
-
 /// Pass A's visitor of a truncated support: the top buffers of `n` rows of a head
 /// whose entries are the ids `head` (of the whole vocabulary).
 pub(crate) fn support_buffers(

@@ -14,7 +14,9 @@
 //! narrows it to the bin that holds the answer, or, once that bin holds at most
 //! [`COLLECT_MAX`] entries, collects its keys and answers exactly.
 
+use super::passes::TileVisitor;
 use rayon::prelude::*;
+use std::ops::Range;
 
 /// Bins of a histogram pass.
 pub(crate) const BINS: usize = 2048;
@@ -368,24 +370,6 @@ impl SearchPass {
         }
     }
 
-    /// Sees the tile `z` (`[rows.len(), vocab.len()]`, row stride `ld`) of rows `rows`.
-    pub(crate) fn see(
-        &mut self,
-        rows: &[usize],
-        vocab: std::ops::Range<usize>,
-        z: &[f32],
-        ld: usize,
-    ) {
-        let (inv_temp, start, cols) = (self.inv_temp, vocab.start + self.offset, vocab.len());
-        (pick(&mut self.rows, rows).into_par_iter())
-            .zip(z.par_chunks(ld))
-            .for_each(|(search, row)| {
-                if let Some(search) = search {
-                    search.see(&row[..cols], start, inv_temp);
-                }
-            });
-    }
-
     /// After the pass: each row's answer where its search finished (the others stay
     /// for the next pass).
     pub(crate) fn finish(mut self) -> (Vec<Option<Found>>, Vec<Option<Search>>) {
@@ -400,6 +384,20 @@ impl SearchPass {
             }
         }
         (found, self.rows)
+    }
+}
+
+/// Each tile's rows go to their searches (in parallel over the rows).
+impl TileVisitor for SearchPass {
+    fn visit(&mut self, rows: &[usize], vocab: Range<usize>, z: &[f32], ld: usize) {
+        let (inv_temp, start, cols) = (self.inv_temp, vocab.start + self.offset, vocab.len());
+        (pick(&mut self.rows, rows).into_par_iter())
+            .zip(z.par_chunks(ld))
+            .for_each(|(search, row)| {
+                if let Some(search) = search {
+                    search.see(&row[..cols], start, inv_temp);
+                }
+            });
     }
 }
 
@@ -430,15 +428,12 @@ impl BufferPass {
             rows: vec![TopBuffer::default(); n],
         }
     }
+}
 
-    /// Sees the tile `z` (`[rows.len(), vocab.len()]`, row stride `ld`) of rows `rows`.
-    pub(crate) fn see(
-        &mut self,
-        rows: &[usize],
-        vocab: std::ops::Range<usize>,
-        z: &[f32],
-        ld: usize,
-    ) {
+/// Each tile's rows go to their buffers (in parallel over the rows); a row's buffer
+/// settles after the head's last tile.
+impl TileVisitor for BufferPass {
+    fn visit(&mut self, rows: &[usize], vocab: Range<usize>, z: &[f32], ld: usize) {
         let (inv_temp, cap, cols) = (self.inv_temp, self.cap, vocab.len());
         let (start, last) = (vocab.start + self.offset, vocab.end == self.vocab);
         (pick(&mut self.rows, rows).into_par_iter())
@@ -483,7 +478,7 @@ mod tests {
             let mut p = SearchPass::new(1.0, 0, rows);
             for start in (0..z.len()).step_by(7) {
                 let end = (start + 7).min(z.len());
-                p.see(&[0], start..end, &z[start..end], end - start);
+                p.visit(&[0], start..end, &z[start..end], end - start);
             }
             let (found, next) = p.finish();
             if let Some(f) = found[0] {

@@ -7,6 +7,7 @@
 //! holds the target. Per step: `48·N` bytes of states gathered from each rank.
 
 use super::passes::{FusedPasses, RowGrad};
+use super::plan::Plan;
 use crate::error::Result;
 use crate::rows::{RowInputs, RowStats};
 use crate::sharding::{VocabSplit, merge_partial};
@@ -38,4 +39,26 @@ pub(crate) fn grads_pass(
         None => grads,
     };
     passes.accumulate_grads(&grads)
+}
+
+/// The passes of a token-level loss whose row gradient `row_grad(i, stats_i)` needs only
+/// that row's statistics: one pass where `plan` is single-pass (each row block's
+/// gradients formed from its statistics inside it), else [`stats_pass`] then
+/// [`grads_pass`]. Returns every row's statistics.
+pub(crate) fn row_grad_passes(
+    passes: &mut dyn FusedPasses,
+    plan: &Plan,
+    (rows, vocab): (&RowInputs, usize),
+    split: Option<&VocabSplit>,
+    row_grad: impl Fn(usize, &RowStats) -> RowGrad,
+) -> Result<Vec<RowStats>> {
+    if plan.single_pass {
+        return passes.single_pass(&mut |range, stats: &[RowStats]| {
+            range.map(|i| row_grad(i, &stats[i])).collect()
+        });
+    }
+    let stats = stats_pass(passes, rows, vocab, split)?;
+    let grads = (0..stats.len()).map(|i| row_grad(i, &stats[i])).collect();
+    grads_pass(passes, grads, split)?;
+    Ok(stats)
 }
