@@ -62,9 +62,7 @@ def step(hidden, weight, ids, upstream, gathered, options):
         kwargs["gather_ids"] = gather
     out = fl.linear_logprobs(hidden, weight, ids, 1.0, True, **kwargs)
     logp, entropy = out[0], out[1]
-    loss = (torch.where(torch.isfinite(logp), logp, 0.0) * g_logp).sum() + (
-        entropy * g_entropy
-    ).sum()
+    loss = (torch.where(torch.isfinite(logp), logp, 0.0) * g_logp).sum() + (entropy * g_entropy).sum()
     if gather is not None:
         loss = loss + (out.gathered_logp * g_gather).sum()
     loss.backward()
@@ -162,9 +160,7 @@ def main():
                     "--dtype",
                     dtype,
                 ] + common
-                out = subprocess.run(
-                    cmd, check=True, capture_output=True, text=True
-                ).stdout
+                out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
                 runs.append(json.loads(out.strip().splitlines()[-1]))
     best = {}
     for r in runs:
@@ -181,11 +177,7 @@ def main():
         "vocab": args.vocab,
         "logit_scale": args.logit_scale,
     }
-    print(
-        json.dumps(
-            {"config": config, "runs": runs, "ratios_of_best_medians": ratios}, indent=1
-        )
-    )
+    print(json.dumps({"config": config, "runs": runs, "ratios_of_best_medians": ratios}, indent=1))
 
 
 if __name__ == "__main__":

@@ -102,9 +102,7 @@ def test_a_gradient_sum_beyond_f32_is_an_error_not_inf():
     with pytest.raises(ValueError, match="dhidden"):
         fl.linear_cross_entropy(hidden, weight, ids).backward()
     with pytest.raises(ValueError, match="dhidden"):
-        fl.linear_grpo_loss(
-            hidden, weight, ids, torch.ones(1, 1, dtype=torch.bool), torch.tensor([-1.0])
-        )[0].backward()
+        fl.linear_grpo_loss(hidden, weight, ids, torch.ones(1, 1, dtype=torch.bool), torch.tensor([-1.0]))[0].backward()
 
 
 def test_only_the_loss_types_parameters_are_validated():

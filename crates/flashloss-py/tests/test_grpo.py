@@ -43,7 +43,9 @@ def policy_logps(d, temperature, noise, g):
 
 
 def check(d, tol_loss=1e-5, tol_grad=1e-4, **kw):
-    leaves = [x.detach().double().requires_grad_() if x is not None else None for x in (d["hidden"], d["weight"], d["bias"])]
+    leaves = [
+        x.detach().double().requires_grad_() if x is not None else None for x in (d["hidden"], d["weight"], d["bias"])
+    ]
     ref_kw = {k: v for k, v in kw.items() if k not in ("budget_mib", "mode")}
     extra = dict(
         old=kw.pop("old_per_token_logps", None),
@@ -56,7 +58,9 @@ def check(d, tol_loss=1e-5, tol_grad=1e-4, **kw):
     ref_loss, ref_logp, ref_ent = grpo_reference(*leaves, d["ids"], d["mask"], d["adv"], **extra, **ref_kw)
     ref_loss.backward()
 
-    inputs = [x.detach().clone().requires_grad_() if x is not None else None for x in (d["hidden"], d["weight"], d["bias"])]
+    inputs = [
+        x.detach().clone().requires_grad_() if x is not None else None for x in (d["hidden"], d["weight"], d["bias"])
+    ]
     loss, out = fl.linear_grpo_loss(
         inputs[0], inputs[1], d["ids"], d["mask"], d["adv"], bias=inputs[2],
         old_per_token_logps=extra["old"], ref_per_token_logps=extra["ref"],
@@ -64,7 +68,10 @@ def check(d, tol_loss=1e-5, tol_grad=1e-4, **kw):
     )  # fmt: skip
     loss.backward()
     assert torch.isfinite(loss)
-    assert abs(loss.item() - ref_loss.item()) <= tol_loss * max(1.0, abs(ref_loss.item())), (loss.item(), ref_loss.item())
+    assert abs(loss.item() - ref_loss.item()) <= tol_loss * max(1.0, abs(ref_loss.item())), (
+        loss.item(),
+        ref_loss.item(),
+    )
     m = d["mask"]
     assert torch.allclose(out.logp[m].double(), ref_logp[m], rtol=tol_loss * 10, atol=tol_loss * 10)
     assert torch.allclose(out.entropy[m].double(), ref_ent[m], rtol=tol_loss * 10, atol=tol_loss * 10)
@@ -272,7 +279,9 @@ def test_float64_gradcheck_of_the_f32_kernel_on_a_tiny_shape():
     assert max(checked) > 1e-3  # the differences see a real gradient
 
 
-@pytest.mark.parametrize("loss_type,level", [("grpo", "token"), ("dapo", "sequence"), ("sapo", "token"), ("vespo", "token")])
+@pytest.mark.parametrize(
+    "loss_type,level", [("grpo", "token"), ("dapo", "sequence"), ("sapo", "token"), ("vespo", "token")]
+)
 def test_policy_and_entropy_masks(loss_type, level):
     """TRL's off-policy mask and top-entropy mask multiply the policy loss (not the KL);
     the entropy bonus is the mean over completion_mask * entropy_mask."""

@@ -61,8 +61,13 @@ def _trl_loss(hidden, weight, bias, ids, mask, adv, old, ref, loss_type, beta, t
     z = hidden.reshape(b * t, -1).astype(jnp.float32) @ weight.astype(jnp.float32).T
     if bias is not None:
         z = z + bias.astype(jnp.float32)
-    cfg = dict(loss_type=loss_type, importance_sampling_level="token", beta=beta, temperature=temperature,
-               use_bias_correction_kl=bias_kl)
+    cfg = dict(
+        loss_type=loss_type,
+        importance_sampling_level="token",
+        beta=beta,
+        temperature=temperature,
+        use_bias_correction_kl=bias_kl,
+    )
     return gradcheck.reference_loss(jnp, jax, z.reshape(b, t, -1), ids, mask, adv, old, ref, cfg)
 
 

@@ -227,6 +227,7 @@ def test_cross_entropy_on_pallas_matches_ffi(kw):
     t = jnp.asarray(np.where(rng.random(n) < 0.2, -100, rng.integers(0, v, n)), jnp.int32)
     out = {}
     for impl in ("pallas", "ffi"):
+
         def f(x, w, b, impl=impl):
             r = fj.linear_cross_entropy(x, w, t, bias=b, impl=impl, interpret=TPU, **kw)
             return (r * jnp.linspace(0.5, 1.5, n)).sum() if kw.get("reduction") == "none" else r

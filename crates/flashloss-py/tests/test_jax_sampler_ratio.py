@@ -125,7 +125,7 @@ def test_logits_level_matches_f64_reference(impl, loss_type, level, shape):
 
 @pytest.mark.parametrize("impl", ["ffi", "pallas"])
 def test_per_token_losses_carry_the_ratio(impl):
-    d, kw = _batch(10, "bt"), _kw("dapo", "token")
+    d = _batch(10, "bt")
     z = jnp.einsum("bth,vh->btv", _j(d["hidden"]), _j(d["weight"]), precision="highest")
     args = (z, _j(d["ids"], jnp.int32), _j(d["mask"], bool), _j(d["adv"]))
     common = dict(old_per_token_logps=_j(d["old"]), impl=impl, interpret=impl == "pallas", loss_type="dapo")

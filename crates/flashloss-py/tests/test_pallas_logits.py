@@ -76,8 +76,18 @@ def test_stats_and_grad(n, v, bn, temperature, masked, dtype):
         close(x, np.where(mask, r, 0.0), 1e-5)
     assert np.all(np.asarray(logp)[~mask] == 0) and np.all(np.asarray(ent)[~mask] == 0)
     g_logp, g_ent = rng.normal(size=n), rng.normal(size=n)
-    dz = L.logits_grad(z, ids, lse, ent, jnp.asarray(g_logp, jnp.float32), jnp.asarray(g_ent, jnp.float32),
-                       mask=mask, temperature=temperature, interpret=TPU, bn=bn)
+    dz = L.logits_grad(
+        z,
+        ids,
+        lse,
+        ent,
+        jnp.asarray(g_logp, jnp.float32),
+        jnp.asarray(g_ent, jnp.float32),
+        mask=mask,
+        temperature=temperature,
+        interpret=TPU,
+        bn=bn,
+    )
     assert dz.shape == (n, v) and dz.dtype == dtype
     close_max(dz, ref_grad(z, ids, g_logp, g_ent, temperature, mask), 1e-4 if dtype == jnp.float32 else 1e-2)
     assert np.all(np.asarray(dz, np.float32)[~mask] == 0)
@@ -97,10 +107,21 @@ def test_extreme_logits_never_nan():
     g_logp, g_ent = rng.normal(size=n), rng.normal(size=n)
     for t in (1.0, 0.7):
         lse, logp, ent = L.logits_stats(z, ids, mask=mask, temperature=t, interpret=TPU, bn=8)
-        dz = L.logits_grad(z, ids, lse, ent, jnp.asarray(g_logp, jnp.float32), jnp.asarray(g_ent, jnp.float32),
-                           mask=mask, temperature=t, interpret=TPU, bn=8)
-        loss, logp2, _, dz2 = L.logits_fused(z, ids, (), lambda lp, h: -lp - 0.1 * h, mask=mask, temperature=t,
-                                             interpret=TPU, bn=8)
+        dz = L.logits_grad(
+            z,
+            ids,
+            lse,
+            ent,
+            jnp.asarray(g_logp, jnp.float32),
+            jnp.asarray(g_ent, jnp.float32),
+            mask=mask,
+            temperature=t,
+            interpret=TPU,
+            bn=8,
+        )
+        loss, logp2, _, dz2 = L.logits_fused(
+            z, ids, (), lambda lp, h: -lp - 0.1 * h, mask=mask, temperature=t, interpret=TPU, bn=8
+        )
         for x in (lse, logp, ent, dz, loss, dz2):
             assert np.all(np.isfinite(np.asarray(x)))
         assert np.all(np.asarray(dz)[:, ::7] == 0) and np.all(np.asarray(dz2)[:, ::7] == 0)
@@ -118,8 +139,9 @@ def test_fused_with_an_entropy_term():
     z, ids, mask, rng = draw(11, n, v, masked=(0, 9))
     a, c = rng.normal(size=n).astype(np.float32), rng.normal(size=n).astype(np.float32)
     row_fn = lambda lp, h, a, c: a * jnp.exp(lp) + c * h * h  # noqa: E731
-    loss, logp, ent, dz = L.logits_fused(z, ids, (a, c), row_fn, mask=mask, temperature=temperature, interpret=TPU,
-                                         bn=8)
+    loss, logp, ent, dz = L.logits_fused(
+        z, ids, (a, c), row_fn, mask=mask, temperature=temperature, interpret=TPU, bn=8
+    )
     _, r_logp, r_ent, _, _ = reference(z, ids, temperature)
     close(loss, np.where(mask, a * np.exp(r_logp) + c * r_ent**2, 0.0), 1e-5)
     close(logp, np.where(mask, r_logp, 0.0), 1e-5)
@@ -139,11 +161,15 @@ def test_no_races_and_the_detector_works():
         o_ref[...] = x_ref[...]
 
     pltpu.reset_tpu_interpret_mode_state()
-    pl.pallas_call(clobber, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32), grid=(4,),
-                   in_specs=[pl.BlockSpec((8, 128), lambda i: (i, 0))],
-                   out_specs=pl.BlockSpec((8, 128), lambda i: (0, 0)),
-                   compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
-                   interpret=racy)(jnp.ones((32, 128), jnp.float32))
+    pl.pallas_call(
+        clobber,
+        out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+        grid=(4,),
+        in_specs=[pl.BlockSpec((8, 128), lambda i: (i, 0))],
+        out_specs=pl.BlockSpec((8, 128), lambda i: (0, 0)),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        interpret=racy,
+    )(jnp.ones((32, 128), jnp.float32))
     assert ipc.races.races_found
     pltpu.reset_tpu_interpret_mode_state()
 
@@ -176,16 +202,23 @@ def test_fused_matches_ffi_grpo_loss(beta, corrected, dtype):
     _, logp_true, _, _, _ = reference(z, ids, temperature)
     old = (logp_true + 0.3 * rng.normal(size=b * t)).astype(np.float32).reshape(b, t)
     ref = (logp_true + 0.3 * rng.normal(size=b * t)).astype(np.float32).reshape(b, t)
-    kw = dict(old_per_token_logps=old, ref_per_token_logps=ref, loss_type="dapo", beta=beta, temperature=temperature,
-              use_bias_correction_kl=corrected)
+    kw = dict(
+        old_per_token_logps=old,
+        ref_per_token_logps=ref,
+        loss_type="dapo",
+        beta=beta,
+        temperature=temperature,
+        use_bias_correction_kl=corrected,
+    )
     ffi = functools.partial(fj.grpo_loss, completion_ids=ids2, completion_mask=mask, advantages=adv, **kw)
     loss_ffi, out = ffi(z3)
     dz_ffi = jax.grad(lambda x: ffi(x)[0])(z3)
 
     w = mask.reshape(-1) / max(1.0, mask.sum())  # dapo's weight without num_items_in_batch
     rows = (old.reshape(-1), ref.reshape(-1), np.repeat(adv, t), w)
-    row_loss, logp, ent, dz = L.logits_fused(z, ids, rows, dapo_row_fn(beta, corrected), mask=mask.reshape(-1),
-                                             temperature=temperature, interpret=TPU, bn=8)
+    row_loss, logp, ent, dz = L.logits_fused(
+        z, ids, rows, dapo_row_fn(beta, corrected), mask=mask.reshape(-1), temperature=temperature, interpret=TPU, bn=8
+    )
     assert dz.dtype == dtype
     close(jnp.sum(row_loss), loss_ffi, 1e-5)
     close(logp, out.logp.reshape(-1), 1e-5)
@@ -217,13 +250,20 @@ def test_bad_arguments():
 
 
 def _dapo_exports(n, v, dtype):
-    zs, i, r = (jax.ShapeDtypeStruct((n, v), dtype), jax.ShapeDtypeStruct((n,), jnp.int32),
-                jax.ShapeDtypeStruct((n,), jnp.float32))
+    zs, i, r = (
+        jax.ShapeDtypeStruct((n, v), dtype),
+        jax.ShapeDtypeStruct((n,), jnp.int32),
+        jax.ShapeDtypeStruct((n,), jnp.float32),
+    )
     return {
         "stats": (lambda z, i, m: L.logits_stats(z, i, mask=m, temperature=0.7), (zs, i, r)),
         "grad": (lambda z, i, a, b, c, d: L.logits_grad(z, i, a, b, c, d, temperature=0.7), (zs, i, r, r, r, r)),
-        "fused": (lambda z, i, a, b, c, d, m: L.logits_fused(z, i, (a, b, c, d), dapo_row_fn(0.04, True), mask=m,
-                                                            temperature=0.7), (zs, i, r, r, r, r, r)),
+        "fused": (
+            lambda z, i, a, b, c, d, m: L.logits_fused(
+                z, i, (a, b, c, d), dapo_row_fn(0.04, True), mask=m, temperature=0.7
+            ),
+            (zs, i, r, r, r, r, r),
+        ),
         "fused_sigmoid": (lambda z, i, a, b: L.logits_fused(z, i, (a, b), sapo_row_fn, temperature=0.7), (zs, i, r, r)),
     }
 

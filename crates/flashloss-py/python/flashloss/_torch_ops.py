@@ -33,7 +33,7 @@ from torch import Tensor
 from . import _dist, _native
 
 # The logits-level ops (re-exported for flashloss.torch) and the helpers every op shares.
-from ._torch_logits_ops import grpo_logits, grpo_logits_rows, grpo_logits_rows_backward
+from ._torch_logits_ops import grpo_logits, grpo_logits_rows, grpo_logits_rows_backward  # noqa: F401
 from ._torch_op_utils import (
     METRICS,
     _f32,
@@ -289,7 +289,9 @@ def ce_linear_lse(
 def _(hidden, weight, bias, targets, *args):
     f32 = dict(dtype=torch.float32)
     return (
-        hidden.new_empty((), **f32), hidden.new_empty(targets.shape, **f32), *_fake_grads(hidden, weight, bias, True)
+        hidden.new_empty((), **f32),
+        hidden.new_empty(targets.shape, **f32),
+        *_fake_grads(hidden, weight, bias, True),
     )
 
 

@@ -109,8 +109,9 @@ def logits_vmem_bytes(bn: int, v: int, dtype: Any, *, grad: bool = True, row_inp
     return blocks + row_blocks + temps
 
 
-def block_rows(n: int, v: int, dtype: Any, budget: int = DEFAULT_VMEM_BUDGET, *, grad: bool = True,
-               row_inputs: int = 3) -> int:
+def block_rows(
+    n: int, v: int, dtype: Any, budget: int = DEFAULT_VMEM_BUDGET, *, grad: bool = True, row_inputs: int = 3
+) -> int:
     """The largest ``bn`` of ``BLOCK_ROWS`` whose ``logits_vmem_bytes`` fits ``budget``
     (``n`` itself when ``n`` rows fit in that block: the block then equals the array)."""
     fits = [b for b in BLOCK_ROWS if logits_vmem_bytes(b, v, dtype, grad=grad, row_inputs=row_inputs) <= budget]
@@ -150,8 +151,19 @@ def _stats(x_ref: Any, ids: jax.Array, v: int, c: int, inv_t: float):
     return mu, log_s, dy - log_s, log_s - usum / ssum
 
 
-def _write_grad(x_ref: Any, o_ref: Any, ids: jax.Array, shift: jax.Array, ent: jax.Array, g_logp: jax.Array,
-                g_ent: jax.Array, live: jax.Array, v: int, c: int, inv_t: float) -> None:
+def _write_grad(
+    x_ref: Any,
+    o_ref: Any,
+    ids: jax.Array,
+    shift: jax.Array,
+    ent: jax.Array,
+    g_logp: jax.Array,
+    g_ent: jax.Array,
+    live: jax.Array,
+    v: int,
+    c: int,
+    inv_t: float,
+) -> None:
     """``o = (g_logp·(1[j=y] - p) - g_ent·p·(log p + H)) / T`` on live rows, 0 elsewhere;
     ``log p = s - shift`` (``shift`` = lse, or μ + log S)."""
     for lo, hi in _chunks(v, c):
@@ -179,23 +191,22 @@ def _stats_kernel(x_ref, ids_ref, mask_ref, lse_ref, logp_ref, ent_ref, *, n: in
     ent_ref[...] = jnp.where(live, ent, 0.0)
 
 
-def _grad_kernel(x_ref, ids_ref, mask_ref, lse_ref, ent_ref, glp_ref, gent_ref, o_ref, *, n: int, v: int, c: int,
-                 inv_t: float):
+def _grad_kernel(
+    x_ref, ids_ref, mask_ref, lse_ref, ent_ref, glp_ref, gent_ref, o_ref, *, n: int, v: int, c: int, inv_t: float
+):
     live = _live(mask_ref, n)
     g_logp = jnp.where(live, glp_ref[...], 0.0)
     g_ent = jnp.where(live, gent_ref[...], 0.0)
     _write_grad(x_ref, o_ref, ids_ref[...], lse_ref[...], ent_ref[...], g_logp, g_ent, live, v, c, inv_t)
 
 
-def _fused_kernel(x_ref, ids_ref, mask_ref, *refs, n: int, v: int, c: int, inv_t: float, row_fn: RowFn,
-                  n_inputs: int):
+def _fused_kernel(x_ref, ids_ref, mask_ref, *refs, n: int, v: int, c: int, inv_t: float, row_fn: RowFn, n_inputs: int):
     in_refs, (loss_ref, logp_ref, ent_ref, o_ref) = refs[:n_inputs], refs[n_inputs:]
     live = _live(mask_ref, n)
     ids = ids_ref[...]
     mu, log_s, logp, ent = _stats(x_ref, ids, v, c, inv_t)
     inputs = [r[...] for r in in_refs]
-    loss, vjp = jax.vjp(lambda lp, h: jnp.broadcast_to(row_fn(lp, h, *inputs), lp.shape).astype(jnp.float32),
-                        logp, ent)
+    loss, vjp = jax.vjp(lambda lp, h: jnp.broadcast_to(row_fn(lp, h, *inputs), lp.shape).astype(jnp.float32), logp, ent)
     g_logp, g_ent = vjp(jnp.ones_like(loss))
     g_logp = jnp.where(live, g_logp, 0.0)
     g_ent = jnp.where(live, g_ent, 0.0)
@@ -207,8 +218,9 @@ def _fused_kernel(x_ref, ids_ref, mask_ref, *refs, n: int, v: int, c: int, inv_t
 
 def _check(logits2d: jax.Array, ids: jax.Array, rows: Sequence[tuple[str, Optional[jax.Array]]]) -> tuple[int, int]:
     if logits2d.ndim != 2 or logits2d.dtype not in (jnp.float32, jnp.bfloat16):
-        raise ValueError(f"argument `logits2d`: expected float32 or bfloat16 [N, V], got {logits2d.dtype}"
-                         f"{list(logits2d.shape)}")
+        raise ValueError(
+            f"argument `logits2d`: expected float32 or bfloat16 [N, V], got {logits2d.dtype}{list(logits2d.shape)}"
+        )
     n, v = logits2d.shape
     for name, x in (("ids", ids), *rows):
         if x is not None and tuple(x.shape) != (n,):
@@ -239,9 +251,16 @@ def _setup(logits2d, ids, mask, rows, bn, budget, grad: bool, n_inputs: int):
     return n, v, bn, ids_c, mask_c, tile, row, params, meta
 
 
-def logits_stats(logits2d: jax.Array, ids: jax.Array, *, mask: Optional[jax.Array] = None, temperature: float = 1.0,
-                 interpret: Interpret = False, bn: Optional[int] = None,
-                 vmem_limit_bytes: int = DEFAULT_VMEM_BUDGET) -> tuple[jax.Array, jax.Array, jax.Array]:
+def logits_stats(
+    logits2d: jax.Array,
+    ids: jax.Array,
+    *,
+    mask: Optional[jax.Array] = None,
+    temperature: float = 1.0,
+    interpret: Interpret = False,
+    bn: Optional[int] = None,
+    vmem_limit_bytes: int = DEFAULT_VMEM_BUDGET,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(lse, logp, entropy)`` float32 ``[N]`` of ``logits2d / temperature`` at ``ids``
     ``[N]``, in one read of the logits; rows where ``mask`` is false are 0. ``bn`` (rows
     per block) defaults to ``block_rows(N, V, dtype, vmem_limit_bytes, grad=False)``."""
@@ -261,10 +280,20 @@ def logits_stats(logits2d: jax.Array, ids: jax.Array, *, mask: Optional[jax.Arra
     return lse, logp, ent
 
 
-def logits_grad(logits2d: jax.Array, ids: jax.Array, lse: jax.Array, entropy: jax.Array, g_logp: jax.Array,
-                g_ent: jax.Array, *, mask: Optional[jax.Array] = None, temperature: float = 1.0,
-                interpret: Interpret = False, bn: Optional[int] = None,
-                vmem_limit_bytes: int = DEFAULT_VMEM_BUDGET) -> jax.Array:
+def logits_grad(
+    logits2d: jax.Array,
+    ids: jax.Array,
+    lse: jax.Array,
+    entropy: jax.Array,
+    g_logp: jax.Array,
+    g_ent: jax.Array,
+    *,
+    mask: Optional[jax.Array] = None,
+    temperature: float = 1.0,
+    interpret: Interpret = False,
+    bn: Optional[int] = None,
+    vmem_limit_bytes: int = DEFAULT_VMEM_BUDGET,
+) -> jax.Array:
     """``dlogits`` ``[N, V]`` in the logits' dtype from the per-row cotangents ``g_logp`` and
     ``g_ent`` ``[N]`` of ``logp`` and ``entropy`` (``lse``, ``entropy`` from
     :func:`logits_stats`): ``(g_logp·(1[j=y] - p) - g_ent·p·(log p + H)) / T``, one read and
@@ -284,10 +313,18 @@ def logits_grad(logits2d: jax.Array, ids: jax.Array, lse: jax.Array, entropy: ja
     )(logits2d, ids_c, mask_c, *row_args)
 
 
-def logits_fused(logits2d: jax.Array, ids: jax.Array, row_inputs: Sequence[jax.Array], row_fn: RowFn, *,
-                 mask: Optional[jax.Array] = None, temperature: float = 1.0, interpret: Interpret = False,
-                 bn: Optional[int] = None,
-                 vmem_limit_bytes: int = DEFAULT_VMEM_BUDGET) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+def logits_fused(
+    logits2d: jax.Array,
+    ids: jax.Array,
+    row_inputs: Sequence[jax.Array],
+    row_fn: RowFn,
+    *,
+    mask: Optional[jax.Array] = None,
+    temperature: float = 1.0,
+    interpret: Interpret = False,
+    bn: Optional[int] = None,
+    vmem_limit_bytes: int = DEFAULT_VMEM_BUDGET,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """``(row_loss, logp, entropy, dlogits)`` in ONE kernel (one read and one write of the
     logits): per row block the statistics, then ``row_loss = row_fn(logp, entropy,
     *row_inputs)`` and its cotangents by ``jax.vjp`` inside the kernel, then ``dlogits``
@@ -331,16 +368,21 @@ def _logprobs_fwd(logits2d, ids, mask, temperature, interpret):
 
 def _logprobs_bwd(temperature, interpret, res, cts):
     logits2d, ids, mask, lse, ent = res
-    dz = logits_grad(logits2d, ids, lse, ent, cts[0], cts[1], mask=mask, temperature=temperature,
-                     interpret=interpret)
+    dz = logits_grad(logits2d, ids, lse, ent, cts[0], cts[1], mask=mask, temperature=temperature, interpret=interpret)
     return dz, None, None
 
 
 _logprobs.defvjp(_logprobs_fwd, _logprobs_bwd)
 
 
-def logits_logprobs(logits2d: jax.Array, ids: jax.Array, *, mask: Optional[jax.Array] = None,
-                    temperature: float = 1.0, interpret: Interpret = False) -> tuple[jax.Array, jax.Array]:
+def logits_logprobs(
+    logits2d: jax.Array,
+    ids: jax.Array,
+    *,
+    mask: Optional[jax.Array] = None,
+    temperature: float = 1.0,
+    interpret: Interpret = False,
+) -> tuple[jax.Array, jax.Array]:
     """``(logp, entropy)`` ``[N]`` differentiable in ``logits2d`` (a ``jax.custom_vjp``:
     :func:`logits_stats` forward, :func:`logits_grad` backward, two reads and one write of
     the logits in all)."""
