@@ -3,8 +3,8 @@
 //! repeats, the target itself) in the forward call, and the gradients of `logp`,
 //! entropy, `lse` and `logp_ik` w.r.t. hidden, weight and bias, on odd shapes with a
 //! ragged last vocabulary tile, masked rows, temperatures, extreme logits, f32 and bf16,
-//! both weight layouts, full and frozen heads, and every mode and budget that allows
-//! the request.
+//! both weight layouts, full and frozen heads, and every mode (the candidates' gradients
+//! single-pass too) at a tight and a roomy budget.
 
 mod common;
 use common::*;
@@ -243,16 +243,19 @@ fn check_case<E: Element>(shape: (usize, usize, usize, usize), temperature: f64,
                     &format!("{tag} forward {layout:?} {mib} MiB"),
                 );
             }
-            let modes: &[Mode] = if gather {
-                &[Mode::Auto, Mode::TwoPass]
-            } else {
-                &[Mode::Auto, Mode::TwoPass, Mode::SinglePass, Mode::Compact]
-            };
+            // Gradients with candidates run single-pass too (single and compact force it).
+            let modes = [Mode::Auto, Mode::TwoPass, Mode::SinglePass, Mode::Compact];
             for (products, &mode) in paths::<E>()
                 .into_iter()
                 .flat_map(|p| modes.iter().map(move |m| (p, m)))
             {
-                for (head_grad, mib) in [(HeadGrad::Full, 0.4), (HeadGrad::Frozen, 64.0)] {
+                // 0.1 MiB: blocks of a few rows; 0.4 MiB: one block; 64 MiB: roomy.
+                let budgets = [
+                    (HeadGrad::Full, 0.1),
+                    (HeadGrad::Full, 0.4),
+                    (HeadGrad::Frozen, 64.0),
+                ];
+                for (head_grad, mib) in budgets {
                     let o = FusedOptions {
                         bf16_products: products,
                         head_grad,

@@ -2,7 +2,8 @@
 //! candidates it holds; the one-hot terms stay on the shard holding the id) equal one
 //! rank; bad requests are typed errors naming the argument and index: `gather_ids` out
 //! of range or of the wrong shape, cotangents without ids or not finite, the support
-//! filter's ranges, a single pass asked with candidates.
+//! filter's ranges, a single pass asked with a truncated support; rows with only the
+//! candidates' one-hot terms get them in every mode.
 
 mod common;
 use common::*;
@@ -366,13 +367,77 @@ fn bad_requests_are_typed_errors() {
         ),
         "{e}"
     );
-    // A single pass cannot take candidates.
+    // A single pass cannot take a truncated support (candidates it can).
+    let support = LogpRequest {
+        support: Some(SupportFilter {
+            top_k: Some(5),
+            ..SupportFilter::default()
+        }),
+        ..r.request()
+    };
+    let upstream = LogpUpstream::new(&r.g_logp, None);
     for mode in [Mode::SinglePass, Mode::Compact] {
-        let e = grads_error(&r.request(), r.upstream(), mode);
+        let e = grads_error(&support, upstream, mode);
         assert!(
             matches!(e, Error::InvalidArgument { arg: "mode", .. }),
             "{e}"
         );
+    }
+}
+
+/// Rows whose dense gradient is zero (no upstream but cotangents summing to 0 per row)
+/// still take their candidates' one-hot terms: every mode gives the two-pass gradients,
+/// which are not zero; masked rows' cotangents add nothing.
+#[test]
+fn one_hot_terms_alone_in_every_mode() {
+    let head = Head::<f32>::random(N, H, V, true, 21);
+    let r = rows();
+    let zeros = vec![0.0f32; N];
+    // Per row (c, -c, 2c, -2c, 0, 0): Σ_k c_ik = 0, so coef_p = 0 and RowGrad is zero.
+    let c: Vec<f32> = (0..N * K)
+        .map(|at| {
+            let c = 0.1 + 0.02 * (at / K) as f32;
+            [c, -c, 2.0 * c, -2.0 * c, 0.0, 0.0][at % K]
+        })
+        .collect();
+    let upstream = LogpUpstream {
+        gathered: Some(&c),
+        ..LogpUpstream::new(&zeros, None)
+    };
+    let run = |mode: Mode| {
+        let mut grads = LinearGrads::zeros(&head.inputs());
+        let args = HeadArgs::Host {
+            inputs: &head.inputs(),
+            grads: grads.view(),
+        };
+        let call = (r.logp_rows(), &r.request());
+        let o = opts(mode, HeadGrad::Full);
+        let out = Device::cpu()
+            .logp_linear_grads_with_into(args, call, upstream, &o, N)
+            .unwrap_or_else(|e| panic!("{mode:?}: {e}"));
+        (out, grads)
+    };
+    let (want_out, want) = run(Mode::TwoPass);
+    assert!(want.dhidden.iter().any(|&x| x != 0.0), "dH is zero");
+    for mode in [Mode::Auto, Mode::SinglePass, Mode::Compact] {
+        let (out, got) = run(mode);
+        same_outputs(&format!("{mode:?}"), &out, &want_out);
+        let tol = 1e-5;
+        let as_f64 = |x: &[f32]| x.iter().map(|&x| x as f64).collect::<Vec<_>>();
+        assert_close(
+            &format!("{mode:?} dH"),
+            &got.dhidden,
+            &as_f64(&want.dhidden),
+            tol,
+        );
+        assert_close(
+            &format!("{mode:?} dW"),
+            &got.dweight,
+            &as_f64(&want.dweight),
+            tol,
+        );
+        let (db, db_want) = (got.dbias.unwrap(), want.dbias.as_ref().unwrap().clone());
+        assert_close(&format!("{mode:?} dbias"), &db, &as_f64(&db_want), tol);
     }
 }
 

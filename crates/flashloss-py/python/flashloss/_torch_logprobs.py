@@ -85,8 +85,8 @@ def linear_logprobs(
     Differentiable in ``hidden``, ``weight`` and ``bias`` through ``logp``, the entropy,
     ``lse`` and ``gathered_logp``: the backward runs the head again with each row's
     upstream gradients (6NHV FLOPs; 4NHV when ``weight`` and ``bias`` need no gradient, a
-    frozen head, which gets no ``[V, H]`` buffer; two-pass, 8NHV, with ``gather_ids`` or a
-    support, whose ``K`` is held fixed)."""
+    frozen head, which gets no ``[V, H]`` buffer; ``gather_ids`` keep the single pass, while a
+    support, whose ``K`` is held fixed, runs two-pass, 8NHV)."""
     group = _dist.register(vocab_parallel_group)
 
     def prepare():

@@ -88,8 +88,8 @@ pub(crate) fn fused_step(
         }
         LossKind::Logprobs => {
             let (request, upstream) = logprobs.call(call);
-            // The plan the call makes (candidate sets run two-pass).
-            let plan = head.plan(opts, !request.needs_hooks())?;
+            // The plan the call makes (a truncated support runs two-pass).
+            let plan = head.plan(opts, request.grads_single_pass_allowed())?;
             let rows = LogpRows {
                 targets: batch.target_ids,
                 mask: Some(batch.mask),

@@ -14,10 +14,11 @@ use super::tiles::{
 use crate::batch::{HeadShape, LinearInputs};
 use crate::collective::Collective;
 use crate::element::{DType, Element};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::fused::{
     Bf16Products, Block, FusedOptions, FusedPasses, GradPart, GradsOf, Head, HeadGrad,
-    LinearGradsMut, Plan, PlanLimits, RowGrad, SparseGrads, TileVisitor, plan_blocks, tile_budget,
+    LinearGradsMut, Plan, PlanLimits, RowGrad, SinglePassHooks, SparseGrads, TileVisitor,
+    plan_blocks, tile_budget,
 };
 use crate::range::check_linear_grads;
 use crate::rows::{PartialStats, RowInputs, RowStats};
@@ -329,11 +330,30 @@ impl<E: Element> FusedPasses for CpuPasses<'_, '_, E> {
     }
 
     fn single_pass(&mut self, grads_of: &mut GradsOf) -> Result<Vec<RowStats>> {
+        self.single_pass_hooked(grads_of, SinglePassHooks::default())
+    }
+
+    fn single_pass_hooked(
+        &mut self,
+        grads_of: &mut GradsOf,
+        hooks: SinglePassHooks,
+    ) -> Result<Vec<RowStats>> {
         let (p, plan) = (&self.problem, &self.plan);
+        if let Some(sparse) = hooks.sparse {
+            sparse.check(p.inputs.tokens, p.inputs.vocab)?;
+            if p.rows.transform.softcap.is_some() {
+                return Err(Error::InvalidArgument {
+                    arg: "softcap",
+                    reason: "a single pass takes sparse terms without a soft-cap only; \
+                             run two-pass"
+                        .into(),
+                });
+            }
+        }
         Ok(if plan.compact {
-            single_pass::<E, f16>(p, plan, grads_of, self.ws, self.out)
+            single_pass::<E, f16>(p, plan, (grads_of, hooks), self.ws, self.out)
         } else {
-            single_pass::<E, f32>(p, plan, grads_of, self.ws, self.out)
+            single_pass::<E, f32>(p, plan, (grads_of, hooks), self.ws, self.out)
         })
     }
 }

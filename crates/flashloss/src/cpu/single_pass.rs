@@ -23,6 +23,11 @@
 //! the lane forms `Hᵀ·dZ` `[h, cols]` in its own buffer and adds its rows into the
 //! column block's row segments. A frozen head (`Plan::head_grad`) has neither: its
 //! tiles give `dH` alone (4NHV FLOPs a step instead of 6NHV).
+//!
+//! The pass hooks ([`SinglePassHooks`]): a visitor sees each lane's logits tile as it is
+//! formed (the lanes take turns under a lock), and each sparse term `(id, c)` of a row
+//! adds `c` at `(id - vocab.start, r)` of the `dZᵀ` tile holding `id` (no soft-cap: the
+//! slope is 1).
 
 use super::matmul::MatRef;
 use super::products::{self, DweightTile};
@@ -31,13 +36,14 @@ use super::tiles::{
     Lane, Problem, Workspace, add_column_sums, grad_row, logits_tile, resize_fresh,
 };
 use crate::element::Element;
-use crate::fused::{GradsOf, LinearGradsMut, Plan, RowGrad};
+use crate::fused::{GradsOf, LinearGradsMut, Plan, RowGrad, SinglePassHooks, SparseGrads};
 use crate::rows::{OnlineSoftmax, PartialStats, RowInputs, RowStats};
 use crate::weight_layout::WeightLayout;
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 use std::ops::Range;
+use std::sync::{Mutex, PoisonError};
 
 /// Lanes of a single-pass block (each holds one f32 `[rows, vocab_tile]` tile).
 pub const LANES: usize = 2;
@@ -86,16 +92,19 @@ impl Stored for f16 {
     }
 }
 
-/// The single pass: per row block, every tile's logits, the rows' statistics, then
-/// `grads_of(rows, stats)` gives the block's [`RowGrad`]s and the gradients are added
-/// into `out` from the block of `S`.
+/// The single pass: per row block, every tile's logits (shown to the hooks' visitor),
+/// the rows' statistics, then `grads_of(rows, stats)` gives the block's [`RowGrad`]s and
+/// the gradients (with the hooks' sparse terms) are added into `out` from the block of
+/// `S`.
 pub(crate) fn single_pass<E: Element, S: Stored>(
     problem: &Problem<E>,
     plan: &Plan,
-    grads_of: &mut GradsOf,
+    (grads_of, hooks): (&mut GradsOf, SinglePassHooks),
     ws: &mut Workspace,
     out: &mut LinearGradsMut,
 ) -> Vec<RowStats> {
+    let visitor = hooks.visitor.map(Mutex::new);
+    let sparse = hooks.sparse;
     let (inputs, p) = (problem.inputs, &problem.rows);
     let (n, h, v) = (inputs.tokens, inputs.hidden_size, inputs.vocab);
     let (vt, t) = (plan.vocab_tile, &p.transform);
@@ -146,6 +155,10 @@ pub(crate) fn single_pass<E: Element, S: Stored>(
                     let z = &mut lane.tile[..nb * cols];
                     let b = bias.as_ref().map(|b| &b[vocab.clone()]);
                     logits_tile(z, cols, hid, w, b, t.softcap, (nb, h, cols), threads);
+                    if let Some(v) = &visitor {
+                        let mut v = v.lock().unwrap_or_else(PoisonError::into_inner);
+                        v.visit(ids, vocab.clone(), z, cols);
+                    }
                     store_tile(p, z, ids, vocab, e, mu, &mut part);
                 }
                 part
@@ -161,7 +174,8 @@ pub(crate) fn single_pass<E: Element, S: Stored>(
             .iter()
             .map(|&i| span_grads[i - block.span.start])
             .collect();
-        if grads.iter().all(RowGrad::is_zero) {
+        let no_sparse = |s: &SparseGrads| ids.iter().all(|&i| s.row_is_zero(i));
+        if grads.iter().all(RowGrad::is_zero) && sparse.is_none_or(no_sparse) {
             continue;
         }
         let dweight = match with_dweight {
@@ -194,6 +208,9 @@ pub(crate) fn single_pass<E: Element, S: Stored>(
                     let e = &exps[nb * vocab.start..nb * vocab.end];
                     let mu = &maxima[k * nb..(k + 1) * nb];
                     grad_tile_t(dz_t, e, mu, vocab, &grads, t.inv_temp, t.inv_cap());
+                    if let Some(s) = sparse {
+                        add_sparse_t(dz_t, vocab, ids, s);
+                    }
                     let for_dhidden = (false, true);
                     let w = weight.load(engine, (inputs, vocab), for_dhidden, threads);
                     let dz_t = MatRef::row_major(&dz_t[..], cols, nb);
@@ -388,6 +405,20 @@ fn grad_tile_t<S: Stored>(
             }
         },
     );
+}
+
+/// Adds the `sparse` terms of the block's rows `ids` that fall in `vocab` into its
+/// `dZᵀ` tile `[cols, rows]`: `dz_t[id - vocab.start, r] += c` (slope 1: no soft-cap).
+fn add_sparse_t(dz_t: &mut [f32], vocab: &Range<usize>, ids: &[usize], sparse: &SparseGrads) {
+    let nb = ids.len();
+    for (r, &i) in ids.iter().enumerate() {
+        let (row_ids, coefs) = sparse.row(i);
+        for (&id, &c) in row_ids.iter().zip(coefs) {
+            if id >= 0 && vocab.contains(&(id as usize)) {
+                dz_t[(id as usize - vocab.start) * nb + r] += c;
+            }
+        }
+    }
 }
 
 /// One row's `dZ` over vocabulary entries `part` from its stored exponentials `e` and

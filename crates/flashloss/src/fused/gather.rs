@@ -2,7 +2,8 @@
 //! `[N, K]`, gathered in pass A by a [`TileVisitor`] that checks each row's ids against
 //! the tile's range (each row's ids sorted once, so a tile costs a binary search per
 //! row; `O(N·K)` memory, never `[N, V]`), and finished like the target's `logp`
-//! (`(z_k - μ)·inv_temp - log S` in f64) once the row's state is whole. On a vocabulary
+//! (`(z_k - μ)·inv_temp - log S` in f64) once the row's statistics are whole. A gradient
+//! call gathers them in its single pass, where the plan is one. On a vocabulary
 //! shard each rank gathers the ids it holds into a zero-filled `[N, K]` buffer and the
 //! ranks sum it. The gradient for cotangents `c_ik`: `-(Σ_k c_ik)·p_j` joins the dense
 //! [`super::RowGrad`] and `c_ik·1[j = k_ik]` is a [`SparseGrads`] term on the shard
@@ -10,7 +11,7 @@
 
 use super::logp_request::GatherIds;
 use super::passes::{SparseGrads, TileVisitor};
-use crate::rows::PartialStats;
+use crate::rows::RowStats;
 use std::ops::Range;
 
 /// Gathers the raw logits `z_{i,k_ik}` of the ids a head holds, tile by tile.
@@ -65,23 +66,28 @@ impl TileVisitor for GatherVisitor {
 }
 
 /// `logp_ik = (z_ik - μ_i)·inv_temp - log S_i` from the gathered raw logits `z` `[N, K]`
-/// and the rows' whole states (0 where a row is not live): the formula of the target's
-/// `logp`, so an id equal to the target gives the same value.
+/// at `ids` and the rows' statistics (0 where a row is not live); an id equal to the
+/// row's target gives the target's `logp` itself.
 pub(crate) fn finish_gathered(
-    states: &PartialStats,
+    stats: &[RowStats],
     z: &[f32],
-    k: usize,
-    live: &[bool],
+    (ids, targets): (&GatherIds, &[i64]),
+    (inv_temp, live): (f32, &[bool]),
 ) -> Vec<f32> {
+    let k = ids.k;
     let mut out = vec![0.0; z.len()];
     for (i, (o, zr)) in out.chunks_mut(k).zip(z.chunks(k)).enumerate() {
         if !live[i] {
             continue;
         }
-        let st = &states.states[i];
-        let log_sum = st.log_sum();
-        for (o, &zk) in o.iter_mut().zip(zr) {
-            *o = ((zk as f64 - st.max as f64) * st.inv_temp as f64 - log_sum) as f32;
+        let st = &stats[i];
+        let row_ids = &ids.ids[i * k..(i + 1) * k];
+        for ((o, &zk), &id) in o.iter_mut().zip(zr).zip(row_ids) {
+            *o = if id == targets[i] {
+                st.logp
+            } else {
+                ((zk as f64 - st.max as f64) * inv_temp as f64 - st.log_sum as f64) as f32
+            };
         }
     }
     out

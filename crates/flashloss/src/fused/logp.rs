@@ -16,12 +16,14 @@
 //! terms, pass B's [`SparseGrads`]. With a truncated support (`super::support`) the
 //! upstream of `logp` is that of `logp^K`: its dense term `-g_logp·p^K_j` on the support
 //! is a [`super::SupportTerm`] and the target term stays where the target is in the
-//! support. Candidate sets and the support use the pass hooks, so their plans run
-//! two-pass.
+//! support. Candidate sets and the support use the pass hooks: a gradient call with
+//! candidate sets alone is single-pass where the plan allows (the candidates gathered
+//! from each tile as it is formed, their one-hot terms added to each block's `dZ`); the
+//! support and the calls without gradients run two-pass.
 
 use super::gather::{GatherVisitor, finish_gathered, sparse_terms};
-use super::logp_request::{LogpOutput, LogpRequest, LogpUpstream, SupportStats};
-use super::passes::{FusedPasses, Head, RowGrad, SparseGrads, check_head};
+use super::logp_request::{GatherIds, LogpOutput, LogpRequest, LogpUpstream, SupportStats};
+use super::passes::{FusedPasses, Head, RowGrad, SinglePassHooks, SparseGrads, check_head};
 use super::plan::{FusedOptions, HeadGrad, Mode, Plan};
 use super::support::{RowSupport, SupportCall, SupportRun, VisitBoth};
 use super::two_pass::{grads_pass, row_grad_passes};
@@ -155,9 +157,15 @@ impl<'a> LogpCall<'a> {
         }
     }
 
-    /// Whether the call's passes need the pass hooks (then its plan is two-pass).
+    /// Whether the call's passes need the pass hooks.
     pub(crate) fn needs_hooks(&self) -> bool {
         self.request.needs_hooks()
+    }
+
+    /// Whether the call may run single-pass: one without the pass hooks, or a gradient
+    /// call whose only hook is candidate sets.
+    pub(crate) fn single_pass_allowed(&self) -> bool {
+        !self.needs_hooks() || (self.upstream.is_some() && self.request.grads_single_pass_allowed())
     }
 
     /// Row i's gradient, with `scale = g/T`: `dz = scale·[g_logp·(1[j=y] - p) -
@@ -299,7 +307,7 @@ pub fn logp_linear_grads(
 
 /// [`logp_linear_grads`] with `request`'s outputs and the upstream gradients of `lse`
 /// and of the candidates' log-probs (`upstream.lse`, `upstream.gathered`); returns the
-/// outputs. Single-pass where the plan allows and the request needs no pass hooks.
+/// outputs. Single-pass where the plan allows and the request asks no truncated support.
 pub fn logp_linear_grads_with(
     head: &mut dyn Head,
     rows: LogpRows,
@@ -313,29 +321,33 @@ pub fn logp_linear_grads_with(
     let call = (rows, *request, Some(upstream));
     let call = LogpCall::new(call, shape.tokens, shape.vocab, opts, seq_len)?;
     check_hooks_mode(&call, opts)?;
-    let plan = head.plan(opts, !call.needs_hooks())?;
+    let plan = head.plan(opts, call.single_pass_allowed())?;
     let out = logp_checked(head, &call, plan, None)?;
     head.check_grads(call.seq_len)?;
     Ok(out)
 }
 
-/// A request that needs the pass hooks runs two-pass: asking for a single pass is an
-/// error naming them.
+/// A call that may not run single-pass (a truncated support) runs two-pass: asking for
+/// a single pass is an error naming it.
 pub(crate) fn check_hooks_mode(call: &LogpCall, opts: &FusedOptions) -> Result<()> {
     match opts.mode {
-        Mode::SinglePass | Mode::Compact if call.needs_hooks() => Err(Error::InvalidArgument {
-            arg: "mode",
-            reason: "gather_ids and top_k/top_p/min_p run two-pass; use two_pass or auto".into(),
-        }),
+        Mode::SinglePass | Mode::Compact if !call.single_pass_allowed() => {
+            Err(Error::InvalidArgument {
+                arg: "mode",
+                reason: "top_k/top_p/min_p run two-pass; use two_pass or auto".into(),
+            })
+        }
         _ => Ok(()),
     }
 }
 
-/// A log-prob call on checked rows with `plan` (two-pass where the call needs the pass
-/// hooks). A gradient call without hooks is token-level ([`row_grad_passes`], single-pass
-/// where the plan is); otherwise pass A (gathering the candidates and the support), and
-/// pass B where the call has upstream gradients. In a vocab-parallel run, `split` merges
-/// the statistics of the head's shard with the other shards' and sums the gathered logits.
+/// A log-prob call on checked rows with `plan` (two-pass unless
+/// [`LogpCall::single_pass_allowed`]). A gradient call without hooks is token-level
+/// ([`row_grad_passes`], single-pass where the plan is); a single-pass one with
+/// candidate sets is [`gather_single_pass`]; otherwise pass A (gathering the candidates
+/// and the support), and pass B where the call has upstream gradients. In a
+/// vocab-parallel run, `split` merges the statistics of the head's shard with the other
+/// shards' and sums the gathered logits.
 pub(crate) fn logp_checked(
     head: &mut dyn Head,
     call: &LogpCall,
@@ -354,11 +366,18 @@ pub(crate) fn logp_checked(
         let stats = row_grad_passes(passes.as_mut(), &plan, inputs, split, row_grad)?;
         (stats, None, None)
     } else if plan.single_pass {
-        return Err(Error::InvalidArgument {
-            arg: "plan",
-            reason: "a single pass cannot take the pass hooks (gather_ids, top_k/top_p/min_p)"
-                .into(),
-        });
+        let ids = (call.request.gather_ids.as_ref())
+            .filter(|_| call.single_pass_allowed() && split.is_none());
+        let Some(ids) = ids else {
+            return Err(Error::InvalidArgument {
+                arg: "plan",
+                reason: "a single pass cannot take top_k/top_p/min_p, a forward call's \
+                         gather_ids or a vocabulary shard"
+                    .into(),
+            });
+        };
+        let (stats, gathered) = gather_single_pass(passes.as_mut(), call, (ids, vocab))?;
+        (stats, gathered, None)
     } else {
         let range = split.map_or(0..vocab, |s| s.range.clone());
         let (stats, gathered, support) = pass_a(passes.as_mut(), call, (&inputs, range), split)?;
@@ -372,6 +391,30 @@ pub(crate) fn logp_checked(
     check_row_stats(&stats, |i| call.live[i], targets, call.seq_len)?;
     let support = support.map(|s| s.stats(&stats, &call.live));
     call.output(stats, gathered, support)
+}
+
+/// A gradient call with candidate sets `ids` (and no support) in one pass over a whole
+/// head of `vocab` entries: the candidates' logits are gathered from each tile as it is
+/// formed and their one-hot terms join each block's `dZ`. Returns every row's
+/// statistics and the candidates' log-probs.
+fn gather_single_pass(
+    passes: &mut dyn FusedPasses,
+    call: &LogpCall,
+    (ids, vocab): (&GatherIds, usize),
+) -> Result<(Vec<RowStats>, Option<Vec<f32>>)> {
+    let mut visitor = GatherVisitor::new(ids, &call.live, &(0..vocab));
+    let sparse = call.sparse();
+    let hooks = SinglePassHooks {
+        visitor: Some(&mut visitor),
+        sparse: sparse.as_ref(),
+    };
+    let stats = passes.single_pass_hooked(
+        &mut |range, stats: &[RowStats]| range.map(|i| call.row_grad(i, &stats[i], None)).collect(),
+        hooks,
+    )?;
+    let (targets, inv_temp) = (call.rows.targets, call.transform.inv_temp);
+    let gathered = finish_gathered(&stats, &visitor.z, (ids, targets), (inv_temp, &call.live));
+    Ok((stats, Some(gathered)))
 }
 
 /// What pass A gives: every row's statistics, the candidates' log-probs and the
@@ -405,12 +448,19 @@ fn pass_a(
             s.vocab,
         ),
     };
+    let stats = states.finish(inputs, vocab);
     let gathered = match (visitor, gather) {
         (Some(mut v), Some(ids)) => {
             if let Some(s) = split {
                 s.comm.all_reduce_sum_f32(&mut v.z)?;
             }
-            Some(finish_gathered(&states, &v.z, ids.k, &call.live))
+            let (targets, inv_temp) = (call.rows.targets, inputs.transform.inv_temp);
+            Some(finish_gathered(
+                &stats,
+                &v.z,
+                (ids, targets),
+                (inv_temp, &call.live),
+            ))
         }
         _ => None,
     };
@@ -421,7 +471,7 @@ fn pass_a(
         }
         None => None,
     };
-    Ok((states.finish(inputs, vocab), gathered, support))
+    Ok((stats, gathered, support))
 }
 
 /// Pass B: every row's gradient from its statistics (and its truncated support's, where

@@ -65,9 +65,16 @@ pub struct LogpRequest<'a> {
 }
 
 impl LogpRequest<'_> {
-    /// Whether the passes need the pass hooks (two-pass plans).
+    /// Whether the passes need the pass hooks.
     pub fn needs_hooks(&self) -> bool {
         self.gather_ids.is_some() || self.support.is_some()
+    }
+
+    /// Whether a gradient call with this request may run single-pass: all but a
+    /// truncated support, whose cut needs each row's whole statistics before its
+    /// gradient (candidate sets are gathered and get their one-hot terms in the pass).
+    pub fn grads_single_pass_allowed(&self) -> bool {
+        self.support.is_none()
     }
 
     /// Checks the request for `n` rows (`live`) of a vocabulary of `vocab` entries:

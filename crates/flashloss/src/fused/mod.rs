@@ -33,8 +33,8 @@ pub use logp_request::{
     GatherIds, LogpOutput, LogpRequest, LogpUpstream, SupportFilter, SupportStats,
 };
 pub use passes::{
-    FusedPasses, GradPart, GradsOf, Head, LinearGrads, LinearGradsMut, RowGrad, SparseGrads,
-    TileVisitor, check_grad_lens,
+    FusedPasses, GradPart, GradsOf, Head, LinearGrads, LinearGradsMut, RowGrad, SinglePassHooks,
+    SparseGrads, TileVisitor, check_grad_lens,
 };
 pub use plan::{
     Bf16Products, Block, FusedOptions, HeadGrad, Mode, Plan, PlanLimits, mib_to_bytes, plan_blocks,

@@ -148,9 +148,11 @@ impl SparseGrads {
 /// tile's entries in the head's own (shard-local) vocabulary. Called once per tile,
 /// serially; an implementation may parallelize over the rows itself (rayon).
 ///
-/// A plan whose passes take a visitor or [`SparseGrads`] must be two-pass (planned with
-/// `single_pass_allowed = false`): a single pass forms each block's gradients before
-/// the whole row's statistics could be visited.
+/// A plan whose passes need a visited row's whole statistics before its gradient (a
+/// truncated support) must be two-pass (planned with `single_pass_allowed = false`): a
+/// single pass forms each block's gradients before the next block is visited. In a
+/// single pass ([`FusedPasses::single_pass_hooked`]) the lanes hand their tiles over in
+/// turn, under a lock and in no fixed order: a visitor there must not wait on rayon work.
 pub trait TileVisitor: Send {
     /// One tile.
     fn visit(&mut self, rows: &[usize], vocab: Range<usize>, z: &[f32], ld: usize);
@@ -168,6 +170,18 @@ fn hooks_unsupported(feature: &'static str) -> Error {
 
 /// Given a block's rows and every row's stats so far, the block's [`RowGrad`]s.
 pub type GradsOf<'a> = dyn FnMut(Range<usize>, &[RowStats]) -> Vec<RowGrad> + 'a;
+
+/// The pass hooks a single pass takes ([`FusedPasses::single_pass_hooked`]): a visitor
+/// of every logits tile (before it is stored) and sparse terms added to each block's
+/// `dZ` (ids local to the head; without a soft-cap, whose slope the stored block no
+/// longer holds exactly).
+#[derive(Default)]
+pub struct SinglePassHooks<'h> {
+    /// Sees every logits tile of the live rows.
+    pub visitor: Option<&'h mut dyn TileVisitor>,
+    /// Added to the rows' [`RowGrad`]s.
+    pub sparse: Option<&'h SparseGrads>,
+}
 
 /// The passes of a fused LM-head kernel over one head, plan, workspace and gradient
 /// buffers, on one backend.
@@ -206,6 +220,17 @@ pub trait FusedPasses {
     /// then `grads_of(rows, stats)` gives the block's [`RowGrad`]s and the gradients are
     /// added from the block still in memory. Returns every row's stats.
     fn single_pass(&mut self, grads_of: &mut GradsOf) -> Result<Vec<RowStats>>;
+
+    /// [`FusedPasses::single_pass`] with `hooks`: the visitor sees each logits tile as
+    /// it is formed, and the sparse terms join the block's `dZ`.
+    fn single_pass_hooked(
+        &mut self,
+        grads_of: &mut GradsOf,
+        hooks: SinglePassHooks,
+    ) -> Result<Vec<RowStats>> {
+        let _ = (grads_of, hooks);
+        Err(hooks_unsupported("single_pass_hooked"))
+    }
 }
 
 /// Which gradients a sharded run sums across ranks.

@@ -242,7 +242,7 @@ pub fn logp_linear_grads_sharded_with(
     )
     .and_then(|call| {
         check_hooks_mode(&call, opts)?;
-        let plan = sharded_plan(grid, head, shard, opts, !call.needs_hooks())?;
+        let plan = sharded_plan(grid, head, shard, opts, call.single_pass_allowed())?;
         Ok((call, plan))
     });
     let (call, (plan, split)) = agree(grid.world, checked)?;
