@@ -3,6 +3,7 @@
 //! checked; kernels take a [`GrpoLoss`], so they never see an invalid one.
 
 use crate::error::{Error, Result};
+use crate::support_filter::SupportFilter;
 use crate::temperature::Temperature;
 use serde::{Deserialize, Serialize};
 
@@ -128,6 +129,15 @@ pub struct GrpoLossConfig {
     /// `L = L_policy - entropy_coef · Σ_i m'_i H_i / max(1, Σ_i m'_i)` with `m' = m`, or
     /// `m · entropy_mask` when the batch has one.
     pub entropy_coef: f64,
+    /// The sampler's top-k (TRL's and vLLM's `top_k`; `None` or 0: none). With any of
+    /// `top_k`, `top_p`, `min_p` set, `logp` is the log-prob under the sampler's
+    /// truncated support and a token whose target is outside it is masked (spec,
+    /// flashloss addition 13).
+    pub top_k: Option<usize>,
+    /// The sampler's top-p in `(0, 1]` (`None` or 1: none).
+    pub top_p: Option<f64>,
+    /// The sampler's min-p in `[0, 1]` (`None` or 0: none).
+    pub min_p: Option<f64>,
 }
 
 impl Default for GrpoLossConfig {
@@ -150,6 +160,9 @@ impl Default for GrpoLossConfig {
             max_completion_length: None,
             num_items_in_batch: None,
             entropy_coef: 0.0,
+            top_k: None,
+            top_p: None,
+            min_p: None,
         }
     }
 }
@@ -271,7 +284,29 @@ impl GrpoLoss {
                 format!("must be finite and > 0, got {n}")
             })?;
         }
+        if let Some(p) = c.top_p {
+            check(p > 0.0 && p <= 1.0, "top_p", || {
+                format!("must be in (0, 1], got {p}")
+            })?;
+        }
+        if let Some(m) = c.min_p {
+            check((0.0..=1.0).contains(&m), "min_p", || {
+                format!("must be in [0, 1], got {m}")
+            })?;
+        }
         Ok(GrpoLoss { config })
+    }
+
+    /// The sampler's truncation, where a filter cuts (`top_k ≥ 1`, `top_p < 1`,
+    /// `min_p > 0`); `None`: the full softmax.
+    pub fn support(&self) -> Option<SupportFilter> {
+        let c = &self.config;
+        let filter = SupportFilter {
+            top_k: c.top_k.filter(|&k| k > 0),
+            top_p: c.top_p.filter(|&p| p < 1.0),
+            min_p: c.min_p.filter(|&m| m > 0.0),
+        };
+        (filter != SupportFilter::default()).then_some(filter)
     }
 
     /// The validated configuration.
@@ -285,5 +320,12 @@ impl GrpoLoss {
     pub fn needs_sequence_reduction(&self) -> bool {
         self.config.importance_sampling_level == ImportanceSamplingLevel::Sequence
             || self.config.loss_type == LossType::Vespo
+    }
+
+    /// True when no gradient may start before every row's statistics are known: a
+    /// sequence-level reduction, or a truncated support (its cut, and so the mask,
+    /// needs each row's whole vocabulary first).
+    pub fn needs_two_pass(&self) -> bool {
+        self.needs_sequence_reduction() || self.support().is_some()
     }
 }

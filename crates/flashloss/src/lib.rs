@@ -1,7 +1,7 @@
 //! flashloss: fused GRPO and cross-entropy losses for LLM training that never hold the
 //! `[tokens × vocab]` logits or their gradient.
 //!
-//! Layers: the spec layer knows no backend ([`grpo_config`], [`temperature`], [`cross_entropy`], [`batch`],
+//! Layers: the spec layer knows no backend ([`grpo_config`], [`temperature`], [`support_filter`], [`cross_entropy`], [`batch`],
 //! [`error`], [`element`], [`policy`], [`reference`], [`rows`], [`weight_layout`]); the fused LM-head losses
 //! are written once in [`fused`] over a backend's [`fused::Head`]; the backends are
 //! sibling folders that never import each other ([`cpu`], and `cuda` with the feature);
@@ -30,6 +30,7 @@ pub mod range;
 pub mod reference;
 pub mod rows;
 pub mod sharding;
+pub mod support_filter;
 pub mod temperature;
 pub mod weight_layout;
 
@@ -49,5 +50,6 @@ pub use grpo_config::{GrpoLoss, GrpoLossConfig, ImportanceSamplingLevel, LossTyp
 pub use grpo_logits::GrpoLogitsForward;
 pub use rows::RowStats;
 pub use sharding::{Grid, Parallel, Shard, shard_range};
+pub use support_filter::SupportFilter;
 pub use temperature::Temperature;
 pub use weight_layout::WeightLayout;

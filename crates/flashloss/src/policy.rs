@@ -39,6 +39,20 @@ impl Normalizers {
                 .count() as f64,
         }
     }
+
+    /// These normalizers less the rows of `batch` that `dropped` takes out of its mask
+    /// (the token count and the entropy bonus's; `B` stays).
+    pub fn without(self, batch: &GrpoBatch, dropped: &[bool]) -> Self {
+        let live_dropped = |i: &usize| batch.mask[*i] && dropped[*i];
+        let rows = (0..batch.rows()).filter(live_dropped);
+        let tokens = rows.clone().count() as f64;
+        let bonus = rows.filter(|&i| batch.in_entropy_bonus(i)).count() as f64;
+        Normalizers {
+            batch_size: self.batch_size,
+            token_count: self.token_count - tokens,
+            entropy_count: self.entropy_count - bonus,
+        }
+    }
 }
 
 /// Masked means over the batch's unmasked tokens.

@@ -6,10 +6,13 @@
 //! (the whole batch's policy stage between pass A and pass B, 8NHV). Per row,
 //! `dz = (g/T)·[dlogp·(1[j=y] - p) - dentropy·p·(log p + H)]`.
 
+use super::grpo_support::grpo_support;
+use super::logp_request::SupportStats;
 use super::passes::{FusedPasses, Head, LinearGrads, RowGrad, check_head};
 use super::plan::{FusedOptions, Plan};
 use super::two_pass::{grads_pass, stats_pass};
 use crate::batch::{GrpoBatch, HeadShape};
+use crate::collective::Collective;
 use crate::error::{Error, Result};
 use crate::grpo_config::GrpoLoss;
 use crate::policy::{GrpoMetrics, Normalizers, PolicyOutput, policy_rows, policy_stage};
@@ -36,6 +39,10 @@ pub struct GrpoLinearOutput {
     pub grads: LinearGrads,
     /// The plan that ran (mode, block sizes).
     pub plan: Plan,
+    /// Under the sampler's truncated support (the loss config's `top_k`/`top_p`/
+    /// `min_p`): its outputs; `stats` then hold `logp^K` and `lse^K`, and the tokens
+    /// whose target is outside it were masked.
+    pub support: Option<SupportStats>,
 }
 
 /// The [`RowGrad`] of each row in `rows`:
@@ -97,8 +104,9 @@ pub(crate) fn check_batch(
 }
 
 /// The GRPO loss of `batch` (N = B·T rows) on logits `hidden · weightᵀ + bias` of
-/// `head`, with normalizers `norm` (local, or all-reduced in a sharded run); the
-/// gradients are added into the head's buffers, within `opts.budget_bytes`.
+/// `head`, with normalizers `norm` of the batch's mask (local, or all-reduced in a
+/// sharded run; under a truncated support the tokens outside it are taken off them);
+/// the gradients are added into the head's buffers, within `opts.budget_bytes`.
 pub fn grpo_linear(
     head: &mut dyn Head,
     loss: &GrpoLoss,
@@ -109,19 +117,20 @@ pub fn grpo_linear(
     check_head(head, Some(opts.head_grad))?;
     let shape = head.shape();
     check_batch(loss, batch, shape, shape.vocab, opts)?;
-    let plan = head.plan(opts, !loss.needs_sequence_reduction())?;
-    let out = grpo_linear_checked(head, loss, batch, norm, opts, plan, None)?;
+    let plan = head.plan(opts, !loss.needs_two_pass())?;
+    let out = grpo_linear_checked(head, loss, batch, (norm, None), opts, plan, None)?;
     head.check_grads(batch.seq_len)?;
     Ok(out)
 }
 
 /// [`grpo_linear`] on inputs already checked, with `plan`; in a vocab-parallel run,
-/// `split` merges the statistics of the head's shard with the other shards'.
+/// `split` merges the statistics of the head's shard with the other shards'. `norm`:
+/// the normalizers, and the token groups they were summed over (a sharded run's).
 pub(crate) fn grpo_linear_checked(
     head: &mut dyn Head,
     loss: &GrpoLoss,
     batch: &GrpoBatch,
-    norm: Normalizers,
+    (norm, tokens): (Normalizers, Option<&dyn Collective>),
     opts: &FusedOptions,
     plan: Plan,
     split: Option<&VocabSplit>,
@@ -137,7 +146,20 @@ pub(crate) fn grpo_linear_checked(
     let g = opts.grad_output as f64;
     let scale = transform.grad_scale(g);
     let mut passes = head.passes(rows, plan)?;
-    let (stats, policy) = if plan.single_pass {
+    let mut support = None;
+    let (stats, policy) = if let Some(filter) = loss.support() {
+        let range = split.map_or(0..vocab, |s| s.range.clone());
+        let whole = split.map_or(vocab, |s| s.vocab);
+        let run = grpo_support(
+            passes.as_mut(),
+            (loss, batch, filter),
+            (norm, tokens),
+            (&rows, opts),
+            (range, whole, split),
+        )?;
+        support = Some(run.support);
+        (run.stats, run.policy)
+    } else if plan.single_pass {
         single_pass(passes.as_mut(), loss, batch, norm, &transform, g)?
     } else {
         let stats = stats_pass(passes.as_mut(), &rows, vocab, split)?;
@@ -154,7 +176,8 @@ pub(crate) fn grpo_linear_checked(
         (stats, policy)
     };
     drop(passes);
-    let live = |i: usize| batch.mask[i];
+    let outside = |i: usize| support.as_ref().is_some_and(|s| s.outside[i]);
+    let live = |i: usize| batch.mask[i] && !outside(i);
     check_row_stats(&stats, live, batch.target_ids, batch.seq_len)?;
     let entropy = |i: usize| stats[i].entropy;
     check_policy_rows(&policy, entropy, 0..batch.rows(), live, batch.seq_len, None)?;
@@ -166,6 +189,7 @@ pub(crate) fn grpo_linear_checked(
         clip: policy.clip,
         grads: LinearGrads::empty(),
         plan,
+        support,
     })
 }
 

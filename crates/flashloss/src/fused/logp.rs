@@ -105,7 +105,7 @@ pub(crate) struct LogpCall<'a> {
     rows: LogpRows<'a>,
     request: LogpRequest<'a>,
     upstream: Option<LogpUpstream<'a>>,
-    live: Vec<bool>,
+    pub(crate) live: Vec<bool>,
     transform: RowTransform,
     grad_output: f64,
     pub(crate) seq_len: usize,
@@ -145,6 +145,20 @@ impl<'a> LogpCall<'a> {
             transform: RowTransform::with_temperature(rows.temperature),
             grad_output: opts.grad_output as f64,
             seq_len,
+        })
+    }
+
+    /// The same call with `upstream` gradients (checked as [`LogpCall::new`] does).
+    pub(crate) fn with_upstream(&self, upstream: LogpUpstream<'a>) -> Result<LogpCall<'a>> {
+        check_upstream(&upstream, &self.request, &self.live)?;
+        Ok(LogpCall {
+            rows: self.rows,
+            request: self.request,
+            upstream: Some(upstream),
+            live: self.live.clone(),
+            transform: self.transform,
+            grad_output: self.grad_output,
+            seq_len: self.seq_len,
         })
     }
 
@@ -419,13 +433,13 @@ fn gather_single_pass(
 
 /// What pass A gives: every row's statistics, the candidates' log-probs and the
 /// truncated support.
-type PassA = (Vec<RowStats>, Option<Vec<f32>>, Option<SupportRun>);
+pub(crate) type PassA = (Vec<RowStats>, Option<Vec<f32>>, Option<SupportRun>);
 
 /// Pass A over the head's vocabulary `range` of the whole vocabulary (gathering the
 /// candidates it holds, and the truncated support's top keys): every row's statistics
 /// (merged over `split`'s shards), the candidates' log-probs (their logits summed over
 /// the shards) and every row's support (after its extra passes).
-fn pass_a(
+pub(crate) fn pass_a(
     passes: &mut dyn FusedPasses,
     call: &LogpCall,
     (inputs, range): (&RowInputs, Range<usize>),
@@ -477,7 +491,7 @@ fn pass_a(
 /// Pass B: every row's gradient from its statistics (and its truncated support's, where
 /// the call has one), with the candidates' one-hot terms where there are cotangents, on
 /// `split`'s shard where there is one.
-fn pass_b(
+pub(crate) fn pass_b(
     passes: &mut dyn FusedPasses,
     call: &LogpCall,
     (stats, support): (&[RowStats], Option<&[RowSupport]>),

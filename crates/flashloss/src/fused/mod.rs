@@ -11,6 +11,7 @@
 mod ce;
 mod gather;
 mod grpo;
+mod grpo_support;
 mod logp;
 mod logp_request;
 mod passes;

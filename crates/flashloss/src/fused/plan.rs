@@ -41,7 +41,7 @@ impl Mode {
             Mode::SinglePass | Mode::Compact if !allowed => Err(Error::InvalidArgument {
                 arg: "mode",
                 reason: format!(
-                    "{} needs a token-level loss (sequence-level ratios and vespo reduce over whole sequences first); use two_pass or auto",
+                    "{} needs a token-level loss without a truncated support (sequence-level ratios and vespo reduce over whole sequences first; top_k/top_p/min_p need each row's whole statistics); use two_pass or auto",
                     if self == Mode::Compact {
                         "compact"
                     } else {

@@ -88,13 +88,31 @@ pub fn grpo_linear_sharded(
     opts: &FusedOptions,
 ) -> Result<GrpoLinearOutput> {
     let checked = check_batch(loss, batch, head.shape(), shard.vocab, opts)
-        .and_then(|_| sharded_plan(grid, head, shard, opts, !loss.needs_sequence_reduction()));
+        .and_then(|_| sharded_plan(grid, head, shard, opts, !loss.needs_two_pass()));
     let (plan, split) = agree(grid.world, checked)?;
     let local = Normalizers::local(batch);
-    let norm = global_normalizers(grid.tokens.as_ref(), local)?;
-    let out = grpo_linear_checked(head, loss, batch, norm, opts, plan, split.as_ref());
+    let tokens = grid.tokens.as_ref();
+    let norm = global_normalizers(tokens, local)?;
+    let out = grpo_linear_checked(
+        head,
+        loss,
+        batch,
+        (norm, Some(tokens)),
+        opts,
+        plan,
+        split.as_ref(),
+    );
     let mut out = agree(grid.world, out)?;
     all_reduce_grads(grid, head, (&plan, split.is_some()), batch.seq_len)?;
+    // Under a truncated support the tokens outside it were masked: the metrics' means
+    // are over the tokens that remain.
+    let (local, norm) = match &out.support {
+        Some(s) => {
+            let local = local.without(batch, &s.outside);
+            (local, global_normalizers(tokens, local)?)
+        }
+        None => (local, norm),
+    };
     (out.loss, out.metrics) = reduce_policy_outputs(
         grid.tokens.as_ref(),
         out.loss,

@@ -268,8 +268,8 @@ impl SupportCall {
 impl SupportRun {
     /// The call's support outputs; where nothing was cut, the full softmax's `stats`
     /// (zeros where a row is not `live`).
-    pub(crate) fn stats(self, stats: &[RowStats], live: &[bool]) -> SupportStats {
-        let rows = self.rows.unwrap_or_else(|| {
+    pub(crate) fn stats(&self, stats: &[RowStats], live: &[bool]) -> SupportStats {
+        let rows = self.rows.clone().unwrap_or_else(|| {
             (stats.iter().zip(live))
                 .map(|(st, &live)| match live {
                     true => RowSupport::whole(st, self.vocab),

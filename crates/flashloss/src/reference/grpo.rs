@@ -4,6 +4,7 @@
 
 use super::dual::{Dual, Num};
 use super::softmax::row_softmax;
+use super::support::{SupportFilters, SupportRow, support_row};
 use crate::batch::{GrpoBatch, PerSeqOrToken};
 use crate::grpo_config::{GrpoLoss, GrpoLossConfig, ImportanceSamplingLevel, LossType};
 use crate::policy::{GrpoMetrics, Normalizers};
@@ -31,6 +32,9 @@ pub struct GrpoReference {
     pub dentropy: Vec<f64>,
     /// `grad_output · ∂L/∂z` `[N, V]`, dense.
     pub dlogits: Vec<f64>,
+    /// Under the loss config's truncated support: whether each token's target is
+    /// outside it (the token is then masked, its `logp` `-inf`); all false otherwise.
+    pub outside: Vec<bool>,
 }
 
 /// How each token's `ℓ_tot` enters the loss: the loss type's reduction (with the
@@ -280,6 +284,37 @@ fn reference_with(
     let c = loss.config();
     let (b_count, t_len) = (batch.batch, batch.seq_len);
     let n = b_count * t_len;
+    // Under a truncated support: each live row's support, and the mask without the
+    // tokens whose target is outside it (flashloss addition 13).
+    let supports: Vec<Option<SupportRow>> = (0..n)
+        .map(|i| {
+            let filter = loss.support().filter(|_| batch.mask[i])?;
+            let filters = SupportFilters {
+                top_k: filter.top_k,
+                top_p: filter.top_p,
+                min_p: filter.min_p,
+            };
+            let row = &logits[i * vocab..(i + 1) * vocab];
+            Some(support_row(
+                row,
+                c.temperature,
+                batch.target_ids[i] as usize,
+                filters,
+            ))
+        })
+        .collect();
+    let outside: Vec<bool> = (supports.iter())
+        .map(|s| s.as_ref().is_some_and(|s| s.logp == f64::NEG_INFINITY))
+        .collect();
+    let mask: Vec<bool> = (0..n).map(|i| batch.mask[i] && !outside[i]).collect();
+    let weights = match weights {
+        Weights::Reduction(norm) => Weights::Reduction(norm.without(batch, &outside)),
+        per_token => per_token,
+    };
+    let batch = &GrpoBatch {
+        mask: &mask,
+        ..*batch
+    };
     let mut out = GrpoReference {
         loss: 0.0,
         metrics: GrpoMetrics::default(),
@@ -291,6 +326,7 @@ fn reference_with(
         dlogp: vec![0.0; n],
         dentropy: vec![0.0; n],
         dlogits: vec![0.0; n * vocab],
+        outside: outside.clone(),
     };
     let mut softmax = Vec::with_capacity(n);
     for i in 0..n {
@@ -299,10 +335,15 @@ fn reference_with(
             continue;
         }
         let row = row_softmax(&logits[i * vocab..(i + 1) * vocab], c.temperature);
-        out.lse[i] = row.lse;
         out.entropy[i] = row.entropy;
-        out.logp[i] = row.log_probs[batch.target_ids[i] as usize];
+        (out.logp[i], out.lse[i]) = match &supports[i] {
+            Some(s) => (s.logp, s.lse),
+            None => (row.log_probs[batch.target_ids[i] as usize], row.lse),
+        };
         softmax.push(Some(row));
+    }
+    for i in (0..n).filter(|&i| outside[i]) {
+        out.logp[i] = f64::NEG_INFINITY;
     }
 
     let (mut tokens, mut kl_sum, mut ent_sum) = (0.0, 0.0, 0.0);
@@ -387,7 +428,8 @@ fn reference_with(
         entropy_mean: ent_sum / denom,
     };
 
-    // ∂L/∂z_ij = (1/T)·[dlogp·(1[j=y] - p_j) - dentropy·p_j·(log p_j + H)].
+    // ∂L/∂z_ij = (1/T)·[dlogp·(1[j=y] - p_j) - dentropy·p_j·(log p_j + H)]; under a
+    // support, dlogp's term is `∂logp^K/∂z_j` (K held fixed).
     for (i, row) in softmax.iter().enumerate() {
         let Some(row) = row else { continue };
         let scale = grad_output / c.temperature;
@@ -399,9 +441,15 @@ fn reference_with(
             } else {
                 0.0
             };
-            dz[j] = scale * (-out.dlogp[i] * p - out.dentropy[i] * entropy_term);
+            let logp_term = match &supports[i] {
+                Some(s) => grad_output * out.dlogp[i] * s.dlogp[j],
+                None => -scale * out.dlogp[i] * p,
+            };
+            dz[j] = logp_term - scale * out.dentropy[i] * entropy_term;
         }
-        dz[batch.target_ids[i] as usize] += scale * out.dlogp[i];
+        if supports[i].is_none() {
+            dz[batch.target_ids[i] as usize] += scale * out.dlogp[i];
+        }
     }
     out
 }

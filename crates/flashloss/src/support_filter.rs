@@ -1,0 +1,35 @@
+//! The sampler's truncation filters (docs/spec/losses.md, "Truncated support"): vLLM V1
+//! applies min-p, then top-k, then top-p to the scaled logits `s = z/T`; the support `K`
+//! is what survives. Spec layer: no backend.
+
+use crate::error::{Error, Result};
+
+/// The filters of a truncated support, applied in vLLM's order (min-p, top-k, top-p); an
+/// unset filter (`None`, `top_k ≥ V`, `top_p = 1`, `min_p = 0`) keeps every entry.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct SupportFilter {
+    /// Keep the entries whose logit is at least the k-th largest (ties kept); `≥ 1`.
+    pub top_k: Option<usize>,
+    /// Keep the smallest set of largest probabilities whose mass reaches it; `(0, 1]`.
+    pub top_p: Option<f64>,
+    /// Keep `p_j ≥ min_p · max_j p_j`; `[0, 1]`.
+    pub min_p: Option<f64>,
+}
+
+impl SupportFilter {
+    /// Checks the ranges (`top_k ≥ 1`, `0 < top_p ≤ 1`, `0 ≤ min_p ≤ 1`), naming the
+    /// argument.
+    pub fn check(&self) -> Result<()> {
+        let bad = |arg: &'static str, reason: String| Err(Error::InvalidArgument { arg, reason });
+        if self.top_k == Some(0) {
+            return bad("top_k", "must be at least 1 (None: no top-k)".into());
+        }
+        if let Some(p) = self.top_p.filter(|p| !(*p > 0.0 && *p <= 1.0)) {
+            return bad("top_p", format!("must be in (0, 1], got {p}"));
+        }
+        if let Some(m) = self.min_p.filter(|m| !(0.0..=1.0).contains(m)) {
+            return bad("min_p", format!("must be in [0, 1], got {m}"));
+        }
+        Ok(())
+    }
+}
