@@ -14,6 +14,32 @@ def logits_of(hidden, weight, bias, temperature):
     return z / temperature
 
 
+def truncated_support(z, temperature, top_k=None, top_p=None, min_p=None):
+    """Which entries of the float64 logits ``z`` ``[..., V]`` (before the temperature)
+    vLLM V1's filters keep, decided on the f32 scaled logits as the spec has it (min-p,
+    top-k with ties kept, top-p over a stable ascending sort by ``(s, j)``)."""
+    v = z.shape[-1]
+    s = z.detach().float() * torch.tensor(1.0 / temperature, dtype=torch.float32) + 0.0
+    s64 = s.double()
+    s_max = s64.max(-1, keepdim=True).values
+    keep = torch.ones_like(s, dtype=torch.bool)
+    if min_p is not None and min_p > 0:
+        keep &= torch.exp(s64 - s_max) >= min_p
+    if top_k is not None and 0 < top_k < v:
+        left = s.masked_fill(~keep, float("-inf"))
+        kth = left.sort(-1, descending=True).values[..., top_k - 1 : top_k]
+        keep &= s >= kth
+    if top_p is not None and top_p < 1:
+        left = s.masked_fill(~keep, float("-inf"))
+        order = torch.sort(left, stable=True, dim=-1).indices
+        mass = torch.exp(s64 - s_max).masked_fill(~keep, 0.0)
+        q = mass.gather(-1, order) / mass.sum(-1, keepdim=True)
+        drop = q.cumsum(-1) <= 1 - top_p
+        drop[..., -1] = False
+        keep &= ~torch.zeros_like(drop).scatter(-1, order, drop)
+    return keep
+
+
 def vespo_phi(advantages, log_ratio, mask, rho, k_pos, lambda_pos, k_neg, lambda_neg):
     lower = math.log(1e-8)
     seq = (log_ratio.clamp(-20.0, 20.0) * mask).sum(-1, keepdim=True)
@@ -56,6 +82,7 @@ def grpo_reference(
     sapo_temperature_neg=1.05,
     vespo=(2.0, 3.0, 3.0, 2.0),
     per_token=False,
+    support=None,
 ):
     """Loss and per-token logp/entropy; ``hidden`` ``[B, T, H]`` (float64 leaves that
     require grad get their gradients from ``loss.backward()``). ``per_token``: the
@@ -64,6 +91,16 @@ def grpo_reference(
     logps_all = torch.log_softmax(logits_of(hidden, weight, bias, temperature), -1)
     logp = logps_all.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
     entropy = -(logps_all.exp() * logps_all).sum(-1)
+    if support is not None:
+        # flashloss addition 13: logp under the sampler's truncated support (K fixed),
+        # and the tokens whose target is outside it masked.
+        z = logits_of(hidden, weight, bias, 1.0)
+        keep = truncated_support(z, temperature, *support)
+        scaled = z / temperature
+        logp = scaled.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(
+            scaled.masked_fill(~keep, float("-inf")), -1
+        )
+        mask = mask & keep.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
     m = mask.double()
     adv = advantages.double()
     adv = adv.unsqueeze(1) if adv.dim() == 1 else adv

@@ -33,9 +33,18 @@ def grpo_config(
     vespo_lambda_pos: float,
     vespo_k_neg: float,
     vespo_lambda_neg: float,
+    *,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    min_p: Optional[float] = None,
 ) -> str:
     """TRL's GRPO arguments as the JSON of ``GrpoLossConfig`` (``epsilon_high=None``
-    means ``epsilon_low``; ``num_items_in_batch`` may be a framework scalar)."""
+    means ``epsilon_low``; ``num_items_in_batch`` may be a framework scalar). ``top_k``,
+    ``top_p``, ``min_p``: the sampler's truncation (``None``, ``top_k=0``, ``top_p=1`` and
+    ``min_p=0`` are unset, as in TRL and vLLM); the ranges are checked by the kernel's
+    config."""
+    if top_k is not None and (isinstance(top_k, bool) or int(top_k) != top_k or top_k < 0):
+        raise ValueError(f"argument `top_k`: must be an integer >= 0 (None or 0: no top-k), got {top_k!r}")
     return _json(
         loss_type=loss_type,
         beta=float(beta),
@@ -54,6 +63,9 @@ def grpo_config(
         vespo_lambda_pos=float(vespo_lambda_pos),
         vespo_k_neg=float(vespo_k_neg),
         vespo_lambda_neg=float(vespo_lambda_neg),
+        top_k=None if top_k is None else int(top_k),
+        top_p=None if top_p is None else float(top_p),
+        min_p=None if min_p is None else float(min_p),
     )
 
 

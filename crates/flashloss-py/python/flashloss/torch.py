@@ -67,6 +67,9 @@ class GRPOOutputs:
     #: ``clip_ratio/high_mean``, ``clip_ratio/region_mean`` (masked means, 0-d float64
     #: tensors: ``float()`` or ``.item()`` them to log).
     metrics: dict
+    #: Under ``top_k``/``top_p``/``min_p``: whether each token's target is outside the
+    #: sampler's truncated support ``[B, T]`` (bool; such tokens were masked); else ``None``.
+    outside_support: Optional[torch.Tensor] = None
 
 
 def _items(num_items_in_batch):
@@ -125,6 +128,9 @@ def linear_grpo_loss(
     vespo_lambda_pos: float = 3.0,
     vespo_k_neg: float = 3.0,
     vespo_lambda_neg: float = 2.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    min_p: Optional[float] = None,
     mode: str = "auto",
     budget_mib: Optional[float] = None,
     vocab_parallel_group=None,
@@ -138,6 +144,12 @@ def linear_grpo_loss(
     ``policy_mask`` (TRL's off-policy mask) and ``entropy_mask`` (its top-entropy mask)
     ``[B, T]`` multiply each token's policy loss (not the KL); the entropy bonus is the
     mean over ``completion_mask * entropy_mask``.
+
+    ``top_k``, ``top_p``, ``min_p`` (the sampler's, vLLM V1's order; ``None``, ``top_k=0``,
+    ``top_p=1``, ``min_p=0`` unset): every term uses the log-prob under the sampler's
+    truncated support, and a token whose target is outside it is masked (loss, normalizers
+    and metrics) and flagged in ``GRPOOutputs.outside_support`` (its ``logp`` is ``-inf``).
+    The entropy stays the full softmax's.
     """
     group = _dist.register(vocab_parallel_group)
 
@@ -165,7 +177,7 @@ def linear_grpo_loss(
             loss_type, beta, epsilon_low, epsilon_high, delta, importance_sampling_level, temperature,
             use_bias_correction_kl, entropy_coef, items, max_completion_length,
             sapo_temperature_pos, sapo_temperature_neg, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
-            vespo_lambda_neg,
+            vespo_lambda_neg, top_k=top_k, top_p=top_p, min_p=min_p,
         )  # fmt: skip
         return h, w, b, _grpo_batch(completion_ids, completion_mask, advantages), items_tensor, config
 
@@ -177,7 +189,9 @@ def linear_grpo_loss(
         budget, group, _head_grad(weight, bias),
     )  # fmt: skip
     named = {k: metrics[i] for i, k in enumerate(ops.METRICS)}
-    return loss, GRPOOutputs(logp=logp, entropy=entropy, kl=kl, metrics=named)
+    truncated = any(x is not None for x in (top_k, top_p, min_p))
+    outside = torch.isneginf(logp) if truncated else None
+    return loss, GRPOOutputs(logp=logp, entropy=entropy, kl=kl, metrics=named, outside_support=outside)
 
 
 class LinearGRPOLoss(torch.nn.Module):
