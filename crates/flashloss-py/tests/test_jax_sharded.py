@@ -20,7 +20,7 @@ def test_token_axis_equals_one_device():
     out = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     done = [line for line in out.stdout.splitlines() if line.startswith("ok ")]
-    assert len(done) == 10 + 4 + 4 + 1 + 4, out.stdout
+    assert len(done) == 10 + 2 + 4 + 4 + 1 + 4, out.stdout
 
 
 def _main():
@@ -47,38 +47,40 @@ def _main():
     data, rep = P("data"), P()
     # grpo at sequence level: its clip metrics are means over sequences (TRL's [B, 1] flags).
     levels = [("dapo", "token"), ("grpo", "token"), ("bnpo", "token"), ("dr_grpo", "token"), ("grpo", "sequence")]
-    for loss_type, level in levels:
-        for beta in [0.0, 0.04]:
-            kw = dict(loss_type=loss_type, beta=beta, max_completion_length=t, temperature=0.9,
-                      importance_sampling_level=level)  # fmt: skip
+    # Under a truncated support the tokens outside it are masked before the normalizers.
+    supports = [("dapo", "token", dict(top_k=20, top_p=0.9)), ("bnpo", "token", dict(top_p=0.5))]
+    cases = [(lt, level, beta, {}) for lt, level in levels for beta in [0.0, 0.04]]
+    for loss_type, level, beta, support in cases + [(lt, level, 0.04, sup) for lt, level, sup in supports]:
+        kw = dict(loss_type=loss_type, beta=beta, max_completion_length=t, temperature=0.9,
+                  importance_sampling_level=level, **support)  # fmt: skip
 
-            def loss(x, w, bb, i, m, a, o, r, axis=None):
-                out = fj.linear_grpo_loss(
-                    x, w, i, m, a, bias=bb, old_per_token_logps=o, ref_per_token_logps=r, token_axis=axis, **kw
-                )
-                return out[0], out[1].metrics
+        def loss(x, w, bb, i, m, a, o, r, axis=None):
+            out = fj.linear_grpo_loss(
+                x, w, i, m, a, bias=bb, old_per_token_logps=o, ref_per_token_logps=r, token_axis=axis, **kw
+            )
+            return out[0], out[1].metrics
 
-            args = (hidden, weight, bias, ids, mask, adv, old, ref)
-            (want, wm), wg = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(*args)
+        args = (hidden, weight, bias, ids, mask, adv, old, ref)
+        (want, wm), wg = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(*args)
 
-            def local(x, w, bb, i, m, a, o, r):
-                return jax.value_and_grad(
-                    lambda x, w, bb: loss(x, w, bb, i, m, a, o, r, "data"), (0, 1, 2), has_aux=True
-                )(x, w, bb)
+        def local(x, w, bb, i, m, a, o, r):
+            return jax.value_and_grad(lambda x, w, bb: loss(x, w, bb, i, m, a, o, r, "data"), (0, 1, 2), has_aux=True)(
+                x, w, bb
+            )
 
-            specs = (data, rep, rep, data, data, data, data, data)
-            f = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=((rep, rep), (data, rep, rep)))
-            placed = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(args, specs)]
-            (got, gm), gg = jax.jit(f)(*placed)
-            assert abs(float(got) - float(want)) <= 1e-5 * max(abs(float(want)), 1.0), (loss_type, beta, got, want)
-            for k in wm:
-                assert abs(float(gm[k]) - float(wm[k])) <= 1e-5 * max(abs(float(wm[k])), 1.0), (loss_type, k)
-            for name, a_, b_ in zip(("dhidden", "dweight", "dbias"), gg, wg):
-                err = float(jnp.abs(a_ - b_).max()) / max(float(jnp.abs(b_).max()), 1e-6)
-                assert err <= 1e-4, (loss_type, beta, name, err)
-            if level == "sequence":
-                assert float(wm["clip_ratio/region_mean"]) > 0, "some sequences clip"
-            print("ok", loss_type, beta)
+        specs = (data, rep, rep, data, data, data, data, data)
+        f = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=((rep, rep), (data, rep, rep)))
+        placed = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(args, specs)]
+        (got, gm), gg = jax.jit(f)(*placed)
+        assert abs(float(got) - float(want)) <= 1e-5 * max(abs(float(want)), 1.0), (loss_type, beta, got, want)
+        for k in wm:
+            assert abs(float(gm[k]) - float(wm[k])) <= 1e-5 * max(abs(float(wm[k])), 1.0), (loss_type, k)
+        for name, a_, b_ in zip(("dhidden", "dweight", "dbias"), gg, wg):
+            err = float(jnp.abs(a_ - b_).max()) / max(float(jnp.abs(b_).max()), 1e-6)
+            assert err <= 1e-4, (loss_type, beta, name, err)
+        if level == "sequence":
+            assert float(wm["clip_ratio/region_mean"]) > 0, "some sequences clip"
+        print("ok", loss_type, beta, support)
     _vocab_axis(jax, jnp, np, fj, mesh)
     _grid_2d(jax, jnp, np, fj)
     _logprobs_vocab_axis(jax, jnp, np, fj)

@@ -67,6 +67,9 @@ class GRPOOutputs:
     kl: jax.Array
     #: TRL's logged metrics (scalars): kl, entropy, clip_ratio/{low,high,region}_mean.
     metrics: dict
+    #: Under ``top_k``/``top_p``/``min_p``: whether each token's target is outside the
+    #: sampler's truncated support ``[B, T]`` (such tokens were masked); else None.
+    outside_support: Optional[jax.Array] = None
 
 
 def _on_path(impl: str, interpret: Any, pallas: Callable, ffi: Callable, *operands):
@@ -204,6 +207,9 @@ def linear_grpo_loss(
     vespo_lambda_pos: float = 3.0,
     vespo_k_neg: float = 3.0,
     vespo_lambda_neg: float = 2.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    min_p: Optional[float] = None,
     mode: str = "auto",
     budget_mib: Optional[float] = None,
     token_axis: Optional[str] = None,
@@ -239,7 +245,15 @@ def linear_grpo_loss(
 
     Both (a 2-D mesh): each device holds its sequences and its block of the head; the
     statistics merge over ``vocab_axis``, the normalizers and ``weight``'s gradient sum
-    over ``token_axis``. ``impl``, ``interpret``, ``weight_layout``: see the module."""
+    over ``token_axis``. ``impl``, ``interpret``, ``weight_layout``: see the module.
+
+    ``top_k``, ``top_p``, ``min_p``: the sampler's truncation (vLLM V1's filters in its
+    order; ``None``, ``top_k=0``, ``top_p=1``, ``min_p=0`` unset, as in TRL): every term
+    uses the log-prob under the truncated support, a token whose target is outside it is
+    masked (loss, normalizers, metrics) and flagged in ``GRPOOutputs.outside_support``
+    (its ``logp`` is ``-inf``); the entropy stays the full softmax's. A whole head only
+    (not with ``vocab_axis``); on the Pallas path the support is plain JAX over blocks of
+    rows, not streamed."""
     hidden, weight, bias = _head(hidden, weight, bias, weight_layout)
     ids, mask, adv, old, ref = _grpo_batch(
         completion_ids, completion_mask, advantages, old_per_token_logps, ref_per_token_logps
@@ -256,6 +270,15 @@ def linear_grpo_loss(
         sapo_temperature_pos, sapo_temperature_neg, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
         vespo_lambda_neg,
     )  # fmt: skip
+    vocab = _vocab_size(weight, weight_layout, vocab_axis)
+    support = _support.filters(None if top_k == 0 else top_k, top_p, min_p, vocab)
+    if _support.active(support) is None:
+        support = None
+    elif vocab_axis is not None:
+        raise ValueError(f"argument `{_support.active(support)}`: a truncated support is not vocab-parallel "
+                         "(not with `vocab_axis`)")  # fmt: skip
+    else:
+        args = dataclasses.replace(args, top_k=support.top_k, top_p=support.top_p, min_p=support.min_p)
     config = args.config_json()
     budget = DEFAULT_BUDGET_MIB if budget_mib is None else float(budget_mib)
     if token_axis is not None:
@@ -267,7 +290,6 @@ def linear_grpo_loss(
             )
         weight = jax.lax.pcast(weight, token_axis, to="varying")
         bias = None if bias is None else jax.lax.pcast(bias, token_axis, to="varying")
-    vocab = _vocab_size(weight, weight_layout, vocab_axis)
     if vocab_axis is not None:
         hidden = jax.lax.pcast(hidden, vocab_axis, to="varying")
     spec = _pallas.spec_for(weight_layout, temperature, None, vocab_axis, vocab, interpret)
@@ -281,15 +303,23 @@ def linear_grpo_loss(
         )  # fmt: skip
 
     def pallas(hidden, weight, bias, ids, mask, adv, old, ref, rho):
-        return _pallas.grpo(*_wide(hidden, weight, bias), ids, mask, adv, old, ref, rho, args, spec)
+        hidden, weight, bias = _wide(hidden, weight, bias)
+
+        def truncated(x, flat_ids, live):
+            return _support.truncated_logp(x, weight, bias, flat_ids, live, (support, weight_layout, spec.transform))
+
+        truncated = None if support is None else truncated
+        return _pallas.grpo(hidden, weight, bias, ids, mask, adv, old, ref, rho, args, spec, truncated)
 
     loss, (logp, entropy, kl, metrics) = _on_path(impl, interpret, pallas, ffi, hidden, weight, bias, ids, mask,
                                                   adv, old, ref, rho)  # fmt: skip
+    outside = None if support is None else mask & jnp.isneginf(logp)
     if token_axis is not None:
         per_seq = _policy.clips_per_sequence(args, adv)
-        loss, metrics = _over_tokens(loss, metrics, mask, token_axis, loss_type, num_items_in_batch, per_seq)
+        kept = mask if outside is None else mask & ~outside
+        loss, metrics = _over_tokens(loss, metrics, kept, token_axis, loss_type, num_items_in_batch, per_seq)
     aux = jax.lax.stop_gradient((logp, entropy, kl, metrics))
-    return loss, GRPOOutputs(aux[0], aux[1], aux[2], dict(zip(_METRICS, aux[3])))
+    return loss, GRPOOutputs(aux[0], aux[1], aux[2], dict(zip(_METRICS, aux[3])), outside)
 
 
 def _over_tokens(loss, metrics, mask, axis, loss_type, num_items_in_batch, clips_per_sequence):

@@ -94,6 +94,10 @@ class GrpoArgs:
     vespo_lambda_pos: float = 3.0
     vespo_k_neg: float = 3.0
     vespo_lambda_neg: float = 2.0
+    #: The sampler's truncation (unset: None); see :func:`flashloss.jax.linear_grpo_loss`.
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+    min_p: Optional[float] = None
 
     def __post_init__(self) -> None:
         # A framework scalar (TRL passes a tensor) becomes a Python number: the args are static.

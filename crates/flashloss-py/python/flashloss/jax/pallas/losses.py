@@ -41,16 +41,26 @@ def _check_batch(adv, old, ref, ratio, mask, interpret) -> None:
     checks.sampler_ratio(ratio, mask, interpret)
 
 
-def grpo(hidden, weight, bias, ids, mask, adv, old, ref, ratio, args: _policy.GrpoArgs, spec: HeadSpec):
+def grpo(hidden, weight, bias, ids, mask, adv, old, ref, ratio, args: _policy.GrpoArgs, spec: HeadSpec, truncated=None):
     """``(loss, (logp, entropy, kl, metrics))`` of TRL's GRPO loss at ``ids`` ``[B, T]``
-    (``ratio``: the sampler's importance ratio ``[B, 1]``, ``[B, T]`` or None)."""
+    (``ratio``: the sampler's importance ratio ``[B, 1]``, ``[B, T]`` or None).
+    ``truncated``: under the sampler's truncated support, ``(x, ids, live) -> (logp^K,
+    outside)`` of the rows; the loss then takes ``logp^K`` and masks the tokens outside
+    (docs/spec/losses.md, flashloss addition 13), and ``logp`` is ``-inf`` there."""
     b, t = ids.shape
     _check_batch(adv, old, ref, ratio, mask, spec.interpret)
     x = hidden.reshape(b * t, hidden.shape[-1])
     logp, entropy = logprobs(x, weight, bias, ids.reshape(-1), mask.reshape(-1), spec, t, "completion_ids")
     logp, entropy = logp.reshape(b, t), entropy.reshape(b, t)
-    loss, kl, metrics = _policy.grpo_policy_loss(logp, entropy, mask, adv, old, ref, args, ratio)
-    return loss, (logp, entropy, kl, metrics)
+    if truncated is None:
+        loss, kl, metrics = _policy.grpo_policy_loss(logp, entropy, mask, adv, old, ref, args, ratio)
+        return loss, (logp, entropy, kl, metrics)
+    logp_k, outside = (y.reshape(b, t) for y in truncated(x, ids.reshape(-1), mask.reshape(-1)))
+    kept = mask & ~outside
+    loss, kl, metrics = _policy.grpo_policy_loss(
+        jnp.where(kept, logp_k, 0.0), entropy, kept, adv, old, ref, args, ratio
+    )
+    return loss, (logp_k, entropy, kl, metrics)
 
 
 def cross_entropy(
