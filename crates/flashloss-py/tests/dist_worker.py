@@ -40,11 +40,11 @@ def leaves(*xs):
     return [x.detach().clone().requires_grad_() for x in xs]
 
 
-def check_grpo(rank, block, group, loss_type, level):
+def check_grpo(rank, block, group, loss_type, level, support=None):
     hidden, weight, bias, ids, mask, adv, old = data(1)
     kw = dict(
         old_per_token_logps=old, ref_per_token_logps=old - 0.1, beta=0.04, loss_type=loss_type,
-        importance_sampling_level=level, temperature=0.9, epsilon_high=0.28, entropy_coef=0.01,
+        importance_sampling_level=level, temperature=0.9, epsilon_high=0.28, entropy_coef=0.01, **(support or {}),
     )  # fmt: skip
     h1, w1, b1 = leaves(hidden, weight, bias)
     loss1, out1 = fl.linear_grpo_loss(h1, w1, ids, mask, adv, bias=b1, **kw)
@@ -52,10 +52,13 @@ def check_grpo(rank, block, group, loss_type, level):
     h, w, b = leaves(hidden, weight[block], bias[block])
     loss, out = fl.linear_grpo_loss(h, w, ids, mask, adv, bias=b, vocab_parallel_group=group, **kw)
     (loss * 1.5).backward()
-    name = f"grpo {loss_type}/{level} rank {rank}"
+    name = f"grpo {loss_type}/{level} {support} rank {rank}"
     close(name + " loss", loss.detach(), loss1.detach())
+    if support:  # the tokens outside the sampler's support: the same everywhere, -inf log-probs
+        if not torch.equal(out.outside_support, out1.outside_support) or not out1.outside_support.any():
+            raise AssertionError(f"{name}: outside_support differs or is empty")
     for k in ("logp", "entropy", "kl"):
-        close(f"{name} {k}", getattr(out, k), getattr(out1, k))
+        close(f"{name} {k}", getattr(out, k).nan_to_num(neginf=0.0), getattr(out1, k).nan_to_num(neginf=0.0))
     for k in out.metrics:
         close(f"{name} metric {k}", out.metrics[k], out1.metrics[k])
     close(name + " dhidden", h.grad, h1.grad, rtol=1e-4)
@@ -198,6 +201,11 @@ def main():
     block = slice(start, start + BLOCKS[world][rank])
     for loss_type, level in (("dapo", "token"), ("grpo", "sequence"), ("luspo", "token"), ("cispo", "token")):
         check_grpo(rank, block, group, loss_type, level)
+    for loss_type, level, support in (
+        ("dapo", "token", dict(top_k=20, top_p=0.9)),
+        ("grpo", "sequence", dict(top_p=0.6)),
+    ):
+        check_grpo(rank, block, group, loss_type, level, support)
     for reduction, options in (
         ("mean", {}),
         ("sum", dict(label_smoothing=0.1, z_loss=1e-3)),
