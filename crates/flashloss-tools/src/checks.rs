@@ -183,7 +183,8 @@ impl BenchConfig {
             ));
         }
         if let Some(f) = self.support() {
-            if !(logprobs && self.device == Backend::Cpu) {
+            let grpo_linear = self.loss == LossKind::Grpo && self.level == Level::Linear;
+            if !((logprobs || grpo_linear) && self.device == Backend::Cpu) {
                 let key = ["top_k", "top_p", "min_p"]
                     .into_iter()
                     .zip([f.top_k.is_some(), f.top_p.is_some(), f.min_p.is_some()])
@@ -191,7 +192,8 @@ impl BenchConfig {
                     .unwrap_or("top_k");
                 return Err(bad(
                     key,
-                    "needs loss `logprobs` on device `cpu` (the CUDA backend has no truncated support)"
+                    "needs loss `logprobs` or `grpo` at level `linear` on device `cpu` (the CUDA \
+                     backend has no truncated support)"
                         .into(),
                 ));
             }

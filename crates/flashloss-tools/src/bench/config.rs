@@ -94,9 +94,9 @@ pub struct BenchConfig {
     pub ce: CeConfig,
     /// Candidate ids per row of a `logprobs` bench's second call (0: none).
     pub gather_k: usize,
-    /// A `logprobs` bench's truncated support (vLLM's top-k, top-p, min-p): where any is
-    /// set, the call with that support ("fused_support", with its extra passes in the
-    /// notes) is timed beside the plain one.
+    /// A `logprobs` or `grpo` bench's truncated support (vLLM's top-k, top-p, min-p):
+    /// where any is set, the call (the GRPO step) under that support ("fused_support",
+    /// with its extra passes in the notes) is timed beside the plain one.
     pub top_k: Option<usize>,
     /// See [`BenchConfig::top_k`].
     pub top_p: Option<f64>,
@@ -105,7 +105,7 @@ pub struct BenchConfig {
 }
 
 impl BenchConfig {
-    /// The truncated support of a `logprobs` bench, where any of its keys is set.
+    /// The truncated support of a `logprobs` or `grpo` bench, where any of its keys is set.
     pub fn support(&self) -> Option<flashloss::fused::SupportFilter> {
         let f = flashloss::fused::SupportFilter {
             top_k: self.top_k,

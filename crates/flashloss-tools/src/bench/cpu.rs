@@ -184,7 +184,7 @@ fn run_linear<E: Element>(
         0
     };
     let mut logprobs = LogprobRows::new(n, v, gather_k);
-    logprobs.support = cfg.support().filter(|_| cfg.loss == LossKind::Logprobs);
+    logprobs.support = cfg.support().filter(|_| cfg.loss != LossKind::Ce);
     let mut fused_runs = vec![("fused", LogprobCall::Plain)];
     if gather_k > 0 {
         fused_runs.push(("fused_gather", LogprobCall::Gather));

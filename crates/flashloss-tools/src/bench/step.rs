@@ -6,7 +6,9 @@ use flashloss::fused::{
     logp_linear_grads_with,
 };
 use flashloss::policy::Normalizers;
-use flashloss::{CrossEntropy, FusedOptions, GrpoBatch, GrpoLoss, Plan, Result, Temperature};
+use flashloss::{
+    CrossEntropy, FusedOptions, GrpoBatch, GrpoLoss, GrpoLossConfig, Plan, Result, Temperature,
+};
 
 /// Which log-prob call a `logprobs` step makes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -65,8 +67,9 @@ impl LogprobRows {
     }
 }
 
-/// One fused step of `kind` on `head` (GRPO of `batch`, CE at its target ids, or the
-/// log-prob gradient at them, as `logprobs`' `call`): the loss
+/// One fused step of `kind` on `head` (GRPO of `batch`, under the truncated support for
+/// the support call; CE at its target ids; or the log-prob gradient at them, as
+/// `logprobs`' `call`): the loss
 /// (for log-probs `Σ logp`) and the plan that ran. The gradients are added into the
 /// head's buffers.
 pub(crate) fn fused_step(
@@ -79,7 +82,19 @@ pub(crate) fn fused_step(
 ) -> Result<(f64, Plan)> {
     Ok(match kind {
         LossKind::Grpo => {
-            let out = grpo_linear(head, grpo, batch, norm, opts)?;
+            // The support call: the same loss under the sampler's truncated support.
+            let truncated = match logprobs.support.filter(|_| call == LogprobCall::Support) {
+                Some(f) => Some(GrpoLoss::new(GrpoLossConfig {
+                    top_k: f.top_k,
+                    top_p: f.top_p,
+                    min_p: f.min_p,
+                    ..grpo.config().clone()
+                })?),
+                None => None,
+            };
+            let out = grpo_linear(head, truncated.as_ref().unwrap_or(grpo), batch, norm, opts)?;
+            let extra = out.support.as_ref().map_or(0, |s| s.extra_passes);
+            logprobs.extra_passes.set(extra);
             (out.loss, out.plan)
         }
         LossKind::Ce => {
