@@ -104,3 +104,18 @@ def test_bad_filters_name_the_argument(kwargs, name):
     d = exact_batch(1)
     with pytest.raises(ValueError, match=name):
         fl.linear_grpo_loss(d["hidden"], d["weight"], d["ids"], d["mask"], d["adv"], **kwargs)
+
+
+def test_compile_under_a_support():
+    d = exact_batch(7)
+
+    def step(hidden, weight, bias):
+        loss, out = fl.linear_grpo_loss(
+            hidden, weight, d["ids"], d["mask"], d["adv"], bias=bias, old_per_token_logps=d["old"], top_k=7, top_p=0.9
+        )
+        return loss, out.outside_support
+
+    inputs = [d[k].clone().requires_grad_() for k in ("hidden", "weight", "bias")]
+    eager, eager_out = step(*inputs)
+    compiled, compiled_out = torch.compile(step, fullgraph=True)(*inputs)
+    assert torch.equal(eager, compiled) and torch.equal(eager_out, compiled_out) and eager_out.any()
