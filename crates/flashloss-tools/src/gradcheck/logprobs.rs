@@ -64,10 +64,11 @@ pub(crate) struct LogprobsCase {
 }
 
 /// Puts `head` on the grid on which every f32 logit is exact: hidden states on
-/// multiples of 2^-6, weight entries on multiples of `2^-e` with at most 7 significant
-/// bits, the bias on multiples of 2^-6; every product is then a multiple of `2^-(6+e)`
-/// below `2^(24-6-e)/H` in magnitude, and every partial sum is exact (bf16 and f16 hold
-/// every value too).
+/// multiples of 2^-6 (`|a| ≤ 64`), weight entries on multiples of `2^-e` with `|b| ≤ 127`,
+/// the bias on multiples of 2^-6. In units of `2^-(6+e)` a product is an integer of at
+/// most `64·127`, the bias one of at most `2^(5+e)` (`e ≤ 10` for `H ≤ 2048`), so for `H ≤`
+/// [`EXACT_MAX_HIDDEN`] every partial sum stays below `2^24` units and is exact in f32 in
+/// any order (bf16 and f16 hold every value too).
 pub(crate) fn exact_grid<E: Element>(head: &mut HeadInputs<E>) {
     let w_max = head
         .weight
