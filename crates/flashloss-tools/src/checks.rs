@@ -6,10 +6,12 @@
 //! available) before its inputs are drawn.
 
 use crate::bench::{BenchConfig, Impl, Level, LossKind};
-use crate::gradcheck::{Backend, GradcheckConfig, Kernel};
+use crate::gradcheck::{
+    Backend, EXACT_MAX_HIDDEN, GradcheckConfig, Kernel, LogprobsConfig, Objective,
+};
 use crate::{Error, Result};
 use flashloss::memory::{bytes_of, check_fits};
-use flashloss::{CrossEntropy, GrpoLoss};
+use flashloss::{CrossEntropy, GrpoLoss, Mode};
 
 fn bad(key: &str, reason: String) -> Error {
     Error::ConfigFile {
@@ -105,6 +107,51 @@ impl GradcheckConfig {
         )?;
         GrpoLoss::new(self.loss.clone())?;
         CrossEntropy::new(self.ce.clone())?;
+        self.validate_logprobs()
+    }
+
+    /// The `logprobs` section belongs to objective `logprobs`: a temperature > 0, the
+    /// support's filters in range (naming `logprobs.top_k` etc.), run two-pass on a head
+    /// of at most [`EXACT_MAX_HIDDEN`] columns (whose logits are then exact).
+    fn validate_logprobs(&self) -> Result<()> {
+        let lp = &self.logprobs;
+        if self.objective != Objective::Logprobs {
+            if *lp != LogprobsConfig::default() {
+                return Err(bad("logprobs", "needs objective `logprobs`".into()));
+            }
+            return Ok(());
+        }
+        positive("logprobs.temperature", lp.temperature)?;
+        product(
+            "batch·seq_len·logprobs.gather_k",
+            &[self.batch, self.seq_len, lp.gather_k],
+        )?;
+        let Some(filter) = lp.support() else {
+            return Ok(());
+        };
+        filter.check().map_err(|e| match e {
+            flashloss::Error::InvalidArgument { arg, reason } => {
+                bad(&format!("logprobs.{arg}"), reason)
+            }
+            e => Error::Kernel(e),
+        })?;
+        if matches!(self.mode, Mode::SinglePass | Mode::Compact) {
+            return Err(bad(
+                "mode",
+                "top_k/top_p/min_p run two-pass; use two_pass, auto or auto_f32".into(),
+            ));
+        }
+        if self.hidden > EXACT_MAX_HIDDEN {
+            return Err(bad(
+                "hidden",
+                format!(
+                    "must be <= {EXACT_MAX_HIDDEN} with top_k/top_p/min_p (the head is drawn \
+                     where every f32 logit is exact, so that kernel and reference decide the \
+                     support on the same values), got {}",
+                    self.hidden
+                ),
+            ));
+        }
         Ok(())
     }
 
@@ -122,15 +169,22 @@ impl GradcheckConfig {
             // The head in storage and f32 grads, f64 reference logits and dlogits
             // [N, V] (and the f32 logits the token inputs are drawn with), f64
             // reference grads, and the workspace budget.
+            // Objective `logprobs` adds its candidates (ids, upstream, outputs, the
+            // reference's) and each row's reference support (flags and gradient).
             Kernel::Linear => {
                 let head = (n + v) * h + v;
                 let budget = (self.budget_mib.max(0.0) * 1048576.0) as u128;
+                let logprobs = self.objective == Objective::Logprobs;
+                let candidates = n * self.logprobs.gather_k as u128 * u128::from(logprobs);
+                let supports = n * v * u128::from(logprobs && self.logprobs.support().is_some());
                 bytes(&[
                     (head, elem + 4 + 8),
                     (n * v, 4 + 8 + 8),
                     (budget, 1),
                     (4 * v, 8),
                     per_token,
+                    (candidates, 8 + 4 + 4 + 8 + 8),
+                    (supports, 8 + 1),
                 ])
             }
         }

@@ -339,7 +339,12 @@ fn config_files_reject_unknown_keys_and_wrong_types() {
     )
     .unwrap();
     assert_eq!((cfg.batch, cfg.vocab, cfg.loss.beta), (2, 77, 0.25));
-    for file in ["default", "qwen_vocab", "qwen_vocab_bf16"] {
+    for file in [
+        "default",
+        "qwen_vocab",
+        "qwen_vocab_bf16",
+        "linear_logprobs",
+    ] {
         let path = format!(
             "{}/../../configs/gradcheck/{file}.yaml",
             env!("CARGO_MANIFEST_DIR")

@@ -1,6 +1,7 @@
 //! What gradcheck runs: the config file (`configs/gradcheck/*.yaml`) and its gates.
 
 use crate::inputs::InputSpec;
+use flashloss::fused::SupportFilter;
 use flashloss::{Bf16Products, HeadGrad, Mode, Parallel};
 use flashloss::{CeConfig, DType, GrpoLossConfig};
 use serde::{Deserialize, Serialize};
@@ -25,6 +26,10 @@ pub enum Objective {
     Grpo,
     /// Cross-entropy (`ce:` holds its config; masked positions get `ignore_index`).
     Ce,
+    /// The log-prob primitive (`linear_logprobs`; `logprobs:` holds its config): the
+    /// gradient of `g·Σ_i [g_logp·logp_i + g_H·H_i + g_lse·lse_i + Σ_k c_ik·logp_ik]`
+    /// for random upstream gradients.
+    Logprobs,
 }
 
 /// A fault on one rank of a sharded gradcheck.
@@ -50,6 +55,9 @@ pub enum FaultKind {
     /// The rank leaves: in-process its closure returns, under MPI its process exits
     /// at once (no `MPI_Finalize`), as a crashed process would.
     Exit,
+    /// The rank's kernel reads wrong inputs: its hidden states (logits at kernel
+    /// `logits`) scaled by `1 + 2^-4`, the reference keeping them: its gates must FAIL.
+    Perturb,
 }
 
 /// Where the kernel runs.
@@ -90,7 +98,8 @@ pub struct GradcheckConfig {
     pub vocab_groups: Option<usize>,
     /// Seconds a rank of a sharded run waits for its peers in one collective.
     pub timeout_s: f64,
-    /// A fault injected on one rank of a sharded run, to see the run fail together.
+    /// A fault injected on one rank of a sharded run, to see the run fail together (`nan`
+    /// and `perturb` also on rank 0 of a one-rank run of kernel `linear`).
     pub fault: Option<Fault>,
     /// B.
     pub batch: usize,
@@ -126,6 +135,8 @@ pub struct GradcheckConfig {
     pub loss: GrpoLossConfig,
     /// The cross-entropy loss (objective `ce`).
     pub ce: CeConfig,
+    /// The log-prob call (objective `logprobs`).
+    pub logprobs: LogprobsConfig,
     /// H (kernel `linear`).
     pub hidden: usize,
     /// Give the LM head a bias (kernel `linear`).
@@ -171,6 +182,7 @@ impl Default for GradcheckConfig {
             in_place: false,
             loss: GrpoLossConfig::default(),
             ce: CeConfig::default(),
+            logprobs: LogprobsConfig::default(),
             hidden: 64,
             bias: true,
             mode: Mode::Auto,
@@ -199,6 +211,56 @@ impl GradcheckConfig {
             entropy_mask_fraction: self.entropy_mask_fraction,
             draw_logits: true,
         }
+    }
+}
+
+/// The log-prob call of objective `logprobs` (spec: "Per-token statistics beyond logp
+/// and entropy"): what it asks beyond `logp`, `lse` and entropy, and which upstream
+/// gradients are drawn (`logp` and entropy always).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LogprobsConfig {
+    /// The logits are divided by it.
+    pub temperature: f64,
+    /// Return `Σ_j p_ij²` (gated, not differentiated).
+    pub return_sum_p2: bool,
+    /// Candidate ids drawn per row (some equal to the target, repeats allowed), with
+    /// random upstream gradients of their log-probs; 0: none.
+    pub gather_k: usize,
+    /// The truncated support (vLLM's top-k, top-p, min-p; unset: none): `logp^K`
+    /// replaces `logp` in the objective.
+    pub top_k: Option<usize>,
+    /// See [`LogprobsConfig::top_k`].
+    pub top_p: Option<f64>,
+    /// See [`LogprobsConfig::top_k`].
+    pub min_p: Option<f64>,
+    /// Draw an upstream gradient of `lse`.
+    pub lse_grad: bool,
+}
+
+impl Default for LogprobsConfig {
+    fn default() -> Self {
+        LogprobsConfig {
+            temperature: 1.0,
+            return_sum_p2: false,
+            gather_k: 0,
+            top_k: None,
+            top_p: None,
+            min_p: None,
+            lse_grad: false,
+        }
+    }
+}
+
+impl LogprobsConfig {
+    /// The truncated support, where any of its keys is set.
+    pub fn support(&self) -> Option<SupportFilter> {
+        let f = SupportFilter {
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+        };
+        (f.top_k.is_some() || f.top_p.is_some() || f.min_p.is_some()).then_some(f)
     }
 }
 

@@ -1,7 +1,7 @@
 //! `flashloss gradcheck`: random inputs, the f64 reference and a kernel side by side,
 //! and tolerance gates (spec: "Numerical tolerances"). Kernels: the logits-level GRPO
-//! kernel (gradient w.r.t. logits), and the fused LM-head GRPO and cross-entropy
-//! kernels (gradients w.r.t. hidden states, weight and bias).
+//! kernel (gradient w.r.t. logits), and the fused LM-head GRPO, cross-entropy and
+//! log-prob kernels (gradients w.r.t. hidden states, weight and bias).
 
 use crate::inputs::GrpoInputs;
 use crate::{Error, Result};
@@ -9,14 +9,22 @@ use flashloss::{DType, GrpoLoss};
 use half::{bf16, f16};
 use linear::check_linear;
 
+mod case;
 mod config;
 mod linear;
 mod logits;
+mod logprobs;
+mod logprobs_gates;
 mod report;
 
-pub use config::{Backend, Fault, FaultKind, GradcheckConfig, Kernel, Objective, Tolerance};
-pub(crate) use linear::{LinearCase, ce_targets};
+pub(crate) use case::{LinearCase, ce_targets, inject_fault};
+pub use config::{
+    Backend, Fault, FaultKind, GradcheckConfig, Kernel, LogprobsConfig, Objective, Tolerance,
+};
 pub use logits::check_inputs;
+pub use logprobs::EXACT_MAX_HIDDEN;
+pub(crate) use logprobs::Outputs;
+pub(crate) use logprobs_gates::output_gates;
 pub(crate) use report::grad_gate;
 pub use report::{Gate, GradcheckReport};
 
@@ -49,6 +57,13 @@ pub fn run_with(cfg: &GradcheckConfig, note: &mut dyn FnMut(&str)) -> Result<Gra
             arg: "objective",
             reason: "ce is checked on kernel `linear` (there is no logits-level CE kernel)".into(),
         })),
+        (Kernel::Logits, Objective::Logprobs) => {
+            Err(Error::from(flashloss::Error::InvalidArgument {
+                arg: "objective",
+                reason: "logprobs is checked on kernel `linear` (the fused LM head's log-probs)"
+                    .into(),
+            }))
+        }
         (Kernel::Logits, Objective::Grpo) => {
             let loss = GrpoLoss::new(cfg.loss.clone())?;
             let inputs = GrpoInputs::try_random(&cfg.input_spec(), cfg.seed)?;

@@ -1,10 +1,10 @@
 //! The sharded fused LM-head kernel against one rank: each rank compares its loss, its
 //! dH rows (or the full dH) and its dW and dbias shard.
 
-use super::{RankReport, SHARDED_REL, before_step, grid_shape};
+use super::{RankReport, SHARDED_REL, before_step, grid_shape, logprobs};
 use crate::gradcheck::{
-    FaultKind, Gate, GradcheckConfig, GradcheckReport, LinearCase, Objective, Tolerance,
-    ce_targets, grad_gate,
+    Gate, GradcheckConfig, GradcheckReport, LinearCase, Objective, Outputs, Tolerance, ce_targets,
+    grad_gate, inject_fault,
 };
 use crate::inputs::HeadInputs;
 use flashloss::GrpoLoss;
@@ -18,7 +18,10 @@ use std::time::Instant;
 
 /// What one rank returns, with the parts of the single-rank run it corresponds to.
 struct Held {
-    loss: f64,
+    /// The single-rank loss and this rank's (objective `logprobs`: over its rows).
+    loss: (f64, f64),
+    /// The loss gate, and objective `logprobs`'s outputs against the single-rank run's.
+    gates: Vec<Gate>,
     grads: LinearGrads,
     /// Rows of dH this rank holds.
     rows: Range<usize>,
@@ -35,6 +38,8 @@ pub(super) struct Check<'c, E> {
     targets: Vec<i64>,
     one_loss: f64,
     one: LinearGrads,
+    /// Objective `logprobs`: the single-rank run's outputs.
+    one_logprobs: Option<Outputs>,
 }
 
 impl<'c, E: Element> Check<'c, E> {
@@ -45,6 +50,7 @@ impl<'c, E: Element> Check<'c, E> {
         let targets = ce_targets(&case.tokens, &ce);
         let device = cfg.device.open()?;
         let (batch, inputs) = (case.tokens.batch(), case.head.inputs());
+        let mut one_logprobs = None;
         let (one_loss, one) = match cfg.objective {
             Objective::Grpo => {
                 let out = device.grpo_linear(&grpo, &batch, &inputs, &case.opts)?;
@@ -53,6 +59,16 @@ impl<'c, E: Element> Check<'c, E> {
             Objective::Ce => {
                 let out = device.ce_linear(&ce, &targets, None, &inputs, &case.opts)?;
                 (out.loss, out.grads)
+            }
+            Objective::Logprobs => {
+                let (out, grads) = logprobs::one_rank(cfg, &case)?;
+                let lp = case
+                    .logprobs
+                    .as_ref()
+                    .expect("objective logprobs has its case");
+                let loss = lp.objective(&out, 0, cfg.grad_output).0;
+                one_logprobs = Some(out);
+                (loss, grads)
             }
         };
         Ok(Check {
@@ -63,18 +79,15 @@ impl<'c, E: Element> Check<'c, E> {
             targets,
             one_loss,
             one,
+            one_logprobs,
         })
     }
 
-    /// This rank's copy of `head`, with a NaN where a `nan` fault hits it.
+    /// This rank's copy of `head`, with the `nan` or `perturb` fault that hits it.
     fn held_head(&self, comm: &dyn Collective, head: HeadInputs<E>) -> HeadInputs<E> {
         let mut head = head;
-        if self
-            .cfg
-            .fault
-            .is_some_and(|f| f.rank == comm.rank() && f.kind == FaultKind::Nan)
-        {
-            head.hidden[0] = E::from_f32(f32::NAN);
+        if let Some(f) = self.cfg.fault.filter(|f| f.rank == comm.rank()) {
+            inject_fault(f.kind, &mut head.hidden);
         }
         head
     }
@@ -98,7 +111,14 @@ impl<'c, E: Element> Check<'c, E> {
             vocab: cfg.vocab,
         };
         let (device, opts) = (cfg.device.open()?, &case.opts);
-        let (loss, grads) = match cfg.objective {
+        let loss_gate = |loss: f64| {
+            let err = (loss - self.one_loss).abs() / self.one_loss.abs().max(1.0);
+            (
+                (self.one_loss, loss),
+                vec![Gate::new("loss", err, SHARDED_REL)],
+            )
+        };
+        let (loss, gates, grads) = match cfg.objective {
             Objective::Grpo => {
                 let batch = part.batch();
                 let o = device.grpo_linear_sharded(
@@ -109,7 +129,8 @@ impl<'c, E: Element> Check<'c, E> {
                     &head.inputs(),
                     opts,
                 )?;
-                (o.loss, o.grads)
+                let (loss, gates) = loss_gate(o.loss);
+                (loss, gates, o.grads)
             }
             Objective::Ce => {
                 let targets = &self.targets[rows.clone()];
@@ -121,11 +142,18 @@ impl<'c, E: Element> Check<'c, E> {
                     &head.inputs(),
                     opts,
                 )?;
-                (o.loss, o.grads)
+                let (loss, gates) = loss_gate(o.loss);
+                (loss, gates, o.grads)
+            }
+            Objective::Logprobs => {
+                let one = self.one_logprobs.as_ref().expect("the single-rank outputs");
+                let call = (&grid, shard, rows.clone());
+                logprobs::rank_step(cfg, case, call, &head, one)?
             }
         };
         Ok(Held {
             loss,
+            gates,
             grads,
             rows,
             vocab,
@@ -138,7 +166,7 @@ impl<'c, E: Element> Check<'c, E> {
         let h = cfg.hidden;
         before_step(cfg, comm)?;
         let start = Instant::now();
-        let held = self.step(comm)?;
+        let mut held = self.step(comm)?;
         let seconds = start.elapsed().as_secs_f64();
         let tol = Tolerance {
             grad_rel: Some(SHARDED_REL),
@@ -149,18 +177,12 @@ impl<'c, E: Element> Check<'c, E> {
             let want: Vec<f64> = want.iter().map(|&x| x as f64).collect();
             grad_gate(name, got.iter().map(|&x| x as f64), &want, &tol, 1.0)
         };
-        let mut gates = vec![
-            Gate::new(
-                "loss",
-                (held.loss - self.one_loss).abs() / self.one_loss.abs().max(1.0),
-                SHARDED_REL,
-            ),
-            gate(
-                "dhidden",
-                &held.grads.dhidden,
-                &one.dhidden[held.rows.start * h..held.rows.end * h],
-            ),
-        ];
+        let mut gates = std::mem::take(&mut held.gates);
+        gates.push(gate(
+            "dhidden",
+            &held.grads.dhidden,
+            &one.dhidden[held.rows.start * h..held.rows.end * h],
+        ));
         match cfg.head_grad.has_dweight() {
             true => gates.push(gate(
                 "dweight",
@@ -187,7 +209,7 @@ impl<'c, E: Element> Check<'c, E> {
             rank: comm.rank(),
             world_size: comm.world_size(),
             parallel: cfg.parallel,
-            report: GradcheckReport::new(kernel, (self.one_loss, held.loss), None, seconds, gates),
+            report: GradcheckReport::new(kernel, held.loss, None, seconds, gates),
         })
     }
 }

@@ -3,7 +3,9 @@
 //! its rows' logp and its shard of `dlogits`.
 
 use super::{RankReport, SHARDED_REL, before_step, grid_shape};
-use crate::gradcheck::{FaultKind, Gate, GradcheckConfig, GradcheckReport, Tolerance, grad_gate};
+use crate::gradcheck::{
+    Gate, GradcheckConfig, GradcheckReport, Tolerance, grad_gate, inject_fault,
+};
 use crate::inputs::GrpoInputs;
 use flashloss::collective::Collective;
 use flashloss::cpu::{grpo_logits_forward, grpo_logits_forward_sharded};
@@ -63,11 +65,8 @@ impl<'c, E: Element> LogitsCheck<'c, E> {
         let cols = shard_range(v, vocab_groups, grid.vocab_group());
         let part = self.inputs.sequences(seqs.clone());
         let mut logits = self.block(&self.logits, &rows, &cols);
-        if cfg
-            .fault
-            .is_some_and(|f| f.rank == comm.rank() && f.kind == FaultKind::Nan)
-        {
-            logits[0] = E::from_f32(f32::NAN);
+        if let Some(f) = cfg.fault.filter(|f| f.rank == comm.rank()) {
+            inject_fault(f.kind, &mut logits);
         }
         let layout = LogitsLayout::contiguous(seqs.len(), t, cols.len());
         let shard = Shard {

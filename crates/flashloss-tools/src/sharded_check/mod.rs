@@ -18,6 +18,7 @@ use std::time::Duration;
 
 mod linear;
 mod logits;
+mod logprobs;
 
 /// Relative gate of sharded vs single-rank values (f32 rounding).
 pub(super) const SHARDED_REL: f64 = 1e-5;
@@ -133,7 +134,7 @@ pub(super) fn before_step(cfg: &GradcheckConfig, comm: &dyn Collective) -> Resul
                 reason: format!("injected: rank {} exits", fault.rank),
             });
         }
-        FaultKind::Nan => {}
+        FaultKind::Nan | FaultKind::Perturb => {}
     }
     Ok(())
 }
