@@ -105,9 +105,29 @@ impl GradcheckConfig {
             "batch·seq_len·vocab",
             &[self.batch, self.seq_len, self.vocab],
         )?;
-        GrpoLoss::new(self.loss.clone())?;
+        let grpo = GrpoLoss::new(self.loss.clone())?;
         CrossEntropy::new(self.ce.clone())?;
+        if self.objective == Objective::Grpo && grpo.support().is_some() {
+            self.exact_hidden()?;
+        }
         self.validate_logprobs()
+    }
+
+    /// Under a truncated support the head is drawn where every f32 logit is exact: at
+    /// most [`EXACT_MAX_HIDDEN`] columns.
+    fn exact_hidden(&self) -> Result<()> {
+        if self.hidden > EXACT_MAX_HIDDEN {
+            return Err(bad(
+                "hidden",
+                format!(
+                    "must be <= {EXACT_MAX_HIDDEN} with top_k/top_p/min_p (the head is drawn \
+                     where every f32 logit is exact, so that kernel and reference decide the \
+                     support on the same values), got {}",
+                    self.hidden
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// The `logprobs` section belongs to objective `logprobs`: a temperature > 0, the
@@ -141,18 +161,7 @@ impl GradcheckConfig {
                 "top_k/top_p/min_p run two-pass; use two_pass, auto or auto_f32".into(),
             ));
         }
-        if self.hidden > EXACT_MAX_HIDDEN {
-            return Err(bad(
-                "hidden",
-                format!(
-                    "must be <= {EXACT_MAX_HIDDEN} with top_k/top_p/min_p (the head is drawn \
-                     where every f32 logit is exact, so that kernel and reference decide the \
-                     support on the same values), got {}",
-                    self.hidden
-                ),
-            ));
-        }
-        Ok(())
+        self.exact_hidden()
     }
 
     /// Host bytes a one-rank gradcheck holds at its peak (inputs, the f64 reference and

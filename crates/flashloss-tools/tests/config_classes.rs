@@ -101,13 +101,21 @@ fn bench_classes_and_memory() {
         ("budget_mib=0", "budget_mib"),
         ("budget_mib=.nan", "budget_mib"),
         ("gather_k=4", "gather_k"),
-        ("top_k=4", "top_k"),
-        ("min_p=0.1", "min_p"),
     ];
     for (set, key) in cases {
         let cfg = bench_with(&[set]);
         let err = bench::run(&cfg, &mut |l, _, _| notes.push(l.to_string())).unwrap_err();
         assert_eq!(key_of(&err), *key, "{set}: {err}");
+    }
+    // A truncated support is timed on log-probs and on the fused GRPO step only.
+    for (set, other, key) in [
+        ("top_k=4", "loss=ce", "top_k"),
+        ("min_p=0.1", "loss=ce", "min_p"),
+        ("top_p=0.5", "level=logits", "top_p"),
+    ] {
+        let cfg = bench_with(&[set, other]);
+        let err = bench::run(&cfg, &mut |l, _, _| notes.push(l.to_string())).unwrap_err();
+        assert_eq!(key_of(&err), key, "{set} {other}: {err}");
     }
     let cfg = bench_with(&["loss=logprobs", "level=logits"]);
     let err = bench::run(&cfg, &mut |l, _, _| notes.push(l.to_string())).unwrap_err();

@@ -366,3 +366,48 @@ fn logits_level_kernel_refuses_a_support() {
         }
     }
 }
+
+/// `flashloss gradcheck` on `configs/gradcheck/linear_grpo_support.yaml` passes for
+/// several loss types and both ratio levels (its `support_outside` gate among them), and
+/// a perturbed kernel input fails it.
+#[test]
+fn gradcheck_under_a_support_passes_and_can_fail() {
+    use flashloss_tools::gradcheck::{self, Fault, FaultKind, GradcheckConfig};
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../configs/gradcheck/linear_grpo_support.yaml"
+    );
+    let base: GradcheckConfig =
+        flashloss_tools::config_file::load(std::path::Path::new(path), &[]).unwrap();
+    for (ty, level) in [
+        (LossType::Dapo, ImportanceSamplingLevel::Token),
+        (LossType::Grpo, ImportanceSamplingLevel::Sequence),
+        (LossType::Cispo, ImportanceSamplingLevel::Token),
+        (LossType::Vespo, ImportanceSamplingLevel::Token),
+    ] {
+        let mut cfg = base.clone();
+        (cfg.loss.loss_type, cfg.loss.importance_sampling_level) = (ty, level);
+        if ty == LossType::Cispo {
+            cfg.loss.epsilon_high = 5.0;
+        }
+        let r = gradcheck::run(&cfg).unwrap();
+        assert!(r.passed, "{ty:?} {level:?}: {:?}", r.gates);
+        assert!(
+            r.gate("support_outside").is_some_and(|g| g.passed),
+            "{ty:?}"
+        );
+    }
+    let faulty = GradcheckConfig {
+        fault: Some(Fault {
+            rank: 0,
+            kind: FaultKind::Perturb,
+        }),
+        ..base
+    };
+    let r = gradcheck::run(&faulty).unwrap();
+    assert!(
+        !r.passed && !r.gate("dhidden").unwrap().passed,
+        "{:?}",
+        r.gates
+    );
+}

@@ -2,12 +2,14 @@
 //! the gradient gates ([`ObjectiveRun`]), and the faults a rank's kernel inputs take.
 
 use super::config::{FaultKind, GradcheckConfig, Objective};
-use super::logprobs::{LogprobsCase, exact_grid};
+use super::logprobs::{LogprobsCase, exact_grid, sample};
 use super::report::Gate;
 use crate::inputs::{GrpoInputs, HeadInputs};
 use flashloss::policy::GrpoMetrics;
 use flashloss::reference::linear_logits;
-use flashloss::{CrossEntropy, Element, FusedOptions, LinearGrads, Plan};
+use flashloss::{CrossEntropy, Element, FusedOptions, GrpoLoss, LinearGrads, Plan};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
 
 /// What one objective's run gives the head's gradient gates: the report's name, loss
 /// pair and metrics, its own gates, the reference's `dlogits` `[N, V]`, what a summed
@@ -41,12 +43,17 @@ impl<E: Element> LinearCase<E> {
         let (n, h, v) = (cfg.batch * cfg.seq_len, cfg.hidden, cfg.vocab);
         let mut head = HeadInputs::<E>::try_random(n, h, v, cfg.bias, cfg.seed)?;
         let logprobs = cfg.objective == Objective::Logprobs;
-        if logprobs && cfg.logprobs.support().is_some() {
+        let grpo_support = cfg.objective == Objective::Grpo
+            && GrpoLoss::new(cfg.loss.clone())?.support().is_some();
+        if (logprobs && cfg.logprobs.support().is_some()) || grpo_support {
             exact_grid(&mut head);
         }
         let mut tokens = GrpoInputs::try_random(&cfg.input_spec(), cfg.seed + 1)?;
         tokens.logits = Vec::new();
         let z = linear_logits(&head.inputs());
+        if grpo_support {
+            sampled_targets(&mut tokens, &z, cfg);
+        }
         tokens.follow_policy(&z, cfg.loss.temperature);
         let logprobs = match logprobs {
             true => Some(LogprobsCase::new(cfg, &tokens, &z)?),
@@ -71,6 +78,19 @@ impl<E: Element> LinearCase<E> {
         let kind = cfg.fault.filter(|f| f.rank == rank)?.kind;
         let mut head = self.head.clone();
         inject_fault(kind, &mut head.hidden).then_some(head)
+    }
+}
+
+/// A sampler's targets for GRPO under a truncated support: 3/4 of the rows drawn from
+/// the head's `softmax(z/T)` (mostly inside the support), the others kept uniform
+/// (mostly outside, so masked), seeded by `seed + 3`.
+fn sampled_targets(tokens: &mut GrpoInputs, z: &[f64], cfg: &GradcheckConfig) {
+    let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed.wrapping_add(3));
+    let v = cfg.vocab;
+    for (i, id) in tokens.data.target_ids.iter_mut().enumerate() {
+        if rng.random_bool(0.75) {
+            *id = sample(&z[i * v..(i + 1) * v], cfg.loss.temperature, rng.random());
+        }
     }
 }
 

@@ -94,9 +94,10 @@ fn check_grpo<E: Element>(
         .open()?
         .grpo_linear(&loss, &batch, inputs, &case.opts)?;
     let r = grpo_reference(&loss, &batch, norm, &case.z, cfg.vocab, cfg.grad_output);
-    let live: Vec<usize> = (0..n).filter(|&i| batch.mask[i]).collect();
+    // Under a truncated support the tokens outside it are masked (spec, addition 13).
+    let live: Vec<usize> = (0..n).filter(|&i| batch.mask[i] && !r.outside[i]).collect();
     let implied = implied_loss(&loss, &batch, norm, &out.stats);
-    let gates = vec![
+    let mut gates = vec![
         loss_gate(
             (r.loss, out.loss),
             implied,
@@ -113,6 +114,11 @@ fn check_grpo<E: Element>(
             tol.logp_rel.unwrap_or_default(),
         ),
     ];
+    if loss.support().is_some() {
+        let outside = out.support.as_ref().map(|s| &s.outside);
+        let differ = (0..n).filter(|&i| outside.is_none_or(|o| o[i] != r.outside[i]));
+        gates.push(Gate::new("support_outside", differ.count() as f64, 0.0));
+    }
     Ok(ObjectiveRun {
         name: format!("linear grpo {:?} {}", E::DTYPE, mode_name(&out.plan)),
         loss: (r.loss, out.loss),

@@ -84,7 +84,7 @@ pub(crate) fn exact_grid<E: Element>(head: &mut HeadInputs<E>) {
 }
 
 /// The entry of `softmax(z/T)` at which the cumulative probability passes `u ∈ [0, 1)`.
-fn sample(z: &[f64], temperature: f64, u: f64) -> i64 {
+pub(super) fn sample(z: &[f64], temperature: f64, u: f64) -> i64 {
     let max = z.iter().fold(f64::NEG_INFINITY, |m, &x| m.max(x));
     let w: Vec<f64> = z.iter().map(|&x| ((x - max) / temperature).exp()).collect();
     let mut left = u * w.iter().sum::<f64>();

@@ -213,7 +213,9 @@ fn sequence_loss<N: Num>(terms: &[TokenTerm<N>]) -> N {
 
 /// The reference's loss from given per-token `logp` and `entropy` (`[N]`; only live
 /// rows are read): its policy stage alone, e.g. on a kernel's own statistics, to tell
-/// what the kernel's per-token errors do to the loss (spec, flashloss addition 5).
+/// what the kernel's per-token errors do to the loss (spec, flashloss addition 5). Under
+/// the loss's truncated support `logp` is `logp^K`, and a live row at `-inf` (its target
+/// outside the support) is masked, the normalizers less it (addition 13).
 pub fn grpo_reference_loss(
     loss: &GrpoLoss,
     batch: &GrpoBatch,
@@ -221,6 +223,17 @@ pub fn grpo_reference_loss(
     logp: &[f64],
     entropy: &[f64],
 ) -> f64 {
+    let outside: Vec<bool> = (logp.iter())
+        .map(|&lp| loss.support().is_some() && lp == f64::NEG_INFINITY)
+        .collect();
+    let mask: Vec<bool> = (0..batch.rows())
+        .map(|i| batch.mask[i] && !outside[i])
+        .collect();
+    let norm = norm.without(batch, &outside);
+    let batch = &GrpoBatch {
+        mask: &mask,
+        ..*batch
+    };
     let t_len = batch.seq_len;
     (0..batch.batch)
         .map(|b| {
