@@ -18,6 +18,8 @@ pub mod plan;
 mod sharded;
 mod split;
 mod support;
+mod support_histogram;
+mod support_pass_a;
 mod support_search;
 mod support_shards;
 #[cfg(test)]

@@ -34,9 +34,10 @@
 
 use super::logp_request::{SupportFilter, SupportStats};
 use super::passes::{FusedPasses, TileVisitor};
+use super::support_histogram::BinCut;
+use super::support_pass_a::BufferPass;
 use super::support_search::{
-    BufferPass, Found, Goal, Search, SearchPass, Tally, key_value, order_key, rel_mass, scaled,
-    value_floor,
+    Found, Goal, Search, SearchPass, Tally, key_value, order_key, rel_mass, scaled, value_floor,
 };
 use super::support_shards::{combine_pass, merge_buffers};
 use crate::error::Result;
@@ -71,6 +72,14 @@ impl Truncation {
             min_p: min_p.filter(|&m| m > 0.0),
         };
         (t.top_k.is_some() || t.top_p.is_some() || t.min_p.is_some()).then_some(t)
+    }
+
+    /// Top-p where it is the only filter: the cut of a row its buffer cannot decide lies
+    /// in the bin of its pass-A histogram where the descending mass of the whole row
+    /// reaches `top_p·M`.
+    fn top_p_alone(&self) -> Option<f64> {
+        self.top_p
+            .filter(|_| self.top_k.is_none() && self.min_p.is_none())
     }
 
     /// Keys a row's buffer holds.
@@ -194,14 +203,17 @@ enum Pending {
 }
 
 /// Pass A's visitor of a truncated support: the top buffers of `n` rows of a head
-/// whose entries are the ids `head` (of the whole vocabulary).
+/// whose entries are the ids `head` of a vocabulary of `vocab` entries, and the rows'
+/// histograms where top-p is the only filter and the head holds the whole vocabulary
+/// (vocabulary shards search from the buffers: `super::support_shards`).
 pub(crate) fn support_buffers(
     t: &Truncation,
     n: usize,
     inv_temp: f32,
-    head: std::ops::Range<usize>,
+    (head, vocab): (std::ops::Range<usize>, usize),
 ) -> BufferPass {
-    BufferPass::new(n, inv_temp, t.buffer_cap(), (head.start, head.len()))
+    let top_p = t.top_p_alone().filter(|_| head.len() == vocab);
+    BufferPass::new(n, inv_temp, t.buffer_cap(), (head.start, head.len()), top_p)
 }
 
 /// A log-prob call's truncated support on a vocabulary of `vocab` entries: the filters
@@ -238,7 +250,7 @@ impl SupportCall {
     ) -> Option<BufferPass> {
         let t = self.cuts.as_ref()?;
         let (n, inv_temp) = (rows.live.len(), rows.transform.inv_temp);
-        Some(support_buffers(t, n, inv_temp, head))
+        Some(support_buffers(t, n, inv_temp, (head, self.vocab)))
     }
 
     /// After pass A (`partial`, `buffers` its visitor): every row's support
@@ -320,23 +332,22 @@ pub(crate) fn support_passes(
     let s_max: Vec<f32> = (partial.states.iter())
         .map(|st| scaled(st.max, inv_temp))
         .collect();
-    let mut tops: Vec<(Vec<u64>, bool)> = (buffers.rows.into_par_iter())
-        .map(|buf| buf.finish(cap))
-        .collect();
+    let (mut tops, bins): (Vec<_>, Vec<_>) = buffers.finish().into_iter().unzip();
     if let Some(s) = split {
         tops = merge_buffers(s.comm, tops, cap)?;
     }
     let offset = split.map_or(0, |s| s.range.start);
     type Decided = ((Pending, Option<Search>), Option<Vec<u64>>);
-    let decided: Vec<Decided> = (tops.into_par_iter().enumerate())
-        .map(|(i, (keys, complete))| {
+    let decided: Vec<Decided> = (tops.into_par_iter().zip(bins).enumerate())
+        .map(|(i, ((keys, complete), bin))| {
             let st = &partial.states[i];
             if !rows.live[i] || !st.max.is_finite() {
                 return ((Pending::Idle, None), None);
             }
             // Pass A's mass relative to `exp(s_max)` instead of `exp(max·inv_temp)`.
             let total = st.sum * (st.max as f64 * inv_temp as f64 - s_max[i] as f64).exp();
-            let decision = decide(&keys, complete, (s_max[i], total), t);
+            let bin = bin.filter(|b| b.s_max == s_max[i]);
+            let decision = decide(&keys, complete, (s_max[i], total, bin), t);
             // A top-p search that sums the mass first may find the cut among the keys.
             let sums_first = matches!(&decision.1, Some(s) if s.sums_mass_first());
             (decision, sums_first.then_some(keys))
@@ -396,12 +407,12 @@ pub(crate) fn support_passes(
 }
 
 /// A row's decision from its top keys (`keys`, descending; `complete` when they are
-/// the whole row), its largest scaled logit and pass A's mass relative to it: the cut,
-/// or the search that finds it.
+/// the whole row), its largest scaled logit, pass A's mass relative to it and, for
+/// top-p alone, its histogram's cut bin: the cut, or the search that finds it.
 fn decide(
     keys: &[u64],
     complete: bool,
-    (s_max, total): (f32, f64),
+    (s_max, total, bin): (f32, f64, Option<BinCut>),
     t: &Truncation,
 ) -> (Pending, Option<Search>) {
     // Whether every key `≥ l` is held.
@@ -433,10 +444,15 @@ fn decide(
         };
         return (Pending::Done(cut), None);
     }
-    // The buffer lies inside what min-p and top-k keep; the rest is below it.
+    // The buffer lies inside what min-p and top-k keep; the rest is below it. The
+    // histogram's mass is exact to f64 rounding (pass A's sum may be f32 exponentials).
+    let total = bin.map_or(total, |b| b.total);
     let target = t.top_p.filter(|_| l2 == 0).map(|p| p * total);
     if let Some(cut) = target.and_then(|m| top_p_descending(keys, m, s_max)) {
         return (Pending::Done(cut), None);
+    }
+    if let (Some(bin), Some(top_p)) = (bin, t.top_p_alone()) {
+        return (Pending::Last { lo: 0 }, Some(bin.search(top_p)));
     }
     let b_min = keys[keys.len() - 1];
     last_search(l2, (l2, b_min), Tally::of(keys, s_max), (s_max, target), t)
