@@ -34,12 +34,12 @@
 
 use super::logp_request::{SupportFilter, SupportStats};
 use super::passes::{FusedPasses, TileVisitor};
-use super::support_histogram::BinCut;
+use super::support_histogram::{BinCut, HistogramRow};
 use super::support_pass_a::BufferPass;
 use super::support_search::{
     Found, Goal, Search, SearchPass, Tally, key_value, order_key, rel_mass, scaled, value_floor,
 };
-use super::support_shards::{combine_pass, merge_buffers};
+use super::support_shards::{combine_pass, merge_buffers, merge_histograms};
 use crate::error::Result;
 use crate::rows::{OnlineSoftmax, PartialStats, RowInputs, RowStats};
 use crate::sharding::VocabSplit;
@@ -204,15 +204,15 @@ enum Pending {
 
 /// Pass A's visitor of a truncated support: the top buffers of `n` rows of a head
 /// whose entries are the ids `head` of a vocabulary of `vocab` entries, and the rows'
-/// histograms where top-p is the only filter and the head holds the whole vocabulary
-/// (vocabulary shards search from the buffers: `super::support_shards`).
+/// histograms where top-p is the only filter (merged over vocabulary shards:
+/// `super::support_shards`).
 pub(crate) fn support_buffers(
     t: &Truncation,
     n: usize,
     inv_temp: f32,
     (head, vocab): (std::ops::Range<usize>, usize),
 ) -> BufferPass {
-    let top_p = t.top_p_alone().filter(|_| head.len() == vocab);
+    let top_p = t.top_p_alone().map(|p| (p, head.len() < vocab));
     BufferPass::new(n, inv_temp, t.buffer_cap(), (head.start, head.len()), top_p)
 }
 
@@ -332,10 +332,15 @@ pub(crate) fn support_passes(
     let s_max: Vec<f32> = (partial.states.iter())
         .map(|st| scaled(st.max, inv_temp))
         .collect();
-    let (mut tops, bins): (Vec<_>, Vec<_>) = buffers.finish().into_iter().unzip();
+    let (mut tops, histograms) = buffers.finish();
     if let Some(s) = split {
         tops = merge_buffers(s.comm, tops, cap)?;
     }
+    let bins: Vec<Option<BinCut>> = match (histograms, split) {
+        (Some(h), Some(s)) => merge_histograms(s.comm, h.rows, h.top_p)?,
+        (Some(h), None) => h.rows.iter().map(HistogramRow::cut).collect(),
+        (None, _) => vec![None; n],
+    };
     let offset = split.map_or(0, |s| s.range.start);
     type Decided = ((Pending, Option<Search>), Option<Vec<u64>>);
     let decided: Vec<Decided> = (tops.into_par_iter().zip(bins).enumerate())

@@ -173,7 +173,7 @@ impl RowHistogram {
 
     /// After the row's whole vocabulary: the bin holding top-p's cut, or `None` where the
     /// grid is not exact for the row or no entry is finite.
-    fn reduce(&self, top_p: f64) -> Option<BinCut> {
+    pub(crate) fn reduce(&self, top_p: f64) -> Option<BinCut> {
         let base = self.base.filter(|_| self.exact)?;
         let s_max = self.s_max;
         // Bin `b`'s mass relative to `exp(s_max)`.
@@ -238,26 +238,37 @@ impl BinCut {
     }
 }
 
-/// A row's pass-A histogram: not started, in flight, or reduced.
+/// A row's pass-A histogram: not started, in flight, reduced, or (on a vocabulary
+/// shard) its message to the other shards.
 #[derive(Debug, Clone, Default)]
 pub(crate) enum HistogramRow {
     #[default]
     Waiting,
     Open(Box<RowHistogram>),
     Closed(Option<BinCut>),
+    Sent(Vec<f64>),
 }
 
 impl HistogramRow {
     /// Adds one tile `z` of a row of `vocab` entries; after its last entry the row is
-    /// reduced for `top_p` (and its bins freed).
-    pub(crate) fn push_tile(&mut self, z: &[f32], inv_temp: f32, (vocab, top_p): (usize, f64)) {
+    /// reduced for `top_p`, or where `top_p` is `None` (a shard's) turned into its
+    /// message, and its bins freed.
+    pub(crate) fn push_tile(
+        &mut self,
+        z: &[f32],
+        inv_temp: f32,
+        (vocab, top_p): (usize, Option<f64>),
+    ) {
         if matches!(self, HistogramRow::Waiting) {
             *self = HistogramRow::Open(Box::default());
         }
         let HistogramRow::Open(h) = self else { return };
         h.push_tile(z, inv_temp);
         if h.seen >= vocab {
-            *self = HistogramRow::Closed(h.reduce(top_p));
+            *self = match top_p {
+                Some(top_p) => HistogramRow::Closed(h.reduce(top_p)),
+                None => HistogramRow::Sent(h.message()),
+            };
         }
     }
 
@@ -266,6 +277,114 @@ impl HistogramRow {
         match self {
             HistogramRow::Closed(cut) => *cut,
             _ => None,
+        }
+    }
+
+    /// A shard's message: its histogram's (none seen: an empty one's).
+    pub(crate) fn take_message(&mut self) -> Vec<f64> {
+        match std::mem::take(self) {
+            HistogramRow::Sent(m) => m,
+            HistogramRow::Waiting => RowHistogram::default().message(),
+            _ => vec![INEXACT, 0.0],
+        }
+    }
+}
+
+/// A message's first value: the histogram's state.
+const INEXACT: f64 = 0.0;
+const NO_FINITE: f64 = 1.0;
+const BINNED: f64 = 2.0;
+
+impl RowHistogram {
+    /// The histogram as f64 values (exact: counts, bins and `|s|` below 2^53):
+    /// `[INEXACT, count]`, `[NO_FINITE, count]`, or `[BINNED, s_max, base, under count,
+    /// under mass, first, k]` then the counts and masses of the `k` bins from `first`
+    /// (the lowest non-empty) up.
+    fn message(&self) -> Vec<f64> {
+        let count = self.under.count as f64;
+        let Some(base) = self.base.filter(|_| self.exact) else {
+            let state = if self.exact { NO_FINITE } else { INEXACT };
+            return vec![state, count + self.counts.iter().sum::<u32>() as f64];
+        };
+        let first = self.counts.iter().position(|&c| c > 0).unwrap_or(WINDOW);
+        let mut out = vec![
+            BINNED,
+            self.s_max as f64,
+            base as f64,
+            count,
+            self.under.mass,
+            first as f64,
+            (WINDOW - first) as f64,
+        ];
+        out.extend(self.counts[first..].iter().map(|&c| c as f64));
+        out.extend(&self.sums[first..]);
+        out
+    }
+
+    /// The histogram a message at `values[*at..]` holds (`at` moves past it), or `None`
+    /// where it is malformed.
+    pub(crate) fn read(values: &[f64], at: &mut usize) -> Option<RowHistogram> {
+        let mut take = |n: usize| {
+            let part = values.get(*at..*at + n)?;
+            *at += n;
+            Some(part)
+        };
+        let head = take(2)?;
+        let mut h = RowHistogram::default();
+        h.under.count = head[1] as u64;
+        if head[0] != BINNED {
+            h.exact = head[0] == NO_FINITE;
+            return Some(h);
+        }
+        let rest = take(5)?;
+        let (first, k) = (rest[3] as usize, rest[4] as usize);
+        if first + k != WINDOW {
+            return None;
+        }
+        let (counts, sums) = take(2 * k)?.split_at(k);
+        h.s_max = head[1] as f32;
+        h.base = Some(rest[0] as i64);
+        h.under = Tally {
+            count: rest[1] as u64,
+            mass: rest[2],
+        };
+        for (i, (&c, &m)) in counts.iter().zip(sums).enumerate() {
+            h.counts[first + i] = c as u32;
+            h.sums[first + i] = m;
+        }
+        Some(h)
+    }
+
+    /// Adds `other` (the same row's histogram on another vocabulary shard): the window
+    /// slides to the larger max, and `other`'s bins add to the same bins (an absolute
+    /// grid) or, below the window, to the underflow.
+    pub(crate) fn merge(&mut self, other: &RowHistogram) {
+        if !(self.exact && other.exact) {
+            self.exact = false;
+            return;
+        }
+        self.under.count += other.under.count;
+        let Some(other_base) = other.base else {
+            return;
+        };
+        if other.s_max > self.s_max {
+            self.raise(other.s_max);
+        }
+        let base = self.base.unwrap_or(other_base);
+        self.under.mass += other.under.mass * bin_scale(other_base, base);
+        for (i, (&c, &m)) in other.counts.iter().zip(&other.sums).enumerate() {
+            let b = other_base + i as i64;
+            match usize::try_from(b - base) {
+                _ if c == 0 => {}
+                Ok(at) if at < WINDOW => {
+                    self.counts[at] += c;
+                    self.sums[at] += m;
+                }
+                _ => {
+                    self.under.count += u64::from(c);
+                    self.under.mass += m * bin_scale(b, base);
+                }
+            }
         }
     }
 }
@@ -306,7 +425,7 @@ mod tests {
     fn reduce(z: &[f32], tile: usize, inv_temp: f32, top_p: f64) -> Option<BinCut> {
         let mut row = HistogramRow::default();
         for chunk in z.chunks(tile) {
-            row.push_tile(chunk, inv_temp, (z.len(), top_p));
+            row.push_tile(chunk, inv_temp, (z.len(), Some(top_p)));
         }
         row.cut()
     }

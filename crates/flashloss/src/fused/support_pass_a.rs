@@ -6,7 +6,7 @@
 //! a histogram's 24 KiB only while the row's sweep is in flight.
 
 use super::passes::TileVisitor;
-use super::support_histogram::{BinCut, HistogramRow};
+use super::support_histogram::HistogramRow;
 use super::support_search::{order_key, pick, scaled};
 use rayon::prelude::*;
 use std::ops::Range;
@@ -60,6 +60,14 @@ impl TopBuffer {
     }
 }
 
+/// The rows' pass-A histograms of a call whose only filter is `top_p`, each reduced
+/// after its sweep (a whole vocabulary) or, on a vocabulary `shard`, kept as its message.
+pub(crate) struct Histograms {
+    pub(crate) top_p: f64,
+    pub(crate) shard: bool,
+    pub(crate) rows: Vec<HistogramRow>,
+}
+
 /// The top buffers of pass A, one per row, and where the call builds them, the rows'
 /// histograms, as a tile visitor.
 pub(crate) struct BufferPass {
@@ -69,19 +77,18 @@ pub(crate) struct BufferPass {
     pub(crate) offset: usize,
     pub(crate) vocab: usize,
     pub(crate) rows: Vec<TopBuffer>,
-    /// Top-p, and every row's histogram.
-    pub(crate) histograms: Option<(f64, Vec<HistogramRow>)>,
+    pub(crate) histograms: Option<Histograms>,
 }
 
 impl BufferPass {
     /// Empty buffers of `cap` keys for `n` rows of a head of `vocab` entries whose first
-    /// id is `offset`, with histograms for `top_p` where it is given.
+    /// id is `offset`, with histograms for `top_p` (on a shard or not) where it is given.
     pub(crate) fn new(
         n: usize,
         inv_temp: f32,
         cap: usize,
         (offset, vocab): (usize, usize),
-        top_p: Option<f64>,
+        top_p: Option<(f64, bool)>,
     ) -> Self {
         BufferPass {
             inv_temp,
@@ -89,22 +96,22 @@ impl BufferPass {
             offset,
             vocab,
             rows: vec![TopBuffer::default(); n],
-            histograms: top_p.map(|p| (p, vec![HistogramRow::default(); n])),
+            histograms: top_p.map(|(top_p, shard)| Histograms {
+                top_p,
+                shard,
+                rows: vec![HistogramRow::default(); n],
+            }),
         }
     }
 
-    /// Every row's top keys (descending, and whether they are the whole row) and its
-    /// reduced histogram (`None` where it has none).
-    pub(crate) fn finish(self) -> Vec<((Vec<u64>, bool), Option<BinCut>)> {
+    /// Every row's top keys (descending, and whether they are the whole row), and the
+    /// histograms.
+    pub(crate) fn finish(self) -> (Vec<(Vec<u64>, bool)>, Option<Histograms>) {
         let cap = self.cap;
-        let cuts: Vec<Option<BinCut>> = match self.histograms {
-            Some((_, rows)) => rows.iter().map(HistogramRow::cut).collect(),
-            None => vec![None; self.rows.len()],
-        };
-        (self.rows.into_par_iter())
+        let tops = (self.rows.into_par_iter())
             .map(|buf| buf.finish(cap))
-            .zip(cuts)
-            .collect()
+            .collect();
+        (tops, self.histograms)
     }
 }
 
@@ -123,11 +130,11 @@ impl TileVisitor for BufferPass {
         };
         match self.histograms.as_mut() {
             None => buffers.for_each(|(buf, row)| to_buffer(buf, row)),
-            Some((top_p, hists)) => {
-                let whole = (self.vocab, *top_p);
-                (buffers.zip(pick(hists, rows))).for_each(|((buf, row), hist)| {
+            Some(h) => {
+                let close = (self.vocab, (!h.shard).then_some(h.top_p));
+                (buffers.zip(pick(&mut h.rows, rows))).for_each(|((buf, row), hist)| {
                     to_buffer(buf, row);
-                    hist.push_tile(&row[..cols], inv_temp, whole);
+                    hist.push_tile(&row[..cols], inv_temp, close);
                 });
             }
         }
