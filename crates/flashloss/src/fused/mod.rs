@@ -19,6 +19,8 @@ mod sharded;
 mod split;
 mod support;
 mod support_histogram;
+#[cfg(test)]
+mod support_histogram_tests;
 mod support_pass_a;
 mod support_search;
 mod support_shards;

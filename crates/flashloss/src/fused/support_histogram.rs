@@ -472,6 +472,57 @@ mod tests {
     }
 
     #[test]
+    fn shards_merge_to_the_whole_rows_histogram() {
+        // Three shards: one with the max, one 20 below it (its window shifts into the
+        // merged one), one 50 below (folded into the underflow), one of -inf only.
+        let v = 9000;
+        let z: Vec<f32> = (0..v)
+            .map(|j| match j / 3000 {
+                0 => ((j * 7919) % 1013) as f32 / 101.0,
+                1 => -20.0 + ((j * 13) % 997) as f32 / 97.0,
+                _ => -50.0 + (j % 89) as f32 / 8.0,
+            })
+            .collect();
+        let parts = [
+            &z[..3000],
+            &z[3000..6000],
+            &z[6000..],
+            &[f32::NEG_INFINITY; 5],
+        ];
+        for top_p in [0.2, 0.9, 1.0 - 1e-12] {
+            let mut merged = RowHistogram::default();
+            for part in parts.iter().rev() {
+                let mut row = HistogramRow::default();
+                for chunk in part.chunks(700) {
+                    row.push_tile(chunk, 0.9, (part.len(), None));
+                }
+                let message = row.take_message();
+                let mut at = 0;
+                let read = RowHistogram::read(&message, &mut at).unwrap();
+                assert_eq!(at, message.len());
+                merged.merge(&read);
+            }
+            let mut whole = z.clone();
+            whole.extend([f32::NEG_INFINITY; 5]);
+            let want = reduce(&whole, 1000, 0.9, top_p).unwrap();
+            let got = merged.reduce(top_p).unwrap();
+            assert_eq!((got.s_max, got.range), (want.s_max, want.range), "{top_p}");
+            assert_eq!(
+                (got.inside, got.above.count),
+                (want.inside, want.above.count)
+            );
+            assert!((got.total - want.total).abs() <= 1e-13 * want.total);
+            assert!((got.above.mass - want.above.mass).abs() <= 1e-13 * want.total);
+        }
+        // A shard off the exact grid makes the merged row's histogram none.
+        let mut off = HistogramRow::default();
+        off.push_tile(&[3e5], 1.0, (1, None));
+        let mut merged = RowHistogram::default();
+        merged.merge(&RowHistogram::read(&off.take_message(), &mut 0).unwrap());
+        assert_eq!(merged.reduce(0.5), None);
+    }
+
+    #[test]
     fn the_cut_may_lie_in_the_underflow() {
         // One entry 40 above thousands of others: they lie below the window.
         let mut z = vec![0.0f32; 9000];
