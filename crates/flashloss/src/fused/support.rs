@@ -6,9 +6,12 @@
 //!
 //! Streaming, on a two-pass plan (the cut needs each row's max and log-sum first):
 //! - pass A (2NHV) computes the softmax states as usual and a [`TileVisitor`] keeps per
-//!   row its top `C = clamp(top_k + 1, 256, 4096)` keys (`support_search::TopBuffer`:
+//!   row its top `C = clamp(top_k + 1, 256, 4096)` keys (`support_pass_a::TopBuffer`:
 //!   amortized O(V); `8·C` bytes a row once its tiles are seen, `8·2C` while they are,
-//!   beyond the workspace budget);
+//!   beyond the workspace budget); where top-p is the only filter, it also bins each
+//!   row on an absolute grid of `s` (`support_histogram`: 2048 bins of 1/64 below the
+//!   running max, 24 KiB a row while its sweep is in flight) and, once the row is
+//!   swept, reduces it to the bin where the descending mass reaches `top_p·mass`;
 //! - each row's cut is then decided from its buffer where the buffer provably holds it:
 //!   min-p's threshold is exact from the max; top-k's k-th value is the buffer's k-th key
 //!   (`C > k`); top-p needs the mass of what min-p and top-k left, known where that set
@@ -19,13 +22,15 @@
 //!   the buffer holds, min-p or top-k cuts below it, `top_k ≥ 4096`) run a
 //!   `support_search::Search` over extra passes (`visit_tiles`, 2NHV each): key
 //!   histograms of 2048 bins narrowed onto the cut, then the keys of one bin collected
-//!   (typically 2 or 3 passes), counted per call;
+//!   (typically 2 or 3 passes), counted per call; top-p alone starts from pass A's bin,
+//!   whose keys one pass collects (more where the bin holds over 4096 keys, the cut lies
+//!   32 units below the max, or `|s_max| ≥ 2^17`);
 //! - `lse^K` from the kept mass (f64, relative to the max), and the gradient is pass B's
 //!   [`super::RowGrad`] with a [`SupportTerm`] `coef·p^K_j·1[key_j ≥ cut]`.
 //!
-//! Vocab-parallel, keys carry ids of the whole vocabulary; the buffers are merged and
-//! each extra pass's tallies summed over the shards (`super::support_shards`), so every
-//! rank decides alike.
+//! Vocab-parallel, keys carry ids of the whole vocabulary; the buffers and pass A's
+//! histograms are merged and each extra pass's tallies summed over the shards
+//! (`super::support_shards`), so every rank decides alike.
 //!
 //! FLOPs: `2NHV·(1 + extra)` for log-probs, `2NHV·(1 + extra) + 6NHV` with gradients
 //! (`4NHV` on a frozen head). The entropy stays the full softmax's, its gradient too.

@@ -23,18 +23,42 @@
 //! per entry a floor, a compare and the series (~12 flops).
 
 use super::support_search::{Goal, Search, Tally, scaled, value_floor};
+use multiversion::multiversion;
 
 /// Bins of a row's window.
 pub(crate) const WINDOW: usize = 2048;
-/// Bins per unit of the scaled logit.
+/// Bins per unit of the scaled logit, and a bin's width.
 const PER_UNIT: f32 = 64.0;
+const INV_UNIT: f64 = 1.0 / 64.0;
 /// Bound on `|s_max|` under which every bin boundary of the window is exact in f32.
 const EXACT_MAX: f32 = 131_072.0;
 
-/// The bin of scaled logit `s` (an integer-valued f32; `±inf` far outside).
+/// Where `64·s` is clamped: far below every window (whose bins are `> -2^24`).
+const FAR_BELOW: f32 = -1_073_741_824.0;
+
+/// The bin of scaled logit `s`, `⌊64·s⌋` (`64·s` is exact; the floor of its truncation
+/// toward zero, as vector code does it), exact for `|s| < 2^17`; entries of
+/// `64·s < -2^30` (`-inf` too) all get bin `-2^30`.
 #[inline(always)]
-fn bin_of(s: f32) -> f32 {
-    (s * PER_UNIT).floor()
+fn bin_of(s: f32) -> i32 {
+    let t = (s * PER_UNIT).max(FAR_BELOW);
+    let b = t as i32;
+    b - i32::from((b as f32) > t)
+}
+
+/// Entries binned at a time.
+const CHUNK: usize = 64;
+
+/// The bins of a chunk of logits `z` (before `1/T`) and their masses relative to their
+/// bin's bottom, `exp(s - b/64)` (meaningless below every window); vectorized, and the
+/// same bits on every target (no contraction, exact conversions).
+#[multiversion(targets("x86_64+avx512f+avx512vl+avx2+fma", "x86_64+avx2+fma"))]
+fn bin_chunk(z: &[f32], inv_temp: f32, bins: &mut [i32; CHUNK], exps: &mut [f64; CHUNK]) {
+    for ((&x, b), e) in z.iter().zip(bins.iter_mut()).zip(exps.iter_mut()) {
+        let s = scaled(x, inv_temp);
+        *b = bin_of(s);
+        *e = exp_small(s as f64 - f64::from(*b) * INV_UNIT);
+    }
 }
 
 /// The smallest key of bin `b`: every entry of bin `≥ b` has a key `≥` it.
@@ -55,12 +79,12 @@ fn exp_small(d: f64) -> f64 {
         1.0 / 720.0,
         1.0 / 5040.0,
     ];
-    C.iter().rev().fold(0.0, |acc, &c| acc.mul_add(d, c))
+    C.iter().rev().fold(0.0, |acc, &c| acc * d + c)
 }
 
 /// `exp((b - base)/64)` in f64.
 fn bin_scale(b: i64, base: i64) -> f64 {
-    ((b - base) as f64 / PER_UNIT as f64).exp()
+    ((b - base) as f64 * INV_UNIT).exp()
 }
 
 /// One row's histogram while its sweep is in flight.
@@ -124,20 +148,20 @@ impl RowHistogram {
             self.under.count += z.len() as u64;
             return;
         };
-        let (base_f, bottom) = (base as f32, base as f64 / PER_UNIT as f64);
-        for &x in z {
-            let s = scaled(x, inv_temp);
-            let b = bin_of(s);
-            // Exact where `b ≥ base` (both below 2^24 in magnitude); `b - base < 0` else.
-            let at = b - base_f;
-            match (at >= 0.0).then_some(at as usize) {
-                Some(i) if i < WINDOW => {
-                    self.counts[i] += 1;
-                    self.sums[i] += exp_small(s as f64 - b as f64 / PER_UNIT as f64);
-                }
-                _ => {
-                    self.under.count += 1;
-                    self.under.mass += (s as f64 - bottom).exp();
+        let bottom = base as f64 * INV_UNIT;
+        let (mut bins, mut exps) = ([0; CHUNK], [0.0; CHUNK]);
+        for chunk in z.chunks(CHUNK) {
+            bin_chunk(chunk, inv_temp, &mut bins, &mut exps);
+            for ((&x, &b), &e) in chunk.iter().zip(&bins).zip(&exps) {
+                match usize::try_from(i64::from(b) - base) {
+                    Ok(i) if i < WINDOW => {
+                        self.counts[i] += 1;
+                        self.sums[i] += e;
+                    }
+                    _ => {
+                        self.under.count += 1;
+                        self.under.mass += (scaled(x, inv_temp) as f64 - bottom).exp();
+                    }
                 }
             }
         }
@@ -146,7 +170,7 @@ impl RowHistogram {
     /// The running max rises to `s_max` (finite, `|s_max| < 2^17`): the window slides up,
     /// its lowest bins folding into the underflow.
     fn raise(&mut self, s_max: f32) {
-        let new_base = bin_of(s_max) as i64 - (WINDOW as i64 - 1);
+        let new_base = i64::from(bin_of(s_max)) - (WINDOW as i64 - 1);
         self.s_max = s_max;
         let Some(old) = self.base.replace(new_base) else {
             return;
@@ -177,7 +201,7 @@ impl RowHistogram {
         let base = self.base.filter(|_| self.exact)?;
         let s_max = self.s_max;
         // Bin `b`'s mass relative to `exp(s_max)`.
-        let rel = |b: i64| ((b as f64) / PER_UNIT as f64 - s_max as f64).exp();
+        let rel = |b: i64| (b as f64 * INV_UNIT - s_max as f64).exp();
         let mass = |i: usize| self.sums[i] * rel(base + i as i64);
         let under = Tally {
             count: self.under.count,
@@ -415,7 +439,7 @@ mod tests {
             0.7,
             31.99,
         ] {
-            let b = bin_of(scaled(s, 1.0)) as i64;
+            let b = i64::from(bin_of(scaled(s, 1.0)));
             let key = order_key(scaled(s, 1.0), 12_345);
             assert!(bin_floor(b) <= key && key < bin_floor(b + 1), "{s}");
         }
