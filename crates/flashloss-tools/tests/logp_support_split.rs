@@ -64,8 +64,26 @@ fn vocab_parallel_over_three_ranks_matches_one_rank() {
     check_vocab_parallel(&head, 0.9, &filters);
 }
 
-/// `head` split over three ranks against one rank, for each of `filters`.
-fn check_vocab_parallel(head: &ExactHead<f32>, temperature: f64, filters: &[SupportFilter]) {
+#[test]
+fn vocab_parallel_top_p_alone_merges_pass_a_histograms() {
+    // Flat random rows: each shard bins its part in pass A; the merged histograms name
+    // the cut's bin on every rank alike, and one pass collects it.
+    let head = ExactHead::random((6, 16, 12_007), 21);
+    let filters = [
+        filter(None, Some(0.5), None),
+        filter(None, Some(0.95), None),
+    ];
+    let passes = check_vocab_parallel(&head, 0.8, &filters);
+    assert_eq!(passes, [1, 1]);
+}
+
+/// `head` split over three ranks against one rank, for each of `filters`: the extra
+/// passes of each.
+fn check_vocab_parallel(
+    head: &ExactHead<f32>,
+    temperature: f64,
+    filters: &[SupportFilter],
+) -> Vec<usize> {
     use flashloss::collective::{Collective, run_in_process};
     use flashloss::{Device, Grid, HeadArgs, Shard, shard_range};
     let (n, h, v) = (head.n, head.h, head.v);
@@ -84,6 +102,7 @@ fn check_vocab_parallel(head: &ExactHead<f32>, temperature: f64, filters: &[Supp
         ..FusedOptions::from_mib(Mode::TwoPass, 1.0, 1.0)
     };
     let up = LogpUpstream::new(&g_logp, None);
+    let mut passes = Vec::new();
     for &f in filters {
         let request = LogpRequest {
             support: Some(f),
@@ -125,6 +144,7 @@ fn check_vocab_parallel(head: &ExactHead<f32>, temperature: f64, filters: &[Supp
             Ok((range, out, grads))
         });
         let one_support = one_out.support.as_ref().unwrap();
+        passes.push(one_support.extra_passes);
         for (rank, res) in results.into_iter().enumerate() {
             let (range, out, grads) = res.unwrap_or_else(|e| panic!("{f:?} rank {rank}: {e}"));
             let case = format!("{f:?} rank {rank}");
@@ -146,4 +166,5 @@ fn check_vocab_parallel(head: &ExactHead<f32>, temperature: f64, filters: &[Supp
             assert_close(&format!("{case} dW"), &grads.dweight, &dw, 1e-4);
         }
     }
+    passes
 }

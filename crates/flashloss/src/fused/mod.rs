@@ -19,6 +19,10 @@ pub mod plan;
 mod sharded;
 mod split;
 mod support;
+mod support_histogram;
+#[cfg(test)]
+mod support_histogram_tests;
+mod support_pass_a;
 mod support_search;
 mod support_shards;
 #[cfg(test)]

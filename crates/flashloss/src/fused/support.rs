@@ -6,9 +6,12 @@
 //!
 //! Streaming, on a two-pass plan (the cut needs each row's max and log-sum first):
 //! - pass A (2NHV) computes the softmax states as usual and a [`TileVisitor`] keeps per
-//!   row its top `C = clamp(top_k + 1, 256, 4096)` keys (`support_search::TopBuffer`:
+//!   row its top `C = clamp(top_k + 1, 256, 4096)` keys (`support_pass_a::TopBuffer`:
 //!   amortized O(V); `8·C` bytes a row once its tiles are seen, `8·2C` while they are,
-//!   beyond the workspace budget);
+//!   beyond the workspace budget); where top-p is the only filter, it also bins each
+//!   row on an absolute grid of `s` (`support_histogram`: 2048 bins of 1/64 below the
+//!   running max, 24 KiB a row while its sweep is in flight) and, once the row is
+//!   swept, reduces it to the bin where the descending mass reaches `top_p·mass`;
 //! - each row's cut is then decided from its buffer where the buffer provably holds it:
 //!   min-p's threshold is exact from the max; top-k's k-th value is the buffer's k-th key
 //!   (`C > k`); top-p needs the mass of what min-p and top-k left, known where that set
@@ -19,13 +22,15 @@
 //!   the buffer holds, min-p or top-k cuts below it, `top_k ≥ 4096`) run a
 //!   `support_search::Search` over extra passes (`visit_tiles`, 2NHV each): key
 //!   histograms of 2048 bins narrowed onto the cut, then the keys of one bin collected
-//!   (typically 2 or 3 passes), counted per call;
+//!   (typically 2 or 3 passes), counted per call; top-p alone starts from pass A's bin,
+//!   whose keys one pass collects (more where the bin holds over 4096 keys, the cut lies
+//!   32 units below the max, or `|s_max| ≥ 2^17`);
 //! - `lse^K` from the kept mass (f64, relative to the max), and the gradient is pass B's
 //!   [`super::RowGrad`] with a [`SupportTerm`] `coef·p^K_j·1[key_j ≥ cut]`.
 //!
-//! Vocab-parallel, keys carry ids of the whole vocabulary; the buffers are merged and
-//! each extra pass's tallies summed over the shards (`super::support_shards`), so every
-//! rank decides alike.
+//! Vocab-parallel, keys carry ids of the whole vocabulary; the buffers and pass A's
+//! histograms are merged and each extra pass's tallies summed over the shards
+//! (`super::support_shards`), so every rank decides alike.
 //!
 //! FLOPs: `2NHV·(1 + extra)` for log-probs, `2NHV·(1 + extra) + 6NHV` with gradients
 //! (`4NHV` on a frozen head). The entropy stays the full softmax's, its gradient too.
@@ -34,11 +39,12 @@
 
 use super::logp_request::{SupportFilter, SupportStats};
 use super::passes::{FusedPasses, TileVisitor};
+use super::support_histogram::{BinCut, HistogramRow};
+use super::support_pass_a::BufferPass;
 use super::support_search::{
-    BufferPass, Found, Goal, Search, SearchPass, Tally, key_value, order_key, rel_mass, scaled,
-    value_floor,
+    Found, Goal, Search, SearchPass, Tally, key_value, order_key, rel_mass, scaled, value_floor,
 };
-use super::support_shards::{combine_pass, merge_buffers};
+use super::support_shards::{combine_pass, merge_buffers, merge_histograms};
 use crate::error::Result;
 use crate::rows::{OnlineSoftmax, PartialStats, RowInputs, RowStats};
 use crate::sharding::VocabSplit;
@@ -71,6 +77,14 @@ impl Truncation {
             min_p: min_p.filter(|&m| m > 0.0),
         };
         (t.top_k.is_some() || t.top_p.is_some() || t.min_p.is_some()).then_some(t)
+    }
+
+    /// Top-p where it is the only filter: the cut of a row its buffer cannot decide lies
+    /// in the bin of its pass-A histogram where the descending mass of the whole row
+    /// reaches `top_p·M`.
+    fn top_p_alone(&self) -> Option<f64> {
+        self.top_p
+            .filter(|_| self.top_k.is_none() && self.min_p.is_none())
     }
 
     /// Keys a row's buffer holds.
@@ -194,14 +208,17 @@ enum Pending {
 }
 
 /// Pass A's visitor of a truncated support: the top buffers of `n` rows of a head
-/// whose entries are the ids `head` (of the whole vocabulary).
+/// whose entries are the ids `head` of a vocabulary of `vocab` entries, and the rows'
+/// histograms where top-p is the only filter (merged over vocabulary shards:
+/// `super::support_shards`).
 pub(crate) fn support_buffers(
     t: &Truncation,
     n: usize,
     inv_temp: f32,
-    head: std::ops::Range<usize>,
+    (head, vocab): (std::ops::Range<usize>, usize),
 ) -> BufferPass {
-    BufferPass::new(n, inv_temp, t.buffer_cap(), (head.start, head.len()))
+    let top_p = t.top_p_alone().map(|p| (p, head.len() < vocab));
+    BufferPass::new(n, inv_temp, t.buffer_cap(), (head.start, head.len()), top_p)
 }
 
 /// A log-prob call's truncated support on a vocabulary of `vocab` entries: the filters
@@ -238,7 +255,7 @@ impl SupportCall {
     ) -> Option<BufferPass> {
         let t = self.cuts.as_ref()?;
         let (n, inv_temp) = (rows.live.len(), rows.transform.inv_temp);
-        Some(support_buffers(t, n, inv_temp, head))
+        Some(support_buffers(t, n, inv_temp, (head, self.vocab)))
     }
 
     /// After pass A (`partial`, `buffers` its visitor): every row's support
@@ -320,23 +337,27 @@ pub(crate) fn support_passes(
     let s_max: Vec<f32> = (partial.states.iter())
         .map(|st| scaled(st.max, inv_temp))
         .collect();
-    let mut tops: Vec<(Vec<u64>, bool)> = (buffers.rows.into_par_iter())
-        .map(|buf| buf.finish(cap))
-        .collect();
+    let (mut tops, histograms) = buffers.finish();
     if let Some(s) = split {
         tops = merge_buffers(s.comm, tops, cap)?;
     }
+    let bins: Vec<Option<BinCut>> = match (histograms, split) {
+        (Some(h), Some(s)) => merge_histograms(s.comm, h.rows, h.top_p)?,
+        (Some(h), None) => h.rows.iter().map(HistogramRow::cut).collect(),
+        (None, _) => vec![None; n],
+    };
     let offset = split.map_or(0, |s| s.range.start);
     type Decided = ((Pending, Option<Search>), Option<Vec<u64>>);
-    let decided: Vec<Decided> = (tops.into_par_iter().enumerate())
-        .map(|(i, (keys, complete))| {
+    let decided: Vec<Decided> = (tops.into_par_iter().zip(bins).enumerate())
+        .map(|(i, ((keys, complete), bin))| {
             let st = &partial.states[i];
             if !rows.live[i] || !st.max.is_finite() {
                 return ((Pending::Idle, None), None);
             }
             // Pass A's mass relative to `exp(s_max)` instead of `exp(max·inv_temp)`.
             let total = st.sum * (st.max as f64 * inv_temp as f64 - s_max[i] as f64).exp();
-            let decision = decide(&keys, complete, (s_max[i], total), t);
+            let bin = bin.filter(|b| b.s_max == s_max[i]);
+            let decision = decide(&keys, complete, (s_max[i], total, bin), t);
             // A top-p search that sums the mass first may find the cut among the keys.
             let sums_first = matches!(&decision.1, Some(s) if s.sums_mass_first());
             (decision, sums_first.then_some(keys))
@@ -396,12 +417,12 @@ pub(crate) fn support_passes(
 }
 
 /// A row's decision from its top keys (`keys`, descending; `complete` when they are
-/// the whole row), its largest scaled logit and pass A's mass relative to it: the cut,
-/// or the search that finds it.
+/// the whole row), its largest scaled logit, pass A's mass relative to it and, for
+/// top-p alone, its histogram's cut bin: the cut, or the search that finds it.
 fn decide(
     keys: &[u64],
     complete: bool,
-    (s_max, total): (f32, f64),
+    (s_max, total, bin): (f32, f64, Option<BinCut>),
     t: &Truncation,
 ) -> (Pending, Option<Search>) {
     // Whether every key `≥ l` is held.
@@ -433,10 +454,15 @@ fn decide(
         };
         return (Pending::Done(cut), None);
     }
-    // The buffer lies inside what min-p and top-k keep; the rest is below it.
+    // The buffer lies inside what min-p and top-k keep; the rest is below it. The
+    // histogram's mass is exact to f64 rounding (pass A's sum may be f32 exponentials).
+    let total = bin.map_or(total, |b| b.total);
     let target = t.top_p.filter(|_| l2 == 0).map(|p| p * total);
     if let Some(cut) = target.and_then(|m| top_p_descending(keys, m, s_max)) {
         return (Pending::Done(cut), None);
+    }
+    if let (Some(bin), Some(top_p)) = (bin, t.top_p_alone()) {
+        return (Pending::Last { lo: 0 }, Some(bin.search(top_p)));
     }
     let b_min = keys[keys.len() - 1];
     last_search(l2, (l2, b_min), Tally::of(keys, s_max), (s_max, target), t)

@@ -1,6 +1,6 @@
 //! The streaming half of the truncated support ([`super::support`]): the keys of the
-//! strict total order `(s_j, j)` (docs/spec/losses.md, flashloss addition 12), the
-//! top-C buffer that pass A fills per row, and the histogram search of the extra passes.
+//! strict total order `(s_j, j)` (docs/spec/losses.md, flashloss addition 12) and the
+//! histogram search of the extra passes (pass A's visitor is `super::support_pass_a`).
 //!
 //! A key is `ord(s) << 32 | j` with `ord` the monotone u32 image of the f32 scaled logit
 //! `s = fl(z·(1/T)) + 0` (`-0` made `+0`, so equal values have equal `ord`): keys compare
@@ -12,7 +12,9 @@
 //! cumulative mass `Σ exp(s - s_max)` reaches a target ([`Goal::Mass`], top-p). Each pass
 //! either bins the range into [`BINS`] equal key ranges (count and f64 mass per bin) and
 //! narrows it to the bin that holds the answer, or, once that bin holds at most
-//! [`COLLECT_MAX`] entries, collects its keys and answers exactly.
+//! [`COLLECT_MAX`] entries, collects its keys and answers exactly. A search may start on
+//! a range whose count is known (pass A's histogram of a top-p row,
+//! `super::support_histogram`), and collect at once.
 
 use super::passes::TileVisitor;
 use rayon::prelude::*;
@@ -102,55 +104,6 @@ pub(crate) fn pick<'a, T>(all: &'a mut [T], ids: &[usize]) -> Vec<&'a mut T> {
         .collect()
 }
 
-/// A row's largest keys, filled tile by tile in pass A: keys above `floor` are appended;
-/// at `2·cap` entries the buffer keeps its top `cap` and the floor rises to their
-/// smallest. Invariant: every key seen and not held is below the smallest held.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct TopBuffer {
-    keys: Vec<u64>,
-    floor: u64,
-    /// Whether a key was ever dropped (else the buffer holds the whole row).
-    dropped: bool,
-}
-
-impl TopBuffer {
-    /// Adds one tile of the row's logits `z` at vocabulary entries from `start`.
-    pub(crate) fn push_tile(&mut self, z: &[f32], start: usize, inv_temp: f32, cap: usize) {
-        for (o, &x) in z.iter().enumerate() {
-            let key = order_key(scaled(x, inv_temp), start + o);
-            if key > self.floor {
-                self.keys.push(key);
-                if self.keys.len() >= 2 * cap {
-                    self.shrink(cap);
-                }
-            }
-        }
-    }
-
-    /// After the row's last tile: its top `cap` keys, in no more memory than they need.
-    fn settle(&mut self, cap: usize) {
-        self.shrink(cap);
-        self.keys.shrink_to_fit();
-    }
-
-    fn shrink(&mut self, cap: usize) {
-        if self.keys.len() > cap {
-            let cut = self.keys.len() - cap;
-            self.keys.select_nth_unstable(cut);
-            self.keys.drain(..cut);
-            self.floor = self.keys.iter().copied().min().unwrap_or(0);
-            self.dropped = true;
-        }
-    }
-
-    /// The top `cap` keys, descending, and whether they are the whole row.
-    pub(crate) fn finish(mut self, cap: usize) -> (Vec<u64>, bool) {
-        self.shrink(cap);
-        self.keys.sort_unstable_by(|a, b| b.cmp(a));
-        (self.keys, !self.dropped)
-    }
-}
-
 /// What a [`Search`] looks for.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) enum Goal {
@@ -207,6 +160,13 @@ impl Search {
             bins: Vec::new(),
             keys: Vec::new(),
         }
+    }
+
+    /// The search with its range's `count` known: its first pass collects the range's
+    /// keys where they are few enough.
+    pub(crate) fn knowing_count(mut self, count: u64) -> Self {
+        self.collect = count <= COLLECT_MAX;
+        self
     }
 
     /// Whether the search is top-p's with a mass to sum first (its cut may lie above
@@ -401,52 +361,6 @@ impl TileVisitor for SearchPass {
     }
 }
 
-/// The top buffers of pass A, one per row, as a tile visitor.
-pub(crate) struct BufferPass {
-    pub(crate) inv_temp: f32,
-    pub(crate) cap: usize,
-    /// The head's first id in the whole vocabulary, and its entries.
-    pub(crate) offset: usize,
-    pub(crate) vocab: usize,
-    pub(crate) rows: Vec<TopBuffer>,
-}
-
-impl BufferPass {
-    /// Empty buffers of `cap` keys for `n` rows of a head of `vocab` entries whose first
-    /// id is `offset`.
-    pub(crate) fn new(
-        n: usize,
-        inv_temp: f32,
-        cap: usize,
-        (offset, vocab): (usize, usize),
-    ) -> Self {
-        BufferPass {
-            inv_temp,
-            cap,
-            offset,
-            vocab,
-            rows: vec![TopBuffer::default(); n],
-        }
-    }
-}
-
-/// Each tile's rows go to their buffers (in parallel over the rows); a row's buffer
-/// settles after the head's last tile.
-impl TileVisitor for BufferPass {
-    fn visit(&mut self, rows: &[usize], vocab: Range<usize>, z: &[f32], ld: usize) {
-        let (inv_temp, cap, cols) = (self.inv_temp, self.cap, vocab.len());
-        let (start, last) = (vocab.start + self.offset, vocab.end == self.vocab);
-        (pick(&mut self.rows, rows).into_par_iter())
-            .zip(z.par_chunks(ld))
-            .for_each(|(buf, row)| {
-                buf.push_tile(&row[..cols], start, inv_temp, cap);
-                if last {
-                    buf.settle(cap);
-                }
-            });
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -550,24 +464,5 @@ mod tests {
             assert_eq!(kept.count, i as u64 + 1);
             assert!(passes >= 2, "top_p={top_p}: {passes} passes");
         }
-    }
-
-    #[test]
-    fn top_buffer_keeps_the_largest_keys() {
-        let v = 5000;
-        let z: Vec<f32> = (0..v).map(|j| ((j * 7919) % 613) as f32 / 8.0).collect();
-        let mut buf = TopBuffer::default();
-        for start in (0..v).step_by(300) {
-            let end = (start + 300).min(v);
-            buf.push_tile(&z[start..end], start, 1.0, 64);
-        }
-        let (keys, complete) = buf.finish(64);
-        let mut sorted: Vec<u64> = (0..v).map(|j| order_key(z[j], j)).collect();
-        sorted.sort_unstable_by(|a, b| b.cmp(a));
-        assert_eq!(keys, sorted[..64]);
-        assert!(!complete);
-        let mut small = TopBuffer::default();
-        small.push_tile(&z[..10], 0, 1.0, 64);
-        assert!(small.finish(64).1);
     }
 }

@@ -6,7 +6,15 @@
 //! rank order and the collected keys concatenated, so every rank holds the same bits and
 //! takes the same decisions and the same number of passes. Bytes per row: `8·C` keys
 //! from each rank once, `16·2048` per histogram pass, the collected keys (≤ 4096).
+//!
+//! Top-p alone: each rank's pass-A histograms of its shard (an absolute grid of the
+//! scaled logit, `super::support_histogram`) are all-gathered after pass A, in groups of
+//! [`MERGE_ROWS`] rows, and merged per row in rank order (windows aligned to the largest
+//! max, bins summed): every rank reduces the same histogram of the whole row to the same
+//! cut bin. Bytes per row: at most `16·2048 + 56` from each rank, held from the row's
+//! sweep to the merge (up to 32 KiB a row: the bins from the lowest non-empty one up).
 
+use super::support_histogram::{BinCut, HistogramRow, RowHistogram};
 use super::support_search::{SearchPass, Tally};
 use crate::collective::Collective;
 use crate::error::{Error, Result};
@@ -36,6 +44,33 @@ pub(crate) fn merge_buffers(
         complete &= union.len() <= cap;
         union.truncate(cap);
         out.push((union, complete));
+    }
+    Ok(out)
+}
+
+/// Rows whose histograms one all-gather carries.
+const MERGE_ROWS: usize = 256;
+
+/// Every row's cut bin for `top_p` from its shards' pass-A histograms `rows` (this
+/// rank's), merged over `comm`'s shards.
+pub(crate) fn merge_histograms(
+    comm: &dyn Collective,
+    mut rows: Vec<HistogramRow>,
+    top_p: f64,
+) -> Result<Vec<Option<BinCut>>> {
+    let mut out = Vec::with_capacity(rows.len());
+    for group in rows.chunks_mut(MERGE_ROWS) {
+        let local: Vec<f64> = group.iter_mut().flat_map(|r| r.take_message()).collect();
+        let all = comm.all_gather_f64(&local)?;
+        let mut at = vec![0; all.len()];
+        for _ in 0..group.len() {
+            let mut whole = RowHistogram::default();
+            for (values, at) in all.iter().zip(at.iter_mut()) {
+                let part = RowHistogram::read(values, at).ok_or_else(|| mismatch("histograms"))?;
+                whole.merge(&part);
+            }
+            out.push(whole.reduce(top_p));
+        }
     }
     Ok(out)
 }

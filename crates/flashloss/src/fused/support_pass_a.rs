@@ -1,0 +1,166 @@
+//! Pass A's visitor of a truncated support ([`super::support`]): per row its top `C`
+//! keys (a [`TopBuffer`], keys of `super::support_search`), and for a call whose only
+//! filter is top-p on a whole vocabulary the row's histogram
+//! (`super::support_histogram`), reduced to the bin of top-p's cut once the row's sweep
+//! is done. Memory: `8·C` bytes a row once its tiles are seen, `8·2C` while they are;
+//! a histogram's 24 KiB only while the row's sweep is in flight.
+
+use super::passes::TileVisitor;
+use super::support_histogram::HistogramRow;
+use super::support_search::{order_key, pick, scaled};
+use rayon::prelude::*;
+use std::ops::Range;
+
+/// A row's largest keys, filled tile by tile in pass A: keys above `floor` are appended;
+/// at `2·cap` entries the buffer keeps its top `cap` and the floor rises to their
+/// smallest. Invariant: every key seen and not held is below the smallest held.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct TopBuffer {
+    keys: Vec<u64>,
+    floor: u64,
+    /// Whether a key was ever dropped (else the buffer holds the whole row).
+    dropped: bool,
+}
+
+impl TopBuffer {
+    /// Adds one tile of the row's logits `z` at vocabulary entries from `start`.
+    pub(crate) fn push_tile(&mut self, z: &[f32], start: usize, inv_temp: f32, cap: usize) {
+        for (o, &x) in z.iter().enumerate() {
+            let key = order_key(scaled(x, inv_temp), start + o);
+            if key > self.floor {
+                self.keys.push(key);
+                if self.keys.len() >= 2 * cap {
+                    self.shrink(cap);
+                }
+            }
+        }
+    }
+
+    /// After the row's last tile: its top `cap` keys, in no more memory than they need.
+    fn settle(&mut self, cap: usize) {
+        self.shrink(cap);
+        self.keys.shrink_to_fit();
+    }
+
+    fn shrink(&mut self, cap: usize) {
+        if self.keys.len() > cap {
+            let cut = self.keys.len() - cap;
+            self.keys.select_nth_unstable(cut);
+            self.keys.drain(..cut);
+            self.floor = self.keys.iter().copied().min().unwrap_or(0);
+            self.dropped = true;
+        }
+    }
+
+    /// The top `cap` keys, descending, and whether they are the whole row.
+    pub(crate) fn finish(mut self, cap: usize) -> (Vec<u64>, bool) {
+        self.shrink(cap);
+        self.keys.sort_unstable_by(|a, b| b.cmp(a));
+        (self.keys, !self.dropped)
+    }
+}
+
+/// The rows' pass-A histograms of a call whose only filter is `top_p`, each reduced
+/// after its sweep (a whole vocabulary) or, on a vocabulary `shard`, kept as its message.
+pub(crate) struct Histograms {
+    pub(crate) top_p: f64,
+    pub(crate) shard: bool,
+    pub(crate) rows: Vec<HistogramRow>,
+}
+
+/// The top buffers of pass A, one per row, and where the call builds them, the rows'
+/// histograms, as a tile visitor.
+pub(crate) struct BufferPass {
+    pub(crate) inv_temp: f32,
+    pub(crate) cap: usize,
+    /// The head's first id in the whole vocabulary, and its entries.
+    pub(crate) offset: usize,
+    pub(crate) vocab: usize,
+    pub(crate) rows: Vec<TopBuffer>,
+    pub(crate) histograms: Option<Histograms>,
+}
+
+impl BufferPass {
+    /// Empty buffers of `cap` keys for `n` rows of a head of `vocab` entries whose first
+    /// id is `offset`, with histograms for `top_p` (on a shard or not) where it is given.
+    pub(crate) fn new(
+        n: usize,
+        inv_temp: f32,
+        cap: usize,
+        (offset, vocab): (usize, usize),
+        top_p: Option<(f64, bool)>,
+    ) -> Self {
+        BufferPass {
+            inv_temp,
+            cap,
+            offset,
+            vocab,
+            rows: vec![TopBuffer::default(); n],
+            histograms: top_p.map(|(top_p, shard)| Histograms {
+                top_p,
+                shard,
+                rows: vec![HistogramRow::default(); n],
+            }),
+        }
+    }
+
+    /// Every row's top keys (descending, and whether they are the whole row), and the
+    /// histograms.
+    pub(crate) fn finish(self) -> (Vec<(Vec<u64>, bool)>, Option<Histograms>) {
+        let cap = self.cap;
+        let tops = (self.rows.into_par_iter())
+            .map(|buf| buf.finish(cap))
+            .collect();
+        (tops, self.histograms)
+    }
+}
+
+/// Each tile's rows go to their buffers and histograms (in parallel over the rows); a
+/// row's buffer settles after the head's last tile, its histogram after its last entry.
+impl TileVisitor for BufferPass {
+    fn visit(&mut self, rows: &[usize], vocab: Range<usize>, z: &[f32], ld: usize) {
+        let (inv_temp, cap, cols) = (self.inv_temp, self.cap, vocab.len());
+        let (start, last) = (vocab.start + self.offset, vocab.end == self.vocab);
+        let buffers = (pick(&mut self.rows, rows).into_par_iter()).zip(z.par_chunks(ld));
+        let to_buffer = |buf: &mut TopBuffer, row: &[f32]| {
+            buf.push_tile(&row[..cols], start, inv_temp, cap);
+            if last {
+                buf.settle(cap);
+            }
+        };
+        match self.histograms.as_mut() {
+            None => buffers.for_each(|(buf, row)| to_buffer(buf, row)),
+            Some(h) => {
+                let close = (self.vocab, (!h.shard).then_some(h.top_p));
+                (buffers.zip(pick(&mut h.rows, rows))).for_each(|((buf, row), hist)| {
+                    to_buffer(buf, row);
+                    hist.push_tile(&row[..cols], inv_temp, close);
+                });
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn top_buffer_keeps_the_largest_keys() {
+        let v = 5000;
+        let z: Vec<f32> = (0..v).map(|j| ((j * 7919) % 613) as f32 / 8.0).collect();
+        let mut buf = TopBuffer::default();
+        for start in (0..v).step_by(300) {
+            let end = (start + 300).min(v);
+            buf.push_tile(&z[start..end], start, 1.0, 64);
+        }
+        let (keys, complete) = buf.finish(64);
+        let mut sorted: Vec<u64> = (0..v).map(|j| order_key(z[j], j)).collect();
+        sorted.sort_unstable_by(|a, b| b.cmp(a));
+        assert_eq!(keys, sorted[..64]);
+        assert!(!complete);
+        let mut small = TopBuffer::default();
+        small.push_tile(&z[..10], 0, 1.0, 64);
+        assert!(small.finish(64).1);
+    }
+}
