@@ -22,7 +22,7 @@
 use super::config::GradcheckConfig;
 use crate::inputs::{GrpoInputs, HeadInputs};
 use flashloss::fused::{GatherIds, LogpRequest, LogpRows, LogpUpstream, SupportFilter};
-use flashloss::reference::{LogpRefRows, LogpRefUpstream, SupportFilters, SupportRow};
+use flashloss::reference::{LogpRefRows, LogpRefUpstream, SupportRow};
 use flashloss::reference::{LogpReference, logp_reference, support_row};
 use flashloss::{Element, Result, Temperature};
 use rand::{Rng, SeedableRng};
@@ -137,18 +137,8 @@ impl LogprobsCase {
         let support_rows: Vec<Option<SupportRow>> = (0..n)
             .map(|i| {
                 let f = support.filter(|_| live[i])?;
-                let filters = SupportFilters {
-                    top_k: f.top_k,
-                    top_p: f.top_p,
-                    min_p: f.min_p,
-                };
                 let row = &z[i * v..(i + 1) * v];
-                Some(support_row(
-                    row,
-                    lp.temperature,
-                    targets[i] as usize,
-                    filters,
-                ))
+                Some(support_row(row, lp.temperature, targets[i] as usize, f))
             })
             .collect();
         let compared: Vec<bool> = (0..n)

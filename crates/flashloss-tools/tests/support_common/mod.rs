@@ -5,7 +5,7 @@
 
 use flashloss::cpu::{CpuHead, Workspace};
 use flashloss::fused::{self, LogpOutput, LogpRequest, LogpRows, SupportFilter, SupportStats};
-use flashloss::reference::{SupportFilters, support_row};
+use flashloss::reference::support_row;
 use flashloss::{Element, HeadGrad, LinearGrads, LinearInputs, Temperature, WeightLayout};
 
 /// A head of exact values: hidden `k/4`, weight `k/8`, bias `k/16` (small integers `k`),
@@ -70,14 +70,6 @@ pub const fn filter(top_k: Option<usize>, top_p: Option<f64>, min_p: Option<f64>
         top_k,
         top_p,
         min_p,
-    }
-}
-
-pub fn as_reference(f: SupportFilter) -> SupportFilters {
-    SupportFilters {
-        top_k: f.top_k,
-        top_p: f.top_p,
-        min_p: f.min_p,
     }
 }
 
@@ -159,7 +151,7 @@ pub fn check_forward(
             continue;
         }
         let y = call.targets[i] as usize;
-        let want = support_row(&z[i * v..(i + 1) * v], call.temperature, y, as_reference(f));
+        let want = support_row(&z[i * v..(i + 1) * v], call.temperature, y, f);
         assert!(
             s.lse[i].is_finite() && !s.logp[i].is_nan(),
             "{case} row {i}"

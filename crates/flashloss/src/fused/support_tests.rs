@@ -8,8 +8,9 @@ use super::passes::{FusedPasses, GradsOf, RowGrad, TileVisitor};
 use super::plan::{HeadGrad, Plan};
 use super::support::{RowSupport, Truncation, support_buffers, support_passes};
 use crate::error::{Error, Result};
-use crate::reference::{SupportFilters, support_row};
+use crate::reference::support_row;
 use crate::rows::{OnlineSoftmax, PartialStats, RowInputs, RowStats, RowTransform};
+use crate::support_filter::SupportFilter;
 use crate::temperature::Temperature;
 
 /// Rows `[n, v]` of logits shown in tiles of `tile` entries, the `live` rows only.
@@ -140,7 +141,7 @@ fn check(
     z: Vec<f32>,
     (n, v): (usize, usize),
     temperature: f64,
-    f: SupportFilters,
+    f: SupportFilter,
     min_margin: f64,
 ) -> usize {
     check_live(case, z, (n, v, &vec![true; n]), temperature, f, min_margin)
@@ -152,7 +153,7 @@ pub(super) fn run_support(
     z: Vec<f32>,
     (n, v, live): (usize, usize, &[bool]),
     temperature: f64,
-    f: SupportFilters,
+    f: SupportFilter,
 ) -> (Vec<RowSupport>, usize, Vec<i64>) {
     let mut rng = Rng(v as u64 * 31 + n as u64);
     let targets: Vec<i64> = (0..n).map(|_| (rng.uniform() * v as f64) as i64).collect();
@@ -185,7 +186,7 @@ pub(super) fn check_live(
     z: Vec<f32>,
     (n, v, live): (usize, usize, &[bool]),
     temperature: f64,
-    f: SupportFilters,
+    f: SupportFilter,
     min_margin: f64,
 ) -> usize {
     let (got, extra, targets) = run_support(z.clone(), (n, v, live), temperature, f);
@@ -241,8 +242,8 @@ pub(super) fn filters(
     top_k: Option<usize>,
     top_p: Option<f64>,
     min_p: Option<f64>,
-) -> SupportFilters {
-    SupportFilters {
+) -> SupportFilter {
+    SupportFilter {
         top_k,
         top_p,
         min_p,
@@ -250,7 +251,7 @@ pub(super) fn filters(
 }
 
 /// Every combination of the three filters, each unset or at one of two values.
-fn combinations() -> Vec<SupportFilters> {
+fn combinations() -> Vec<SupportFilter> {
     let mut out = Vec::new();
     for top_k in [None, Some(1), Some(40)] {
         for top_p in [None, Some(0.3), Some(0.92)] {

@@ -4,7 +4,7 @@
 
 use super::dual::{Dual, Num};
 use super::softmax::row_softmax;
-use super::support::{SupportFilters, SupportRow, support_row};
+use super::support::{SupportRow, support_row};
 use crate::batch::{GrpoBatch, PerSeqOrToken};
 use crate::grpo_config::{GrpoLoss, GrpoLossConfig, ImportanceSamplingLevel, LossType};
 use crate::policy::{GrpoMetrics, Normalizers};
@@ -302,17 +302,12 @@ fn reference_with(
     let supports: Vec<Option<SupportRow>> = (0..n)
         .map(|i| {
             let filter = loss.support().filter(|_| batch.mask[i])?;
-            let filters = SupportFilters {
-                top_k: filter.top_k,
-                top_p: filter.top_p,
-                min_p: filter.min_p,
-            };
             let row = &logits[i * vocab..(i + 1) * vocab];
             Some(support_row(
                 row,
                 c.temperature,
                 batch.target_ids[i] as usize,
-                filters,
+                filter,
             ))
         })
         .collect();

@@ -14,7 +14,7 @@ pub use cross_entropy::{CeReference, ce_reference, ce_reference_lse};
 pub use grpo::{GrpoReference, grpo_reference, grpo_reference_loss, grpo_reference_per_token};
 pub use logp::{LogpRefRows, LogpRefUpstream, LogpReference, logp_reference};
 pub use softmax::{RowSoftmax, row_softmax};
-pub use support::{SupportFilters, SupportRow, support_row};
+pub use support::{SupportRow, support_row};
 
 use crate::batch::{LinearInputs, LogitsLayout};
 use crate::element::Element;

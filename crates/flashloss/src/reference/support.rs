@@ -10,17 +10,7 @@
 //! `≤ 1 - top_p`, always keeping the largest. The values (`lse^K`, `logp^K`, gradients)
 //! are formed in f64 from `z_j / T`.
 
-/// The three filters of vLLM V1's sampler (`None`: unset; `top_k ≥ V`, `top_p = 1` and
-/// `min_p = 0` keep every entry too).
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct SupportFilters {
-    /// Keep the `top_k` largest (ties at the k-th value kept).
-    pub top_k: Option<usize>,
-    /// Keep the smallest top set of mass `≥ top_p` (in `(0, 1]`).
-    pub top_p: Option<f64>,
-    /// Keep `p_j ≥ min_p · max p` (in `[0, 1]`).
-    pub min_p: Option<f64>,
-}
+use crate::support_filter::SupportFilter;
 
 /// One row's truncated support and its statistics.
 #[derive(Debug, Clone)]
@@ -50,7 +40,7 @@ pub fn support_row(
     z: &[f64],
     temperature: f64,
     target: usize,
-    filters: SupportFilters,
+    filters: SupportFilter,
 ) -> SupportRow {
     let v = z.len();
     let inv_temp = (1.0 / temperature) as f32;
@@ -133,15 +123,15 @@ pub fn support_row(
 mod tests {
     use super::*;
 
-    fn filters(top_k: Option<usize>, top_p: Option<f64>, min_p: Option<f64>) -> SupportFilters {
-        SupportFilters {
+    fn filters(top_k: Option<usize>, top_p: Option<f64>, min_p: Option<f64>) -> SupportFilter {
+        SupportFilter {
             top_k,
             top_p,
             min_p,
         }
     }
 
-    fn kept(z: &[f64], f: SupportFilters) -> Vec<usize> {
+    fn kept(z: &[f64], f: SupportFilter) -> Vec<usize> {
         let row = support_row(z, 1.0, 0, f);
         (0..z.len()).filter(|&j| row.in_support[j]).collect()
     }
