@@ -11,10 +11,8 @@ use crate::dist::VocabGroup;
 use crate::front::{call_head, with_element};
 use crate::losses::{agreed, budget, head_shard, write_f32, write_stats};
 use crate::tensor::{Tensor, arg_error};
-use flashloss::fused::{
-    FusedOptions, GatherIds, LogpOutput, LogpRequest, LogpRows, LogpUpstream, SupportFilter,
-};
-use flashloss::{Grid, Temperature};
+use flashloss::fused::{FusedOptions, GatherIds, LogpOutput, LogpRequest, LogpRows, LogpUpstream};
+use flashloss::{Grid, SupportFilter, Temperature};
 use pyo3::prelude::*;
 
 /// The optional inputs of a log-prob call: candidate ids `[..., K]` (the ids' shape and

@@ -36,13 +36,13 @@ def exact_batch(seed: int, b: int = 3, t: int = 4, h: int = 12, v: int = 301, ti
     )
 
 
-def run(d, support, **kw):
+def run(d, support, entropy_mask=None, **kw):
     leaves = [d[k].double().requires_grad_() for k in ("hidden", "weight", "bias")]
     common = dict(loss_type=kw.get("loss_type", "dapo"), beta=0.04, temperature=0.9, entropy_coef=0.01)
     level = kw.get("importance_sampling_level", "token")
     ref_loss, ref_logp, _ = grpo_reference(
         *leaves, d["ids"], d["mask"], d["adv"], old=d["old"], ref=d["ref"], support=support,
-        importance_sampling_level=level, **common,
+        importance_sampling_level=level, entropy_mask=entropy_mask, **common,
     )  # fmt: skip
     ref_loss.backward()
     inputs = [d[k].clone().requires_grad_() for k in ("hidden", "weight", "bias")]
@@ -50,7 +50,7 @@ def run(d, support, **kw):
     loss, out = fl.linear_grpo_loss(
         inputs[0], inputs[1], d["ids"], d["mask"], d["adv"], bias=inputs[2],
         old_per_token_logps=d["old"], ref_per_token_logps=d["ref"], top_k=top_k, top_p=top_p, min_p=min_p,
-        importance_sampling_level=level, **common,
+        importance_sampling_level=level, entropy_mask=entropy_mask, **common,
     )  # fmt: skip
     loss.backward()
     return (ref_loss, ref_logp, leaves), (loss, out, inputs)
@@ -87,7 +87,7 @@ def test_some_targets_are_outside_and_unset_filters_are_the_plain_loss():
     _, (plain, plain_out, _) = run(d, (None, None, None))
     _, (unset, unset_out, _) = run(d, (0, 1.0, 0.0))
     assert plain_out.outside_support is None
-    assert unset.item() == plain.item() and not unset_out.outside_support.any()
+    assert unset.item() == plain.item() and unset_out.outside_support is None
 
 
 @pytest.mark.parametrize(
@@ -119,3 +119,17 @@ def test_compile_under_a_support():
     eager, eager_out = step(*inputs)
     compiled, compiled_out = torch.compile(step, fullgraph=True)(*inputs)
     assert torch.equal(eager, compiled) and torch.equal(eager_out, compiled_out) and eager_out.any()
+
+
+@pytest.mark.parametrize("support", [(7, None, None), (None, 0.8, 0.02)])
+def test_entropy_mask_under_the_support(support):
+    """The entropy bonus's mean over ``m' * entropy_mask`` (``m'`` without the tokens
+    outside the support), against TRL's float64 loss."""
+    d = exact_batch(9)
+    entropy_mask = torch.arange(d["mask"].numel()).reshape(d["mask"].shape) % 3 != 1
+    (ref_loss, _, leaves), (loss, out, inputs) = run(d, support, entropy_mask=entropy_mask)
+    assert out.outside_support.any()
+    assert abs(loss.item() - ref_loss.item()) <= 1e-5 * max(1.0, abs(ref_loss.item()))
+    for name, ours, leaf in zip(("hidden", "weight", "bias"), inputs, leaves):
+        err = (ours.grad.double() - leaf.grad).abs().max().item()
+        assert err <= 1e-4 * leaf.grad.abs().max().item() + 1e-7, name

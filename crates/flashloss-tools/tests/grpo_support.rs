@@ -96,6 +96,12 @@ fn check<E: Element>(
     );
     for i in (0..batch.rows()).filter(|&i| batch.mask[i]) {
         let (got, want) = (out.stats[i].logp as f64, r.logp[i]);
+        let close = |a: f32, b: f64| (a as f64 - b).abs() <= 1e-5 * b.abs().max(1.0);
+        let st = out.stats[i];
+        assert!(
+            close(st.entropy, r.entropy[i]) && close(st.lse, r.lse[i]),
+            "{case}: row {i} stats"
+        );
         match r.outside[i] {
             true => assert_eq!(got, f64::NEG_INFINITY, "{case}: logp row {i}"),
             false => assert!(
@@ -155,21 +161,23 @@ fn every_filter_and_loss_type_matches_the_reference() {
         (LossType::Cispo, ImportanceSamplingLevel::Token),
         (LossType::Vespo, ImportanceSamplingLevel::Token),
     ];
-    let mut outside = 0;
+    let mut outside = [0; FILTERS.len()];
     for (ties, (b, t, h, v)) in [(true, (3, 5, 24, 2053)), (false, (2, 3, 16, 301))] {
         let head = ExactHead::<f32>::new((b * t, h, v), true, ties, 7);
-        let x = batch_for(&head, (b, t), 8);
+        let mut x = batch_for(&head, (b, t), 8);
+        // An entropy mask: the bonus's count differs from the token count.
+        x.data.entropy_mask = Some((0..b * t).map(|i| i % 3 != 1).collect());
         for (ty, level) in types {
-            for filter in FILTERS {
+            for (f, filter) in FILTERS.into_iter().enumerate() {
                 let loss = with_support(base_config(ty, level), filter);
                 let case = format!("{} {level:?} {filter:?} [V={v}] ties={ties}", ty.name());
-                outside += check(&case, &loss, &head, &x, &opts(Mode::Auto, HeadGrad::Full));
+                outside[f] += check(&case, &loss, &head, &x, &opts(Mode::Auto, HeadGrad::Full));
             }
         }
     }
     assert!(
-        outside > 0,
-        "no target fell outside its support: the masking went untested"
+        outside.iter().all(|&n| n > 0),
+        "{outside:?}: a filter with no target outside its support leaves the masking untested"
     );
 }
 
@@ -327,11 +335,30 @@ fn sharded_runs_equal_the_single_rank() {
                 n: rows.len(),
                 ..shard_of(&head, 0..v)
             };
-            grpo_linear_token_parallel(comm, &loss, &part.batch(), &local.inputs(), &o)
+            let out = grpo_linear_token_parallel(comm, &loss, &part.batch(), &local.inputs(), &o);
+            out.map(|out| (rows, out))
         });
         for (rank, got) in ranks.into_iter().enumerate() {
-            let got = got.unwrap_or_else(|e| panic!("{filter:?} token rank {rank}: {e}"));
+            let (rows, got) = got.unwrap_or_else(|e| panic!("{filter:?} token rank {rank}: {e}"));
             let case = format!("token {filter:?} rank {rank}");
+            let outside =
+                |o: &flashloss::GrpoLinearOutput| o.support.as_ref().map(|s| s.outside.clone());
+            let want_outside = outside(&one).map(|o| o[rows.clone()].to_vec());
+            assert_eq!(outside(&got), want_outside, "{case}: outside");
+            let (m, w) = (got.metrics, one.metrics);
+            assert!(
+                (m.entropy_mean - w.entropy_mean).abs() < 1e-6,
+                "{case}: entropy mean"
+            );
+            assert!(
+                (m.clip_ratio_region - w.clip_ratio_region).abs() < 1e-9,
+                "{case}: clip ratio"
+            );
+            let dh: Vec<f64> = one.grads.dhidden[rows.start * h..rows.end * h]
+                .iter()
+                .map(|&g| g as f64)
+                .collect();
+            assert_close(&format!("{case} dH"), &got.grads.dhidden, &dh, 1e-5);
             assert!(
                 (got.loss - one.loss).abs() <= 1e-6 * one.loss.abs().max(1e-3),
                 "{case}: loss"

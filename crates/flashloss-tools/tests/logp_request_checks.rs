@@ -7,8 +7,9 @@
 
 mod common;
 use common::*;
+use flashloss::SupportFilter;
 use flashloss::collective::{Collective, run_in_process};
-use flashloss::fused::{GatherIds, LogpOutput, LogpRequest, LogpRows, LogpUpstream, SupportFilter};
+use flashloss::fused::{GatherIds, LogpOutput, LogpRequest, LogpRows, LogpUpstream};
 use flashloss::{
     Device, Error, FusedOptions, Grid, HeadArgs, HeadGrad, LinearGrads, Mode, Shard, Temperature,
     shard_range,

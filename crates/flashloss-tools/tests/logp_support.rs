@@ -10,8 +10,9 @@
 mod common;
 mod support_common;
 use common::assert_close;
+use flashloss::SupportFilter;
 use flashloss::cpu::{CpuHead, Workspace};
-use flashloss::fused::{self, LogpRequest, LogpUpstream, SupportFilter};
+use flashloss::fused::{self, LogpRequest, LogpUpstream};
 use flashloss::reference::{linear_grads, linear_logits, row_softmax, support_row};
 use flashloss::{Element, Error, FusedOptions, HeadGrad, LinearGrads, Mode};
 use half::bf16;

@@ -5,8 +5,9 @@
 mod common;
 mod support_common;
 use common::assert_close;
+use flashloss::SupportFilter;
 use flashloss::cpu::{CpuHead, Workspace};
-use flashloss::fused::{self, LogpRequest, LogpUpstream, SupportFilter};
+use flashloss::fused::{self, LogpRequest, LogpUpstream};
 use flashloss::reference::linear_logits;
 use flashloss::{FusedOptions, HeadGrad, LinearGrads, Mode};
 use support_common::*;

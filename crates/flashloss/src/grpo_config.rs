@@ -284,16 +284,15 @@ impl GrpoLoss {
                 format!("must be finite and > 0, got {n}")
             })?;
         }
-        if let Some(p) = c.top_p {
-            check(p > 0.0 && p <= 1.0, "top_p", || {
-                format!("must be in (0, 1], got {p}")
-            })?;
-        }
-        if let Some(m) = c.min_p {
-            check((0.0..=1.0).contains(&m), "min_p", || {
-                format!("must be in [0, 1], got {m}")
-            })?;
-        }
+        let filter = SupportFilter {
+            top_k: c.top_k.filter(|&k| k > 0),
+            top_p: c.top_p,
+            min_p: c.min_p,
+        };
+        filter.check().map_err(|e| match e {
+            Error::InvalidArgument { arg, reason } => Error::InvalidConfig { field: arg, reason },
+            e => e,
+        })?;
         Ok(GrpoLoss { config })
     }
 
@@ -320,6 +319,27 @@ impl GrpoLoss {
     pub fn needs_sequence_reduction(&self) -> bool {
         self.config.importance_sampling_level == ImportanceSamplingLevel::Sequence
             || self.config.loss_type == LossType::Vespo
+    }
+
+    /// Refuses a truncated support (`Unsupported`, naming the filter) where `kernel`
+    /// computes the full softmax only (the logits-level kernels, the JAX policy stage on
+    /// given statistics).
+    pub fn check_full_softmax(&self, kernel: &str) -> Result<()> {
+        let Some(filter) = self.support() else {
+            return Ok(());
+        };
+        let feature = match filter {
+            f if f.top_k.is_some() => "top_k",
+            f if f.top_p.is_some() => "top_p",
+            _ => "min_p",
+        };
+        Err(Error::Unsupported {
+            feature,
+            reason: format!(
+                "{kernel} computes the full softmax; the sampler's truncated support is taken \
+                 by the fused LM-head GRPO (linear_grpo_loss)"
+            ),
+        })
     }
 
     /// True when no gradient may start before every row's statistics are known: a

@@ -47,25 +47,6 @@ pub struct GrpoLogitsForward {
     pub(crate) transform: RowTransform,
 }
 
-/// The logits-level kernels take no truncated support: a config with `top_k`, `top_p`
-/// or `min_p` is refused, naming the filter (the fused LM-head GRPO takes them).
-pub(crate) fn check_no_support(loss: &GrpoLoss) -> Result<()> {
-    let Some(filter) = loss.support() else {
-        return Ok(());
-    };
-    let feature = match filter {
-        f if f.top_k.is_some() => "top_k",
-        f if f.top_p.is_some() => "top_p",
-        _ => "min_p",
-    };
-    Err(Error::Unsupported {
-        feature,
-        reason: "the logits-level GRPO kernels compute the full softmax; the sampler's \
-                 truncated support is taken by the fused LM-head GRPO (linear_grpo_loss)"
-            .into(),
-    })
-}
-
 impl GrpoLogitsForward {
     /// Checks that the batch matches the layout and is valid for `loss` with ids in
     /// `[0, vocab)` (the layout's V, or the whole vocabulary of a shard's).
@@ -84,7 +65,7 @@ impl GrpoLogitsForward {
                 ),
             });
         }
-        check_no_support(loss)?;
+        loss.check_full_softmax("the logits-level GRPO kernel")?;
         batch.validate(vocab, loss)
     }
 

@@ -42,7 +42,7 @@ impl Normalizers {
 
     /// These normalizers less the rows of `batch` that `dropped` takes out of its mask
     /// (the token count and the entropy bonus's; `B` stays).
-    pub fn without(self, batch: &GrpoBatch, dropped: &[bool]) -> Self {
+    pub(crate) fn without(self, batch: &GrpoBatch, dropped: &[bool]) -> Self {
         let live_dropped = |i: &usize| batch.mask[*i] && dropped[*i];
         let rows = (0..batch.rows()).filter(live_dropped);
         let tokens = rows.clone().count() as f64;

@@ -15,6 +15,19 @@ def _json(**kw: Any) -> str:
     return json.dumps({k: v for k, v in kw.items() if v is not None})
 
 
+def sampler_filters(top_k, top_p, min_p) -> tuple:
+    """The sampler's ``(top_k, top_p, min_p)`` with TRL's and vLLM's unset values
+    (``top_k`` 0, ``top_p`` 1, ``min_p`` 0) as None; ``top_k`` must be an integer >= 0 (a
+    ``ValueError`` naming it); the other ranges are the kernel config's to check."""
+    if top_k is not None and (isinstance(top_k, bool) or int(top_k) != top_k or top_k < 0):
+        raise ValueError(f"argument `top_k`: must be an integer >= 0 (None or 0: no top-k), got {top_k!r}")
+    return (
+        None if not top_k else int(top_k),
+        None if top_p is None or float(top_p) == 1.0 else float(top_p),
+        None if min_p is None or float(min_p) == 0.0 else float(min_p),
+    )
+
+
 def grpo_config(
     loss_type: str,
     beta: float,
@@ -43,8 +56,7 @@ def grpo_config(
     ``top_p``, ``min_p``: the sampler's truncation (``None``, ``top_k=0``, ``top_p=1`` and
     ``min_p=0`` are unset, as in TRL and vLLM); the ranges are checked by the kernel's
     config."""
-    if top_k is not None and (isinstance(top_k, bool) or int(top_k) != top_k or top_k < 0):
-        raise ValueError(f"argument `top_k`: must be an integer >= 0 (None or 0: no top-k), got {top_k!r}")
+    top_k, top_p, min_p = sampler_filters(top_k, top_p, min_p)
     return _json(
         loss_type=loss_type,
         beta=float(beta),
@@ -63,9 +75,9 @@ def grpo_config(
         vespo_lambda_pos=float(vespo_lambda_pos),
         vespo_k_neg=float(vespo_k_neg),
         vespo_lambda_neg=float(vespo_lambda_neg),
-        top_k=None if top_k is None else int(top_k),
-        top_p=None if top_p is None else float(top_p),
-        min_p=None if min_p is None else float(min_p),
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
     )
 
 

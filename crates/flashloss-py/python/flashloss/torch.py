@@ -32,6 +32,7 @@ from . import _torch_ops as ops
 from ._config import DEFAULT_BUDGET_MIB
 from ._config import ce_config as _ce_config
 from ._config import grpo_config as _grpo_config
+from ._config import sampler_filters as _sampler_filters
 from ._torch_args import _FLOATS, _bool, _check_tensor, _head, _head_grad, _same_device
 from ._torch_logprobs import LogprobOutputs, linear_logprobs
 from ._torch_op_utils import _f32
@@ -189,7 +190,7 @@ def linear_grpo_loss(
         budget, group, _head_grad(weight, bias),
     )  # fmt: skip
     named = {k: metrics[i] for i, k in enumerate(ops.METRICS)}
-    truncated = any(x is not None for x in (top_k, top_p, min_p))
+    truncated = any(x is not None for x in _sampler_filters(top_k, top_p, min_p))
     outside = torch.isneginf(logp) if truncated else None
     return loss, GRPOOutputs(logp=logp, entropy=entropy, kl=kl, metrics=named, outside_support=outside)
 

@@ -11,7 +11,8 @@ use super::ffi::CallFrame;
 use super::frame::{Frame, Named, Result, bad, handle};
 use super::handlers::{by_dtype, grad_options, grads, head, options, weight_layout};
 use crate::front::cpu;
-use flashloss::fused::{LogpRequest, LogpRows, LogpUpstream, SupportFilter};
+use flashloss::SupportFilter;
+use flashloss::fused::{LogpRequest, LogpRows, LogpUpstream};
 use flashloss::{HeadArgs, LinearInputs, Temperature};
 use std::ffi::c_void;
 

@@ -136,6 +136,7 @@ unsafe extern "C" fn grpo_policy(frame: *mut CallFrame) -> *mut c_void {
     unsafe {
         handle(frame, |f| {
             let loss = GrpoLoss::new(super::handlers::parse(f.attr_str("config")?)?)?;
+            loss.check_full_softmax("the vocab-parallel policy stage")?;
             let tokens = Tokens::read(f, 2)?;
             let batch = tokens.batch();
             let n = tokens.b * tokens.t;

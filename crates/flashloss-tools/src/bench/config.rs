@@ -106,8 +106,8 @@ pub struct BenchConfig {
 
 impl BenchConfig {
     /// The truncated support of a `logprobs` or `grpo` bench, where any of its keys is set.
-    pub fn support(&self) -> Option<flashloss::fused::SupportFilter> {
-        let f = flashloss::fused::SupportFilter {
+    pub fn support(&self) -> Option<flashloss::SupportFilter> {
+        let f = flashloss::SupportFilter {
             top_k: self.top_k,
             top_p: self.top_p,
             min_p: self.min_p,

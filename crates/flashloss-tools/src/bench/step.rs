@@ -1,8 +1,9 @@
 //! The fused step both benches time: the configured loss on any backend's head.
 
 use super::config::LossKind;
+use flashloss::SupportFilter;
 use flashloss::fused::{
-    GatherIds, Head, LogpRequest, LogpRows, LogpUpstream, SupportFilter, ce_linear, grpo_linear,
+    GatherIds, Head, LogpRequest, LogpRows, LogpUpstream, ce_linear, grpo_linear,
     logp_linear_grads_with,
 };
 use flashloss::policy::Normalizers;

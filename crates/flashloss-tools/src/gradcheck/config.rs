@@ -1,7 +1,7 @@
 //! What gradcheck runs: the config file (`configs/gradcheck/*.yaml`) and its gates.
 
 use crate::inputs::InputSpec;
-use flashloss::fused::SupportFilter;
+use flashloss::SupportFilter;
 use flashloss::{Bf16Products, HeadGrad, Mode, Parallel};
 use flashloss::{CeConfig, DType, GrpoLossConfig};
 use serde::{Deserialize, Serialize};

@@ -21,7 +21,8 @@
 
 use super::config::GradcheckConfig;
 use crate::inputs::{GrpoInputs, HeadInputs};
-use flashloss::fused::{GatherIds, LogpRequest, LogpRows, LogpUpstream, SupportFilter};
+use flashloss::SupportFilter;
+use flashloss::fused::{GatherIds, LogpRequest, LogpRows, LogpUpstream};
 use flashloss::reference::{LogpRefRows, LogpRefUpstream, SupportRow};
 use flashloss::reference::{LogpReference, logp_reference, support_row};
 use flashloss::{Element, Result, Temperature};

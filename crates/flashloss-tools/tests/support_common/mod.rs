@@ -3,8 +3,9 @@
 //! the f64 reference.
 #![allow(dead_code)]
 
+use flashloss::SupportFilter;
 use flashloss::cpu::{CpuHead, Workspace};
-use flashloss::fused::{self, LogpOutput, LogpRequest, LogpRows, SupportFilter, SupportStats};
+use flashloss::fused::{self, LogpOutput, LogpRequest, LogpRows, SupportStats};
 use flashloss::reference::support_row;
 use flashloss::{Element, HeadGrad, LinearGrads, LinearInputs, Temperature, WeightLayout};
 

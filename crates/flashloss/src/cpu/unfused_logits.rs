@@ -8,7 +8,6 @@ use crate::batch::{GrpoBatch, LogitsLayout};
 use crate::element::Element;
 use crate::error::Result;
 use crate::grpo_config::GrpoLoss;
-use crate::grpo_logits::check_no_support;
 use crate::policy::{Normalizers, policy_stage};
 use crate::range::check_policy_rows;
 use crate::rows::RowTransform;
@@ -55,7 +54,7 @@ pub fn grpo_logits_unfused_into<E: Element>(
     ws: &mut UnfusedWorkspace,
 ) -> Result<f64> {
     layout.validate("logits", logits.len())?;
-    check_no_support(loss)?;
+    loss.check_full_softmax("the unfused logits-level GRPO")?;
     batch.validate(layout.vocab, loss)?;
     let (n, v) = (layout.rows(), layout.vocab);
     let transform = RowTransform::grpo(loss);

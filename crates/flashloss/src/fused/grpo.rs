@@ -6,7 +6,7 @@
 //! (the whole batch's policy stage between pass A and pass B, 8NHV). Per row,
 //! `dz = (g/T)·[dlogp·(1[j=y] - p) - dentropy·p·(log p + H)]`.
 
-use super::grpo_support::grpo_support;
+use super::grpo_support::{grpo_support, without_outside};
 use super::logp_request::SupportStats;
 use super::passes::{FusedPasses, Head, LinearGrads, RowGrad, check_head};
 use super::plan::{FusedOptions, Plan};
@@ -28,7 +28,8 @@ pub struct GrpoLinearOutput {
     pub loss: f64,
     /// Batch metrics.
     pub metrics: GrpoMetrics,
-    /// Per-row `logp`, `lse`, entropy (zeroed where masked).
+    /// Per-row `logp`, `lse`, entropy (zeroed where masked; a token masked by a
+    /// truncated support keeps `logp = -inf`, `lse^K` and its entropy).
     pub stats: Vec<RowStats>,
     /// Per-token KL as it enters the loss.
     pub kl: Vec<f32>,
@@ -145,7 +146,17 @@ pub(crate) fn grpo_linear_checked(
     };
     let g = opts.grad_output as f64;
     let scale = transform.grad_scale(g);
-    let mut passes = head.passes(rows, plan)?;
+    let mut passes = match head.passes(rows, plan) {
+        Ok(passes) => passes,
+        Err(e) => {
+            // Under a support the token group all-reduces the masked tokens' counts: a
+            // rank that fails here takes part, so that its peers fail instead of hang.
+            if loss.support().is_some() {
+                let _ = without_outside(norm, tokens, batch, Err(&e));
+            }
+            return Err(e);
+        }
+    };
     let mut support = None;
     let (stats, policy) = if let Some(filter) = loss.support() {
         let range = split.map_or(0..vocab, |s| s.range.clone());

@@ -20,7 +20,7 @@ use crate::error::{Error, Result};
 use crate::grpo_config::GrpoLoss;
 use crate::policy::{Normalizers, PolicyOutput, policy_stage};
 use crate::range::check_policy_rows;
-use crate::rows::{RowInputs, RowStats, check_row_stats};
+use crate::rows::{RowInputs, RowStats, RowTransform, check_row_stats};
 use crate::sharding::VocabSplit;
 use crate::support_filter::SupportFilter;
 use crate::temperature::Temperature;
@@ -57,16 +57,18 @@ pub(crate) fn grpo_support(
         ..LogpRequest::default()
     };
     let (n, t) = (batch.rows(), batch.seq_len);
-    let call = LogpCall::new((rows, request, None), n, vocab, opts, t)?;
-    let found = pass_a(passes, &call, (inputs, range), split).and_then(|(stats, _, run)| {
+    // Every failure before the normalizers' all-reduce goes into `found`, so that every
+    // rank of a token group takes part in it.
+    let found = LogpCall::new((rows, request, None), n, vocab, opts, t).and_then(|call| {
+        let (stats, _, run) = pass_a(passes, &call, (inputs, range), split)?;
         let run = run.ok_or_else(|| Error::InvalidArgument {
-            arg: "top_k",
+            arg: "top_k/top_p/min_p",
             reason: "the truncated support did not run".into(),
         })?;
-        Ok((run.stats(&stats, &call.live), stats, run))
+        Ok((run.stats(&stats, &call.live), stats, run, call))
     });
     let norm = without_outside(norm, tokens, batch, found.as_ref().map(|f| &f.0.outside))?;
-    let (support, mut stats, run) = found?;
+    let (support, mut stats, run, call) = found?;
     let mask: Vec<bool> = (0..n)
         .map(|i| batch.mask[i] && !support.outside[i])
         .collect();
@@ -81,7 +83,7 @@ pub(crate) fn grpo_support(
     let policy = policy_stage(loss, &masked, norm, &logp, &entropy);
     let live = |i: usize| mask[i];
     check_row_stats(&stats, live, batch.target_ids, t)?;
-    let scale = Some(call_scale(loss, opts));
+    let scale = Some(RowTransform::grpo(loss).grad_scale(opts.grad_output as f64));
     check_policy_rows(&policy, |i| entropy[i], 0..n, live, t, scale)?;
     let upstream = LogpUpstream::new(&policy.dlogp, Some(&policy.dentropy));
     let call = call.with_upstream(upstream)?;
@@ -96,15 +98,10 @@ pub(crate) fn grpo_support(
     })
 }
 
-/// `g/T` of the GRPO row gradient.
-fn call_scale(loss: &GrpoLoss, opts: &FusedOptions) -> f64 {
-    opts.grad_output as f64 / loss.config().temperature
-}
-
 /// `norm` less the live tokens `outside` their support (the token count and the
-/// entropy bonus's), summed over `tokens`; a rank whose pass A failed (`Err`) still
+/// entropy bonus's), summed over `tokens`; a rank that failed before (`Err`) still
 /// takes part, and every rank then fails.
-fn without_outside(
+pub(crate) fn without_outside(
     norm: Normalizers,
     tokens: Option<&dyn Collective>,
     batch: &GrpoBatch,

@@ -11,7 +11,7 @@
 
 use crate::error::{Error, Result};
 use crate::rows::RowStats;
-pub use crate::support_filter::SupportFilter;
+use crate::support_filter::SupportFilter;
 
 /// Candidate ids `[N, k]` of the whole vocabulary (row-major; repeats allowed, any may be
 /// the target), read where the row is live.

@@ -34,9 +34,7 @@ pub use grpo::{GrpoLinearOutput, grpo_linear};
 pub use logp::{
     LogpRows, logp_linear, logp_linear_grads, logp_linear_grads_with, logp_linear_with,
 };
-pub use logp_request::{
-    GatherIds, LogpOutput, LogpRequest, LogpUpstream, SupportFilter, SupportStats,
-};
+pub use logp_request::{GatherIds, LogpOutput, LogpRequest, LogpUpstream, SupportStats};
 pub use passes::{
     FusedPasses, GradPart, GradsOf, Head, LinearGrads, LinearGradsMut, RowGrad, SinglePassHooks,
     SparseGrads, TileVisitor, check_grad_lens,

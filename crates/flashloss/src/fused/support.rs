@@ -37,7 +37,7 @@
 //! Masses are `exp(s_j - s_max)` of the f32 scaled logits that decide the support, so
 //! with `T ≠ 1` `lse^K` carries their rounding (`|s|·2^-24` absolute).
 
-use super::logp_request::{SupportFilter, SupportStats};
+use super::logp_request::SupportStats;
 use super::passes::{FusedPasses, TileVisitor};
 use super::support_histogram::{BinCut, HistogramRow};
 use super::support_pass_a::BufferPass;
@@ -48,6 +48,7 @@ use super::support_shards::{combine_pass, merge_buffers, merge_histograms};
 use crate::error::Result;
 use crate::rows::{OnlineSoftmax, PartialStats, RowInputs, RowStats};
 use crate::sharding::VocabSplit;
+use crate::support_filter::SupportFilter;
 
 /// The sampler's filters with the unset ones as `None` (`top_k ≥ V`, `top_p = 1` and
 /// `min_p = 0` keep every entry); validated by the caller.

@@ -16,7 +16,8 @@ pub struct GrpoReference {
     pub loss: f64,
     /// Batch metrics.
     pub metrics: GrpoMetrics,
-    /// Per-token `logp_i`.
+    /// Per-token `logp_i` (under a truncated support `logp^K_i`; `-inf` for a token
+    /// masked by it, whose `lse^K` and entropy are kept too).
     pub logp: Vec<f64>,
     /// Per-token `lse_i`.
     pub lse: Vec<f64>,
@@ -350,7 +351,11 @@ fn reference_with(
         };
         softmax.push(Some(row));
     }
-    for i in (0..n).filter(|&i| outside[i]) {
+    // A token masked by the support keeps its statistics: `-inf`, `lse^K`, the entropy.
+    for (i, s) in supports.iter().enumerate().filter(|&(i, _)| outside[i]) {
+        let row = row_softmax(&logits[i * vocab..(i + 1) * vocab], c.temperature);
+        out.entropy[i] = row.entropy;
+        out.lse[i] = s.as_ref().map_or(0.0, |s| s.lse);
         out.logp[i] = f64::NEG_INFINITY;
     }
 

@@ -39,7 +39,7 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from .._config import DEFAULT_BUDGET_MIB, ce_config
+from .._config import DEFAULT_BUDGET_MIB, ce_config, sampler_filters
 from . import _ffi, _logprobs, _ops, _policy, _support, _vocab
 from ._logprobs import LogprobOutputs
 from .pallas import checks as _checks
@@ -271,7 +271,8 @@ def linear_grpo_loss(
         vespo_lambda_neg,
     )  # fmt: skip
     vocab = _vocab_size(weight, weight_layout, vocab_axis)
-    support = _support.filters(None if top_k == 0 else top_k, top_p, min_p, vocab)
+    truncated = any(x is not None for x in sampler_filters(top_k, top_p, min_p))
+    support = _support.filters(*sampler_filters(top_k, top_p, min_p), vocab)
     if _support.active(support) is None:
         support = None
     elif vocab_axis is not None:
@@ -313,7 +314,7 @@ def linear_grpo_loss(
 
     loss, (logp, entropy, kl, metrics) = _on_path(impl, interpret, pallas, ffi, hidden, weight, bias, ids, mask,
                                                   adv, old, ref, rho)  # fmt: skip
-    outside = None if support is None else mask & jnp.isneginf(logp)
+    outside = mask & jnp.isneginf(logp) if truncated else None
     if token_axis is not None:
         per_seq = _policy.clips_per_sequence(args, adv)
         kept = mask if outside is None else mask & ~outside
