@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import flashloss.torch as ft
+from trl_reference import truncated_support
 
 
 def exact_head(n: int, h: int, v: int, dtype: torch.dtype, seed: int, ties: bool):
@@ -32,25 +33,7 @@ def reference(hidden, weight, bias, ids, temperature, top_k, top_p, min_p):
     """``logp^K`` (float64, differentiable in the head with the support fixed) and the
     outside flags, vLLM's filters materialized on the f32 scaled logits."""
     z = hidden.double() @ weight.double().T + bias.double()
-    v = z.shape[-1]
-    s = z.detach().float() * torch.tensor(1.0 / temperature, dtype=torch.float32) + 0.0
-    s64 = s.double()
-    s_max = s64.max(-1, keepdim=True).values
-    keep = torch.ones_like(s, dtype=torch.bool)
-    if min_p is not None and min_p > 0:
-        keep &= torch.exp(s64 - s_max) >= min_p
-    if top_k is not None and top_k < v:
-        left = s.masked_fill(~keep, float("-inf"))
-        kth = left.sort(-1, descending=True).values[:, top_k - 1 : top_k]
-        keep &= s >= kth
-    if top_p is not None and top_p < 1:
-        left = s.masked_fill(~keep, float("-inf"))
-        order = torch.sort(left, stable=True, dim=-1).indices
-        mass = torch.exp(s64 - s_max).masked_fill(~keep, 0.0)
-        q = mass.gather(-1, order) / mass.sum(-1, keepdim=True)
-        drop = q.cumsum(-1) <= 1 - top_p
-        drop[:, -1] = False
-        keep &= ~torch.zeros_like(drop).scatter(-1, order, drop)
+    keep = truncated_support(z, temperature, top_k, top_p, min_p)
     scaled = z / temperature
     lse = torch.logsumexp(scaled.masked_fill(~keep, float("-inf")), -1)
     inside = keep.gather(-1, ids[:, None])[:, 0]
