@@ -251,9 +251,9 @@ def linear_grpo_loss(
     order; ``None``, ``top_k=0``, ``top_p=1``, ``min_p=0`` unset, as in TRL): every term
     uses the log-prob under the truncated support, a token whose target is outside it is
     masked (loss, normalizers, metrics) and flagged in ``GRPOOutputs.outside_support``
-    (its ``logp`` is ``-inf``); the entropy stays the full softmax's. A whole head only
-    (not with ``vocab_axis``); on the Pallas path the support is plain JAX over blocks of
-    rows, not streamed."""
+    (its ``logp`` is ``-inf``); the entropy stays the full softmax's. On the Pallas path,
+    and with ``vocab_axis`` on both (``_support_vocab``), the support is plain JAX over
+    blocks of rows, not streamed."""
     hidden, weight, bias = _head(hidden, weight, bias, weight_layout)
     ids, mask, adv, old, ref = _grpo_batch(
         completion_ids, completion_mask, advantages, old_per_token_logps, ref_per_token_logps
@@ -309,9 +309,7 @@ def linear_grpo_loss(
         hidden, weight, bias = _wide(hidden, weight, bias)
 
         def truncated(x, flat_ids, live):
-            if vocab_axis is not None:
-                return _support_vocab.truncated_logp(x, weight, bias, flat_ids, live, k_spec, vocab_axis)
-            return _support.truncated_logp(x, weight, bias, flat_ids, live, k_spec)
+            return _support_vocab.truncated(x, weight, bias, flat_ids, live, k_spec, vocab_axis)
 
         truncated = None if support is None else truncated
         return _pallas.grpo(hidden, weight, bias, ids, mask, adv, old, ref, rho, args, spec, truncated)
@@ -452,9 +450,9 @@ def linear_logprobs(
     ``s_{ik} - lse``, differentiable). ``top_k``, ``top_p``, ``min_p``: vLLM V1's truncated
     support (its filters in its order, ties by ``(s_j, j)``): ``logp`` is then ``logp^K``
     under the support, ``-inf`` where the target is outside it (``outside_support``), and
-    its gradient holds the support fixed; the other outputs stay the full softmax's. A whole
-    head only (not with ``vocab_axis``); on the Pallas path plain JAX over blocks of rows,
-    not streamed (``flashloss.jax._support``). When any is asked the return is a
+    its gradient holds the support fixed; the other outputs stay the full softmax's. On the
+    Pallas path, and with ``vocab_axis`` on both, plain JAX over blocks of rows, not
+    streamed (``_support``, ``_support_vocab``). When any is asked the return is a
     :class:`LogprobOutputs` (None where not asked), else as above."""
     hidden, weight, bias = _head(hidden, weight, bias, weight_layout)
     ids = _ids("ids", ids)
@@ -490,9 +488,7 @@ def linear_logprobs(
 
     def truncated(x, weight, bias, flat_ids, flat_mask):
         k_spec = (support, weight_layout, spec.transform)
-        if vocab_axis is not None:
-            return _support_vocab.truncated_logp(x, weight, bias, flat_ids, flat_mask, k_spec, vocab_axis)
-        return _support.truncated_logp(x, weight, bias, flat_ids, flat_mask, k_spec)
+        return _support_vocab.truncated(x, weight, bias, flat_ids, flat_mask, k_spec, vocab_axis)
 
     def ffi(x, weight, bias, flat_ids, flat_mask, cand):
         stats_args = (float(temperature), budget, mode, weight_layout)

@@ -28,12 +28,13 @@ axis by the caller, whose transpose sums the parts), ``dweight``/``dbias`` its b
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-from . import _policy, _vocab
+from . import _policy, _support, _vocab
 from ._ffi import _values
 from ._ops import vocab_size
 from ._support import Filters, _blocks, _row_logits, _zeros
@@ -183,6 +184,14 @@ def _bwd(spec, axis, res, cts):
 
 
 truncated_logp.defvjp(_fwd, _bwd, symbolic_zeros=True)
+
+
+def truncated(x, weight, bias, ids, live, spec, axis: Optional[str]):
+    """``(logp^K, outside)`` of :func:`._support.truncated_logp` (``axis`` None: a whole
+    head) or of :func:`truncated_logp` over ``axis``."""
+    if axis is None:
+        return _support.truncated_logp(x, weight, bias, ids, live, spec)
+    return truncated_logp(x, weight, bias, ids, live, spec, axis)
 
 
 def grpo(hidden, weight, bias, ids, mask, adv, old, ref, ratio, args: _policy.GrpoArgs, spec, stats):
