@@ -192,7 +192,7 @@ def test_vocab_axis_takes_a_support_on_one_device_mesh():
     a cumulative mass on the boundary: the plain FFI call decides in f64, this one in f32)."""
     from jax.sharding import PartitionSpec as P
 
-    x, w, b = exact_head(3, 4, 80, 1)
+    x, w, _ = exact_head(3, 4, 80, 1)
     ids = jnp.asarray([1, 2, 70])
     mesh = jax.make_mesh((1,), ("v",), axis_types=(jax.sharding.AxisType.Explicit,))
 
