@@ -195,12 +195,13 @@ def truncated(x, weight, bias, ids, live, spec, axis: Optional[str]):
 
 
 def grpo(hidden, weight, bias, ids, mask, adv, old, ref, ratio, args: _policy.GrpoArgs, spec, stats):
-    """TRL's GRPO loss under the truncated support with the head split over ``stats``'s
-    axis, on either path: ``(loss, (logp^K, entropy, kl, metrics))`` from the entropy of
-    :func:`._vocab.logprobs` (``stats``: its static arguments ``(axis, temperature,
-    budget, mode, layout)``), :func:`truncated_logp` (``spec`` as there) and the policy loss in JAX on the
-    kept tokens (docs/spec/losses.md, flashloss addition 13). The batch's values are
-    checked by host callbacks (the FFI policy handler is not run)."""
+    """The FFI path's GRPO loss under the truncated support with the head split over
+    ``stats``'s axis (the Pallas path's is ``pallas.losses.grpo``): ``(loss, (logp^K,
+    entropy, kl, metrics))`` from the entropy of :func:`._vocab.logprobs` (``stats``: its
+    static arguments ``(axis, temperature, budget, mode, layout)``), :func:`truncated_logp`
+    (``spec`` as there) and the policy loss in JAX on the kept tokens (docs/spec/losses.md,
+    flashloss addition 13). The batch's values are checked by host callbacks (the FFI
+    policy handler, which takes no support, is not run)."""
     axis = stats[0]
     b, t = ids.shape
     for name, values in (("advantages", adv), ("old_per_token_logps", old), ("ref_per_token_logps", ref)):
