@@ -186,15 +186,22 @@ def test_bad_filters_name_the_argument(kwargs, arg):
         fj.linear_logprobs(jnp.asarray(x), jnp.asarray(w), jnp.asarray([1, 2]), **kwargs)
 
 
-def test_vocab_axis_refuses_a_support_naming_the_filter():
+def test_vocab_axis_takes_a_support_on_one_device_mesh():
+    """With ``vocab_axis`` the support is vocab-parallel (``_support_vocab``; 8 devices in
+    test_jax_support_vocab.py): on a mesh of one it is the plain call's (``top_p`` clear of
+    a cumulative mass on the boundary: the plain FFI call decides in f64, this one in f32)."""
     from jax.sharding import PartitionSpec as P
 
-    x, w, _ = exact_head(3, 4, 8, 1)
+    x, w, _ = exact_head(3, 4, 80, 1)
+    ids = jnp.asarray([1, 2, 70])
     mesh = jax.make_mesh((1,), ("v",), axis_types=(jax.sharding.AxisType.Explicit,))
 
-    def f(x, w):
-        return fj.linear_logprobs(x, w, jnp.asarray([1, 2, 3]), top_p=0.5, vocab_axis="v", impl="ffi").logp
+    def f(x, w, axis=None):
+        out = fj.linear_logprobs(x, w, ids, top_k=3, top_p=0.43, vocab_axis=axis, impl="ffi")
+        return out.logp, out.outside_support
 
-    with pytest.raises(ValueError, match="argument `top_p`: a truncated support is not vocab-parallel"):
-        placed = [jax.device_put(jnp.asarray(a), jax.NamedSharding(mesh, s)) for a, s in ((x, P()), (w, P("v")))]
-        jax.shard_map(f, mesh=mesh, in_specs=(P(), P("v")), out_specs=P())(*placed)
+    placed = [jax.device_put(jnp.asarray(a), jax.NamedSharding(mesh, s)) for a, s in ((x, P()), (w, P("v")))]
+    got = jax.jit(jax.shard_map(lambda x, w: f(x, w, "v"), mesh=mesh, in_specs=(P(), P("v")), out_specs=P()))(*placed)
+    want = f(jnp.asarray(x), jnp.asarray(w))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-6)

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from .._config import DEFAULT_BUDGET_MIB, ce_config, sampler_filters
-from . import _ffi, _logprobs, _ops, _policy, _support, _vocab
+from . import _ffi, _logprobs, _ops, _policy, _support, _support_vocab, _vocab
 from ._logprobs import LogprobOutputs
 from .pallas import checks as _checks
 from .pallas import losses as _pallas
@@ -251,9 +251,9 @@ def linear_grpo_loss(
     order; ``None``, ``top_k=0``, ``top_p=1``, ``min_p=0`` unset, as in TRL): every term
     uses the log-prob under the truncated support, a token whose target is outside it is
     masked (loss, normalizers, metrics) and flagged in ``GRPOOutputs.outside_support``
-    (its ``logp`` is ``-inf``); the entropy stays the full softmax's. A whole head only
-    (not with ``vocab_axis``); on the Pallas path the support is plain JAX over blocks of
-    rows, not streamed."""
+    (its ``logp`` is ``-inf``); the entropy stays the full softmax's. On the Pallas path,
+    and with ``vocab_axis`` on both (``_support_vocab``), the support is plain JAX over
+    blocks of rows, not streamed."""
     hidden, weight, bias = _head(hidden, weight, bias, weight_layout)
     ids, mask, adv, old, ref = _grpo_batch(
         completion_ids, completion_mask, advantages, old_per_token_logps, ref_per_token_logps
@@ -275,9 +275,6 @@ def linear_grpo_loss(
     support = _support.filters(*sampler_filters(top_k, top_p, min_p), vocab)
     if _support.active(support) is None:
         support = None
-    elif vocab_axis is not None:
-        raise ValueError(f"argument `{_support.active(support)}`: a truncated support is not vocab-parallel "
-                         "(not with `vocab_axis`)")  # fmt: skip
     else:
         args = dataclasses.replace(args, top_k=support.top_k, top_p=support.top_p, min_p=support.min_p)
     config = args.config_json()
@@ -295,9 +292,14 @@ def linear_grpo_loss(
         hidden = jax.lax.pcast(hidden, vocab_axis, to="varying")
     spec = _pallas.spec_for(weight_layout, temperature, None, vocab_axis, vocab, interpret)
 
+    k_spec = (support, weight_layout, spec.transform)
+
     def ffi(hidden, weight, bias, ids, mask, adv, old, ref, rho):
         if vocab_axis is None:
             return _ffi.grpo(hidden, weight, bias, ids, mask, adv, old, ref, rho, config, mode, budget, weight_layout)
+        if support is not None:  # the policy handler takes no support: the loss in JAX
+            stats = (vocab_axis, float(temperature), budget, mode, weight_layout)
+            return _support_vocab.grpo(hidden, weight, bias, ids, mask, adv, old, ref, rho, args, k_spec, stats)
         return _vocab.grpo(
             hidden, weight, bias, ids, mask, adv, old, ref, config, vocab_axis, float(temperature), int(vocab),
             mode, budget, weight_layout, ratio=rho,
@@ -307,7 +309,7 @@ def linear_grpo_loss(
         hidden, weight, bias = _wide(hidden, weight, bias)
 
         def truncated(x, flat_ids, live):
-            return _support.truncated_logp(x, weight, bias, flat_ids, live, (support, weight_layout, spec.transform))
+            return _support_vocab.truncated(x, weight, bias, flat_ids, live, k_spec, vocab_axis)
 
         truncated = None if support is None else truncated
         return _pallas.grpo(hidden, weight, bias, ids, mask, adv, old, ref, rho, args, spec, truncated)
@@ -448,9 +450,9 @@ def linear_logprobs(
     ``s_{ik} - lse``, differentiable). ``top_k``, ``top_p``, ``min_p``: vLLM V1's truncated
     support (its filters in its order, ties by ``(s_j, j)``): ``logp`` is then ``logp^K``
     under the support, ``-inf`` where the target is outside it (``outside_support``), and
-    its gradient holds the support fixed; the other outputs stay the full softmax's. A whole
-    head only (not with ``vocab_axis``); on the Pallas path plain JAX over blocks of rows,
-    not streamed (``flashloss.jax._support``). When any is asked the return is a
+    its gradient holds the support fixed; the other outputs stay the full softmax's. On the
+    Pallas path, and with ``vocab_axis`` on both, plain JAX over blocks of rows, not
+    streamed (``_support``, ``_support_vocab``). When any is asked the return is a
     :class:`LogprobOutputs` (None where not asked), else as above."""
     hidden, weight, bias = _head(hidden, weight, bias, weight_layout)
     ids = _ids("ids", ids)
@@ -467,9 +469,6 @@ def linear_logprobs(
     vocab = _vocab_size(weight, weight_layout, vocab_axis)
     support = _support.filters(top_k, top_p, min_p, vocab)
     if vocab_axis is not None:
-        if _support.active(support):
-            raise ValueError(f"argument `{_support.active(support)}`: a truncated support is not vocab-parallel "
-                             "(not with `vocab_axis`)")  # fmt: skip
         x = jax.lax.pcast(x, vocab_axis, to="varying")
     spec = _pallas.spec_for(weight_layout, temperature, None, vocab_axis, vocab, interpret)
     spec = dataclasses.replace(spec, sum_p2=bool(return_sum_p2))
@@ -487,15 +486,20 @@ def linear_logprobs(
     def outside(flat_mask):  # where the support is asked but keeps everything
         return None if support is None else jnp.zeros(flat_mask.shape, bool)
 
+    def truncated(x, weight, bias, flat_ids, flat_mask):
+        k_spec = (support, weight_layout, spec.transform)
+        return _support_vocab.truncated(x, weight, bias, flat_ids, flat_mask, k_spec, vocab_axis)
+
     def ffi(x, weight, bias, flat_ids, flat_mask, cand):
         stats_args = (float(temperature), budget, mode, weight_layout)
-        if filtered:
+        if filtered and vocab_axis is None:
             *out, out_k = _support.ffi_logprobs(x, weight, bias, flat_ids, flat_mask, support, *stats_args)
         else:
-            out, out_k = (
-                _vocab.logprobs(x, weight, bias, flat_ids, flat_mask, vocab_axis, *stats_args),
-                outside(flat_mask),
-            )
+            out = _vocab.logprobs(x, weight, bias, flat_ids, flat_mask, vocab_axis, *stats_args)
+            out_k = outside(flat_mask)
+            if filtered:  # vocab-parallel: logp^K in plain JAX, the rest the full softmax's
+                logp_k, out_k = truncated(x, weight, bias, flat_ids, flat_mask)
+                out = (logp_k, *out[1:])
         logp, entropy, lse, top, p2 = out
         p2 = p2 if return_sum_p2 else None
         return logp, entropy, lse, top, p2, gathered(x, weight, bias, flat_mask, lse, cand, True), out_k
@@ -507,8 +511,7 @@ def linear_logprobs(
         g = gathered(x, weight, bias, flat_mask, st.lse, cand, _checks.runs_here(interpret))
         logp, out_k = st.logp, outside(flat_mask)
         if filtered:
-            k_spec = (support, weight_layout, spec.transform)
-            logp, out_k = _support.truncated_logp(x, weight, bias, flat_ids, flat_mask, k_spec)
+            logp, out_k = truncated(x, weight, bias, flat_ids, flat_mask)
         return logp, st.entropy, st.lse, st.max, p2, g, out_k
 
     out = _on_path(impl, interpret, pallas, ffi, x, weight, bias, ids.reshape(-1), m.reshape(-1), candidates)
