@@ -12,7 +12,8 @@ keep the largest). ``logp^K_i = s_{i,y_i} - logsumexp_{j∈K_i} s_ij``, ``-inf``
 
 - FFI path (:func:`ffi_logprobs`): the handlers ``flashloss_logp_support`` (every row's
   statistics with ``logp^K``) and ``flashloss_logp_support_grads`` (one more pass with the
-  rows' cotangents), a whole head only.
+  rows' cotangents), a whole head (a head split over ``vocab_axis``:
+  :mod:`._support_vocab`).
 - Pallas path (:func:`truncated_logp`): plain JAX over blocks of rows, NOT streamed over
   the vocabulary: each block's logits ``[rows, V]`` in f32 (``hidden·Wᵀ + bias``, the
   head's transform), the filters, ``logp^K``; the backward recomputes each block's logits
