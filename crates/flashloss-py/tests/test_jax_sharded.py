@@ -20,7 +20,7 @@ def test_token_axis_equals_one_device():
     out = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     done = [line for line in out.stdout.splitlines() if line.startswith("ok ")]
-    assert len(done) == 10 + 2 + 4 + 4 + 1 + 4, out.stdout
+    assert len(done) == 10 + 2 + 4 + 6 + 1 + 4, out.stdout
 
 
 def _main():
@@ -145,9 +145,12 @@ def _grid_2d(jax, jnp, np, fj):
     old = jnp.asarray(-np.log(v) + 0.3 * rng.standard_normal((b, t)), jnp.float32)
     ref = jnp.asarray(-np.log(v) + 0.3 * rng.standard_normal((b, t)), jnp.float32)
     mesh = jax.make_mesh((2, 4), ("t", "v"), axis_types=(AxisType.Explicit, AxisType.Explicit))
-    for loss_type, beta, level in [("dapo", 0.04, "token"), ("grpo", 0.0, "token"), ("bnpo", 0.04, "token"),
-                                   ("dr_grpo", 0.04, "sequence")]:  # fmt: skip
-        kw = dict(loss_type=loss_type, beta=beta, importance_sampling_level=level, temperature=0.9)
+    # The last two under the sampler's truncated support (its tokens outside masked over both axes).
+    cases = [("dapo", 0.04, "token", {}), ("grpo", 0.0, "token", {}), ("bnpo", 0.04, "token", {}),
+             ("dr_grpo", 0.04, "sequence", {}), ("dapo", 0.04, "token", dict(top_k=20)),
+             ("grpo", 0.04, "sequence", dict(min_p=0.05))]  # fmt: skip
+    for loss_type, beta, level, support in cases:
+        kw = dict(loss_type=loss_type, beta=beta, importance_sampling_level=level, temperature=0.9, **support)
 
         def loss(x, w, bb, i, m, a, o, r, axes=(None, None)):
             kw2 = dict(token_axis=axes[0], vocab_axis=axes[1], max_completion_length=t, **kw)
@@ -171,7 +174,7 @@ def _grid_2d(jax, jnp, np, fj):
             assert abs(float(gm[k]) - float(wm[k])) <= 1e-5 * max(abs(float(wm[k])), 1.0), (loss_type, k)
         for name, a_, b_ in zip(("dhidden", "dweight", "dbias"), gg, wg):
             _close(jnp, a_, b_, (loss_type, level, name))
-        print("ok 2d", loss_type, beta, level)
+        print("ok 2d", loss_type, beta, level, support)
 
 
 def _logprobs_vocab_axis(jax, jnp, np, fj):
