@@ -248,11 +248,7 @@ impl BenchConfig {
         if let Some(f) = self.support() {
             let grpo_linear = self.loss == LossKind::Grpo && self.level == Level::Linear;
             if !((logprobs || grpo_linear) && self.device == Backend::Cpu) {
-                let key = ["top_k", "top_p", "min_p"]
-                    .into_iter()
-                    .zip([f.top_k.is_some(), f.top_p.is_some(), f.min_p.is_some()])
-                    .find_map(|(k, set)| set.then_some(k))
-                    .unwrap_or("top_k");
+                let key = f.first_set().unwrap_or("top_k");
                 return Err(bad(
                     key,
                     "needs loss `logprobs` or `grpo` at level `linear` on device `cpu` (the CUDA \

@@ -325,13 +325,8 @@ impl GrpoLoss {
     /// computes the full softmax only (the logits-level kernels, the JAX policy stage on
     /// given statistics).
     pub fn check_full_softmax(&self, kernel: &str) -> Result<()> {
-        let Some(filter) = self.support() else {
+        let Some(feature) = self.support().and_then(|f| f.first_set()) else {
             return Ok(());
-        };
-        let feature = match filter {
-            f if f.top_k.is_some() => "top_k",
-            f if f.top_p.is_some() => "top_p",
-            _ => "min_p",
         };
         Err(Error::Unsupported {
             feature,

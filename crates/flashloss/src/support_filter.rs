@@ -17,6 +17,18 @@ pub struct SupportFilter {
 }
 
 impl SupportFilter {
+    /// The name of the first filter set, in vLLM's argument order (`top_k`, `top_p`,
+    /// `min_p`): what an error about the filter names. `None` when none is set.
+    pub fn first_set(&self) -> Option<&'static str> {
+        [
+            ("top_k", self.top_k.is_some()),
+            ("top_p", self.top_p.is_some()),
+            ("min_p", self.min_p.is_some()),
+        ]
+        .into_iter()
+        .find_map(|(name, set)| set.then_some(name))
+    }
+
     /// Checks the ranges (`top_k ≥ 1`, `0 < top_p ≤ 1`, `0 ≤ min_p ≤ 1`), naming the
     /// argument.
     pub fn check(&self) -> Result<()> {
