@@ -119,7 +119,7 @@ pub fn grpo_linear(
     let shape = head.shape();
     check_batch(loss, batch, shape, shape.vocab, opts)?;
     let plan = head.plan(opts, !loss.needs_two_pass())?;
-    let out = grpo_linear_checked(head, loss, batch, (norm, None), opts, plan, None)?;
+    let (out, _) = grpo_linear_checked(head, loss, batch, (norm, None), opts, plan, None)?;
     head.check_grads(batch.seq_len)?;
     Ok(out)
 }
@@ -127,6 +127,8 @@ pub fn grpo_linear(
 /// [`grpo_linear`] on inputs already checked, with `plan`; in a vocab-parallel run,
 /// `split` merges the statistics of the head's shard with the other shards'. `norm`:
 /// the normalizers, and the token groups they were summed over (a sharded run's).
+/// Returns the output and the normalizers the policy stage ran with (under a truncated
+/// support, `norm` less the tokens outside it).
 pub(crate) fn grpo_linear_checked(
     head: &mut dyn Head,
     loss: &GrpoLoss,
@@ -135,7 +137,7 @@ pub(crate) fn grpo_linear_checked(
     opts: &FusedOptions,
     plan: Plan,
     split: Option<&VocabSplit>,
-) -> Result<GrpoLinearOutput> {
+) -> Result<(GrpoLinearOutput, Normalizers)> {
     let vocab = head.shape().vocab;
     let transform = RowTransform::grpo(loss);
     let local_targets = split.map(|s| s.local_targets(batch.target_ids));
@@ -158,6 +160,7 @@ pub(crate) fn grpo_linear_checked(
         }
     };
     let mut support = None;
+    let mut ran_with = norm;
     let (stats, policy) = if let Some(filter) = loss.support() {
         let range = split.map_or(0..vocab, |s| s.range.clone());
         let whole = split.map_or(vocab, |s| s.vocab);
@@ -168,7 +171,7 @@ pub(crate) fn grpo_linear_checked(
             (&rows, opts),
             (range, whole, split),
         )?;
-        support = Some(run.support);
+        (support, ran_with) = (Some(run.support), run.norm);
         (run.stats, run.policy)
     } else if plan.single_pass {
         single_pass(passes.as_mut(), loss, batch, norm, &transform, g)?
@@ -192,7 +195,7 @@ pub(crate) fn grpo_linear_checked(
     check_row_stats(&stats, live, batch.target_ids, batch.seq_len)?;
     let entropy = |i: usize| stats[i].entropy;
     check_policy_rows(&policy, entropy, 0..batch.rows(), live, batch.seq_len, None)?;
-    Ok(GrpoLinearOutput {
+    let out = GrpoLinearOutput {
         loss: policy.loss,
         metrics: policy.metrics,
         stats,
@@ -201,7 +204,8 @@ pub(crate) fn grpo_linear_checked(
         grads: LinearGrads::empty(),
         plan,
         support,
-    })
+    };
+    Ok((out, ran_with))
 }
 
 /// Single pass: each row block's policy stage between its statistics and its gradients.

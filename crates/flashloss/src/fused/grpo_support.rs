@@ -28,11 +28,13 @@ use std::ops::Range;
 
 /// A GRPO step under a support: every row's statistics with `logp^K`, `lse^K` in place
 /// of `logp`, `lse` (`logp^K = -inf` where the target is outside), the policy stage's
-/// outputs on the mask `m'`, and the support's outputs.
+/// outputs on the mask `m'` with its normalizers, and the support's outputs.
 pub(crate) struct SupportedGrpo {
     pub(crate) stats: Vec<RowStats>,
     pub(crate) policy: PolicyOutput,
     pub(crate) support: SupportStats,
+    /// The normalizers the policy stage ran with (the outside tokens taken off).
+    pub(crate) norm: Normalizers,
 }
 
 /// The GRPO step of `batch` under `filter` on the head's vocabulary `range` (of the
@@ -95,6 +97,7 @@ pub(crate) fn grpo_support(
         stats,
         policy,
         support,
+        norm,
     })
 }
 

@@ -102,16 +102,13 @@ pub fn grpo_linear_sharded(
         plan,
         split.as_ref(),
     );
-    let mut out = agree(grid.world, out)?;
+    let (mut out, norm) = agree(grid.world, out)?;
     all_reduce_grads(grid, head, (&plan, split.is_some()), batch.seq_len)?;
     // Under a truncated support the tokens outside it were masked: the metrics' means
-    // are over the tokens that remain.
-    let (local, norm) = match &out.support {
-        Some(s) => {
-            let local = local.without(batch, &s.outside);
-            (local, global_normalizers(tokens, local)?)
-        }
-        None => (local, norm),
+    // are over the tokens that remain (`norm` is already the step's, summed over `tokens`).
+    let local = match &out.support {
+        Some(s) => local.without(batch, &s.outside),
+        None => local,
     };
     (out.loss, out.metrics) = reduce_policy_outputs(
         grid.tokens.as_ref(),
