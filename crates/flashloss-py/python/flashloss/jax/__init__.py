@@ -271,8 +271,9 @@ def linear_grpo_loss(
         vespo_lambda_neg,
     )  # fmt: skip
     vocab = _vocab_size(weight, weight_layout, vocab_axis)
-    truncated = any(x is not None for x in sampler_filters(top_k, top_p, min_p))
-    support = _support.filters(*sampler_filters(top_k, top_p, min_p), vocab)
+    set_filters = sampler_filters(top_k, top_p, min_p)
+    truncated = any(x is not None for x in set_filters)
+    support = _support.filters(*set_filters, vocab)
     if _support.active(support) is None:
         support = None
     else:
