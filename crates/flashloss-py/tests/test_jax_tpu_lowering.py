@@ -234,10 +234,11 @@ def test_vmem_table():
                              f"{target.vmem_bytes / mib:>8.0f}")  # fmt: skip
             for kernel, grad, inputs in (("logits_stats", False, 0), ("logits_grad", True, 4),
                                          ("logits_fused", True, 4)):  # fmt: skip
-                bn = L.block_rows(N, V, dtype, L.DEFAULT_VMEM_BUDGET, grad=grad, row_inputs=inputs)
+                bn = L.block_rows(N, V, dtype, target.block_budget_bytes, grad=grad, row_inputs=inputs)
                 footprint = L.logits_vmem_bytes(bn, V, dtype, grad=grad, row_inputs=inputs)
-                (limit,) = _scoped_vmem(_logits_kernel(kernel, dtype))
-                assert limit == L.DEFAULT_VMEM_BUDGET
+                with _chips.target_chip(name):
+                    (limit,) = _scoped_vmem(_logits_kernel(kernel, dtype))
+                assert limit == target.vmem_limit_bytes
                 assert footprint <= limit <= target.vmem_bytes, (name, kernel, dtype, footprint, limit)
                 lines.append(f"{name:<5} {kernel:<13} {jnp.dtype(dtype).name:<9} {f'{bn} x {V} (all)':<22} "
                              f"{footprint / mib:>13.2f} {limit / mib:>9.0f} {target.vmem_bytes / mib:>8.0f}")  # fmt: skip

@@ -11,3 +11,7 @@ and by the Mosaic lowering on the CPU (``docs/jax.md``).
   (:mod:`flashloss.jax._policy`); :mod:`.checks`: run-time input checks;
 - :mod:`._chips`: VMEM per chip and the blocks; :mod:`.roofline`: a time estimate.
 """
+
+from ._chips import target_chip
+
+__all__ = ["target_chip"]

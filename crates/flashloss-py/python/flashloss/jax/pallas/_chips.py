@@ -22,15 +22,34 @@ exponentials, the gradient tile and one product) and ``rows`` the per-row vector
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Optional
 
 from jax.experimental.pallas import tpu as pltpu
 
-#: Chips the table covers (``pltpu.ChipVersion`` values).
-CHIPS = ("v5e", "v6e", "7x")
-#: The chip assumed when lowering for TPU from a host without one.
-DEFAULT_CHIP = "v6e"
+#: Chips the table covers (``pltpu.ChipVersion`` values), each compiled for in CI.
+CHIPS = ("v5e", "v6e", "v5p", "7x")
+#: The chip assumed when lowering for TPU from a host without one and no
+#: :func:`target_chip`: the one with the least VMEM (v7x, 64 MiB), so that a step exported
+#: from a CPU host fits every chip.
+DEFAULT_CHIP = "7x"
+_TARGET: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("flashloss_tpu_chip", default=None)
+
+
+@contextlib.contextmanager
+def target_chip(name: str) -> Iterator[None]:
+    """Within the block, the Pallas kernels choose their blocks and VMEM request for the
+    TPU chip ``name`` (``v5e``, ``v6e``, ``v5p``, ``7x``): for compiling ahead of time on a
+    host that has no TPU, or another one. The chip is read when a step is traced."""
+    chip(name)  # a clear error for an unknown name, here
+    token = _TARGET.set(name)
+    try:
+        yield
+    finally:
+        _TARGET.reset(token)
 #: Block sizes tried, largest first: multiples of 256 (v6e and v7x's MXU is 256 wide).
 _ROW_BLOCKS = (1024, 768, 512, 256, 128)
 _VOCAB_BLOCKS = (2048, 1024, 768, 512, 256, 128)
@@ -57,8 +76,9 @@ class Chip:
 
 
 def chip(name: Optional[str] = None) -> Chip:
-    """The chip ``name`` (``v5e``, ``v6e``, ``7x``, ...), or the attached TPU's, or
-    :data:`DEFAULT_CHIP` on a host without one."""
+    """The chip ``name`` (``v5e``, ``v6e``, ``7x``, ...), else :func:`target_chip`'s, else
+    the attached TPU's, else :data:`DEFAULT_CHIP` on a host without one."""
+    name = name if name is not None else _TARGET.get()
     if name is None:
         try:
             info = pltpu.get_tpu_info()

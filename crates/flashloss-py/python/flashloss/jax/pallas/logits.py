@@ -23,8 +23,10 @@ Design (every kernel):
   written in the logits' dtype; all math is float32. No float32 copy lives in HBM.
 - VMEM: ``logits_vmem_bytes`` (input and output blocks double-buffered, the row
   vectors' ``(bn, 1)`` blocks padded to ``(8, 128)`` tiles, the chunk temporaries);
-  ``block_rows`` picks the largest ``bn`` in ``BLOCK_ROWS`` that fits a budget, and the
-  kernels ask Mosaic for that budget as ``vmem_limit_bytes``.
+  the kernels ask Mosaic for the chip's ``vmem_limit_bytes`` (:mod:`._chips`: 3/4 of its
+  VMEM) and ``block_rows`` picks the largest ``bn`` in ``BLOCK_ROWS`` whose footprint fits
+  the chip's block budget (80% of that). The real TPU compiler checks every choice
+  (:mod:`flashloss.jax.tpu_compile`).
 - ``ids`` must lie in ``[0, V)``: an id outside matches no column (its ``s_y - μ`` is 0).
 
 Lowering for TPU (``jax.export.export(jax.jit(f), platforms=("tpu",))`` on a CPU host,
@@ -49,12 +51,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from . import _chips
 from .head import out_struct
 
 __all__ = [
     "BLOCK_ROWS",
-    "DEFAULT_VMEM_BUDGET",
-    "block_rows",
+        "block_rows",
     "chunk_lanes",
     "logits_fused",
     "logits_grad",
@@ -65,9 +67,6 @@ __all__ = [
 
 #: Candidate row-block sizes, smallest first (multiples of 8: the f32 sublane tile).
 BLOCK_ROWS: tuple[int, ...] = (8, 16, 32, 64, 128, 256)
-#: Default VMEM budget per kernel (bytes): under the 32 MiB scoped default of recent chips and
-#: well under their physical VMEM; the kernels pass it to Mosaic as ``vmem_limit_bytes``.
-DEFAULT_VMEM_BUDGET: int = 32 * 2**20
 #: Elements of one float32 chunk temporary (32 vregs of 8 x 128).
 _CHUNK_ELEMS = 32 * 1024
 #: Live float32 chunk temporaries at the widest point (s, d, e, iota, one-hot select, dlogits).
@@ -109,9 +108,7 @@ def logits_vmem_bytes(bn: int, v: int, dtype: Any, *, grad: bool = True, row_inp
     return blocks + row_blocks + temps
 
 
-def block_rows(
-    n: int, v: int, dtype: Any, budget: int = DEFAULT_VMEM_BUDGET, *, grad: bool = True, row_inputs: int = 3
-) -> int:
+def block_rows(n: int, v: int, dtype: Any, budget: int, *, grad: bool = True, row_inputs: int = 3) -> int:
     """The largest ``bn`` of ``BLOCK_ROWS`` whose ``logits_vmem_bytes`` fits ``budget``
     (``n`` itself when ``n`` rows fit in that block: the block then equals the array)."""
     fits = [b for b in BLOCK_ROWS if logits_vmem_bytes(b, v, dtype, grad=grad, row_inputs=row_inputs) <= budget]
@@ -234,11 +231,14 @@ def _col(x: jax.Array, dtype: Any) -> jax.Array:
     return jnp.asarray(x).astype(dtype).reshape(-1, 1)
 
 
-def _setup(logits2d, ids, mask, rows, bn, budget, grad: bool, n_inputs: int):
-    """Shapes, block size, specs and compiler params shared by the three kernels."""
+def _setup(logits2d, ids, mask, rows, bn, limit: Optional[int], grad: bool, n_inputs: int):
+    """Shapes, block size, specs and compiler params shared by the three kernels (``limit``:
+    the VMEM request, None for the chip's, :func:`._chips.chip`)."""
     n, v = _check(logits2d, jnp.asarray(ids), rows + [("mask", None if mask is None else jnp.asarray(mask))])
+    target = _chips.chip()
+    limit = target.vmem_limit_bytes if limit is None else int(limit)
     if bn is None:
-        bn = block_rows(n, v, logits2d.dtype, budget, grad=grad, row_inputs=n_inputs)
+        bn = block_rows(n, v, logits2d.dtype, limit * 4 // 5, grad=grad, row_inputs=n_inputs)
     elif bn != n and bn % 8:
         raise ValueError(f"argument `bn`: expected a multiple of 8 (or N={n}), got {bn}")
     bn = min(bn, n)
@@ -246,7 +246,7 @@ def _setup(logits2d, ids, mask, rows, bn, budget, grad: bool, n_inputs: int):
     mask_c = jnp.ones((n, 1), jnp.int32) if mask is None else _col(jnp.asarray(mask) != 0, jnp.int32)
     tile = pl.BlockSpec((bn, v), lambda i: (i, 0))
     row = pl.BlockSpec((bn, 1), lambda i: (i, 0))
-    params = pltpu.CompilerParams(dimension_semantics=("parallel",), vmem_limit_bytes=int(budget))
+    params = pltpu.CompilerParams(dimension_semantics=("parallel",), vmem_limit_bytes=limit)
     meta = dict(n=n, v=v, c=min(chunk_lanes(bn), v))
     return n, v, bn, ids_c, mask_c, tile, row, params, meta
 
@@ -259,11 +259,12 @@ def logits_stats(
     temperature: float = 1.0,
     interpret: Interpret = False,
     bn: Optional[int] = None,
-    vmem_limit_bytes: int = DEFAULT_VMEM_BUDGET,
+    vmem_limit_bytes: Optional[int] = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(lse, logp, entropy)`` float32 ``[N]`` of ``logits2d / temperature`` at ``ids``
     ``[N]``, in one read of the logits; rows where ``mask`` is false are 0. ``bn`` (rows
-    per block) defaults to ``block_rows(N, V, dtype, vmem_limit_bytes, grad=False)``."""
+    per block) defaults to the largest that fits the chip's VMEM (``vmem_limit_bytes``: the
+    request, the chip's by default)."""
     n, v, bn, ids_c, mask_c, tile, row, params, meta = _setup(logits2d, ids, mask, [], bn, vmem_limit_bytes, False, 0)
     f32 = out_struct((n, 1), jnp.float32, logits2d, ids_c, mask_c)
     out = pl.pallas_call(
@@ -292,7 +293,7 @@ def logits_grad(
     temperature: float = 1.0,
     interpret: Interpret = False,
     bn: Optional[int] = None,
-    vmem_limit_bytes: int = DEFAULT_VMEM_BUDGET,
+    vmem_limit_bytes: Optional[int] = None,
 ) -> jax.Array:
     """``dlogits`` ``[N, V]`` in the logits' dtype from the per-row cotangents ``g_logp`` and
     ``g_ent`` ``[N]`` of ``logp`` and ``entropy`` (``lse``, ``entropy`` from
@@ -323,7 +324,7 @@ def logits_fused(
     temperature: float = 1.0,
     interpret: Interpret = False,
     bn: Optional[int] = None,
-    vmem_limit_bytes: int = DEFAULT_VMEM_BUDGET,
+    vmem_limit_bytes: Optional[int] = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """``(row_loss, logp, entropy, dlogits)`` in ONE kernel (one read and one write of the
     logits): per row block the statistics, then ``row_loss = row_fn(logp, entropy,

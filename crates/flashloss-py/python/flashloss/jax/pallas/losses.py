@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import _policy
-from . import checks, logits
+from . import _chips, checks, logits
 from .head import Transform
 from .stats import HeadSpec, RowStats, row_stats
 
@@ -178,9 +178,11 @@ def spec_for(
     vocab: int,
     interpret,
 ) -> HeadSpec:
-    """The kernels' static arguments from the API's."""
+    """The kernels' static arguments from the API's, with the chip resolved now (a static
+    argument of the jitted kernels, so that a step traced for another chip is retraced)."""
     return HeadSpec(
         layout=layout,
+        chip=_chips.chip().name,
         transform=Transform(float(temperature), None if softcap is None else float(softcap)),
         vocab_axis=vocab_axis,
         vocab=int(vocab),

@@ -41,7 +41,7 @@ def rows(n: int, h: int, v: int, chips=_chips.CHIPS) -> list[dict]:
                     flops, hbm = 4 * n * h * v, -(-v // b.vocab) * n * h * e + 2 * v * h * e
                 vmem = _chips.vmem_bytes(kernel, b, h, e)
                 out.append(_row(name, kernel, dtype, f"{b.rows}x{b.vocab}", vmem, chip, flops, hbm, rate))
-            bn = logits.block_rows(n, v, jnp.dtype(dtype))
+            bn = logits.block_rows(n, v, jnp.dtype(dtype), chip.block_budget_bytes)
             vmem = logits.logits_vmem_bytes(bn, v, jnp.dtype(dtype))
             out.append(_row(name, "logits_fused", dtype, f"{bn}xV", vmem, chip, 0, 2 * n * v * e, rate))
     return out

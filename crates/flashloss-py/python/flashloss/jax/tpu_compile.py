@@ -1,0 +1,287 @@
+"""Compile flashloss's Pallas steps with the real XLA TPU compiler on a host without a TPU.
+
+libtpu (``pip install "jax[tpu]"``) compiles for a TPU topology described by name
+(``jax.experimental.topologies``): XLA's TPU compiler and Mosaic run on the host, so a
+kernel whose blocks overflow the chip's VMEM fails here as it would on the chip, and
+``memory_analysis()`` / ``cost_analysis()`` give the compiled step's temporaries, FLOPs and
+bytes. Nothing runs: compiled for a TPU is not run on one.
+
+Each :class:`Case` is one ``jit(value_and_grad)`` step at shape-only inputs
+(``jax.ShapeDtypeStruct`` on the topology's devices, nothing allocated), compiled under
+:func:`flashloss.jax.pallas.target_chip` so the kernels pick that chip's blocks. One JSON
+line per (chip, case): ``ok``, the error (its VMEM line), compile seconds, XLA's temp,
+argument and output bytes, FLOPs, bytes accessed, the roofline time from them (an estimate),
+and whether temp stays within the case's bound.
+
+    python -m flashloss.jax.tpu_compile --chips v5e,v6e,v5p,7x --cases all [--json OUT]
+    python -m flashloss.jax.tpu_compile --chips v6e --cases grpo_token_bf16_vh,baseline_bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import re
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import flashloss.jax as fj
+
+from . import bench
+from .pallas import _chips, target_chip
+
+#: libtpu's topology name of each chip (``pltpu.ChipVersion`` value → topology).
+TOPOLOGIES = {"v5e": "v5e:2x2", "v6e": "v6e:2x4", "v5p": "v5p:2x2x1", "7x": "tpu7x:2x2x1"}
+#: The original system's shape: B=1, T=8192, H=4096, V=151936.
+B, T, H, V = 1, 8192, 4096, 151936
+MIB = 1 << 20
+#: Temporaries the two-pass head path may hold at the original shape (the issue's bound).
+HEAD_TEMP_BOUND = 64 * MIB
+#: The materialized logits' steps: the logits and their gradient are arguments and outputs,
+#: the temporaries a few per-row vectors.
+LOGITS_TEMP_BOUND = 64 * MIB
+
+
+@dataclass(frozen=True)
+class Case:
+    """One step to compile: ``step(*structs)`` with ``structs`` from :func:`_inputs`."""
+
+    name: str
+    step: Callable
+    inputs: Callable  # (devices) -> tuple of ShapeDtypeStruct
+    #: The most temp bytes allowed, or None where the case is a reference (a baseline).
+    temp_bound: Optional[int] = HEAD_TEMP_BOUND
+    #: Devices the case runs on (8: a v6e-8 mesh; only chips whose topology has them).
+    devices: int = 1
+    tags: tuple[str, ...] = field(default=())
+
+
+@functools.lru_cache(maxsize=None)
+def devices(chip: str) -> tuple:
+    """The compile-only devices of ``chip``'s topology (libtpu, no TPU needed)."""
+    from jax.experimental import topologies
+
+    if chip not in TOPOLOGIES:
+        raise ValueError(f"argument `chip`: expected one of {sorted(TOPOLOGIES)}, got {chip!r}")
+    return tuple(topologies.get_topology_desc(platform="tpu", topology_name=TOPOLOGIES[chip]).devices)
+
+
+def _structs(devs, specs, shapes) -> tuple:
+    mesh = Mesh(np.array(devs), ("d",))
+    return tuple(jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, p)) for (s, d), p in zip(shapes, specs))
+
+
+def _batch_shapes(b, t, h, v, dtype, layout="vh") -> list:
+    """hidden, weight, ids, old, ref, adv, mask (bench's order)."""
+    w = (v, h) if layout == "vh" else (h, v)
+    f32 = ((b, t), jnp.float32)
+    return [((b, t, h), dtype), (w, dtype), ((b, t), jnp.int32), f32, f32, ((b,), jnp.float32), ((b, t), jnp.bool_)]
+
+
+def _batch(b=B, t=T, h=H, v=V, dtype=jnp.bfloat16, layout="vh", specs=None) -> Callable:
+    shapes = _batch_shapes(b, t, h, v, dtype, layout)
+    return lambda devs: _structs(devs, specs or (P(),) * len(shapes), shapes)
+
+
+def _grpo(layout="vh", **kw) -> Callable:
+    def loss(h, w, ids, old, ref, adv, mask):
+        out = fj.linear_grpo_loss(h, w, ids, mask, adv, old_per_token_logps=old, ref_per_token_logps=ref, beta=0.04,
+                                  impl="pallas", weight_layout=layout, **kw)  # fmt: skip
+        return out[0]
+
+    return jax.value_and_grad(loss, (0, 1))
+
+
+def _ce(layout="vh") -> Callable:
+    def loss(h, w, ids, old, ref, adv, mask):
+        targets = jnp.where(mask, ids, -100).reshape(-1)
+        return fj.linear_cross_entropy(h.reshape(-1, h.shape[-1]), w, targets, impl="pallas", weight_layout=layout)
+
+    return jax.value_and_grad(loss, (0, 1))
+
+
+def _logprobs(layout="vh", **kw) -> Callable:
+    """``linear_logprobs`` with ``kw``'s options; every differentiable output feeds the loss."""
+
+    def loss(h, w, ids, old, ref, adv, mask):
+        k = kw.get("gather", 0)
+        opts = {key: value for key, value in kw.items() if key != "gather"}
+        cand = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), ids.shape + (k,)) if k else None
+        out = fj.linear_logprobs(h, w, ids, 0.7, True, mask=mask, gather_ids=cand, impl="pallas", weight_layout=layout,
+                                 **opts)  # fmt: skip
+        if not isinstance(out, tuple) or isinstance(out, fj.LogprobOutputs):
+            lp = jnp.where(out.outside_support, 0.0, out.logp) if out.outside_support is not None else out.logp
+            total = lp.sum() + 0.1 * out.entropy.sum()
+            total = total + (0.0 if out.lse is None else 0.01 * out.lse.sum())
+            return total + (0.0 if out.gathered_logp is None else 0.01 * out.gathered_logp.sum())
+        return out[0].sum() + 0.1 * out[1].sum()
+
+    return jax.value_and_grad(loss, (0, 1))
+
+
+def _logits_step(dtype) -> tuple[Callable, Callable]:
+    def step(z, ids, mask, adv, old, ref):
+        loss = lambda z: fj.grpo_loss(z, ids, mask, adv, old_per_token_logps=old, ref_per_token_logps=ref, beta=0.04,
+                                      impl="pallas")[0]  # fmt: skip
+        return jax.value_and_grad(loss)(z)
+
+    f32 = ((B, T), jnp.float32)
+    shapes = [((B, T, V), dtype), ((B, T), jnp.int32), ((B, T), jnp.bool_), ((B,), jnp.float32), f32, f32]
+    return step, lambda devs: _structs(devs, (P(),) * 6, shapes)
+
+
+def _reference(name: str) -> Callable:
+    cfg = {"temperature": 1.0, "beta": 0.04, "epsilon": 0.2, "vocab_tile": 8192}
+    fn = bench.IMPLS[name]
+    return jax.value_and_grad(lambda h, w, *rest: fn(h, w, *rest, cfg), (0, 1))
+
+
+def _sharded(split: str) -> Case:
+    """GRPO bf16 on an 8-chip v6e mesh: the head split over the vocabulary, the sequences
+    over the tokens, or both (2 x 4)."""
+    if split == "2d":
+        mesh_shape, names = (2, 4), ("t", "v")
+        rows, block, axes, b, t = P("t"), P("v"), {"token_axis": "t", "vocab_axis": "v"}, 2, T // 2
+    else:
+        mesh_shape, names = (8,), ("d",)
+        rows, block = (P(), P("d")) if split == "vocab" else (P("d"), P())
+        axes = {f"{split}_axis": "d"}
+        b, t = (1, T) if split == "vocab" else (8, T // 8)
+    specs = (rows, block) + (rows,) * 5
+    shapes = _batch_shapes(b, t, H, V - V % 8, jnp.bfloat16)
+
+    def inputs(devs):
+        mesh = Mesh(np.array(devs).reshape(mesh_shape), names)
+        return tuple(jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, p)) for (s, d), p in zip(shapes, specs))
+
+    def step(*args):
+        mesh = args[0].sharding.mesh
+        inner = jax.shard_map(_grpo(**axes), mesh=mesh, in_specs=specs, out_specs=(P(), (rows, block)))
+        return inner(*args)
+
+    return Case(f"grpo_mesh_{split}_bf16", step, inputs, devices=8, tags=("mesh",))
+
+
+def cases() -> dict[str, Case]:
+    """Every case by name. Tags: ``core`` (every chip), ``v6e`` (the rest, one chip),
+    ``reference`` (the baselines: no bound), ``mesh``."""
+    out: list[Case] = []
+    for dtype, d in ((jnp.bfloat16, "bf16"), (jnp.float32, "f32")):
+        for layout in ("vh", "hv"):
+            out.append(Case(f"grpo_token_{d}_{layout}", _grpo(layout), _batch(dtype=dtype, layout=layout),
+                            tags=("core",)))  # fmt: skip
+        out.append(Case(f"grpo_sequence_{d}", _grpo(loss_type="grpo", importance_sampling_level="sequence"),
+                        _batch(dtype=dtype), tags=("v6e",)))  # fmt: skip
+        out.append(Case(f"ce_{d}", _ce(), _batch(dtype=dtype), tags=("v6e",)))
+        out.append(Case(f"logprobs_entropy_{d}", _logprobs(), _batch(dtype=dtype), tags=("v6e",)))
+        out.append(Case(f"logprobs_stats_{d}", _logprobs(return_lse=True, return_max=True, return_sum_p2=True),
+                        _batch(dtype=dtype), tags=("core",)))  # fmt: skip
+        out.append(Case(f"logprobs_gather64_{d}", _logprobs(gather=64), _batch(dtype=dtype), tags=("v6e",)))
+        for opt in ({"top_k": 50}, {"top_p": 0.9}, {"min_p": 0.05}, {"top_k": 50, "top_p": 0.9}):
+            tag = "_".join(f"{k}{v}" for k, v in opt.items())
+            out.append(Case(f"logprobs_support_{tag}_{d}", _logprobs(**opt), _batch(dtype=dtype), tags=("support",)))
+        step, inputs = _logits_step(dtype)
+        out.append(Case(f"logits_grpo_{d}", step, inputs, temp_bound=LOGITS_TEMP_BOUND, tags=("core",)))
+        out.append(Case(f"baseline_{d}", _reference("baseline"), _batch(dtype=dtype), None, tags=("reference",)))
+        out.append(Case(f"tiled_{d}", _reference("tiled"), _batch(dtype=dtype), None, tags=("reference",)))
+    for h in (896, 1536, 3584):  # ragged: V=151643 (odd), N=8191 (a multiple of no block)
+        for dtype, d in ((jnp.bfloat16, "bf16"), (jnp.float32, "f32")):
+            out.append(Case(f"grpo_ragged_h{h}_{d}", _grpo(), _batch(t=T - 1, h=h, v=151643, dtype=dtype),
+                            tags=("core",)))  # fmt: skip
+    out += [_sharded(split) for split in ("vocab", "token", "2d")]
+    return {c.name: c for c in out}
+
+
+def select(spec: str) -> list[Case]:
+    """Cases by comma-separated names or tags (``all``: every case)."""
+    table = cases()
+    if spec == "all":
+        return list(table.values())
+    chosen: dict[str, Case] = {}
+    for word in spec.split(","):
+        hits = [c for c in table.values() if c.name == word or word in c.tags]
+        if not hits:
+            raise ValueError(f"argument `cases`: no case or tag {word!r} (tags: core, v6e, support, reference, mesh)")
+        chosen.update((c.name, c) for c in hits)
+    return list(chosen.values())
+
+
+_VMEM = re.compile(r"(Scoped allocation with size [\d.]+\w* and limit [\d.]+\w*|Used [\d.]+\w* of [\d.]+\w*\s*vmem"
+                   r"|Ran out of memory in memory space \w+[^\n]*)")  # fmt: skip
+
+
+def compile_case(case: Case, chip: str) -> dict[str, Any]:
+    """Compile ``case`` for ``chip``: one result line (see the module)."""
+    devs = devices(chip)
+    row: dict[str, Any] = {"chip": chip, "case": case.name, "devices": case.devices}
+    if len(devs) < case.devices:
+        return {**row, "ok": None, "skipped": f"the {TOPOLOGIES[chip]} topology has {len(devs)} devices"}
+    start = time.perf_counter()
+    try:
+        with target_chip(chip):
+            compiled = jax.jit(case.step).lower(*case.inputs(devs[: case.devices])).compile()
+    except Exception as e:  # the compiler's own message is the result
+        text = str(e)
+        found = _VMEM.search(text)
+        return {**row, "ok": False, "compile_seconds": round(time.perf_counter() - start, 1),
+                "error": found.group(0) if found else text.splitlines()[0][:400]}  # fmt: skip
+    seconds = time.perf_counter() - start
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    flops, accessed = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+    target = _chips.chip(chip)
+    temp = int(mem.temp_size_in_bytes)
+    within = None if case.temp_bound is None else temp <= case.temp_bound
+    return {
+        **row,
+        "ok": within is not False,
+        "compile_seconds": round(seconds, 1),
+        "temp_bytes": temp,
+        "temp_bound_bytes": case.temp_bound,
+        "temp_within_bound": within,
+        "argument_bytes": int(mem.argument_size_in_bytes),
+        "output_bytes": int(mem.output_size_in_bytes),
+        "flops": flops,
+        "bytes_accessed": accessed,
+        "roofline_seconds_estimate": max(flops / target.bf16_flops_per_s, accessed / target.hbm_bytes_per_s),
+    }
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--chips", default="v6e", help=f"comma-separated, of {sorted(TOPOLOGIES)}")
+    p.add_argument("--cases", default="core", help="comma-separated case names or tags, or all")
+    p.add_argument("--json", metavar="OUT", help="also append the lines to OUT")
+    p.add_argument("--list", action="store_true", help="print the case names and tags, compile nothing")
+    a = p.parse_args(argv)
+    chosen = select(a.cases)
+    if a.list:
+        for c in chosen:
+            print(c.name, ",".join(c.tags))
+        return 0
+    failed = 0
+    for chip in a.chips.split(","):
+        for case in chosen:
+            line = json.dumps(compile_case(case, chip))
+            print(line, flush=True)
+            failed += '"ok": false' in line
+            if a.json:
+                with open(a.json, "a") as f:
+                    f.write(line + "\n")
+    print(f"tpu_compile: {failed} of the compiled cases failed", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
