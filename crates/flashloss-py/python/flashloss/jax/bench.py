@@ -15,6 +15,12 @@ compile), XLA's compiled ``memory_analysis`` (temp, argument, output bytes; a fu
 call's own workspace is outside XLA and shows only in the RSS) and the process's peak
 RSS above the inputs. Progress goes to stderr.
 
+``--compile tpu`` runs nothing either: it compiles the step of each of ``pallas``,
+``baseline`` and ``tiled`` with libtpu for the TPU chip ``chip`` (``v5e``, ``v6e``, ``v5p``,
+``7x``; ``pip install "jax[tpu]"``, no TPU needed) at the same default shape, and prints one
+JSON line per step: XLA's temp, argument and output bytes, FLOPs and bytes accessed, and
+the roofline time they give on that chip, an estimate (:mod:`flashloss.jax.tpu_compile`).
+
 ``--lower tpu`` runs nothing: it lowers the jitted step for TPU from shape-only inputs
 (``jax.ShapeDtypeStruct``: nothing large is allocated), by default at the original shape
 B=1, T=8192, H=4096, V=151936 (``batch``, ``tokens``, ``hidden``, ``vocab``, ``dtype``
@@ -24,6 +30,7 @@ and whether any array has both the dims ``N = B·T`` and ``V`` (see :func:`modul
 
     python -m flashloss.jax.bench --config configs/jax/fused.yaml [--set tokens=512 ...] [--json OUT]
     python -m flashloss.jax.bench --set impl=pallas --lower tpu
+    python -m flashloss.jax.bench --compile tpu --set chip=v6e [--set dtype=float32]
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ from flashloss._config import load_yaml
 
 DEFAULTS = dict(impl="fused", tokens=2048, hidden=1024, vocab=151936, batch=4, dtype="float32",
                 beta=0.04, epsilon=0.2, temperature=1.0, warmup=1, repeat=3, vocab_tile=8192,
-                budget_mib=160.0, seed=0, min_length=0.5, interpret=False)  # fmt: skip
+                budget_mib=160.0, seed=0, min_length=0.5, interpret=False, chip="v6e")  # fmt: skip
 #: The shape ``--lower`` defaults to: the original system's B=1, T=8192, H=4096, V=151936.
 LOWER_DEFAULTS = dict(DEFAULTS, tokens=8192, batch=1, hidden=4096, vocab=151936)
 
@@ -342,6 +349,22 @@ def lower(cfg, platform: str = "tpu") -> dict:
     }
 
 
+def compile_tpu(cfg) -> list[dict]:
+    """Each of the ``pallas``, ``baseline`` and ``tiled`` steps compiled for TPU ``chip``
+    from shape-only inputs (:func:`flashloss.jax.tpu_compile.compile_case`): one row each."""
+    from . import tpu_compile  # needs libtpu: imported only here
+
+    rows = []
+    for impl in ("pallas", "baseline", "tiled"):
+        step_cfg = dict(cfg, impl=impl)
+        bound = tpu_compile.HEAD_TEMP_BOUND if impl == "pallas" else None
+        case = tpu_compile.Case(
+            impl, step_fn(step_cfg), lambda devs: tpu_compile.placed(devs, input_structs(cfg)), bound
+        )
+        rows.append({**tpu_compile.compile_case(case, cfg["chip"]), "config": step_cfg})
+    return rows
+
+
 def load(path, overrides, defaults: dict | None = None):
     cfg = load_yaml(path, overrides, DEFAULTS if defaults is None else defaults)
     if cfg["impl"] not in IMPLS:
@@ -360,11 +383,22 @@ def main(argv=None) -> None:
     p.add_argument("--json", metavar="OUT")
     p.add_argument("--lower", choices=("tpu",), help="lower the step for TPU (B=1, T=8192, H=4096, V=151936 unless "
                    "set) and describe its StableHLO module; nothing runs")  # fmt: skip
+    p.add_argument("--compile", choices=("tpu",), help="compile the pallas, baseline and tiled steps for TPU chip "
+                   "`chip` with libtpu (the --lower shape) and print XLA's memory and cost figures; nothing runs")  # fmt: skip
     a = p.parse_args(argv)
-    cfg = load(a.config, a.set, LOWER_DEFAULTS if a.lower else DEFAULTS)
-    what = f"lower for {a.lower}" if a.lower else "run"
+    shape_only = a.lower or a.compile
+    cfg = load(a.config, a.set, LOWER_DEFAULTS if shape_only else DEFAULTS)
+    what = f"lower for {a.lower}" if a.lower else f"compile for {cfg['chip']}" if a.compile else "run"
     print(f"bench: {what} {cfg['impl']} B={cfg['batch']} N={cfg['tokens']} H={cfg['hidden']} V={cfg['vocab']} "
           f"{cfg['dtype']}", file=sys.stderr)  # fmt: skip
+    if a.compile:
+        rows = compile_tpu(cfg)
+        text = "\n".join(json.dumps(r) for r in rows)
+        print(text)
+        if a.json:
+            with open(a.json, "w") as f:
+                f.write(text + "\n")
+        return
     result = lower(cfg, a.lower) if a.lower else run(cfg)
     text = json.dumps(result)
     print(text)

@@ -37,7 +37,6 @@ from jax.sharding import PartitionSpec as P
 
 import flashloss.jax as fj
 
-from . import bench
 from .pallas import _chips, target_chip
 
 #: libtpu's topology name of each chip (``pltpu.ChipVersion`` value → topology).
@@ -79,6 +78,11 @@ def devices(chip: str) -> tuple:
 def _structs(devs, specs, shapes) -> tuple:
     mesh = Mesh(np.array(devs), ("d",))
     return tuple(jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, p)) for (s, d), p in zip(shapes, specs))
+
+
+def placed(devs, structs: tuple) -> tuple:
+    """``structs`` (shape-only inputs) replicated on the devices ``devs``."""
+    return _structs(devs, (P(),) * len(structs), [(s.shape, s.dtype) for s in structs])
 
 
 def _batch_shapes(b, t, h, v, dtype, layout="vh") -> list:
@@ -131,19 +135,15 @@ def _logprobs(layout="vh", **kw) -> Callable:
 
 def _logits_step(dtype) -> tuple[Callable, Callable]:
     def step(z, ids, mask, adv, old, ref):
-        loss = lambda z: fj.grpo_loss(z, ids, mask, adv, old_per_token_logps=old, ref_per_token_logps=ref, beta=0.04,
-                                      impl="pallas")[0]  # fmt: skip
+        def loss(z):
+            return fj.grpo_loss(z, ids, mask, adv, old_per_token_logps=old, ref_per_token_logps=ref, beta=0.04,
+                                impl="pallas")[0]  # fmt: skip
+
         return jax.value_and_grad(loss)(z)
 
     f32 = ((B, T), jnp.float32)
     shapes = [((B, T, V), dtype), ((B, T), jnp.int32), ((B, T), jnp.bool_), ((B,), jnp.float32), f32, f32]
     return step, lambda devs: _structs(devs, (P(),) * 6, shapes)
-
-
-def _reference(name: str) -> Callable:
-    cfg = {"temperature": 1.0, "beta": 0.04, "epsilon": 0.2, "vocab_tile": 8192}
-    fn = bench.IMPLS[name]
-    return jax.value_and_grad(lambda h, w, *rest: fn(h, w, *rest, cfg), (0, 1))
 
 
 def _sharded(split: str) -> Case:
@@ -173,8 +173,10 @@ def _sharded(split: str) -> Case:
 
 
 def cases() -> dict[str, Case]:
-    """Every case by name. Tags: ``core`` (every chip), ``v6e`` (the rest, one chip),
-    ``reference`` (the baselines: no bound), ``mesh``."""
+    """Every case by name. Tags: ``core`` (compiled for every chip in CI), ``v6e`` (the
+    rest of the options, for one chip), ``support`` (the sampler's truncated support),
+    ``mesh`` (8 devices). The baselines' steps are :mod:`flashloss.jax.bench`'s
+    (``--compile tpu``)."""
     out: list[Case] = []
     for dtype, d in ((jnp.bfloat16, "bf16"), (jnp.float32, "f32")):
         for layout in ("vh", "hv"):
@@ -192,8 +194,6 @@ def cases() -> dict[str, Case]:
             out.append(Case(f"logprobs_support_{tag}_{d}", _logprobs(**opt), _batch(dtype=dtype), tags=("support",)))
         step, inputs = _logits_step(dtype)
         out.append(Case(f"logits_grpo_{d}", step, inputs, temp_bound=LOGITS_TEMP_BOUND, tags=("core",)))
-        out.append(Case(f"baseline_{d}", _reference("baseline"), _batch(dtype=dtype), None, tags=("reference",)))
-        out.append(Case(f"tiled_{d}", _reference("tiled"), _batch(dtype=dtype), None, tags=("reference",)))
     for h in (896, 1536, 3584):  # ragged: V=151643 (odd), N=8191 (a multiple of no block)
         for dtype, d in ((jnp.bfloat16, "bf16"), (jnp.float32, "f32")):
             out.append(Case(f"grpo_ragged_h{h}_{d}", _grpo(), _batch(t=T - 1, h=h, v=151643, dtype=dtype),
@@ -211,7 +211,7 @@ def select(spec: str) -> list[Case]:
     for word in spec.split(","):
         hits = [c for c in table.values() if c.name == word or word in c.tags]
         if not hits:
-            raise ValueError(f"argument `cases`: no case or tag {word!r} (tags: core, v6e, support, reference, mesh)")
+            raise ValueError(f"argument `cases`: no case or tag {word!r} (tags: core, v6e, support, mesh)")
         chosen.update((c.name, c) for c in hits)
     return list(chosen.values())
 

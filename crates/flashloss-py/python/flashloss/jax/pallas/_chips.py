@@ -3,21 +3,25 @@ and the blocks chosen for a chip.
 
 A chip cannot be asked on a CPU host (``pltpu.get_tpu_info()`` fails there), so the
 table is JAX's own per-chip record (``pltpu.get_tpu_info_for_chip``: VMEM capacity, HBM
-bandwidth, bf16 rate), read for a named chip; on a TPU host the attached chip is used.
-Every kernel requests ``vmem_limit_bytes = 3/4`` of the chip's VMEM (96 MiB on v5e and
-v6e, 48 MiB on v7x; Mosaic's default scoped limit, 16-32 MiB, is what broke large
-vocabulary tiles for others) and takes the largest blocks whose footprint, counted
-below from the block shapes, stays within 80% of that request.
+bandwidth, bf16 rate): the chip named by :func:`target_chip`, else the attached TPU's,
+else :data:`DEFAULT_CHIP`. Every kernel requests ``vmem_limit_bytes = 3/4`` of the chip's
+VMEM (96 MiB on v5e and v6e, 48 MiB on v5p and v7x; Mosaic's default scoped limit, 16-32
+MiB, is what broke large vocabulary tiles for others) and takes the largest blocks whose
+footprint, counted below from the block shapes, stays within 80% of that request.
 
 Footprint of a kernel, bytes (``e``: the input dtype's size, ``bn`` rows, ``bv``
-vocabulary entries, ``h`` hidden; Pallas double-buffers every pipelined block):
+vocabulary entries, ``h`` hidden; Pallas double-buffers every pipelined block; ``σ`` =
+:data:`F32_SPLIT_BYTES` for f32 inputs, 0 for bf16):
 
-- forward: ``2·bn·h·e + 2·bv·h·e + 4·bn·bv·4 + rows``
-- dH: forward's + ``2·bn·h·e`` (the dH block) + ``bn·h·4`` (its f32 accumulator)
-- dW: forward's + ``2·bv·h·e`` (the dW block) + ``bv·h·4`` (its f32 accumulator)
+- forward: ``2·bn·h·e + 2·bv·h·e + 4·bn·bv·4 + σ·bn·h + rows``
+- dH: forward's + ``2·bn·h·e`` (the dH block) + ``bn·h·4`` (its f32 accumulator) + ``σ·bv·h``
+- dW: forward's + ``2·bv·h·e`` (the dW block) + ``bv·h·4`` (its f32 accumulator) + ``σ·bv·h``
 
 where ``4·bn·bv·4`` bounds the f32 temporaries of a logits tile (the tile, its
-exponentials, the gradient tile and one product) and ``rows`` the per-row vectors.
+exponentials, the gradient tile and one product), ``σ·…`` the bf16 pieces Mosaic splits an
+f32 operand into for a product at HIGHEST precision (six bf16 passes), and ``rows`` the
+per-row vectors. This is an upper bound, not Mosaic's allocation: the check is the
+compile itself (:mod:`flashloss.jax.tpu_compile`, in CI for v5e, v6e, v5p and v7x).
 """
 
 from __future__ import annotations
@@ -50,9 +54,15 @@ def target_chip(name: str) -> Iterator[None]:
         yield
     finally:
         _TARGET.reset(token)
+
+
 #: Block sizes tried, largest first: multiples of 256 (v6e and v7x's MXU is 256 wide).
 _ROW_BLOCKS = (1024, 768, 512, 256, 128)
 _VOCAB_BLOCKS = (2048, 1024, 768, 512, 256, 128)
+#: VMEM per element of an f32 operand of a product at HIGHEST precision: Mosaic splits it
+#: into bf16 pieces (measured with libtpu 0.0.42 on v6e: 10-15 bytes per element of the
+#: row block of the forward kernel; 16 bounds it).
+F32_SPLIT_BYTES = 16
 
 
 @dataclass(frozen=True)
@@ -113,15 +123,18 @@ def _rows_bytes(bn: int, vectors: int) -> int:
 
 
 def vmem_bytes(kernel: str, blocks: Blocks, hidden: int, itemsize: int) -> int:
-    """The VMEM footprint of ``kernel`` (``forward``, ``dh``, ``dw``) at ``blocks``."""
+    """The VMEM footprint of ``kernel`` (``forward``, ``dh``, ``dw``) at ``blocks``: an
+    upper bound of Mosaic's scoped allocation (the module's formula, checked by compiling
+    every kernel with libtpu for each chip, :mod:`flashloss.jax.tpu_compile`)."""
     bn, bv, h, e = blocks.rows, blocks.vocab, hidden, itemsize
-    base = 2 * bn * h * e + 2 * bv * h * e + 4 * bn * bv * 4 + 2 * 8 * bv * 4
+    split = F32_SPLIT_BYTES if e == 4 else 0
+    base = 2 * bn * h * e + 2 * bv * h * e + 4 * bn * bv * 4 + 2 * 8 * bv * 4 + split * bn * h
     if kernel == "forward":
         return base + _rows_bytes(bn, 6)
     if kernel == "dh":
-        return base + 2 * bn * h * e + bn * h * 4 + _rows_bytes(bn, 7)
+        return base + 2 * bn * h * e + bn * h * 4 + split * bv * h + _rows_bytes(bn, 7)
     if kernel == "dw":
-        return base + 2 * bv * h * e + bv * h * 4 + 2 * 8 * bv * 4 + _rows_bytes(bn, 7)
+        return base + 2 * bv * h * e + bv * h * 4 + 2 * 8 * bv * 4 + split * bv * h + _rows_bytes(bn, 7)
     raise ValueError(f"argument `kernel`: expected forward, dh or dw, got {kernel!r}")
 
 

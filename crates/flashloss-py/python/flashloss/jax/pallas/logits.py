@@ -10,8 +10,11 @@ Design (every kernel):
   logits from HBM: a max sweep, then a sweep forming ``S = Σ exp(s - μ)``,
   ``U = Σ exp(s - μ)·(s - μ)`` and the target's ``s - μ`` (iota compare, no gather), so
   ``log S``, ``lse = μ + log S``, ``logp = (s_y - μ) - log S``, ``H = log S - U/S``.
-  The sweeps walk the VMEM block in static lane chunks of ``chunk_lanes(bn)`` columns,
-  so the float32 temporaries are a few ``bn x chunk`` tiles, not ``bn x V``.
+  The sweeps walk the VMEM block in lane chunks of ``chunk_lanes(bn)`` columns in a
+  ``fori_loop`` (``_sweep``), so the float32 temporaries are a few ``bn x chunk`` tiles,
+  not ``bn x V``. (Unrolled in Python, Mosaic kept every chunk's f32 values live from the
+  max sweep to the next: 11 bytes per logit of the block, which overflowed VMEM at
+  bf16, and took minutes to compile at 64 rows.)
 - Per-row arrays ``[N]`` travel as ``[N, 1]`` with ``(bn, 1)`` blocks (the last dim equals
   the array's, ``bn`` a multiple of 8 or ``N``): one value per row, broadcast along lanes.
 - Masks: ``mask`` is an explicit ``[N]`` argument (nonzero = live; ``None`` = all live).
@@ -35,9 +38,9 @@ jax 0.10.2; nothing here ran on a TPU): all three kernels lower at ``[13, 1003]`
 min/max/clip, where, abs, pow, tanh, ``jax.nn.sigmoid`` (logistic), ``jax.nn.softplus``,
 ``lax.stop_gradient``; these do not: ``jnp.expm1`` ("Unimplemented primitive ... expm1"),
 ``jnp.sort``, and ``jnp.sign`` (its lowering asks the chip's version: "Unsupported TPU
-device kind: cpu" from a CPU host). Mosaic's layout and VMEM passes run only in libtpu, so
-the unaligned last lane chunk (``V % 128 != 0`` or ``V`` not a multiple of the chunk) and
-the VMEM footprint are unchecked until a TPU runs the kernels.
+device kind: cpu" from a CPU host). Mosaic's layout and VMEM passes run in libtpu: the
+three kernels compile with it for v5e, v6e, v5p and v7x at ``[8192, 151936]``, f32 and
+bf16 (``flashloss.jax.tpu_compile``; compiled, never run on a TPU).
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ from .head import out_struct
 
 __all__ = [
     "BLOCK_ROWS",
-        "block_rows",
+    "block_rows",
     "chunk_lanes",
     "logits_fused",
     "logits_grad",
@@ -93,12 +96,13 @@ def chunk_lanes(bn: int) -> int:
 
 
 def logits_vmem_bytes(bn: int, v: int, dtype: Any, *, grad: bool = True, row_inputs: int = 3) -> int:
-    """VMEM bytes of a kernel on ``bn`` rows of ``v`` logits of ``dtype``:
-    ``2·R·Vp·isz`` (input block, double-buffered) ``+ 2·R·Vp·isz`` (``dlogits`` block,
-    double-buffered; with ``grad``) ``+ 2·(5 + row_inputs)·R8·128·4`` (the ``(bn, 1)`` row
-    blocks, each padded to ``(8, 128)`` f32 tiles, double-buffered) ``+ 6·R8·C·4`` (float32
-    chunk temporaries), with ``R = bn`` rounded up to the dtype's sublane tile (8 for f32,
-    16 for bf16), ``R8 = bn`` rounded up to 8, ``Vp = v`` rounded up to 128 and
+    """VMEM bytes of a kernel on ``bn`` rows of ``v`` logits of ``dtype`` (an upper bound
+    of Mosaic's allocation, checked by compiling with libtpu): ``2·R·Vp·isz`` (input block,
+    double-buffered) ``+ 2·R·Vp·isz`` (``dlogits`` block, double-buffered; with ``grad``)
+    ``+ 2·(5 + row_inputs)·R8·128·4`` (the ``(bn, 1)`` row blocks, each padded to
+    ``(8, 128)`` f32 tiles, double-buffered) ``+ 6·R8·C·4`` (float32 chunk temporaries),
+    with ``R = bn`` rounded up to the dtype's sublane tile (8 for f32, 16 for bf16),
+    ``R8 = bn`` rounded up to 8, ``Vp = v`` rounded up to 128 and
     ``C = min(chunk_lanes(bn), Vp)``."""
     isz = jnp.dtype(dtype).itemsize
     rows, rows8, vp = _round_up(bn, _sublanes(dtype)), _round_up(bn, 8), _round_up(v, 128)
@@ -111,39 +115,57 @@ def logits_vmem_bytes(bn: int, v: int, dtype: Any, *, grad: bool = True, row_inp
 def block_rows(n: int, v: int, dtype: Any, budget: int, *, grad: bool = True, row_inputs: int = 3) -> int:
     """The largest ``bn`` of ``BLOCK_ROWS`` whose ``logits_vmem_bytes`` fits ``budget``
     (``n`` itself when ``n`` rows fit in that block: the block then equals the array)."""
-    fits = [b for b in BLOCK_ROWS if logits_vmem_bytes(b, v, dtype, grad=grad, row_inputs=row_inputs) <= budget]
+    kw = dict(grad=grad, row_inputs=row_inputs)
+    fits = [b for b in BLOCK_ROWS if logits_vmem_bytes(b, v, dtype, **kw) <= budget]
     if not fits:
-        need = logits_vmem_bytes(BLOCK_ROWS[0], v, dtype, grad=grad, row_inputs=row_inputs)
+        need = logits_vmem_bytes(BLOCK_ROWS[0], v, dtype, **kw)
         raise ValueError(f"vocabulary {v} of {jnp.dtype(dtype)} needs {need} bytes of VMEM at bn=8; budget is {budget}")
     bn = fits[-1]
     return n if n <= bn else bn
 
 
-def _chunks(v: int, c: int) -> list[tuple[int, int]]:
-    return [(lo, min(lo + c, v)) for lo in range(0, v, c)]
+def _sweep(v: int, c: int, body: Callable, carry: Any) -> Any:
+    """``carry = body(lo, width, carry)`` over the lane chunks ``[lo, lo + width)`` of ``v``
+    columns: a ``fori_loop`` over the whole chunks of ``c`` (``lo`` a multiple of 128), then
+    the ragged tail. A loop, not an unrolled sweep: Mosaic compiles one body, and a chunk's
+    values are not kept live from one sweep to the next."""
+    whole = v // c
+
+    def step(k, carry):
+        return body(pl.multiple_of(k * c, 128), c, carry)
+
+    if whole:
+        carry = lax.fori_loop(0, whole, step, carry)
+    return body(whole * c, v - whole * c, carry) if v % c else carry
 
 
-def _scaled(x_ref: Any, lo: int, hi: int, inv_t: float) -> jax.Array:
-    s = x_ref[:, lo:hi].astype(jnp.float32)
+def _scaled(x_ref: Any, lo: Any, width: int, inv_t: float) -> jax.Array:
+    s = x_ref[:, pl.ds(lo, width)].astype(jnp.float32)
     return s if inv_t == 1.0 else s * inv_t
 
 
 def _stats(x_ref: Any, ids: jax.Array, v: int, c: int, inv_t: float):
     """Row statistics of the block in ``x_ref``: ``(μ, log S, logp, H)``, each ``(bn, 1)``."""
     bn = x_ref.shape[0]
-    mu = jnp.full((bn, 1), -jnp.inf, jnp.float32)
-    for lo, hi in _chunks(v, c):
-        mu = jnp.maximum(mu, jnp.max(_scaled(x_ref, lo, hi, inv_t), axis=-1, keepdims=True))
-    ssum = jnp.zeros((bn, 1), jnp.float32)
-    usum = jnp.zeros((bn, 1), jnp.float32)
-    dy = jnp.zeros((bn, 1), jnp.float32)
-    for lo, hi in _chunks(v, c):
-        d = _scaled(x_ref, lo, hi, inv_t) - mu
+
+    def top(lo, width, mu):
+        return jnp.maximum(mu, jnp.max(_scaled(x_ref, lo, width, inv_t), axis=-1, keepdims=True))
+
+    mu = _sweep(v, c, top, jnp.full((bn, 1), -jnp.inf, jnp.float32))
+
+    def sums(lo, width, acc):
+        ssum, usum, dy = acc
+        d = _scaled(x_ref, lo, width, inv_t) - mu
         e = jnp.exp(d)
-        ssum += jnp.sum(e, axis=-1, keepdims=True)
-        usum += jnp.sum(jnp.where(e > 0, e * d, 0.0), axis=-1, keepdims=True)
         col = lax.broadcasted_iota(jnp.int32, d.shape, 1) + lo
-        dy += jnp.sum(jnp.where(col == ids, d, 0.0), axis=-1, keepdims=True)
+        return (
+            ssum + jnp.sum(e, axis=-1, keepdims=True),
+            usum + jnp.sum(jnp.where(e > 0, e * d, 0.0), axis=-1, keepdims=True),
+            dy + jnp.sum(jnp.where(col == ids, d, 0.0), axis=-1, keepdims=True),
+        )
+
+    zero = jnp.zeros((bn, 1), jnp.float32)
+    ssum, usum, dy = _sweep(v, c, sums, (zero, zero, zero))
     log_s = jnp.log(ssum)
     return mu, log_s, dy - log_s, log_s - usum / ssum
 
@@ -163,14 +185,18 @@ def _write_grad(
 ) -> None:
     """``o = (g_logp·(1[j=y] - p) - g_ent·p·(log p + H)) / T`` on live rows, 0 elsewhere;
     ``log p = s - shift`` (``shift`` = lse, or μ + log S)."""
-    for lo, hi in _chunks(v, c):
-        lp = _scaled(x_ref, lo, hi, inv_t) - shift
+
+    def chunk(lo, width, carry):
+        lp = _scaled(x_ref, lo, width, inv_t) - shift
         p = jnp.exp(lp)
         col = lax.broadcasted_iota(jnp.int32, lp.shape, 1) + lo
         dz = jnp.where(col == ids, g_logp, 0.0) - g_logp * p - g_ent * jnp.where(p > 0, p * (lp + ent), 0.0)
         if inv_t != 1.0:
             dz = dz * inv_t
-        o_ref[:, lo:hi] = jnp.where(live, dz, 0.0).astype(o_ref.dtype)
+        o_ref[:, pl.ds(lo, width)] = jnp.where(live, dz, 0.0).astype(o_ref.dtype)
+        return carry
+
+    _sweep(v, c, chunk, 0)
 
 
 def _live(mask_ref: Any, n: int) -> jax.Array:
