@@ -1,6 +1,7 @@
 """Pallas (Mosaic TPU) kernels of :mod:`flashloss.jax` (``impl="pallas"``, and
 ``impl="auto"`` when lowered for TPU). Never run on a TPU: checked in TPU interpret mode
-and by the Mosaic lowering on the CPU (``docs/jax.md``).
+on the CPU, and compiled for v5e, v6e, v5p and v7x by the real XLA TPU compiler (libtpu,
+no TPU needed: :mod:`flashloss.jax.tpu_compile`; ``docs/jax.md``).
 
 - :mod:`.head`: the LM head's forward, a running softmax state per row over vocabulary
   tiles; :mod:`.head_grads`: its dH and dW kernels from per-row coefficients;
@@ -9,7 +10,7 @@ and by the Mosaic lowering on the CPU (``docs/jax.md``).
   statistics-loss-gradient kernel for token-local losses);
 - :mod:`.losses`: GRPO, CE and log-probs on them, the loss in plain JAX
   (:mod:`flashloss.jax._policy`); :mod:`.checks`: run-time input checks;
-- :mod:`._chips`: VMEM per chip and the blocks; :mod:`.roofline`: a time estimate.
+- :mod:`._chips`: the chips, their VMEM and the blocks (:func:`target_chip`).
 """
 
 from ._chips import target_chip
