@@ -1,6 +1,7 @@
 //! Kernel sources and their compilation with NVRTC. A source compiles with no log at
 //! all: any warning is an error, as the CI check (which compiles every source for
-//! `compute_90` and `compute_80` without a GPU) requires.
+//! `compute_90` and `compute_80` without a GPU) requires. [`compile_cubin`] runs ptxas
+//! too (real targets, CI's spill and shared-memory check) and reads its report.
 
 use crate::error::{Error, Result};
 use cudarc::nvrtc::result::{self as nvrtc, NvrtcError};
