@@ -11,10 +11,10 @@ def gradcheck(log):
     """The CLI's text report: the loss difference, the kernel's time, the failed gates."""
     out = {}
     for key in ("abs_diff_loss", "kernel_seconds"):
-        m = re.search(rf"^{key}\s+(\S+)", log, re.M)
+        m = re.search(rf"^{key}\s+(\S+)", log, re.MULTILINE)
         if m:
             out[key] = float(m.group(1))
-    failed = re.findall(r"^FAIL (\S+)", log, re.M)
+    failed = re.findall(r"^FAIL (\S+)", log, re.MULTILINE)
     if failed:
         out["failed_gates"] = failed
     return out
