@@ -7,21 +7,14 @@
 #   (cd crates/flashloss-py && maturin build --release --features cuda --out ../../target/wheels)
 # Usage: scripts/gpu/verify.sh [gradcheck|bench|peers|python|all]
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../.." || exit 1
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 BIN=target/release/flashloss
 what=${1:-all}
 
-# The CUDA libraries of the Python packages (cuBLAS, NVRTC, NCCL); cudarc looks for
-# libnccl.so, the wheel ships libnccl.so.2.
-SITE=$(python3 -c 'import site; print(site.getsitepackages()[0])')
-LIBS=$(ls -d "$SITE"/nvidia/*/lib 2>/dev/null | tr '\n' ':')
-mkdir -p "$OUT/lib"
-NCCL2=$(ls "$SITE"/nvidia/nccl/lib/libnccl.so.2 2>/dev/null | head -n 1)
-[ -n "$NCCL2" ] && ln -sf "$NCCL2" "$OUT/lib/libnccl.so"
-export LD_LIBRARY_PATH="$OUT/lib:$LIBS${LD_LIBRARY_PATH:-}"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/device.txt" 2>&1
+. scripts/gpu/env.sh
+. scripts/gpu/gradchecks.sh
 
 status=0
 run() { # name, command...: one log per run; a failure marks the script failed
@@ -34,40 +27,7 @@ run() { # name, command...: one log per run; a failure marks the script failed
 }
 
 if [ "$what" = gradcheck ] || [ "$what" = all ]; then
-  for dtype in f32 bf16; do
-    run "gc_logits_t8192_v151936_$dtype" $BIN gradcheck \
-      --config configs/gradcheck/gpu/logits_b1_t8192_v151936_$dtype.yaml
-    for loss in grpo bnpo dr_grpo dapo cispo sapo luspo vespo; do
-      extra=()
-      [ $loss = dr_grpo ] && extra=(--set loss.max_completion_length=17)  # dr_grpo's normalizer
-      for mode in auto two_pass; do
-        run "gc_linear_${loss}_${mode}_$dtype" $BIN gradcheck \
-          --config configs/gradcheck/gpu/linear_grpo.yaml --set dtype=$dtype \
-          --set loss.loss_type=$loss --set mode=$mode "${extra[@]}"
-      done
-      # TRL 1.16: sequence level for every type but vespo, with policy and entropy masks.
-      [ $loss = vespo ] && continue
-      run "gc_linear_${loss}_sequence_masks_$dtype" $BIN gradcheck \
-        --config configs/gradcheck/gpu/linear_grpo.yaml --set dtype=$dtype \
-        --set loss.loss_type=$loss --set loss.importance_sampling_level=sequence \
-        --set policy_mask_fraction=0.3 --set entropy_mask_fraction=0.5 --set sampler_ratio=true \
-        "${extra[@]}"
-    done
-    run "gc_logits_trl_1_16_$dtype" $BIN gradcheck \
-      --config configs/gradcheck/trl_1_16.yaml --set device=cuda --set dtype=$dtype
-    run "gc_linear_grpo_sequence_$dtype" $BIN gradcheck \
-      --config configs/gradcheck/gpu/linear_grpo.yaml --set dtype=$dtype \
-      --set loss.importance_sampling_level=sequence
-    for mode in auto two_pass; do
-      run "gc_linear_ce_${mode}_$dtype" $BIN gradcheck \
-        --config configs/gradcheck/gpu/linear_ce.yaml --set dtype=$dtype --set mode=$mode
-    done
-  done
-  # The CUDA kernels sharded through NCCL (a world of one): vocab-parallel and token.
-  for parallel in vocab token; do
-    run "gc_nccl_world_of_one_$parallel" $BIN gradcheck --collective nccl \
-      --config configs/gradcheck/linear_grpo.yaml --set parallel=$parallel --set device=cuda
-  done
+  gradchecks run
 fi
 
 if [ "$what" = bench ] || [ "$what" = all ]; then

@@ -1,8 +1,12 @@
 """CUDA tensors (a build with the `cuda` feature, on a machine with a GPU): the GPU
 kernels on PyTorch's current stream give what the CPU kernels give, within the spec's
-tolerances, and the gradients stay on the device. Skipped without a GPU or without
-the cuda build."""
+tolerances, and the gradients stay on the device; so do torch.compile, a one-rank NCCL
+group, flashloss.verl, FlashlossGRPOTrainer and the JAX CUDA FFI handlers. Skipped without a GPU or without the cuda
+build (and each part without its framework)."""
 
+import os
+
+import numpy as np
 import pytest
 import torch
 
@@ -71,3 +75,119 @@ def test_runs_on_the_current_stream():
     cpu_loss, _, _ = run(d, "cpu", loss_type="bnpo")
     assert abs(loss.item() - cpu_loss.item()) <= 1e-4 * max(1.0, abs(cpu_loss.item()))
     assert flashloss.__version__
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    d = data(4)
+
+    def step(h, w, ids, mask, adv, old):
+        loss, out = fl.linear_grpo_loss(h, w, ids, mask, adv, old_per_token_logps=old, loss_type="dapo")
+        return loss + 0.01 * fl.linear_cross_entropy(h.reshape(-1, h.shape[-1]), w, ids.reshape(-1)), out.entropy
+
+    results = []
+    for fn in (step, torch.compile(step, fullgraph=True)):
+        h, w = (d[k].cuda().requires_grad_() for k in ("hidden", "weight"))
+        loss, entropy = fn(h, w, *(d[k].cuda() for k in ("ids", "mask", "adv", "old")))
+        loss.backward()
+        results.append((loss.detach(), entropy, h.grad, w.grad))
+    for eager, compiled in zip(*results):
+        assert compiled.device.type == "cuda"
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+
+
+def test_nccl_group_of_one_matches_no_group(tmp_path):
+    dist = torch.distributed
+    if not dist.is_nccl_available():
+        pytest.skip("torch has no NCCL")
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        d = data(5)
+        loss, out, grads = run(d, "cuda", loss_type="dapo", vocab_parallel_group=dist.group.WORLD)
+        want_loss, want_out, want_grads = run(d, "cuda", loss_type="dapo")
+    finally:
+        dist.destroy_process_group()
+    torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(out.logp, want_out.logp, rtol=1e-6, atol=1e-7)
+    for g, w in zip(grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.xfail(raises=ValueError, strict=True, reason="flashloss.torch.linear_logprobs runs CPU tensors only")
+def test_verl_entry_points_on_cuda_tensors():
+    import flashloss.verl as fverl
+
+    d = data(6)
+    h = d["hidden"].reshape(-1, d["hidden"].shape[-1]).cuda().requires_grad_()
+    w, ids = d["weight"].cuda(), d["ids"].reshape(-1).cuda()
+    logp, entropy = fverl.linear_cross_entropy(h, w, ids, 0.9)
+    lp = torch.log_softmax((h.double() @ w.double().T) / 0.9, -1)
+    torch.testing.assert_close(logp.double(), lp.gather(-1, ids[:, None])[:, 0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(entropy.double(), -(lp.exp() * lp).sum(-1), rtol=1e-4, atol=1e-5)
+    logp, _ = fverl.fused_linear_for_ppo_forward(None, h, w, ids, 0.9)
+    logp.sum().backward()
+    assert h.grad.device.type == "cuda"
+
+
+@pytest.mark.parametrize("cfg", [dict(loss_type="dapo"), dict(loss_type="grpo", beta=0.04)])
+def test_flashloss_grpo_trainer_on_cuda_matches_trl(tmp_path, cfg):
+    for name in ("trl", "transformers", "datasets"):
+        pytest.importorskip(name)
+    import test_trl_trainer as t
+    from flashloss.trl import FlashlossGRPOTrainer
+
+    stock = t.trainer(t.trl.GRPOTrainer, tmp_path, use_cpu=False, bf16=False, **cfg)
+    ours = t.trainer(FlashlossGRPOTrainer, tmp_path, use_cpu=False, bf16=False, **cfg)
+    assert next(ours.model.parameters()).device.type == "cuda"
+    stock.model.train()
+    ours.model.train()
+    torch.manual_seed(1)
+    inputs = stock._generate_and_score_completions([{"prompt": p} for p in t.dataset()["prompt"][:4]])
+    trl_loss, trl_grads = t.loss_and_grads(stock, inputs)
+    loss, grads = t.loss_and_grads(ours, inputs)
+    assert loss == pytest.approx(trl_loss, rel=1e-4, abs=1e-6)
+    assert grads.keys() == trl_grads.keys()
+    for name, g in trl_grads.items():
+        assert (grads[name] - g).abs().max().item() <= 1e-3 * g.abs().max().item() + 1e-7, name
+
+
+def jax_on_cuda():
+    """jax and its CUDA device (its memory allocated on demand, beside torch's)."""
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    jax = pytest.importorskip("jax")
+    try:
+        return jax, jax.devices("cuda")[0]
+    except RuntimeError:
+        pytest.skip("jax has no CUDA backend")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_jax_ffi_on_cuda_under_jit_grad_and_donation(dtype):
+    """The CUDA FFI handlers (jit, value_and_grad, donated inputs) give the CPU handlers'
+    step, within the spec's tolerances."""
+    jax, gpu = jax_on_cuda()
+    import flashloss.jax as fj
+
+    d = data(7, b=2, t=9, v=1001)
+    args = [jax.numpy.asarray(d[k].float().numpy(), dtype) for k in ("hidden", "weight")]
+    args.append(jax.numpy.asarray(d["bias"].numpy(), dtype))
+    ids, mask, adv, old, ref = (jax.numpy.asarray(d[k].numpy()) for k in ("ids", "mask", "adv", "old", "ref"))
+
+    def step(h, w, b):
+        def loss(h, w, b):
+            out = fj.linear_grpo_loss(h, w, ids, mask, adv, bias=b, old_per_token_logps=old,
+                                      ref_per_token_logps=ref, beta=0.04)  # fmt: skip
+            return out[0] + fj.linear_cross_entropy(h, w, ids, bias=b)
+
+        value, grads = jax.value_and_grad(loss, (0, 1, 2))(h, w, b)
+        return value, tuple(x - 0.1 * g.astype(x.dtype) for x, g in zip((h, w, b), grads))
+
+    cpu = jax.devices("cpu")[0]
+    want = jax.jit(step)(*(jax.device_put(x, cpu) for x in args))
+    on_gpu = tuple(jax.device_put(x, gpu) for x in args)
+    got = jax.jit(step, donate_argnums=(0, 1, 2))(*on_gpu)
+    assert all(x.is_deleted() for x in on_gpu)  # XLA took the buffers
+    tol = 1e-4 if dtype == "float32" else 2e-2
+    for a, b_ in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert a.devices() == {gpu} and a.dtype == b_.dtype
+        a, b_ = np.asarray(a, np.float64), np.asarray(b_, np.float64)
+        assert np.abs(a - b_).max() <= tol * max(np.abs(b_).max(), 1.0)

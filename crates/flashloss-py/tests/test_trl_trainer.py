@@ -68,7 +68,7 @@ def saved_model(tmp_path):
     return str(path)
 
 
-def trainer(cls, tmp_path, **cfg):
+def trainer(cls, tmp_path, use_cpu=True, **cfg):
     tok = tokenizer()
     args = trl.GRPOConfig(
         output_dir=str(tmp_path / cls.__name__),
@@ -78,7 +78,7 @@ def trainer(cls, tmp_path, **cfg):
         max_steps=2,
         logging_steps=1,
         report_to=[],
-        use_cpu=True,
+        use_cpu=use_cpu,
         seed=0,
         **cfg,
     )

@@ -1,9 +1,11 @@
 //! Kernel sources and their compilation with NVRTC. A source compiles with no log at
 //! all: any warning is an error, as the CI check (which compiles every source for
-//! `compute_90` and `compute_80` without a GPU) requires.
+//! `compute_90` and `compute_80` without a GPU) requires. [`compile_cubin`] runs ptxas
+//! too (real targets, CI's spill and shared-memory check) and reads its report.
 
 use crate::error::{Error, Result};
-use cudarc::nvrtc::result as nvrtc;
+use cudarc::nvrtc::result::{self as nvrtc, NvrtcError};
+use cudarc::nvrtc::sys as nvrtc_sys;
 use std::collections::HashMap;
 use std::ffi::{CString, c_char};
 use std::sync::{Mutex, OnceLock};
@@ -64,9 +66,15 @@ fn text_of(buf: Vec<c_char>) -> String {
     String::from_utf8_lossy(&bytes).trim().to_string()
 }
 
-/// Compiles `src` for `arch` (e.g. `compute_90`) to PTX. Errors name the source and
-/// carry NVRTC's log; a log on success (a warning) is an error too.
-pub fn compile(src: &KernelSource, arch: &str) -> Result<String> {
+/// Runs NVRTC on `src` for `arch` with `extra` options; returns what `output` reads
+/// from the compiled program (the PTX or the cubin) and the log. A failure names the
+/// source and carries NVRTC's log.
+fn run_nvrtc(
+    src: &KernelSource,
+    arch: &str,
+    extra: &[&str],
+    output: unsafe fn(nvrtc_sys::nvrtcProgram) -> std::result::Result<Vec<c_char>, NvrtcError>,
+) -> Result<(Vec<c_char>, String)> {
     if !nvrtc_present() {
         return Err(device_error(
             "no NVRTC library found (libnvrtc.so): install the CUDA toolkit or the \
@@ -78,28 +86,146 @@ pub fn compile(src: &KernelSource, arch: &str) -> Result<String> {
     let name = CString::new(src.name).expect("file names hold no NUL");
     let prog = nvrtc::create_program(&code, Some(&name))
         .map_err(|e| device_error(format!("{}: nvrtcCreateProgram: {e:?}", src.name)))?;
-    let options = vec![
+    let mut options = vec![
         format!("--gpu-architecture={arch}"),
         "--std=c++17".to_string(),
     ];
+    options.extend(extra.iter().map(|o| o.to_string()));
     // SAFETY: `prog` is a live program; it is destroyed below on every path.
     let compiled = unsafe { nvrtc::compile_program(prog, &options) };
     let log = unsafe { nvrtc::get_program_log(prog) }.map(text_of);
-    let ptx = compiled.and_then(|_| unsafe { nvrtc::get_ptx(prog) });
+    let out = compiled.and_then(|_| unsafe { output(prog) });
     unsafe { nvrtc::destroy_program(prog) }
         .map_err(|e| device_error(format!("{}: nvrtcDestroyProgram: {e:?}", src.name)))?;
     let log = log.unwrap_or_default();
-    match ptx {
+    match out {
         Err(e) => Err(device_error(format!(
             "{} does not compile for {arch} ({e:?}):\n{log}",
             src.name
         ))),
-        Ok(_) if !log.is_empty() => Err(device_error(format!(
-            "{} compiles for {arch} with warnings:\n{log}",
-            src.name
-        ))),
-        Ok(ptx) => Ok(text_of(ptx)),
+        Ok(out) => Ok((out, log)),
     }
+}
+
+fn warnings(src: &KernelSource, arch: &str, log: &str) -> Error {
+    device_error(format!(
+        "{} compiles for {arch} with warnings:\n{log}",
+        src.name
+    ))
+}
+
+/// Compiles `src` for `arch` (e.g. `compute_90`) to PTX. Errors name the source and
+/// carry NVRTC's log; a log on success (a warning) is an error too.
+pub fn compile(src: &KernelSource, arch: &str) -> Result<String> {
+    let (ptx, log) = run_nvrtc(src, arch, &[], nvrtc::get_ptx)?;
+    if !log.is_empty() {
+        return Err(warnings(src, arch, &log));
+    }
+    Ok(text_of(ptx))
+}
+
+/// The real architectures every kernel is compiled for in CI (cubin, so that ptxas
+/// runs): Ampere, Hopper, Blackwell.
+pub const CUBIN_ARCHS: &[&str] = &["sm_80", "sm_90", "sm_100"];
+
+/// The static shared memory a block may hold on each of [`CUBIN_ARCHS`]: 48 KiB (the
+/// larger opt-in limits apply to dynamic shared memory, which no kernel takes).
+pub const STATIC_SMEM_LIMIT: u64 = 48 * 1024;
+
+/// What ptxas reports for one kernel on one real architecture (`--ptxas-options=-v`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct KernelUsage {
+    /// The `extern "C"` name.
+    pub kernel: String,
+    /// Registers per thread.
+    pub registers: u64,
+    /// Bytes spilled to local memory (stores and loads).
+    pub spill_stores: u64,
+    /// See `spill_stores`.
+    pub spill_loads: u64,
+    /// Stack frame bytes per thread.
+    pub stack: u64,
+    /// Static shared memory bytes per block.
+    pub smem: u64,
+}
+
+impl KernelUsage {
+    /// Why the kernel fails CI (a spill, or shared memory over [`STATIC_SMEM_LIMIT`]).
+    pub fn violation(&self) -> Option<String> {
+        let k = &self.kernel;
+        if self.spill_stores > 0 || self.spill_loads > 0 {
+            let (s, l) = (self.spill_stores, self.spill_loads);
+            return Some(format!("{k} spills ({s} bytes stored, {l} bytes loaded)"));
+        }
+        (self.smem > STATIC_SMEM_LIMIT).then(|| {
+            let (b, max) = (self.smem, STATIC_SMEM_LIMIT);
+            format!("{k} uses {b} bytes of shared memory (at most {max})")
+        })
+    }
+}
+
+/// A source compiled for a real architecture: the cubin and ptxas's usage per kernel.
+#[derive(Debug)]
+pub struct Cubin {
+    /// The ELF image.
+    pub image: Vec<u8>,
+    /// One entry per kernel, in ptxas's order.
+    pub usage: Vec<KernelUsage>,
+}
+
+unsafe fn get_cubin(prog: nvrtc_sys::nvrtcProgram) -> std::result::Result<Vec<c_char>, NvrtcError> {
+    let mut size = 0usize;
+    unsafe { nvrtc_sys::nvrtcGetCUBINSize(prog, &mut size) }.result()?;
+    let mut image = vec![0 as c_char; size];
+    unsafe { nvrtc_sys::nvrtcGetCUBIN(prog, image.as_mut_ptr()) }.result()?;
+    Ok(image)
+}
+
+/// Compiles `src` for a real `arch` (e.g. `sm_90`) to a cubin with ptxas's verbose
+/// report. A log line that is not ptxas's report (a warning) is an error.
+pub fn compile_cubin(src: &KernelSource, arch: &str) -> Result<Cubin> {
+    let (image, log) = run_nvrtc(src, arch, &["--ptxas-options=-v"], get_cubin)?;
+    let usage = parse_ptxas_log(&log).ok_or_else(|| warnings(src, arch, &log))?;
+    Ok(Cubin {
+        image: image.into_iter().map(|c| c as u8).collect(),
+        usage,
+    })
+}
+
+/// The number before `unit` in one of `line`'s comma-separated fields.
+fn field(line: &str, unit: &str) -> Option<u64> {
+    line.split(',').find_map(|part| {
+        let at = part.find(unit)?;
+        part[..at].split_whitespace().last()?.parse().ok()
+    })
+}
+
+/// ptxas's `-v` report per kernel; `None` if a line is not part of the report.
+pub fn parse_ptxas_log(log: &str) -> Option<Vec<KernelUsage>> {
+    let mut usage: Vec<KernelUsage> = Vec::new();
+    for line in log.lines().filter(|l| !l.trim().is_empty()) {
+        if let Some(rest) = line.split("Compiling entry function '").nth(1) {
+            let kernel = rest.split('\'').next()?.to_string();
+            usage.push(KernelUsage {
+                kernel,
+                ..Default::default()
+            });
+        } else if line.starts_with("ptxas info") {
+            if let (Some(k), Some(r)) = (usage.last_mut(), field(line, " registers")) {
+                k.registers = r;
+                k.smem = field(line, " bytes smem").unwrap_or(0);
+            }
+        } else if line.starts_with("ptxas ") && line.contains("bytes stack frame") {
+            // A kernel's properties, and those of the functions it calls.
+            let k = usage.last_mut()?;
+            k.stack = k.stack.max(field(line, " bytes stack frame")?);
+            k.spill_stores += field(line, " bytes spill stores")?;
+            k.spill_loads += field(line, " bytes spill loads")?;
+        } else {
+            return None;
+        }
+    }
+    Some(usage)
 }
 
 /// [`compile`], once per process for each source and architecture.

@@ -1,0 +1,43 @@
+# shellcheck shell=bash
+# Sourced: `gradchecks RUN [SMALL...]` calls `RUN NAME COMMAND...` once per gradcheck of
+# the GPU verification (verify.sh, check.sh); BIN is the CLI. SMALL (extra --set
+# arguments) shrinks the logits-level checks' T=8192, V=151936 rows; the fused ones
+# are small already.
+gradchecks() {
+  local run=$1; shift
+  local small=("$@") dtype loss mode parallel extra
+  for dtype in f32 bf16; do
+    "$run" "gc_logits_t8192_v151936_$dtype" "$BIN" gradcheck \
+      --config "configs/gradcheck/gpu/logits_b1_t8192_v151936_$dtype.yaml" "${small[@]}"
+    for loss in grpo bnpo dr_grpo dapo cispo sapo luspo vespo; do
+      extra=()
+      [ $loss = dr_grpo ] && extra=(--set loss.max_completion_length=17)  # dr_grpo's normalizer
+      for mode in auto two_pass; do
+        "$run" "gc_linear_${loss}_${mode}_$dtype" "$BIN" gradcheck \
+          --config configs/gradcheck/gpu/linear_grpo.yaml --set dtype=$dtype \
+          --set loss.loss_type=$loss --set mode=$mode "${extra[@]}"
+      done
+      # TRL 1.16: sequence level for every type but vespo, with policy and entropy masks.
+      [ $loss = vespo ] && continue
+      "$run" "gc_linear_${loss}_sequence_masks_$dtype" "$BIN" gradcheck \
+        --config configs/gradcheck/gpu/linear_grpo.yaml --set dtype=$dtype \
+        --set loss.loss_type=$loss --set loss.importance_sampling_level=sequence \
+        --set policy_mask_fraction=0.3 --set entropy_mask_fraction=0.5 --set sampler_ratio=true \
+        "${extra[@]}"
+    done
+    "$run" "gc_logits_trl_1_16_$dtype" "$BIN" gradcheck \
+      --config configs/gradcheck/trl_1_16.yaml --set device=cuda --set dtype=$dtype
+    "$run" "gc_linear_grpo_sequence_$dtype" "$BIN" gradcheck \
+      --config configs/gradcheck/gpu/linear_grpo.yaml --set dtype=$dtype \
+      --set loss.importance_sampling_level=sequence
+    for mode in auto two_pass; do
+      "$run" "gc_linear_ce_${mode}_$dtype" "$BIN" gradcheck \
+        --config configs/gradcheck/gpu/linear_ce.yaml --set dtype=$dtype --set mode=$mode
+    done
+  done
+  # The CUDA kernels sharded through NCCL (a world of one): vocab-parallel and token.
+  for parallel in vocab token; do
+    "$run" "gc_nccl_world_of_one_$parallel" "$BIN" gradcheck --collective nccl \
+      --config configs/gradcheck/linear_grpo.yaml --set parallel=$parallel --set device=cuda
+  done
+}

@@ -1,0 +1,69 @@
+"""One JSON line for one check of scripts/gpu/check.sh, from its exit code, times and log
+(and the bench's JSON report): name, ok, seconds, exit code, and the check's key numbers.
+Usage: summarize.py NAME CODE T0 T1 LOG [BENCH_JSON]"""
+
+import json
+import re
+import sys
+
+
+def gradcheck(log):
+    """The CLI's text report: the loss difference, the kernel's time, the failed gates."""
+    out = {}
+    for key in ("abs_diff_loss", "kernel_seconds"):
+        m = re.search(rf"^{key}\s+(\S+)", log, re.MULTILINE)
+        if m:
+            out[key] = float(m.group(1))
+    failed = re.findall(r"^FAIL (\S+)", log, re.MULTILINE)
+    if failed:
+        out["failed_gates"] = failed
+    return out
+
+
+def pytest(log):
+    """The counts of pytest's last line (``3 passed, 2 skipped, 1 xfailed in 4.2s``)."""
+    lines = [l for l in log.splitlines() if re.search(r"\d+ (passed|failed|error)", l)]
+    return {k: int(n) for n, k in re.findall(r"(\d+) (\w+)", lines[-1])} if lines else {}
+
+
+def sanitizer(log):
+    m = re.search(r"ERROR SUMMARY: (\d+) error", log)
+    return {"sanitizer_errors": int(m.group(1))} if m else {}
+
+
+def bench(path):
+    """Per implementation: the median step and the peak device bytes."""
+    with open(path) as f:
+        report = json.load(f)
+    return {
+        r["implementation"]: {"median_s": r["step_seconds"]["median"], "peak_bytes": r["peak_bytes"]}
+        for r in report["results"]
+    }
+
+
+def main(name, code, t0, t1, log_path, bench_json=None):
+    code = int(code)
+    line = {"check": name, "ok": code == 0, "seconds": round(float(t1) - float(t0), 2), "code": code}
+    if code in (124, 137):
+        line["timed_out"] = True
+    try:
+        with open(log_path, errors="replace") as f:
+            log = f.read()
+    except OSError:
+        log = ""
+    parse = gradcheck if name.startswith("gc_") else pytest if name.startswith("pytest") else sanitizer
+    try:
+        if bench_json is None:
+            line.update(parse(log))
+        elif code == 0:
+            line.update(bench(bench_json))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        line["numbers_error"] = str(e)[:200]
+    if code != 0:
+        tail = [l for l in log.splitlines() if l.strip()]
+        line["error"] = tail[-1][-300:] if tail else ""
+    print(json.dumps(line))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
