@@ -228,7 +228,10 @@ def linear_grpo_loss(
     of the compiled call). ``importance_sampling_ratio``: TRL's vLLM importance-sampling
     correction ``ρ`` ``[B]``, ``[B, 1]`` or ``[B, T]`` (finite, ``>= 0``, detached), which
     multiplies each token's policy loss (``ℓ·ρ + β·kl``; for vespo it enters ``log w_b``).
-    ``mode`` and ``budget_mib`` tune the FFI path's kernel.
+    ``mode`` and ``budget_mib`` are the kernels' plan: on the Pallas path a token-local
+    step (token-level ratios, not vespo) on one device without a sampler support runs in
+    one pass over blocks of rows (6NHV, ``pallas/single_pass.py``) where ``mode`` is
+    ``single_pass`` or a block fits ``budget_mib`` under ``auto``; otherwise two passes.
 
     ``token_axis``: inside ``jax.shard_map``, the mesh axis over which the sequences are
     split (each device passes its own sequences and the whole head): the loss's
@@ -313,7 +316,8 @@ def linear_grpo_loss(
             return _support_vocab.truncated(x, weight, bias, flat_ids, live, k_spec, vocab_axis)
 
         truncated = None if support is None else truncated
-        return _pallas.grpo(hidden, weight, bias, ids, mask, adv, old, ref, rho, args, spec, truncated)
+        plan = (mode, budget) if token_axis is None else ("two_pass", budget)
+        return _pallas.grpo(hidden, weight, bias, ids, mask, adv, old, ref, rho, args, spec, truncated, *plan)
 
     loss, (logp, entropy, kl, metrics) = _on_path(impl, interpret, pallas, ffi, hidden, weight, bias, ids, mask,
                                                   adv, old, ref, rho)  # fmt: skip

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import _policy
-from . import _chips, checks, logits
+from . import _chips, checks, logits, single_pass
 from .head import Transform
 from .stats import HeadSpec, RowStats, row_stats
 
@@ -41,15 +41,48 @@ def _check_batch(adv, old, ref, ratio, mask, interpret) -> None:
     checks.sampler_ratio(ratio, mask, interpret)
 
 
-def grpo(hidden, weight, bias, ids, mask, adv, old, ref, ratio, args: _policy.GrpoArgs, spec: HeadSpec, truncated=None):
+def single_pass_rows(mode: str, budget_mib: float, x, weight, spec: HeadSpec, args, truncated) -> Optional[int]:
+    """Rows per block of the single-pass plan (:mod:`.single_pass`), or None for the two
+    kernels' plan. ``mode`` as the FFI path's: ``two_pass`` never; ``single_pass`` (and
+    ``compact``) whenever the step allows it, in the largest block within ``budget_mib``
+    (else the smallest); ``auto`` (and ``auto_f32``) when a block fits ``budget_mib``. The
+    step allows it when token-local, on one device, with no sampler support."""
+    allowed = _policy.is_token_local(args) and truncated is None and spec.vocab_axis is None
+    if mode == "two_pass" or not allowed or spec.transform.softcap is not None:
+        return None
+    n, hidden = x.shape
+    v = weight.shape[0] if spec.layout == "vh" else weight.shape[1]
+    rows = single_pass.block_rows(n, v, hidden, weight.dtype.itemsize, budget_mib * 2**20)
+    if rows is None and mode in ("single_pass", "compact"):
+        return min(n, single_pass.BLOCK_ROWS[-1])
+    return rows
+
+
+def grpo(
+    hidden, weight, bias, ids, mask, adv, old, ref, ratio, args: _policy.GrpoArgs, spec: HeadSpec, truncated=None,
+    mode: str = "two_pass", budget_mib: float = 0.0,
+):  # fmt: skip
     """``(loss, (logp, entropy, kl, metrics))`` of TRL's GRPO loss at ``ids`` ``[B, T]``
     (``ratio``: the sampler's importance ratio ``[B, 1]``, ``[B, T]`` or None).
     ``truncated``: under the sampler's truncated support, ``(x, ids, live) -> (logp^K,
     outside)`` of the rows; the loss then takes ``logp^K`` and masks the tokens outside
-    (docs/spec/losses.md, flashloss addition 13), and ``logp`` is ``-inf`` there."""
+    (docs/spec/losses.md, flashloss addition 13), and ``logp`` is ``-inf`` there.
+    ``mode``, ``budget_mib``: the plan (:func:`single_pass_rows`)."""
     b, t = ids.shape
     _check_batch(adv, old, ref, ratio, mask, spec.interpret)
     x = hidden.reshape(b * t, hidden.shape[-1])
+    rows = single_pass_rows(mode, budget_mib, x, weight, spec, args, truncated)
+    if rows is not None:
+        checks.ids_in_range("completion_ids", ids, mask, spec.vocab, t, spec.interpret)
+        ids0 = jnp.where(mask, ids, 0).astype(jnp.int32)
+        loss, (logp, entropy) = single_pass.grpo(
+            x, weight, bias, ids0, mask, adv, old, ref, ratio, args, spec.layout, rows, spec.interpret
+        )
+        # the entropy is finite exactly where the row's logits are (lse's place in the check)
+        checks.row_stats_finite(entropy, logp, mask, t, spec.interpret)
+        logp, entropy = jax.lax.stop_gradient((logp, entropy))
+        _, kl, metrics = _policy.grpo_policy_loss(logp, entropy, mask, adv, old, ref, args, ratio)
+        return loss, (logp, entropy, kl, metrics)
     logp, entropy = logprobs(x, weight, bias, ids.reshape(-1), mask.reshape(-1), spec, t, "completion_ids")
     logp, entropy = logp.reshape(b, t), entropy.reshape(b, t)
     if truncated is None:

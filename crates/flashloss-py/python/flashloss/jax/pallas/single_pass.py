@@ -1,0 +1,148 @@
+"""The single-pass plan of a token-local GRPO step on the head: 6NHV FLOPs, as the
+materialized-logits step, holding one block of rows' logits at a time.
+
+Token-local (:func:`flashloss.jax._policy.is_token_local`: token-level ratios, not vespo,
+and here no sampler support, no mesh axis, no soft-cap): the loss is
+``L = Σ_i w_i·ℓ_tot,i + Σ_i e_i·H_i`` with weights ``w`` and ``e`` known from the mask
+alone (:func:`~flashloss.jax._policy.reduction_weights`, ``entropy_weights``), so each
+row's gradient is known as soon as its statistics are. For each block of ``R`` rows
+(a ``lax.scan``):
+
+    Z_b  = X_b·Wᵀ (+ c)                        XLA's dot, f32 sums, in the head's dtype    2·R·H·V
+    (ℓ_b, logp_b, H_b, dZ_b) = logits_fused(Z_b)  one Pallas kernel: one read of Z_b, one write of dZ_b
+    dX_b = dZ_b·W                              XLA's dot                                   2·R·H·V
+    dW  += dZ_bᵀ·X_b,  dc += Σ_rows dZ_b       XLA's dot into an f32 carry                 2·R·H·V
+
+so ``6·N·H·V`` FLOPs in all against the two-pass kernels' ``10·N·H·V`` (forward, then dH
+and dW each recomputing the logits). Bytes held: the block's ``Z_b`` and ``dZ_b``
+(``2·R·V·e``) and the f32 ``dW`` carry (``V·H·4``): :func:`footprint_bytes`, chosen
+within ``budget_mib`` (:func:`block_rows`). The gradients are formed in the forward and
+scaled by the loss's cotangent in the backward (a ``jax.custom_vjp``), as the logits
+level's fused kernel does; without a gradient the pass runs no product but the logits'.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+
+from .. import _policy
+from . import logits
+
+#: Rows per block tried, largest first (multiples of 128 rows: the MXU's tile).
+BLOCK_ROWS = (4096, 2048, 1024, 512, 256, 128)
+
+
+def footprint_bytes(rows: int, v: int, hidden: int, itemsize: int) -> int:
+    """Bytes the plan holds beyond its inputs and outputs: a block's logits and ``dZ``
+    (``2·rows·V·e``) and the f32 ``dW`` and ``dc`` carries (``V·H·4 + V·4``)."""
+    return 2 * rows * v * itemsize + v * hidden * 4 + v * 4
+
+
+def block_rows(n: int, v: int, hidden: int, itemsize: int, budget_bytes: float) -> Optional[int]:
+    """The most rows per block (of :data:`BLOCK_ROWS`, or ``n`` when smaller) whose
+    :func:`footprint_bytes` fits ``budget_bytes``; None when none does (then two-pass)."""
+    for rows in (n,) if n < BLOCK_ROWS[-1] else BLOCK_ROWS:
+        rows = min(rows, n)
+        if footprint_bytes(rows, v, hidden, itemsize) <= budget_bytes:
+            return rows
+    return None
+
+
+def _dot(a, b, contract: tuple[int, int], dtype) -> jax.Array:
+    precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return jax.lax.dot_general(
+        a, b, ((contract[:1], contract[1:]), ((), ())), precision=precision, preferred_element_type=jnp.float32
+    ).astype(dtype)
+
+
+def _row_inputs(mask, adv, old, ref, ratio, args: _policy.GrpoArgs) -> tuple[list, callable]:
+    """The per-row ``[N]`` f32 inputs of the fused kernel and its row function
+    ``w·ℓ_tot + e·H`` (``logits.logits_fused``'s ``row_fn``)."""
+    b, t = mask.shape
+    has_old, has_kl, has_rho = old is not None, ref is not None and args.beta != 0.0, ratio is not None
+    columns = [jnp.broadcast_to(adv[:, None], (b, t)), _policy.reduction_weights(mask, args)]
+    columns.append(_policy.entropy_weights(mask, args))
+    columns += ([old] if has_old else []) + ([ref] if has_kl else [])
+    columns += [jnp.broadcast_to(jnp.where(mask, ratio, 1.0), (b, t))] if has_rho else []
+
+    def row_fn(logp, entropy, adv, w, e, *rest):
+        rest = list(rest)
+        rho_row = rest.pop() if has_rho else None
+        old_row = rest[0] if has_old else None
+        ref_row = rest[-1] if has_kl else None
+        return w * _policy.token_loss(logp, entropy, old_row, ref_row, adv, args, ratio=rho_row) + e * entropy
+
+    return [c.reshape(-1).astype(jnp.float32) for c in columns], row_fn
+
+
+def _step(x, weight, bias, ids, mask, adv, old, ref, ratio, args, layout, rows, interpret, grads: bool = True):
+    """``(loss, (logp, entropy), (dX, dW, dc))`` of the single pass (see the module);
+    without ``grads`` no product but the logits' (the gradients are None)."""
+    n, hidden = x.shape
+    v = weight.shape[0] if layout == "vh" else weight.shape[1]
+    columns, row_fn = _row_inputs(mask, adv, old, ref, ratio, args)
+    live = mask.reshape(-1)
+    pad = -n % rows
+
+    def blocks(a):
+        return jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)).reshape(-1, rows, *a.shape[1:])
+
+    w_contract = 1 if layout == "vh" else 0  # Z = X·Wᵀ over H
+
+    def block(carry, xs):
+        dw, dc = carry
+        xb, yb, lb, *cb = xs
+        z = _dot(xb, weight, (1, w_contract), weight.dtype)
+        if bias is not None:
+            z = (z.astype(jnp.float32) + bias.astype(jnp.float32)).astype(weight.dtype)
+        row_loss, logp, entropy, dz = logits.logits_fused(
+            z, yb, cb, row_fn, mask=lb, temperature=args.temperature, interpret=interpret
+        )
+        if not grads:
+            return carry, (row_loss, logp, entropy, None)
+        dx = _dot(dz, weight, (1, 1 - w_contract), x.dtype)
+        dw_b = _dot(dz, xb, (0, 0), jnp.float32) if layout == "vh" else _dot(xb, dz, (0, 0), jnp.float32)
+        dc = dc + jnp.sum(dz.astype(jnp.float32), axis=0)
+        return (dw + dw_b, dc), (row_loss, logp, entropy, dx)
+
+    zero = (jnp.zeros(weight.shape, jnp.float32), jnp.zeros((v,), jnp.float32)) if grads else (None, None)
+    xs = (blocks(x), blocks(ids.reshape(-1).astype(jnp.int32)), blocks(live), *(blocks(c) for c in columns))
+    (dw, dc), (row_loss, logp, entropy, dx) = jax.lax.scan(block, zero, xs)
+    logp, entropy = (y.reshape(-1)[:n].reshape(mask.shape) for y in (logp, entropy))
+    dx = None if dx is None else dx.reshape(-1, hidden)[:n]
+    return jnp.sum(row_loss), (logp, entropy), (dx, dw, dc)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12))
+def _grpo(x, weight, bias, ids, mask, adv, old, ref, ratio, args, layout, rows, interpret):
+    loss, stats, _ = _step(x, weight, bias, ids, mask, adv, old, ref, ratio, args, layout, rows, interpret, False)
+    return loss, stats
+
+
+def _fwd(x, weight, bias, ids, mask, adv, old, ref, ratio, args, layout, rows, interpret):
+    loss, stats, grads = _step(x, weight, bias, ids, mask, adv, old, ref, ratio, args, layout, rows, interpret)
+    return (loss, stats), (grads, x.dtype, weight.dtype, None if bias is None else bias.dtype)
+
+
+def _bwd(args, layout, rows, interpret, res, cts):
+    (dx, dw, dc), x_dtype, w_dtype, b_dtype = res
+    g = cts[0]  # the statistics carry no gradient (the caller stops it)
+    db = None if b_dtype is None else (g * dc).astype(b_dtype)
+    return ((g * dx).astype(x_dtype), (g * dw).astype(w_dtype), db, None, None, None, None, None, None)
+
+
+_grpo.defvjp(_fwd, _bwd)
+
+
+def grpo(
+    x, weight, bias, ids, mask, adv, old, ref, ratio, args: _policy.GrpoArgs, layout: str, rows: int, interpret: Any
+):
+    """``(loss, (logp, entropy))`` of a token-local GRPO step on rows ``x`` ``[N, H]``
+    (``ids``, ``mask``, ``old``, ``ref`` ``[B, T]`` with ``B·T = N``; ``adv`` ``[B]``;
+    ``ratio`` ``[B, 1]``, ``[B, T]`` or None) in one pass over blocks of ``rows`` rows;
+    differentiable in ``x``, ``weight`` and ``bias``."""
+    return _grpo(x, weight, bias, ids, mask, adv, old, ref, ratio, args, layout, rows, interpret)

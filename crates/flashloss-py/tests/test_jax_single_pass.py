@@ -1,0 +1,173 @@
+"""The Pallas path's single-pass plan of a token-local GRPO step (``pallas/single_pass.py``,
+in interpret mode on the CPU): every token-local loss type, with KL, the entropy bonus,
+the sampler's ratio, a bias, both layouts, f32 and bf16, and several blocks of rows with
+a ragged last one and masked rows, against the f64 reference and the two-pass plan; which
+plan ``mode`` and ``budget_mib`` pick; its FLOPs (6NHV) in the compiled step."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+jnp = pytest.importorskip("jax.numpy")
+fj = pytest.importorskip("flashloss.jax")
+
+from flashloss.jax import gradcheck  # noqa: E402
+from flashloss.jax.pallas import single_pass  # noqa: E402
+
+TOKEN_LOCAL = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
+
+
+def _rel(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-6))
+
+
+def _inputs(seed, b=3, t=70, h=16, v=1003, dtype=jnp.float32):
+    """``B·T = 210`` rows: two blocks of 128, the last ragged; sequences of random length."""
+    rng = np.random.default_rng(seed)
+    hidden = jnp.asarray(rng.standard_normal((b, t, h)), dtype)
+    weight = jnp.asarray(rng.standard_normal((v, h)) * (2.0 / np.sqrt(h)), dtype)
+    ids = jnp.asarray(rng.integers(0, v, (b, t)), jnp.int32)
+    mask = jnp.asarray(np.arange(t)[None, :] < np.r_[t, rng.integers(1, t + 1, b - 1)][:, None])
+    adv = jnp.asarray(rng.standard_normal(b), jnp.float32)
+    old = jnp.asarray(-np.log(v) + 0.3 * rng.standard_normal((b, t)), jnp.float32)
+    ref = jnp.asarray(-np.log(v) + 0.3 * rng.standard_normal((b, t)), jnp.float32)
+    return hidden, weight, ids, mask, adv, old, ref
+
+
+def _f64(hidden, weight, ids, mask, adv, old, ref, cfg, entropy_coef=0.0):
+    """The f64 reference's loss and gradients (plus ``entropy_coef`` times the masked mean
+    entropy, TRL's bonus)."""
+    with jax.enable_x64(True):
+        h64, w64 = jnp.asarray(np.asarray(hidden, np.float64)), jnp.asarray(np.asarray(weight, np.float64))
+        f64 = [jnp.asarray(np.asarray(a, np.float64)) for a in (adv, old, ref)]
+        m = jnp.asarray(mask)
+
+        def ref_fn(x, wt):
+            z = (x.reshape(-1, x.shape[-1]) @ wt.T).reshape(*ids.shape, -1)
+            loss = gradcheck.reference_loss(jnp, jax, z, jnp.asarray(ids), m, *f64, cfg)
+            lp = jax.nn.log_softmax(z / cfg["temperature"], axis=-1)
+            ent = -(jnp.exp(lp) * lp).sum(-1)
+            return loss - entropy_coef * jnp.where(m, ent, 0.0).sum() / jnp.maximum(m.sum(), 1)
+
+        loss, (dh, dw) = jax.value_and_grad(ref_fn, (0, 1))(h64, w64)
+        return float(loss), np.asarray(dh), np.asarray(dw)
+
+
+def _run(hidden, weight, ids, mask, adv, mode, budget_mib=1.0, **kw):
+    def f(x, w):
+        return fj.linear_grpo_loss(x, w, ids, mask, adv, impl="pallas", interpret=True, mode=mode,
+                                   budget_mib=budget_mib, **kw)  # fmt: skip
+
+    return jax.value_and_grad(f, (0, 1), has_aux=True)(hidden, weight)
+
+
+@pytest.mark.parametrize("loss_type", TOKEN_LOCAL)
+def test_single_pass_matches_f64_and_two_pass(loss_type):
+    hidden, weight, ids, mask, adv, old, ref = _inputs(21)
+    cfg = dict(loss_type=loss_type, importance_sampling_level="token", beta=0.04, temperature=0.9,
+               use_bias_correction_kl=True)  # fmt: skip
+    kw = dict(cfg, epsilon_high=1.2 if loss_type == "cispo" else 0.2, max_completion_length=70,
+              old_per_token_logps=old, ref_per_token_logps=ref)  # fmt: skip
+    # 1 MiB: two blocks of 128 rows (footprint 2·128·V·4 + V·H·4 ≈ 1.1 MB), the second ragged
+    assert single_pass.block_rows(210, 1003, 16, 4, 2**20) == 128
+    (loss, aux), (dh, dw) = _run(hidden, weight, ids, mask, adv, "single_pass", **kw)
+    want, dh64, dw64 = _f64(hidden, weight, ids, mask, adv, old, ref, cfg)
+    assert abs(float(loss) - want) <= 1e-5 * max(1.0, abs(want))
+    assert _rel(dh, dh64) <= 1e-4 and _rel(dw, dw64) <= 1e-4
+    assert np.all(np.asarray(dh)[~np.asarray(mask)] == 0)  # masked rows take no gradient
+    (loss2, aux2), (dh2, dw2) = _run(hidden, weight, ids, mask, adv, "two_pass", **kw)
+    assert abs(float(loss) - float(loss2)) <= 1e-5 * max(1.0, abs(want))
+    assert _rel(dh, dh2) <= 1e-4 and _rel(dw, dw2) <= 1e-4
+    for a, b in ((aux.logp, aux2.logp), (aux.entropy, aux2.entropy), (aux.kl, aux2.kl)):
+        assert _rel(a, b) <= 1e-5
+    for k in aux.metrics:
+        assert abs(float(aux.metrics[k]) - float(aux2.metrics[k])) <= 1e-5, k
+
+
+@pytest.mark.parametrize("layout", ["vh", "hv"])
+def test_single_pass_bias_entropy_bonus_and_sampler_ratio(layout):
+    """A bias (its gradient too), the entropy bonus, a per-token sampler ratio, the ``[H, V]``
+    layout: the single pass equals the two-pass plan."""
+    hidden, weight, ids, mask, adv, old, ref = _inputs(22)
+    rng = np.random.default_rng(5)
+    bias = jnp.asarray(rng.standard_normal(weight.shape[0]) * 0.1, jnp.float32)
+    rho = jnp.asarray(rng.uniform(0.5, 1.5, mask.shape), jnp.float32)
+    w_in = weight if layout == "vh" else weight.T
+
+    def run(mode):
+        def f(x, w, c):
+            return fj.linear_grpo_loss(x, w, ids, mask, adv, bias=c, old_per_token_logps=old, ref_per_token_logps=ref,
+                                       beta=0.04, entropy_coef=0.01, importance_sampling_ratio=rho, impl="pallas",
+                                       interpret=True, mode=mode, budget_mib=1.0, weight_layout=layout)[0]  # fmt: skip
+
+        return jax.value_and_grad(f, (0, 1, 2))(hidden, w_in, bias)
+
+    loss, grads = run("single_pass")
+    loss2, grads2 = run("two_pass")
+    assert abs(float(loss) - float(loss2)) <= 1e-5 * max(1.0, abs(float(loss2)))
+    for g, g2 in zip(grads, grads2):
+        assert g.shape == g2.shape and _rel(g, g2) <= 1e-4
+
+
+def test_single_pass_entropy_bonus_matches_f64():
+    hidden, weight, ids, mask, adv, old, ref = _inputs(23)
+    cfg = dict(loss_type="dapo", importance_sampling_level="token", beta=0.0, temperature=1.0,
+               use_bias_correction_kl=True)  # fmt: skip
+    (loss, _), (dh, dw) = _run(hidden, weight, ids, mask, adv, "single_pass", old_per_token_logps=old,
+                               entropy_coef=0.05)  # fmt: skip
+    want, dh64, dw64 = _f64(hidden, weight, ids, mask, adv, old, ref, cfg, entropy_coef=0.05)
+    assert abs(float(loss) - want) <= 1e-5 * max(1.0, abs(want))
+    assert _rel(dh, dh64) <= 1e-4 and _rel(dw, dw64) <= 1e-4
+
+
+def test_single_pass_bf16():
+    hidden, weight, ids, mask, adv, old, ref = _inputs(24, dtype=jnp.bfloat16)
+    cfg = dict(loss_type="dapo", importance_sampling_level="token", beta=0.04, temperature=1.0,
+               use_bias_correction_kl=True)  # fmt: skip
+    (loss, _), (dh, dw) = _run(hidden, weight, ids, mask, adv, "single_pass", old_per_token_logps=old,
+                               ref_per_token_logps=ref, beta=0.04)  # fmt: skip
+    assert dh.dtype == jnp.bfloat16 and dw.dtype == jnp.bfloat16
+    want, dh64, dw64 = _f64(hidden, weight, ids, mask, adv, old, ref, cfg)
+    assert abs(float(loss) - want) <= 1e-2 * max(1.0, abs(want))  # the block's logits are held in bf16
+    assert _rel(dh, dh64) <= 3e-2 and _rel(dw, dw64) <= 3e-2
+
+
+def test_plan_choice():
+    """``auto`` takes the single pass where a block fits ``budget_mib``, else two passes;
+    ``two_pass`` never; sequence level, vespo and a sampler support never."""
+    from flashloss.jax import _policy
+    from flashloss.jax.pallas import losses
+
+    x, w = jax.ShapeDtypeStruct((8192, 4096), jnp.bfloat16), jax.ShapeDtypeStruct((151936, 4096), jnp.bfloat16)
+    spec = losses.spec_for("vh", 1.0, None, None, 151936, False)
+    args = _policy.GrpoArgs(loss_type="dapo")
+    # at the original shape the f32 dW carry alone is V·H·4 = 2.49 GB: not within 160 MiB
+    assert losses.single_pass_rows("auto", 160.0, x, w, spec, args, None) is None
+    assert losses.single_pass_rows("auto", 4096.0, x, w, spec, args, None) == 2048
+    assert losses.single_pass_rows("two_pass", 4096.0, x, w, spec, args, None) is None
+    assert losses.single_pass_rows("single_pass", 160.0, x, w, spec, args, None) == 128
+    seq = dataclasses.replace(args, importance_sampling_level="sequence")
+    assert losses.single_pass_rows("single_pass", 4096.0, x, w, spec, seq, None) is None
+    assert losses.single_pass_rows("single_pass", 4096.0, x, w, spec, args, lambda *a: a) is None
+
+
+def test_single_pass_flops_are_six_nhv():
+    """XLA's cost analysis of the compiled step (CPU, interpret mode: the kernel's work is
+    elementwise there): the products are 6·N·H·V FLOPs under ``single_pass``, against
+    10·N·H·V for the two kernels' plan, which recomputes the logits twice."""
+    n, h, v = 256, 64, 2048
+    hidden, weight, ids, mask, adv, old, ref = _inputs(25, b=2, t=n // 2, h=h, v=v)
+
+    def flops(mode):
+        def f(x, w):
+            return fj.linear_grpo_loss(x, w, ids, mask, adv, impl="pallas", interpret=True, mode=mode,
+                                       budget_mib=64.0)[0]  # fmt: skip
+
+        cost = jax.jit(jax.value_and_grad(f, (0, 1))).lower(hidden, weight).compile().cost_analysis()
+        return float((cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"])
+
+    products = 6 * n * h * v
+    assert products <= flops("single_pass") <= 1.3 * products
