@@ -383,8 +383,9 @@ def main(argv=None) -> None:
     p.add_argument("--json", metavar="OUT")
     p.add_argument("--lower", choices=("tpu",), help="lower the step for TPU (B=1, T=8192, H=4096, V=151936 unless "
                    "set) and describe its StableHLO module; nothing runs")  # fmt: skip
-    p.add_argument("--compile", choices=("tpu",), help="compile the pallas, baseline and tiled steps for TPU chip "
-                   "`chip` with libtpu (the --lower shape) and print XLA's memory and cost figures; nothing runs")  # fmt: skip
+    p.add_argument("--compile", choices=("tpu",), help="compile the pallas, baseline and tiled steps for TPU "
+                   "chip `chip` with libtpu (the --lower shape) and print XLA's memory and cost figures; "
+                   "nothing runs")  # fmt: skip
     a = p.parse_args(argv)
     shape_only = a.lower or a.compile
     cfg = load(a.config, a.set, LOWER_DEFAULTS if shape_only else DEFAULTS)

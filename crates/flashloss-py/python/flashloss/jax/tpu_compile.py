@@ -49,6 +49,9 @@ HEAD_TEMP_BOUND = 64 * MIB
 #: The materialized logits' steps: the logits and their gradient are arguments and outputs,
 #: the temporaries a few per-row vectors.
 LOGITS_TEMP_BOUND = 64 * MIB
+#: The single-pass plan's budget at the original shape (its bound too): a block of 2048
+#: rows in bf16 (1.24 GB of logits and dZ) and the f32 dW carry (2.49 GB).
+SINGLE_PASS_BUDGET_MIB = 4096
 
 
 @dataclass(frozen=True)
@@ -185,6 +188,8 @@ def cases() -> dict[str, Case]:
         out.append(Case(f"grpo_sequence_{d}", _grpo(loss_type="grpo", importance_sampling_level="sequence"),
                         _batch(dtype=dtype), tags=("v6e",)))  # fmt: skip
         out.append(Case(f"ce_{d}", _ce(), _batch(dtype=dtype), tags=("v6e",)))
+        out.append(Case(f"grpo_single_pass_{d}", _grpo(mode="single_pass", budget_mib=SINGLE_PASS_BUDGET_MIB),
+                        _batch(dtype=dtype), temp_bound=SINGLE_PASS_BUDGET_MIB * MIB, tags=("v6e",)))  # fmt: skip
         out.append(Case(f"logprobs_entropy_{d}", _logprobs(), _batch(dtype=dtype), tags=("v6e",)))
         out.append(Case(f"logprobs_stats_{d}", _logprobs(return_lse=True, return_max=True, return_sum_p2=True),
                         _batch(dtype=dtype), tags=("core",)))  # fmt: skip

@@ -125,14 +125,15 @@ def _grpo(x, weight, bias, ids, mask, adv, old, ref, ratio, args, layout, rows, 
 
 def _fwd(x, weight, bias, ids, mask, adv, old, ref, ratio, args, layout, rows, interpret):
     loss, stats, grads = _step(x, weight, bias, ids, mask, adv, old, ref, ratio, args, layout, rows, interpret)
-    return (loss, stats), (grads, x.dtype, weight.dtype, None if bias is None else bias.dtype)
+    dtypes = tuple(None if a is None else jnp.zeros((), a.dtype) for a in (weight, bias))  # scalars of each dtype
+    return (loss, stats), (grads, dtypes)
 
 
 def _bwd(args, layout, rows, interpret, res, cts):
-    (dx, dw, dc), x_dtype, w_dtype, b_dtype = res
+    (dx, dw, dc), (w_dtype, b_dtype) = res
     g = cts[0]  # the statistics carry no gradient (the caller stops it)
-    db = None if b_dtype is None else (g * dc).astype(b_dtype)
-    return ((g * dx).astype(x_dtype), (g * dw).astype(w_dtype), db, None, None, None, None, None, None)
+    db = None if b_dtype is None else (g * dc).astype(b_dtype.dtype)
+    return ((g * dx).astype(dx.dtype), (g * dw).astype(w_dtype.dtype), db, None, None, None, None, None, None)
 
 
 _grpo.defvjp(_fwd, _bwd)
