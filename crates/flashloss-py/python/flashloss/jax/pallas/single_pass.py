@@ -13,7 +13,9 @@ row's gradient is known as soon as its statistics are. For each block of ``R`` r
     dX_b = dZ_b·W                              XLA's dot                                   2·R·H·V
     dW  += dZ_bᵀ·X_b,  dc += Σ_rows dZ_b       XLA's dot into an f32 carry                 2·R·H·V
 
-so ``6·N·H·V`` FLOPs in all against the two-pass kernels' ``10·N·H·V`` (forward, then dH
+so ``6·N·H·V`` FLOPs in all (XLA's cost analysis counts the loop's body once: times the
+blocks; unrolled, the step compiled for v6e counts 6NHV, but XLA then holds every block's
+logits at once) against the two-pass kernels' ``10·N·H·V`` (forward, then dH
 and dW each recomputing the logits). Bytes held: the block's ``Z_b`` and ``dZ_b``
 (``2·R·V·e``) and the f32 ``dW`` carry (``V·H·4``): :func:`footprint_bytes`, chosen
 within ``budget_mib`` (:func:`block_rows`). The gradients are formed in the forward and
