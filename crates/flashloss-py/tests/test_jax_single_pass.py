@@ -171,3 +171,21 @@ def test_single_pass_flops_are_six_nhv():
 
     products = 6 * n * h * v
     assert products <= flops("single_pass") <= 1.3 * products
+
+
+def test_single_pass_frozen_head_runs_no_dw_product():
+    """A head that needs no gradient: no dW product (nor an f32 ``[V, H]`` carry) in the
+    step, and dH as with a trained head."""
+    hidden, weight, ids, mask, adv, old, ref = _inputs(26, dtype=jnp.bfloat16)  # an f32 [V, H] is then dW's
+
+    def f(x, w):
+        return fj.linear_grpo_loss(x, w, ids, mask, adv, impl="pallas", interpret=True, mode="single_pass",
+                                   budget_mib=1.5)[0]  # fmt: skip
+
+    frozen = jax.make_jaxpr(jax.grad(lambda x: f(x, jax.lax.stop_gradient(weight))))(hidden)
+    trained = jax.make_jaxpr(jax.grad(f, (0, 1)))(hidden, weight)
+    v, h = weight.shape
+    assert f"f32[{v},{h}]" in str(trained) and f"f32[{v},{h}]" not in str(frozen)
+    dh = jax.grad(lambda x: f(x, jax.lax.stop_gradient(weight)))(hidden)
+    dh2, _ = jax.grad(f, (0, 1))(hidden, weight)
+    assert _rel(dh, dh2) == 0.0

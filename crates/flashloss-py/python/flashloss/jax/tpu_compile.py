@@ -88,15 +88,19 @@ def placed(devs, structs: tuple) -> tuple:
     return _structs(devs, (P(),) * len(structs), [(s.shape, s.dtype) for s in structs])
 
 
-def _batch_shapes(b, t, h, v, dtype, layout="vh") -> list:
-    """hidden, weight, ids, old, ref, adv, mask (bench's order)."""
+def _batch_shapes(b, t, h, v, dtype, layout="vh", rows_2d=False) -> list:
+    """hidden, weight, ids, old, ref, adv, mask (bench's order); ``rows_2d``: hidden as
+    ``[B·T, H]`` (at an odd T, XLA lays a ``[1, T, H]`` argument out in ``(1, 128)`` tiles
+    and copies it into the kernels' ``(8, 128)``: 2·T·H·4 bytes of temporaries in f32 that
+    are the argument's layout, not the step's)."""
     w = (v, h) if layout == "vh" else (h, v)
     f32 = ((b, t), jnp.float32)
-    return [((b, t, h), dtype), (w, dtype), ((b, t), jnp.int32), f32, f32, ((b,), jnp.float32), ((b, t), jnp.bool_)]
+    x = (b * t, h) if rows_2d else (b, t, h)
+    return [(x, dtype), (w, dtype), ((b, t), jnp.int32), f32, f32, ((b,), jnp.float32), ((b, t), jnp.bool_)]
 
 
-def _batch(b=B, t=T, h=H, v=V, dtype=jnp.bfloat16, layout="vh", specs=None) -> Callable:
-    shapes = _batch_shapes(b, t, h, v, dtype, layout)
+def _batch(b=B, t=T, h=H, v=V, dtype=jnp.bfloat16, layout="vh", specs=None, rows_2d=False) -> Callable:
+    shapes = _batch_shapes(b, t, h, v, dtype, layout, rows_2d)
     return lambda devs: _structs(devs, specs or (P(),) * len(shapes), shapes)
 
 
@@ -201,7 +205,7 @@ def cases() -> dict[str, Case]:
         out.append(Case(f"logits_grpo_{d}", step, inputs, temp_bound=LOGITS_TEMP_BOUND, tags=("core",)))
     for h in (896, 1536, 3584):  # ragged: V=151643 (odd), N=8191 (a multiple of no block)
         for dtype, d in ((jnp.bfloat16, "bf16"), (jnp.float32, "f32")):
-            out.append(Case(f"grpo_ragged_h{h}_{d}", _grpo(), _batch(t=T - 1, h=h, v=151643, dtype=dtype),
+            out.append(Case(f"grpo_ragged_h{h}_{d}", _grpo(), _batch(t=T - 1, h=h, v=151643, dtype=dtype, rows_2d=True),
                             tags=("core",)))  # fmt: skip
     out += [_sharded(split) for split in ("vocab", "token", "2d")]
     return {c.name: c for c in out}
@@ -263,13 +267,37 @@ def compile_case(case: Case, chip: str) -> dict[str, Any]:
     }
 
 
+def table(lines: list[dict]) -> str:
+    """The result lines as a markdown table (MiB, TFLOP, GB, ms)."""
+    out = ["| chip | case | ok | compile s | temp MiB | argument MiB | output MiB | TFLOP | GB accessed | "
+           "roofline ms (estimate) |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in lines:
+        if r.get("ok") is None:
+            continue
+        if "temp_bytes" not in r:
+            out.append(f"| {r['chip']} | {r['case']} | **no**: {r['error']} | {r['compile_seconds']} |||||||")
+            continue
+        ok = "yes" if r["ok"] else "**no** (temp above its bound)"
+        out.append(
+            f"| {r['chip']} | {r['case']} | {ok} | {r['compile_seconds']} | {r['temp_bytes'] / MIB:.1f} | "
+            f"{r['argument_bytes'] / MIB:.0f} | {r['output_bytes'] / MIB:.0f} | {r['flops'] / 1e12:.2f} | "
+            f"{r['bytes_accessed'] / 1e9:.1f} | {r['roofline_seconds_estimate'] * 1e3:.1f} |"
+        )
+    return "\n".join(out)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--chips", default="v6e", help=f"comma-separated, of {sorted(TOPOLOGIES)}")
     p.add_argument("--cases", default="core", help="comma-separated case names or tags, or all")
     p.add_argument("--json", metavar="OUT", help="also append the lines to OUT")
     p.add_argument("--list", action="store_true", help="print the case names and tags, compile nothing")
+    p.add_argument("--table", metavar="JSONL", help="print the lines of JSONL as a markdown table, compile nothing")
     a = p.parse_args(argv)
+    if a.table:
+        with open(a.table) as f:
+            print(table([json.loads(line) for line in f if line.strip()]))
+        return 0
     chosen = select(a.cases)
     if a.list:
         for c in chosen:

@@ -277,6 +277,13 @@ def _setup(logits2d, ids, mask, rows, bn, limit: Optional[int], grad: bool, n_in
     return n, v, bn, ids_c, mask_c, tile, row, params, meta
 
 
+def _cost(n: int, v: int, dtype: Any, writes: bool) -> pl.CostEstimate:
+    """What XLA is told a kernel costs: one read of the logits (and one write of
+    ``dlogits``), an ``exp`` per logit per sweep, ~8 VPU operations per logit."""
+    size = n * v * jnp.dtype(dtype).itemsize
+    return pl.CostEstimate(flops=8 * n * v, transcendentals=n * v, bytes_accessed=size * (2 if writes else 1))
+
+
 def logits_stats(
     logits2d: jax.Array,
     ids: jax.Array,
@@ -300,6 +307,7 @@ def logits_stats(
         in_specs=[tile, row, row],
         out_specs=(row, row, row),
         compiler_params=params,
+        cost_estimate=_cost(n, v, logits2d.dtype, writes=False),
         interpret=interpret,
         name="flashloss_logits_stats",
     )(logits2d, ids_c, mask_c)
@@ -335,6 +343,7 @@ def logits_grad(
         in_specs=[tile, row, row, row, row, row, row],
         out_specs=tile,
         compiler_params=params,
+        cost_estimate=_cost(n, v, logits2d.dtype, writes=True),
         interpret=interpret,
         name="flashloss_logits_grad",
     )(logits2d, ids_c, mask_c, *row_args)
@@ -376,6 +385,7 @@ def logits_fused(
         in_specs=[tile, row, row] + [row] * k,
         out_specs=(row, row, row, tile),
         compiler_params=params,
+        cost_estimate=_cost(n, v, logits2d.dtype, writes=True),
         interpret=interpret,
         name="flashloss_logits_fused",
     )(*ins)

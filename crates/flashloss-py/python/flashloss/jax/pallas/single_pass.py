@@ -20,7 +20,8 @@ and dW each recomputing the logits). Bytes held: the block's ``Z_b`` and ``dZ_b`
 (``2·R·V·e``) and the f32 ``dW`` carry (``V·H·4``): :func:`footprint_bytes`, chosen
 within ``budget_mib`` (:func:`block_rows`). The gradients are formed in the forward and
 scaled by the loss's cotangent in the backward (a ``jax.custom_vjp``), as the logits
-level's fused kernel does; without a gradient the pass runs no product but the logits'.
+level's fused kernel does; only the gradients asked for are formed (a frozen head runs no
+dW product), and without a gradient the pass runs no product but the logits'.
 """
 
 from __future__ import annotations
@@ -81,11 +82,13 @@ def _row_inputs(mask, adv, old, ref, ratio, args: _policy.GrpoArgs) -> tuple[lis
     return [c.reshape(-1).astype(jnp.float32) for c in columns], row_fn
 
 
-def _step(x, weight, bias, ids, mask, adv, old, ref, ratio, args, layout, rows, interpret, grads: bool = True):
-    """``(loss, (logp, entropy), (dX, dW, dc))`` of the single pass (see the module);
-    without ``grads`` no product but the logits' (the gradients are None)."""
+def _step(x, weight, bias, ids, mask, adv, old, ref, ratio, args, layout, rows, interpret, wants=(False,) * 3):
+    """``(loss, (logp, entropy), (dX, dW, dc))`` of the single pass (see the module): of the
+    gradients only those ``wants`` asks for (of ``x``, ``weight``, ``bias``; None for the
+    others); none: no product but the logits'."""
     n, hidden = x.shape
     v = weight.shape[0] if layout == "vh" else weight.shape[1]
+    want_dx, want_dw, want_dc = wants[0], wants[1], wants[2] and bias is not None
     columns, row_fn = _row_inputs(mask, adv, old, ref, ratio, args)
     live = mask.reshape(-1)
     pad = -n % rows
@@ -104,14 +107,17 @@ def _step(x, weight, bias, ids, mask, adv, old, ref, ratio, args, layout, rows, 
         row_loss, logp, entropy, dz = logits.logits_fused(
             z, yb, cb, row_fn, mask=lb, temperature=args.temperature, interpret=interpret
         )
-        if not grads:
-            return carry, (row_loss, logp, entropy, None)
-        dx = _dot(dz, weight, (1, 1 - w_contract), x.dtype)
-        dw_b = _dot(dz, xb, (0, 0), jnp.float32) if layout == "vh" else _dot(xb, dz, (0, 0), jnp.float32)
-        dc = dc + jnp.sum(dz.astype(jnp.float32), axis=0)
-        return (dw + dw_b, dc), (row_loss, logp, entropy, dx)
+        dx = _dot(dz, weight, (1, 1 - w_contract), x.dtype) if want_dx else None
+        if want_dw:
+            dw = dw + (_dot(dz, xb, (0, 0), jnp.float32) if layout == "vh" else _dot(xb, dz, (0, 0), jnp.float32))
+        if want_dc:
+            dc = dc + jnp.sum(dz.astype(jnp.float32), axis=0)
+        return (dw, dc), (row_loss, logp, entropy, dx)
 
-    zero = (jnp.zeros(weight.shape, jnp.float32), jnp.zeros((v,), jnp.float32)) if grads else (None, None)
+    zero = (
+        jnp.zeros(weight.shape, jnp.float32) if want_dw else None,
+        jnp.zeros((v,), jnp.float32) if want_dc else None,
+    )
     xs = (blocks(x), blocks(ids.reshape(-1).astype(jnp.int32)), blocks(live), *(blocks(c) for c in columns))
     (dw, dc), (row_loss, logp, entropy, dx) = jax.lax.scan(block, zero, xs)
     logp, entropy = (y.reshape(-1)[:n].reshape(mask.shape) for y in (logp, entropy))
@@ -121,12 +127,20 @@ def _step(x, weight, bias, ids, mask, adv, old, ref, ratio, args, layout, rows, 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12))
 def _grpo(x, weight, bias, ids, mask, adv, old, ref, ratio, args, layout, rows, interpret):
-    loss, stats, _ = _step(x, weight, bias, ids, mask, adv, old, ref, ratio, args, layout, rows, interpret, False)
+    loss, stats, _ = _step(x, weight, bias, ids, mask, adv, old, ref, ratio, args, layout, rows, interpret)
     return loss, stats
 
 
+def _value(a):
+    """``(value, perturbed)`` of a primal under symbolic zeros (``None`` stays ``None``)."""
+    return (None, False) if a is None else (a.value, a.perturbed)
+
+
 def _fwd(x, weight, bias, ids, mask, adv, old, ref, ratio, args, layout, rows, interpret):
-    loss, stats, grads = _step(x, weight, bias, ids, mask, adv, old, ref, ratio, args, layout, rows, interpret)
+    (x, want_dx), (weight, want_dw), (bias, want_db) = _value(x), _value(weight), _value(bias)
+    ids, mask, adv, old, ref, ratio = (_value(a)[0] for a in (ids, mask, adv, old, ref, ratio))
+    wants = (want_dx, want_dw, want_db)
+    loss, stats, grads = _step(x, weight, bias, ids, mask, adv, old, ref, ratio, args, layout, rows, interpret, wants)
     dtypes = tuple(None if a is None else jnp.zeros((), a.dtype) for a in (weight, bias))  # scalars of each dtype
     return (loss, stats), (grads, dtypes)
 
@@ -134,11 +148,13 @@ def _fwd(x, weight, bias, ids, mask, adv, old, ref, ratio, args, layout, rows, i
 def _bwd(args, layout, rows, interpret, res, cts):
     (dx, dw, dc), (w_dtype, b_dtype) = res
     g = cts[0]  # the statistics carry no gradient (the caller stops it)
-    db = None if b_dtype is None else (g * dc).astype(b_dtype.dtype)
-    return ((g * dx).astype(dx.dtype), (g * dw).astype(w_dtype.dtype), db, None, None, None, None, None, None)
+    dx = None if dx is None else (g * dx).astype(dx.dtype)
+    dw = None if dw is None else (g * dw).astype(w_dtype.dtype)
+    dc = None if dc is None else (g * dc).astype(b_dtype.dtype)
+    return (dx, dw, dc, None, None, None, None, None, None)
 
 
-_grpo.defvjp(_fwd, _bwd)
+_grpo.defvjp(_fwd, _bwd, symbolic_zeros=True)
 
 
 def grpo(
