@@ -310,7 +310,7 @@ def linear_grpo_loss(
         hidden, weight, bias = _wide(hidden, weight, bias)
 
         def truncated(x, flat_ids, live):
-            return _support_vocab.truncated(x, weight, bias, flat_ids, live, k_spec, vocab_axis)
+            return _support_vocab.truncated(x, weight, bias, flat_ids, live, (*k_spec, spec), vocab_axis)
 
         truncated = None if support is None else truncated
         return _pallas.grpo(hidden, weight, bias, ids, mask, adv, old, ref, rho, args, spec, truncated)
@@ -487,8 +487,8 @@ def linear_logprobs(
     def outside(flat_mask):  # where the support is asked but keeps everything
         return None if support is None else jnp.zeros(flat_mask.shape, bool)
 
-    def truncated(x, weight, bias, flat_ids, flat_mask):
-        k_spec = (support, weight_layout, spec.transform)
+    def truncated(x, weight, bias, flat_ids, flat_mask, head=None):  # head: the Pallas kernels' HeadSpec
+        k_spec = (support, weight_layout, spec.transform) + (() if head is None else (head,))
         return _support_vocab.truncated(x, weight, bias, flat_ids, flat_mask, k_spec, vocab_axis)
 
     def ffi(x, weight, bias, flat_ids, flat_mask, cand):
@@ -512,7 +512,7 @@ def linear_logprobs(
         g = gathered(x, weight, bias, flat_mask, st.lse, cand, _checks.runs_here(interpret))
         logp, out_k = st.logp, outside(flat_mask)
         if filtered:
-            logp, out_k = truncated(x, weight, bias, flat_ids, flat_mask)
+            logp, out_k = truncated(x, weight, bias, flat_ids, flat_mask, spec)
         return logp, st.entropy, st.lse, st.max, p2, g, out_k
 
     out = _on_path(impl, interpret, pallas, ffi, x, weight, bias, ids.reshape(-1), m.reshape(-1), candidates)

@@ -1,7 +1,7 @@
 """The truncated support (:mod:`._support`) over a head split over a mesh axis
 (``vocab_axis``): each device holds an equal contiguous block of the vocabulary in axis
-order, global id ``j = offset + local index``. Plain JAX over blocks of rows, on either
-path; every decision is the one-device ``keep_row``'s on the same f32 scaled logits.
+order, global id ``j = offset + local index``. On the FFI path plain JAX over blocks of
+rows (here); the Pallas path streams it over the vocabulary (:mod:`.pallas.support`).
 
 Per block of rows each device forms its logits ``s`` ``[rows, V_r]``, then:
 
@@ -39,6 +39,7 @@ from ._ffi import _values
 from ._ops import vocab_size
 from ._support import Filters, _blocks, _row_logits, _zeros
 from .pallas import checks
+from .pallas import support as pallas_support
 
 _BITS = 32  # bisection rounds over the uint32 keys
 
@@ -187,10 +188,14 @@ truncated_logp.defvjp(_fwd, _bwd, symbolic_zeros=True)
 
 
 def truncated(x, weight, bias, ids, live, spec, axis: Optional[str]):
-    """``(logp^K, outside)`` of :func:`._support.truncated_logp` (``axis`` None: a whole
-    head) or of :func:`truncated_logp` over ``axis``."""
+    """``(logp^K, outside)``: on the Pallas kernels where ``spec`` ends with their
+    ``HeadSpec`` (:func:`._support.truncated_logp` for a whole head, ``axis`` None, else
+    :func:`.pallas.support.truncated` over ``axis``), else of :func:`truncated_logp` over
+    ``axis`` (the FFI path)."""
     if axis is None:
         return _support.truncated_logp(x, weight, bias, ids, live, spec)
+    if len(spec) > 3:
+        return pallas_support.truncated(x, weight, bias, ids, live, spec, axis)
     return truncated_logp(x, weight, bias, ids, live, spec, axis)
 
 
