@@ -309,11 +309,8 @@ def linear_grpo_loss(
     def pallas(hidden, weight, bias, ids, mask, adv, old, ref, rho):
         hidden, weight, bias = _wide(hidden, weight, bias)
 
-        def truncated(x, flat_ids, live):
-            return _support_vocab.truncated(x, weight, bias, flat_ids, live, (*k_spec, spec), vocab_axis)
-
-        truncated = None if support is None else truncated
-        return _pallas.grpo(hidden, weight, bias, ids, mask, adv, old, ref, rho, args, spec, truncated)
+        head = dataclasses.replace(spec, support=support)
+        return _pallas.grpo(hidden, weight, bias, ids, mask, adv, old, ref, rho, args, head)
 
     loss, (logp, entropy, kl, metrics) = _on_path(impl, interpret, pallas, ffi, hidden, weight, bias, ids, mask,
                                                   adv, old, ref, rho)  # fmt: skip
@@ -487,8 +484,8 @@ def linear_logprobs(
     def outside(flat_mask):  # where the support is asked but keeps everything
         return None if support is None else jnp.zeros(flat_mask.shape, bool)
 
-    def truncated(x, weight, bias, flat_ids, flat_mask, head=None):  # head: the Pallas kernels' HeadSpec
-        k_spec = (support, weight_layout, spec.transform) + (() if head is None else (head,))
+    def truncated(x, weight, bias, flat_ids, flat_mask):
+        k_spec = (support, weight_layout, spec.transform)
         return _support_vocab.truncated(x, weight, bias, flat_ids, flat_mask, k_spec, vocab_axis)
 
     def ffi(x, weight, bias, flat_ids, flat_mask, cand):
@@ -507,12 +504,13 @@ def linear_logprobs(
 
     def pallas(x, weight, bias, flat_ids, flat_mask, cand):
         x, weight, bias = _wide(x, weight, bias)
-        st = _pallas.logprob_stats(x, weight, bias, flat_ids, flat_mask, spec, seq_len)
+        head = dataclasses.replace(spec, support=support if filtered else None)
+        st = _pallas.logprob_stats(x, weight, bias, flat_ids, flat_mask, head, seq_len)
         p2 = st.sum_p2 if return_sum_p2 else None
         g = gathered(x, weight, bias, flat_mask, st.lse, cand, _checks.runs_here(interpret))
         logp, out_k = st.logp, outside(flat_mask)
         if filtered:
-            logp, out_k = truncated(x, weight, bias, flat_ids, flat_mask, spec)
+            logp, out_k = st.logp_k, st.outside
         return logp, st.entropy, st.lse, st.max, p2, g, out_k
 
     out = _on_path(impl, interpret, pallas, ffi, x, weight, bias, ids.reshape(-1), m.reshape(-1), candidates)

@@ -14,11 +14,12 @@ keep the largest). ``logp^K_i = s_{i,y_i} - logsumexp_{j∈K_i} s_ij``, ``-inf``
   statistics with ``logp^K``) and ``flashloss_logp_support_grads`` (one more pass with the
   rows' cotangents), a whole head (a head split over ``vocab_axis``:
   :mod:`._support_vocab`).
-- Pallas path (:func:`truncated_logp`): streamed over the vocabulary by the kernels of
-  :mod:`.pallas.support` (a running top-``C`` of the keys ``(s_j, j)`` per row, tallies
-  at a per-row cut, the head's backward kernels with ``p^K``), also over ``vocab_axis``;
-  no ``[N, V]`` array. Top-p's sums are f32 (the FFI kernel's f64), so a support may
-  differ where an ascending cumulative mass is within f32 rounding of ``(1 - top_p)·M``.
+- Pallas path (:mod:`.pallas.support`, the head's statistics with ``HeadSpec.support``):
+  streamed over the vocabulary (a running top-``C`` of the keys ``(s_j, j)`` per row,
+  tallies at a per-row cut, the head's backward kernels with ``p^K`` in the same pass as
+  the other statistics' gradients), also over ``vocab_axis``; no ``[N, V]`` array. Top-p's
+  sums are f32 (the FFI kernel's f64), so a support may differ where an ascending
+  cumulative mass is within f32 rounding of ``(1 - top_p)·M``.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from jax.custom_derivatives import SymbolicZero
 
 from ._ffi import _values, head_grad_wanted, wants
 from ._ops import _call, _like, _or_empty, head_grad_results, vocab_size
-from .pallas import support as pallas_support
 from .pallas.head import Transform
 
 #: Elements of one block's ``[rows, V]`` logits of the FFI path's vocab-parallel support
@@ -85,14 +85,6 @@ def _row_logits(h, weight, bias, layout: str, transform: Transform) -> jax.Array
 
 def _blocks(n: int, v: int) -> int:
     return max(1, min(n, BLOCK_ELEMENTS // max(1, v)))
-
-
-def truncated_logp(x, weight, bias, ids, live, spec):
-    """``(logp^K, outside)`` ``[N]`` of rows ``x`` ``[N, H]`` on the Pallas kernels, streamed
-    over the vocabulary (:mod:`.pallas.support`; 0 and False where not ``live``); ``spec``:
-    (Filters, layout, Transform, HeadSpec). Differentiable in ``logp^K`` with the support
-    held fixed."""
-    return pallas_support.truncated(x, weight, bias, ids, live, spec, None)
 
 
 def _zeros(shape, like) -> jax.Array:

@@ -1,7 +1,7 @@
 """The truncated support (:mod:`._support`) over a head split over a mesh axis
 (``vocab_axis``): each device holds an equal contiguous block of the vocabulary in axis
-order, global id ``j = offset + local index``. On the FFI path plain JAX over blocks of
-rows (here); the Pallas path streams it over the vocabulary (:mod:`.pallas.support`).
+order, global id ``j = offset + local index``. The FFI path's, plain JAX over blocks of
+rows (the Pallas path streams it over the vocabulary: :mod:`.pallas.support`).
 
 Per block of rows each device forms its logits ``s`` ``[rows, V_r]``, then:
 
@@ -28,18 +28,16 @@ axis by the caller, whose transpose sums the parts), ``dweight``/``dbias`` its b
 from __future__ import annotations
 
 import functools
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-from . import _policy, _support, _vocab
+from . import _policy, _vocab
 from ._ffi import _values
 from ._ops import vocab_size
 from ._support import Filters, _blocks, _row_logits, _zeros
 from .pallas import checks
-from .pallas import support as pallas_support
 
 _BITS = 32  # bisection rounds over the uint32 keys
 
@@ -187,15 +185,9 @@ def _bwd(spec, axis, res, cts):
 truncated_logp.defvjp(_fwd, _bwd, symbolic_zeros=True)
 
 
-def truncated(x, weight, bias, ids, live, spec, axis: Optional[str]):
-    """``(logp^K, outside)``: on the Pallas kernels where ``spec`` ends with their
-    ``HeadSpec`` (:func:`._support.truncated_logp` for a whole head, ``axis`` None, else
-    :func:`.pallas.support.truncated` over ``axis``), else of :func:`truncated_logp` over
-    ``axis`` (the FFI path)."""
-    if axis is None:
-        return _support.truncated_logp(x, weight, bias, ids, live, spec)
-    if len(spec) > 3:
-        return pallas_support.truncated(x, weight, bias, ids, live, spec, axis)
+def truncated(x, weight, bias, ids, live, spec, axis: str):
+    """``(logp^K, outside)`` of :func:`truncated_logp` over ``axis`` (the FFI path's
+    vocab-parallel support; the Pallas path's is :mod:`.pallas.support`)."""
     return truncated_logp(x, weight, bias, ids, live, spec, axis)
 
 

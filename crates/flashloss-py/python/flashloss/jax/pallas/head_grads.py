@@ -10,8 +10,10 @@ A row's statistics are functions of its softmax ``p = softmax(s)``: with cotange
 
 (:mod:`.stats` forms the four coefficients from the cotangents of lse, logp, entropy
 and the mean logit). A row with no gradient passes ``lse = +inf``, so its ``p`` is 0.
-Under a truncated support (:mod:`.support`) the rows also pass a cut ``κ = (c_v, c_j)``
-and ``lse = lse^K``: ``p`` is then ``p^K_ij = e^{s_ij - lse^K_i}·1[(s_ij, j) ≥ κ_i]``.
+Under a truncated support (:mod:`.support`) the rows also pass ``lse^K``, a coefficient
+``ē`` and a cut ``κ = (c_v, c_j)``, and the tile's gradient gains
+``ē_i·p^K_ij`` with ``p^K_ij = e^{s_ij - lse^K_i}·1[(s_ij, j) ≥ κ_i]`` (``ē = -g``, ``ā``
+gaining ``g``, for ``g`` the cotangent of ``logp^K``): one pass for every statistic.
 
 Two kernels, not one (the choice, with its FLOPs and bytes, is in ``docs/jax.md``):
 ``dH = dZ·W`` over grid ``(row blocks "parallel", vocabulary tiles "arbitrary")`` with an
@@ -37,21 +39,21 @@ from .head import Transform, bias_spec, launch, plan, row_spec, tail, tile_logit
 
 #: Per-row inputs of the backward kernels, in order (after ``ids``).
 COEFFICIENTS = ("lse", "entropy", "target", "softmax", "entropy_term", "uniform")
-#: Per-row inputs after them under a truncated support (``cut``).
-CUT = ("cut_value", "cut_column")
+#: Per-row inputs after them under a truncated support.
+SUPPORT = ("support_lse", "support", "cut_value", "cut_column")
 
 
 def _dlogits(s, col, v: int, rows, transform: Transform):
     """``∂L/∂z`` of a tile from its transformed logits ``s`` and the per-row vectors."""
-    ids, lse, entropy, a, b, c, d, *cut = rows
+    ids, lse, entropy, a, b, c, d, *support = rows
     valid = col < v
     log_p = s - lse
     p = jnp.exp(log_p)
-    if cut:  # p^K: zero below the cut's key (s, j)
-        cv, cj = cut
-        p = jnp.where((s > cv) | ((s == cv) & (col >= cj)), p, 0.0)
     spread = jnp.where(p > 0, p * (b - c * (log_p + entropy)), 0.0)
     ds = jnp.where(col == ids, a, 0.0) + spread + d
+    if support:  # ē·p^K, zero below the cut's key (s, j)
+        lse_k, e, cv, cj = support
+        ds = ds + jnp.where((s > cv) | ((s == cv) & (col >= cj)), jnp.exp(s - lse_k) * e, 0.0)
     return jnp.where(valid, ds * transform.slope(s), 0.0)
 
 
@@ -146,7 +148,7 @@ def dhidden(
     max_vocab: Optional[int] = None,
 ) -> jax.Array:
     """``dH = dZ·W`` ``[N, H]`` in ``x``'s dtype; ``rows``: :data:`COEFFICIENTS` ``[N]``, then
-    :data:`CUT` (f32, int32 columns of this head) under a truncated support."""
+    :data:`SUPPORT` (the cut's column an int32 of this head) under a truncated support."""
     n, hidden, v, target, blocks = plan("dh", x, weight, layout, chip, max_rows, max_vocab)
     in_specs, args = _inputs(x, weight, bias, ids, rows, layout, blocks, 0, 1)
     grid = (pl.cdiv(n, blocks.rows), pl.cdiv(v, blocks.vocab))

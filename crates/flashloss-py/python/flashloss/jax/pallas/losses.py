@@ -13,16 +13,18 @@ import jax
 import jax.numpy as jnp
 
 from .. import _policy
-from . import _chips, checks, logits
+from . import _chips, checks, logits, support
 from .head import Transform
 from .stats import HeadSpec, RowStats, row_stats
 
 
 def logprob_stats(x, weight, bias, ids, live, spec: HeadSpec, seq_len: int, ids_arg: str = "ids") -> RowStats:
     """:class:`.stats.RowStats` ``[N]`` of rows ``x`` ``[N, H]`` at ``ids`` (0 where not
-    ``live``), checked; ``ids_arg`` names ``ids`` in errors."""
+    ``live``), checked, with ``logp_k`` and ``outside`` under ``spec.support``
+    (:mod:`.support`); ``ids_arg`` names ``ids`` in errors."""
     checks.ids_in_range(ids_arg, ids, live, spec.vocab, seq_len, spec.interpret)
-    stats = row_stats(x, weight, bias, jnp.where(live, ids, 0).astype(jnp.int32), live, spec)
+    stats_fn = row_stats if spec.support is None else support.row_stats
+    stats = stats_fn(x, weight, bias, jnp.where(live, ids, 0).astype(jnp.int32), live, spec)
     checks.row_stats_finite(stats.lse, stats.logp, live, seq_len, spec.interpret)
     return stats
 
@@ -41,21 +43,21 @@ def _check_batch(adv, old, ref, ratio, mask, interpret) -> None:
     checks.sampler_ratio(ratio, mask, interpret)
 
 
-def grpo(hidden, weight, bias, ids, mask, adv, old, ref, ratio, args: _policy.GrpoArgs, spec: HeadSpec, truncated=None):
+def grpo(hidden, weight, bias, ids, mask, adv, old, ref, ratio, args: _policy.GrpoArgs, spec: HeadSpec):
     """``(loss, (logp, entropy, kl, metrics))`` of TRL's GRPO loss at ``ids`` ``[B, T]``
-    (``ratio``: the sampler's importance ratio ``[B, 1]``, ``[B, T]`` or None).
-    ``truncated``: under the sampler's truncated support, ``(x, ids, live) -> (logp^K,
-    outside)`` of the rows; the loss then takes ``logp^K`` and masks the tokens outside
-    (docs/spec/losses.md, flashloss addition 13), and ``logp`` is ``-inf`` there."""
+    (``ratio``: the sampler's importance ratio ``[B, 1]``, ``[B, T]`` or None). Under the
+    sampler's truncated support (``spec.support``) the loss takes ``logp^K`` and masks the
+    tokens outside (docs/spec/losses.md, flashloss addition 13), and ``logp`` is ``-inf``
+    there."""
     b, t = ids.shape
     _check_batch(adv, old, ref, ratio, mask, spec.interpret)
     x = hidden.reshape(b * t, hidden.shape[-1])
-    logp, entropy = logprobs(x, weight, bias, ids.reshape(-1), mask.reshape(-1), spec, t, "completion_ids")
-    logp, entropy = logp.reshape(b, t), entropy.reshape(b, t)
-    if truncated is None:
+    st = logprob_stats(x, weight, bias, ids.reshape(-1), mask.reshape(-1), spec, t, "completion_ids")
+    logp, entropy = st.logp.reshape(b, t), st.entropy.reshape(b, t)
+    if spec.support is None:
         loss, kl, metrics = _policy.grpo_policy_loss(logp, entropy, mask, adv, old, ref, args, ratio)
         return loss, (logp, entropy, kl, metrics)
-    logp_k, outside = (y.reshape(b, t) for y in truncated(x, ids.reshape(-1), mask.reshape(-1)))
+    logp_k, outside = st.logp_k.reshape(b, t), st.outside.reshape(b, t)
     kept = mask & ~outside
     loss, kl, metrics = _policy.grpo_policy_loss(
         jnp.where(kept, logp_k, 0.0), entropy, kept, adv, old, ref, args, ratio

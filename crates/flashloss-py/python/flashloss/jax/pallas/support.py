@@ -48,9 +48,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
-from . import head_grads, support_tally, support_topc
+from . import stats, support_tally, support_topc
 from .head import vocab_size
-from .stats import _primal
+from .stats import HeadSpec, _primal
 
 #: A column below every column (a cut at a value alone), safe to shift by an offset.
 NO_COLUMN = -(1 << 30)
@@ -62,15 +62,14 @@ def list_size(top_k: Optional[int]) -> int:
 
 
 class _Head:
-    """The kernels' calls on this device's block, merged over ``axis``."""
+    """The kernels' calls on this device's block, merged over ``spec.vocab_axis``."""
 
-    def __init__(self, x, weight, bias, ids, spec, axis):
-        self.x, self.weight, self.bias, self.axis = x, weight, bias, axis
-        self.f, self.kw = spec[0], spec[3].kernel_args()
-        self.size = list_size(self.f.top_k)
-        layout = spec[3].layout
-        block = vocab_size(weight, layout)
-        self.offset = 0 if axis is None else (jax.lax.axis_index(axis) * block).astype(jnp.int32)
+    def __init__(self, x, weight, ids, spec: HeadSpec, bias=None):
+        self.x, self.weight, self.bias, self.axis = x, weight, bias, spec.vocab_axis
+        self.kw = spec.kernel_args()
+        self.size = list_size(spec.support.top_k)
+        block = vocab_size(weight, spec.layout)
+        self.offset = 0 if self.axis is None else (jax.lax.axis_index(self.axis) * block).astype(jnp.int32)
         self.local_ids = ids - self.offset
 
     def _sum(self, a):
@@ -85,7 +84,9 @@ class _Head:
         if self.axis is not None:
             vals, cols = (jax.lax.all_gather(a, self.axis, axis=1, tiled=True) for a in (vals, cols))
             top = jax.lax.pmax(m, self.axis)
-            sigma = jax.lax.psum(jnp.where(sigma > 0, sigma * jnp.exp(m - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0), self.axis)
+            sigma = jax.lax.psum(
+                jnp.where(sigma > 0, sigma * jnp.exp(m - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0), self.axis
+            )
             m = top
         neg_v, neg_c = jax.lax.sort((-vals, -cols), dimension=1, num_keys=2)
         return -neg_v[:, : self.size], -neg_c[:, : self.size], m, sigma, self._sum(t)
@@ -172,10 +173,10 @@ def _top_p(h: _Head, first, m, tau, total, top_p: float):
     return cut_v, cut_j
 
 
-def _forward(x, weight, bias, ids, live, spec, axis):
+def _forward(x, weight, bias, ids, live, spec: HeadSpec):
     """``(logp^K, outside, lse^K, cut_v, cut_j)`` ``[N]``."""
-    f = spec[0]
-    h = _Head(x, weight, bias, ids, spec, axis)
+    f = spec.support
+    h = _Head(x, weight, ids, spec, bias)
     n = x.shape[0]
     vals, cols, m, sigma, _ = h.collect(jnp.full((n,), jnp.inf, jnp.float32), jnp.zeros((n,), jnp.int32))
     tau = jnp.full((n,), -jnp.inf, jnp.float32) if f.min_p is None else min_p_cut(m, f.min_p)
@@ -193,45 +194,43 @@ def _forward(x, weight, bias, ids, live, spec, axis):
     return logp, live & ~inside, lse, cut_v, cut_j
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _truncated(x, weight, bias, ids, live, spec, axis):
-    return _forward(x, weight, bias, ids, live, spec, axis)[:2]
+def _stats(x, weight, bias, ids, live, spec: HeadSpec):
+    """:class:`.stats.RowStats` with ``logp_k``, ``outside``, and ``(lse^K, κ)``."""
+    full = stats._forward(x, weight, bias, ids, live, spec)
+    logp, outside, lse, cut_v, cut_j = _forward(x, weight, bias, ids, live, spec)
+    return full._replace(logp_k=logp, outside=outside), (lse, cut_v, cut_j)
 
 
-def _fwd(x, weight, bias, ids, live, spec, axis):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _row_stats(x, weight, bias, ids, live, spec):
+    return _stats(x, weight, bias, ids, live, spec)[0]
+
+
+def _fwd(x, weight, bias, ids, live, spec):
     (x, want_dh), (weight, want_dw), (bias, want_db) = _primal(x), _primal(weight), _primal(bias)
     (ids, _), (live, _) = _primal(ids), _primal(live)
-    logp, outside, lse, cut_v, cut_j = _forward(x, weight, bias, ids, live, spec, axis)
+    out, support = _stats(x, weight, bias, ids, live, spec)
     wants = tuple(() if w else None for w in (want_dh, want_dw, want_db and bias is not None))
-    return (logp, outside), (x, weight, bias, ids, live & ~outside, lse, cut_v, cut_j, wants)
+    return out, (x, weight, bias, ids, live, out.lse, out.entropy, out.outside, support, wants)
 
 
-def _bwd(spec, axis, res, cts):
-    x, weight, bias, ids, kept, lse, cut_v, cut_j, wants = res
-    g = cts[0]
-    if isinstance(g, SymbolicZero) or all(w is None for w in wants):
-        return None, None, None, None, None
-    g = jnp.where(kept, g, 0.0).astype(jnp.float32)
-    h = _Head(x, weight, bias, ids, spec, axis)
-    zero = jnp.zeros_like(g)
-    rows = (jnp.where(g != 0, lse, jnp.inf), zero, g, -g, zero, zero, cut_v, cut_j - h.offset)
-    dh = head_grads.dhidden(x, weight, bias, h.local_ids, rows, **h.kw) if wants[0] is not None else None
-    dw = db = None
-    if wants[1] is not None or wants[2] is not None:
-        dw, db = head_grads.dweight(x, weight, bias, h.local_ids, rows, **h.kw)
-        dw = dw if wants[1] is not None else None
-        db = db.astype(bias.dtype) if wants[2] is not None else None
-    return dh, dw, db, None, None
+def _bwd(spec, res, cts):
+    x, weight, bias, ids, live, lse, entropy, outside, (lse_k, cut_v, cut_j), wants = res
+    h = _Head(x, weight, ids, spec)
+    rows = stats.coefficients(cts[:4], lse, entropy, live, spec)  # max and sum_p2 take none
+    g = cts.logp_k
+    g = jnp.zeros_like(lse) if isinstance(g, SymbolicZero) else jnp.where(live & ~outside, g, 0.0)
+    g = g.astype(jnp.float32)
+    rows = (*rows[:2], rows[2] + g, *rows[3:], jnp.where(g != 0, lse_k, jnp.inf), -g, cut_v, cut_j - h.offset)
+    return (*stats.grads(x, weight, bias, h.local_ids, rows, wants, spec), None, None)
 
 
-_truncated.defvjp(_fwd, _bwd, symbolic_zeros=True)
+_row_stats.defvjp(_fwd, _bwd, symbolic_zeros=True)
 
 
-def truncated(x, weight, bias, ids, live, spec, axis: Optional[str]):
-    """``(logp^K, outside)`` ``[N]`` of rows ``x`` ``[N, H]`` at the global ``ids`` (0 and
-    False where not ``live``), ``spec``: ``(Filters, layout, Transform, HeadSpec)``;
-    ``axis``: the mesh axis the head's vocabulary is split over, or None. Differentiable
-    in ``logp^K`` (``x``, ``weight``, ``bias``) with the support held fixed."""
-    if x.shape[0] == 0:
-        return jnp.zeros((0,), jnp.float32), jnp.zeros((0,), bool)
-    return _truncated(x, weight, bias, ids, live, spec, axis)
+def row_stats(x, weight, bias, ids, live, spec: HeadSpec) -> stats.RowStats:
+    """:func:`.stats.row_stats` with ``logp_k`` and ``outside`` under ``spec.support``
+    (``logp^K`` 0 and ``outside`` False where not ``live``), in one backward pass:
+    differentiable in ``x``, ``weight``, ``bias`` through every statistic, ``logp^K`` with
+    the support held fixed."""
+    return _row_stats(x, weight, bias, ids, live, spec)

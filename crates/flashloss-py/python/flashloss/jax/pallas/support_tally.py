@@ -91,7 +91,9 @@ def tally(
             out_specs=[row_spec(bn) for _ in range(3)],
             out_shape=out_shape,
             compiler_params=_chips.compiler_params(target, ("parallel", "arbitrary")),
-            cost_estimate=pl.CostEstimate(flops=2 * n * hidden * v, transcendentals=n * v, bytes_accessed=bytes_accessed),
+            cost_estimate=pl.CostEstimate(
+                flops=2 * n * hidden * v, transcendentals=n * v, bytes_accessed=bytes_accessed
+            ),
             interpret=interpret,
             name="flashloss_support_tally",
         )
