@@ -111,6 +111,7 @@ def min_p_cut(m: jax.Array, min_p: float) -> jax.Array:
     c = a + r
     down, up = jnp.nextafter(c, -jnp.inf), jnp.nextafter(c, jnp.inf)
     cut = jnp.where(down - a >= r, down, jnp.where(c - a >= r, c, up))
+    cut = jnp.where(jnp.abs(cut) < np.finfo(np.float32).tiny, 0.0, cut)  # subnormals flush, as on a TPU
     return jnp.where(jnp.isfinite(m), cut, -jnp.inf)
 
 
