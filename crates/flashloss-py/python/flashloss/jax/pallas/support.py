@@ -26,9 +26,12 @@ additions 12-13, vLLM's order min-p → top-k → top-p). Per row ``i``:
 
 Passes over the head (each ``2NHV`` FLOPs, the head read ``⌈N/bn⌉`` times): ``2`` (A and
 the tally at ``κ``), ``+1`` for top-p after min-p or top-k (``M``), ``+⌈(k - C)/C⌉`` for
-``top_k > C``, ``+1`` per ``C`` keys of a top-p walk past ``L``. The backward is
-:mod:`.head_grads` (``4NHV``) with ``p^K`` (the cut ``κ`` and ``lse^K`` as row inputs) and
-``∂logp^K/∂s_j = 1[j = y] - p^K_j`` (the support held fixed; none for an outside row).
+``top_k > C``, ``+1`` per ``C`` keys of a top-p walk past ``L``; besides, the statistics
+kernel of :mod:`.stats` (entropy, lse). :func:`row_stats` is one ``custom_vjp`` for all of
+them, so the backward is :mod:`.head_grads` once (``4NHV``): the statistics' coefficients,
+with ``∂logp^K/∂s_j = 1[j = y] - p^K_j`` added (``lse^K``, ``-g`` and ``κ`` as row inputs;
+the support held fixed, none for an outside row). Two ``custom_vjp`` would each write a
+``[V, H]`` dW, one of them an XLA temporary.
 Sums are f32 (the reference's f64): a top-p support may differ where a cumulative mass is
 within f32 rounding of ``(1 - top_p)·M``; min-p and top-k decisions are exact.
 
