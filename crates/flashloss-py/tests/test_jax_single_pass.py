@@ -138,20 +138,23 @@ def test_single_pass_bf16():
 def test_plan_choice():
     """``auto`` takes the single pass where a block fits ``budget_mib``, else two passes;
     ``two_pass`` never; sequence level, vespo and a sampler support never."""
-    from flashloss.jax import _policy
+    from flashloss.jax import _policy, _support
     from flashloss.jax.pallas import losses
 
     x, w = jax.ShapeDtypeStruct((8192, 4096), jnp.bfloat16), jax.ShapeDtypeStruct((151936, 4096), jnp.bfloat16)
     spec = losses.spec_for("vh", 1.0, None, None, 151936, False)
     args = _policy.GrpoArgs(loss_type="dapo")
     # at the original shape the f32 dW carry alone is V·H·4 = 2.49 GB: not within 160 MiB
-    assert losses.single_pass_rows("auto", 160.0, x, w, spec, args, None) is None
-    assert losses.single_pass_rows("auto", 4096.0, x, w, spec, args, None) == 2048
-    assert losses.single_pass_rows("two_pass", 4096.0, x, w, spec, args, None) is None
-    assert losses.single_pass_rows("single_pass", 160.0, x, w, spec, args, None) == 128
+    assert losses.single_pass_rows("auto", 160.0, x, w, spec, args) is None
+    assert losses.single_pass_rows("auto", 4096.0, x, w, spec, args) == 2048
+    assert losses.single_pass_rows("two_pass", 4096.0, x, w, spec, args) is None
+    assert losses.single_pass_rows("single_pass", 160.0, x, w, spec, args) == 128
     seq = dataclasses.replace(args, importance_sampling_level="sequence")
-    assert losses.single_pass_rows("single_pass", 4096.0, x, w, spec, seq, None) is None
-    assert losses.single_pass_rows("single_pass", 4096.0, x, w, spec, args, lambda *a: a) is None
+    assert losses.single_pass_rows("single_pass", 4096.0, x, w, spec, seq) is None
+    vespo = dataclasses.replace(args, loss_type="vespo")
+    assert losses.single_pass_rows("single_pass", 4096.0, x, w, spec, vespo) is None
+    supported = dataclasses.replace(spec, support=_support.Filters(top_k=50, top_p=None, min_p=None))
+    assert losses.single_pass_rows("single_pass", 4096.0, x, w, supported, args) is None
 
 
 def test_single_pass_flops_are_six_nhv():

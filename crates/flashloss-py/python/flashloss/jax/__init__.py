@@ -312,12 +312,9 @@ def linear_grpo_loss(
     def pallas(hidden, weight, bias, ids, mask, adv, old, ref, rho):
         hidden, weight, bias = _wide(hidden, weight, bias)
 
-        def truncated(x, flat_ids, live):
-            return _support_vocab.truncated(x, weight, bias, flat_ids, live, k_spec, vocab_axis)
-
-        truncated = None if support is None else truncated
+        head = dataclasses.replace(spec, support=support)
         plan = (mode, budget) if token_axis is None else ("two_pass", budget)
-        return _pallas.grpo(hidden, weight, bias, ids, mask, adv, old, ref, rho, args, spec, truncated, *plan)
+        return _pallas.grpo(hidden, weight, bias, ids, mask, adv, old, ref, rho, args, head, *plan)
 
     loss, (logp, entropy, kl, metrics) = _on_path(impl, interpret, pallas, ffi, hidden, weight, bias, ids, mask,
                                                   adv, old, ref, rho)  # fmt: skip
@@ -511,12 +508,13 @@ def linear_logprobs(
 
     def pallas(x, weight, bias, flat_ids, flat_mask, cand):
         x, weight, bias = _wide(x, weight, bias)
-        st = _pallas.logprob_stats(x, weight, bias, flat_ids, flat_mask, spec, seq_len)
+        head = dataclasses.replace(spec, support=support if filtered else None)
+        st = _pallas.logprob_stats(x, weight, bias, flat_ids, flat_mask, head, seq_len)
         p2 = st.sum_p2 if return_sum_p2 else None
         g = gathered(x, weight, bias, flat_mask, st.lse, cand, _checks.runs_here(interpret))
         logp, out_k = st.logp, outside(flat_mask)
         if filtered:
-            logp, out_k = truncated(x, weight, bias, flat_ids, flat_mask)
+            logp, out_k = st.logp_k, st.outside
         return logp, st.entropy, st.lse, st.max, p2, g, out_k
 
     out = _on_path(impl, interpret, pallas, ffi, x, weight, bias, ids.reshape(-1), m.reshape(-1), candidates)

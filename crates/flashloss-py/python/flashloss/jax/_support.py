@@ -14,13 +14,12 @@ keep the largest). ``logp^K_i = s_{i,y_i} - logsumexp_{j∈K_i} s_ij``, ``-inf``
   statistics with ``logp^K``) and ``flashloss_logp_support_grads`` (one more pass with the
   rows' cotangents), a whole head (a head split over ``vocab_axis``:
   :mod:`._support_vocab`).
-- Pallas path (:func:`truncated_logp`): plain JAX over blocks of rows, NOT streamed over
-  the vocabulary: each block's logits ``[rows, V]`` in f32 (``hidden·Wᵀ + bias``, the
-  head's transform), the filters, ``logp^K``; the backward recomputes each block's logits
-  and support (nothing ``[N, V]`` is kept) and takes the block's VJP of its logits. Memory
-  ``O(rows_per_block · V)``; min-p's ratios and top-p's sums are f32 (the kernel's f64), so
-  a support may differ where ``p_j / max p`` is within f32 rounding of ``min_p`` or an
-  ascending cumulative mass within f32 rounding of ``1 - top_p``.
+- Pallas path (:mod:`.pallas.support`, the head's statistics with ``HeadSpec.support``):
+  streamed over the vocabulary (a running top-``C`` of the keys ``(s_j, j)`` per row,
+  tallies at a per-row cut, the head's backward kernels with ``p^K`` in the same pass as
+  the other statistics' gradients), also over ``vocab_axis``; no ``[N, V]`` array. Top-p's
+  sums are f32 (the FFI kernel's f64), so a support may differ where an ascending
+  cumulative mass is within f32 rounding of ``(1 - top_p)·M``.
 """
 
 from __future__ import annotations
@@ -36,7 +35,8 @@ from ._ffi import _values, head_grad_wanted, wants
 from ._ops import _call, _like, _or_empty, head_grad_results, vocab_size
 from .pallas.head import Transform
 
-#: Elements of one block's ``[rows, V]`` logits on the Pallas path (16 MiB in f32).
+#: Elements of one block's ``[rows, V]`` logits of the FFI path's vocab-parallel support
+#: in plain JAX (:mod:`._support_vocab`; 16 MiB in f32).
 BLOCK_ELEMENTS = 1 << 22
 
 
@@ -74,25 +74,6 @@ def active(f: Optional[Filters]) -> Optional[str]:
     return next((name for name, value in zip(Filters._fields, f) if value is not None), None)
 
 
-def keep_row(s: jax.Array, f: Filters) -> jax.Array:
-    """``K`` of one row's f32 scaled logits ``s`` ``[V]`` as a bool mask, in vLLM's order."""
-    s = s + 0.0  # -0 is +0: equal values tie
-    keep = jnp.ones(s.shape, bool)
-    top = s.max()
-    if f.min_p is not None:
-        keep = jnp.exp(s - top) >= jnp.float32(f.min_p)
-    if f.top_k is not None:
-        left = jnp.where(keep, s, -jnp.inf)
-        keep = keep & (s >= jax.lax.top_k(left, f.top_k)[0][f.top_k - 1])
-    if f.top_p is not None:
-        order = jnp.argsort(jnp.where(keep, s, -jnp.inf), stable=True)  # ascending by (s_j, j)
-        mass = jnp.where(keep, jnp.exp(s - top), 0.0)
-        cum = jnp.cumsum(mass[order]) / mass.sum()
-        drop = (cum <= jnp.float32(1.0 - f.top_p)).at[-1].set(False)
-        keep = keep & ~jnp.zeros(s.shape, bool).at[order].set(drop)
-    return keep
-
-
 def _row_logits(h, weight, bias, layout: str, transform: Transform) -> jax.Array:
     """``s`` ``[V]`` f32 of one row ``h`` ``[H]``, as the head's kernels form it."""
     precision = jax.lax.Precision.HIGHEST if h.dtype == jnp.float32 else None
@@ -106,74 +87,12 @@ def _blocks(n: int, v: int) -> int:
     return max(1, min(n, BLOCK_ELEMENTS // max(1, v)))
 
 
-def _row_forward(args, weight, bias, spec):
-    """``(logp^K, outside)`` of one row (``args``: h, y, live)."""
-    h, y, live = args
-    f, layout, transform = spec
-    s = _row_logits(h, weight, bias, layout, transform)
-    keep = keep_row(s, f)
-    lse_k = jax.nn.logsumexp(jnp.where(keep, s, -jnp.inf))
-    inside = keep[y]
-    logp = jnp.where(inside, s[y] - lse_k, -jnp.inf)
-    return jnp.where(live, logp, 0.0), live & ~inside
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def truncated_logp(x, weight, bias, ids, live, spec):
-    """``(logp^K, outside)`` ``[N]`` of rows ``x`` ``[N, H]`` (0 and False where not
-    ``live``); ``spec``: (Filters, layout, Transform). Differentiable in ``logp^K`` with
-    the support held fixed."""
-    if x.shape[0] == 0:
-        return jnp.zeros((0,), jnp.float32), jnp.zeros((0,), bool)
-    row = functools.partial(_row_forward, weight=weight, bias=bias, spec=spec)
-    return jax.lax.map(row, (x, ids, live), batch_size=_blocks(x.shape[0], vocab_size(weight, spec[1])))
-
-
 def _zeros(shape, like) -> jax.Array:
     """f32 zeros varying over every mesh axis any of ``like`` varies over (inside
     ``shard_map``: the scan's carry has the type of what it accumulates)."""
     axes = set().union(*(getattr(jax.typeof(a).mat, "varying", ()) for a in like if a is not None))
     z = jnp.zeros(shape, jnp.float32)
     return jax.lax.pcast(z, tuple(sorted(axes)), to="varying") if axes else z
-
-
-def _fwd(x, weight, bias, ids, live, spec):
-    x, weight, bias, ids, live = _values(x, weight, bias, ids, live)
-    out = truncated_logp(x, weight, bias, ids, live, spec)
-    return out, (x, weight, bias, ids, live, out[1])
-
-
-def _bwd(spec, res, cts):
-    x, weight, bias, ids, live, outside = res
-    f, layout, transform = spec
-    g = cts[0]
-    if isinstance(g, SymbolicZero) or x.shape[0] == 0:
-        return None, None, None, None, None
-    g = jnp.where(live & ~outside, g, 0.0).astype(jnp.float32)
-    n, v = x.shape[0], vocab_size(weight, layout)
-    rows = _blocks(n, v)
-    pad = -n % rows
-    blocks = [jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)).reshape(-1, rows, *a.shape[1:]) for a in (x, ids, g)]
-
-    def block(carry, args):
-        xb, yb, gb = args
-        logits = jax.vmap(lambda h, w, b: _row_logits(h, w, b, layout, transform), (0, None, None))
-        s, pull = jax.vjp(logits, xb, weight, bias)
-        keep = jax.vmap(lambda r: keep_row(r, f))(s)
-        p_k = jnp.where(keep, jax.nn.softmax(jnp.where(keep, s, -jnp.inf), axis=-1), 0.0)
-        ds = gb[:, None] * (jax.nn.one_hot(yb, v, dtype=jnp.float32) - p_k)
-        dx, dw, db = pull(ds)
-        dw_sum, db_sum = carry
-        return (dw_sum + dw.astype(jnp.float32), None if bias is None else db_sum + db.astype(jnp.float32)), dx
-
-    varying = (x, weight, bias, ids, g)
-    zero = (_zeros(weight.shape, varying), None if bias is None else _zeros(bias.shape, varying))
-    (dw, db), dx = jax.lax.scan(block, zero, tuple(blocks))
-    db = None if bias is None else db.astype(bias.dtype)
-    return dx.reshape(-1, x.shape[1])[:n], dw.astype(weight.dtype), db, None, None
-
-
-truncated_logp.defvjp(_fwd, _bwd, symbolic_zeros=True)
 
 
 def _attrs(f: Filters, temperature: float, budget: float, mode: str, layout: str) -> dict:

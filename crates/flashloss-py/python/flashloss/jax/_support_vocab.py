@@ -1,7 +1,7 @@
 """The truncated support (:mod:`._support`) over a head split over a mesh axis
 (``vocab_axis``): each device holds an equal contiguous block of the vocabulary in axis
-order, global id ``j = offset + local index``. Plain JAX over blocks of rows, on either
-path; every decision is the one-device ``keep_row``'s on the same f32 scaled logits.
+order, global id ``j = offset + local index``. The FFI path's, plain JAX over blocks of
+rows (the Pallas path streams it over the vocabulary: :mod:`.pallas.support`).
 
 Per block of rows each device forms its logits ``s`` ``[rows, V_r]``, then:
 
@@ -28,13 +28,12 @@ axis by the caller, whose transpose sums the parts), ``dweight``/``dbias`` its b
 from __future__ import annotations
 
 import functools
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-from . import _policy, _support, _vocab
+from . import _policy, _vocab
 from ._ffi import _values
 from ._ops import vocab_size
 from ._support import Filters, _blocks, _row_logits, _zeros
@@ -186,11 +185,9 @@ def _bwd(spec, axis, res, cts):
 truncated_logp.defvjp(_fwd, _bwd, symbolic_zeros=True)
 
 
-def truncated(x, weight, bias, ids, live, spec, axis: Optional[str]):
-    """``(logp^K, outside)`` of :func:`._support.truncated_logp` (``axis`` None: a whole
-    head) or of :func:`truncated_logp` over ``axis``."""
-    if axis is None:
-        return _support.truncated_logp(x, weight, bias, ids, live, spec)
+def truncated(x, weight, bias, ids, live, spec, axis: str):
+    """``(logp^K, outside)`` of :func:`truncated_logp` over ``axis`` (the FFI path's
+    vocab-parallel support; the Pallas path's is :mod:`.pallas.support`)."""
     return truncated_logp(x, weight, bias, ids, live, spec, axis)
 
 

@@ -10,6 +10,10 @@ A row's statistics are functions of its softmax ``p = softmax(s)``: with cotange
 
 (:mod:`.stats` forms the four coefficients from the cotangents of lse, logp, entropy
 and the mean logit). A row with no gradient passes ``lse = +inf``, so its ``p`` is 0.
+Under a truncated support (:mod:`.support`) the rows also pass ``lse^K``, a coefficient
+``ē`` and a cut ``κ = (c_v, c_j)``, and the tile's gradient gains
+``ē_i·p^K_ij`` with ``p^K_ij = e^{s_ij - lse^K_i}·1[(s_ij, j) ≥ κ_i]`` (``ē = -g``, ``ā``
+gaining ``g``, for ``g`` the cotangent of ``logp^K``): one pass for every statistic.
 
 Two kernels, not one (the choice, with its FLOPs and bytes, is in ``docs/jax.md``):
 ``dH = dZ·W`` over grid ``(row blocks "parallel", vocabulary tiles "arbitrary")`` with an
@@ -35,22 +39,27 @@ from .head import Transform, bias_spec, launch, plan, row_spec, tail, tile_logit
 
 #: Per-row inputs of the backward kernels, in order (after ``ids``).
 COEFFICIENTS = ("lse", "entropy", "target", "softmax", "entropy_term", "uniform")
+#: Per-row inputs after them under a truncated support.
+SUPPORT = ("support_lse", "support", "cut_value", "cut_column")
 
 
 def _dlogits(s, col, v: int, rows, transform: Transform):
     """``∂L/∂z`` of a tile from its transformed logits ``s`` and the per-row vectors."""
-    ids, lse, entropy, a, b, c, d = rows
+    ids, lse, entropy, a, b, c, d, *support = rows
     valid = col < v
     log_p = s - lse
     p = jnp.exp(log_p)
     spread = jnp.where(p > 0, p * (b - c * (log_p + entropy)), 0.0)
     ds = jnp.where(col == ids, a, 0.0) + spread + d
+    if support:  # ē·p^K, zero below the cut's key (s, j)
+        lse_k, e, cv, cj = support
+        ds = ds + jnp.where((s > cv) | ((s == cv) & (col >= cj)), jnp.exp(s - lse_k) * e, 0.0)
     return jnp.where(valid, ds * transform.slope(s), 0.0)
 
 
-def _dh_kernel(*refs, v: int, bv: int, layout: str, transform: Transform, has_bias: bool):
-    row_refs, (x_ref, w_ref) = refs[:7], refs[7:9]
-    bias_ref = refs[9] if has_bias else None
+def _dh_kernel(*refs, rows: int, v: int, bv: int, layout: str, transform: Transform, has_bias: bool):
+    row_refs, (x_ref, w_ref) = refs[:rows], refs[rows : rows + 2]
+    bias_ref = refs[rows + 2] if has_bias else None
     dh_ref, acc_ref = refs[-2:]
     j = pl.program_id(1)
 
@@ -72,9 +81,9 @@ def _dh_kernel(*refs, v: int, bv: int, layout: str, transform: Transform, has_bi
         dh_ref[...] = acc_ref[...].astype(dh_ref.dtype)
 
 
-def _dw_kernel(*refs, n: int, bn: int, v: int, bv: int, layout: str, transform: Transform, has_bias: bool):
-    row_refs, (x_ref, w_ref) = refs[:7], refs[7:9]
-    bias_ref = refs[9] if has_bias else None
+def _dw_kernel(*refs, rows: int, n: int, bn: int, v: int, bv: int, layout: str, transform: Transform, has_bias: bool):
+    row_refs, (x_ref, w_ref) = refs[:rows], refs[rows : rows + 2]
+    bias_ref = refs[rows + 2] if has_bias else None
     dw_ref, db_ref, acc_ref = refs[-3:]
     j, i = pl.program_id(0), pl.program_id(1)
 
@@ -114,7 +123,8 @@ def _inputs(x, weight, bias, ids, rows, layout, blocks, row_axis, vocab_axis):
     v = vocab_size(weight, layout)
     bn, bv = blocks.rows, blocks.vocab
     x_spec = pl.BlockSpec((bn, hidden), lambda *g: (g[row_axis], 0))
-    in_specs = [row_spec(bn, row_axis) for _ in range(7)] + [x_spec, weight_spec(layout, bv, hidden, vocab_axis)]
+    in_specs = [row_spec(bn, row_axis) for _ in range(1 + len(rows))]
+    in_specs += [x_spec, weight_spec(layout, bv, hidden, vocab_axis)]
     args = [to_lanes(ids), *(to_lanes(r) for r in rows), x, weight]
     if bias is not None:
         in_specs.append(bias_spec(bv, vocab_axis))
@@ -137,13 +147,15 @@ def dhidden(
     max_rows: Optional[int] = None,
     max_vocab: Optional[int] = None,
 ) -> jax.Array:
-    """``dH = dZ·W`` ``[N, H]`` in ``x``'s dtype; ``rows``: :data:`COEFFICIENTS` ``[N]``."""
+    """``dH = dZ·W`` ``[N, H]`` in ``x``'s dtype; ``rows``: :data:`COEFFICIENTS` ``[N]``, then
+    :data:`SUPPORT` (the cut's column an int32 of this head) under a truncated support."""
     n, hidden, v, target, blocks = plan("dh", x, weight, layout, chip, max_rows, max_vocab)
     in_specs, args = _inputs(x, weight, bias, ids, rows, layout, blocks, 0, 1)
     grid = (pl.cdiv(n, blocks.rows), pl.cdiv(v, blocks.vocab))
     kernel = functools.partial(
-        _dh_kernel, v=v, bv=blocks.vocab, layout=layout, transform=transform, has_bias=bias is not None
-    )
+        _dh_kernel, rows=1 + len(rows), v=v, bv=blocks.vocab, layout=layout, transform=transform,
+        has_bias=bias is not None,
+    )  # fmt: skip
     bytes_accessed = grid[0] * weight.size * weight.dtype.itemsize + 2 * x.size * x.dtype.itemsize
     cost = pl.CostEstimate(flops=4 * n * hidden * v, transcendentals=n * v, bytes_accessed=bytes_accessed)
 
@@ -180,14 +192,15 @@ def dweight(
     max_vocab: Optional[int] = None,
 ) -> tuple[jax.Array, jax.Array]:
     """``(dW, dc)``: ``dW = dZᵀ·H`` in ``weight``'s shape and dtype, ``dc = Σ_rows dZ``
-    ``[V]`` f32."""
+    ``[V]`` f32; ``rows`` as for :func:`dhidden`."""
     n, hidden, v, target, blocks = plan("dw", x, weight, layout, chip, max_rows, max_vocab)
     bn, bv = blocks.rows, blocks.vocab
     in_specs, args = _inputs(x, weight, bias, ids, rows, layout, blocks, 1, 0)
     grid = (pl.cdiv(v, bv), pl.cdiv(n, bn))
     kernel = functools.partial(
-        _dw_kernel, n=n, bn=bn, v=v, bv=bv, layout=layout, transform=transform, has_bias=bias is not None
-    )
+        _dw_kernel, rows=1 + len(rows), n=n, bn=bn, v=v, bv=bv, layout=layout, transform=transform,
+        has_bias=bias is not None,
+    )  # fmt: skip
     dw_block = (bv, hidden) if layout == "vh" else (hidden, bv)
     dw_spec = weight_spec(layout, bv, hidden, 0)
     bytes_accessed = grid[0] * x.size * x.dtype.itemsize + 2 * weight.size * weight.dtype.itemsize

@@ -13,16 +13,18 @@ import jax
 import jax.numpy as jnp
 
 from .. import _policy
-from . import _chips, checks, logits, single_pass
+from . import _chips, checks, logits, single_pass, support
 from .head import Transform
 from .stats import HeadSpec, RowStats, row_stats
 
 
 def logprob_stats(x, weight, bias, ids, live, spec: HeadSpec, seq_len: int, ids_arg: str = "ids") -> RowStats:
     """:class:`.stats.RowStats` ``[N]`` of rows ``x`` ``[N, H]`` at ``ids`` (0 where not
-    ``live``), checked; ``ids_arg`` names ``ids`` in errors."""
+    ``live``), checked, with ``logp_k`` and ``outside`` under ``spec.support``
+    (:mod:`.support`); ``ids_arg`` names ``ids`` in errors."""
     checks.ids_in_range(ids_arg, ids, live, spec.vocab, seq_len, spec.interpret)
-    stats = row_stats(x, weight, bias, jnp.where(live, ids, 0).astype(jnp.int32), live, spec)
+    stats_fn = row_stats if spec.support is None else support.row_stats
+    stats = stats_fn(x, weight, bias, jnp.where(live, ids, 0).astype(jnp.int32), live, spec)
     checks.row_stats_finite(stats.lse, stats.logp, live, seq_len, spec.interpret)
     return stats
 
@@ -41,13 +43,13 @@ def _check_batch(adv, old, ref, ratio, mask, interpret) -> None:
     checks.sampler_ratio(ratio, mask, interpret)
 
 
-def single_pass_rows(mode: str, budget_mib: float, x, weight, spec: HeadSpec, args, truncated) -> Optional[int]:
+def single_pass_rows(mode: str, budget_mib: float, x, weight, spec: HeadSpec, args) -> Optional[int]:
     """Rows per block of the single-pass plan (:mod:`.single_pass`), or None for the two
     kernels' plan. ``mode`` as the FFI path's: ``two_pass`` never; ``single_pass`` (and
     ``compact``) whenever the step allows it, in the largest block within ``budget_mib``
     (else the smallest); ``auto`` (and ``auto_f32``) when a block fits ``budget_mib``. The
     step allows it when token-local, on one device, with no sampler support."""
-    allowed = _policy.is_token_local(args) and truncated is None and spec.vocab_axis is None
+    allowed = _policy.is_token_local(args) and spec.support is None and spec.vocab_axis is None
     if mode == "two_pass" or not allowed or spec.transform.softcap is not None:
         return None
     n, hidden = x.shape
@@ -59,19 +61,18 @@ def single_pass_rows(mode: str, budget_mib: float, x, weight, spec: HeadSpec, ar
 
 
 def grpo(
-    hidden, weight, bias, ids, mask, adv, old, ref, ratio, args: _policy.GrpoArgs, spec: HeadSpec, truncated=None,
+    hidden, weight, bias, ids, mask, adv, old, ref, ratio, args: _policy.GrpoArgs, spec: HeadSpec,
     mode: str = "two_pass", budget_mib: float = 0.0,
 ):  # fmt: skip
     """``(loss, (logp, entropy, kl, metrics))`` of TRL's GRPO loss at ``ids`` ``[B, T]``
-    (``ratio``: the sampler's importance ratio ``[B, 1]``, ``[B, T]`` or None).
-    ``truncated``: under the sampler's truncated support, ``(x, ids, live) -> (logp^K,
-    outside)`` of the rows; the loss then takes ``logp^K`` and masks the tokens outside
-    (docs/spec/losses.md, flashloss addition 13), and ``logp`` is ``-inf`` there.
-    ``mode``, ``budget_mib``: the plan (:func:`single_pass_rows`)."""
+    (``ratio``: the sampler's importance ratio ``[B, 1]``, ``[B, T]`` or None). Under the
+    sampler's truncated support (``spec.support``) the loss takes ``logp^K`` and masks the
+    tokens outside (docs/spec/losses.md, flashloss addition 13), and ``logp`` is ``-inf``
+    there. ``mode``, ``budget_mib``: the plan (:func:`single_pass_rows`)."""
     b, t = ids.shape
     _check_batch(adv, old, ref, ratio, mask, spec.interpret)
     x = hidden.reshape(b * t, hidden.shape[-1])
-    rows = single_pass_rows(mode, budget_mib, x, weight, spec, args, truncated)
+    rows = single_pass_rows(mode, budget_mib, x, weight, spec, args)
     if rows is not None:
         checks.ids_in_range("completion_ids", ids, mask, spec.vocab, t, spec.interpret)
         ids0 = jnp.where(mask, ids, 0).astype(jnp.int32)
@@ -83,12 +84,12 @@ def grpo(
         logp, entropy = jax.lax.stop_gradient((logp, entropy))
         _, kl, metrics = _policy.grpo_policy_loss(logp, entropy, mask, adv, old, ref, args, ratio)
         return loss, (logp, entropy, kl, metrics)
-    logp, entropy = logprobs(x, weight, bias, ids.reshape(-1), mask.reshape(-1), spec, t, "completion_ids")
-    logp, entropy = logp.reshape(b, t), entropy.reshape(b, t)
-    if truncated is None:
+    st = logprob_stats(x, weight, bias, ids.reshape(-1), mask.reshape(-1), spec, t, "completion_ids")
+    logp, entropy = st.logp.reshape(b, t), st.entropy.reshape(b, t)
+    if spec.support is None:
         loss, kl, metrics = _policy.grpo_policy_loss(logp, entropy, mask, adv, old, ref, args, ratio)
         return loss, (logp, entropy, kl, metrics)
-    logp_k, outside = (y.reshape(b, t) for y in truncated(x, ids.reshape(-1), mask.reshape(-1)))
+    logp_k, outside = st.logp_k.reshape(b, t), st.outside.reshape(b, t)
     kept = mask & ~outside
     loss, kl, metrics = _policy.grpo_policy_loss(
         jnp.where(kept, logp_k, 0.0), entropy, kept, adv, old, ref, args, ratio

@@ -38,6 +38,9 @@ class RowStats(NamedTuple):
     max: jax.Array
     #: ``Σ_j p_j²`` (no gradient; zeros unless ``HeadSpec.sum_p2``).
     sum_p2: jax.Array
+    #: ``logp^K`` and whether ``y ∉ K`` under ``HeadSpec.support`` (:mod:`.support`), else None.
+    logp_k: Optional[jax.Array] = None
+    outside: Optional[jax.Array] = None
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,8 @@ class HeadSpec:
     max_vocab: Optional[int] = None
     #: Whether the forward kernel also sums ``e^{2(s - m)}`` (for ``RowStats.sum_p2``).
     sum_p2: bool = False
+    #: The sampler's truncated support (``flashloss.jax._support.Filters``), or None.
+    support: Any = None
 
     def kernel_args(self) -> dict:
         return dict(
@@ -133,13 +138,17 @@ def _dense(ct, like):
     return jnp.zeros_like(like) if isinstance(ct, SymbolicZero) else ct.astype(jnp.float32)
 
 
-def _bwd(spec, res, cts):
-    x, weight, bias, ids, live, lse, entropy, wants = res
-    g_lse, g_logp, g_ent, g_mean = (_dense(c, lse) for c in cts[:4])  # max and sum_p2 take none
+def coefficients(cts, lse, entropy, live, spec: HeadSpec) -> tuple:
+    """:data:`.head_grads.COEFFICIENTS` of the rows from the cotangents of ``(lse, logp,
+    entropy, mean)``."""
+    g_lse, g_logp, g_ent, g_mean = (_dense(c, lse) for c in cts)
     zero = jnp.zeros_like(lse)
     coef = [jnp.where(live, c, zero) for c in (g_logp, g_lse - g_logp, g_ent, g_mean / spec.vocab)]
-    rows = (jnp.where(live, lse, jnp.inf), entropy, *coef)
-    local = _local_ids(ids, weight, spec)
+    return (jnp.where(live, lse, jnp.inf), entropy, *coef)
+
+
+def grads(x, weight, bias, local, rows, wants, spec: HeadSpec) -> tuple:
+    """``(dh, dw, db)`` of the backward kernels (None where ``wants`` says no)."""
     kw = spec.kernel_args()
     dh = head_grads.dhidden(x, weight, bias, local, rows, **kw) if wants[0] is not None else None
     dw = db = None
@@ -147,7 +156,13 @@ def _bwd(spec, res, cts):
         dw, db = head_grads.dweight(x, weight, bias, local, rows, **kw)
         dw = dw if wants[1] is not None else None
         db = db.astype(bias.dtype) if wants[2] is not None else None
-    return dh, dw, db, None, None
+    return dh, dw, db
+
+
+def _bwd(spec, res, cts):
+    x, weight, bias, ids, live, lse, entropy, wants = res
+    rows = coefficients(cts[:4], lse, entropy, live, spec)  # max and sum_p2 take none
+    return (*grads(x, weight, bias, _local_ids(ids, weight, spec), rows, wants, spec), None, None)
 
 
 _row_stats.defvjp(_fwd, _bwd, symbolic_zeros=True)

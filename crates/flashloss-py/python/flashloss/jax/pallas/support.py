@@ -1,0 +1,240 @@
+"""``logp^K`` under vLLM V1's truncated support on the Pallas kernels, streamed over the
+vocabulary: no ``[N, V]`` array, also with the head split over ``vocab_axis``.
+
+Keys order a row by ``(s_j, j)`` (``s`` the f32 scaled logit, ``j`` the column of the
+whole vocabulary); every support is ``K_i = {j : (s_ij, j) ≥ κ_i}`` (docs/spec/losses.md,
+additions 12-13, vLLM's order min-p → top-k → top-p). Per row ``i``:
+
+- pass A (:mod:`.support_topc`, bound ``+inf``): the ``C`` largest keys ``L`` (``C`` =
+  ``top_k`` rounded up to 128, within [128, 512]), ``m = max s`` and ``σ = Σ e^{s - m}``;
+- min-p: ``τ_min`` = the least f32 ``s`` with ``s - m ≥ log(min_p)`` (``log(min_p)`` in
+  f64 as two f32, ``s - m`` exact by a two-sum; the f64 test ``e^{s - m} ≥ min_p`` of the
+  reference up to f64 rounding), from ``m`` alone;
+- top-k: ``v_k`` = the ``k``-th largest value (with repeats) of the row, from ``L`` where
+  ``k ≤ C`` (else from further collecting passes, each the next ``C`` keys below the
+  last); ``τ = max(τ_min, v_k)`` (ties at ``v_k`` kept; fewer than ``k`` entries left by
+  min-p: all of them), the set left ``{s ≥ τ}``;
+- top-p: with ``M = Σ_{s ≥ τ} e^{s - m}`` (``σ`` where nothing was cut, else a
+  :mod:`.support_tally` pass) and ``A(e) = Σ_{keys > e, s ≥ τ} e^{s - m}`` the mass above
+  key ``e``, the reference drops the ascending prefix with cumulative mass
+  ``M - A(e) ≤ (1 - top_p)·M``, so ``κ`` is the smallest key of the set left with
+  ``M - A(κ) > (1 - top_p)·M`` (the largest key at least): walked down ``L`` and, where
+  ``L`` runs out first (flat rows), down the next ``C`` keys below its last, one
+  collecting pass each;
+- a :mod:`.support_tally` pass at ``κ``: ``M^K = Σ_{K} e^{s - m}``, ``s_y``, ``y ∈ K``;
+  ``lse^K = m + log M^K``, ``logp^K = s_y - lse^K`` (``-inf`` where ``y ∉ K``).
+
+Passes over the head (each ``2NHV`` FLOPs, the head read ``⌈N/bn⌉`` times): ``2`` (A and
+the tally at ``κ``), ``+1`` for top-p after min-p or top-k (``M``), ``+⌈(k - C)/C⌉`` for
+``top_k > C``, ``+1`` per ``C`` keys of a top-p walk past ``L``; besides, the statistics
+kernel of :mod:`.stats` (entropy, lse). :func:`row_stats` is one ``custom_vjp`` for all of
+them, so the backward is :mod:`.head_grads` once (``4NHV``): the statistics' coefficients,
+with ``∂logp^K/∂s_j = 1[j = y] - p^K_j`` added (``lse^K``, ``-g`` and ``κ`` as row inputs;
+the support held fixed, none for an outside row). Two ``custom_vjp`` would each write a
+``[V, H]`` dW, one of them an XLA temporary.
+Sums are f32 (the reference's f64): a top-p support may differ where a cumulative mass is
+within f32 rounding of ``(1 - top_p)·M``; min-p and top-k decisions are exact.
+
+Over ``vocab_axis`` each device runs the kernels on its block (global column ``offset +
+local``): the lists are ``all_gather``-ed and merged, ``m`` by ``pmax``, the sums by
+``psum``, so every device decides the same ``κ``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.custom_derivatives import SymbolicZero
+
+from . import stats, support_tally, support_topc
+from .head import vocab_size
+from .stats import HeadSpec, _primal
+
+#: A column below every column (a cut at a value alone), safe to shift by an offset.
+NO_COLUMN = -(1 << 30)
+
+
+def list_size(top_k: Optional[int]) -> int:
+    """``C``: keys per row of a collecting pass."""
+    return 128 if top_k is None else min(max(-(-top_k // 128) * 128, 128), 512)
+
+
+class _Head:
+    """The kernels' calls on this device's block, merged over ``spec.vocab_axis``."""
+
+    def __init__(self, x, weight, ids, spec: HeadSpec, bias=None):
+        self.x, self.weight, self.bias, self.axis = x, weight, bias, spec.vocab_axis
+        self.kw = spec.kernel_args()
+        self.size = list_size(spec.support.top_k)
+        block = vocab_size(weight, spec.layout)
+        self.offset = 0 if self.axis is None else (jax.lax.axis_index(self.axis) * block).astype(jnp.int32)
+        self.local_ids = ids - self.offset
+
+    def _sum(self, a):
+        return a if self.axis is None else jax.lax.psum(a, self.axis)
+
+    def collect(self, bound_v, bound_j):
+        """``(values, columns)`` ``[N, C]`` descending, ``m``, ``σ``, ``s_y``."""
+        vals, cols, m, sigma, t = support_topc.collect(
+            self.x, self.weight, self.bias, self.local_ids, bound_v, bound_j - self.offset, size=self.size, **self.kw
+        )
+        cols = jnp.where(vals > -jnp.inf, cols + self.offset, cols)
+        if self.axis is not None:
+            vals, cols = (jax.lax.all_gather(a, self.axis, axis=1, tiled=True) for a in (vals, cols))
+            top = jax.lax.pmax(m, self.axis)
+            sigma = jax.lax.psum(
+                jnp.where(sigma > 0, sigma * jnp.exp(m - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0), self.axis
+            )
+            m = top
+        neg_v, neg_c = jax.lax.sort((-vals, -cols), dimension=1, num_keys=2)
+        return -neg_v[:, : self.size], -neg_c[:, : self.size], m, sigma, self._sum(t)
+
+    def tally(self, cut_v, cut_j, m):
+        """``(M, s_y, y ∈ K)`` at the cut ``(cut_v, cut_j)``, masses relative to ``m``."""
+        shift = jnp.where(jnp.isfinite(m), m, 0.0)
+        mass, t, inside = support_tally.tally(
+            self.x, self.weight, self.bias, self.local_ids, cut_v, cut_j - self.offset, shift, **self.kw
+        )
+        return self._sum(mass), self._sum(t), self._sum(inside) > 0
+
+
+def min_p_cut(m: jax.Array, min_p: float) -> jax.Array:
+    """The least f32 ``s`` with ``s - m ≥ log(min_p)`` (exactly), ``-inf`` where ``m`` is."""
+    log = math.log(min_p)
+    hi = np.float32(log)
+    lo = np.float32(log - float(hi))
+    a = m + hi
+    bb = a - m
+    r = ((m - (a - bb)) + (hi - bb)) + lo  # m + log = a + r
+    c = a + r
+    down, up = jnp.nextafter(c, -jnp.inf), jnp.nextafter(c, jnp.inf)
+    cut = jnp.where(down - a >= r, down, jnp.where(c - a >= r, c, up))
+    cut = jnp.where(jnp.abs(cut) < np.finfo(np.float32).tiny, 0.0, cut)  # subnormals flush, as on a TPU
+    return jnp.where(jnp.isfinite(m), cut, -jnp.inf)
+
+
+def _take(a, i):
+    return jnp.take_along_axis(a, jnp.clip(i, 0, a.shape[1] - 1)[:, None], 1)[:, 0]
+
+
+def _kth(h: _Head, first, k: int) -> jax.Array:
+    """The ``k``-th largest value of every row, with repeats (``-inf`` past its end)."""
+    size = h.size
+
+    def step(vals, cols, need, kth, done):
+        count = jnp.sum(vals > -jnp.inf, axis=1)
+        found = ~done & (need <= count)
+        kth = jnp.where(found, _take(vals, need - 1), kth)
+        done = done | found | (count < size)
+        return (vals[:, -1], cols[:, -1]), need - size, kth, done
+
+    vals, cols = first
+    n = vals.shape[0]
+    init = step(vals, cols, jnp.full((n,), k, jnp.int32), jnp.full((n,), -jnp.inf, jnp.float32), jnp.zeros((n,), bool))
+    if k <= size:
+        return init[2]
+
+    def body(state):
+        (bv, bj), need, kth, done = state
+        vals, cols = h.collect(jnp.where(done, -jnp.inf, bv), jnp.where(done, NO_COLUMN, bj))[:2]
+        return step(vals, cols, need, kth, done)
+
+    return jax.lax.while_loop(lambda s: ~jnp.all(s[3]), body, init)[2]
+
+
+def _top_p(h: _Head, first, m, tau, total, top_p: float):
+    """``κ`` ``(value, column)`` of top-p on the keys of value ``≥ tau`` (mass ``total``)."""
+    size = h.size
+    threshold = total * np.float32(1.0 - top_p)
+
+    def step(vals, cols, above, cut_v, cut_j, done):
+        left = (vals > -jnp.inf) & (vals >= tau[:, None])
+        w = jnp.where(left, jnp.exp(vals - m[:, None]), 0.0)
+        over = above[:, None] + jnp.cumsum(w, axis=1) - w  # A(e) of each key
+        kept = left & (total[:, None] - over > threshold[:, None])
+        nk, nl = jnp.sum(kept, axis=1), jnp.sum(left, axis=1)
+        take = ~done & (nk > 0)
+        cut_v = jnp.where(take, _take(vals, nk - 1), cut_v)
+        cut_j = jnp.where(take, _take(cols, nk - 1), cut_j)
+        done = done | (nk < nl) | (nl < size)
+        return (vals[:, -1], cols[:, -1]), above + jnp.sum(w, axis=1), cut_v, cut_j, done
+
+    vals, cols = first
+    n = vals.shape[0]
+    init = step(vals, cols, jnp.zeros((n,), jnp.float32), vals[:, 0], cols[:, 0], jnp.zeros((n,), bool))
+
+    def body(state):
+        (bv, bj), above, cut_v, cut_j, done = state
+        vals, cols = h.collect(jnp.where(done, -jnp.inf, bv), jnp.where(done, NO_COLUMN, bj))[:2]
+        return step(vals, cols, above, cut_v, cut_j, done)
+
+    _, _, cut_v, cut_j, _ = jax.lax.while_loop(lambda s: ~jnp.all(s[4]), body, init)
+    return cut_v, cut_j
+
+
+def _forward(x, weight, bias, ids, live, spec: HeadSpec):
+    """``(logp^K, outside, lse^K, cut_v, cut_j)`` ``[N]``."""
+    f = spec.support
+    h = _Head(x, weight, ids, spec, bias)
+    n = x.shape[0]
+    vals, cols, m, sigma, _ = h.collect(jnp.full((n,), jnp.inf, jnp.float32), jnp.zeros((n,), jnp.int32))
+    tau = jnp.full((n,), -jnp.inf, jnp.float32) if f.min_p is None else min_p_cut(m, f.min_p)
+    if f.top_k is not None:
+        tau = jnp.maximum(tau, _kth(h, (vals, cols), f.top_k))
+    cut_v, cut_j = tau, jnp.full((n,), NO_COLUMN, jnp.int32)
+    if f.top_p is not None:
+        total = sigma
+        if f.min_p is not None or f.top_k is not None:
+            total = h.tally(tau, cut_j, m)[0]
+        cut_v, cut_j = _top_p(h, (vals, cols), m, tau, total, f.top_p)
+    mass, s_y, inside = h.tally(cut_v, cut_j, m)
+    lse = jnp.where(jnp.isfinite(m), m, 0.0) + jnp.log(mass)
+    logp = jnp.where(live, jnp.where(inside, s_y - lse, -jnp.inf), 0.0)
+    return logp, live & ~inside, lse, cut_v, cut_j
+
+
+def _stats(x, weight, bias, ids, live, spec: HeadSpec):
+    """:class:`.stats.RowStats` with ``logp_k``, ``outside``, and ``(lse^K, κ)``."""
+    full = stats._forward(x, weight, bias, ids, live, spec)
+    logp, outside, lse, cut_v, cut_j = _forward(x, weight, bias, ids, live, spec)
+    return full._replace(logp_k=logp, outside=outside), (lse, cut_v, cut_j)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _row_stats(x, weight, bias, ids, live, spec):
+    return _stats(x, weight, bias, ids, live, spec)[0]
+
+
+def _fwd(x, weight, bias, ids, live, spec):
+    (x, want_dh), (weight, want_dw), (bias, want_db) = _primal(x), _primal(weight), _primal(bias)
+    (ids, _), (live, _) = _primal(ids), _primal(live)
+    out, support = _stats(x, weight, bias, ids, live, spec)
+    wants = tuple(() if w else None for w in (want_dh, want_dw, want_db and bias is not None))
+    return out, (x, weight, bias, ids, live, out.lse, out.entropy, out.outside, support, wants)
+
+
+def _bwd(spec, res, cts):
+    x, weight, bias, ids, live, lse, entropy, outside, (lse_k, cut_v, cut_j), wants = res
+    h = _Head(x, weight, ids, spec)
+    rows = stats.coefficients(cts[:4], lse, entropy, live, spec)  # max and sum_p2 take none
+    g = cts.logp_k
+    g = jnp.zeros_like(lse) if isinstance(g, SymbolicZero) else jnp.where(live & ~outside, g, 0.0)
+    g = g.astype(jnp.float32)
+    rows = (*rows[:2], rows[2] + g, *rows[3:], jnp.where(g != 0, lse_k, jnp.inf), -g, cut_v, cut_j - h.offset)
+    return (*stats.grads(x, weight, bias, h.local_ids, rows, wants, spec), None, None)
+
+
+_row_stats.defvjp(_fwd, _bwd, symbolic_zeros=True)
+
+
+def row_stats(x, weight, bias, ids, live, spec: HeadSpec) -> stats.RowStats:
+    """:func:`.stats.row_stats` with ``logp_k`` and ``outside`` under ``spec.support``
+    (``logp^K`` 0 and ``outside`` False where not ``live``), in one backward pass:
+    differentiable in ``x``, ``weight``, ``bias`` through every statistic, ``logp^K`` with
+    the support held fixed."""
+    return _row_stats(x, weight, bias, ids, live, spec)

@@ -1,0 +1,96 @@
+"""The Pallas path's streamed truncated support (``flashloss.jax.pallas.support``) in
+interpret mode, against the float64 numpy reference of test_jax_logprobs_support.py, at
+small tiles (128 columns, so a ragged last tile and many tiles per row) and shapes that
+exercise every branch: odd sizes, masked rows, ties (repeated weight rows, a row of one
+value), flat and peaked rows, ``top_k`` above the list's 512 keys (further collecting
+passes) and a top-p nucleus longer than the list (the walk past it); the gradients of
+every statistic together (one backward pass), and min-p's threshold against f64."""
+
+import math
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+jnp = pytest.importorskip("jax.numpy")
+pytest.importorskip("flashloss.jax")
+from flashloss.jax._support import Filters  # noqa: E402
+from flashloss.jax.pallas import support  # noqa: E402
+from flashloss.jax.pallas.head import Transform  # noqa: E402
+from flashloss.jax.pallas.stats import HeadSpec  # noqa: E402
+from test_jax_logprobs_support import exact_head, reference  # noqa: E402
+
+N, H, V, TEMPERATURE = 13, 12, 700, 0.5
+CASES = [  # (filters, bias): without a bias row 1's logits are all 0, one tie
+    ((5, None, None), True),  # peaked rows: a cut inside the list
+    ((600, None, None), True),  # top_k > 512: a second collecting pass
+    ((None, 0.97, None), True),  # a flat row's nucleus passes 128 keys: the walk goes on
+    ((None, None, 0.3), False),
+    ((40, 0.8, 0.01), True),
+    ((None, 0.5, 0.2), False),
+    ((3, 0.9, None), False),
+    ((V - 1, 0.9, None), True),
+]
+
+
+def _head(seed: int):
+    x, w, b = exact_head(N, H, V, seed)
+    x[0] *= 8  # a peaked row
+    x[1] = 0  # the bias alone (runs of equal values), or 0 everywhere
+    x[2] = x[2] / 4  # a flat row
+    return x, w, b
+
+
+@pytest.mark.parametrize("filters,has_bias", CASES)
+def test_streamed_support_matches_the_f64_reference(filters, has_bias):
+    x, w, b = _head(4)
+    b = b if has_bias else np.zeros_like(b)
+    z = x.astype(np.float64) @ w.T.astype(np.float64) + b
+    ranks = [0, 1, 3, 2, 6, 30, 4, 0, 200, 5, 1, 2, 12]
+    ids = np.array([np.argsort(-z[i], kind="stable")[r] for i, r in enumerate(ranks)])
+    live = np.ones(N, bool)
+    live[3] = False
+    g = np.linspace(0.5, -0.75, N)
+    want, want_out, _ = reference(x, w, b, ids, live, g, TEMPERATURE, filters)
+    spec = HeadSpec(layout="vh", transform=Transform(TEMPERATURE), vocab=V, interpret=True, max_rows=128,
+                    max_vocab=128, support=Filters(*filters))  # fmt: skip
+
+    def f(x, w, bias):
+        st = support.row_stats(x, w, bias, jnp.asarray(ids, jnp.int32), jnp.asarray(live), spec)
+        lp = jnp.where(st.outside, 0.0, st.logp_k)
+        return (lp * jnp.asarray(g, jnp.float32)).sum() + 0.1 * st.entropy.sum(), st
+
+    args = (jnp.asarray(x), jnp.asarray(w), jnp.asarray(b) if has_bias else None)
+    (_, st), grads = jax.jit(jax.value_and_grad(f, (0, 1, 2), has_aux=True))(*args)
+    np.testing.assert_array_equal(np.asarray(st.outside), want_out)
+    got = np.asarray(st.logp_k, np.float64)
+    finite = live & ~want_out
+    assert np.array_equal(np.isneginf(got), want_out) and (got[~live] == 0).all() and finite.any()
+    np.testing.assert_allclose(got[finite], want[finite], rtol=1e-5, atol=1e-6)
+
+    # Gradients: logp^K's (support fixed) plus the full softmax entropy's, float64.
+    _, _, (dx, dw, db) = reference(x, w, b, ids, live, g, TEMPERATURE, filters)
+    s = z / TEMPERATURE
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    logp = np.log(p)
+    ent = -(p * logp).sum(-1)
+    ds_ent = np.where(live[:, None], -p * (logp + ent[:, None]), 0.0) * 0.1 / TEMPERATURE
+    refs = (dx + ds_ent @ w, dw + ds_ent.T @ x, db + ds_ent.sum(0))
+    for name, a, ref in zip(("dhidden", "dweight", "dbias"), grads, refs):
+        if a is None:
+            continue
+        err = np.abs(np.asarray(a, np.float64) - ref).max()
+        assert err <= 1e-4 * max(np.abs(ref).max(), 1e-6) + 1e-7, (name, err)
+
+
+def test_min_p_cut_is_the_f64_threshold():
+    """``min_p_cut(m, min_p)`` is the least f32 ``s`` with ``f64(s) - f64(m) ≥ log(min_p)``."""
+    rng = np.random.default_rng(0)
+    m = np.concatenate([rng.normal(0, 30, 2000), rng.normal(0, 1e-3, 500), [0.0, 1.0, -1.0, 1e4]]).astype(np.float32)
+    for min_p in (1e-4, 0.05, 0.1, 0.3, 1 / 3, 0.9, 1.0):
+        cut = np.asarray(support.min_p_cut(jnp.asarray(m), min_p))
+        log = math.log(min_p)
+        ok = cut.astype(np.float64) - m.astype(np.float64) >= log
+        below = np.nextafter(cut, np.float32(-np.inf)).astype(np.float64) - m.astype(np.float64) >= log
+        assert ok.all() and not below.any(), min_p
