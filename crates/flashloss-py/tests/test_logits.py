@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import flashloss.torch as fl
+from flashloss import liger
 from trl_reference import grpo_reference
 
 
@@ -40,7 +41,7 @@ def test_matches_trl(inplace, loss_type):
     leaf = z
     if inplace:
         z = z * 1.0  # a non-leaf the kernel may overwrite
-    loss, metrics = fl.grpo_loss(z, old, ref, ids, adv, mask, loss_type=loss_type, inplace=inplace)
+    loss, metrics = liger.triton_grpo_loss(z, old, ref, ids, adv, mask, loss_type=loss_type, inplace=inplace)
     loss.backward()
     assert abs(loss.item() - ref_loss) <= 1e-5 * max(1.0, abs(ref_loss))
     t = ids.shape[1]
@@ -73,7 +74,7 @@ def test_reduce_false_per_token_losses(loss_type, level, rho_shape):
 
     leaf = logits.clone().requires_grad_()
     kw.pop("epsilon_high")
-    per_token, kl, clipped = fl.grpo_loss(leaf, old, ref, ids, adv, mask, eps_high=0.4, vllm_is_ratio=rho,
+    per_token, kl, clipped = liger.triton_grpo_loss(leaf, old, ref, ids, adv, mask, eps_high=0.4, vllm_is_ratio=rho,
                                           reduce=False, **kw)  # fmt: skip
     assert per_token.shape == kl.shape == clipped.shape == (b, t) and per_token.dtype == torch.float32
     assert (per_token - want).abs().max().item() <= 1e-5 * max(1.0, want.abs().max().item())
@@ -87,12 +88,12 @@ def test_reduce_false_per_token_losses(loss_type, level, rho_shape):
 
 def test_reduce_false_without_beta_has_no_kl_and_compiles():
     logits, ids, mask, adv, old, ref = setup(1)
-    per_token, kl, clipped = fl.grpo_loss(logits, old, None, ids, adv, mask, beta=0.0, reduce=False)
+    per_token, kl, clipped = liger.triton_grpo_loss(logits, old, None, ids, adv, mask, beta=0.0, reduce=False)
     assert kl is None
     # The sum of the per-token losses over the live tokens is bnpo's loss times their count.
-    loss, _ = fl.grpo_loss(logits.clone(), old, None, ids, adv, mask, beta=0.0, loss_type="bnpo")
+    loss, _ = liger.triton_grpo_loss(logits.clone(), old, None, ids, adv, mask, beta=0.0, loss_type="bnpo")
     assert per_token.sum().item() == pytest.approx(loss.item() * mask.sum().item(), rel=1e-5)
-    f = torch.compile(lambda z: fl.grpo_loss(z, old, None, ids, adv, mask, beta=0.0, reduce=False)[0].sum(),
+    f = torch.compile(lambda z: liger.triton_grpo_loss(z, old, None, ids, adv, mask, beta=0.0, reduce=False)[0].sum(),
                       fullgraph=True)  # fmt: skip
     z = logits.clone().requires_grad_()
     f(z).backward()
@@ -107,7 +108,7 @@ def test_f16_logits(inplace):
     ref_loss, ref_grad = reference(logits, ids, mask, adv, old, ref, loss_type="grpo", beta=0.04, epsilon_high=0.4,
                                    temperature=0.9, use_bias_correction_kl=False)  # fmt: skip
     leaf = logits.clone().requires_grad_()
-    loss, _ = fl.grpo_loss(leaf * 1.0 if inplace else leaf, old, ref, ids, adv, mask, loss_type="grpo", inplace=inplace)
+    loss, _ = liger.triton_grpo_loss(leaf * 1.0 if inplace else leaf, old, ref, ids, adv, mask, loss_type="grpo", inplace=inplace)
     loss.backward()
     assert leaf.grad.dtype == torch.float16
     assert abs(loss.item() - ref_loss) <= 1e-5 * max(1.0, abs(ref_loss))
