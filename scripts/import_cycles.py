@@ -64,7 +64,9 @@ def _rust_module(path: Path) -> tuple:
 def _rust_graph() -> dict:
     files = {_rust_module(p): p for p in RUST.rglob("*.rs")}
     use = re.compile(r"^(pub(?:\([a-z]+\))?\s+)?use\s+([^;]+);", re.M)  # top level: not inline test modules
-    stmts = {m: [(bool(vis), st.replace("\n", " ")) for vis, st in use.findall(p.read_text())] for m, p in files.items()}
+    stmts = {
+        m: [(bool(vis), st.replace("\n", " ")) for vis, st in use.findall(p.read_text())] for m, p in files.items()
+    }
 
     def start(module, parts):
         """The module a path starts from and the rest of it (None: outside the crate)."""
