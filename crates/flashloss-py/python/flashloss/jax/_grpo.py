@@ -1,6 +1,5 @@
 """``flashloss.jax``'s GRPO losses: :func:`linear_grpo_loss` from the hidden states and the
-LM head, :func:`grpo_loss` on materialized logits, and :func:`over_tokens`, the one
-reduction of a loss and its metrics over a ``token_axis``."""
+LM head, and :func:`grpo_loss` on materialized logits."""
 
 from __future__ import annotations
 
@@ -13,30 +12,12 @@ from .._config import DEFAULT_BUDGET_MIB
 from .._spec import METRICS, NORMALIZERS, GRPOOutputs, GrpoArgs, SamplerFilters, with_params
 from . import _args as A
 from . import _ffi, _policy, _support, _support_vocab, _vocab
+from ._collectives import over_tokens
 from ._losses import linear_logprobs
 from .pallas import checks as _checks
 from .pallas import losses as _pallas
 
 _TRL = GrpoArgs()
-
-
-def over_tokens(loss, metrics, mask, axis: str, args: GrpoArgs, clips_per_sequence: bool):
-    """The one-device loss and metrics from each device's over ``axis``: the loss is a sum
-    of row terms over the normalizer ``args.normalizer`` names (``NORMALIZERS``), so
-    ``L = Σ_d L_d · n_d / Σ_d n_d`` (``n_d`` the device's normalizer; a given
-    ``num_items_in_batch`` is already global, so the devices' losses add up); the metrics
-    are token means, so they are weighted by the devices' token counts (the clip metrics
-    by their sequence counts where they are sequence means)."""
-    tokens = mask.sum().astype(jnp.float32)
-    sequences = jnp.float32(mask.shape[0])
-    clips = sequences if clips_per_sequence else tokens
-    weight = {"kl": tokens, "entropy": tokens}
-    weights = jnp.stack([weight.get(name, clips) for name in METRICS])
-    metrics = jax.lax.psum(metrics * weights, axis) / jnp.maximum(jax.lax.psum(weights, axis), 1.0)
-    norm = {"given": jnp.float32(1.0), "tokens": tokens, "sequences": sequences}[args.normalizer]
-    share = norm if args.normalizer == "given" else norm / jax.lax.psum(norm, axis)
-    loss = jax.lax.psum(jax.lax.stop_gradient(share) * loss, axis)
-    return loss, metrics
 
 
 def _outputs(loss, aux, outside=None):
@@ -111,7 +92,7 @@ def linear_grpo_loss(
 
     ``token_axis``: inside ``jax.shard_map``, the mesh axis over which the sequences are
     split (each device passes its own sequences and the whole head): the loss's
-    normalizers and the metrics are summed over it (:func:`over_tokens`), so every device
+    normalizers and the metrics are summed over it (``_collectives.over_tokens``), so every device
     gets the one-device loss, its ``hidden`` gradient, and the head's gradient summed over
     the axis. A ``num_items_in_batch`` given is taken as already global, as TRL passes it.
     ``vocab_axis``: the mesh axis over which the head's vocabulary is split in equal
