@@ -96,7 +96,7 @@ def check_logprobs(rank, block, group):
             h, w, b = leaves(hidden, w_rows, b_rows)
             if frozen:
                 w.requires_grad_(False), b.requires_grad_(False)
-            lp, ent = fl.linear_logprobs(h, w, ids, 0.7, True, bias=b, mask=mask, vocab_parallel_group=grp)
+            lp, ent = fl.linear_logprobs(h, w, ids, 0.7, True, bias=b, mask=mask, vocab_parallel_group=grp)[:2]
             ((lp * up_logp).sum() + (ent * up_ent).sum()).backward()
             results.append((lp.detach(), ent.detach(), h.grad, w.grad, b.grad))
         (lp1, ent1, dh1, dw1, db1), (lp, ent, dh, dw, db) = results

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import flashloss.torch as fl
+from flashloss import liger
 
 
 def batch(b=2, t=3, h=8, v=11):
@@ -113,7 +114,7 @@ def test_only_the_loss_types_parameters_are_validated():
     loss, _ = fl.linear_grpo_loss(h, w, ids, mask, adv, loss_type="bnpo", sapo_temperature_neg=False,
                                   vespo_lambda_neg=-1.0)  # fmt: skip
     assert torch.isfinite(loss)
-    fl.grpo_loss(torch.randn(2, 4, 5), None, None, ids, adv, mask, beta=0.0, loss_type="cispo", eps_low=3.0)
+    liger.triton_grpo_loss(torch.randn(2, 4, 5), None, None, ids, adv, mask, beta=0.0, loss_type="cispo", eps_low=3.0)
     for kw, name in ((dict(sapo_temperature_neg=0.0), "sapo_temperature_neg"),
                      (dict(sapo_temperature_pos=-1.0), "sapo_temperature_pos")):  # fmt: skip
         with pytest.raises(ValueError, match=f"`{name}`: must be > 0"):

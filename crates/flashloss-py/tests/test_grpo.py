@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import flashloss.torch as fl
+from flashloss import liger
 from trl_reference import grpo_reference
 
 LOSS_LEVELS = [
@@ -246,7 +247,7 @@ def test_liger_drop_in_module():
     d = make_batch(20)
     old = policy_logps(d, 1.0, 0.3, d["g"])
     ref = policy_logps(d, 1.0, 0.3, d["g"])
-    module = fl.LinearGRPOLoss(beta=0.04, loss_type="bnpo", use_bias_correction_kl=False)
+    module = liger.LigerFusedLinearGRPOLoss(beta=0.04, loss_type="bnpo", use_bias_correction_kl=False)
     b, t, h = d["hidden"].shape
     loss, metrics = module(d["hidden"].reshape(b * t, h), d["weight"], d["ids"], d["mask"].long(), d["adv"],
                            ref_per_token_logps=ref, old_per_token_logps=old)  # fmt: skip
@@ -357,7 +358,7 @@ def test_liger_module_reference_head_and_kl_metric():
     old = policy_logps(d, 1.0, 0.3, d["g"])
     ref = policy_logps(d, 1.0, 0.3, d["g"])
     args = (d["hidden"], d["weight"], d["ids"], d["mask"], d["adv"])
-    module = fl.LinearGRPOLoss(beta=0.04, loss_type="grpo")
+    module = liger.LigerFusedLinearGRPOLoss(beta=0.04, loss_type="grpo")
     base, _ = module(*args, ref_per_token_logps=ref, old_per_token_logps=old)
     ignored, metrics = module(*args, ref_per_token_logps=ref, old_per_token_logps=old, ref_weight=d["weight"] * 2)
     assert ignored.item() == base.item() and len(metrics) == 2
@@ -370,9 +371,9 @@ def test_liger_module_reference_head_and_kl_metric():
                                 ref=ref_logp, loss_type="grpo", beta=0.04, use_bias_correction_kl=False)  # fmt: skip
     assert head.item() == pytest.approx(want.item(), rel=1e-5)
 
-    no_ref = fl.LinearGRPOLoss(beta=0.04, use_ref_model=False, loss_type="grpo")
+    no_ref = liger.LigerFusedLinearGRPOLoss(beta=0.04, use_ref_model=False, loss_type="grpo")
     loss, metrics = no_ref(*args, old_per_token_logps=old, ref_per_token_logps=ref)
-    unregularized, _ = fl.LinearGRPOLoss(beta=0.0, loss_type="grpo")(*args, old_per_token_logps=old)
+    unregularized, _ = liger.LigerFusedLinearGRPOLoss(beta=0.0, loss_type="grpo")(*args, old_per_token_logps=old)
     assert len(metrics) == 2 and metrics[0].item() == 0.0
     assert loss.item() == unregularized.item()
 

@@ -88,12 +88,15 @@ def test_some_targets_are_outside_and_unset_filters_are_the_plain_loss():
     _, (unset, unset_out, _) = run(d, (0, 1.0, 0.0))
     assert plain_out.outside_support is None
     assert unset.item() == plain.item() and unset_out.outside_support is None
+    # One rule (vLLM's, TRL's): top_k -1 is "no top-k" too.
+    _, (unset, unset_out, _) = run(d, (-1, None, None))
+    assert unset.item() == plain.item() and unset_out.outside_support is None
 
 
 @pytest.mark.parametrize(
     "kwargs,name",
     [
-        (dict(top_k=-1), "top_k"),
+        (dict(top_k=-2), "top_k"),
         (dict(top_k=2.5), "top_k"),
         (dict(top_p=0.0), "top_p"),
         (dict(top_p=1.5), "top_p"),

@@ -12,13 +12,11 @@ import torch
 
 import flashloss.torch as fl
 from flashloss import _torch_ops as ops
-from flashloss._config import ce_config, grpo_config
+from flashloss._spec import CeArgs, GrpoArgs
 
 N_B, N_T, H, V = 3, 7, 24, 301
 
-GRPO_CONFIG = grpo_config(
-    "dapo", 0.04, 0.2, 0.28, None, "token", 0.9, True, 0.0, None, None, 1.0, 1.05, 2.0, 3.0, 3.0, 2.0
-)
+GRPO_CONFIG = GrpoArgs(loss_type="dapo", beta=0.04, epsilon_low=0.2, epsilon_high=0.28, temperature=0.9).config_json()
 
 
 def _data(seed=0, dtype=torch.float32):
@@ -63,7 +61,7 @@ def test_logprobs_gradients_match_float64_autograd(dtype, frozen):
     hidden, weight, bias, ids, mask, up = _data(1, dtype)
     want = _reference(hidden, weight, bias, ids, mask, 0.8, up)
     h, w, b = _leaves(hidden, weight, bias, frozen=(1, 2) if frozen else ())
-    logp, entropy = fl.linear_logprobs(h, w, ids, 0.8, True, bias=b, mask=mask)
+    logp, entropy = fl.linear_logprobs(h, w, ids, 0.8, True, bias=b, mask=mask)[:2]
     ((logp * up[0]).sum() + (entropy * up[1]).sum()).backward()
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     _close("logp", logp, want[0], 1e-5 if dtype == torch.float32 else 1e-2)
@@ -81,12 +79,12 @@ def test_logprobs_one_output_and_no_grad():
     hidden, weight, bias, ids, mask, up = _data(2)
     want = _reference(hidden, weight, bias, ids, mask, 1.0, torch.stack([up[0], torch.zeros_like(up[0])]))
     h, w = _leaves(hidden, weight)
-    logp = fl.linear_logprobs(h, w, ids, bias=bias, mask=mask)
+    logp = fl.linear_logprobs(h, w, ids, bias=bias, mask=mask).logp
     (logp * up[0]).sum().backward()
     _close("dhidden (logp only)", h.grad, want[2], 1e-4)
     _close("dweight (logp only)", w.grad, want[3], 1e-4)
     with torch.no_grad():
-        assert fl.linear_logprobs(h, w, ids, bias=bias).grad_fn is None
+        assert fl.linear_logprobs(h, w, ids, bias=bias).logp.grad_fn is None
 
 
 def test_opcheck_logprobs_ops():
@@ -104,7 +102,7 @@ def test_opcheck_logprobs_ops():
 def _logprob_loss(hidden, weight, bias, ids, mask, old, adv):
     """A clipped policy loss written in PyTorch on ``linear_logprobs`` (how TRL, verl and
     Tunix build theirs), with an entropy bonus."""
-    logp, entropy = fl.linear_logprobs(hidden, weight, ids, 0.9, True, bias=bias, mask=mask)
+    logp, entropy = fl.linear_logprobs(hidden, weight, ids, 0.9, True, bias=bias, mask=mask)[:2]
     ratio = torch.exp(logp - old)
     per_token = -torch.min(ratio * adv[:, None], ratio.clamp(0.8, 1.28) * adv[:, None]) - 0.01 * entropy
     return (per_token * mask).sum() / mask.sum()
@@ -143,7 +141,7 @@ def test_export_logprobs_module():
                 self.lm_head.bias.copy_(bias)
 
         def forward(self, x, ids, mask):
-            return fl.linear_logprobs(x, self.lm_head.weight, ids, 1.0, True, bias=self.lm_head.bias, mask=mask)
+            return fl.linear_logprobs(x, self.lm_head.weight, ids, 1.0, True, bias=self.lm_head.bias, mask=mask)[:2]
 
     module = Head()
     exported = torch.export.export(module, (hidden, ids, mask))
@@ -193,7 +191,7 @@ class _NativeSpy:
 
 
 def _logprobs_sum(h, w, b, ids, mask, adv, old):
-    logp, entropy = fl.linear_logprobs(h, w, ids, 0.9, True, bias=b, mask=mask)
+    logp, entropy = fl.linear_logprobs(h, w, ids, 0.9, True, bias=b, mask=mask)[:2]
     return (logp * adv[:, None]).sum() + entropy.sum()
 
 
@@ -233,7 +231,7 @@ def test_fused_ops_allocate_no_weight_gradient_when_frozen():
     args = (hidden, weight, bias, ids, mask, up[1][:, 0].contiguous(), old, old - 0.05, None, None, None, None)
     out = ops.grpo_linear(*args, GRPO_CONFIG, "auto", 160.0, "", False)
     assert out[2].numel() == 0 and out[3].numel() == 0
-    config = ce_config(-100, 0.0, 0.0, None, "mean", 1.0)
+    config = CeArgs().config_json()
     ce = ops.ce_linear(h2, weight, bias, ids.reshape(-1).masked_fill(~mask_i, -100), config, "auto", 160.0, "", False)
     assert ce[2].numel() == 0 and ce[3].numel() == 0
     tests = ("test_schema", "test_faketensor", "test_autograd_registration")

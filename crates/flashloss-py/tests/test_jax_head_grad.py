@@ -62,15 +62,14 @@ def _losses():
         return (fj.linear_cross_entropy(x, w, ids, bias=b, reduction="none", impl="ffi") * up[0]).sum()
 
     def logprobs(x, w, b):
-        logp, entropy = fj.linear_logprobs(x, w, ids, 0.8, True, bias=b, mask=mask, impl="ffi")
+        logp, entropy = fj.linear_logprobs(x, w, ids, 0.8, True, bias=b, mask=mask, impl="ffi")[:2]
         return (logp * up[0]).sum() + (entropy * up[1]).sum()
 
     def split(x, w, b):
         """The vocabulary-split GRPO step on one block (``axis`` None)."""
-        from flashloss._config import grpo_config
+        from flashloss._spec import GrpoArgs
 
-        config = grpo_config("dapo", 0.04, 0.2, 0.2, None, "token", 0.9, True, 0.0, None, None, 1.0, 1.05, 2.0,
-                             3.0, 3.0, 2.0)  # fmt: skip
+        config = GrpoArgs(loss_type="dapo", beta=0.04, epsilon_low=0.2, epsilon_high=0.2, temperature=0.9).config_json()
         args = (config, None, 0.9, V, "two_pass", 64.0)
         return _vocab.grpo(x, w, b, ids, mask, adv, old, old - 0.1, *args)[0]
 
@@ -83,9 +82,9 @@ def _losses():
 
 
 def _ce_config():
-    from flashloss._config import ce_config
+    from flashloss._spec import CeArgs
 
-    return ce_config(-100, 0.0, 0.0, None, "mean", 1.0)
+    return CeArgs().config_json()
 
 
 FNS = ["grpo", "ce", "ce_rows", "logprobs", "split_grpo", "split_ce"]
@@ -132,9 +131,9 @@ def test_undifferentiated_calls_form_no_head_gradient(head_grads):
 
 def test_ops_frozen_results_are_empty():
     hidden, weight, bias, ids, mask, adv, old, _ = _data(jnp.bfloat16)
-    from flashloss._config import ce_config
+    from flashloss._spec import CeArgs
 
-    config = ce_config(-100, 0.0, 0.0, None, "mean", 1.0)
+    config = CeArgs().config_json()
     out = _ops.ce_linear(hidden.reshape(-1, H), weight, bias, ids.reshape(-1), None, config=config, mode="auto",
                          budget_mib=64.0, head_grad="frozen")  # fmt: skip
     assert out[2].shape == (0,) and out[3].shape == (0,) and out[1].shape == (B * T, H)

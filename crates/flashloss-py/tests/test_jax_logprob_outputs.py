@@ -121,7 +121,9 @@ def test_logprob_outputs_unasked_are_none_and_default_return_is_unchanged(impl):
     x, w, _, _, ids, live, cand, _ = _inputs(3, 4, 8, 19, 2, "vh")
     common = dict(mask=jnp.asarray(live), impl=impl, interpret=impl == "pallas")
     plain = fj.linear_logprobs(jnp.asarray(x), jnp.asarray(w), jnp.asarray(ids), 1.0, **common)
-    assert isinstance(plain, jax.Array)
+    # One return type (was a bare array): a LogprobOutputs with only logp.
+    assert isinstance(plain, fj.LogprobOutputs) and plain.entropy is None and plain.outside_support is None
+    plain = plain.logp
     out = fj.linear_logprobs(jnp.asarray(x), jnp.asarray(w), jnp.asarray(ids), 1.0, gather_ids=jnp.asarray(cand[:, :1]),
                              **common)  # fmt: skip
     assert out.entropy is None and out.lse is None and out.max_logit is None and out.sum_p2 is None

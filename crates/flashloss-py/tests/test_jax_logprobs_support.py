@@ -147,8 +147,13 @@ def test_unset_filters_are_the_plain_call(impl):
     args = (jnp.asarray(x), jnp.asarray(w), jnp.asarray(b))
     plain = _call(impl, *args, ids, live, 0.7, (None, None, None))
     out = _call(impl, *args, ids, live, 0.7, (99, 1.0, 0.0), return_lse=True)
-    np.testing.assert_array_equal(np.asarray(out.logp), np.asarray(plain))
+    np.testing.assert_array_equal(np.asarray(out.logp), np.asarray(plain.logp))
     assert not np.asarray(out.outside_support).any() and out.lse is not None
+    # One rule (vLLM's, TRL's): top_k 0 and -1 are "no top-k".
+    for top_k in (0, -1):
+        out = _call(impl, *args, ids, live, 0.7, (top_k, None, None))
+        np.testing.assert_array_equal(np.asarray(out.logp), np.asarray(plain.logp))
+        assert not np.asarray(out.outside_support).any()
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -177,7 +182,7 @@ def test_other_outputs_stay_the_full_softmax(impl):
 
 @pytest.mark.parametrize(
     "kwargs,arg",
-    [(dict(top_k=0), "top_k"), (dict(top_k=2.5), "top_k"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+    [(dict(top_k=-2), "top_k"), (dict(top_k=2.5), "top_k"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
      (dict(top_p=float("nan")), "top_p"), (dict(min_p=-0.1), "min_p"), (dict(min_p=1.1), "min_p")],
 )  # fmt: skip
 def test_bad_filters_name_the_argument(kwargs, arg):

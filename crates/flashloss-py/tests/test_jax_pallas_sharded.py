@@ -61,7 +61,7 @@ def _main():
 
     def logprobs(x, w, i, m, a, o, r, token_axis=None, vocab_axis=None):
         logp, ent = fj.linear_logprobs(x, w, i, 0.9, True, mask=m, impl="pallas", interpret=True,
-                                       vocab_axis=vocab_axis)  # fmt: skip
+                                       vocab_axis=vocab_axis)[:2]  # fmt: skip
         return (logp * a[:, None]).sum() + 0.1 * ent.sum()
 
     cases = [

@@ -22,6 +22,7 @@ fj = pytest.importorskip("flashloss.jax")
 
 from jax.extend import core as jex_core  # noqa: E402
 
+from flashloss._spec import LOSS_TYPES  # noqa: E402
 from flashloss.jax import _policy as P  # noqa: E402
 from flashloss.jax import _vocab  # noqa: E402
 
@@ -57,7 +58,7 @@ def _args(loss_type, level="token", beta=0.0, bias_kl=True, **kw):
 
 def _valid(args):
     try:
-        P.validate_grpo(args)
+        args.validate()
     except ValueError:
         return False
     return True
@@ -102,7 +103,7 @@ def _configs():
     """Every loss type x level x β x bias-corrected KL the Rust config accepts, with the
     options (delta, entropy_coef, num_items_in_batch, max_completion_length) sampled."""
     out = []
-    for i, (lt, level, beta, bias_kl) in enumerate(itertools.product(P.LOSS_TYPES, LEVELS, (0.0, 0.04), (True, False))):
+    for i, (lt, level, beta, bias_kl) in enumerate(itertools.product(LOSS_TYPES, LEVELS, (0.0, 0.04), (True, False))):
         kw = {}
         if i % 3 == 0:
             kw["entropy_coef"] = 0.01
@@ -184,7 +185,7 @@ def test_a_perturbed_loss_fails_the_comparison():
 
 def test_token_loss_and_weights_add_up_to_the_loss():
     token_local = [a for a in CONFIGS if P.is_token_local(a)]
-    assert {a.loss_type for a in token_local} == set(P.LOSS_TYPES) - {"vespo"}
+    assert {a.loss_type for a in token_local} == set(LOSS_TYPES) - {"vespo"}
     assert not any(P.is_token_local(a) for a in CONFIGS if a.loss_type == "vespo" or a.sequence_level)
     for k, args in list(enumerate(token_local))[::2]:
         b, t, kind = SHAPES[k % len(SHAPES)]
@@ -276,7 +277,7 @@ def test_extreme_inputs_give_no_nan():
     b, t = 12, 6
     # β = 0.5 (the KL's exponentials are the hard part), bias-corrected KL or not in turn.
     args_list = [_args(lt, lvl, 0.5, i % 4 in (0, 3), delta=3.0 if lt in ("grpo", "luspo") else None, entropy_coef=0.1)
-                 for i, (lt, lvl) in enumerate(itertools.product(P.LOSS_TYPES, LEVELS))]  # fmt: skip
+                 for i, (lt, lvl) in enumerate(itertools.product(LOSS_TYPES, LEVELS))]  # fmt: skip
     for args in filter(_valid, args_list):
         f = jax.jit(jax.value_and_grad(lambda *x: P.grpo_policy_loss(*x, args)[0], argnums=(0, 1)))
         lp = -rng.choice([0.0, 1e-3, 5.0, 100.0, 1e4], (b, t))
@@ -373,7 +374,7 @@ def test_bad_arguments_raise_the_ffi_message_at_trace_time(bad, field):
     kw = {"loss_type": "grpo", "max_completion_length": 4, **bad}
     args = P.GrpoArgs(**kw)
     with pytest.raises(ValueError, match=f"`{field}`") as ours:
-        P.validate_grpo(args)
+        args.validate()
     case = _case(2, 4, "ragged", seed=0)
     # At trace time: lowering alone raises, before any kernel runs.
     with pytest.raises(ValueError) as traced:

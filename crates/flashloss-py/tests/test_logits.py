@@ -1,10 +1,12 @@
-"""flashloss.torch.grpo_loss (logits-level, Liger's triton_grpo_loss call shape) against
-TRL's formulas in float64, on [B, T+1, V] logits, in place and not."""
+"""The logits-level GRPO loss against TRL's formulas in float64, on [B, T+1, V] logits:
+Liger's call shape, in place and not (flashloss.liger.triton_grpo_loss), and the
+TRL-shaped flashloss.torch.grpo_loss, which returns GRPOOutputs."""
 
 import pytest
 import torch
 
 import flashloss.torch as fl
+from flashloss import liger
 from trl_reference import grpo_reference
 
 
@@ -40,7 +42,7 @@ def test_matches_trl(inplace, loss_type):
     leaf = z
     if inplace:
         z = z * 1.0  # a non-leaf the kernel may overwrite
-    loss, metrics = fl.grpo_loss(z, old, ref, ids, adv, mask, loss_type=loss_type, inplace=inplace)
+    loss, metrics = liger.triton_grpo_loss(z, old, ref, ids, adv, mask, loss_type=loss_type, inplace=inplace)
     loss.backward()
     assert abs(loss.item() - ref_loss) <= 1e-5 * max(1.0, abs(ref_loss))
     t = ids.shape[1]
@@ -48,6 +50,27 @@ def test_matches_trl(inplace, loss_type):
     assert (leaf.grad[:, :t].double() - ref_grad).abs().max().item() <= 1e-4 * scale
     assert torch.count_nonzero(leaf.grad[:, t:]) == 0
     assert len(metrics) == 2
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "sapo", "vespo"])
+def test_trl_shaped_grpo_loss_matches_trl(loss_type):
+    """``flashloss.torch.grpo_loss``: TRL's names (keyword-only after the batch), TRL's
+    defaults, ``(loss, GRPOOutputs)``; the same loss and gradient as TRL's formulas."""
+    logits, ids, mask, adv, old, ref = setup(7 + len(loss_type))
+    kw = dict(loss_type=loss_type, beta=0.04, epsilon_high=0.4, temperature=0.9, use_bias_correction_kl=False)
+    ref_loss, ref_grad = reference(logits, ids, mask, adv, old, ref, **kw)
+    leaf = logits.clone().requires_grad_()
+    loss, out = fl.grpo_loss(leaf, ids, mask, adv, old_per_token_logps=old, ref_per_token_logps=ref, **kw)
+    loss.backward()
+    assert abs(loss.item() - ref_loss) <= 1e-5 * max(1.0, abs(ref_loss))
+    t = ids.shape[1]
+    assert (leaf.grad[:, :t].double() - ref_grad).abs().max().item() <= 1e-4 * ref_grad.abs().max().item()
+    assert isinstance(out, fl.GRPOOutputs) and out.logp.shape == ids.shape and set(out.metrics) >= {"kl", "entropy"}
+    liger_loss, liger_metrics = liger.triton_grpo_loss(
+        logits.clone(), old, ref, ids, adv, mask, eps_high=0.4, loss_type=loss_type, inplace=False
+    )
+    assert liger_loss.item() == loss.item()
+    assert float(liger_metrics[-1]) == float(out.metrics["clip_ratio/region_mean"])
 
 
 @pytest.mark.parametrize(
@@ -73,7 +96,7 @@ def test_reduce_false_per_token_losses(loss_type, level, rho_shape):
 
     leaf = logits.clone().requires_grad_()
     kw.pop("epsilon_high")
-    per_token, kl, clipped = fl.grpo_loss(leaf, old, ref, ids, adv, mask, eps_high=0.4, vllm_is_ratio=rho,
+    per_token, kl, clipped = liger.triton_grpo_loss(leaf, old, ref, ids, adv, mask, eps_high=0.4, vllm_is_ratio=rho,
                                           reduce=False, **kw)  # fmt: skip
     assert per_token.shape == kl.shape == clipped.shape == (b, t) and per_token.dtype == torch.float32
     assert (per_token - want).abs().max().item() <= 1e-5 * max(1.0, want.abs().max().item())
@@ -87,12 +110,12 @@ def test_reduce_false_per_token_losses(loss_type, level, rho_shape):
 
 def test_reduce_false_without_beta_has_no_kl_and_compiles():
     logits, ids, mask, adv, old, ref = setup(1)
-    per_token, kl, clipped = fl.grpo_loss(logits, old, None, ids, adv, mask, beta=0.0, reduce=False)
+    per_token, kl, clipped = liger.triton_grpo_loss(logits, old, None, ids, adv, mask, beta=0.0, reduce=False)
     assert kl is None
     # The sum of the per-token losses over the live tokens is bnpo's loss times their count.
-    loss, _ = fl.grpo_loss(logits.clone(), old, None, ids, adv, mask, beta=0.0, loss_type="bnpo")
+    loss, _ = liger.triton_grpo_loss(logits.clone(), old, None, ids, adv, mask, beta=0.0, loss_type="bnpo")
     assert per_token.sum().item() == pytest.approx(loss.item() * mask.sum().item(), rel=1e-5)
-    f = torch.compile(lambda z: fl.grpo_loss(z, old, None, ids, adv, mask, beta=0.0, reduce=False)[0].sum(),
+    f = torch.compile(lambda z: liger.triton_grpo_loss(z, old, None, ids, adv, mask, beta=0.0, reduce=False)[0].sum(),
                       fullgraph=True)  # fmt: skip
     z = logits.clone().requires_grad_()
     f(z).backward()
@@ -107,7 +130,9 @@ def test_f16_logits(inplace):
     ref_loss, ref_grad = reference(logits, ids, mask, adv, old, ref, loss_type="grpo", beta=0.04, epsilon_high=0.4,
                                    temperature=0.9, use_bias_correction_kl=False)  # fmt: skip
     leaf = logits.clone().requires_grad_()
-    loss, _ = fl.grpo_loss(leaf * 1.0 if inplace else leaf, old, ref, ids, adv, mask, loss_type="grpo", inplace=inplace)
+    loss, _ = liger.triton_grpo_loss(
+        leaf * 1.0 if inplace else leaf, old, ref, ids, adv, mask, loss_type="grpo", inplace=inplace
+    )
     loss.backward()
     assert leaf.grad.dtype == torch.float16
     assert abs(loss.item() - ref_loss) <= 1e-5 * max(1.0, abs(ref_loss))

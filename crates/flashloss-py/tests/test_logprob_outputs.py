@@ -99,10 +99,11 @@ def test_outputs_and_gradients_match_float64(dtype, frozen, k):
 def test_each_output_alone_and_the_plain_return():
     hidden, weight, bias, ids, mask, gather, up, up_k = _data(2)
     want, _ = _reference(hidden, weight, bias, ids, mask, gather, 1.3, up, up_k)
+    # One return type (was a tensor, or a pair with the entropy): a LogprobOutputs.
     plain = fl.linear_logprobs(hidden, weight, ids, 1.3, bias=bias, mask=mask)
-    assert isinstance(plain, torch.Tensor)
+    assert isinstance(plain, fl.LogprobOutputs) and plain.entropy is None and plain.lse is None
     pair = fl.linear_logprobs(hidden, weight, ids, 1.3, True, bias=bias, mask=mask)
-    assert isinstance(pair, tuple) and not isinstance(pair, fl.LogprobOutputs) and len(pair) == 2
+    assert isinstance(pair, fl.LogprobOutputs) and pair.entropy is not None and pair.gathered_logp is None
     only_lse = fl.linear_logprobs(hidden, weight, ids, 1.3, bias=bias, mask=mask, return_lse=True)
     assert only_lse.entropy is None and only_lse.sum_p2 is None and only_lse.gathered_logp is None
     _rel("lse", only_lse.lse, want[2], 1e-5)
@@ -167,7 +168,7 @@ def test_bad_arguments_name_themselves():
     with pytest.raises(ValueError, match="gather_ids"):
         call(gather_ids=out_of_range)
     with pytest.raises(ValueError, match="top_k"):
-        call(top_k=0)
+        call(top_k=-2)
     with pytest.raises(ValueError, match="top_p"):
         call(top_p=1.5)
     with pytest.raises(ValueError, match="min_p"):

@@ -107,10 +107,15 @@ def test_values_and_gradients_match_the_float64_reference(top_k, top_p, min_p, d
 def test_unset_filters_are_the_plain_call():
     hidden, weight, bias = exact_head(5, 8, 999, torch.float32, 5, ties=False)
     ids = torch.arange(5) * 97 % 999
-    plain = ft.linear_logprobs(hidden, weight, ids, bias=bias)
+    plain = ft.linear_logprobs(hidden, weight, ids, bias=bias).logp
     out = ft.linear_logprobs(hidden, weight, ids, bias=bias, top_k=999, top_p=1.0, min_p=0.0)
     assert torch.equal(out.logp, plain)
     assert not out.outside_support.any()
+    # One rule (vLLM's, TRL's): top_k 0 and -1 are "no top-k".
+    for top_k in (0, -1):
+        out = ft.linear_logprobs(hidden, weight, ids, bias=bias, top_k=top_k)
+        assert torch.equal(out.logp, plain)
+        assert not out.outside_support.any()
 
 
 def test_targets_outside_the_support_are_minus_inf_without_nan_gradients():
@@ -131,7 +136,7 @@ def test_targets_outside_the_support_are_minus_inf_without_nan_gradients():
 @pytest.mark.parametrize(
     "kwargs,arg",
     [
-        (dict(top_k=0), "top_k"),
+        (dict(top_k=-2), "top_k"),
         (dict(top_p=0.0), "top_p"),
         (dict(top_p=1.5), "top_p"),
         (dict(top_p=float("nan")), "top_p"),

@@ -1,12 +1,13 @@
 """Argument checks shared by flashloss's PyTorch entry points (:mod:`flashloss.torch`):
-tensors on one device, the head in one float dtype and contiguous, and whether autograd
-will want the head's own gradients."""
+tensors on one device, the head in one float dtype and contiguous, whether autograd
+will want the head's own gradients, and a GRPO batch's per-sequence inputs."""
 
 from __future__ import annotations
 
 import torch
 
 from . import _native
+from ._torch_op_utils import _f32
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _HALVES = (torch.bfloat16, torch.float16)
@@ -62,3 +63,31 @@ def _head_grad(weight, bias) -> bool:
 
 def _bool(t):
     return None if t is None else (t != 0).cpu().contiguous()
+
+
+def _items(num_items_in_batch):
+    """``num_items_in_batch`` as (config value, tensor input): a tensor (TRL passes one)
+    is read inside the op, so that compiled code never reads it on the host."""
+    if isinstance(num_items_in_batch, torch.Tensor):
+        return None, num_items_in_batch.detach().reshape(())
+    return num_items_in_batch, None
+
+
+def _grpo_batch(completion_ids, completion_mask, advantages):
+    """``(ids int64, mask bool, advantages f32)`` on the CPU, checked (TRL's ``[B, 1]``
+    advantages as ``[B]``)."""
+    _check_tensor("completion_ids", completion_ids)
+    if completion_ids.dim() != 2:
+        raise ValueError(f"argument `completion_ids`: expected shape [B, T], got {list(completion_ids.shape)}")
+    if completion_ids.dtype.is_floating_point or completion_ids.dtype == torch.bool:
+        raise ValueError(f"argument `completion_ids`: expected an integer dtype, got {completion_ids.dtype}")
+    ids = completion_ids.to(device="cpu", dtype=torch.int64).contiguous()
+    if completion_mask is None:
+        mask = torch.ones_like(ids, dtype=torch.bool)
+    else:
+        _check_tensor("completion_mask", completion_mask)
+        mask = (completion_mask != 0).cpu().contiguous()
+    _check_tensor("advantages", advantages)
+    if advantages.dim() == 2 and advantages.shape[1] == 1:
+        advantages = advantages[:, 0]  # TRL's unsqueezed [B, 1]
+    return ids, mask, _f32(advantages)

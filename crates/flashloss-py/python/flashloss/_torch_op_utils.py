@@ -11,8 +11,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-#: The metrics tensor's entries, in order (TRL's names).
-METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+from ._spec import METRICS
 
 
 def _stream(device: torch.device) -> int:

@@ -399,12 +399,14 @@ def logp_linear(
     top_k: Optional[int] = None,
     top_p: Optional[float] = None,
     min_p: Optional[float] = None,
+    mode: str = "auto",
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(logp, entropy, lse, max_logit, sum_p2, gathered, outside)`` f32: ``ids``' shape
     each (zero where ``mask`` is false), ``sum_p2`` ``[0]`` unless asked, ``gathered`` the
     log-probs of ``gather_ids`` ``[..., K]`` (``[0]`` without); with ``top_k``/``top_p``/
     ``min_p``, ``logp`` under the truncated support (``-inf`` outside it) and ``outside``
-    1.0 where the target is outside (``[0]`` without a support)."""
+    1.0 where the target is outside (``[0]`` without a support). ``mode``: the backward's
+    plan (the forward is one statistics pass)."""
     support = _has_support(top_k, top_p, min_p)
     out = _logp_outputs(ids, gather_ids, sum_p2, support, lambda shape: torch.empty(shape, dtype=torch.float32))
     logp, entropy, lse, max_logit, p2, gathered, outside = out
@@ -420,7 +422,7 @@ def logp_linear(
 @logp_linear.register_fake
 def _(
     hidden, weight, bias, ids, mask, temperature, budget_mib, group, gather_ids=None, sum_p2=False,
-    top_k=None, top_p=None, min_p=None,
+    top_k=None, top_p=None, min_p=None, mode="auto",
 ):  # fmt: skip
     support = _has_support(top_k, top_p, min_p)
     return _logp_outputs(ids, gather_ids, sum_p2, support, lambda shape: hidden.new_empty(shape, dtype=torch.float32))
@@ -445,6 +447,7 @@ def logp_linear_backward(
     top_k: Optional[int] = None,
     top_p: Optional[float] = None,
     min_p: Optional[float] = None,
+    mode: str = "auto",
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``∂(Σ grad_logp·logp + grad_entropy·entropy + grad_lse·lse + Σ grad_gathered·gathered)
     /∂(hidden, weight, bias)`` (f32; ``[0]`` for the head's when frozen: ``head_grad``
@@ -456,7 +459,7 @@ def logp_linear_backward(
     gathered = _f32(grad_gathered)
     h = hidden.reshape(-1, hidden.shape[-1])
     _native.logp_linear_grads(
-        h, weight, bias, ids, mask, g_logp, _f32(grad_entropy), temperature, "auto", budget_mib,
+        h, weight, bias, ids, mask, g_logp, _f32(grad_entropy), temperature, mode, budget_mib,
         dh.view(h.shape), *_native_grads(dw, db, bias, head_grad), _dist.ops(group), _f32(grad_lse),
         None if gathered is None else gather_ids, gathered, top_k, top_p, min_p,
     )  # fmt: skip
@@ -469,10 +472,11 @@ def _(hidden, weight, bias, ids, mask, grad_logp, grad_entropy, temperature, bud
 
 
 def _logp_setup(ctx, inputs, output):
-    hidden, weight, bias, ids, mask, temperature, budget_mib, group, gather_ids, _, *support = inputs
+    hidden, weight, bias, ids, mask, temperature, budget_mib, group, gather_ids, _, *support, mode = inputs
     ctx.save_for_backward(hidden, weight, bias, ids, mask, gather_ids)
     ctx.args = (temperature, budget_mib, group)
     ctx.support = tuple(support)  # top_k, top_p, min_p
+    ctx.mode = mode
     ctx.mark_non_differentiable(output[3], output[4], output[6])  # max logit, Σp², outside
     ctx.set_materialize_grads(False)
 
@@ -481,12 +485,12 @@ def _logp_backward(ctx, grad_logp, grad_entropy, grad_lse, _max, _sum_p2, grad_g
     hidden, weight, bias, ids, mask, gather_ids = ctx.saved_tensors
     head_grad = _head_wanted(ctx)
     if all(g is None for g in (grad_logp, grad_entropy, grad_lse, grad_gathered)):
-        return (None,) * 13
-    up = (grad_logp, grad_entropy, *ctx.args, head_grad, grad_lse, gather_ids, grad_gathered, *ctx.support)
+        return (None,) * 14
+    up = (grad_logp, grad_entropy, *ctx.args, head_grad, grad_lse, gather_ids, grad_gathered, *ctx.support, ctx.mode)
     grads = logp_linear_backward(hidden, weight, bias, ids, mask, *up)
     dtypes = _head_dtypes(hidden, weight, bias, head_grad)
     out = [None if dt is None else g.to(dt) for g, dt in zip(grads, dtypes)]
-    return (*out, *(None,) * 10)
+    return (*out, *(None,) * 11)
 
 
 logp_linear.register_autograd(_logp_backward, setup_context=_logp_setup)

@@ -131,7 +131,7 @@ def causal_lm_loss(
     targets = shift_labels.reshape(rows).to(hidden.device)
     reduction = "mean" if num_items_in_batch is None else "sum"
     loss = linear_cross_entropy(
-        hidden, head.weight, targets, head.bias, ignore_index=ignore_index, softcap=softcap,
+        hidden, head.weight, targets, bias=head.bias, ignore_index=ignore_index, softcap=softcap,
         reduction=reduction, mode=mode, budget_mib=budget_mib,
     )  # fmt: skip
     if num_items_in_batch is not None:

@@ -123,7 +123,7 @@ class FlashlossGRPOTrainer(GRPOTrainer):
         bias = None if head.bias is None else head.bias.detach()
         logp, entropy = linear_logprobs(
             hidden.detach(), head.weight.detach(), completion_ids, self.temperature, True, bias=bias
-        )
+        )[:2]
         entropy_mask = policy_mask = None
         if self.top_entropy_quantile < 1.0:
             entropy_mask = self.get_high_entropy_mask(entropy, mask, 1 - self.top_entropy_quantile)

@@ -107,7 +107,7 @@ def fused_linear_for_ppo_forward(
     _check_hidden_states(hidden_states)
     logp, entropy = linear_logprobs(
         hidden_states, vocab_weights, input_ids, _temperature(temperature), True, budget_mib=_options["budget_mib"]
-    )
+    )[:2]
     return logp.to(_logp_dtype(hidden_states)), entropy.to(hidden_states.dtype)
 
 
@@ -174,7 +174,7 @@ def linear_cross_entropy(
     logp, entropy = linear_logprobs(
         h, weight, labels.reshape(-1), _temperature(temperature), True,
         budget_mib=_options["budget_mib"], vocab_parallel_group=dist_process_group,
-    )  # fmt: skip
+    )[:2]  # fmt: skip
     reduction = reduction.lower()
     if reduction == "sum":
         logp = logp.sum()

@@ -6,7 +6,7 @@
 //! a sub-group with a rendezvous of its own, registered with the world so that a rank
 //! leaving is seen by every group it belongs to.
 
-use super::{Collective, split_bytes, split_members};
+use super::group::{Collective, split_bytes, split_members};
 use crate::error::{Error, Result};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -9,7 +9,7 @@
 //!   cleanly while others still call collectives) prints which rank waited in what and
 //!   aborts the job, so no rank waits forever.
 
-use super::{Collective, split_bytes, split_members};
+use super::group::{Collective, split_bytes, split_members};
 use crate::error::{Error, Result};
 use mpi::Count;
 use mpi::datatype::PartitionMut;

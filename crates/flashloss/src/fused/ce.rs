@@ -5,8 +5,9 @@
 //! loss, so single-pass (6NHV) whenever the plan holds a useful row block. Per row,
 //! `∂ℓ/∂s_j = (1 + 2λ_z·lse)·p_j - (1-ε)·[j = y] - ε/V`.
 
-use super::passes::{Head, LinearGrads, RowGrad, check_head};
+use super::passes::{Head, LinearGrads, check_head};
 use super::plan::{FusedOptions, Plan};
+use super::terms::RowGrad;
 use super::two_pass::row_grad_passes;
 use crate::cross_entropy::CrossEntropy;
 use crate::error::{Error, Result};

@@ -10,7 +10,8 @@
 //! holding `k_ik`.
 
 use super::logp_request::GatherIds;
-use super::passes::{SparseGrads, TileVisitor};
+use super::passes::SparseGrads;
+use super::terms::TileVisitor;
 use crate::rows::RowStats;
 use std::ops::Range;
 

@@ -8,8 +8,9 @@
 
 use super::grpo_support::{grpo_support, without_outside};
 use super::logp_request::SupportStats;
-use super::passes::{FusedPasses, Head, LinearGrads, RowGrad, check_head};
+use super::passes::{FusedPasses, Head, LinearGrads, check_head};
 use super::plan::{FusedOptions, Plan};
+use super::terms::RowGrad;
 use super::two_pass::{grads_pass, stats_pass};
 use crate::batch::{GrpoBatch, HeadShape};
 use crate::collective::Collective;

@@ -23,9 +23,10 @@
 
 use super::gather::{GatherVisitor, finish_gathered, sparse_terms};
 use super::logp_request::{GatherIds, LogpOutput, LogpRequest, LogpUpstream, SupportStats};
-use super::passes::{FusedPasses, Head, RowGrad, SinglePassHooks, SparseGrads, check_head};
+use super::passes::{FusedPasses, Head, SinglePassHooks, SparseGrads, check_head};
 use super::plan::{FusedOptions, HeadGrad, Mode, Plan};
 use super::support::{RowSupport, SupportCall, SupportRun, VisitBoth};
+use super::terms::RowGrad;
 use super::two_pass::{grads_pass, row_grad_passes};
 use crate::error::{Error, Result};
 use crate::rows::{RowInputs, RowStats, RowTransform, check_row_stats, check_targets};

@@ -19,14 +19,7 @@ pub mod plan;
 mod sharded;
 mod split;
 mod support;
-mod support_histogram;
-#[cfg(test)]
-mod support_histogram_tests;
-mod support_pass_a;
-mod support_search;
-mod support_shards;
-#[cfg(test)]
-mod support_tests;
+mod terms;
 mod two_pass;
 
 pub use ce::{CeLinearOutput, ce_linear, ce_linear_lse, ce_row_losses};
@@ -36,8 +29,8 @@ pub use logp::{
 };
 pub use logp_request::{GatherIds, LogpOutput, LogpRequest, LogpUpstream, SupportStats};
 pub use passes::{
-    FusedPasses, GradPart, GradsOf, Head, LinearGrads, LinearGradsMut, RowGrad, SinglePassHooks,
-    SparseGrads, TileVisitor, check_grad_lens,
+    FusedPasses, GradPart, GradsOf, Head, LinearGrads, LinearGradsMut, SinglePassHooks,
+    SparseGrads, check_grad_lens,
 };
 pub use plan::{
     Bf16Products, Block, FusedOptions, HeadGrad, Mode, Plan, PlanLimits, mib_to_bytes, plan_blocks,
@@ -50,5 +43,6 @@ pub use sharded::{
 pub use split::{
     accumulate_row_grads, ce_accumulate_row_grads, ce_partial_row_states, partial_row_states,
 };
-pub use support::{RowSupport, SupportTerm};
-pub use support_search::support_key;
+pub use support::RowSupport;
+pub use support::key::support_key;
+pub use terms::{RowGrad, SupportTerm, TileVisitor};

@@ -12,7 +12,7 @@
 //! [`SparseGrads`] add per-row one-hot terms to pass B.
 
 use super::plan::{FusedOptions, HeadGrad, Plan};
-use super::support::SupportTerm;
+use super::terms::{RowGrad, TileVisitor};
 use crate::batch::{HeadShape, LinearInputs};
 use crate::collective::Collective;
 use crate::element::Element;
@@ -21,57 +21,6 @@ use crate::rows::{PartialStats, RowInputs, RowStats};
 use crate::sharding::local_ids;
 use crate::weight_layout::WeightLayout;
 use std::ops::Range;
-
-/// What turns a row's logits into its gradient: with
-/// `p_j = exp((z_j - max)·inv_temp - log_sum)`,
-/// `dz_j = (coef_p·p_j + coef_h·p_j·(log p_j + H) + coef_uniform + [j = target]·coef_target)
-/// · slope_j`, where `slope_j` is the soft-cap's `1 - (z_j/cap)²` (1 without one), plus
-/// a truncated support's `coef·p^K_j·1[j∈K]·slope_j` where the row has a [`SupportTerm`].
-#[derive(Debug, Clone, Copy, Default)]
-pub struct RowGrad {
-    /// Softmax statistics of the row.
-    pub stats: RowStats,
-    /// Multiplies `p_j`.
-    pub coef_p: f32,
-    /// Multiplies `p_j·(log p_j + H)`.
-    pub coef_h: f32,
-    /// Added to every entry.
-    pub coef_uniform: f32,
-    /// Added at the target.
-    pub coef_target: f32,
-    /// Target id, local to the head's vocabulary (unused when `coef_target` is 0).
-    pub target: usize,
-    /// The truncated support's term (log-probs with top-k/top-p/min-p; two-pass plans
-    /// only, on the backends with the pass hooks).
-    pub support: Option<SupportTerm>,
-}
-
-impl RowGrad {
-    /// Whether every coefficient is 0 (the row's gradient is zero).
-    pub fn is_zero(&self) -> bool {
-        self.coef_p == 0.0
-            && self.coef_h == 0.0
-            && self.coef_uniform == 0.0
-            && self.coef_target == 0.0
-            && self.support.is_none_or(|s| s.coef == 0.0)
-    }
-
-    /// The gradient restricted to a vocabulary shard `range`: the target term stays
-    /// with the shard that holds the target, as a shard-local id; a support term learns
-    /// the shard's offset.
-    pub fn on_shard(mut self, range: &Range<usize>) -> RowGrad {
-        if let Some(term) = self.support.as_mut() {
-            term.offset = range.start;
-        }
-        if range.contains(&self.target) {
-            self.target -= range.start;
-        } else {
-            self.coef_target = 0.0;
-            self.target = 0;
-        }
-        self
-    }
-}
 
 /// Sparse terms of pass B beside the rows' [`RowGrad`]s: per row `k` pairs (id local to
 /// the head's vocabulary, coefficient), adding `dz_ij += coef_ik·slope_j·[j = id_ik]`
@@ -140,22 +89,6 @@ impl SparseGrads {
             None => Ok(()),
         }
     }
-}
-
-/// Sees the logits tiles of a pass: `z` `[rows.len(), vocab.len()]` with row stride `ld`,
-/// the logits after bias and soft-cap and before 1/T (scaled logits
-/// `s = fl(z·inv_temp)`); `rows` are the tile's global row ids (live rows), `vocab` the
-/// tile's entries in the head's own (shard-local) vocabulary. Called once per tile,
-/// serially; an implementation may parallelize over the rows itself (rayon).
-///
-/// A plan whose passes need a visited row's whole statistics before its gradient (a
-/// truncated support) must be two-pass (planned with `single_pass_allowed = false`): a
-/// single pass forms each block's gradients before the next block is visited. In a
-/// single pass ([`FusedPasses::single_pass_hooked`]) the lanes hand their tiles over in
-/// turn, under a lock and in no fixed order: a visitor there must not wait on rayon work.
-pub trait TileVisitor: Send {
-    /// One tile.
-    fn visit(&mut self, rows: &[usize], vocab: Range<usize>, z: &[f32], ld: usize);
 }
 
 /// The error of a backend without the pass hooks.

@@ -9,8 +9,9 @@
 //! logit sums for label smoothing) and its row stage (loss and coefficients).
 
 use super::ce::{CeLinearOutput, CeRows};
-use super::passes::{Head, RowGrad, check_head};
+use super::passes::{Head, check_head};
 use super::plan::FusedOptions;
+use super::terms::RowGrad;
 use crate::cross_entropy::CrossEntropy;
 use crate::error::{Error, Result};
 use crate::rows::{PartialStats, RowInputs, RowStats};

@@ -6,8 +6,9 @@
 //! same global statistics; pass B then keeps each row's target term on the shard that
 //! holds the target. Per step: `48·N` bytes of states gathered from each rank.
 
-use super::passes::{FusedPasses, RowGrad};
+use super::passes::FusedPasses;
 use super::plan::Plan;
+use super::terms::RowGrad;
 use crate::error::Result;
 use crate::rows::{RowInputs, RowStats};
 use crate::sharding::{VocabSplit, merge_partial};

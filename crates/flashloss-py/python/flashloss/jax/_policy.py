@@ -20,27 +20,23 @@ stage computes in f64. Exponentials saturate at ``e^88`` (their value only; the 
 the exponential's at the saturated point), so an input beyond f32's range (where the Rust
 stage raises ``OutOfRange``) gives a large or infinite loss, never a NaN.
 
-Arguments are checked at trace time by the native module's own config check
-(:func:`validate_grpo`, :func:`validate_ce`), so a bad argument raises ``ValueError`` with
-the message the FFI handlers raise at run time.
+Arguments are :mod:`flashloss._spec`'s ``GrpoArgs`` and ``CeArgs``, checked at trace time by
+their ``validate()`` (the native module's own config check), so a bad argument raises
+``ValueError`` with the message the FFI handlers raise at run time.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
 from typing import Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _native
-from .._config import ce_config, grpo_config
+from .._spec import CeArgs, GrpoArgs
 
 __all__ = [
-    "GrpoArgs",
-    "METRICS",
     "ce_loss_from_stats",
     "clip_flags",
     "clips_per_sequence",
@@ -52,91 +48,14 @@ __all__ = [
     "sampler_ratio",
     "token_kl",
     "token_loss",
-    "validate_ce",
-    "validate_grpo",
     "vespo_log_weight",
 ]
-
-#: The order of the metrics vector (as the FFI handler returns it).
-METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
-
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 
 #: Largest argument of an exponential here: ``e^88 ≈ 1.65e38`` is finite in f32.
 _LOG_MAX = 88.0
 #: vespo's clamp of ``log w_b``: ``[ln 1e-8, 20]``; each token's log-ratio is clamped to ±20 first.
 _VESPO_LOG_LO = math.log(1e-8)
 _VESPO_LOG_HI = 20.0
-
-
-@dataclass(frozen=True)
-class GrpoArgs:
-    """TRL's GRPO arguments, with the names and defaults of
-    :func:`flashloss.jax.linear_grpo_loss` (``epsilon_high=None`` means ``epsilon_low``).
-    Frozen and hashable: a static (``nondiff``) argument. ``temperature`` takes no part in
-    the math here (the statistics are already of ``logits / temperature``); it is kept for
-    the config and its check."""
-
-    loss_type: str = "dapo"
-    beta: float = 0.0
-    epsilon_low: float = 0.2
-    epsilon_high: Optional[float] = None
-    delta: Optional[float] = None
-    importance_sampling_level: str = "token"
-    temperature: float = 1.0
-    use_bias_correction_kl: bool = True
-    entropy_coef: float = 0.0
-    num_items_in_batch: Optional[float] = None
-    max_completion_length: Optional[int] = None
-    sapo_temperature_pos: float = 1.0
-    sapo_temperature_neg: float = 1.05
-    vespo_k_pos: float = 2.0
-    vespo_lambda_pos: float = 3.0
-    vespo_k_neg: float = 3.0
-    vespo_lambda_neg: float = 2.0
-    #: The sampler's truncation (unset: None); see :func:`flashloss.jax.linear_grpo_loss`.
-    top_k: Optional[int] = None
-    top_p: Optional[float] = None
-    min_p: Optional[float] = None
-
-    def __post_init__(self) -> None:
-        # A framework scalar (TRL passes a tensor) becomes a Python number: the args are static.
-        if self.num_items_in_batch is not None and not isinstance(self.num_items_in_batch, float):
-            object.__setattr__(self, "num_items_in_batch", float(self.num_items_in_batch))
-
-    @property
-    def eps_high(self) -> float:
-        """``epsilon_high``, or ``epsilon_low`` when unset."""
-        return float(self.epsilon_low if self.epsilon_high is None else self.epsilon_high)
-
-    @property
-    def sequence_level(self) -> bool:
-        return self.importance_sampling_level == "sequence"
-
-    def config_json(self) -> str:
-        """The JSON of the Rust ``GrpoLossConfig`` (what the FFI handlers take)."""
-        return grpo_config(**asdict(self))
-
-
-def validate_grpo(args: GrpoArgs) -> None:
-    """Raises ``ValueError`` (the FFI handlers' message, naming the argument) for a bad
-    configuration: an unknown ``loss_type``, a level the loss type does not allow,
-    ``epsilon_low`` outside [0, 1), ``temperature <= 0``, dr_grpo without
-    ``max_completion_length``, ..."""
-    _native.check_grpo_config(args.config_json())
-
-
-def validate_ce(
-    label_smoothing: float = 0.0,
-    z_loss: float = 0.0,
-    reduction: str = "mean",
-    *,
-    ignore_index: int = -100,
-    softcap: Optional[float] = None,
-    temperature: float = 1.0,
-) -> None:
-    """Raises ``ValueError`` (the FFI handlers' message) for a bad cross-entropy config."""
-    _native.check_ce_config(ce_config(ignore_index, label_smoothing, z_loss, softcap, reduction, temperature))
 
 
 def is_token_local(args: GrpoArgs) -> bool:
@@ -264,6 +183,7 @@ def token_loss(
     log_ratio: Optional[jax.Array] = None,
     vespo_log_w: Optional[jax.Array] = None,
     ratio: Optional[jax.Array] = None,
+    policy_weight: Optional[jax.Array] = None,
 ) -> jax.Array:
     """The per-token loss ``ℓ_tot,i = ℓ_i·ρ_i + β·kl_i`` (spec: "GRPO per-token policy loss",
     "KL penalty"), elementwise over broadcastable shapes (``adv`` per token or broadcast
@@ -282,7 +202,8 @@ def token_loss(
 
     ``ratio``: the sampler's importance ratio ``ρ`` (TRL's ``importance_sampling_ratio``,
     detached; None: 1), broadcastable to ``logp``. For vespo it enters ``vespo_log_w``
-    instead, so it is not a factor here."""
+    instead, so it is not a factor here. ``policy_weight``: ``e_i`` (0 or 1, TRL's policy
+    and entropy masks together; None: 1), a factor of ``ℓ_i`` only."""
     del entropy
     if args.sequence_level and log_ratio is None:
         raise ValueError("importance_sampling_level 'sequence' needs the sequence's mean log-ratio: pass `log_ratio`")
@@ -290,6 +211,8 @@ def token_loss(
     ell = _policy_term(logp, lr, adv, args, vespo_log_w)
     if ratio is not None and args.loss_type != "vespo":
         ell = ell * jax.lax.stop_gradient(ratio)
+    if policy_weight is not None:
+        ell = ell * policy_weight
     if _has_kl(ref, args):
         ell = ell + args.beta * token_kl(logp, old, ref, args, log_ratio=log_ratio)
     return ell
@@ -391,11 +314,11 @@ def sampler_ratio(ratio, batch: int, seq_len: int, dtype=jnp.float32) -> Optiona
     )
 
 
-def _prepared(logp, entropy, mask, advantages, old, ref, args: GrpoArgs, ratio=None) -> dict:
+def _prepared(logp, entropy, mask, advantages, old, ref, args: GrpoArgs, ratio=None, policy_weight=None) -> dict:
     """The checked per-token inputs of :func:`grpo_policy_loss` (masked tokens zeroed, so
     that neither a value nor a gradient reads them), the sequence-level reductions and each
     token's ``ℓ_tot``."""
-    validate_grpo(args)
+    args.validate()
     logp, entropy = jnp.asarray(logp), jnp.asarray(entropy)
     if logp.ndim != 2:
         raise ValueError(f"argument `logp`: expected shape [B, T], got {list(logp.shape)}")
@@ -431,7 +354,9 @@ def _prepared(logp, entropy, mask, advantages, old, ref, args: GrpoArgs, ratio=N
         log_ratio = jnp.broadcast_to(log_ratio, shape)
     vespo_log_w = vespo_log_weight(lp - old_, mask, rho) if args.loss_type == "vespo" else None
 
-    ell = token_loss(lp, ent, old_, ref_, adv_t, args, log_ratio=log_ratio, vespo_log_w=vespo_log_w, ratio=rho)
+    e = None if policy_weight is None else jnp.asarray(policy_weight, dtype)
+    ell = token_loss(lp, ent, old_, ref_, adv_t, args, log_ratio=log_ratio, vespo_log_w=vespo_log_w, ratio=rho,
+                     policy_weight=e)  # fmt: skip
     return dict(mask=mask, dtype=dtype, shape=shape, lp=lp, ent=ent, old=old_, ref=ref_, adv=adv, adv_t=adv_t,
                 log_ratio=log_ratio, ell=ell)  # fmt: skip
 
@@ -458,6 +383,9 @@ def grpo_policy_loss(
     ref: Optional[jax.Array],
     args: GrpoArgs,
     ratio: Optional[jax.Array] = None,
+    *,
+    policy_mask: Optional[jax.Array] = None,
+    entropy_mask: Optional[jax.Array] = None,
 ) -> Tuple[jax.Array, jax.Array, jax.Array]:
     """TRL's GRPO loss from the per-token statistics: ``(loss, kl, metrics)``.
 
@@ -468,14 +396,22 @@ def grpo_policy_loss(
     ``importance_sampling_ratio``, detached; None: 1): ``ℓ_tot = ℓ·ρ + β·kl``, for vespo
     inside ``log w_b`` (:func:`vespo_log_weight`). Returns the scalar loss,
     the per-token KL ``[B, T]`` as it enters the loss (0 where masked) and TRL's metrics
-    ``[5]`` in the order of :data:`METRICS` (no gradient): the values of the FFI handler
+    ``[5]`` in the order of ``flashloss._spec.METRICS`` (no gradient): the values of the FFI handler
     ``flashloss_grpo_policy``. Masked tokens take no part (their inputs are never read
-    into a value or a gradient); a fully masked batch gives 0."""
-    p = _prepared(logp, entropy, mask, advantages, old, ref, args, ratio)
+    into a value or a gradient); a fully masked batch gives 0.
+
+    ``policy_mask`` (TRL's off-policy mask) and ``entropy_mask`` (its top-entropy mask)
+    ``[B, T]`` (bool; None: all set) multiply each token's policy term ``ℓ_i`` (not the
+    KL); the entropy bonus is the mean over ``mask & entropy_mask``."""
+    weight = None
+    for m in (policy_mask, entropy_mask):
+        if m is not None:
+            weight = (m != 0) if weight is None else weight & (m != 0)
+    p = _prepared(logp, entropy, mask, advantages, old, ref, args, ratio, weight)
     mask, dtype, shape, ent, ell = p["mask"], p["dtype"], p["shape"], p["ent"], p["ell"]
     lp, old_, ref_, adv, adv_t, log_ratio = (p[k] for k in ("lp", "old", "ref", "adv", "adv_t", "log_ratio"))
     w = reduction_weights(mask, args, dtype=dtype)
-    e = entropy_weights(mask, args, dtype=dtype)
+    e = entropy_weights(mask if entropy_mask is None else mask & (entropy_mask != 0), args, dtype=dtype)
     loss = jnp.sum(jnp.where(mask, w * ell, 0.0))
     if args.entropy_coef != 0.0:
         loss = loss + jnp.sum(e * ent)
@@ -516,7 +452,7 @@ def ce_loss_from_stats(
     ``ℓ = (1-ε)·(-logp) + ε·(lse - mean_logit) + λ_z·lse²``. Reduction ``mean`` (over live
     rows; 0 when none is live), ``sum``, or ``none`` (``[N]``, 0 on ignored rows), as the
     Rust cross-entropy. Differentiable in the statistics; ignored rows' are never read."""
-    validate_ce(label_smoothing, z_loss, reduction)
+    CeArgs(label_smoothing=label_smoothing, z_loss=z_loss, reduction=reduction).validate()
     live = jnp.asarray(live) != 0
     dtype = jnp.asarray(logp).dtype
     dtype = dtype if jnp.issubdtype(dtype, jnp.floating) else jnp.float32

@@ -2,7 +2,7 @@
 ``jax.shard_map``; a tensor-parallel LM head). The step is cut at the collectives, which
 JAX runs: pass A on each device's block gives per-row partial softmax states (max,
 ``Σexp``, ``Σexp·s``, the target's raw logit); they merge with ``lax.pmax`` / ``psum``
-(as flashloss's ``sharding::merge_partial`` does); the O(N) policy stage runs on the
+(:func:`._collectives.merge_partial`, as flashloss's ``sharding::merge_partial`` does); the O(N) policy stage runs on the
 merged statistics (the same on every device); pass B adds each block's ``dW`` and its
 part of ``dH``, which JAX sums over the axis (``hidden`` is cast to varying first, so
 the transpose of that cast is the sum).
@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
 from ._ffi import _values, head_grad_wanted, wants
+from ._collectives import merge_partial, psum, sum_p2, vocab_offset
 from ._ops import _call, _like, _or_empty, head_grad_results, vocab_size
 
 
@@ -33,40 +34,6 @@ def _partial(x, w, bias, ids, mask, offset, temperature, budget, mode, layout):
         "flashloss_vocab_partial", results, x, w, _or_empty(bias, x.dtype), ids, mask, offset,
         budget_mib=budget, mode=mode, temperature=temperature, weight_layout=layout,
     )  # fmt: skip
-
-
-def _psum(x, axis):
-    """``x`` summed over ``axis`` (itself when the head is not split: ``axis`` None)."""
-    return x if axis is None else jax.lax.psum(x, axis)
-
-
-def _merge(part, mask, axis, temperature):
-    """The row statistics over the whole vocabulary from every block's partial state
-    (``axis`` None: one block, the whole head)."""
-    mx, s, u, tgt = part[:4]
-    live = mask
-    top = jnp.where(live, mx, -jnp.inf)
-    top = top if axis is None else jax.lax.pmax(top, axis)
-    top = jnp.where(live, top, 0.0)
-    inv_t = jnp.float32(1.0 / temperature)
-    d = jnp.where(live & (s > 0), (mx - top) * inv_t, 0.0)
-    f = jnp.where(live & (s > 0), jnp.exp(d), 0.0)
-    total = _psum(s * f, axis)
-    weighted = _psum(f * (u + s * d), axis)
-    total = jnp.where(live, total, 1.0)
-    log_sum = jnp.log(total)
-    entropy = jnp.where(live, log_sum - weighted / total, 0.0)
-    logp = jnp.where(live, (_psum(tgt, axis) - top) * inv_t - log_sum, 0.0)
-    return top, jnp.where(live, log_sum, 0.0), entropy, logp
-
-
-def _sum_p2(part, mask, top, axis, temperature):
-    """``Σ_j p_j² = Σ S₂·f² / (Σ S·f)²`` over the blocks, ``f = exp((max - top)/T)`` each
-    block's rescale to the merged ``top`` (0 where not ``mask``)."""
-    mx, s, _, _, s2 = part
-    f = jnp.where(mask & (s > 0), jnp.exp((mx - top) * jnp.float32(1.0 / temperature)), 0.0)
-    total = jnp.where(mask, _psum(s * f, axis), 1.0)
-    return jnp.where(mask, _psum(s2 * f * f, axis) / (total * total), 0.0)
 
 
 def _policy(logp, entropy, ids, mask, adv, old, ref, config, vocab, ratio=None):
@@ -97,13 +64,6 @@ def _cast_wanted(grads, wanted):
     return tuple(None if w is None else d.astype(w.dtype) for d, w in zip(grads, wanted))
 
 
-def _offset(weight, axis, layout):
-    """The first vocabulary id of this device's block of the head."""
-    if axis is None:
-        return jnp.int32(0)
-    return (jax.lax.axis_index(axis) * vocab_size(weight, layout)).astype(jnp.int32)
-
-
 def _step(
     hidden, weight, bias, ids, mask, adv, old, ref, ratio, config, axis, temperature, vocab, mode, budget, layout,
     head_grad,
@@ -111,9 +71,9 @@ def _step(
     b, t = ids.shape
     x = hidden.reshape(b * t, hidden.shape[-1])
     flat_ids, flat_mask = ids.reshape(-1), mask.reshape(-1)
-    offset = _offset(weight, axis, layout)
+    offset = vocab_offset(weight, axis, layout)
     part = _partial(x, weight, bias, flat_ids, flat_mask, offset, temperature, budget, mode, layout)
-    top, log_sum, entropy, logp = _merge(part, flat_mask, axis, temperature)
+    top, log_sum, entropy, logp = merge_partial(part, flat_mask, axis, temperature)
     loss, dlogp, dentropy, kl, metrics = _policy(
         logp.reshape(b, t), entropy.reshape(b, t), ids, mask, adv, old, ref, config, vocab, ratio
     )
@@ -163,11 +123,11 @@ grpo.defvjp(_fwd, _bwd, symbolic_zeros=True)
 
 
 def _logprobs_stats(x, w, bias, ids, mask, axis, temperature, budget, mode, weight_layout):
-    offset = _offset(w, axis, weight_layout)
+    offset = vocab_offset(w, axis, weight_layout)
     part = _partial(x, w, bias, ids, mask, offset, temperature, budget, mode, weight_layout)
-    top, log_sum, entropy, logp = _merge(part, mask, axis, temperature)
+    top, log_sum, entropy, logp = merge_partial(part, mask, axis, temperature)
     top_s = jnp.where(mask, top * jnp.float32(1.0 / temperature), 0.0)
-    out = (logp, entropy, top_s + log_sum, top_s, _sum_p2(part, mask, top, axis, temperature))
+    out = (logp, entropy, top_s + log_sum, top_s, sum_p2(part, mask, top, axis, temperature))
     return out, (x, w, bias, ids, mask, top, log_sum, entropy)
 
 
@@ -200,7 +160,7 @@ def _logprobs_bwd(axis, temperature, budget, mode, weight_layout, res, cts):
     )
     dlse = None if isinstance(cts[2], SymbolicZero) else g_lse
     stats = (top, log_sum, entropy, g_logp, g_entropy)
-    offset = _offset(w, axis, weight_layout)
+    offset = vocab_offset(w, axis, weight_layout)
     head_grad = head_grad_wanted(wanted)
     grads = _grads(x, w, bias, ids, mask, offset, stats, temperature, budget, mode, weight_layout, head_grad, dlse)
     return (*_cast_wanted(grads, wanted), None, None)
@@ -237,11 +197,11 @@ def _ce_grads(
 def _ce_stats(x, w, bias, targets, axis, config, temperature, ignore_index, vocab, budget, mode, layout):
     """Every row's statistics over the whole vocabulary: max, log Σexp, entropy, logp,
     mean logit (as the loss transforms the logits: soft-cap, temperature)."""
-    offset = _offset(w, axis, layout)
+    offset = vocab_offset(w, axis, layout)
     part = _ce_partial(x, w, bias, targets, offset, config, vocab, budget, mode, layout)
     live = targets != ignore_index
-    top, log_sum, entropy, logp = _merge(part[:4], live, axis, temperature)
-    mean = jnp.where(live, _psum(part[4], axis) / jnp.float32(vocab) / jnp.float32(temperature), 0.0)
+    top, log_sum, entropy, logp = merge_partial(part[:4], live, axis, temperature)
+    mean = jnp.where(live, psum(part[4], axis) / jnp.float32(vocab) / jnp.float32(temperature), 0.0)
     return offset, (top, log_sum, entropy, logp, mean)
 
 

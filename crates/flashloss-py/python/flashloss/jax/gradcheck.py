@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from .._config import load_yaml
+from .._spec import LOSS_TYPES, GrpoArgs
 
 DEFAULTS = dict(level="linear", loss_type="dapo", importance_sampling_level="token", beta=0.04, temperature=0.9,
                 use_bias_correction_kl=True,
@@ -32,8 +33,11 @@ DEFAULTS = dict(level="linear", loss_type="dapo", importance_sampling_level="tok
                 devices=8, loss_rel=1e-5, grad_rel=1e-4, impl="auto", interpret=False, weight_layout="vh")  # fmt: skip
 IMPLS = ("auto", "ffi", "pallas")
 INTERPRET = (False, True, "tpu")
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
-VESPO = (2.0, 3.0, 3.0, 2.0)  # k_pos, lambda_pos, k_neg, lambda_neg: TRL's defaults
+_TRL = GrpoArgs()  # TRL's defaults: ε, sapo's temperatures, vespo's constants
+EPS = _TRL.epsilon_low
+CISPO_CAP = 1.0 + EPS  # cispo's epsilon_high is the cap on r itself
+SAPO = (_TRL.sapo_temperature_pos, _TRL.sapo_temperature_neg)
+VESPO = (_TRL.vespo_k_pos, _TRL.vespo_lambda_pos, _TRL.vespo_k_neg, _TRL.vespo_lambda_neg)
 
 
 def _vespo_phi(jnp, jax, adv, log_ratio, m):
@@ -63,14 +67,14 @@ def reference_loss(jnp, jax, logits, ids, mask, adv, old, ref, cfg):
     r = jnp.exp(log_ratio_iw)
     lt = cfg["loss_type"]
     if lt == "cispo":
-        loss = -jax.lax.stop_gradient(jnp.minimum(r, 1.2)) * a * logp
+        loss = -jax.lax.stop_gradient(jnp.minimum(r, CISPO_CAP)) * a * logp
     elif lt == "sapo":
-        temps = jnp.where(a > 0, 1.0, 1.05)
+        temps = jnp.where(a > 0, *SAPO)
         loss = -jax.nn.sigmoid(temps * (r - 1)) * 4 / temps * a
     elif lt == "vespo":
         loss = -_vespo_phi(jnp, jax, a, log_ratio, m) * a * logp
     else:
-        loss = -jnp.minimum(r * a, jnp.clip(r, 0.8, 1.2) * a)
+        loss = -jnp.minimum(r * a, jnp.clip(r, 1.0 - EPS, 1.0 + EPS) * a)
     loss = jnp.broadcast_to(loss, logp.shape)
     if cfg["beta"]:
         d = ref - logp
@@ -128,7 +132,7 @@ def run(cfg: dict) -> dict:
     h, w = jnp.asarray(hidden, dt), jnp.asarray(weight, dt)
     ids_j, mask_j = jnp.asarray(ids), jnp.asarray(mask)
     adv_j, old_j, ref_j = (jnp.asarray(x, jnp.float32) for x in (adv, old, ref))
-    cap = 1.2 if cfg["loss_type"] == "cispo" else 0.2  # cispo's epsilon_high is the cap on r itself
+    cap = CISPO_CAP if cfg["loss_type"] == "cispo" else EPS
     kw = dict(loss_type=cfg["loss_type"], importance_sampling_level=cfg["importance_sampling_level"],
               beta=cfg["beta"], temperature=cfg["temperature"], epsilon_high=cap,
               use_bias_correction_kl=cfg["use_bias_correction_kl"], max_completion_length=cfg["seq_len"])  # fmt: skip

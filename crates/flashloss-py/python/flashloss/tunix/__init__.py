@@ -185,7 +185,7 @@ def _logps(graphdef, state, prompt_tokens, completion_tokens, images, segment_id
     temp = 1.0 if temperature in (0.0, 1.0) else float(temperature)
     logp, ent = linear_logprobs(
         hidden, weight, ids, temp, True, impl=impl, mode=mode, budget_mib=budget_mib, weight_layout=layout
-    )  # fmt: skip
+    )[:2]  # fmt: skip
     if segment_ids is not None:
         # Tunix pads the logits' first position with zeros: log-prob 0, entropy log V.
         vocab = weight.shape[0] if layout == "vh" else weight.shape[1]

@@ -28,6 +28,7 @@ from typing import Any, Optional
 import numpy as np
 
 from .._config import load_yaml
+from .._spec import GrpoArgs
 from . import _task
 
 DEFAULTS: dict[str, Any] = {
@@ -63,7 +64,7 @@ DEFAULTS: dict[str, Any] = {
     "top_p": 1.0,
     "max_new_tokens": 20,
     "beta": 0.04,
-    "epsilon": 0.2,
+    "epsilon": GrpoArgs().epsilon_low,  # TRL's and Tunix's ε
     "loss_algo": "grpo",
     "loss_agg_mode": "sequence-mean-token-mean",
     "kl_loss_mode": "low_var_kl",

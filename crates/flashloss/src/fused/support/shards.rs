@@ -8,14 +8,14 @@
 //! from each rank once, `16·2048` per histogram pass, the collected keys (≤ 4096).
 //!
 //! Top-p alone: each rank's pass-A histograms of its shard (an absolute grid of the
-//! scaled logit, `super::support_histogram`) are all-gathered after pass A, in groups of
+//! scaled logit, `super::histogram`) are all-gathered after pass A, in groups of
 //! [`MERGE_ROWS`] rows, and merged per row in rank order (windows aligned to the largest
 //! max, bins summed): every rank reduces the same histogram of the whole row to the same
 //! cut bin. Bytes per row: at most `16·2048 + 56` from each rank, held from the row's
 //! sweep to the merge (up to 32 KiB a row: the bins from the lowest non-empty one up).
 
-use super::support_histogram::{BinCut, HistogramRow, RowHistogram};
-use super::support_search::{SearchPass, Tally};
+use super::histogram::{BinCut, HistogramRow, RowHistogram};
+use super::search::{SearchPass, Tally};
 use crate::collective::Collective;
 use crate::error::{Error, Result};
 

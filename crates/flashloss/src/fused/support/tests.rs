@@ -1,13 +1,13 @@
-//! The truncated support's decisions and extra passes ([`super::support`]) against the
+//! The truncated support's decisions and extra passes ([`super`]) against the
 //! f64 reference ([`crate::reference::support_row`]) on dense rows shown tile by tile, as
 //! a backend's passes show them: peaked, flat and sampled rows, ties beyond the buffer,
 //! min-p and top-k cuts below it, a top-k beyond the largest buffer, every combination of
 //! the filters.
 
-use super::passes::{FusedPasses, GradsOf, RowGrad, TileVisitor};
-use super::plan::{HeadGrad, Plan};
-use super::support::{RowSupport, Truncation, support_buffers, support_passes};
+use super::{RowSupport, Truncation, support_buffers, support_passes};
 use crate::error::{Error, Result};
+use crate::fused::plan::{HeadGrad, Plan};
+use crate::fused::{FusedPasses, GradsOf, RowGrad, TileVisitor};
 use crate::reference::support_row;
 use crate::rows::{OnlineSoftmax, PartialStats, RowInputs, RowStats, RowTransform};
 use crate::support_filter::SupportFilter;

@@ -1,4 +1,4 @@
-//! Pass A's histogram of a top-p row (`super::support`, top-p alone on one head): per row,
+//! Pass A's histogram of a top-p row (`super`, top-p alone on one head): per row,
 //! while its vocabulary sweep is in flight, the count and mass of its scaled logits `s`
 //! in bins of an absolute grid, bin `b = ⌊64·s⌋` holding `s ∈ [b/64, (b+1)/64)`, over a
 //! window of [`WINDOW`] bins ending at the bin of the running max (32 units of `s`
@@ -22,7 +22,8 @@
 //! `12·WINDOW` bytes (24 KiB) per row in flight, 64 bytes per row after; binning costs
 //! per entry a floor, a compare and the series (~12 flops).
 
-use super::support_search::{Goal, Search, Tally, scaled, value_floor};
+use super::key::{scaled, value_floor};
+use super::search::{Goal, Search, Tally};
 use multiversion::multiversion;
 
 /// Bins of a row's window.
@@ -416,7 +417,7 @@ impl RowHistogram {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fused::support_search::{key_value, order_key};
+    use crate::fused::support::key::{key_value, order_key};
 
     #[test]
     fn the_series_is_exp_to_rounding() {

@@ -6,10 +6,10 @@
 //!
 //! Streaming, on a two-pass plan (the cut needs each row's max and log-sum first):
 //! - pass A (2NHV) computes the softmax states as usual and a [`TileVisitor`] keeps per
-//!   row its top `C = clamp(top_k + 1, 256, 4096)` keys (`support_pass_a::TopBuffer`:
+//!   row its top `C = clamp(top_k + 1, 256, 4096)` keys (`pass_a::TopBuffer`:
 //!   amortized O(V); `8·C` bytes a row once its tiles are seen, `8·2C` while they are,
 //!   beyond the workspace budget); where top-p is the only filter, it also bins each
-//!   row on an absolute grid of `s` (`support_histogram`: 2048 bins of 1/64 below the
+//!   row on an absolute grid of `s` (`histogram`: 2048 bins of 1/64 below the
 //!   running max, 24 KiB a row while its sweep is in flight) and, once the row is
 //!   swept, reduces it to the bin where the descending mass reaches `top_p·mass`;
 //! - each row's cut is then decided from its buffer where the buffer provably holds it:
@@ -20,7 +20,7 @@
 //!   buffer's descending mass reaches `top_p·mass`;
 //! - rows the buffer cannot decide (top-p on flat rows, more ties at the k-th value than
 //!   the buffer holds, min-p or top-k cuts below it, `top_k ≥ 4096`) run a
-//!   `support_search::Search` over extra passes (`visit_tiles`, 2NHV each): key
+//!   `search::Search` over extra passes (`visit_tiles`, 2NHV each): key
 //!   histograms of 2048 bins narrowed onto the cut, then the keys of one bin collected
 //!   (typically 2 or 3 passes), counted per call; top-p alone starts from pass A's bin,
 //!   whose keys one pass collects (more where the bin holds over 4096 keys, the cut lies
@@ -30,7 +30,7 @@
 //!
 //! Vocab-parallel, keys carry ids of the whole vocabulary; the buffers and pass A's
 //! histograms are merged and each extra pass's tallies summed over the shards
-//! (`super::support_shards`), so every rank decides alike.
+//! (`shards`), so every rank decides alike.
 //!
 //! FLOPs: `2NHV·(1 + extra)` for log-probs, `2NHV·(1 + extra) + 6NHV` with gradients
 //! (`4NHV` on a frozen head). The entropy stays the full softmax's, its gradient too.
@@ -38,17 +38,27 @@
 //! with `T ≠ 1` `lse^K` carries their rounding (`|s|·2^-24` absolute).
 
 use super::logp_request::SupportStats;
-use super::passes::{FusedPasses, TileVisitor};
-use super::support_histogram::{BinCut, HistogramRow};
-use super::support_pass_a::BufferPass;
-use super::support_search::{
-    Found, Goal, Search, SearchPass, Tally, key_value, order_key, rel_mass, scaled, value_floor,
-};
-use super::support_shards::{combine_pass, merge_buffers, merge_histograms};
+use super::passes::FusedPasses;
+use super::terms::{SupportTerm, TileVisitor};
 use crate::error::Result;
 use crate::rows::{OnlineSoftmax, PartialStats, RowInputs, RowStats};
 use crate::sharding::VocabSplit;
 use crate::support_filter::SupportFilter;
+use histogram::{BinCut, HistogramRow};
+use key::{key_value, order_key, rel_mass, scaled, value_floor};
+use pass_a::BufferPass;
+use search::{Found, Goal, Search, SearchPass, Tally};
+use shards::{combine_pass, merge_buffers, merge_histograms};
+
+mod histogram;
+#[cfg(test)]
+mod histogram_tests;
+pub(crate) mod key;
+mod pass_a;
+mod search;
+mod shards;
+#[cfg(test)]
+mod tests;
 
 /// The sampler's filters with the unset ones as `None` (`top_k ≥ V`, `top_p = 1` and
 /// `min_p = 0` keep every entry); validated by the caller.
@@ -101,30 +111,6 @@ impl Truncation {
 pub(crate) struct SupportCut {
     pub(crate) cut: u64,
     pub(crate) kept: Tally,
-}
-
-/// The truncated-support term of a row's gradient: `dz_j += coef·p^K_j` for
-/// `key_j ≥ cut` (times the soft-cap slope), `p^K_j = exp((z_j - max)·inv_temp - log_sum)`
-/// with the row's `max` of [`super::RowGrad::stats`]; `coef` holds `g/T` like the other terms.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub struct SupportTerm {
-    /// Multiplies `p^K_j`.
-    pub coef: f32,
-    /// `log Σ_{j∈K} exp((z_j - max)·inv_temp)`.
-    pub log_sum: f32,
-    /// The support's lowest key (`support_search::order_key`, ids of the whole
-    /// vocabulary).
-    pub cut: u64,
-    /// The head's first id in the whole vocabulary (a vocabulary shard's offset): entry
-    /// `j` of the head has id `offset + j`.
-    pub offset: usize,
-}
-
-impl SupportTerm {
-    /// The scaled logit of the cut: every entry of `K` has `s_j ≥` it.
-    pub fn cut_value(&self) -> f32 {
-        key_value(self.cut)
-    }
 }
 
 /// One row's statistics under the truncated support.
@@ -211,7 +197,7 @@ enum Pending {
 /// Pass A's visitor of a truncated support: the top buffers of `n` rows of a head
 /// whose entries are the ids `head` of a vocabulary of `vocab` entries, and the rows'
 /// histograms where top-p is the only filter (merged over vocabulary shards:
-/// `super::support_shards`).
+/// `shards`).
 pub(crate) fn support_buffers(
     t: &Truncation,
     n: usize,
@@ -323,7 +309,7 @@ impl TileVisitor for VisitBoth<'_> {
 /// is known; returns each row's [`RowSupport`] (default where the row takes no part)
 /// and the extra passes. `targets` are ids of the whole vocabulary; on a vocabulary
 /// shard (`split`) the buffers and each pass's tallies are combined over the shards
-/// (`super::support_shards`).
+/// (`shards`).
 pub(crate) fn support_passes(
     passes: &mut dyn FusedPasses,
     (buffers, partial): (BufferPass, &PartialStats),

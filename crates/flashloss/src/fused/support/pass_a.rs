@@ -1,13 +1,14 @@
-//! Pass A's visitor of a truncated support ([`super::support`]): per row its top `C`
-//! keys (a [`TopBuffer`], keys of `super::support_search`), and for a call whose only
+//! Pass A's visitor of a truncated support ([`super`]): per row its top `C`
+//! keys (a [`TopBuffer`], keys of `super::key`), and for a call whose only
 //! filter is top-p on a whole vocabulary the row's histogram
-//! (`super::support_histogram`), reduced to the bin of top-p's cut once the row's sweep
+//! (`super::histogram`), reduced to the bin of top-p's cut once the row's sweep
 //! is done. Memory: `8·C` bytes a row once its tiles are seen, `8·2C` while they are;
 //! a histogram's 24 KiB only while the row's sweep is in flight.
 
-use super::passes::TileVisitor;
-use super::support_histogram::HistogramRow;
-use super::support_search::{order_key, pick, scaled};
+use super::histogram::HistogramRow;
+use super::key::{order_key, scaled};
+use super::search::pick;
+use crate::fused::terms::TileVisitor;
 use rayon::prelude::*;
 use std::ops::Range;
 

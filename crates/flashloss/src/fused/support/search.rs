@@ -1,10 +1,5 @@
-//! The streaming half of the truncated support ([`super::support`]): the keys of the
-//! strict total order `(s_j, j)` (docs/spec/losses.md, flashloss addition 12) and the
-//! histogram search of the extra passes (pass A's visitor is `super::support_pass_a`).
-//!
-//! A key is `ord(s) << 32 | j` with `ord` the monotone u32 image of the f32 scaled logit
-//! `s = fl(z·(1/T)) + 0` (`-0` made `+0`, so equal values have equal `ord`): keys compare
-//! as `(s, j)` lexicographically, and a support is `{j : key_j ≥ cut}`.
+//! The streaming half of the truncated support ([`super`]): the histogram search of the
+//! extra passes over the keys of [`super::key`] (pass A's visitor is `super::pass_a`).
 //!
 //! A [`Search`] finds, over the keys of one row in an open range `[lo, hi)` whose
 //! entries above `hi` are tallied, either the tally of the range ([`Goal::Sum`]), the
@@ -14,9 +9,10 @@
 //! narrows it to the bin that holds the answer, or, once that bin holds at most
 //! [`COLLECT_MAX`] entries, collects its keys and answers exactly. A search may start on
 //! a range whose count is known (pass A's histogram of a top-p row,
-//! `super::support_histogram`), and collect at once.
+//! `super::histogram`), and collect at once.
 
-use super::passes::TileVisitor;
+use super::key::{key_value, order_key, rel_mass, scaled};
+use crate::fused::terms::TileVisitor;
 use rayon::prelude::*;
 use std::ops::Range;
 
@@ -24,52 +20,6 @@ use std::ops::Range;
 pub(crate) const BINS: usize = 2048;
 /// Largest range whose keys are collected instead of binned again.
 pub(crate) const COLLECT_MAX: u64 = 4096;
-
-/// The scaled logit that decides the support: `fl(z·inv_temp)`, `-0` as `+0`.
-#[inline(always)]
-pub(crate) fn scaled(z: f32, inv_temp: f32) -> f32 {
-    z * inv_temp + 0.0
-}
-
-/// The key of entry `j` of scaled logit `s` (see the module header).
-#[inline(always)]
-pub(crate) fn order_key(s: f32, j: usize) -> u64 {
-    let bits = s.to_bits();
-    let ord = if bits >> 31 == 1 {
-        !bits
-    } else {
-        bits | 1 << 31
-    };
-    (u64::from(ord) << 32) | j as u64
-}
-
-/// The key of entry `j` of raw logit `z` (before `1/T`): what a backend compares with a
-/// [`crate::fused::SupportTerm`]'s cut.
-#[inline(always)]
-pub fn support_key(z: f32, inv_temp: f32, j: usize) -> u64 {
-    order_key(scaled(z, inv_temp), j)
-}
-
-/// The scaled logit of `key`.
-pub(crate) fn key_value(key: u64) -> f32 {
-    let ord = (key >> 32) as u32;
-    f32::from_bits(if ord >> 31 == 1 {
-        ord & !(1 << 31)
-    } else {
-        !ord
-    })
-}
-
-/// The smallest key of value `s` (every entry of value `≥ s` has a key `≥` it).
-pub(crate) fn value_floor(s: f32) -> u64 {
-    order_key(s, 0)
-}
-
-/// `exp(s - s_max)` in f64: an entry's mass relative to the row's largest.
-#[inline(always)]
-pub(crate) fn rel_mass(s: f32, s_max: f32) -> f64 {
-    (s as f64 - s_max as f64).exp()
-}
 
 /// Entries and their mass (relative to the row's largest).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -141,7 +91,7 @@ pub(crate) struct Search {
     /// The next pass collects the range's keys (else it bins them).
     collect: bool,
     /// The pass's tallies per bin (a histogram pass) or the range's keys (a collecting
-    /// pass); vocabulary shards sum them (`super::support_shards`).
+    /// pass); vocabulary shards sum them (`super::shards`).
     pub(crate) bins: Vec<Tally>,
     pub(crate) keys: Vec<u64>,
 }
@@ -364,6 +314,7 @@ impl TileVisitor for SearchPass {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fused::support::key::value_floor;
 
     #[test]
     fn keys_order_values_then_ids() {

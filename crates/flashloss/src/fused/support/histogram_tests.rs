@@ -1,10 +1,10 @@
-//! Top-p alone through pass A's histogram (`super::support_histogram`) against the f64
+//! Top-p alone through pass A's histogram (`super::histogram`) against the f64
 //! reference: one collecting pass on flat rows (any temperature, ragged tiles, masked
 //! rows, ties split by index), none on peaked rows, and the fallbacks: a cut bin of more
 //! than `COLLECT_MAX` keys, a cut in the underflow, a max beyond the exact grid.
 
-use super::support_search::{order_key, rel_mass, scaled};
-use super::support_tests::{Rng, check_live, filters, run_support};
+use super::key::{order_key, rel_mass, scaled};
+use super::tests::{Rng, check_live, filters, run_support};
 
 /// `n` rows of `v` standard normal logits times `scale`.
 fn normal_rows((n, v): (usize, usize), scale: f64, seed: u64) -> Vec<f32> {
