@@ -197,7 +197,11 @@ def cases() -> dict[str, Case]:
         out.append(Case(f"logprobs_entropy_{d}", _logprobs(), _batch(dtype=dtype), tags=("v6e",)))
         out.append(Case(f"logprobs_stats_{d}", _logprobs(return_lse=True, return_max=True, return_sum_p2=True),
                         _batch(dtype=dtype), tags=("core",)))  # fmt: skip
-        out.append(Case(f"logprobs_gather64_{d}", _logprobs(gather=64), _batch(dtype=dtype), tags=("v6e",)))
+        # the candidate set's plain-JAX term accumulates its own dW: one more [V, H] in the head's dtype
+        gather_bound = HEAD_TEMP_BOUND + V * H * jnp.dtype(dtype).itemsize
+        out.append(
+            Case(f"logprobs_gather64_{d}", _logprobs(gather=64), _batch(dtype=dtype), gather_bound, tags=("v6e",))
+        )
         for opt in ({"top_k": 50}, {"top_p": 0.9}, {"min_p": 0.05}, {"top_k": 50, "top_p": 0.9}):
             tag = "_".join(f"{k}{v}" for k, v in opt.items())
             out.append(Case(f"logprobs_support_{tag}_{d}", _logprobs(**opt), _batch(dtype=dtype), tags=("support",)))
