@@ -45,6 +45,7 @@ DEFAULTS: dict[str, Any] = {
     "num_key_value_heads": 2,
     "tie_word_embeddings": False,
     "dtype": "float32",  # the model's parameters and compute (Tunix's default)
+    "remat": "none",  # Tunix's RematConfig: none, block (each attention and MLP block) or decoder (each layer)
     # the embedding drawn from N(0, std^2) instead of Tunix's N(0, 1) (null: Tunix's); a
     # tied N(0, 1) embedding of width 896 makes a one-hot next-token distribution
     "init_embedding_std": None,
@@ -101,12 +102,15 @@ def _model(cfg: dict, seed: int):
     heads = cfg["num_attention_heads"]
     if cfg["hidden_size"] % heads:
         raise ValueError(f"hidden_size: {cfg['hidden_size']} is not a multiple of num_attention_heads={heads}")
+    remat = str(cfg["remat"]).upper()
+    if remat not in qwen2.RematConfig.__members__:
+        raise ValueError(f"remat: expected none, block or decoder, got {cfg['remat']!r}")
     config = qwen2.ModelConfig(
         num_layers=cfg["num_hidden_layers"], vocab_size=cfg["vocab_size"], embed_dim=cfg["hidden_size"],
         hidden_dim=cfg["intermediate_size"], num_heads=heads, head_dim=cfg["hidden_size"] // heads,
         num_kv_heads=cfg["num_key_value_heads"], rope_theta=10_000, norm_eps=1e-6,
         use_tied_embedding=bool(cfg["tie_word_embeddings"]), dtype=jnp.dtype(cfg["dtype"]),
-        param_dtype=jnp.dtype(cfg["dtype"]),
+        param_dtype=jnp.dtype(cfg["dtype"]), remat_config=qwen2.RematConfig[remat],
     )  # fmt: skip
     model = qwen2.Qwen2(config, rngs=nnx.Rngs(seed))
     std = cfg["init_embedding_std"]

@@ -41,6 +41,7 @@ DEFAULTS: dict[str, Any] = {
     "num_key_value_heads": 2,
     "tie_word_embeddings": True,
     "dtype": "float32",
+    "remat": "none",
     "init_embedding_std": None,
     # batch: prompts_per_step x group_size completions of max_new_tokens after prompt_len
     "prompts_per_step": 1,
@@ -62,6 +63,7 @@ DEFAULTS: dict[str, Any] = {
 def compile_arm(cfg: dict, arm: str) -> dict:
     """Compiles the train step of ``arm`` (``tunix`` or ``flashloss``) for ``cfg["chip"]``:
     one result line (see the module)."""
+    import jax
     import numpy as np
     from flax import nnx
     from jax.sharding import Mesh, NamedSharding
@@ -77,6 +79,8 @@ def compile_arm(cfg: dict, arm: str) -> dict:
         raise ValueError("flashloss.tunix is already patched in this process")
     sharding = NamedSharding(Mesh(np.array(devices(cfg["chip"])[:1]), ("x",)), P())
     model = nnx.eval_shape(lambda: ab._model(cfg, cfg["seed"]))
+    row = {"chip": cfg["chip"], "arm": arm, "completions": cfg["prompts_per_step"] * cfg["group_size"]}
+    row.update({k: cfg[k] for k in ("prompt_len", "max_new_tokens", "num_hidden_layers", "dtype", "remat")})
     start = time.perf_counter()
     if arm == "flashloss":
         ft.patch(mode=cfg["flashloss_mode"])
@@ -85,6 +89,9 @@ def compile_arm(cfg: dict, arm: str) -> dict:
             compiled = ab.compile_train_step(
                 model, cfg, ab.algo_config(cfg), _task.CharTokenizer(), prompt_len=cfg["prompt_len"], sharding=sharding
             )  # fmt: skip
+    except jax.errors.JaxRuntimeError as e:  # the compiler's own message is the result (an HBM overflow)
+        return {**row, "ok": False, "compile_seconds": round(time.perf_counter() - start, 1),
+                "error": str(e).splitlines()[0][:400]}  # fmt: skip
     finally:
         ft.unpatch()
     seconds = time.perf_counter() - start
@@ -92,15 +99,9 @@ def compile_arm(cfg: dict, arm: str) -> dict:
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     v = cfg["vocab_size"]
     vocab_shapes = sorted(set(re.findall(rf"\w+\[(?:\d+,)+{v}\]", compiled.as_text())))
-    b = cfg["prompts_per_step"] * cfg["group_size"]
     return {
-        "chip": cfg["chip"],
-        "arm": arm,
-        "completions": b,
-        "prompt_len": cfg["prompt_len"],
-        "completion_len": cfg["max_new_tokens"],
-        "layers": cfg["num_hidden_layers"],
-        "dtype": cfg["dtype"],
+        **row,
+        "ok": True,
         **ab.memory_row(compiled),
         "flops": float(cost.get("flops", 0.0)),
         "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
