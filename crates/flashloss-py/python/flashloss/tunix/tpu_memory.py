@@ -41,7 +41,7 @@ DEFAULTS: dict[str, Any] = {
     "num_key_value_heads": 2,
     "tie_word_embeddings": True,
     "dtype": "float32",
-    "remat": "none",
+    "remat": "decoder",  # each layer recomputed in the backward; "none" (Tunix's default) nears v6e's 32 GiB
     "init_embedding_std": None,
     # batch: prompts_per_step x group_size completions of max_new_tokens after prompt_len
     "prompts_per_step": 1,
