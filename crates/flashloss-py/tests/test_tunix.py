@@ -5,6 +5,7 @@ trains a few steps patched. Skipped without Tunix (the ``tunix`` extra)."""
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 
 import numpy as np
@@ -238,6 +239,24 @@ def test_no_logits_in_the_step():
     assert vocab_shapes() - {"32,"}  # Tunix: the logits
     ft.patch()
     assert vocab_shapes() == {"32,"}  # the head [H, V] and its gradient only
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs libtpu (pip install 'jax[tpu]')")
+def test_train_step_compiled_for_v6e():
+    """Tunix's GRPO train step compiled for v6e by libtpu (nothing runs on a TPU), tiny
+    Qwen2: Tunix's holds the [B, T, V] logits, the patched one no [tokens, V] array."""
+    from flashloss.tunix import tpu_memory
+
+    b, t = 2, 16
+    cfg = dict(tpu_memory.DEFAULTS, vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+               num_attention_heads=2, num_key_value_heads=1, group_size=b, prompt_len=8, max_new_tokens=t)  # fmt: skip
+    tunix, patched = (tpu_memory.compile_arm(cfg, arm) for arm in ("tunix", "flashloss"))
+    assert tunix["ok"] and patched["ok"] and not ft.is_patched()
+    assert f"f32[{b},{t},{V}]" in tunix["vocab_last_axis_shapes"]
+    shapes = patched["vocab_last_axis_shapes"]  # such as f32[1,211]
+    rows = [np.prod([int(d) for d in s.split("[")[1].split(",")[:-1]]) for s in shapes]
+    assert max(rows, default=1) < b * t, shapes
+    assert patched["temp_size_in_bytes"] < tunix["temp_size_in_bytes"]
 
 
 def test_reference_pass_and_unpatch_restores():

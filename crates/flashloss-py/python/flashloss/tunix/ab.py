@@ -45,6 +45,8 @@ DEFAULTS: dict[str, Any] = {
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "tie_word_embeddings": False,
+    "dtype": "float32",  # the model's parameters and compute (Tunix's default)
+    "remat": "none",  # Tunix's RematConfig: none, block (each attention and MLP block) or decoder (each layer)
     # the embedding drawn from N(0, std^2) instead of Tunix's N(0, 1) (null: Tunix's); a
     # tied N(0, 1) embedding of width 896 makes a one-hot next-token distribution
     "init_embedding_std": None,
@@ -93,23 +95,27 @@ def _rss_bytes() -> tuple[int, int]:
 
 
 def _model(cfg: dict, seed: int):
+    import jax
+    import jax.numpy as jnp
     from flax import nnx
     from tunix.models.qwen2 import model as qwen2
 
     heads = cfg["num_attention_heads"]
     if cfg["hidden_size"] % heads:
         raise ValueError(f"hidden_size: {cfg['hidden_size']} is not a multiple of num_attention_heads={heads}")
+    remat = str(cfg["remat"]).upper()
+    if remat not in qwen2.RematConfig.__members__:
+        raise ValueError(f"remat: expected none, block or decoder, got {cfg['remat']!r}")
     config = qwen2.ModelConfig(
         num_layers=cfg["num_hidden_layers"], vocab_size=cfg["vocab_size"], embed_dim=cfg["hidden_size"],
         hidden_dim=cfg["intermediate_size"], num_heads=heads, head_dim=cfg["hidden_size"] // heads,
         num_kv_heads=cfg["num_key_value_heads"], rope_theta=10_000, norm_eps=1e-6,
-        use_tied_embedding=bool(cfg["tie_word_embeddings"]),
+        use_tied_embedding=bool(cfg["tie_word_embeddings"]), dtype=jnp.dtype(cfg["dtype"]),
+        param_dtype=jnp.dtype(cfg["dtype"]), remat_config=qwen2.RematConfig[remat],
     )  # fmt: skip
     model = qwen2.Qwen2(config, rngs=nnx.Rngs(seed))
     std = cfg["init_embedding_std"]
     if std is not None:
-        import jax
-
         emb = model.embedder.input_embedding
         emb.value = float(std) * jax.random.normal(jax.random.key(seed + 1), emb.value.shape, emb.value.dtype)
     return model
@@ -172,9 +178,11 @@ def _sft(model, cfg: dict, tok: _task.CharTokenizer, progress: bool) -> None:
     nnx.update(model, state)
 
 
-def _memory_analysis(model, cfg: dict, algo_config, tok) -> dict:
-    """XLA's compiled memory analysis of one GRPO train step (the registered "grpo" loss,
-    its gradient and the optimizer update) at the run's batch shape, with a reference."""
+def compile_train_step(model, cfg: dict, algo, tok, prompt_len: int = _MAX_PROMPT, sharding=None):
+    """One GRPO train step (the registered "grpo" policy loss, its gradient and the
+    optimizer update, state and optimizer donated) compiled by XLA at ``cfg``'s batch shape
+    from shapes only: ``model`` may be abstract (``nnx.eval_shape``). ``sharding``: where
+    every input lies (None: the default device); a TPU's compiles for that TPU."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -187,31 +195,60 @@ def _memory_analysis(model, cfg: dict, algo_config, tok) -> dict:
     loss_fn = function_registry.get_policy_loss_fn("grpo")
     b = cfg["prompts_per_step"] * cfg["group_size"]
     t = cfg["max_new_tokens"]
-    i32 = jax.ShapeDtypeStruct((b, _MAX_PROMPT), jnp.int32)
+
+    def struct(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
     example = grpo_learner.TrainExample(
-        prompt_ids=i32, prompt_mask=i32, completion_ids=jax.ShapeDtypeStruct((b, t), jnp.int32),
-        completion_mask=jax.ShapeDtypeStruct((b, t), jnp.int32), advantages=jax.ShapeDtypeStruct((b,), jnp.float32),
-        ref_per_token_logps=jax.ShapeDtypeStruct((b, t), jnp.float32) if cfg["beta"] else None,
+        prompt_ids=struct((b, prompt_len), jnp.int32), prompt_mask=struct((b, prompt_len), jnp.int32),
+        completion_ids=struct((b, t), jnp.int32), completion_mask=struct((b, t), jnp.int32),
+        advantages=struct((b,), jnp.float32), ref_per_token_logps=struct((b, t), jnp.float32) if cfg["beta"] else None,
         old_per_token_logps=None,
     )  # fmt: skip
 
     def train_step(state, opt, example):
         def f(st):
-            return loss_fn(nnx.merge(graphdef, st), example, algo_config, tok.pad_id(), tok.eos_id())
+            return loss_fn(nnx.merge(graphdef, st), example, algo, tok.pad_id(), tok.eos_id())
 
         (loss, _), grads = jax.value_and_grad(f, has_aux=True)(state)
         updates, opt = tx.update(grads, opt, state)
         return optax.apply_updates(state, updates), opt, loss
 
-    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (state, tx.init(state)))
-    compiled = jax.jit(train_step, donate_argnums=(0, 1)).lower(*shapes, example).compile()
+    shapes = jax.eval_shape(lambda st: (st, tx.init(st)), state)
+    shapes = jax.tree.map(lambda x: struct(x.shape, x.dtype), shapes)
+    return jax.jit(train_step, donate_argnums=(0, 1)).lower(*shapes, example).compile()
+
+
+def memory_row(compiled) -> dict:
+    """XLA's memory analysis of ``compiled``: temp, argument, output and alias bytes, and
+    the peak they make (temp + argument + output - alias)."""
     m = compiled.memory_analysis()
     keys = ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes")
     out = {k: int(getattr(m, k)) for k in keys}
     out["peak_bytes"] = out["temp_size_in_bytes"] + out["argument_size_in_bytes"] + out["output_size_in_bytes"]
     out["peak_bytes"] -= out["alias_size_in_bytes"]
-    out["batch"] = {"completions": b, "prompt_len": _MAX_PROMPT, "completion_len": t}
     return out
+
+
+def _memory_analysis(model, cfg: dict, algo, tok) -> dict:
+    """XLA's compiled memory analysis of one GRPO train step at the run's batch shape."""
+    out = memory_row(compile_train_step(model, cfg, algo, tok))
+    b = cfg["prompts_per_step"] * cfg["group_size"]
+    out["batch"] = {"completions": b, "prompt_len": _MAX_PROMPT, "completion_len": cfg["max_new_tokens"]}
+    return out
+
+
+def algo_config(cfg: dict):
+    """Tunix's ``GRPOConfig`` of ``cfg``, with the sampling temperature that ``GRPOLearner``
+    copies into it from the rollout config (the loss reads it)."""
+    from tunix.rl.grpo import grpo_learner
+
+    algo = grpo_learner.GRPOConfig(
+        num_generations=cfg["group_size"], num_iterations=1, beta=cfg["beta"], epsilon=cfg["epsilon"],
+        loss_algo=cfg["loss_algo"], loss_agg_mode=cfg["loss_agg_mode"], kl_loss_mode=cfg["kl_loss_mode"],
+    )  # fmt: skip
+    algo.temperature = cfg["temperature"]
+    return algo
 
 
 class _Recorder:
@@ -318,10 +355,7 @@ def _grpo(model, cfg: dict, tok: _task.CharTokenizer, progress: bool) -> tuple[l
             rollout_engine="vanilla", offload_to_cpu=False, training_config=training, rollout_config=rollout,
         ),
     )  # fmt: skip
-    algo = grpo_learner.GRPOConfig(
-        num_generations=cfg["group_size"], num_iterations=1, beta=cfg["beta"], epsilon=cfg["epsilon"],
-        loss_algo=cfg["loss_algo"], loss_agg_mode=cfg["loss_agg_mode"], kl_loss_mode=cfg["kl_loss_mode"],
-    )  # fmt: skip
+    algo = algo_config(cfg)
     recorder = _Recorder(cfg, rollout, progress)
     learner = grpo_learner.GRPOLearner(rl_cluster=cluster, algo_config=algo, reward_fns=recorder.reward_fn)
     trainer = cluster.actor_trainer
