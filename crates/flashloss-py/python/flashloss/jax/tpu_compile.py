@@ -167,13 +167,16 @@ def _sharded(split: str) -> Case:
     specs = (rows, block) + (rows,) * 5
     shapes = _batch_shapes(b, t, H, V - V % 8, jnp.bfloat16)
 
+    meshes = []  # the mesh the inputs were placed on (made before the step is traced)
+
     def inputs(devs):
-        mesh = Mesh(np.array(devs).reshape(mesh_shape), names)
-        return tuple(jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, p)) for (s, d), p in zip(shapes, specs))
+        meshes[:] = [Mesh(np.array(devs).reshape(mesh_shape), names)]
+        return tuple(
+            jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(meshes[0], p)) for (s, d), p in zip(shapes, specs)
+        )
 
     def step(*args):
-        mesh = args[0].sharding.mesh
-        inner = jax.shard_map(_grpo(**axes), mesh=mesh, in_specs=specs, out_specs=(P(), (rows, block)))
+        inner = jax.shard_map(_grpo(**axes), mesh=meshes[0], in_specs=specs, out_specs=(P(), (rows, block)))
         return inner(*args)
 
     return Case(f"grpo_mesh_{split}_bf16", step, inputs, devices=8, tags=("mesh",))
