@@ -130,7 +130,7 @@ def test_frozen_head_runs_no_dw_kernel():
 
     def loss(x, w):
         return fj.linear_grpo_loss(x.reshape(8, 8, 16), w, ids.reshape(8, 8), mask, jnp.ones(8), impl="pallas",
-                                   interpret=True)[0]  # fmt: skip
+                                   interpret=True, mode="two_pass")[0]  # the two kernels' plan  # fmt: skip
 
     frozen = str(jax.make_jaxpr(jax.grad(loss))(x, w))
     both = str(jax.make_jaxpr(jax.grad(loss, (0, 1)))(x, w))
@@ -279,10 +279,12 @@ def test_logits_level_on_pallas_matches_f64_reference(loss_type, level, dtype):
 def test_auto_takes_pallas_in_interpret_mode_and_ffi_on_the_cpu():
     hidden, weight, ids, mask, adv, *_ = _grpo_inputs(51)
 
-    def f(interpret):
-        return lambda x: fj.linear_grpo_loss(x, weight, ids, mask, adv, interpret=interpret)[0]
+    def f(interpret, **kw):
+        return lambda x: fj.linear_grpo_loss(x, weight, ids, mask, adv, interpret=interpret, **kw)[0]
 
-    assert "flashloss_head_forward" in str(jax.make_jaxpr(f(True))(hidden))
+    assert "flashloss_head_forward" in str(jax.make_jaxpr(f(True, mode="two_pass"))(hidden))
+    # the default plan: the single pass, where a block fits the default budget (pallas/single_pass.py)
+    assert "flashloss_logits_fused" in str(jax.make_jaxpr(f(True))(hidden))
     on_cpu = jax.jit(f(False)).lower(hidden).as_text()
     assert "flashloss_grpo_linear" in on_cpu and "tpu_custom_call" not in on_cpu
 

@@ -72,7 +72,7 @@ def test_single_pass_matches_f64_and_two_pass(loss_type):
     kw = dict(cfg, epsilon_high=1.2 if loss_type == "cispo" else 0.2, max_completion_length=70,
               old_per_token_logps=old, ref_per_token_logps=ref)  # fmt: skip
     # 1.5 MiB: two blocks of 128 rows (footprint 2·128·V·4 + V·H·4 ≈ 1.1 MB), the second ragged
-    assert single_pass.block_rows(210, 1003, 16, 4, 1.5 * 2**20) == 128
+    assert single_pass.block_rows(210, 1003, 16, 1.5 * 2**20) == 128
     (loss, aux), (dh, dw) = _run(hidden, weight, ids, mask, adv, "single_pass", **kw)
     want, dh64, dw64 = _f64(hidden, weight, ids, mask, adv, old, ref, cfg)
     assert abs(float(loss) - want) <= 1e-5 * max(1.0, abs(want))
@@ -131,8 +131,8 @@ def test_single_pass_bf16():
                                ref_per_token_logps=ref, beta=0.04)  # fmt: skip
     assert dh.dtype == jnp.bfloat16 and dw.dtype == jnp.bfloat16
     want, dh64, dw64 = _f64(hidden, weight, ids, mask, adv, old, ref, cfg)
-    assert abs(float(loss) - want) <= 1e-2 * max(1.0, abs(want))  # the block's logits are held in bf16
-    assert _rel(dh, dh64) <= 3e-2 and _rel(dw, dw64) <= 3e-2
+    assert abs(float(loss) - want) <= 1e-3 * max(1.0, abs(want))  # f32 logits, bf16 products: as two-pass
+    assert _rel(dh, dh64) <= 1e-2 and _rel(dw, dw64) <= 1e-2
 
 
 def test_plan_choice():
@@ -146,7 +146,8 @@ def test_plan_choice():
     args = _policy.GrpoArgs(loss_type="dapo")
     # at the original shape the f32 dW carry alone is V·H·4 = 2.49 GB: not within 160 MiB
     assert losses.single_pass_rows("auto", 160.0, x, w, spec, args) is None
-    assert losses.single_pass_rows("auto", 4096.0, x, w, spec, args) == 2048
+    # 1024 rows: f32 logits and dZ 1.24 GB, with the dW carry 3.73 GB (2048 rows: 4.98 GB)
+    assert losses.single_pass_rows("auto", 4096.0, x, w, spec, args) == 1024
     assert losses.single_pass_rows("two_pass", 4096.0, x, w, spec, args) is None
     assert losses.single_pass_rows("single_pass", 160.0, x, w, spec, args) == 128
     seq = dataclasses.replace(args, importance_sampling_level="sequence")

@@ -49,8 +49,8 @@ HEAD_TEMP_BOUND = 64 * MIB
 #: The materialized logits' steps: the logits and their gradient are arguments and outputs,
 #: the temporaries a few per-row vectors.
 LOGITS_TEMP_BOUND = 64 * MIB
-#: The single-pass plan's budget at the original shape (its bound too): a block of 2048
-#: rows in bf16 (1.24 GB of logits and dZ) and the f32 dW carry (2.49 GB).
+#: The single-pass plan's budget at the original shape (its bound too): a block of 1024
+#: rows (1.24 GB of f32 logits and dZ) and the f32 dW carry (2.49 GB).
 SINGLE_PASS_BUDGET_MIB = 4096
 
 

@@ -54,7 +54,7 @@ def single_pass_rows(mode: str, budget_mib: float, x, weight, spec: HeadSpec, ar
         return None
     n, hidden = x.shape
     v = weight.shape[0] if spec.layout == "vh" else weight.shape[1]
-    rows = single_pass.block_rows(n, v, hidden, weight.dtype.itemsize, budget_mib * 2**20)
+    rows = single_pass.block_rows(n, v, hidden, budget_mib * 2**20)
     if rows is None and mode in ("single_pass", "compact"):
         return min(n, single_pass.BLOCK_ROWS[-1])
     return rows

@@ -8,16 +8,16 @@ alone (:func:`~flashloss.jax._policy.reduction_weights`, ``entropy_weights``), s
 row's gradient is known as soon as its statistics are. For each block of ``R`` rows
 (a ``lax.scan``):
 
-    Z_b  = X_b·Wᵀ (+ c)                        XLA's dot, f32 sums, in the head's dtype    2·R·H·V
+    Z_b  = X_b·Wᵀ (+ c)                        XLA's dot, in f32 (as the two kernels' tiles) 2·R·H·V
     (ℓ_b, logp_b, H_b, dZ_b) = logits_fused(Z_b)  one Pallas kernel: one read of Z_b, one write of dZ_b
-    dX_b = dZ_b·W                              XLA's dot                                   2·R·H·V
+    dX_b = dZ_b·W                              XLA's dot, dZ in the head's dtype           2·R·H·V
     dW  += dZ_bᵀ·X_b,  dc += Σ_rows dZ_b       XLA's dot into an f32 carry                 2·R·H·V
 
 so ``6·N·H·V`` FLOPs in all (XLA's cost analysis counts the loop's body once: times the
 blocks; unrolled, the step compiled for v6e counts 6NHV, but XLA then holds every block's
 logits at once) against the two-pass kernels' ``10·N·H·V`` (forward, then dH
-and dW each recomputing the logits). Bytes held: the block's ``Z_b`` and ``dZ_b``
-(``2·R·V·e``) and the f32 ``dW`` carry (``V·H·4``): :func:`footprint_bytes`, chosen
+and dW each recomputing the logits). Bytes held: the block's f32 ``Z_b`` and ``dZ_b``
+(``2·R·V·4``) and the f32 ``dW`` carry (``V·H·4``): :func:`footprint_bytes`, chosen
 within ``budget_mib`` (:func:`block_rows`). The gradients are formed in the forward and
 scaled by the loss's cotangent in the backward (a ``jax.custom_vjp``), as the logits
 level's fused kernel does; only the gradients asked for are formed (a frozen head runs no
@@ -39,18 +39,18 @@ from . import logits
 BLOCK_ROWS = (4096, 2048, 1024, 512, 256, 128)
 
 
-def footprint_bytes(rows: int, v: int, hidden: int, itemsize: int) -> int:
-    """Bytes the plan holds beyond its inputs and outputs: a block's logits and ``dZ``
-    (``2·rows·V·e``) and the f32 ``dW`` and ``dc`` carries (``V·H·4 + V·4``)."""
-    return 2 * rows * v * itemsize + v * hidden * 4 + v * 4
+def footprint_bytes(rows: int, v: int, hidden: int) -> int:
+    """Bytes the plan holds beyond its inputs and outputs: a block's f32 logits and ``dZ``
+    (``2·rows·V·4``) and the f32 ``dW`` and ``dc`` carries (``V·H·4 + V·4``)."""
+    return 2 * rows * v * 4 + v * hidden * 4 + v * 4
 
 
-def block_rows(n: int, v: int, hidden: int, itemsize: int, budget_bytes: float) -> Optional[int]:
+def block_rows(n: int, v: int, hidden: int, budget_bytes: float) -> Optional[int]:
     """The most rows per block (of :data:`BLOCK_ROWS`, or ``n`` when smaller) whose
     :func:`footprint_bytes` fits ``budget_bytes``; None when none does (then two-pass)."""
     for rows in (n,) if n < BLOCK_ROWS[-1] else BLOCK_ROWS:
         rows = min(rows, n)
-        if footprint_bytes(rows, v, hidden, itemsize) <= budget_bytes:
+        if footprint_bytes(rows, v, hidden) <= budget_bytes:
             return rows
     return None
 
@@ -101,12 +101,13 @@ def _step(x, weight, bias, ids, mask, adv, old, ref, ratio, args, layout, rows, 
     def block(carry, xs):
         dw, dc = carry
         xb, yb, lb, *cb = xs
-        z = _dot(xb, weight, (1, w_contract), weight.dtype)
+        z = _dot(xb, weight, (1, w_contract), jnp.float32)
         if bias is not None:
-            z = (z.astype(jnp.float32) + bias.astype(jnp.float32)).astype(weight.dtype)
+            z = z + bias.astype(jnp.float32)
         row_loss, logp, entropy, dz = logits.logits_fused(
             z, yb, cb, row_fn, mask=lb, temperature=args.temperature, interpret=interpret
         )
+        dz = dz.astype(weight.dtype)  # the products on the head's dtype, as the two kernels' are
         dx = _dot(dz, weight, (1, 1 - w_contract), x.dtype) if want_dx else None
         if want_dw:
             dw = dw + (_dot(dz, xb, (0, 0), jnp.float32) if layout == "vh" else _dot(xb, dz, (0, 0), jnp.float32))
