@@ -15,8 +15,9 @@ compile), XLA's compiled ``memory_analysis`` (temp, argument, output bytes; a fu
 call's own workspace is outside XLA and shows only in the RSS) and the process's peak
 RSS above the inputs. Progress goes to stderr.
 
-``--compile tpu`` runs nothing either: it compiles the step of each of ``pallas``,
-``baseline`` and ``tiled`` with libtpu for the TPU chip ``chip`` (``v5e``, ``v6e``, ``v5p``,
+``--compile tpu`` runs nothing either: it compiles the step of each of ``pallas`` (its
+plan by ``budget_mib``: ``--set budget_mib=4096`` takes the single pass), ``baseline`` and
+``tiled`` with libtpu for the TPU chip ``chip`` (``v5e``, ``v6e``, ``v5p``,
 ``7x``; ``pip install "jax[tpu]"``, no TPU needed) at the same default shape, and prints one
 JSON line per step: XLA's temp, argument and output bytes, FLOPs and bytes accessed, and
 the roofline time they give on that chip, an estimate (:mod:`flashloss.jax.tpu_compile`).
@@ -154,7 +155,7 @@ def pallas_loss(h, w, ids, old, ref, adv, mask, cfg):
     return fj.linear_grpo_loss(
         h, w, ids, mask, adv, old_per_token_logps=old, ref_per_token_logps=ref, loss_type="dapo",
         beta=cfg["beta"], epsilon_low=cfg["epsilon"], temperature=cfg["temperature"], impl="pallas",
-        interpret=bool(cfg["interpret"]),
+        interpret=bool(cfg["interpret"]), budget_mib=cfg["budget_mib"],
     )[0]  # fmt: skip
 
 
@@ -358,7 +359,8 @@ def compile_tpu(cfg) -> list[dict]:
     rows = []
     for impl in ("pallas", "baseline", "tiled"):
         step_cfg = dict(cfg, impl=impl)
-        bound = tpu_compile.HEAD_TEMP_BOUND if impl == "pallas" else None
+        # the Pallas step's plan is within budget_mib (two-pass: 64 MiB at the original shape)
+        bound = max(tpu_compile.HEAD_TEMP_BOUND, int(cfg["budget_mib"] * tpu_compile.MIB)) if impl == "pallas" else None
         case = tpu_compile.Case(
             impl, step_fn(step_cfg), lambda devs: tpu_compile.placed(devs, input_structs(cfg)), bound
         )
