@@ -15,26 +15,14 @@ fj = pytest.importorskip("flashloss.jax")
 
 from flashloss.jax import gradcheck  # noqa: E402
 from flashloss.jax.pallas import single_pass  # noqa: E402
+from test_jax_pallas import _grpo_inputs, _rel  # noqa: E402
 
 TOKEN_LOCAL = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
 
 
-def _rel(got, want):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-6))
-
-
 def _inputs(seed, b=3, t=70, h=16, v=1003, dtype=jnp.float32):
     """``B·T = 210`` rows: two blocks of 128, the last ragged; sequences of random length."""
-    rng = np.random.default_rng(seed)
-    hidden = jnp.asarray(rng.standard_normal((b, t, h)), dtype)
-    weight = jnp.asarray(rng.standard_normal((v, h)) * (2.0 / np.sqrt(h)), dtype)
-    ids = jnp.asarray(rng.integers(0, v, (b, t)), jnp.int32)
-    mask = jnp.asarray(np.arange(t)[None, :] < np.r_[t, rng.integers(1, t + 1, b - 1)][:, None])
-    adv = jnp.asarray(rng.standard_normal(b), jnp.float32)
-    old = jnp.asarray(-np.log(v) + 0.3 * rng.standard_normal((b, t)), jnp.float32)
-    ref = jnp.asarray(-np.log(v) + 0.3 * rng.standard_normal((b, t)), jnp.float32)
-    return hidden, weight, ids, mask, adv, old, ref
+    return _grpo_inputs(seed, b=b, t=t, h=h, v=v, dtype=dtype)
 
 
 def _f64(hidden, weight, ids, mask, adv, old, ref, cfg, entropy_coef=0.0):
