@@ -16,7 +16,8 @@ function also takes:
   that JAX differentiates. ``"auto"`` (default) picks per lowering platform with
   ``jax.lax.platform_dependent``: Pallas on TPU, the FFI handlers elsewhere, so a step
   exported for TPU from a CPU host takes the Pallas path. The Pallas path has never run on
-  a TPU: it is checked in TPU interpret mode and by the Mosaic lowering (``docs/jax.md``).
+  a TPU: it is checked in TPU interpret mode, and compiled for v5e, v6e, v5p and v7x by the
+  real XLA TPU compiler (libtpu, no TPU: :mod:`flashloss.jax.tpu_compile`; ``docs/jax.md``).
 - ``interpret``: run the Pallas kernels in interpret mode (``True``, or
   ``pltpu.InterpretParams()`` for TPU semantics) on any backend; with ``impl="auto"`` it
   selects the Pallas path.
