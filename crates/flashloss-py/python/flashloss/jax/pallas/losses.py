@@ -29,12 +29,6 @@ def logprob_stats(x, weight, bias, ids, live, spec: HeadSpec, seq_len: int, ids_
     return stats
 
 
-def logprobs(x, weight, bias, ids, live, spec: HeadSpec, seq_len: int, ids_arg: str = "ids"):
-    """``(logp, entropy)`` ``[N]`` of :func:`logprob_stats`."""
-    stats = logprob_stats(x, weight, bias, ids, live, spec, seq_len, ids_arg)
-    return stats.logp, stats.entropy
-
-
 def _check_batch(adv, old, ref, ratio, mask, interpret) -> None:
     """The GRPO batch's values: finite advantages, old and ref logp (where live), a
     finite non-negative sampler ratio."""
