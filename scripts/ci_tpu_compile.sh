@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
 # CI stage for the Pallas TPU path (issue 40): the real XLA TPU compiler and Mosaic (libtpu
-# from PyPI, deviceless: no TPU) compile every case of flashloss.jax.tpu_compile, and the
-# stage fails on any compile error (a VMEM overflow is one) or on temporaries above a
-# case's bound. Nothing runs on a TPU.
-#   - v6e: every case but the f32 support ones (the options of linear_logprobs, CE,
-#     sequence-level GRPO, the single pass, the sampler's truncated support in bf16, the
-#     8-chip mesh over the vocabulary, the tokens and both);
-#   - v5e, v5p, v7x: the `core` cases (GRPO in both dtypes and layouts, the statistics,
-#     the logits level, the ragged shapes).
+# from PyPI, deviceless: no TPU) compile cases of flashloss.jax.tpu_compile, and the stage
+# fails on any compile error (a VMEM overflow is one) or on temporaries above a case's bound.
+# Nothing runs on a TPU.
+#
+# TPU_COMPILE_SET=ci (the default, about 10 min on CI's 2 cores): every kernel family on
+# every chip it can fail on, the expensive duplicates left out:
+#   - v7x (the least VMEM) and v5p: the `core` cases (GRPO in both dtypes and layouts, the
+#     statistics, the logits level, the ragged shapes);
+#   - v5e (the slowest compiles, 60-110 s each): GRPO f32 [V,H] and bf16 [H,V], the logits level;
+#   - v6e: GRPO bf16 [V,H] and f32 [H,V], the f32 statistics, the logits level, one ragged
+#     shape, sequence-level GRPO, CE, log-probs with entropy and with `gather_ids`, the single
+#     pass, the 2-D mesh of 8 chips, the streamed support (min-p; top-k with top-p).
+# TPU_COMPILE_SET=full (about 25 min): v6e every case but the f32 support ones, v5e, v5p and
+# v7x every `core` case (the set of docs/jax.md, "Compiled for each chip").
 # Two processes at a time (libtpu's compiles are mostly single-threaded). The lines go to
 # target/tpu_compile.jsonl (one per chip and case).
 set -euo pipefail
@@ -24,10 +30,24 @@ LOG="$PWD/target/tpu_compile.stderr"  # libtpu's warnings, and a traceback if a 
 rm -f "$LOG"
 run() { (cd crates/flashloss-py/tests && "$PYBIN" -m flashloss.jax.tpu_compile --json "$OUT" "$@" 2>>"$LOG"); }
 start=$(date +%s)
-support=logprobs_support_top_k50_bf16,logprobs_support_top_p0.9_bf16,logprobs_support_min_p0.05_bf16
-support=$support,logprobs_support_top_k50_top_p0.9_bf16
-run --chips v6e --cases "core,v6e,mesh,$support" & first=$!
-run --chips v5e,v5p,7x --cases core & second=$!
+case "${TPU_COMPILE_SET:-ci}" in
+  full)
+    support=logprobs_support_top_k50_bf16,logprobs_support_top_p0.9_bf16,logprobs_support_min_p0.05_bf16
+    support=$support,logprobs_support_top_k50_top_p0.9_bf16
+    run --chips v6e --cases "core,v6e,mesh,$support" & first=$!
+    run --chips v5e,v5p,7x --cases core & second=$!
+    ;;
+  ci)
+    v6e=grpo_token_bf16_vh,grpo_token_f32_hv,logprobs_stats_f32,logits_grpo_bf16,logits_grpo_f32
+    v6e=$v6e,grpo_ragged_h3584_f32,grpo_sequence_f32,ce_f32,logprobs_entropy_f32,logprobs_gather64_bf16
+    v6e=$v6e,grpo_single_pass_bf16,grpo_mesh_2d_bf16,logprobs_support_min_p0.05_bf16
+    v6e=$v6e,logprobs_support_top_k50_top_p0.9_bf16
+    v5e=grpo_token_f32_vh,grpo_token_bf16_hv,logits_grpo_bf16,logits_grpo_f32
+    run --chips v6e --cases "$v6e" & first=$!
+    (rc=0; run --chips 7x,v5p --cases core || rc=1; run --chips v5e --cases "$v5e" || rc=1; exit "$rc") & second=$!
+    ;;
+  *) echo "TPU_COMPILE_SET: ci or full, not ${TPU_COMPILE_SET}"; exit 2 ;;
+esac
 status=0
 wait "$first" || status=1
 wait "$second" || status=1

@@ -1,8 +1,9 @@
 """The collectives of ``flashloss.jax``, written once: the merge of the vocabulary blocks'
 partial softmax states over a ``vocab_axis`` (flashloss's ``sharding::merge_partial``),
 a block's vocabulary offset, and :func:`over_tokens`, the reduction of a GRPO loss and its
-metrics over a ``token_axis``, driven by ``flashloss._spec.NORMALIZERS``. (The Pallas
-path's ``pallas.stats`` merges its own kernel's state in scaled units.)"""
+metrics over a ``token_axis``, driven by ``flashloss._spec.NORMALIZERS``. The Pallas path's
+``pallas.stats`` merges its kernel's state (in scaled units) with the same functions at
+temperature 1."""
 
 from __future__ import annotations
 

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
+from .._collectives import merge_partial, psum, sum_p2
 from . import head, head_grads
 
 
@@ -74,10 +75,6 @@ class HeadSpec:
         )
 
 
-def _psum(x, axis):
-    return x if axis is None else jax.lax.psum(x, axis)
-
-
 def _local_ids(ids, weight, spec: HeadSpec):
     """The ids as columns of this device's block (other devices' ids match no column)."""
     if spec.vocab_axis is None:
@@ -87,26 +84,20 @@ def _local_ids(ids, weight, spec: HeadSpec):
 
 
 def _merge(state, live, spec: HeadSpec) -> RowStats:
+    """The row statistics from every device's state: the kernel's ``m`` and ``t`` are in
+    scaled units already, so this is the binding's one merge at temperature 1."""
     m, sigma, u, t, zeta, *sigma2 = state
     axis = spec.vocab_axis
-    top = m if axis is None else jax.lax.pmax(m, axis)
-    top = jnp.where(jnp.isfinite(top), top, 0.0)
-    f = jnp.where(sigma > 0, jnp.exp(m - top), 0.0)
-    total = _psum(sigma * f, axis)
-    # Σp² = Σ e^{2(s - top)} / (Σ e^{s - top})², each device's σ₂ rescaled by f².
-    total2 = _psum(sigma2[0] * f * f, axis) if sigma2 else jnp.zeros_like(total)
-    shifted = _psum(jnp.where(sigma > 0, f * (u + sigma * (m - top)), 0.0), axis)
-    total = jnp.where(live, total, 1.0)
-    log_total = jnp.log(total)
-    lse = top + log_total
-    zero = jnp.zeros_like(lse)
+    top, log_total, entropy, logp = merge_partial((m, sigma, u, t), live, axis, 1.0)
+    zero = jnp.zeros_like(top)
+    p2 = sum_p2((m, sigma, u, t, sigma2[0]), live, top, axis, 1.0) if sigma2 else zero
     return RowStats(
-        lse=jnp.where(live, lse, zero),
-        logp=jnp.where(live, _psum(t, axis) - lse, zero),
-        entropy=jnp.where(live, log_total - shifted / total, zero),
-        mean=jnp.where(live, _psum(zeta, axis) / spec.vocab, zero),
-        max=jnp.where(live, top, zero),
-        sum_p2=jnp.where(live, total2 / (total * total), zero),
+        lse=jnp.where(live, top + log_total, zero),
+        logp=logp,
+        entropy=entropy,
+        mean=jnp.where(live, psum(zeta, axis) / spec.vocab, zero),
+        max=top,
+        sum_p2=p2,
     )
 
 
