@@ -204,3 +204,83 @@ def test_logits_packed_errors():
         ft.grpo_loss(z[:-1], ids, None, adv, cu_seqlens=cu)
     with pytest.raises(ValueError, match="argument `cu_seqlens`: must end at"):
         ft.grpo_loss(z, ids, None, adv, cu_seqlens=cu[:-1])
+
+
+def test_vocab_parallel_packed(tmp_path):
+    """2 Gloo ranks, each with its block of the head's rows ([5, 8]): the packed call over
+    the group equals the one-process padded call on every rank (loss, metrics, dH, its
+    block of dW and dbias); bad sequences on one rank are the same error on both."""
+    import os
+    import subprocess
+    import sys
+
+    if not torch.distributed.is_available():
+        pytest.skip("torch.distributed is not available")
+    env = dict(os.environ, OMP_NUM_THREADS="1", RAYON_NUM_THREADS="1")
+    store = str(tmp_path / "store")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, str(rank), store],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=os.path.dirname(__file__),
+        )  # fmt: skip
+        for rank in range(2)
+    ]
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-4000:]
+        assert out.count("ok ") == 3, out
+
+
+def _rank(rank, store):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    lo, hi = (0, 5) if rank == 0 else (5, V)
+    packed, padded, shared = _batch(6)
+    for loss_type, level in [("grpo", "sequence"), ("dapo", "token")]:
+        kw = dict(loss_type=loss_type, importance_sampling_level=level, beta=0.04)
+        lq, oq, gq = _linear(padded, shared, **kw)
+        t = {k: torch.as_tensor(v) for k, v in packed.items()}
+        hidden = t["hidden"].clone().requires_grad_(True)
+        weight = torch.as_tensor(shared["weight"][lo:hi]).clone().requires_grad_(True)
+        bias = torch.as_tensor(shared["bias"][lo:hi]).clone().requires_grad_(True)
+        loss, out = ft.linear_grpo_loss(
+            hidden, weight, t["ids"], t["mask"], torch.as_tensor(shared["adv"]), bias=bias,
+            old_per_token_logps=t["old"], ref_per_token_logps=t["ref"], cu_seqlens=torch.as_tensor(shared["cu"]),
+            vocab_parallel_group=dist.group.WORLD, **kw,
+        )  # fmt: skip
+        loss.backward()
+        _close(loss, lq, "loss")
+        for k in oq.metrics:
+            _close(out.metrics[k], oq.metrics[k], k)
+        _close(hidden.grad, gq[0][shared["seq"], shared["pos"]], "dhidden")
+        _close(weight.grad, gq[1][lo:hi], "dweight")
+        _close(bias.grad, gq[2][lo:hi], "dbias")
+        print("ok", loss_type, level, flush=True)
+    # bad sequences on rank 1 only: the same error on both ranks, before any collective
+    cu = torch.as_tensor(shared["cu"]).clone()
+    if rank == 1:
+        cu[0] = 1
+    t = {k: torch.as_tensor(v) for k, v in packed.items()}
+    with pytest.raises(ValueError, match="rank 1: argument `cu_seqlens`: must start at 0"):
+        ft.linear_grpo_loss(
+            t["hidden"],
+            torch.as_tensor(shared["weight"][lo:hi]),
+            t["ids"],
+            t["mask"],
+            torch.as_tensor(shared["adv"]),
+            cu_seqlens=cu,
+            vocab_parallel_group=dist.group.WORLD,
+        )
+    print("ok errors", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    import sys
+
+    _rank(int(sys.argv[1]), sys.argv[2])

@@ -102,6 +102,22 @@ class Packed:
         P.per_sequence("advantages", tuple(advantages.shape), self.seg.batch)
         self.advantages = _f32(advantages.reshape(self.seg.batch))
 
+    def check(self, per_token: dict) -> "Packed":
+        """Checks the shapes of ``per_token`` (``hidden``, ``old``, ``ref``, ``ratio``,
+        ``policy_mask``, ``entropy_mask``) before any kernel runs."""
+        names = dict(old="old_per_token_logps", ref="ref_per_token_logps")
+        for key, x in per_token.items():
+            if key == "hidden":
+                _check_tensor("hidden", x)
+                P.rows_of("hidden", tuple(x.shape), self.n)
+            elif key == "ratio":
+                if x is not None:
+                    _check_tensor("importance_sampling_ratio", x)
+                    P.sampler_ratio_kind(tuple(x.shape), self.seg)
+            else:
+                self.rows(names.get(key, key), x)
+        return self
+
     def rows(self, arg: str, x: Optional[Tensor]) -> Optional[Tensor]:
         """A per-row input ``[N]`` or ``[1, N]`` as ``[N]`` (None as None)."""
         if x is None:

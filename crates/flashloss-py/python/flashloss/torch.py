@@ -127,7 +127,6 @@ def linear_grpo_loss(
     """
     group = _dist.register(vocab_parallel_group)
     if cu_seqlens is not None or position_ids is not None:
-        packed = _packed.Packed(cu_seqlens, position_ids, completion_ids, completion_mask, advantages)
         items, items_tensor = _items(num_items_in_batch)
         fields = dict(
             loss_type=loss_type, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
@@ -137,11 +136,16 @@ def linear_grpo_loss(
             sapo_temperature_neg=sapo_temperature_neg, vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos,
             vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg, top_k=top_k, top_p=top_p, min_p=min_p,
         )  # fmt: skip
-        args = GrpoArgs(**fields).validate()
         per_token = dict(
             old=old_per_token_logps, ref=ref_per_token_logps, ratio=importance_sampling_ratio,
             policy_mask=policy_mask, entropy_mask=entropy_mask,
         )  # fmt: skip
+
+        def checked():  # on every rank of a group before any collective: all fail together
+            packed = _packed.Packed(cu_seqlens, position_ids, completion_ids, completion_mask, advantages)
+            return packed.check(dict(per_token, hidden=hidden)), GrpoArgs(**fields).validate()
+
+        packed, args = _dist.agreed(group, checked)
         plan = dict(mode=mode, budget_mib=budget_mib, vocab_parallel_group=vocab_parallel_group)
         head = dict(hidden=hidden, weight=weight, bias=bias)
         return _packed.linear_grpo(packed, head, args, per_token, items_tensor, _grpo_json(**fields), plan)
