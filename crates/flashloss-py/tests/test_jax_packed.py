@@ -2,7 +2,7 @@
 ``grpo_loss`` on ``[total_tokens, ...]`` rows with ``cu_seqlens`` or ``position_ids``
 (concrete, or traced under ``jax.jit``) equal the padded ``[B, T_max]`` call (loss,
 metrics, per-token outputs, dH, dW, dbias) for every loss type and both levels, and over a
-``token_axis`` (2 simulated devices, in a subprocess); bad sequences are a ValueError
+``token_axis`` or a ``vocab_axis`` (2 simulated devices, in a subprocess); bad sequences are a ValueError
 with torch's message (test_packed.py)."""
 
 import os
@@ -189,12 +189,12 @@ def test_traced_sequences_checked_at_run_time():
         float(f(jnp.asarray([0, 3, 3, 9, 11, N])))
 
 
-def test_token_axis_packed():
+def test_token_axis_and_vocab_axis_packed():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
     out = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300,
                          cwd=os.path.dirname(__file__))  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
-    assert out.stdout.count("ok ") == 3, out.stdout
+    assert out.stdout.count("ok ") == 4, out.stdout
 
 
 def _token_axis():
@@ -253,5 +253,43 @@ def _token_axis():
         print("ok", loss_type, level)
 
 
+def _vocab_axis():
+    """The head's rows split over 2 devices (``vocab_axis``), every device passing the whole
+    pack: the packed call equals the one-device padded call."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    packed, padded, shared = _batch(9, [2, 4, 1, 3, 5])
+    kw = dict(loss_type="grpo", importance_sampling_level="sequence", beta=0.04, top_k=6)
+    weight, bias = shared["weight"][:12], shared["bias"][:12]  # V = 12: 6 rows a device
+    seq, pos = shared["seq"], shared["pos"]
+
+    def f(x, w, b, data, axis=None, **seqs):
+        return fj.linear_grpo_loss(x, w, data["ids"] % 12, data["mask"], shared["adv"], bias=b,
+                                   old_per_token_logps=data["old"], ref_per_token_logps=data["ref"], vocab_axis=axis,
+                                   **seqs, **kw)  # fmt: skip
+
+    (want, wo), wg = jax.value_and_grad(f, (0, 1, 2), has_aux=True)(padded["hidden"], weight, bias, padded)
+
+    def local(x, w, b):
+        g = jax.value_and_grad(lambda *a: f(*a, packed, "v", cu_seqlens=shared["cu"]), (0, 1, 2), has_aux=True)
+        (loss, out), grads = g(x, w, b)
+        return loss, out.metrics, grads
+
+    mesh = jax.make_mesh((2,), ("v",))
+    specs = (P(), P("v"), P("v"))
+    sm = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(P(), P(), (P(), P("v"), P("v"))))
+    placed = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip((packed["hidden"], weight, bias), specs)]
+    got, gm, gg = jax.jit(sm)(*placed)
+    _close(got, want, "vocab_axis loss")
+    for k in wo.metrics:
+        _close(gm[k], wo.metrics[k], ("vocab_axis", k))
+    _close(gg[0], np.asarray(wg[0])[seq, pos], "vocab_axis dhidden")
+    _close(gg[1], wg[1], "vocab_axis dweight")
+    _close(gg[2], wg[2], "vocab_axis dbias")
+    print("ok vocab_axis")
+
+
 if __name__ == "__main__":
     _token_axis()
+    _vocab_axis()
