@@ -86,7 +86,9 @@ def test_linear_packed_sampler_ratio(ratio):
     for loss_type, level in [("grpo", "sequence"), ("vespo", "token")]:
         kw = dict(loss_type=loss_type, importance_sampling_level=level, beta=0.04)
         want = _linear(padded, shared, ratio=ratio, **kw)
-        got = _linear(packed, shared, "cu", ratio=ratio, jit=ratio == "token", **kw)
+        # [B, 1] with concrete position_ids; per token with cu_seqlens traced under jit
+        by = "pos" if ratio == "seq1" else "cu"
+        got = _linear(packed, shared, by, ratio=ratio, jit=ratio == "token", **kw)
         _compare(shared, got, want, (ratio, loss_type))
 
 
