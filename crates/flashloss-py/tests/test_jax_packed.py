@@ -115,6 +115,14 @@ def test_linear_packed_options(options):
         assert (np.asarray(got[1].outside_support) == np.asarray(want[1].outside_support)[seq, pos]).all()
 
 
+def test_linear_packed_pallas_path():
+    """The Pallas path (TPU kernels in interpret mode) on the packed rows."""
+    packed, padded, shared = _batch(3)
+    kw = dict(loss_type="grpo", importance_sampling_level="sequence", beta=0.04)
+    want = _linear(padded, shared, **kw)
+    _compare(shared, _linear(packed, shared, "cu", impl="pallas", interpret=True, **kw), want, "pallas")
+
+
 def test_logits_packed_equals_padded():
     packed, padded, shared = _batch(4)
     rng = np.random.default_rng(5)
