@@ -11,6 +11,7 @@ mod jax;
 mod logits;
 mod logprobs;
 mod losses;
+mod policy;
 mod tensor;
 
 use pyo3::prelude::*;
@@ -25,6 +26,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(losses::ce_rows, m)?)?;
     m.add_function(wrap_pyfunction!(logprobs::logp_linear, m)?)?;
     m.add_function(wrap_pyfunction!(logits::grpo_logits, m)?)?;
+    m.add_function(wrap_pyfunction!(policy::grpo_policy, m)?)?;
     m.add_function(wrap_pyfunction!(logits::grpo_logits_per_token, m)?)?;
     m.add_function(wrap_pyfunction!(logprobs::logp_linear_grads, m)?)?;
     m.add_function(wrap_pyfunction!(jax::jax_targets, m)?)?;

@@ -271,6 +271,48 @@ def test_verl_model_forward_patch_on_a_tiny_qwen2(fused_forward_restored, backen
         assert max_rel(got, want) < 1e-4
 
 
+def verl_remove_padding_step(model, lengths, temperature):
+    """What verl 0.9.1's FSDP engine does with ``use_remove_padding=True`` and
+    ``use_fused_kernels=True`` (``transformer_impl.prepare_model_inputs``): the sequences'
+    tokens packed into ``[1, total_nnz]``, ``position_ids`` restarting at 0 for each, the
+    labels rolled over the whole pack and passed as ``shift_labels``, no attention mask;
+    then a loss of the fused forward's log-probs and entropy."""
+    g = torch.Generator().manual_seed(6)
+    ids = torch.randint(0, 151, (1, sum(lengths)), generator=g)
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    out = model(
+        input_ids=ids, attention_mask=None, position_ids=position_ids, shift_labels=torch.roll(ids, -1, dims=1),
+        use_cache=False, temperature=temperature, return_dict=True,
+    )  # fmt: skip
+    logp, ent = out.log_probs.squeeze(0), out.entropy.squeeze(0)
+    loss = (logp * torch.randn(logp.shape, generator=g)).sum() + (ent * torch.randn(ent.shape, generator=g)).sum()
+    params = [model.lm_head.weight, model.model.embed_tokens.weight]
+    return logp, ent, torch.autograd.grad(loss, params)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_verl_remove_padding_forward_on_a_tiny_qwen2(fused_forward_restored, backend):
+    """verl's ``use_remove_padding=True`` path: its packed ``[1, total_nnz]`` model call
+    with the fused kernels patched equals verl's own torch backend on the same call."""
+    from verl.models.transformers.monkey_patch import patch_forward_with_backends
+
+    model = tiny_qwen2()
+    lengths = [5, 1, 7, 3]
+    patch_forward_with_backends(model, use_fused_kernels=True, fused_kernels_backend="torch")
+    want_logp, want_ent, want_grads = verl_remove_padding_step(model, lengths, 0.7)
+    patch_forward_with_backends(model, use_fused_kernels=True, fused_kernels_backend=backend)
+    fverl.patch()
+    try:
+        logp, ent, grads = verl_remove_padding_step(model, lengths, 0.7)
+    finally:
+        fverl.unpatch()
+    assert logp.shape == (sum(lengths),)
+    torch.testing.assert_close(logp, want_logp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent, want_ent, rtol=1e-5, atol=1e-5)
+    for got, want in zip(grads, want_grads):
+        assert max_rel(got, want) < 1e-4
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_vocab_parallel_triton_entry_matches_one_process(world, tmp_path):
     if not torch.distributed.is_available():

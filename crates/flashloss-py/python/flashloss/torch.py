@@ -28,6 +28,7 @@ import torch
 
 from . import _dist
 from . import _torch_ops as ops
+from . import _torch_packed as _packed
 from ._config import DEFAULT_BUDGET_MIB
 from ._spec import METRICS, CeArgs, GRPOOutputs, GrpoArgs, SamplerFilters, with_params
 from ._torch_args import _FLOATS, _bool, _grpo_batch, _head, _head_grad, _items, _same_device
@@ -78,6 +79,8 @@ def linear_grpo_loss(
     importance_sampling_ratio: Optional[torch.Tensor] = None,
     policy_mask: Optional[torch.Tensor] = None,
     entropy_mask: Optional[torch.Tensor] = None,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    position_ids: Optional[torch.Tensor] = None,
     loss_type: str = _TRL.loss_type,
     beta: float = _TRL.beta,
     epsilon_low: float = _TRL.epsilon_low,
@@ -113,6 +116,8 @@ def linear_grpo_loss(
 
     {grpo_masks}
 
+    {packed}
+
     {filters}
     Under them every term of the loss uses that log-prob, and a token whose target is
     outside the support is masked (loss, normalizers and metrics) and flagged in
@@ -121,6 +126,29 @@ def linear_grpo_loss(
     {plan}
     """
     group = _dist.register(vocab_parallel_group)
+    if cu_seqlens is not None or position_ids is not None:
+        items, items_tensor = _items(num_items_in_batch)
+        fields = dict(
+            loss_type=loss_type, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
+            importance_sampling_level=importance_sampling_level, temperature=temperature,
+            use_bias_correction_kl=use_bias_correction_kl, entropy_coef=entropy_coef, num_items_in_batch=items,
+            max_completion_length=max_completion_length, sapo_temperature_pos=sapo_temperature_pos,
+            sapo_temperature_neg=sapo_temperature_neg, vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos,
+            vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg, top_k=top_k, top_p=top_p, min_p=min_p,
+        )  # fmt: skip
+        per_token = dict(
+            old=old_per_token_logps, ref=ref_per_token_logps, ratio=importance_sampling_ratio,
+            policy_mask=policy_mask, entropy_mask=entropy_mask,
+        )  # fmt: skip
+
+        def checked():  # on every rank of a group before any collective: all fail together
+            packed = _packed.Packed(cu_seqlens, position_ids, completion_ids, completion_mask, advantages)
+            return packed.check(dict(per_token, hidden=hidden)), GrpoArgs(**fields).validate()
+
+        packed, args = _dist.agreed(group, checked)
+        plan = dict(mode=mode, budget_mib=budget_mib, vocab_parallel_group=vocab_parallel_group)
+        head = dict(hidden=hidden, weight=weight, bias=bias)
+        return _packed.linear_grpo(packed, head, args, per_token, items_tensor, _grpo_json(**fields), plan)
 
     def prepare():
         device = _same_device(
@@ -233,6 +261,8 @@ def grpo_loss(
     old_per_token_logps: Optional[torch.Tensor] = None,
     ref_per_token_logps: Optional[torch.Tensor] = None,
     importance_sampling_ratio: Optional[torch.Tensor] = None,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    position_ids: Optional[torch.Tensor] = None,
     loss_type: str = _TRL.loss_type,
     beta: float = _TRL.beta,
     epsilon_low: float = _TRL.epsilon_low,
@@ -263,7 +293,24 @@ def grpo_loss(
     ``[B, T]`` float32, each 0 where masked (``per_token_kl`` None when ``beta == 0``):
     ``per_token_loss = ℓ·ρ + β·kl`` before the loss type's reduction, differentiable in
     ``logits`` (at sequence level through the shared ratio ``R_b``); its backward runs the
-    logits again with the upstream gradient."""
+    logits again with the upstream gradient.
+
+    {packed}
+    Packed logits are ``[total_tokens, V]`` (or ``[1, total_tokens, V]``); each live row's
+    log-softmax is then formed in PyTorch (float32), and ``reduce=False`` is not taken."""
+    if cu_seqlens is not None or position_ids is not None:
+        return _logits_packed(
+            logits, completion_ids, completion_mask, advantages, old_per_token_logps, ref_per_token_logps,
+            importance_sampling_ratio, cu_seqlens, position_ids, num_items_in_batch, reduce,
+            dict(
+                loss_type=loss_type, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
+                importance_sampling_level=importance_sampling_level, temperature=temperature,
+                use_bias_correction_kl=use_bias_correction_kl, max_completion_length=max_completion_length,
+                sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
+                vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
+                vespo_lambda_neg=vespo_lambda_neg,
+            ),
+        )  # fmt: skip
     ids, mask, adv, (old, ref, ratio), items, config = _grpo_logits_inputs(
         logits, completion_ids, completion_mask, advantages, old_per_token_logps, ref_per_token_logps,
         importance_sampling_ratio, num_items_in_batch,
@@ -282,6 +329,20 @@ def grpo_loss(
     loss, _, logp, entropy, kl, metrics = ops.grpo_logits(logits, ids, mask, adv, old, ref, ratio, items, config)
     named = {k: metrics[i] for i, k in enumerate(METRICS)}
     return loss, GRPOOutputs(logp=logp, entropy=entropy, kl=kl, metrics=named)
+
+
+def _logits_packed(logits, ids, mask, adv, old, ref, ratio, cu_seqlens, position_ids, num_items, reduce, fields):
+    """``grpo_loss`` on a packed batch (:mod:`flashloss._torch_packed`)."""
+    if not reduce:
+        raise ValueError("argument `reduce`: False is not supported with a packed batch (cu_seqlens/position_ids)")
+    packed = _packed.Packed(cu_seqlens, position_ids, ids, mask, adv)
+    items, items_tensor = _items(num_items)
+    config = _grpo_json(num_items_in_batch=items, **fields)
+    args = GrpoArgs(num_items_in_batch=items, **fields)
+    if logits.dtype not in _FLOATS:
+        raise ValueError(f"argument `logits`: expected dtype float32, bfloat16 or float16, got {logits.dtype}")
+    per_token = dict(old=old, ref=ref, ratio=ratio, policy_mask=None, entropy_mask=None)
+    return _packed.logits_grpo(packed, logits, args, per_token, items_tensor, config)
 
 
 def _grpo_logits_inputs(logits, completion_ids, completion_mask, advantages, old, ref, ratio, num_items, fields):

@@ -28,6 +28,19 @@ SECTIONS = {
     ``policy_mask`` (TRL's off-policy mask) and ``entropy_mask`` (its top-entropy mask)
     ``[B, T]`` multiply each token's policy loss (not the KL); the entropy bonus
     ``entropy_coef`` is the mean entropy over ``completion_mask * entropy_mask``.""",
+    "packed": """\
+    A packed (padding-free) batch: ``cu_seqlens`` ``[B + 1]`` (integer offsets from 0,
+    strictly increasing, ending at ``total_tokens``: flash-attention's and TRL's
+    padding-free collator's) or ``position_ids`` ``[total_tokens]`` / ``[1, total_tokens]``
+    (0 at each sequence's first token, counting up by 1), not both. Then ``hidden`` is
+    ``[total_tokens, H]`` (or ``[1, total_tokens, H]``), ``completion_ids``, the masks and
+    the old/ref log-probs ``[total_tokens]`` (or ``[1, total_tokens]``), ``advantages``
+    ``[B]`` or ``[B, 1]``, ``importance_sampling_ratio`` ``[B]``, ``[B, 1]`` or
+    ``[total_tokens]``; the loss, metrics and gradients are those of the padded
+    ``[B, T_max]`` call (``flashloss._spec.packed``), and ``GRPOOutputs``' per-token
+    fields are ``[total_tokens]``. The head runs on the packed rows (no padded copy of
+    ``hidden``); only the per-token statistics are placed at ``(b, t)`` for the
+    per-sequence reductions. Bad sequences are a ``ValueError`` naming the argument.""",
     "filters": """\
     ``top_k``, ``top_p``, ``min_p``: the sampler's filters (vLLM V1's, in its order:
     min-p, top-k, top-p), one rule in every function and binding: ``top_k`` None, 0 or -1,

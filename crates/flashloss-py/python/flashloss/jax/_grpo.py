@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from .._config import DEFAULT_BUDGET_MIB
 from .._spec import METRICS, NORMALIZERS, GRPOOutputs, GrpoArgs, SamplerFilters, with_params
 from . import _args as A
-from . import _ffi, _policy, _support, _support_vocab, _vocab
+from . import _ffi, _packed, _policy, _support, _support_vocab, _vocab
 from ._collectives import over_tokens
 from ._losses import linear_logprobs
 from .pallas import checks as _checks
@@ -40,6 +40,8 @@ def linear_grpo_loss(
     importance_sampling_ratio=None,
     policy_mask=None,
     entropy_mask=None,
+    cu_seqlens=None,
+    position_ids=None,
     loss_type: str = _TRL.loss_type,
     beta: float = _TRL.beta,
     epsilon_low: float = _TRL.epsilon_low,
@@ -82,6 +84,10 @@ def linear_grpo_loss(
     With either mask the loss is formed in JAX above the log-prob kernel
     (:func:`linear_logprobs`, differentiable in both outputs) on either path.
 
+    {packed}
+    Traced sequences (under ``jax.jit``) are placed in ``[B, total_tokens]`` and checked
+    by a host callback; concrete ones (NumPy) in ``[B, T_max]``, checked at trace time.
+
     {filters}
     Under them every term of the loss uses that log-prob, and a token whose target is
     outside the support is masked (loss, normalizers and metrics) and flagged in
@@ -102,16 +108,21 @@ def linear_grpo_loss(
     loss, ``hidden``'s whole gradient and its own block's gradients. Both: a 2-D mesh.
     ``impl``, ``interpret``, ``weight_layout``: see :mod:`flashloss.jax`."""
     hidden, weight, bias = A.head(hidden, weight, bias, weight_layout)
-    ids, mask, adv, old, ref = A.grpo_batch(
-        completion_ids, completion_mask, advantages, old_per_token_logps, ref_per_token_logps
-    )
-    b, t = ids.shape
-    if hidden.size // hidden.shape[-1] != b * t:
-        raise ValueError(
-            f"argument `hidden`: has {hidden.size // hidden.shape[-1]} rows but completion_ids has B·T = {b * t}"
+    packed = cu_seqlens is not None or position_ids is not None
+    if packed:
+        batch = _packed.Packed(cu_seqlens, position_ids, completion_ids, completion_mask, advantages)
+        masks = (policy_mask, entropy_mask)
+    else:
+        ids, mask, adv, old, ref = A.grpo_batch(
+            completion_ids, completion_mask, advantages, old_per_token_logps, ref_per_token_logps
         )
-    rho = _policy.sampler_ratio(importance_sampling_ratio, b, t)
-    masks = (A.token_mask("policy_mask", policy_mask, (b, t)), A.token_mask("entropy_mask", entropy_mask, (b, t)))
+        b, t = ids.shape
+        if hidden.size // hidden.shape[-1] != b * t:
+            raise ValueError(
+                f"argument `hidden`: has {hidden.size // hidden.shape[-1]} rows but completion_ids has B·T = {b * t}"
+            )
+        rho = _policy.sampler_ratio(importance_sampling_ratio, b, t)
+        masks = (A.token_mask("policy_mask", policy_mask, (b, t)), A.token_mask("entropy_mask", entropy_mask, (b, t)))
     args = GrpoArgs(
         loss_type=loss_type, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
         importance_sampling_level=importance_sampling_level, temperature=temperature,
@@ -138,6 +149,17 @@ def linear_grpo_loss(
             )
         weight = jax.lax.pcast(weight, token_axis, to="varying")
         bias = None if bias is None else jax.lax.pcast(bias, token_axis, to="varying")
+    if packed:
+        per_token = dict(
+            old_per_token_logps=old_per_token_logps, ref_per_token_logps=ref_per_token_logps,
+            importance_sampling_ratio=importance_sampling_ratio, policy_mask=policy_mask, entropy_mask=entropy_mask,
+        )  # fmt: skip
+        head = dict(
+            mode=mode, budget_mib=budget, vocab_axis=vocab_axis, impl=impl, interpret=interpret,
+            weight_layout=weight_layout,
+        )  # fmt: skip
+        loss, aux, outside = _packed.linear_grpo(batch, hidden, weight, bias, per_token, args, head, token_axis)
+        return _outputs(loss, aux, outside)
     by_stats = any(m is not None for m in masks)
     if vocab_axis is not None and not by_stats:  # (linear_logprobs casts its own)
         hidden = jax.lax.pcast(hidden, vocab_axis, to="varying")
@@ -209,6 +231,8 @@ def grpo_loss(
     old_per_token_logps=None,
     ref_per_token_logps=None,
     importance_sampling_ratio=None,
+    cu_seqlens=None,
+    position_ids=None,
     loss_type: str = _TRL.loss_type,
     beta: float = _TRL.beta,
     epsilon_low: float = _TRL.epsilon_low,
@@ -240,7 +264,28 @@ def grpo_loss(
     ``reduce=False`` returns Liger's ``(per_token_loss, per_token_kl, is_clipped)``
     ``[B, T]`` float32, 0 where masked (``per_token_kl`` None when ``beta == 0``):
     ``per_token_loss = ℓ·ρ + β·kl`` before the loss type's reduction, differentiable in
-    ``logits`` (at sequence level through ``R_b``); its backward reads the logits again."""
+    ``logits`` (at sequence level through ``R_b``); its backward reads the logits again.
+
+    {packed}
+    Packed logits are ``[total_tokens, V]`` (or ``[1, total_tokens, V]``); each row's
+    log-softmax is then formed in JAX (float32), and ``reduce=False`` is not taken."""
+    if cu_seqlens is not None or position_ids is not None:
+        if not reduce:
+            raise ValueError("argument `reduce`: False is not supported with a packed batch (cu_seqlens/position_ids)")
+        batch = _packed.Packed(cu_seqlens, position_ids, completion_ids, completion_mask, advantages)
+        args = GrpoArgs(
+            loss_type=loss_type, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
+            importance_sampling_level=importance_sampling_level, temperature=temperature,
+            use_bias_correction_kl=use_bias_correction_kl, num_items_in_batch=num_items_in_batch,
+            max_completion_length=max_completion_length, sapo_temperature_pos=sapo_temperature_pos,
+            sapo_temperature_neg=sapo_temperature_neg, vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos,
+            vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg,
+        ).validate()  # fmt: skip
+        per_token = dict(
+            old_per_token_logps=old_per_token_logps, ref_per_token_logps=ref_per_token_logps,
+            importance_sampling_ratio=importance_sampling_ratio, policy_mask=None, entropy_mask=None,
+        )  # fmt: skip
+        return _outputs(*_packed.logits_grpo(batch, logits, per_token, args))
     logits = A.floats("logits", logits)
     ids, mask, adv, old, ref = A.grpo_batch(
         completion_ids, completion_mask, advantages, old_per_token_logps, ref_per_token_logps
