@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from . import _dist
+from . import _dist, _dtensor
 from . import _torch_ops as ops
 from ._config import DEFAULT_BUDGET_MIB
 from ._spec import METRICS, CeArgs, GRPOOutputs, GrpoArgs, SamplerFilters, with_params
@@ -120,6 +120,7 @@ def linear_grpo_loss(
 
     {plan}
     """
+    hidden, weight, bias, vocab_parallel_group = _dtensor.local_head(hidden, weight, bias, vocab_parallel_group)
     group = _dist.register(vocab_parallel_group)
 
     def prepare():
@@ -190,6 +191,7 @@ def linear_cross_entropy(
     {ce_args}
 
     {plan}"""
+    hidden, weight, bias, vocab_parallel_group = _dtensor.local_head(hidden, weight, bias, vocab_parallel_group)
     group = _dist.register(vocab_parallel_group)
 
     def prepare():

@@ -1,0 +1,63 @@
+"""LM heads given as DTensors (flashloss/_dtensor.py) over Gloo on the CPU, 2 and 3
+processes: a vocabulary-sharded head (Shard(0)) with a replicated hidden runs
+vocab-parallel over the mesh and equals the one-process call (loss, per-token outputs,
+dH, this rank's block of dW and dbias, returned as DTensors of the weight's placement),
+eager and under torch.compile; a replicated head runs locally; every other layout is the
+same ValueError on every rank (dtensor_worker.py checks each rank)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.distributed.is_available():
+    pytest.skip("torch.distributed is not available", allow_module_level=True)
+
+WORKER = os.path.join(os.path.dirname(__file__), "dtensor_worker.py")
+
+
+def run_ranks(world, tmp_path, timeout=120):
+    store = tmp_path / f"store-{world}"
+    env = dict(os.environ, OMP_NUM_THREADS="1", RAYON_NUM_THREADS="1")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, WORKER, str(world), str(rank), str(store)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for rank in range(world)
+    ]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=timeout)
+        assert p.returncode == 0, f"rank exited with {p.returncode}:\n{err[-4000:]}"
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    return outs
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_dtensor_head_matches_one_process(world, tmp_path):
+    outs = run_ranks(world, tmp_path)
+    assert [o["rank"] for o in outs] == list(range(world))
+    assert len(outs[0]["checks"]) == 11 and all(o["checks"] == outs[0]["checks"] for o in outs)
+    cases = outs[0]["errors"]
+    assert len(cases) == 8
+    for name, message in cases.items():
+        assert message is not None, f"{name}: no error"
+        for o in outs[1:]:
+            assert o["errors"][name] == message, f"{name}: ranks disagree"
+    assert "argument `weight`" in cases["weight Shard(1)"] and "Shard(dim=1)" in cases["weight Shard(1)"]
+    assert "hidden dimension" in cases["weight Shard(1)"]
+    assert "Partial" in cases["weight Partial"]
+    assert "argument `hidden`: a plain tensor" in cases["plain per-rank hidden"]
+    assert "FSDP" in cases["plain per-rank hidden"]
+    assert "Shard(dim=0)" in cases["hidden Shard(0)"] and "argument `hidden`" in cases["hidden Shard(0)"]
+    assert "argument `bias`" in cases["plain bias with a sharded weight"]
+    assert "2-D mesh" in cases["2-D mesh"]
+    assert "argument `vocab_parallel_group`" in cases["another group"]
+    assert "argument `vocab_parallel_group`" in cases["group with a replicated weight"]
