@@ -5,12 +5,10 @@ dH, this rank's block of dW and dbias, returned as DTensors of the weight's plac
 eager and under torch.compile; a replicated head runs locally; every other layout is the
 same ValueError on every rank (dtensor_worker.py checks each rank)."""
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
+from ranks import run_ranks
 
 torch = pytest.importorskip("torch")
 if not torch.distributed.is_available():
@@ -19,30 +17,9 @@ if not torch.distributed.is_available():
 WORKER = os.path.join(os.path.dirname(__file__), "dtensor_worker.py")
 
 
-def run_ranks(world, tmp_path, timeout=120):
-    store = tmp_path / f"store-{world}"
-    env = dict(os.environ, OMP_NUM_THREADS="1", RAYON_NUM_THREADS="1")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, WORKER, str(world), str(rank), str(store)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for rank in range(world)
-    ]
-    outs = []
-    for p in procs:
-        out, err = p.communicate(timeout=timeout)
-        assert p.returncode == 0, f"rank exited with {p.returncode}:\n{err[-4000:]}"
-        outs.append(json.loads(out.strip().splitlines()[-1]))
-    return outs
-
-
 @pytest.mark.parametrize("world", [2, 3])
 def test_dtensor_head_matches_one_process(world, tmp_path):
-    outs = run_ranks(world, tmp_path)
+    outs = run_ranks(WORKER, world, tmp_path)
     assert [o["rank"] for o in outs] == list(range(world))
     assert len(outs[0]["checks"]) == 11 and all(o["checks"] == outs[0]["checks"] for o in outs)
     cases = outs[0]["errors"]

@@ -11,8 +11,9 @@ On a 1-D mesh, ``weight`` ``[V, H]`` (and ``bias`` ``[V]``) may be
   or a plain tensor together with ``vocab_parallel_group`` set to the mesh's group (the
   caller's statement that it is the same on every rank). A plain ``hidden`` alone is
   refused: it is what data parallelism (FSDP2's sharded weight outside the module's
-  forward) passes, a different batch per rank, and running it vocab-parallel would be a
-  wrong answer, while gathering the weight is FSDP's job, not the loss's;
+  forward, e.g. the LM head wrapped as an FSDP unit of its own, which a patched forward
+  never calls) passes, a different batch per rank: running it vocab-parallel would be a
+  wrong answer, and gathering the weight is FSDP's job, not the loss's;
 - ``Replicate()``: the call runs on the local tensors of each rank, unsharded.
 
 The tensors reach the kernels through ``DTensor.to_local()``, whose backward wraps each
@@ -121,8 +122,8 @@ def local_head(hidden, weight, bias, group):
             "Tensor parallelism (the same `hidden` on every rank): pass `hidden` as a DTensor with Replicate() "
             "on the weight's mesh (`DTensor.from_local(hidden, mesh, [Replicate()])`), or set "
             "`vocab_parallel_group=mesh.get_group()`. Data parallelism (FSDP2; a different batch per rank): "
-            "the weight must be unsharded when the loss runs: call it inside the FSDP module's forward, or "
-            "`unshard()` that module first"
+            "the loss must run where FSDP has unsharded the weight, inside the forward of the FSDP module that "
+            "holds it (the root that `fully_shard(model)` wraps; not the LM head as an FSDP unit of its own)"
         )
     return _local(hidden), weight.to_local(), _local(bias), mesh_group
 
