@@ -28,3 +28,15 @@ def test_fsdp2_patched_training_matches_unpatched(tmp_path):
         assert error == outs[0]["head_unit_error"]
         assert error.startswith("argument `hidden`: a plain tensor with a vocabulary-sharded DTensor `weight`")
         assert "FSDP" in error
+
+
+def test_fsdp2_grpo_trainer_matches_data_parallel(tmp_path):
+    """FlashlossGRPOTrainer's and TRL's ``_compute_loss`` under accelerate's FSDP2 wrapping
+    (trl_fsdp_worker.py): 2 SGD steps each, equal to the same steps data parallel by hand,
+    and flashloss's losses equal to TRL's."""
+    pytest.importorskip("trl")
+    outs = run_ranks(os.path.join(os.path.dirname(__file__), "trl_fsdp_worker.py"), 2, tmp_path)
+    assert [o["rank"] for o in outs] == [0, 1]
+    for o in outs:
+        assert len(o["losses"]) == 2 and o["losses"][0] != o["losses"][1]
+        assert o["worst_grad_error"]["flashloss vs flashloss data parallel"] <= 1e-5
