@@ -6,7 +6,7 @@ float buffers), on the CPU for Gloo and on the current CUDA device for NCCL. Gro
 registered by name so that a custom op (which takes strings, not objects) can find
 them. ``agreed`` runs the Python-side checks of a call and raises the same
 ``ValueError`` on every rank when any rank's checks fail, so no rank waits for peers
-that gave up.
+that gave up (its exchange runs eagerly: a graph break under ``torch.compile``).
 """
 
 from __future__ import annotations

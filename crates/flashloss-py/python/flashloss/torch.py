@@ -14,7 +14,9 @@ over ranks by rows (tensor parallel): each rank passes every row of ``hidden`` a
 own contiguous block of ``weight``/``bias``, in rank order (blocks may differ in size);
 the row statistics merge over the group, every rank gets the whole loss and ``hidden``
 gradient and its own block's gradients. A bad input on any rank is the same
-``ValueError`` on every rank.
+``ValueError`` on every rank. A head given as ``DTensor``s says this itself: ``Shard(0)``
+runs vocab-parallel over its 1-D mesh, ``Replicate()`` locally, other layouts are refused
+(:mod:`flashloss._dtensor`).
 
 Names and defaults are those of TRL's ``GRPOConfig`` and ``GRPOTrainer._compute_loss``
 (see ``docs/python.md`` for where each argument comes from and where flashloss differs).
