@@ -134,6 +134,7 @@ def bad_layouts(mesh, world):
         "2-D mesh": lambda: fl.linear_cross_entropy(
             distribute_tensor(hidden, mesh2, [Replicate(), Replicate()]),
             distribute_tensor(weight, mesh2, [Replicate(), Shard(0)]), ids),
+        "an empty block": lambda: fl.linear_cross_entropy(rep, distribute_tensor(weight[:1], mesh, [Shard(0)]), ids),
         "another group": lambda: fl.linear_cross_entropy(rep, shard0, ids, vocab_parallel_group=dist.new_group()),
         "group with a replicated weight": lambda: fl.linear_cross_entropy(
             rep, distribute_tensor(weight, mesh, [Replicate()]), ids, vocab_parallel_group=mesh.get_group()),

@@ -23,7 +23,7 @@ def test_dtensor_head_matches_one_process(world, tmp_path):
     assert [o["rank"] for o in outs] == list(range(world))
     assert len(outs[0]["checks"]) == 11 and all(o["checks"] == outs[0]["checks"] for o in outs)
     cases = outs[0]["errors"]
-    assert len(cases) == 8
+    assert len(cases) == 9
     for name, message in cases.items():
         assert message is not None, f"{name}: no error"
         for o in outs[1:]:
@@ -36,5 +36,6 @@ def test_dtensor_head_matches_one_process(world, tmp_path):
     assert "Shard(dim=0)" in cases["hidden Shard(0)"] and "argument `hidden`" in cases["hidden Shard(0)"]
     assert "argument `bias`" in cases["plain bias with a sharded weight"]
     assert "2-D mesh" in cases["2-D mesh"]
+    assert "argument `weight`" in cases["an empty block"] and "empty block" in cases["an empty block"]
     assert "argument `vocab_parallel_group`" in cases["another group"]
     assert "argument `vocab_parallel_group`" in cases["group with a replicated weight"]

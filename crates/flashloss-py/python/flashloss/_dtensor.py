@@ -97,12 +97,18 @@ def local_head(hidden, weight, bias, group):
             "`weight.redistribute(placements=[Shard(0)])` it, or `full_tensor()` it for a local head"
         )
     if bias is not None:
-        if not isinstance(bias, DTensor) or _vocab_sharded(bias) != sharded or bias.device_mesh != weight.device_mesh:
+        if not isinstance(bias, DTensor) or tuple(bias.placements) != tuple(weight.placements):
             where = _where(bias) if isinstance(bias, DTensor) else "a plain tensor"
             raise ValueError(
                 f"argument `bias`: {where}, but `weight` is placed {_where(weight)}: place `bias` as `weight` "
                 "(the same mesh and placement)"
             )
+    n, v = weight.device_mesh.size(), weight.shape[0]
+    if sharded and -(-v // n) * (n - 1) >= v:
+        raise ValueError(
+            f"argument `weight`: Shard(0) of {v} rows over {n} ranks leaves the last rank an empty block "
+            f"(torch.chunk's blocks of {-(-v // n)} rows); shard it over fewer ranks"
+        )
     mesh_group = weight.device_mesh.get_group()
     if not sharded:
         if group is not None:
@@ -111,7 +117,7 @@ def local_head(hidden, weight, bias, group):
                 "a replicated head runs on each rank: leave `vocab_parallel_group` None"
             )
         return _local(hidden), weight.to_local(), _local(bias), None
-    if group is not None and group is not mesh_group and group.group_name != mesh_group.group_name:
+    if group is not None and getattr(group, "group_name", None) != mesh_group.group_name:
         raise ValueError(
             f"argument `vocab_parallel_group`: not the process group of `weight`'s mesh ({_where(weight)}); "
             "a DTensor `weight` runs over its own mesh: leave `vocab_parallel_group` None"
