@@ -136,6 +136,8 @@ def bad_layouts(mesh, world):
             distribute_tensor(weight, mesh2, [Replicate(), Shard(0)]), ids),
         "an empty block": lambda: fl.linear_cross_entropy(rep, distribute_tensor(weight[:1], mesh, [Shard(0)]), ids),
         "another group": lambda: fl.linear_cross_entropy(rep, shard0, ids, vocab_parallel_group=dist.new_group()),
+        "plain hidden with a replicated weight": lambda: fl.linear_logprobs(
+            hidden, distribute_tensor(weight, mesh, [Replicate()]), ids),
         "group with a replicated weight": lambda: fl.linear_cross_entropy(
             rep, distribute_tensor(weight, mesh, [Replicate()]), ids, vocab_parallel_group=mesh.get_group()),
     }  # fmt: skip
@@ -173,7 +175,7 @@ def main():
     run("grpo, plain hidden + the mesh's group", Shard(0), grpo, (head, ids, mask, adv, old), False, True)
     run("ce, plain hidden + the mesh's group", Shard(0), lambda *a, **k: (ce(*a, **k),), (head, targets), False, True)
     run("grpo replicated", Replicate(), grpo, (head, ids, mask, adv, old))
-    run("logprobs replicated, plain hidden", Replicate(), logprobs, (head, ids, mask), False)
+    run("logprobs replicated", Replicate(), logprobs, (head, ids, mask))
     run("grpo + ce + logprobs compiled", Shard(0), all_three, (head, ids, mask, adv, old, targets), compiled=True)
 
     def liger(h, w, b, ids, mask, adv, old):

@@ -23,7 +23,7 @@ def test_dtensor_head_matches_one_process(world, tmp_path):
     assert [o["rank"] for o in outs] == list(range(world))
     assert len(outs[0]["checks"]) == 11 and all(o["checks"] == outs[0]["checks"] for o in outs)
     cases = outs[0]["errors"]
-    assert len(cases) == 9
+    assert len(cases) == 10
     for name, message in cases.items():
         assert message is not None, f"{name}: no error"
         for o in outs[1:]:
@@ -39,3 +39,4 @@ def test_dtensor_head_matches_one_process(world, tmp_path):
     assert "argument `weight`" in cases["an empty block"] and "empty block" in cases["an empty block"]
     assert "argument `vocab_parallel_group`" in cases["another group"]
     assert "argument `vocab_parallel_group`" in cases["group with a replicated weight"]
+    assert "argument `hidden`: a plain tensor with a replicated" in cases["plain hidden with a replicated weight"]

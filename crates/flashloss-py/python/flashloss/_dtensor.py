@@ -14,7 +14,9 @@ On a 1-D mesh, ``weight`` ``[V, H]`` (and ``bias`` ``[V]``) may be
   forward, e.g. the LM head wrapped as an FSDP unit of its own, which a patched forward
   never calls) passes, a different batch per rank: running it vocab-parallel would be a
   wrong answer, and gathering the weight is FSDP's job, not the loss's;
-- ``Replicate()``: the call runs on the local tensors of each rank, unsharded.
+- ``Replicate()``: the call runs on the local tensors of each rank, unsharded, with
+  ``hidden`` a ``Replicate()`` DTensor on the same mesh: the weight's gradient comes back
+  ``Replicate()``, which a plain ``hidden`` (maybe different per rank) cannot promise.
 
 The tensors reach the kernels through ``DTensor.to_local()``, whose backward wraps each
 local gradient back in the input's placement: ``weight.grad`` (and ``bias.grad``) is a
@@ -116,7 +118,14 @@ def local_head(hidden, weight, bias, group):
                 f"argument `vocab_parallel_group`: given with a replicated DTensor `weight` ({_where(weight)}); "
                 "a replicated head runs on each rank: leave `vocab_parallel_group` None"
             )
-        return _local(hidden), weight.to_local(), _local(bias), None
+        if not isinstance(hidden, DTensor):
+            raise ValueError(
+                f"argument `hidden`: a plain tensor with a replicated DTensor `weight` ({_where(weight)}), whose "
+                "gradient comes back Replicate(), true only if `hidden` is the same on every rank: pass `hidden` as "
+                "a DTensor with Replicate() on the weight's mesh, or `weight.to_local()` for a per-rank loss (data "
+                "parallelism: reduce that gradient as DDP does)"
+            )
+        return hidden.to_local(), weight.to_local(), _local(bias), None
     if group is not None and getattr(group, "group_name", None) != mesh_group.group_name:
         raise ValueError(
             f"argument `vocab_parallel_group`: not the process group of `weight`'s mesh ({_where(weight)}); "
