@@ -2,7 +2,7 @@
 processes: a vocabulary-sharded head (Shard(0)) with a replicated hidden runs
 vocab-parallel over the mesh and equals the one-process call (loss, per-token outputs,
 dH, this rank's block of dW and dbias, returned as DTensors of the weight's placement),
-eager and under torch.compile; a replicated head runs locally; every other layout is the
+eager and (2 ranks) under torch.compile; a replicated head runs locally; every other layout is the
 same ValueError on every rank (dtensor_worker.py checks each rank)."""
 
 import os
@@ -21,7 +21,7 @@ WORKER = os.path.join(os.path.dirname(__file__), "dtensor_worker.py")
 def test_dtensor_head_matches_one_process(world, tmp_path):
     outs = run_ranks(WORKER, world, tmp_path)
     assert [o["rank"] for o in outs] == list(range(world))
-    assert len(outs[0]["checks"]) == 11 and all(o["checks"] == outs[0]["checks"] for o in outs)
+    assert len(outs[0]["checks"]) == (11 if world == 2 else 10) and all(o["checks"] == outs[0]["checks"] for o in outs)
     cases = outs[0]["errors"]
     assert len(cases) == 10
     for name, message in cases.items():
