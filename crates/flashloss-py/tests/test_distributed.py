@@ -4,12 +4,10 @@ outputs and hidden gradient equal the one-process call's, and its weight and bia
 gradients equal its block of them (dist_worker.py checks them, rank by rank); a bad
 input on one rank is the same ValueError on every rank, within the timeout."""
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
+from ranks import run_ranks
 
 torch = pytest.importorskip("torch")
 if not torch.distributed.is_available():
@@ -18,30 +16,9 @@ if not torch.distributed.is_available():
 WORKER = os.path.join(os.path.dirname(__file__), "dist_worker.py")
 
 
-def run_ranks(world, tmp_path, timeout=300):
-    store = tmp_path / f"store-{world}"
-    env = dict(os.environ, OMP_NUM_THREADS="1", RAYON_NUM_THREADS="1")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, WORKER, str(world), str(rank), str(store)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for rank in range(world)
-    ]
-    outs = []
-    for p in procs:
-        out, err = p.communicate(timeout=timeout)
-        assert p.returncode == 0, f"rank exited with {p.returncode}:\n{err[-4000:]}"
-        outs.append(json.loads(out.strip().splitlines()[-1]))
-    return outs
-
-
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_vocab_parallel_matches_one_process(world, tmp_path):
-    outs = run_ranks(world, tmp_path)
+    outs = run_ranks(WORKER, world, tmp_path)
     assert [o["rank"] for o in outs] == list(range(world))
     if world == 1:
         return

@@ -6,7 +6,7 @@ float buffers), on the CPU for Gloo and on the current CUDA device for NCCL. Gro
 registered by name so that a custom op (which takes strings, not objects) can find
 them. ``agreed`` runs the Python-side checks of a call and raises the same
 ``ValueError`` on every rank when any rank's checks fail, so no rank waits for peers
-that gave up.
+that gave up (its exchange runs eagerly: a graph break under ``torch.compile``).
 """
 
 from __future__ import annotations
@@ -77,8 +77,17 @@ def agreed(name: str, check: Callable[[], T]) -> T:
         result = check()
     except ValueError as e:
         error = str(e)
-    errors = group.all_gather_bytes(b"" if error is None else error.encode())
+    first = _first_error(name, error)
+    if first is not None:
+        raise ValueError(first)
+    return result  # type: ignore[return-value]
+
+
+@torch.compiler.disable  # a collective on Python objects: run eagerly (a graph break under torch.compile)
+def _first_error(name: str, error: Optional[str]) -> Optional[str]:
+    """The lowest failing rank's error of group ``name``, prefixed by its rank."""
+    errors = ops(name).all_gather_bytes(b"" if error is None else error.encode())
     for rank, e in enumerate(errors):
         if e:
-            raise ValueError(f"rank {rank}: {e.decode()}")
-    return result  # type: ignore[return-value]
+            return f"rank {rank}: {e.decode()}"
+    return None

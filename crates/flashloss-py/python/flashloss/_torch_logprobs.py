@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from . import _dist
+from . import _dist, _dtensor
 from . import _torch_ops as ops
 from ._config import DEFAULT_BUDGET_MIB
 from ._spec import LogprobOutputs, LogprobRequest, with_params
@@ -70,6 +70,7 @@ def linear_logprobs(
     support, whose ``K`` is held fixed, runs two-pass, 8NHV).
 
     {plan} (the backward's; the forward is one statistics pass)"""
+    hidden, weight, bias, vocab_parallel_group = _dtensor.local_head(hidden, weight, bias, vocab_parallel_group)
     group = _dist.register(vocab_parallel_group)
     request = LogprobRequest.of(
         temperature=temperature, return_entropy=return_entropy, return_lse=return_lse, return_max=return_max,

@@ -14,7 +14,9 @@ over ranks by rows (tensor parallel): each rank passes every row of ``hidden`` a
 own contiguous block of ``weight``/``bias``, in rank order (blocks may differ in size);
 the row statistics merge over the group, every rank gets the whole loss and ``hidden``
 gradient and its own block's gradients. A bad input on any rank is the same
-``ValueError`` on every rank.
+``ValueError`` on every rank. A head given as ``DTensor``s says this itself: ``Shard(0)``
+runs vocab-parallel over its 1-D mesh, ``Replicate()`` locally, other layouts are refused
+(:mod:`flashloss._dtensor`).
 
 Names and defaults are those of TRL's ``GRPOConfig`` and ``GRPOTrainer._compute_loss``
 (see ``docs/python.md`` for where each argument comes from and where flashloss differs).
@@ -26,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from . import _dist
+from . import _dist, _dtensor
 from . import _torch_ops as ops
 from . import _torch_packed as _packed
 from ._config import DEFAULT_BUDGET_MIB
@@ -125,6 +127,7 @@ def linear_grpo_loss(
 
     {plan}
     """
+    hidden, weight, bias, vocab_parallel_group = _dtensor.local_head(hidden, weight, bias, vocab_parallel_group)
     group = _dist.register(vocab_parallel_group)
     if cu_seqlens is not None or position_ids is not None:
         items, items_tensor = _items(num_items_in_batch)
@@ -218,6 +221,7 @@ def linear_cross_entropy(
     {ce_args}
 
     {plan}"""
+    hidden, weight, bias, vocab_parallel_group = _dtensor.local_head(hidden, weight, bias, vocab_parallel_group)
     group = _dist.register(vocab_parallel_group)
 
     def prepare():

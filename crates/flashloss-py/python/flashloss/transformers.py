@@ -72,7 +72,7 @@ def _class_of(model_or_type: Any) -> type:
     classes = _classes()
     if isinstance(model_or_type, torch.nn.Module):
         for cls in classes:
-            if type(model_or_type) is cls:
+            if type(model_or_type) is cls or _fsdp_class_of(type(model_or_type)) is cls:
                 return cls
         raise ValueError(
             f"flashloss.transformers.patch: unsupported model class {type(model_or_type).__name__} "
@@ -93,6 +93,19 @@ def _class_of(model_or_type: Any) -> type:
     raise ValueError(
         f"flashloss.transformers.patch: unsupported model_type {model_type!r} (supported: {', '.join(_SUPPORTED)})"
     )
+
+
+def _fsdp_class_of(t: type) -> Optional[type]:
+    """The model class that FSDP2's ``fully_shard`` subclassed into ``t``
+    (``FSDPQwen2ForCausalLM(FSDPModule, Qwen2ForCausalLM)``), else None."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return None
+    bases = [b for b in t.__bases__ if b is not FSDPModule]
+    if FSDPModule in t.__bases__ and len(bases) == 1 and t.__name__ == f"FSDP{bases[0].__name__}":
+        return bases[0]
+    return None
 
 
 def _keep(hidden: torch.Tensor, logits_to_keep: Union[int, torch.Tensor]) -> torch.Tensor:

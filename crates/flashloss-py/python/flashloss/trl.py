@@ -9,9 +9,10 @@ Everything but ``_compute_loss`` is TRL's (generation, rewards, advantages, the 
 reference log-probs). The loss is TRL 1.16's, including its scaling for gradient
 accumulation and its logged metrics. Supported: causal LMs whose ``get_decoder()``
 returns the hidden states that ``get_output_embeddings()`` maps to logits (Qwen2, Llama,
-Mistral, ...), text only, one process; the trainer refuses what it does not support
-(auxiliary router losses, adaptive entropy, vision inputs, several processes) with a
-``ValueError``. TRL's top-entropy mask (``top_entropy_quantile < 1``) and off-policy mask
+Mistral, ...), text only, one process or FSDP2 (accelerate's ``fsdp_version: 2``); the
+trainer refuses what it does not support (auxiliary router losses, adaptive entropy,
+vision inputs, several processes other than FSDP2's) with a ``ValueError``. TRL's
+top-entropy mask (``top_entropy_quantile < 1``) and off-policy mask
 (``off_policy_mask_threshold``) need the current policy's entropies and log-probs before
 the loss: they come from one more forward of the head without gradient
 (``linear_logprobs``), 2NHV more FLOPs.
@@ -41,8 +42,10 @@ class FlashlossGRPOTrainer(GRPOTrainer):
             reasons.append("adaptive entropy")
         if inputs.get("pixel_values") is not None:
             reasons.append("vision inputs")
-        if self.accelerator.num_processes != 1:
-            reasons.append("more than one process")
+        if self.accelerator.num_processes != 1 and not self.accelerator.is_fsdp2:
+            # The hidden states come from the decoder, past DDP's forward (its gradient sync); FSDP2's units
+            # (accelerate wraps the embedding, the layers, the final norm with the LM head) unshard there.
+            reasons.append("more than one process (other than FSDP2)")
         if reasons:
             raise ValueError("FlashlossGRPOTrainer does not support: " + ", ".join(reasons))
 
@@ -108,12 +111,16 @@ class FlashlossGRPOTrainer(GRPOTrainer):
             loss = loss / accumulation
 
         metrics = self._metrics[mode]
+
+        def mean(name):  # this process's value, averaged over the processes as TRL's are
+            return float(self.accelerator.gather(out.metrics[name].reshape(1)).nanmean())
+
         if self.beta != 0.0:
-            metrics["kl"].append(float(out.metrics["kl"]))
-        metrics["entropy"].append(float(out.metrics["entropy"]))
+            metrics["kl"].append(mean("kl"))
+        metrics["entropy"].append(mean("entropy"))
         if self.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
             for name in ("low_mean", "high_mean", "region_mean"):
-                metrics[f"clip_ratio/{name}"].append(float(out.metrics[f"clip_ratio/{name}"]))
+                metrics[f"clip_ratio/{name}"].append(mean(f"clip_ratio/{name}"))
         return loss.to(hidden.device)
 
     def _masks(self, inputs, hidden, head, completion_ids, mask):
