@@ -34,6 +34,14 @@ gradchecks() {
       "$run" "gc_linear_ce_${mode}_$dtype" "$BIN" gradcheck \
         --config configs/gradcheck/gpu/linear_ce.yaml --set dtype=$dtype --set mode=$mode
     done
+    # Log-probs with Σp², lse and candidate sets (issue 41): pass A's gather and pass B's
+    # sparse terms (two_pass), the single pass's (single_pass), and a frozen head.
+    for mode in auto two_pass single_pass; do
+      "$run" "gc_linear_logprobs_${mode}_$dtype" "$BIN" gradcheck \
+        --config configs/gradcheck/gpu/linear_logprobs.yaml --set dtype=$dtype --set mode=$mode
+    done
+    "$run" "gc_linear_logprobs_frozen_$dtype" "$BIN" gradcheck \
+      --config configs/gradcheck/gpu/linear_logprobs.yaml --set dtype=$dtype --set head_grad=frozen
   done
   # The CUDA kernels sharded through NCCL (a world of one): vocab-parallel and token.
   for parallel in vocab token; do

@@ -4,10 +4,10 @@
 //! device's kept [`GpuWorkspace`] (cuBLAS handle and tiles), which is bound to the
 //! call's stream for the length of the call.
 
+use super::cuda_head::CudaHead;
 use super::device::{Gpu, GpuElement, device_error};
 use super::grpo_logits::{grpo_logits_backward, grpo_logits_forward};
 use super::head::{GpuGrads, GpuInputs, GpuWorkspace};
-use super::passes::CudaHead;
 use crate::batch::{GrpoBatch, LinearInputs, LogitsLayout};
 use crate::element::{DType, Element};
 use crate::error::{Error, Result};
