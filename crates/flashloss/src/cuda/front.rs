@@ -19,15 +19,16 @@ use half::bf16;
 
 /// Device addresses of an LM head (`hidden [N, H]`, `weight [V, H]` in the call's
 /// element type, an f32 `bias [V]`) and of its f32 gradient buffers (no `dweight` or
-/// `dbias` for a frozen head), memory the caller owns, with the stream the caller
-/// orders its work on.
+/// `dbias` for a frozen head; none at all for a call without gradients, e.g. log-probs),
+/// memory the caller owns, with the stream the caller orders its work on.
 #[derive(Debug, Clone, Copy)]
 pub struct BorrowedHead {
     stream: usize,
     hidden: u64,
     weight: u64,
     bias: Option<u64>,
-    dhidden: u64,
+    /// `None`: no gradient buffers ([`BorrowedHead::without_grads`]).
+    dhidden: Option<u64>,
     dweight: Option<u64>,
     dbias: Option<u64>,
     tokens: usize,
@@ -59,9 +60,32 @@ impl BorrowedHead {
             hidden,
             weight,
             bias,
-            dhidden,
+            dhidden: Some(dhidden),
             dweight,
             dbias,
+            tokens,
+            hidden_size,
+            vocab,
+        }
+    }
+
+    /// A head without gradient buffers (a call that forms no gradient: log-probs).
+    ///
+    /// # Safety
+    /// As [`BorrowedHead::new`]'s, for the head's buffers and `stream`.
+    pub unsafe fn without_grads(
+        stream: usize,
+        (hidden, weight, bias): (u64, u64, Option<u64>),
+        (tokens, hidden_size, vocab): (usize, usize, usize),
+    ) -> Self {
+        BorrowedHead {
+            stream,
+            hidden,
+            weight,
+            bias,
+            dhidden: None,
+            dweight: None,
+            dbias: None,
             tokens,
             hidden_size,
             vocab,
@@ -203,16 +227,16 @@ pub(crate) fn run_on_borrowed<R>(
                 hidden_size: h,
                 vocab: v,
             };
-            let mut grads = GpuGrads {
-                dhidden: gpu.borrow(b.dhidden, n * h),
+            let mut grads = b.dhidden.map(|dhidden| GpuGrads {
+                dhidden: gpu.borrow(dhidden, n * h),
                 dweight: b.dweight.map(|p| gpu.borrow(p, v * h)),
                 dbias: b.dbias.map(|p| gpu.borrow(p, v)),
-            };
+            });
             let result = work(&mut CudaHead {
                 gpu: &gpu,
                 head: &head,
                 ws: workspace(&gpu, ws)?,
-                grads: Some(&mut grads),
+                grads: grads.as_mut(),
                 materialized: false,
             });
             gpu.synchronize()?;
