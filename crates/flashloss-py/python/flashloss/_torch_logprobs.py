@@ -94,6 +94,8 @@ def linear_logprobs(
         return _head(hidden, weight, bias)
 
     h, w, b = _dist.agreed(group, prepare)
+    if b is not None and h.device.type == "cuda":
+        b = b.float()  # the GPU kernels read the bias in f32
     # Per-row inputs go to the kernels as CPU tensors (on a GPU: one copy each to the host).
     m = None if mask is None else (mask != 0).cpu().contiguous()
     budget = DEFAULT_BUDGET_MIB if budget_mib is None else float(budget_mib)
