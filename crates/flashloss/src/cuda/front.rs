@@ -134,8 +134,8 @@ pub fn check_weight_layout(layout: WeightLayout) -> Result<()> {
     }
 }
 
-/// Runs `work` on a device copy of host `inputs` (f32 or bf16); the gradients (when
-/// `grads` has buffers) are added back into `grads`.
+/// Runs `work` on a device copy of host `inputs` (f32 or bf16; f16 widened to f32); the
+/// gradients (when `grads` has buffers) are added back into `grads`.
 pub(crate) fn run_on_host_buffers<E: Element, R>(
     gpu: &Gpu,
     ws: &mut Option<GpuWorkspace>,
@@ -189,13 +189,24 @@ pub(crate) fn run_on_host_buffers<E: Element, R>(
     if let Some(inputs) = cast(inputs, E::as_f32) {
         return typed::<f32, R>(gpu, ws, &inputs, grads, work);
     }
-    match cast(inputs, E::as_bf16) {
-        Some(inputs) => typed::<bf16, R>(gpu, ws, &inputs, grads, work),
-        None => Err(Error::InvalidArgument {
-            arg: "hidden",
-            reason: format!("the CUDA backend takes f32 or bf16, not {:?}", E::DTYPE),
-        }),
+    if let Some(inputs) = cast(inputs, E::as_bf16) {
+        return typed::<bf16, R>(gpu, ws, &inputs, grads, work);
     }
+    // f16: widened to f32 (exact) on the host, so its products run on the widened
+    // operands, as the CPU's do.
+    let widen = |x: &[E]| -> Vec<f32> { x.iter().map(|v| v.to_f32()).collect() };
+    let (hidden, weight) = (widen(inputs.hidden), widen(inputs.weight));
+    let bias = inputs.bias.map(widen);
+    let wide = LinearInputs {
+        hidden: &hidden,
+        weight: &weight,
+        bias: bias.as_deref(),
+        tokens: inputs.tokens,
+        hidden_size: inputs.hidden_size,
+        vocab: inputs.vocab,
+        layout: inputs.layout,
+    };
+    typed::<f32, R>(gpu, ws, &wide, grads, work)
 }
 
 /// Runs `work` on a [`CudaHead`] over the borrowed buffers of `b` (elements of
