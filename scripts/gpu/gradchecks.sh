@@ -34,7 +34,20 @@ gradchecks() {
       "$run" "gc_linear_ce_${mode}_$dtype" "$BIN" gradcheck \
         --config configs/gradcheck/gpu/linear_ce.yaml --set dtype=$dtype --set mode=$mode
     done
+    # Log-probs with Σp², lse and candidate sets (issue 41): pass A's gather and pass B's
+    # sparse terms (two_pass), the single pass's (single_pass), and a frozen head.
+    for mode in auto two_pass single_pass; do
+      "$run" "gc_linear_logprobs_${mode}_$dtype" "$BIN" gradcheck \
+        --config configs/gradcheck/gpu/linear_logprobs.yaml --set dtype=$dtype --set mode=$mode
+    done
+    "$run" "gc_linear_logprobs_frozen_$dtype" "$BIN" gradcheck \
+      --config configs/gradcheck/gpu/linear_logprobs.yaml --set dtype=$dtype --set head_grad=frozen
   done
+  # float16 heads, widened to f32 on the host before the device (issue 41).
+  "$run" gc_linear_grpo_auto_f16 "$BIN" gradcheck \
+    --config configs/gradcheck/gpu/linear_grpo.yaml --set dtype=f16
+  "$run" gc_linear_logprobs_two_pass_f16 "$BIN" gradcheck \
+    --config configs/gradcheck/gpu/linear_logprobs.yaml --set dtype=f16 --set mode=two_pass
   # The CUDA kernels sharded through NCCL (a world of one): vocab-parallel and token.
   for parallel in vocab token; do
     "$run" "gc_nccl_world_of_one_$parallel" "$BIN" gradcheck --collective nccl \

@@ -91,15 +91,29 @@ impl<'py> HeadTensors<'py> {
                 ),
             ));
         }
-        for t in std::iter::once(&weight).chain(&bias) {
-            if t.dtype != hidden.dtype {
-                return Err(arg_error(
-                    t.arg,
-                    format!(
-                        "dtype {:?} differs from hidden's {:?}",
-                        t.dtype, hidden.dtype
-                    ),
-                ));
+        if weight.dtype != hidden.dtype {
+            return Err(arg_error(
+                "weight",
+                format!(
+                    "dtype {:?} differs from hidden's {:?}",
+                    weight.dtype, hidden.dtype
+                ),
+            ));
+        }
+        if let Some(b) = &bias {
+            // The CPU reads the bias in the head's dtype, the GPU kernels in f32 (the
+            // Python side widens it: `flashloss.torch`).
+            let want = if hidden.cuda.is_some() {
+                DType::F32
+            } else {
+                hidden.dtype
+            };
+            if b.dtype != want {
+                let reason = match hidden.cuda {
+                    Some(_) => format!("on a GPU the kernels read it in F32, got {:?}", b.dtype),
+                    None => format!("dtype {:?} differs from hidden's {want:?}", b.dtype),
+                };
+                return Err(arg_error("bias", reason));
             }
         }
         if let Some(b) = &bias {

@@ -117,11 +117,21 @@ fn call_borrowed<E: TorchElement, R: Send>(
     call: impl FnOnce(&Device, HeadArgs<E>) -> flashloss::Result<R> + Send,
 ) -> PyResult<R> {
     let device = gpu(ordinal).map_err(|e| arg_error("hidden", e))?;
+    let shape = (head.tokens, head.hidden_size, head.vocab);
     let Some(g) = grads else {
-        return Err(arg_error(
-            "hidden",
-            "is on a GPU; this function runs CPU tensors (so far)",
-        ));
+        // SAFETY: as below, for the head's tensors (a call without gradients).
+        let borrowed = unsafe {
+            flashloss::cuda::BorrowedHead::without_grads(
+                stream,
+                (
+                    head.hidden.device_ptr(),
+                    head.weight.device_ptr(),
+                    head.bias.as_ref().map(|b| b.device_ptr()),
+                ),
+                shape,
+            )
+        };
+        return run(py, || call(device, HeadArgs::Cuda(borrowed)));
     };
     // SAFETY: the Python side passes PyTorch's current stream of this device and
     // contiguous tensors of these sizes and dtypes (checked there and in `Tensor`),
@@ -136,7 +146,7 @@ fn call_borrowed<E: TorchElement, R: Send>(
             g.hidden.device_ptr(),
             g.weight.as_ref().map(|w| w.device_ptr()),
             g.bias.as_ref().map(|b| b.device_ptr()),
-            (head.tokens, head.hidden_size, head.vocab),
+            shape,
         )
     };
     run(py, || call(device, HeadArgs::Cuda(borrowed)))

@@ -3,7 +3,9 @@
 //! with what a call asks beyond them (each row's `lse`, max scaled logit and `Σp²`, the
 //! log-probs of candidate ids `gather_ids` `[..., K]`, the log-probs under the truncated
 //! support of `top_k`/`top_p`/`min_p`), and their gradient w.r.t. hidden, weight and bias for upstream
-//! gradients of `logp`, entropy, `lse` and the candidates' log-probs. CPU tensors; a
+//! gradients of `logp`, entropy, `lse` and the candidates' log-probs. The head on the
+//! CPU, or on a GPU (a `cuda` build: borrowed, on `stream`, PyTorch's current one); the
+//! per-row inputs and outputs are CPU tensors either way (the Python side stages them). A
 //! vocab-parallel `group` splits the head's vocabulary.
 
 use crate::args::{BOOL, F32, Grads, HeadTensors, I64};
@@ -116,7 +118,7 @@ fn logp_rows<'py>(
 #[allow(clippy::too_many_arguments)]
 #[pyo3(signature = (hidden, weight, bias, ids, mask, temperature, budget_mib, out_logp, out_entropy,
     group=None, out_lse=None, out_max=None, out_sum_p2=None, gather_ids=None, out_gathered=None,
-    top_k=None, top_p=None, min_p=None, out_outside=None))]
+    top_k=None, top_p=None, min_p=None, out_outside=None, stream=0))]
 pub fn logp_linear<'py>(
     py: Python<'py>,
     hidden: &Bound<'py, PyAny>,
@@ -138,6 +140,7 @@ pub fn logp_linear<'py>(
     top_p: Option<f64>,
     min_p: Option<f64>,
     out_outside: Option<&Bound<'py, PyAny>>,
+    stream: usize,
 ) -> PyResult<()> {
     let group = VocabGroup::new(group)?;
     let parsed = (|| {
@@ -158,13 +161,13 @@ pub fn logp_linear<'py>(
     let budget = opts.budget_bytes;
     let out = match &group {
         None => {
-            with_element!(head.hidden.dtype, E => call_head::<E, _>(py, &head, None, 0, |d, h| {
+            with_element!(head.hidden.dtype, E => call_head::<E, _>(py, &head, None, stream, |d, h| {
                 d.logp_linear_with(h, rows, &request, budget, seq_len)
             }))?
         }
         Some(g) => {
             let shard = head_shard(py, g, &head)?;
-            with_element!(head.hidden.dtype, E => call_head::<E, _>(py, &head, None, 0, |d, h| {
+            with_element!(head.hidden.dtype, E => call_head::<E, _>(py, &head, None, stream, |d, h| {
                 d.logp_linear_sharded_with(&Grid::vocab(&g.0), shard, h, (rows, &request), budget, seq_len)
             }))?
         }
@@ -241,7 +244,7 @@ type Outputs<'a, 'py> = (
 #[allow(clippy::too_many_arguments)]
 #[pyo3(signature = (hidden, weight, bias, ids, mask, grad_logp, grad_entropy, temperature, mode,
     budget_mib, grad_hidden, grad_weight, grad_bias, group=None, grad_lse=None, gather_ids=None,
-    grad_gathered=None, top_k=None, top_p=None, min_p=None))]
+    grad_gathered=None, top_k=None, top_p=None, min_p=None, stream=0))]
 pub fn logp_linear_grads<'py>(
     py: Python<'py>,
     hidden: &Bound<'py, PyAny>,
@@ -264,6 +267,7 @@ pub fn logp_linear_grads<'py>(
     top_k: Option<i64>,
     top_p: Option<f64>,
     min_p: Option<f64>,
+    stream: usize,
 ) -> PyResult<()> {
     let group = VocabGroup::new(group)?;
     let parsed = (|| {
@@ -309,13 +313,13 @@ pub fn logp_linear_grads<'py>(
     let call = (rows, &request);
     match &group {
         None => with_element!(head.hidden.dtype, E => call_head::<E, _>(
-            py, &head, Some(&mut grads), 0,
+            py, &head, Some(&mut grads), stream,
             |d, h| d.logp_linear_grads_with_into(h, call, upstream, &opts, seq_len),
         ))?,
         Some(g) => {
             let shard = head_shard(py, g, &head)?;
             with_element!(head.hidden.dtype, E => call_head::<E, _>(
-                py, &head, Some(&mut grads), 0,
+                py, &head, Some(&mut grads), stream,
                 |d, h| d.logp_linear_grads_sharded_with_into(&Grid::vocab(&g.0), shard, h, call, upstream, &opts, seq_len),
             ))?
         }

@@ -112,7 +112,50 @@ def test_nccl_group_of_one_matches_no_group(tmp_path):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.xfail(raises=ValueError, strict=True, reason="flashloss.torch.linear_logprobs runs CPU tensors only")
+def logprobs_on(d, gather, device, **kw):
+    """``linear_logprobs`` with every output but the support's on ``device``, and the
+    gradients of a sum of all the differentiable ones."""
+    leaves = [d[k].to(device).clone().requires_grad_() for k in ("hidden", "weight", "bias")]
+    out = fl.linear_logprobs(
+        leaves[0], leaves[1], d["ids"].to(device), 0.8, True, bias=leaves[2].to(d["hidden"].dtype),
+        mask=d["mask"].to(device), return_lse=True, return_max=True, return_sum_p2=True,
+        gather_ids=gather.to(device), **kw,
+    )  # fmt: skip
+    loss = out.logp.sum() + 0.1 * out.entropy.sum() + 0.01 * out.lse.sum() + 0.05 * out.gathered_logp.sum()
+    loss.backward()
+    return out, [x.grad for x in leaves]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("mode", ["auto", "two_pass", "single_pass"])
+def test_logprob_options_match_the_cpu(dtype, tol, mode):
+    """Issue 41: Σp² (S₂ in row_states), lse, the max logit and candidate sets
+    (gather_logits.cu, their one-hot gradient terms by sparse_grads.cu) on CUDA tensors
+    give the CPU kernels' values and gradients, in pass A + pass B and in a single pass."""
+    d = data(8, dtype=dtype)
+    g = torch.Generator().manual_seed(80)
+    gather = torch.randint(0, d["weight"].shape[0], (*d["ids"].shape, 5), generator=g)
+    gather[..., 0] = d["ids"]  # a candidate that is the target
+    gather[..., 1] = gather[..., 2]  # a repeat
+    cpu_out, cpu_grads = logprobs_on(d, gather, "cpu", mode=mode)
+    out, grads = logprobs_on(d, gather, "cuda", mode=mode)
+    for name in ("logp", "entropy", "lse", "max_logit", "sum_p2", "gathered_logp"):
+        got, want = getattr(out, name), getattr(cpu_out, name)
+        assert got.device.type == "cuda" and got.shape == want.shape, name
+        err = (got.cpu().double() - want.double()).abs().max().item()
+        assert err <= tol * max(1.0, want.double().abs().max().item()), (name, err)
+    for got, want in zip(grads, cpu_grads):
+        assert got.device.type == "cuda" and got.dtype == want.dtype
+        assert (got.cpu().double() - want.double()).abs().max() <= tol * want.double().abs().max() + 1e-6
+
+
+def test_truncated_support_is_refused_on_cuda():
+    """The truncated support does not run on CUDA yet: a ValueError naming it."""
+    d = data(9)
+    with pytest.raises(ValueError, match="truncated support"):
+        fl.linear_logprobs(d["hidden"].cuda(), d["weight"].cuda(), d["ids"].cuda(), top_k=50)
+
+
 def test_verl_entry_points_on_cuda_tensors():
     import flashloss.verl as fverl
 

@@ -11,6 +11,8 @@ use flashloss_tools::gradcheck::{
 use flashloss_tools::{Error, config_file, sharded_check};
 
 const SHIPPED: &str = include_str!("../../../configs/gradcheck/linear_logprobs.yaml");
+/// The GPU check's log-prob config (scripts/gpu/gradchecks.sh, `device: cuda`).
+const GPU: &str = include_str!("../../../configs/gradcheck/gpu/linear_logprobs.yaml");
 
 /// A small head (V not a multiple of 256, masked rows) with every request on.
 fn config(dtype: DType, support: bool) -> GradcheckConfig {
@@ -72,6 +74,43 @@ fn the_shipped_config_passes_every_gate() {
         }
         assert_eq!(gates_of(&r), want);
         assert!(r.loss_ref.is_finite() && r.loss_ref != 0.0);
+    }
+}
+
+/// The GPU check's log-prob runs (every mode, f32 and bf16, a frozen head, f16), on the CPU:
+/// the config is valid, asks Σp², lse and candidate sets, and the CPU passes it, so a
+/// failure on the device is the device's.
+#[test]
+fn the_gpu_config_passes_on_the_cpu() {
+    let on_cpu = |sets: &[&str]| -> GradcheckConfig {
+        let sets: Vec<String> = ["device=cpu"]
+            .iter()
+            .chain(sets)
+            .map(|s| s.to_string())
+            .collect();
+        config_file::parse(GPU, &sets).unwrap()
+    };
+    let cuda: GradcheckConfig = config_file::parse(GPU, &[]).unwrap();
+    assert_eq!(cuda.device, gradcheck::Backend::Cuda);
+    let mut runs: Vec<[&str; 2]> = Vec::new();
+    for dtype in ["dtype=f32", "dtype=bf16"] {
+        for extra in [
+            "mode=auto",
+            "mode=two_pass",
+            "mode=single_pass",
+            "head_grad=frozen",
+        ] {
+            runs.push([dtype, extra]);
+        }
+    }
+    runs.push(["dtype=f16", "mode=two_pass"]);
+    for sets in runs {
+        let r = gradcheck::run(&on_cpu(&sets)).unwrap();
+        assert!(r.passed, "{sets:?}: {:?}", r.gates);
+        for gate in ["lse", "sum_p2", "gathered"] {
+            assert!(r.gate(gate).is_some(), "{sets:?}: no gate {gate}");
+        }
+        assert!(r.gate("support_outside").is_none(), "{sets:?}");
     }
 }
 

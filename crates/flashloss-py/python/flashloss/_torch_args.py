@@ -49,6 +49,10 @@ def _head(hidden, weight, bias):
     # One dtype as it is; float32 with one half dtype: that one (as autocast); both halves: float32.
     halves = [d for d in _HALVES if d in dtypes]
     dtype = halves[0] if len(halves) == 1 else torch.float32
+    if dtype == torch.float16 and hidden.device.type == "cuda":
+        # The CUDA backend reads f32 or bf16: a float16 head is widened (exactly), so its
+        # products run on the widened operands, as the CPU's do (an f32 copy of the head).
+        dtype = torch.float32
     cast = [None if t is None else t.to(dtype).contiguous() for t in (hidden, weight, bias)]
     return cast
 

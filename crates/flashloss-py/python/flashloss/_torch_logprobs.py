@@ -53,6 +53,12 @@ def linear_logprobs(
     asked): ``logp``, and the entropy when ``return_entropy``. Rows where ``mask`` is false
     are not computed (zero, no gradient).
 
+    CPU tensors, or CUDA tensors in a build with the ``cuda`` feature: the head stays on the
+    GPU (PyTorch's current stream), ``ids``, ``mask`` and ``gather_ids`` are copied to the
+    host, the outputs come back on the head's device. On CUDA every option but the
+    truncated support (``top_k``/``top_p``/``min_p``, refused with a ``ValueError``) runs
+    (compiled, not yet run on a GPU).
+
     More per-row outputs: ``return_lse`` (``logsumexp_j s_j``), ``return_max``
     (``max_j s_j``), ``return_sum_p2`` (``Σ_j p_j²``), ``gather_ids`` ``[..., K]`` (integer,
     any ``K >= 1``, repeats allowed: ``gathered_logp = s_k - lse`` at each id, with no
@@ -79,7 +85,7 @@ def linear_logprobs(
 
     def prepare():
         named = {"hidden": hidden, "weight": weight, "ids": ids, "bias": bias, "mask": mask, "gather_ids": gather_ids}
-        _same_device(named, cuda=False)
+        _same_device(named)
         if hidden.shape[:-1] != ids.shape:
             raise ValueError(
                 f"argument `ids`: shape {list(ids.shape)} does not match hidden's rows {list(hidden.shape[:-1])}"
@@ -89,13 +95,16 @@ def linear_logprobs(
         return _head(hidden, weight, bias)
 
     h, w, b = _dist.agreed(group, prepare)
-    m = None if mask is None else (mask != 0).contiguous()
+    if b is not None and h.device.type == "cuda":
+        b = b.float()  # the GPU kernels read the bias in f32
+    # Per-row inputs go to the kernels as CPU tensors (on a GPU: one copy each to the host).
+    m = None if mask is None else (mask != 0).cpu().contiguous()
     budget = DEFAULT_BUDGET_MIB if budget_mib is None else float(budget_mib)
-    g = None if gather_ids is None else gather_ids.to(torch.int64).contiguous()
+    g = None if gather_ids is None else gather_ids.to(device="cpu", dtype=torch.int64).contiguous()
     f = request.filters
     args = (m, request.temperature, budget, group, g, request.return_sum_p2, f.top_k, f.top_p, f.min_p, mode)
     logp, entropy, lse, max_logit, sum_p2, gathered, outside = ops.logp_linear(
-        h, w, b, ids.to(torch.int64).contiguous(), *args
+        h, w, b, ids.to(device="cpu", dtype=torch.int64).contiguous(), *args
     )
     if request.support is not None:
         outside = outside != 0 if f.truncates else torch.zeros(ids.shape, dtype=torch.bool, device=logp.device)

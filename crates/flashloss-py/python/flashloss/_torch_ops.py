@@ -414,7 +414,7 @@ def logp_linear(
     _native.logp_linear(
         h, weight, bias, ids, mask, temperature, budget_mib, logp, entropy, _dist.ops(group), lse, max_logit,
         p2 if sum_p2 else None, gather_ids, None if gather_ids is None else gathered, top_k, top_p, min_p,
-        outside if support else None,
+        outside if support else None, _stream(hidden.device),
     )  # fmt: skip
     return tuple(t.to(hidden.device) for t in out)
 
@@ -461,7 +461,7 @@ def logp_linear_backward(
     _native.logp_linear_grads(
         h, weight, bias, ids, mask, g_logp, _f32(grad_entropy), temperature, mode, budget_mib,
         dh.view(h.shape), *_native_grads(dw, db, bias, head_grad), _dist.ops(group), _f32(grad_lse),
-        None if gathered is None else gather_ids, gathered, top_k, top_p, min_p,
+        None if gathered is None else gather_ids, gathered, top_k, top_p, min_p, _stream(hidden.device),
     )  # fmt: skip
     return dh, dw, db
 

@@ -42,8 +42,9 @@ backend rounds ``hidden @ W.T`` to bf16 first: on a bf16 model the two differ by
 rounding, and flashloss's values are the closer to the exact ones. Log-probs are never
 positive and a vocabulary of any size works (verl#2656, verl#2899 were the Triton kernel's).
 
-flashloss's ``linear_logprobs`` runs CPU tensors only so far: a CUDA tensor is refused
-with a ``ValueError``.
+CUDA tensors run on flashloss's CUDA backend (a build with the ``cuda`` feature; the
+token ids are copied to the host, the outputs come back on the GPU): compiled, not yet
+run on a GPU.
 """
 
 from __future__ import annotations

@@ -4,10 +4,10 @@
 //! device's kept [`GpuWorkspace`] (cuBLAS handle and tiles), which is bound to the
 //! call's stream for the length of the call.
 
+use super::cuda_head::CudaHead;
 use super::device::{Gpu, GpuElement, device_error};
 use super::grpo_logits::{grpo_logits_backward, grpo_logits_forward};
 use super::head::{GpuGrads, GpuInputs, GpuWorkspace};
-use super::passes::CudaHead;
 use crate::batch::{GrpoBatch, LinearInputs, LogitsLayout};
 use crate::element::{DType, Element};
 use crate::error::{Error, Result};
@@ -19,15 +19,16 @@ use half::bf16;
 
 /// Device addresses of an LM head (`hidden [N, H]`, `weight [V, H]` in the call's
 /// element type, an f32 `bias [V]`) and of its f32 gradient buffers (no `dweight` or
-/// `dbias` for a frozen head), memory the caller owns, with the stream the caller
-/// orders its work on.
+/// `dbias` for a frozen head; none at all for a call without gradients, e.g. log-probs),
+/// memory the caller owns, with the stream the caller orders its work on.
 #[derive(Debug, Clone, Copy)]
 pub struct BorrowedHead {
     stream: usize,
     hidden: u64,
     weight: u64,
     bias: Option<u64>,
-    dhidden: u64,
+    /// `None`: no gradient buffers ([`BorrowedHead::without_grads`]).
+    dhidden: Option<u64>,
     dweight: Option<u64>,
     dbias: Option<u64>,
     tokens: usize,
@@ -59,9 +60,32 @@ impl BorrowedHead {
             hidden,
             weight,
             bias,
-            dhidden,
+            dhidden: Some(dhidden),
             dweight,
             dbias,
+            tokens,
+            hidden_size,
+            vocab,
+        }
+    }
+
+    /// A head without gradient buffers (a call that forms no gradient: log-probs).
+    ///
+    /// # Safety
+    /// As [`BorrowedHead::new`]'s, for the head's buffers and `stream`.
+    pub unsafe fn without_grads(
+        stream: usize,
+        (hidden, weight, bias): (u64, u64, Option<u64>),
+        (tokens, hidden_size, vocab): (usize, usize, usize),
+    ) -> Self {
+        BorrowedHead {
+            stream,
+            hidden,
+            weight,
+            bias,
+            dhidden: None,
+            dweight: None,
+            dbias: None,
             tokens,
             hidden_size,
             vocab,
@@ -110,8 +134,8 @@ pub fn check_weight_layout(layout: WeightLayout) -> Result<()> {
     }
 }
 
-/// Runs `work` on a device copy of host `inputs` (f32 or bf16); the gradients (when
-/// `grads` has buffers) are added back into `grads`.
+/// Runs `work` on a device copy of host `inputs` (f32 or bf16; f16 widened to f32); the
+/// gradients (when `grads` has buffers) are added back into `grads`.
 pub(crate) fn run_on_host_buffers<E: Element, R>(
     gpu: &Gpu,
     ws: &mut Option<GpuWorkspace>,
@@ -165,13 +189,24 @@ pub(crate) fn run_on_host_buffers<E: Element, R>(
     if let Some(inputs) = cast(inputs, E::as_f32) {
         return typed::<f32, R>(gpu, ws, &inputs, grads, work);
     }
-    match cast(inputs, E::as_bf16) {
-        Some(inputs) => typed::<bf16, R>(gpu, ws, &inputs, grads, work),
-        None => Err(Error::InvalidArgument {
-            arg: "hidden",
-            reason: format!("the CUDA backend takes f32 or bf16, not {:?}", E::DTYPE),
-        }),
+    if let Some(inputs) = cast(inputs, E::as_bf16) {
+        return typed::<bf16, R>(gpu, ws, &inputs, grads, work);
     }
+    // f16: widened to f32 (exact) on the host, so its products run on the widened
+    // operands, as the CPU's do.
+    let widen = |x: &[E]| -> Vec<f32> { x.iter().map(|v| v.to_f32()).collect() };
+    let (hidden, weight) = (widen(inputs.hidden), widen(inputs.weight));
+    let bias = inputs.bias.map(widen);
+    let wide = LinearInputs {
+        hidden: &hidden,
+        weight: &weight,
+        bias: bias.as_deref(),
+        tokens: inputs.tokens,
+        hidden_size: inputs.hidden_size,
+        vocab: inputs.vocab,
+        layout: inputs.layout,
+    };
+    typed::<f32, R>(gpu, ws, &wide, grads, work)
 }
 
 /// Runs `work` on a [`CudaHead`] over the borrowed buffers of `b` (elements of
@@ -203,16 +238,16 @@ pub(crate) fn run_on_borrowed<R>(
                 hidden_size: h,
                 vocab: v,
             };
-            let mut grads = GpuGrads {
-                dhidden: gpu.borrow(b.dhidden, n * h),
+            let mut grads = b.dhidden.map(|dhidden| GpuGrads {
+                dhidden: gpu.borrow(dhidden, n * h),
                 dweight: b.dweight.map(|p| gpu.borrow(p, v * h)),
                 dbias: b.dbias.map(|p| gpu.borrow(p, v)),
-            };
+            });
             let result = work(&mut CudaHead {
                 gpu: &gpu,
                 head: &head,
                 ws: workspace(&gpu, ws)?,
-                grads: Some(&mut grads),
+                grads: grads.as_mut(),
                 materialized: false,
             });
             gpu.synchronize()?;

@@ -223,3 +223,11 @@ pub fn head_logits<E: GpuElement>(
         0.0,
     )
 }
+
+/// The error of a pass that adds gradients on a head made without gradient buffers.
+pub(crate) fn no_grads() -> Error {
+    Error::InvalidArgument {
+        arg: "grads",
+        reason: "this head has no gradient buffers (a log-prob head)".into(),
+    }
+}

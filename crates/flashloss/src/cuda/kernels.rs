@@ -42,8 +42,23 @@ pub const SOFTMAX_ROWS: KernelSource = KernelSource {
     ],
 };
 
+/// Candidate sets (`gather_ids`): the logits at each row's candidate ids, gathered from
+/// each tile as it is formed.
+pub const GATHER_LOGITS: KernelSource = KernelSource {
+    name: "gather_logits.cu",
+    source: include_str!("kernels/gather_logits.cu"),
+    kernels: &["gather_logits_f32"],
+};
+
+/// The candidate sets' one-hot gradient terms, added into a `dZ` tile (f32 or bf16).
+pub const SPARSE_GRADS: KernelSource = KernelSource {
+    name: "sparse_grads.cu",
+    source: include_str!("kernels/sparse_grads.cu"),
+    kernels: &["sparse_add_f32", "sparse_add_bf16"],
+};
+
 /// Every source of the backend.
-pub const SOURCES: &[KernelSource] = &[SOFTMAX_ROWS];
+pub const SOURCES: &[KernelSource] = &[SOFTMAX_ROWS, GATHER_LOGITS, SPARSE_GRADS];
 
 /// Whether NVRTC's library can be loaded (checked before any call: cudarc panics if
 /// a library it needs is missing).

@@ -11,6 +11,8 @@
 //! the peak ([`DeviceMemory`]).
 
 pub mod blas;
+mod candidates;
+mod cuda_head;
 mod device;
 mod front;
 mod grpo_logits;
@@ -19,15 +21,17 @@ pub mod kernels;
 mod launch;
 mod nccl;
 mod passes;
+mod plan;
 mod selective_log_softmax;
 mod watchdog;
 
 pub use blas::{CUBLAS_WORKSPACE_BYTES, GemmShape};
+pub use cuda_head::CudaHead;
 pub use device::{DeviceBuffer, DeviceMemory, Gpu, GpuElement, driver_present};
 pub use front::{BorrowedHead, check_weight_layout};
 pub(crate) use front::{grpo_logits_host, run_on_borrowed, run_on_host_buffers};
 pub use grpo_logits::{grpo_logits_backward, grpo_logits_forward};
 pub use head::{GpuGrads, GpuInputs, GpuWorkspace, head_logits};
 pub use nccl::{Nccl, nccl_present};
-pub use passes::{CudaHead, materialized_plan, plan};
+pub use plan::{materialized_plan, plan};
 pub use selective_log_softmax::selective_log_softmax;

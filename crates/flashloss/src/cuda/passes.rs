@@ -4,92 +4,24 @@
 //! ([`super::blas`]); the row kernels of `softmax_rows.cu` merge each tile's softmax
 //! state (pass A) and turn a tile into `dZ` (pass B, in place for f32 heads, into a
 //! bf16 tile for bf16 heads, the operand of the bf16 products); `dH += dZ·W` and
-//! `dW += dZᵀ·H` accumulate in f32. [`CudaHead`] is the GPU's [`Head`]: the loss
-//! drivers of [`crate::fused`] run on it as on the CPU's.
+//! `dW += dZᵀ·H` accumulate in f32. [`super::CudaHead`] (`cuda_head.rs`) is the GPU's
+//! [`crate::fused::Head`], making these passes: the loss drivers of [`crate::fused`] run on
+//! it as on the CPU's.
 
-use super::blas::{CUBLAS_WORKSPACE_BYTES, GemmShape, Operand, gemm};
+use super::blas::{GemmShape, Operand, gemm};
+use super::candidates::{DeviceGather, DeviceSparse, TileArgs, hook_unsupported, no_softcap};
 use super::device::{DeviceBuffer, Gpu, GpuElement, device_error};
-use super::head::{GpuGrads, GpuInputs, GpuWorkspace};
+use super::head::{GpuGrads, GpuInputs, GpuWorkspace, no_grads};
 use super::launch::{KernelLayout, RowCoef, rows_launch};
-use crate::batch::HeadShape;
-use crate::collective::Collective;
 use crate::element::DType;
 use crate::error::{Error, Result};
 use crate::fused::{
-    Block, FusedOptions, FusedPasses, GradPart, GradsOf, Head, HeadGrad, Plan, PlanLimits, RowGrad,
-    plan_blocks,
+    FusedPasses, GradsOf, Plan, RowGrad, SinglePassHooks, SparseGrads, TileVisitor,
 };
-use crate::range::grad_out_of_range;
 use crate::rows::{OnlineSoftmax, PartialStats, RowInputs, RowStats};
 use cudarc::cublas::sys::cudaDataType_t;
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use std::ops::Range;
-
-/// Widest vocabulary tile of a two-pass product.
-const VOCAB_TILE_MAX: usize = 16_384;
-/// Largest row block (the products are near peak well before it).
-const MAX_BLOCK_ROWS: usize = 8192;
-/// Single-pass blocks with fewer rows make thin products; auto mode then chooses
-/// two-pass.
-const MIN_SINGLE_PASS_ROWS: usize = 1024;
-
-/// Bytes per logit of a plan's tiles: the f32 logits, and the bf16 `dZ` of bf16 heads.
-fn tile_bytes(dtype: DType) -> usize {
-    match dtype {
-        DType::F32 => 4,
-        // f16 never reaches the GPU's passes (`run_on_borrowed` refuses it).
-        DType::Bf16 | DType::F16 => 6,
-    }
-}
-
-/// Chooses the mode and block sizes on the GPU: the largest blocks whose tiles fit the
-/// budget less the cuBLAS workspace. `single_pass_allowed` is false for losses that
-/// reduce over sequences.
-pub fn plan(
-    n: usize,
-    v: usize,
-    dtype: DType,
-    opts: &FusedOptions,
-    single_pass_allowed: bool,
-) -> Result<Plan> {
-    let limits = PlanLimits {
-        reserve_bytes: CUBLAS_WORKSPACE_BYTES,
-        reserve_name: format!("the cuBLAS workspace of {CUBLAS_WORKSPACE_BYTES} bytes"),
-        vocab_tile: v.min(VOCAB_TILE_MAX),
-        max_block_rows: MAX_BLOCK_ROWS,
-        min_single_pass_rows: MIN_SINGLE_PASS_ROWS,
-        half_rate_rows: 0.0,
-        has_compact: false,
-        extra_name: "",
-    };
-    let per = tile_bytes(dtype);
-    plan_blocks(
-        n,
-        v,
-        &limits,
-        |rows, block| match block {
-            Block::Tile => rows * limits.vocab_tile * per,
-            Block::Whole | Block::Compact => rows * v * per,
-        },
-        opts,
-        single_pass_allowed,
-    )
-}
-
-/// The unfused baseline's plan: one block of all `n` rows over the whole vocabulary,
-/// i.e. the `[N, V]` logits (f32) and their gradient (in place, or bf16) materialized.
-pub fn materialized_plan(n: usize, v: usize, dtype: DType) -> Plan {
-    Plan {
-        single_pass: true,
-        compact: false,
-        block_rows: n,
-        vocab_tile: v,
-        workspace_bytes: n * v * tile_bytes(dtype),
-        gemm_reserve_bytes: CUBLAS_WORKSPACE_BYTES,
-        bf16_products: None,
-        head_grad: HeadGrad::Full,
-    }
-}
 
 /// Per-row softmax state on the device `[N]` each (`row_states`' running arrays).
 struct DeviceStates {
@@ -98,10 +30,12 @@ struct DeviceStates {
     u: DeviceBuffer<f32>,
     target: DeviceBuffer<f32>,
     sum: DeviceBuffer<f32>,
+    /// `S₂ = Σ exp(2(x - μ)/T)` (for `Σp² = S₂/S²`).
+    s2: DeviceBuffer<f32>,
 }
 
 /// The GPU's [`FusedPasses`] over one head.
-struct GpuPasses<'a, E> {
+pub(super) struct GpuPasses<'a, E> {
     gpu: &'a Gpu,
     head: &'a GpuInputs<E>,
     rows: RowInputs<'a>,
@@ -116,7 +50,7 @@ struct GpuPasses<'a, E> {
 
 impl<'a, E: GpuElement> GpuPasses<'a, E> {
     /// Uploads the per-row inputs, allocates the O(N) state and the plan's tiles.
-    fn new(
+    pub(super) fn new(
         gpu: &'a Gpu,
         head: &'a GpuInputs<E>,
         rows: RowInputs<'a>,
@@ -139,6 +73,7 @@ impl<'a, E: GpuElement> GpuPasses<'a, E> {
                 u: gpu.zeros(n)?,
                 target: gpu.zeros(n)?,
                 sum: gpu.zeros(n)?,
+                s2: gpu.zeros(n)?,
             },
             gpu,
             head,
@@ -233,6 +168,7 @@ impl<'a, E: GpuElement> GpuPasses<'a, E> {
             gpu.addr(&st.u, r0),
             gpu.addr(&st.target, r0),
             gpu.addr(&st.sum, r0),
+            gpu.addr(&st.s2, r0),
         ];
         let mut launch = gpu.stream().launch_builder(f);
         launch
@@ -251,7 +187,8 @@ impl<'a, E: GpuElement> GpuPasses<'a, E> {
             .arg(&ptrs[3])
             .arg(&ptrs[4])
             .arg(&ptrs[5])
-            .arg(&ptrs[6]);
+            .arg(&ptrs[6])
+            .arg(&ptrs[7]);
         // SAFETY: the arguments match `row_states_f32`; the tile holds `rows` rows of
         // `ldz` columns, the per-row arrays hold N entries from row 0.
         unsafe { launch.launch(rows_launch(rows.len())?) }
@@ -270,12 +207,13 @@ impl<'a, E: GpuElement> GpuPasses<'a, E> {
                 .map_err(|e| device_error("copying row statistics to the host", e))?;
             Ok(host)
         };
-        let (mu, s, u, target, sum) = (
+        let (mu, s, u, target, sum, s2) = (
             get(&st.mu)?,
             get(&st.s)?,
             get(&st.u)?,
             get(&st.target)?,
             get(&st.sum)?,
+            get(&st.s2)?,
         );
         self.gpu.synchronize()?;
         let inv_temp = self.rows.transform.inv_temp;
@@ -286,8 +224,7 @@ impl<'a, E: GpuElement> GpuPasses<'a, E> {
                     max: mu[r],
                     sum: s[r] as f64,
                     weighted: u[r] as f64,
-                    // The CUDA kernels do not form `S₂` (yet): `Σp²` is refused.
-                    sum2: f64::NAN,
+                    sum2: s2[r] as f64,
                 })
                 .collect(),
             target_logits: target,
@@ -295,14 +232,30 @@ impl<'a, E: GpuElement> GpuPasses<'a, E> {
         })
     }
 
+    /// The tile of `rows` × `vocab` (row stride `ld`) as the candidate kernels take it.
+    fn tile_args<'r>(
+        &self,
+        rows: &'r Range<usize>,
+        vocab: &'r Range<usize>,
+        ld: usize,
+    ) -> TileArgs<'r> {
+        TileArgs {
+            rows,
+            vocab,
+            ld,
+            bias: self.bias_addr(vocab),
+            cap: self.cap_args(),
+        }
+    }
+
     /// Turns the tile (row stride `ldz`, rows `rows`, vocabulary `vocab`) into `dZ`
-    /// with `coefs` (one per row of the block) and adds its products into the gradients.
+    /// with `coefs` (one per row of the block) and the `sparse` terms, and adds its
+    /// products into the gradients.
     fn grad_and_accumulate(
         &self,
-        rows: &Range<usize>,
-        vocab: &Range<usize>,
-        ldz: usize,
+        (rows, vocab, ldz): (&Range<usize>, &Range<usize>, usize),
         coefs: &DeviceBuffer<RowCoef>,
+        sparse: Option<&DeviceSparse>,
     ) -> Result<()> {
         let gpu = self.gpu;
         let h = self.head.hidden_size;
@@ -337,6 +290,10 @@ impl<'a, E: GpuElement> GpuPasses<'a, E> {
         // the block, the tiles `rows` rows of `ldz` columns.
         unsafe { launch.launch(rows_launch(rows.len())?) }
             .map_err(|e| device_error(&format!("launching {kernel}"), e))?;
+        if let Some(sp) = sparse {
+            let bf16 = dz_type == cudaDataType_t::CUDA_R_16BF;
+            sp.add(gpu, (dz, bf16), &self.tile_args(rows, vocab, ldz))?;
+        }
         let dz_op = Operand {
             addr: dz,
             dtype: dz_type,
@@ -407,178 +364,134 @@ impl<'a, E: GpuElement> GpuPasses<'a, E> {
     }
 }
 
-impl<E: GpuElement> FusedPasses for GpuPasses<'_, E> {
-    fn plan(&self) -> Plan {
-        self.plan
-    }
-
-    fn row_states(&mut self) -> Result<PartialStats> {
+impl<E: GpuElement> GpuPasses<'_, E> {
+    /// Pass A, gathering the candidates of `gather` from each tile.
+    fn states_pass(&mut self, gather: Option<&DeviceGather>) -> Result<PartialStats> {
         let vt = self.plan.vocab_tile;
         for rows in self.row_blocks() {
             for (t, vocab) in self.vocab_tiles(vt).into_iter().enumerate() {
                 self.logits_tile(&rows, &vocab, vocab.len())?;
                 self.merge_states(&rows, &vocab, vocab.len(), t > 0)?;
+                if let Some(g) = gather {
+                    let z = self.logits_addr()?;
+                    g.tile(self.gpu, z, &self.tile_args(&rows, &vocab, vocab.len()))?;
+                }
             }
         }
         self.download_states(&(0..self.head.tokens))
     }
 
-    fn accumulate_grads(&mut self, grads: &[RowGrad]) -> Result<()> {
+    /// Pass B with the `sparse` terms added to each `dZ` tile.
+    fn grads_pass(&mut self, grads: &[RowGrad], sparse: Option<&DeviceSparse>) -> Result<()> {
         if grads.iter().any(|g| g.support.is_some()) {
-            return Err(Error::Unsupported {
-                feature: "top_k/top_p/min_p",
-                reason:
-                    "the CUDA backend does not support a truncated support yet; use the CPU backend"
-                        .into(),
-            });
+            return Err(hook_unsupported());
         }
         let vt = self.plan.vocab_tile;
         for rows in self.row_blocks() {
-            if grads[rows.clone()].iter().all(RowGrad::is_zero) {
+            let sparse_zero = sparse.is_none_or(|s| s.rows_are_zero(&rows));
+            if grads[rows.clone()].iter().all(RowGrad::is_zero) && sparse_zero {
                 continue;
             }
             let coefs = self.upload_coefs(&grads[rows.clone()])?;
             for vocab in self.vocab_tiles(vt) {
                 self.logits_tile(&rows, &vocab, vocab.len())?;
-                self.grad_and_accumulate(&rows, &vocab, vocab.len(), &coefs)?;
+                self.grad_and_accumulate((&rows, &vocab, vocab.len()), &coefs, sparse)?;
             }
         }
         Ok(())
     }
 
-    fn single_pass(&mut self, grads_of: &mut GradsOf) -> Result<Vec<RowStats>> {
+    /// Single pass, gathering the candidates of `gather` from each block and adding the
+    /// `sparse` terms to its `dZ`.
+    fn single_pass_with(
+        &mut self,
+        grads_of: &mut GradsOf,
+        gather: Option<&DeviceGather>,
+        sparse: Option<&DeviceSparse>,
+    ) -> Result<Vec<RowStats>> {
         let v = self.head.vocab;
         let all = 0..v;
         let mut stats = vec![RowStats::default(); self.head.tokens];
         for rows in self.row_blocks() {
             self.logits_tile(&rows, &all, v)?;
             self.merge_states(&rows, &all, v, false)?;
+            if let Some(g) = gather {
+                g.tile(
+                    self.gpu,
+                    self.logits_addr()?,
+                    &self.tile_args(&rows, &all, v),
+                )?;
+            }
             let part = self.download_states(&rows)?;
             for (r, i) in rows.clone().enumerate() {
                 stats[i] = part.finish_row(r, i, &self.rows, v);
             }
             let grads = grads_of(rows.clone(), &stats);
             let coefs = self.upload_coefs(&grads)?;
-            self.grad_and_accumulate(&rows, &all, v, &coefs)?;
+            self.grad_and_accumulate((&rows, &all, v), &coefs, sparse)?;
         }
         Ok(stats)
     }
-}
 
-/// The error of a pass that adds gradients on a head made without gradient buffers.
-fn no_grads() -> Error {
-    Error::InvalidArgument {
-        arg: "grads",
-        reason: "this head has no gradient buffers (a log-prob head)".into(),
-    }
-}
-
-/// Checks that every entry of the device buffer `buf` (argument `arg`) is finite.
-fn check_finite<T: GpuElement>(gpu: &Gpu, arg: &'static str, buf: &DeviceBuffer<T>) -> Result<()> {
-    match gpu.first_non_finite(buf)? {
-        Some(index) => Err(Error::NonFinite {
-            arg,
-            index,
-            value: gpu.value_at(buf, index)?.to_f32() as f64,
-        }),
-        None => Ok(()),
-    }
-}
-
-/// An LM head in device memory with its gradients (added into, in f32) and a
-/// workspace kept across steps: the GPU's [`Head`]. The per-row inputs stay on the
-/// host; the per-row loss stages run there between the device passes.
-pub struct CudaHead<'a, E> {
-    /// The GPU.
-    pub gpu: &'a Gpu,
-    /// Hidden states, weight, bias.
-    pub head: &'a GpuInputs<E>,
-    /// The cuBLAS handle and tiles.
-    pub ws: &'a mut GpuWorkspace,
-    /// Where the gradients are added (none for a loss without gradients, e.g. log-probs).
-    pub grads: Option<&'a mut GpuGrads>,
-    /// Run [`materialized_plan`] (the unfused baseline) instead of planning to the budget.
-    pub materialized: bool,
-}
-
-impl<E: GpuElement> Head for CudaHead<'_, E> {
-    fn shape(&self) -> HeadShape {
-        self.head.shape()
-    }
-
-    fn validate(&self, grads: Option<HeadGrad>) -> Result<()> {
-        let (gpu, head) = (self.gpu, self.head);
-        check_finite(gpu, "hidden", &head.hidden)?;
-        check_finite(gpu, "weight", &head.weight)?;
-        if let Some(b) = &head.bias {
-            check_finite(gpu, "bias", b)?;
+    /// `sparse` on the device (no soft-cap: its slope is not applied).
+    fn upload_sparse(&self, sparse: &SparseGrads) -> Result<DeviceSparse> {
+        if self.rows.transform.softcap.is_some() {
+            return Err(no_softcap());
         }
-        match (&self.grads, grads) {
-            (Some(g), Some(head_grad)) => g.check(head, head_grad),
-            (None, Some(_)) => Err(no_grads()),
-            (_, None) => Ok(()),
-        }
+        DeviceSparse::upload(self.gpu, sparse, self.head.tokens, self.head.vocab)
+    }
+}
+
+/// The hooks run on the device: candidate sets (their ids up once, their logits down
+/// once, `cuda/candidates.rs`); a truncated support's visitors, which need every tile
+/// on the host, are refused ([`hook_unsupported`]), as is `visit_tiles`.
+impl<E: GpuElement> FusedPasses for GpuPasses<'_, E> {
+    fn plan(&self) -> Plan {
+        self.plan
     }
 
-    fn check_grads(&self, seq_len: usize) -> Result<()> {
-        let Some(g) = &self.grads else {
-            return Ok(());
+    fn row_states(&mut self) -> Result<PartialStats> {
+        self.states_pass(None)
+    }
+
+    fn accumulate_grads(&mut self, grads: &[RowGrad]) -> Result<()> {
+        self.grads_pass(grads, None)
+    }
+
+    fn row_states_visiting(&mut self, visitor: &mut dyn TileVisitor) -> Result<PartialStats> {
+        let mut sink = visitor.device_gather().ok_or_else(hook_unsupported)?;
+        let gather = DeviceGather::upload(self.gpu, &sink)?;
+        let states = self.states_pass(Some(&gather))?;
+        gather.download(self.gpu, &mut sink)?;
+        Ok(states)
+    }
+
+    fn accumulate_grads_sparse(&mut self, grads: &[RowGrad], sparse: &SparseGrads) -> Result<()> {
+        let sparse = self.upload_sparse(sparse)?;
+        self.grads_pass(grads, Some(&sparse))
+    }
+
+    fn single_pass(&mut self, grads_of: &mut GradsOf) -> Result<Vec<RowStats>> {
+        self.single_pass_with(grads_of, None, None)
+    }
+
+    fn single_pass_hooked(
+        &mut self,
+        grads_of: &mut GradsOf,
+        hooks: SinglePassHooks,
+    ) -> Result<Vec<RowStats>> {
+        let mut sink = match hooks.visitor {
+            Some(v) => Some(v.device_gather().ok_or_else(hook_unsupported)?),
+            None => None,
         };
-        let h = self.head.hidden_size;
-        for (quantity, buf) in std::iter::once(("dhidden", &g.dhidden))
-            .chain(g.dweight.as_ref().map(|w| ("dweight", w)))
-            .chain(g.dbias.as_ref().map(|b| ("dbias", b)))
-        {
-            if let Some(k) = self.gpu.first_non_finite(buf)? {
-                let value = self.gpu.value_at(buf, k)?;
-                return Err(grad_out_of_range(quantity, k, value, h, seq_len));
-            }
+        let gather = (sink.as_ref())
+            .map(|s| DeviceGather::upload(self.gpu, s))
+            .transpose()?;
+        let sparse = hooks.sparse.map(|s| self.upload_sparse(s)).transpose()?;
+        let stats = self.single_pass_with(grads_of, gather.as_ref(), sparse.as_ref())?;
+        if let (Some(g), Some(s)) = (&gather, sink.as_mut()) {
+            g.download(self.gpu, s)?;
         }
-        Ok(())
-    }
-
-    fn plan(&self, opts: &FusedOptions, single_pass_allowed: bool) -> Result<Plan> {
-        let (n, v) = (self.head.tokens, self.head.vocab);
-        if self.materialized {
-            return Ok(materialized_plan(n, v, E::DTYPE));
-        }
-        plan(n, v, E::DTYPE, opts, single_pass_allowed)
-    }
-
-    fn passes<'s>(
-        &'s mut self,
-        rows: RowInputs<'s>,
-        plan: Plan,
-    ) -> Result<Box<dyn FusedPasses + 's>> {
-        let passes = GpuPasses::new(
-            self.gpu,
-            self.head,
-            rows,
-            plan,
-            &mut *self.ws,
-            self.grads.as_deref_mut(),
-        )?;
-        Ok(Box::new(passes))
-    }
-
-    fn all_reduce(&mut self, comm: &dyn Collective, part: GradPart) -> Result<()> {
-        let gpu = self.gpu;
-        let grads = self.grads.as_deref_mut().ok_or_else(no_grads)?;
-        let bufs = match part {
-            GradPart::Hidden => vec![&mut grads.dhidden],
-            GradPart::Head => grads
-                .dweight
-                .iter_mut()
-                .chain(grads.dbias.as_mut())
-                .collect(),
-        };
-        for buf in bufs {
-            let mut host = gpu.download(buf)?;
-            comm.all_reduce_sum_f32(&mut host)?;
-            gpu.stream()
-                .memcpy_htod(&host, buf.slice_mut())
-                .map_err(|e| device_error("copying summed gradients to the device", e))?;
-        }
-        gpu.synchronize()
+        Ok(stats)
     }
 }

@@ -54,7 +54,8 @@ pub(crate) fn row_stats<E: GpuElement>(
         .arg(s.slice_mut())
         .arg(u.slice_mut())
         .arg(target.slice_mut())
-        .arg(sum.slice_mut());
+        .arg(sum.slice_mut())
+        .arg(&null);
     // SAFETY: the arguments match `row_states` in softmax_rows.cu; every buffer holds
     // the rows the layout was validated for.
     unsafe { launch.launch(rows_launch(n)?) }
@@ -71,7 +72,7 @@ pub(crate) fn row_stats<E: GpuElement>(
             max: mu[i],
             sum: s[i] as f64,
             weighted: u[i] as f64,
-            // Not formed by the CUDA kernel (yet).
+            // Not formed here (`st_s2` null): no logits-level call asks `Σp²`.
             sum2: f64::NAN,
         };
         stats[i] = RowStats::finish(&state, target[i]);

@@ -11,7 +11,7 @@
 
 use super::logp_request::GatherIds;
 use super::passes::SparseGrads;
-use super::terms::TileVisitor;
+use super::terms::{DeviceGatherSink, TileVisitor};
 use crate::rows::RowStats;
 use std::ops::Range;
 
@@ -21,6 +21,9 @@ pub(crate) struct GatherVisitor {
     /// Per row, `(local id, slot)` sorted by id: rows' lists at `starts[i]..starts[i+1]`.
     order: Vec<(usize, usize)>,
     starts: Vec<usize>,
+    /// `[N, K]` ids local to the head (-1: not gathered), for a backend that gathers on
+    /// its device.
+    local: Vec<i64>,
     /// Raw logits `[N, K]` (0 where not gathered on this head).
     pub(crate) z: Vec<f32>,
 }
@@ -45,10 +48,17 @@ impl GatherVisitor {
             }
             starts.push(order.len());
         }
+        let mut local = vec![-1; n * k];
+        for (i, w) in starts.windows(2).enumerate() {
+            for &(j, slot) in &order[w[0]..w[1]] {
+                local[i * k + slot] = j as i64;
+            }
+        }
         GatherVisitor {
             k,
             order,
             starts,
+            local,
             z: vec![0.0; n * k],
         }
     }
@@ -63,6 +73,14 @@ impl TileVisitor for GatherVisitor {
                 self.z[i * self.k + slot] = z[r * ld + j - vocab.start];
             }
         }
+    }
+
+    fn device_gather(&mut self) -> Option<DeviceGatherSink<'_>> {
+        Some(DeviceGatherSink {
+            k: self.k,
+            local_ids: &self.local,
+            z: &mut self.z,
+        })
     }
 }
 
@@ -118,5 +136,76 @@ pub(crate) fn sparse_terms(
                 }
             })
             .collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What `cuda/kernels/gather_logits.cu` does with a visitor's device ids, written on
+    /// the host: out[r·k + slot] = tile[r, id - col0] where the id falls in the tile.
+    fn gather_kernel_model(
+        tile: (&[f32], usize, &[usize], Range<usize>),
+        ids: &[i64],
+        k: usize,
+        out: &mut [f32],
+    ) {
+        let (z, ld, rows, vocab) = tile;
+        for (r, &i) in rows.iter().enumerate() {
+            for slot in 0..k {
+                let id = ids[i * k + slot];
+                if id >= 0 && vocab.contains(&(id as usize)) {
+                    out[i * k + slot] = z[r * ld + id as usize - vocab.start];
+                }
+            }
+        }
+    }
+
+    /// The device ids of a vocabulary shard (masked rows and other shards' ids -1,
+    /// repeats kept) gather, tile by tile, exactly what `visit` gathers.
+    #[test]
+    fn device_ids_gather_what_visit_gathers() {
+        let (n, k, range) = (5usize, 4usize, 7usize..29);
+        let ids: Vec<i64> = (0..n * k).map(|a| ((a * 37 + 11) % 35) as i64).collect();
+        let mut ids = ids;
+        ids[2] = ids[1]; // a repeat
+        let live = [true, false, true, true, true];
+        let gather = GatherIds { ids: &ids, k };
+        let mut visitor = GatherVisitor::new(&gather, &live, &range);
+        let sink = visitor
+            .device_gather()
+            .expect("a candidate visitor gathers on a device");
+        assert_eq!(sink.k, k);
+        let local = sink.local_ids.to_vec();
+        for (at, (&l, &id)) in local.iter().zip(&ids).enumerate() {
+            let held = live[at / k] && range.contains(&(id as usize));
+            let want = if held { id - range.start as i64 } else { -1 };
+            assert_eq!(l, want, "slot {at}");
+        }
+        let v = range.len();
+        let z: Vec<f32> = (0..n * v).map(|x| x as f32 * 0.5 - 3.0).collect();
+        let mut device_z = vec![0.0f32; n * k];
+        let live_rows: Vec<usize> = (0..n).filter(|&i| live[i]).collect();
+        for tile in [0..6, 6..13, 13..v] {
+            let zt: Vec<f32> = (live_rows.iter())
+                .flat_map(|&i| z[i * v + tile.start..i * v + tile.end].to_vec())
+                .collect();
+            visitor.visit(&live_rows, tile.clone(), &zt, tile.len());
+            gather_kernel_model(
+                (&zt, tile.len(), &live_rows, tile),
+                &local,
+                k,
+                &mut device_z,
+            );
+        }
+        let mut sink_z = vec![0.0f32; n * k];
+        for (at, &l) in local.iter().enumerate() {
+            if l >= 0 {
+                sink_z[at] = device_z[at];
+            }
+        }
+        assert_eq!(sink_z, visitor.z);
+        assert!(visitor.z.iter().any(|&x| x != 0.0));
     }
 }

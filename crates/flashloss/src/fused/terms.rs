@@ -96,4 +96,26 @@ impl SupportTerm {
 pub trait TileVisitor: Send {
     /// One tile.
     fn visit(&mut self, rows: &[usize], vocab: Range<usize>, z: &[f32], ld: usize);
+
+    /// For a backend whose tiles stay on its device (CUDA): the candidate ids this
+    /// visitor gathers, to gather there instead of [`TileVisitor::visit`]. `None` (the
+    /// default): the visitor needs every tile (a truncated support's), which such a
+    /// backend refuses.
+    fn device_gather(&mut self) -> Option<DeviceGatherSink<'_>> {
+        None
+    }
+}
+
+/// What a candidate-set visitor gathers, for a backend that gathers on its device: per
+/// row `k` slots, the id local to the head's vocabulary of each (`-1`: not gathered, a
+/// masked row or an id another shard holds), and where the gathered logits go (the
+/// logits `visit` would have seen: after bias and soft-cap, before `1/T`; entries whose
+/// id is `-1` keep their values).
+pub struct DeviceGatherSink<'v> {
+    /// Slots per row.
+    pub k: usize,
+    /// `[N, k]` ids local to the head (`-1`: none).
+    pub local_ids: &'v [i64],
+    /// `[N, k]` gathered logits.
+    pub z: &'v mut [f32],
 }

@@ -8,7 +8,8 @@
 // none). Statistics are those of the CPU kernel's OnlineSoftmax, in f32:
 //   mu = max_j x_j,  S = sum_j exp((x_j - mu) * inv_temp),
 //   U = sum_j exp((x_j - mu) * inv_temp) * (x_j - mu) * inv_temp,
-// so that lse = mu * inv_temp + log S and H = log S - U / S.
+//   S2 = sum_j exp(2 (x_j - mu) * inv_temp),
+// so that lse = mu * inv_temp + log S, H = log S - U / S and sum_j p_j^2 = S2 / S^2.
 
 #define BLOCK 256
 #define NEG_INF (-__int_as_float(0x7f800000))
@@ -46,9 +47,9 @@ __device__ __forceinline__ float logit(float z, const float* bias, long long col
     return inv_cap != 0.0f ? cap * tanhf(z * inv_cap) : z;
 }
 
-// Online-softmax state (mu, S, U) and its merge (the CPU's OnlineSoftmax::merge).
+// Online-softmax state (mu, S, U, S2) and its merge (the CPU's OnlineSoftmax::merge).
 struct State {
-    float mu, s, u;
+    float mu, s, u, s2;
 };
 
 __device__ __forceinline__ State merge(State a, State b, float inv_temp) {
@@ -61,16 +62,18 @@ __device__ __forceinline__ State merge(State a, State b, float inv_temp) {
     out.mu = mu;
     out.s = fa * a.s + fb * b.s;
     out.u = fa * (a.u + da * a.s) + fb * (b.u + db * b.s);
+    out.s2 = fa * fa * a.s2 + fb * fb * b.s2;
     return out;
 }
 
 __device__ State block_merge(State st, float inv_temp) {
-    __shared__ float sh_mu[BLOCK / 32], sh_s[BLOCK / 32], sh_u[BLOCK / 32];
+    __shared__ float sh_mu[BLOCK / 32], sh_s[BLOCK / 32], sh_u[BLOCK / 32], sh_s2[BLOCK / 32];
     for (int off = 16; off > 0; off >>= 1) {
         State o;
         o.mu = __shfl_down_sync(0xffffffffu, st.mu, off);
         o.s = __shfl_down_sync(0xffffffffu, st.s, off);
         o.u = __shfl_down_sync(0xffffffffu, st.u, off);
+        o.s2 = __shfl_down_sync(0xffffffffu, st.s2, off);
         st = merge(st, o, inv_temp);
     }
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -78,6 +81,7 @@ __device__ State block_merge(State st, float inv_temp) {
         sh_mu[warp] = st.mu;
         sh_s[warp] = st.s;
         sh_u[warp] = st.u;
+        sh_s2[warp] = st.s2;
     }
     __syncthreads();
     if (warp == 0) {
@@ -85,11 +89,13 @@ __device__ State block_merge(State st, float inv_temp) {
         w.mu = lane < BLOCK / 32 ? sh_mu[lane] : NEG_INF;
         w.s = lane < BLOCK / 32 ? sh_s[lane] : 0.0f;
         w.u = lane < BLOCK / 32 ? sh_u[lane] : 0.0f;
+        w.s2 = lane < BLOCK / 32 ? sh_s2[lane] : 0.0f;
         for (int off = 16; off > 0; off >>= 1) {
             State o;
             o.mu = __shfl_down_sync(0xffffffffu, w.mu, off);
             o.s = __shfl_down_sync(0xffffffffu, w.s, off);
             o.u = __shfl_down_sync(0xffffffffu, w.u, off);
+            o.s2 = __shfl_down_sync(0xffffffffu, w.s2, off);
             w = merge(w, o, inv_temp);
         }
         st = w;
@@ -115,14 +121,14 @@ __device__ float block_sum(float v) {
 // `col_offset`, merged into the running arrays (mu, s, u, target logit, logit sum) when
 // `merge_into` is set, written over them otherwise. Rows whose `live` flag is 0 are
 // skipped (their running values stay as they are). The target logit is taken where
-// targets[row] falls in this part.
+// targets[row] falls in this part. `st_s2` (S2) may be null: not formed.
 template <typename T>
 __device__ void row_states(const T* __restrict__ z, Layout lz, int cols, long long col_offset,
                            const float* __restrict__ bias, float inv_temp, float cap,
                            float inv_cap, const long long* __restrict__ targets,
                            const unsigned char* __restrict__ live, int merge_into,
                            float* st_mu, float* st_s, float* st_u, float* st_target,
-                           float* st_sum) {
+                           float* st_sum, float* st_s2) {
     long long row = blockIdx.x;
     if (live && !live[row]) return;
     const T* zr = z + row_offset(lz, row);
@@ -130,6 +136,7 @@ __device__ void row_states(const T* __restrict__ z, Layout lz, int cols, long lo
     st.mu = NEG_INF;
     st.s = 0.0f;
     st.u = 0.0f;
+    st.s2 = 0.0f;
     float sum = 0.0f;
     // Two sweeps per thread: the max of its columns, then its sums against that max.
     for (int j = threadIdx.x; j < cols; j += BLOCK)
@@ -141,6 +148,7 @@ __device__ void row_states(const T* __restrict__ z, Layout lz, int cols, long lo
             float e = __expf(d);
             st.s += e;
             st.u += e * d;
+            st.s2 += e * e;
             sum += x;
         }
     }
@@ -153,6 +161,7 @@ __device__ void row_states(const T* __restrict__ z, Layout lz, int cols, long lo
             prev.mu = st_mu[row];
             prev.s = st_s[row];
             prev.u = st_u[row];
+            prev.s2 = st_s2 ? st_s2[row] : 0.0f;
             total = merge(prev, total, inv_temp);
             total_sum += st_sum[row];
         } else {
@@ -162,6 +171,7 @@ __device__ void row_states(const T* __restrict__ z, Layout lz, int cols, long lo
         st_s[row] = total.s;
         st_u[row] = total.u;
         st_sum[row] = total_sum;
+        if (st_s2) st_s2[row] = total.s2;
         if (y >= 0 && y < cols) st_target[row] = logit(load(zr, y), bias, y, cap, inv_cap);
     }
 }
@@ -210,18 +220,19 @@ extern "C" __global__ void __launch_bounds__(BLOCK)
 row_states_f32(const float* z, Layout lz, int cols, long long col_offset, const float* bias,
                float inv_temp, float cap, float inv_cap, const long long* targets,
                const unsigned char* live, int merge_into, float* st_mu, float* st_s,
-               float* st_u, float* st_target, float* st_sum) {
+               float* st_u, float* st_target, float* st_sum, float* st_s2) {
     row_states(z, lz, cols, col_offset, bias, inv_temp, cap, inv_cap, targets, live, merge_into,
-               st_mu, st_s, st_u, st_target, st_sum);
+               st_mu, st_s, st_u, st_target, st_sum, st_s2);
 }
 
 extern "C" __global__ void __launch_bounds__(BLOCK)
 row_states_bf16(const bf16_bits* z, Layout lz, int cols, long long col_offset,
                 const float* bias, float inv_temp, float cap, float inv_cap,
                 const long long* targets, const unsigned char* live, int merge_into,
-                float* st_mu, float* st_s, float* st_u, float* st_target, float* st_sum) {
+                float* st_mu, float* st_s, float* st_u, float* st_target, float* st_sum,
+                float* st_s2) {
     row_states(z, lz, cols, col_offset, bias, inv_temp, cap, inv_cap, targets, live, merge_into,
-               st_mu, st_s, st_u, st_target, st_sum);
+               st_mu, st_s, st_u, st_target, st_sum, st_s2);
 }
 
 extern "C" __global__ void __launch_bounds__(BLOCK)
