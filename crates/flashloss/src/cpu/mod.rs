@@ -5,6 +5,7 @@
 //! [`CpuHead`] is its [`crate::fused::Head`] for the fused LM-head losses.
 
 mod baseline_linear;
+pub mod bf16_choice;
 pub mod bf16_gemm;
 mod grpo_logits;
 mod grpo_logits_staged;
@@ -23,6 +24,7 @@ mod unfused_logits;
 pub use baseline_linear::{
     BaselineWorkspace, ce_linear_baseline_into, grpo_linear_baseline, grpo_linear_baseline_into,
 };
+pub use bf16_choice::{Bf16Choice, Bf16Rates, Bf16Reason, bf16_products_choice};
 pub use bf16_gemm::Avx512Bf16;
 pub use grpo_logits::{
     grpo_logits_forward, grpo_logits_forward_per_token, grpo_logits_forward_sharded,
