@@ -16,7 +16,10 @@ use pyo3::types::PyDict;
 /// setting, a bad variable, or `avx512bf16` on a CPU without AVX512-BF16.
 #[pyfunction]
 #[pyo3(signature = (bf16_products="auto"))]
-pub fn cpu_bf16_products<'py>(py: Python<'py>, bf16_products: &str) -> PyResult<Bound<'py, PyDict>> {
+pub fn cpu_bf16_products<'py>(
+    py: Python<'py>,
+    bf16_products: &str,
+) -> PyResult<Bound<'py, PyDict>> {
     let asked = Bf16Products::from_name(bf16_products).ok_or_else(|| {
         PyValueError::new_err(format!(
             "bf16_products: {bf16_products:?} is not one of auto, widened, avx512bf16"

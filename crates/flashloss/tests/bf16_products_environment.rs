@@ -16,7 +16,10 @@ fn the_environment_decides_auto_and_options_win() {
     let has = Avx512Bf16::detect().is_some();
     with_env("widened");
     let c = bf16_products_choice(Bf16Products::Auto).unwrap();
-    assert_eq!((c.runs, c.by, c.rates), (Bf16Products::Widened, Bf16Reason::Environment, None));
+    assert_eq!(
+        (c.runs, c.by, c.rates),
+        (Bf16Products::Widened, Bf16Reason::Environment, None)
+    );
     let c = bf16_products_choice(Bf16Products::Avx512Bf16);
     match has {
         true => assert_eq!(c.unwrap().runs, Bf16Products::Avx512Bf16),
@@ -32,10 +35,19 @@ fn the_environment_decides_auto_and_options_win() {
     assert_eq!((c.runs, c.by), (Bf16Products::Widened, Bf16Reason::Option));
     with_env("auto");
     let c = bf16_products_choice(Bf16Products::Auto).unwrap();
-    let by = if has { Bf16Reason::Measured } else { Bf16Reason::NoAvx512Bf16 };
+    let by = if has {
+        Bf16Reason::Measured
+    } else {
+        Bf16Reason::NoAvx512Bf16
+    };
     assert_eq!((c.by, c.rates.is_some()), (by, has));
     with_env("amx");
-    let e = bf16_products_choice(Bf16Products::Auto).unwrap_err().to_string();
+    let e = bf16_products_choice(Bf16Products::Auto)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains(BF16_PRODUCTS_ENV) && e.contains("amx"), "{e}");
-    assert!(bf16_products_choice(Bf16Products::Widened).is_ok(), "an option wins");
+    assert!(
+        bf16_products_choice(Bf16Products::Widened).is_ok(),
+        "an option wins"
+    );
 }

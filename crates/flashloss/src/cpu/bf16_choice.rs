@@ -144,9 +144,8 @@ struct Lane {
 pub fn measure(cpu: Avx512Bf16) -> Bf16Rates {
     let threads = (rayon::current_num_threads() / LANES).max(1);
     // Values of a few binades, none denormal.
-    let value = |i: usize, s: usize| {
-        bf16::from_f32(((i * 37 + s) % 101) as f32 / 50.0 - 1.0 + 1.0 / 128.0)
-    };
+    let value =
+        |i: usize, s: usize| bf16::from_f32(((i * 37 + s) % 101) as f32 / 50.0 - 1.0 + 1.0 / 128.0);
     let hidden: Vec<bf16> = (0..ROWS * K).map(|i| value(i, 3)).collect();
     let weight: Vec<bf16> = (0..COLS * K).map(|i| value(i, 11)).collect();
     let h = MatRef::row_major(&hidden[..], ROWS, K);
@@ -173,7 +172,14 @@ pub fn measure(cpu: Avx512Bf16) -> Bf16Rates {
     };
     let packed = |l: &mut Lane| {
         l.weight_packed.pack_b(w.t(), threads);
-        cpu.gemm(&mut l.z, COLS, &l.hidden_packed, &l.weight_packed, false, threads);
+        cpu.gemm(
+            &mut l.z,
+            COLS,
+            &l.hidden_packed,
+            &l.weight_packed,
+            false,
+            threads,
+        );
     };
     let mut time = |f: &(dyn Fn(&mut Lane) + Sync)| {
         let start = Instant::now();
@@ -229,13 +235,19 @@ mod tests {
             return;
         }
         let widened = bf16_products_choice(Bf16Products::Widened).unwrap();
-        assert_eq!((widened.runs, widened.by), (Bf16Products::Widened, Bf16Reason::Option));
+        assert_eq!(
+            (widened.runs, widened.by),
+            (Bf16Products::Widened, Bf16Reason::Option)
+        );
         let auto = bf16_products_choice(Bf16Products::Auto).unwrap();
         assert_ne!(auto.runs, Bf16Products::Auto);
         match Avx512Bf16::detect() {
             Some(cpu) => {
                 let bf = bf16_products_choice(Bf16Products::Avx512Bf16).unwrap();
-                assert_eq!((bf.runs, bf.by), (Bf16Products::Avx512Bf16, Bf16Reason::Option));
+                assert_eq!(
+                    (bf.runs, bf.by),
+                    (Bf16Products::Avx512Bf16, Bf16Reason::Option)
+                );
                 let r = auto.rates.expect("measured");
                 assert_eq!(auto.by, Bf16Reason::Measured);
                 assert!(r.widened_gflops > 0.0 && r.avx512bf16_gflops > 0.0, "{r:?}");
@@ -245,7 +257,10 @@ mod tests {
                 assert_eq!(bf16_products_choice(Bf16Products::Auto).unwrap(), auto);
             }
             None => {
-                assert_eq!((auto.runs, auto.by), (Bf16Products::Widened, Bf16Reason::NoAvx512Bf16));
+                assert_eq!(
+                    (auto.runs, auto.by),
+                    (Bf16Products::Widened, Bf16Reason::NoAvx512Bf16)
+                );
                 assert!(bf16_products_choice(Bf16Products::Avx512Bf16).is_err());
             }
         }
@@ -259,8 +274,12 @@ mod tests {
             return;
         };
         let (m, k, n) = (29, 67, 45);
-        let a: Vec<bf16> = (0..m * k).map(|i| bf16::from_f32((i % 13) as f32 / 7.0 - 0.9)).collect();
-        let b: Vec<bf16> = (0..n * k).map(|i| bf16::from_f32((i % 11) as f32 / 5.0 - 1.1)).collect();
+        let a: Vec<bf16> = (0..m * k)
+            .map(|i| bf16::from_f32((i % 13) as f32 / 7.0 - 0.9))
+            .collect();
+        let b: Vec<bf16> = (0..n * k)
+            .map(|i| bf16::from_f32((i % 11) as f32 / 5.0 - 1.1))
+            .collect();
         let (mut aw, mut bw) = (vec![0.0; m * k], vec![0.0; n * k]);
         simd::load(&a, &mut aw);
         simd::load(&b, &mut bw);

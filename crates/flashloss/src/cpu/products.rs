@@ -13,13 +13,13 @@
 //! weight's layout: `dW_tile += dZᵀ·H` as `[cols, h]`, or `dW_tileᵀ += Hᵀ·dZ` as
 //! `[h, cols]` rows `V` apart.
 
+use super::bf16_choice::{bf16_products_choice, no_avx512bf16};
 use super::bf16_gemm::{Avx512Bf16, PackedA, PackedB};
 use super::matmul::{MatRef, matmul_on};
 use super::row_blocks::RowBlock;
 use super::simd;
 use crate::batch::LinearInputs;
 use crate::element::Element;
-use super::bf16_choice::{bf16_products_choice, no_avx512bf16};
 use crate::error::Result;
 use crate::fused::{Bf16Products, Plan};
 use crate::weight_layout::WeightLayout;
