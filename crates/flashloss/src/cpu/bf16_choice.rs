@@ -19,22 +19,12 @@
 //! of [`ROWS`] rows, `H` = [`K`] and [`COLS`] vocabulary entries, on bf16 operands: the
 //! weight tile's conversion (widened to f32, or packed in pairs) and the product, with
 //! the hidden block prepared beforehand (a step prepares it once per block for every
-//! tile). [`LANES`] such products run side by side on `1/LANES` of the pool's threads
-//! each, as the single-pass block runs them. Each path runs once to warm up, then
-//! [`REPEATS`] times, the two alternating; a rate is the FLOPs over the best time.
-
-use super::bf16_gemm::{Avx512Bf16, PackedA, PackedB};
-use super::matmul::{MatRef, matmul_on};
-use super::products::BF16_PRODUCTS_ENV;
-use super::simd;
-use super::single_pass::LANES;
-use crate::error::{Error, Result};
-use crate::fused::Bf16Products;
-use half::bf16;
-use rayon::prelude::*;
-use serde::Serialize;
-use std::sync::OnceLock;
-use std::time::Instant;
+//! tile). It runs on one thread, the caller's (a lane of the single-pass block runs its
+//! products on `1/LANES` of the pool: on two cores, one thread each), timed by the
+//! thread's CPU clock on Linux (time the thread was descheduled by other processes does
+//! not count; elsewhere the wall clock). Each path runs once to warm up, then [`REPEATS`]
+//! times, the two alternating; a rate is the FLOPs over the best time: about 10 ms in
+//! all at this Xeon's single-core rates.
 
 /// The factor by which `avx512bf16` must beat `widened` for `auto` to pick it.
 pub const AVX512BF16_MARGIN: f64 = 1.1;
@@ -43,9 +33,9 @@ pub const ROWS: usize = 448;
 /// Hidden size of the measured product.
 pub const K: usize = 1024;
 /// Vocabulary entries of the measured tile.
-pub const COLS: usize = 256;
+pub const COLS: usize = 128;
 /// Timed runs of each path (after one warm-up run each).
-pub const REPEATS: usize = 3;
+pub const REPEATS: usize = 5;
 
 /// The rates of the measured product on this CPU, GFLOP/s.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
@@ -131,75 +121,93 @@ pub fn measured_rates(cpu: Avx512Bf16) -> Bf16Rates {
     *RATES.get_or_init(|| measure(cpu))
 }
 
-/// One lane's operands and outputs.
-struct Lane {
-    hidden_wide: Vec<f32>,
-    hidden_packed: PackedA,
-    weight_wide: Vec<f32>,
-    weight_packed: PackedB,
-    z: Vec<f32>,
-}
-
 /// Measures the two paths' rates now (see the module's doc; not cached).
 pub fn measure(cpu: Avx512Bf16) -> Bf16Rates {
-    let threads = (rayon::current_num_threads() / LANES).max(1);
     // Values of a few binades, none denormal.
     let value =
         |i: usize, s: usize| bf16::from_f32(((i * 37 + s) % 101) as f32 / 50.0 - 1.0 + 1.0 / 128.0);
     let hidden: Vec<bf16> = (0..ROWS * K).map(|i| value(i, 3)).collect();
     let weight: Vec<bf16> = (0..COLS * K).map(|i| value(i, 11)).collect();
-    let h = MatRef::row_major(&hidden[..], ROWS, K);
+    let mut hidden_wide = vec![0.0; ROWS * K];
+    simd::load(&hidden, &mut hidden_wide);
+    let hid = MatRef::row_major(&hidden_wide[..], ROWS, K);
+    let mut hidden_packed = PackedA::default();
+    hidden_packed.pack_a(MatRef::row_major(&hidden[..], ROWS, K), 1);
     let w = MatRef::row_major(&weight[..], COLS, K);
-    let mut lanes: Vec<Lane> = (0..LANES)
-        .map(|_| {
-            let mut lane = Lane {
-                hidden_wide: vec![0.0; ROWS * K],
-                hidden_packed: PackedA::default(),
-                weight_wide: vec![0.0; COLS * K],
-                weight_packed: PackedB::default(),
-                z: vec![0.0; ROWS * COLS],
-            };
-            simd::load(&hidden, &mut lane.hidden_wide);
-            lane.hidden_packed.pack_a(h, threads);
-            lane
-        })
-        .collect();
-    let widened = |l: &mut Lane| {
-        simd::load(&weight, &mut l.weight_wide);
-        let wt = MatRef::row_major(&l.weight_wide[..], COLS, K).t();
-        let hid = MatRef::row_major(&l.hidden_wide[..], ROWS, K);
-        matmul_on(&mut l.z, COLS, hid, wt, false, threads);
+    let (mut weight_wide, mut weight_packed) = (vec![0.0; COLS * K], PackedB::default());
+    let (mut z, mut z_packed) = (vec![0.0; ROWS * COLS], vec![0.0; ROWS * COLS]);
+    let mut widened = || {
+        let start = ThreadClock::now();
+        simd::load(&weight, &mut weight_wide);
+        let wt = MatRef::row_major(&weight_wide[..], COLS, K).t();
+        matmul_on(&mut z, COLS, hid, wt, false, 1);
+        start.elapsed()
     };
-    let packed = |l: &mut Lane| {
-        l.weight_packed.pack_b(w.t(), threads);
+    let mut packed = || {
+        let start = ThreadClock::now();
+        weight_packed.pack_b(w.t(), 1);
         cpu.gemm(
-            &mut l.z,
+            &mut z_packed,
             COLS,
-            &l.hidden_packed,
-            &l.weight_packed,
+            &hidden_packed,
+            &weight_packed,
             false,
-            threads,
+            1,
         );
-    };
-    let mut time = |f: &(dyn Fn(&mut Lane) + Sync)| {
-        let start = Instant::now();
-        lanes.par_iter_mut().for_each(f);
-        start.elapsed().as_secs_f64()
+        start.elapsed()
     };
     let (mut best_widened, mut best_packed) = (f64::INFINITY, f64::INFINITY);
     for k in 0..=REPEATS {
-        let (tw, tp) = (time(&widened), time(&packed));
+        let (tw, tp) = (widened(), packed());
         if k > 0 {
             best_widened = best_widened.min(tw);
             best_packed = best_packed.min(tp);
         }
     }
-    let flops = (2 * LANES * ROWS * K * COLS) as f64;
+    let flops = (2 * ROWS * K * COLS) as f64;
     let rate = |t: f64| flops / t.max(1e-9) / 1e9;
     Bf16Rates {
         widened_gflops: rate(best_widened),
         avx512bf16_gflops: rate(best_packed),
     }
+}
+
+/// The calling thread's CPU clock (Linux), else the wall clock.
+struct ThreadClock(f64);
+
+impl ThreadClock {
+    fn now() -> Self {
+        ThreadClock(Self::seconds())
+    }
+
+    fn elapsed(&self) -> f64 {
+        Self::seconds() - self.0
+    }
+
+    #[cfg(target_os = "linux")]
+    fn seconds() -> f64 {
+        let mut t = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: `t` is a valid timespec to write; the clock id is a constant.
+        let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut t) };
+        if rc != 0 {
+            return wall_seconds();
+        }
+        t.tv_sec as f64 + t.tv_nsec as f64 * 1e-9
+    }
+
+    #[cfg(not(target_os = "linux"))]
+    fn seconds() -> f64 {
+        wall_seconds()
+    }
+}
+
+/// Seconds since the first call (the wall clock).
+fn wall_seconds() -> f64 {
+    static START: OnceLock<Instant> = OnceLock::new();
+    START.get_or_init(Instant::now).elapsed().as_secs_f64()
 }
 
 #[cfg(test)]
