@@ -20,11 +20,22 @@
 //! weight tile's conversion (widened to f32, or packed in pairs) and the product, with
 //! the hidden block prepared beforehand (a step prepares it once per block for every
 //! tile). It runs on one thread, the caller's (a lane of the single-pass block runs its
-//! products on `1/LANES` of the pool: on two cores, one thread each), timed by the
+//! products on `1/LANES` of the pool's threads: on two cores, one thread each), timed by the
 //! thread's CPU clock on Linux (time the thread was descheduled by other processes does
 //! not count; elsewhere the wall clock). Each path runs once to warm up, then [`REPEATS`]
 //! times, the two alternating; a rate is the FLOPs over the best time: about 10 ms in
 //! all at this Xeon's single-core rates.
+
+use super::bf16_gemm::{Avx512Bf16, PackedA, PackedB};
+use super::matmul::{MatRef, matmul_on};
+use super::products::BF16_PRODUCTS_ENV;
+use super::simd;
+use crate::error::{Error, Result};
+use crate::fused::Bf16Products;
+use half::bf16;
+use serde::Serialize;
+use std::sync::OnceLock;
+use std::time::Instant;
 
 /// The factor by which `avx512bf16` must beat `widened` for `auto` to pick it.
 pub const AVX512BF16_MARGIN: f64 = 1.1;
