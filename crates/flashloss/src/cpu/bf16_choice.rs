@@ -4,7 +4,7 @@
 //! An explicit `widened` or `avx512bf16` is kept (the latter an error on a CPU without
 //! AVX512-BF16). `auto` takes [`BF16_PRODUCTS_ENV`] where it is set; otherwise, on a CPU
 //! without AVX512-BF16, `widened`; on one with it, the faster of the two on this CPU,
-//! measured once per process ([`measured_rates`], a few ms on the first bf16 plan):
+//! measured once per process ([`measured_rates`], ~10 ms at the first bf16 plan):
 //!
 //! `avx512bf16` iff `rate(avx512bf16) ≥ AVX512BF16_MARGIN · rate(widened)`
 //!
