@@ -28,7 +28,6 @@
 
 use super::bf16_gemm::{Avx512Bf16, PackedA, PackedB};
 use super::matmul::{MatRef, matmul_on};
-use super::products::BF16_PRODUCTS_ENV;
 use super::simd;
 use crate::error::{Error, Result};
 use crate::fused::Bf16Products;
@@ -36,6 +35,11 @@ use half::bf16;
 use serde::Serialize;
 use std::sync::OnceLock;
 use std::time::Instant;
+
+/// The environment variable that chooses for [`Bf16Products::Auto`] in every binding
+/// (`auto`, `widened`, `avx512bf16`; `auto` measures), as `ONEDNN_MAX_CPU_ISA` does for
+/// oneDNN; an option other than `auto` wins over it.
+pub const BF16_PRODUCTS_ENV: &str = "FLASHLOSS_BF16_PRODUCTS";
 
 /// The factor by which `avx512bf16` must beat `widened` for `auto` to pick it.
 pub const AVX512BF16_MARGIN: f64 = 1.1;

@@ -35,14 +35,9 @@ pub(crate) enum Engine {
     Bf16(Avx512Bf16),
 }
 
-/// The environment variable that chooses for [`Bf16Products::Auto`] in every binding
-/// (`auto`, `widened`, `avx512bf16`; `auto` measures), as `ONEDNN_MAX_CPU_ISA` does for
-/// oneDNN; an option other than `auto` wins over it.
-pub const BF16_PRODUCTS_ENV: &str = "FLASHLOSS_BF16_PRODUCTS";
-
 impl Engine {
     /// What a bf16 head runs for `asked` on this CPU
-    /// ([`super::bf16_choice::bf16_products_choice`]: `auto` takes [`BF16_PRODUCTS_ENV`]
+    /// ([`super::bf16_choice::bf16_products_choice`]: `auto` takes `FLASHLOSS_BF16_PRODUCTS`
     /// where set, else the faster path as measured on this CPU).
     pub(crate) fn resolve(asked: Bf16Products) -> Result<Bf16Products> {
         Ok(bf16_products_choice(asked)?.runs)
