@@ -123,6 +123,21 @@ fn print_rank_benches(
     ExitCode::SUCCESS
 }
 
+/// `widened (measured: widened 376.2, avx512bf16 219.4 GFLOP/s)` and the like.
+pub(crate) fn bf16_choice_line(c: &flashloss::cpu::Bf16Choice) -> String {
+    use flashloss::cpu::Bf16Reason;
+    let by = match (c.by, c.rates) {
+        (Bf16Reason::Measured, Some(r)) => format!(
+            "auto, measured: widened {:.1}, avx512bf16 {:.1} GFLOP/s",
+            r.widened_gflops, r.avx512bf16_gflops
+        ),
+        (Bf16Reason::Environment, _) => format!("auto, {}", flashloss::cpu::BF16_PRODUCTS_ENV),
+        (Bf16Reason::NoAvx512Bf16, _) => "auto, no AVX512-BF16".into(),
+        (Bf16Reason::Option, _) | (Bf16Reason::Measured, None) => "the option".into(),
+    };
+    format!("{} ({by})", c.runs.name())
+}
+
 fn mib(bytes: f64) -> String {
     format!("{:.1} MiB", bytes / (1024.0 * 1024.0))
 }
@@ -209,6 +224,9 @@ fn print_bench(report: &BenchReport) {
                     None => String::new(),
                 }
             );
+        }
+        if let Some(c) = &r.bf16_choice {
+            println!("{:<10} bf16_products: {}", "", bf16_choice_line(c));
         }
         if let Some(used) = r.device_used_bytes {
             println!(

@@ -55,6 +55,9 @@ fn single(cfg: Result<GradcheckConfig>, json: bool, threads: Option<usize>) -> E
         println!("loss_kernel    {:.9e}", report.loss_kernel);
         println!("abs_diff_loss  {:.3e}", report.abs_diff_loss);
         println!("kernel_seconds {:.4}", report.kernel_seconds);
+        if let Some(c) = &report.bf16_choice {
+            println!("bf16_products  {}", crate::bench::bf16_choice_line(c));
+        }
         for g in &report.gates {
             let verdict = if g.passed { "PASS" } else { "FAIL" };
             println!("{verdict} {:<8} {:.3e} <= {:.3e}", g.name, g.value, g.limit);

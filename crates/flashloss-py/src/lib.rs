@@ -7,6 +7,7 @@
 mod args;
 mod dist;
 mod front;
+mod info;
 mod jax;
 mod logits;
 mod logprobs;
@@ -21,6 +22,7 @@ use pyo3::prelude::*;
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("cuda_build", cfg!(feature = "cuda"))?;
+    m.add_function(wrap_pyfunction!(info::cpu_bf16_products, m)?)?;
     m.add_function(wrap_pyfunction!(losses::grpo_linear, m)?)?;
     m.add_function(wrap_pyfunction!(losses::ce_linear, m)?)?;
     m.add_function(wrap_pyfunction!(losses::ce_rows, m)?)?;

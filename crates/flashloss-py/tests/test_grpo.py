@@ -191,6 +191,42 @@ def test_bf16_products_chosen_by_the_environment(monkeypatch):
         fl.linear_grpo_loss(d["hidden"], d["weight"], d["ids"], d["mask"], d["adv"])
 
 
+def test_cpu_bf16_products_says_which_path_runs(monkeypatch):
+    """``flashloss.cpu_bf16_products()`` names the path ``auto`` runs and why: measured
+    once per process (the same answer twice, the 1.1x rule on its own rates), the
+    environment variable where set, an explicit setting as asked; a bf16 head under
+    ``auto`` gives the gradients of the path it names, bitwise."""
+    import flashloss
+
+    monkeypatch.delenv("FLASHLOSS_BF16_PRODUCTS", raising=False)
+    auto = flashloss.cpu_bf16_products()
+    assert auto == flashloss.cpu_bf16_products()
+    if _has_avx512_bf16():
+        assert auto["by"] == "measured", auto
+        r = auto["rates"]
+        assert r["widened"] > 0 and r["avx512bf16"] > 0, auto
+        assert auto["runs"] == ("avx512bf16" if r["avx512bf16"] >= 1.1 * r["widened"] else "widened")
+    else:
+        assert auto == {"runs": "widened", "by": "no_avx512bf16", "rates": None}
+    assert flashloss.cpu_bf16_products("widened") == {"runs": "widened", "by": "option", "rates": None}
+    d = make_batch(5, dtype=torch.bfloat16, t=7, v=97)
+
+    def dhidden():
+        hidden = d["hidden"].detach().clone().requires_grad_()
+        fl.linear_grpo_loss(hidden, d["weight"], d["ids"], d["mask"], d["adv"])[0].backward()
+        return hidden.grad
+
+    under_auto = dhidden()
+    monkeypatch.setenv("FLASHLOSS_BF16_PRODUCTS", auto["runs"])
+    assert flashloss.cpu_bf16_products() == {"runs": auto["runs"], "by": "environment", "rates": None}
+    assert torch.equal(under_auto, dhidden())
+    with pytest.raises(ValueError, match="bf16_products"):
+        flashloss.cpu_bf16_products("amx")
+    monkeypatch.setenv("FLASHLOSS_BF16_PRODUCTS", "amx")
+    with pytest.raises(ValueError, match="FLASHLOSS_BF16_PRODUCTS"):
+        flashloss.cpu_bf16_products()
+
+
 def test_hidden_as_rows_and_token_advantages():
     d = make_batch(17, bias=False)
     d["adv"] = torch.randn(d["ids"].shape, generator=d["g"])

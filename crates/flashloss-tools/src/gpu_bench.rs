@@ -222,6 +222,7 @@ fn typed<E: flashloss::cuda::GpuElement>(
             gflops_per_s: Some(flops / step.median / 1e9),
             gemm_gflops_per_s: gemm_tflops.is_finite().then_some(gemm_tflops * 1e3),
             bf16_gemm_gflops_per_s: None,
+            bf16_choice: None,
             plan: ran,
             device_used_bytes: Some(total_bytes - free),
         })

@@ -5,6 +5,23 @@ The PyTorch API lives in :mod:`flashloss.torch` (``import flashloss.torch``); th
 module imports nothing but the native extension.
 """
 
+from . import _native
 from ._native import __version__
 
-__all__ = ["__version__"]
+__all__ = ["__version__", "cpu_bf16_products"]
+
+
+def cpu_bf16_products(bf16_products: str = "auto") -> dict:
+    """What a bfloat16 head runs on the CPU for the setting ``bf16_products``:
+    ``{"runs": "widened" | "avx512bf16", "by": ..., "rates": ...}``.
+
+    ``by`` says what decided: ``"option"`` (``widened`` or ``avx512bf16`` asked for),
+    ``"environment"`` (``auto`` and ``FLASHLOSS_BF16_PRODUCTS`` set), ``"no_avx512bf16"``
+    (``auto`` on a CPU without AVX512-BF16) or ``"measured"`` (``auto``: the faster of the
+    two paths on this CPU, measured once per process on a small product; ``rates`` then
+    holds the measured ``{"widened": GFLOP/s, "avx512bf16": GFLOP/s}``, else ``None``).
+    ``avx512bf16`` is taken only where it is at least 1.1x as fast as ``widened``
+    (docs/python.md). A ``ValueError`` for an unknown setting, a bad environment value,
+    or ``avx512bf16`` on a CPU without AVX512-BF16.
+    """
+    return _native.cpu_bf16_products(bf16_products)

@@ -93,6 +93,7 @@ fn measure(
         gflops_per_s: None,
         gemm_gflops_per_s: None,
         bf16_gemm_gflops_per_s: None,
+        bf16_choice: None,
         plan: None,
         device_used_bytes: None,
     })
@@ -235,6 +236,9 @@ fn run_linear<E: Element>(
             let repeat = cfg.repeat.clamp(1, 3);
             r.bf16_gemm_gflops_per_s =
                 bf16_gemm_rate(&hidden, &weight, (n, h, v), repeat, progress);
+        }
+        if E::DTYPE == DType::Bf16 {
+            r.bf16_choice = Some(flashloss::cpu::bf16_products_choice(opts.bf16_products)?);
         }
         r.plan = plan;
         report.results.push(r);

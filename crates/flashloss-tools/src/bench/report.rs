@@ -4,6 +4,7 @@
 use super::config::{Level, LossKind};
 use flashloss::DType;
 use flashloss::Plan;
+use flashloss::cpu::Bf16Choice;
 use serde::{Deserialize, Serialize};
 use std::time::Instant;
 
@@ -69,6 +70,10 @@ pub struct BenchResult {
     /// operands (`vdpbf16ps`, packing included), same run, GFLOP/s.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub bf16_gemm_gflops_per_s: Option<f64>,
+    /// Linear level, fused, bf16 head on the CPU: the products the config's
+    /// `bf16_products` ran and why (`auto`: this process's measured rates).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bf16_choice: Option<Bf16Choice>,
     /// Linear level, fused: the plan that ran.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub plan: Option<Plan>,

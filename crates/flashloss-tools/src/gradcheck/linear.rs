@@ -73,7 +73,10 @@ pub(super) fn check_linear<E: Element>(cfg: &GradcheckConfig) -> Result<Gradchec
             ));
         }
     }
-    let report = GradcheckReport::new(run.name, run.loss, run.metrics, kernel_seconds, gates);
+    let mut report = GradcheckReport::new(run.name, run.loss, run.metrics, kernel_seconds, gates);
+    if bf16_products.is_some() {
+        report.bf16_choice = Some(flashloss::cpu::bf16_products_choice(cfg.bf16_products)?);
+    }
     Ok(report)
 }
 

@@ -2,6 +2,7 @@
 //! error measures (max absolute and max relative differences, NaN propagating).
 
 use super::config::Tolerance;
+use flashloss::cpu::Bf16Choice;
 use flashloss::policy::{GrpoMetrics, Normalizers};
 use flashloss::reference::grpo_reference_loss;
 use flashloss::{GrpoBatch, GrpoLoss, RowStats};
@@ -53,6 +54,10 @@ pub struct GradcheckReport {
     pub gates: Vec<Gate>,
     /// All gates passed.
     pub passed: bool,
+    /// A bf16 head on the CPU: the products its `bf16_products` ran and why (`auto`:
+    /// this process's measured rates).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bf16_choice: Option<Bf16Choice>,
 }
 
 impl GradcheckReport {
@@ -78,6 +83,7 @@ impl GradcheckReport {
             kernel_seconds,
             passed: gates.iter().all(|g| g.passed),
             gates,
+            bf16_choice: None,
         }
     }
 }

@@ -5,6 +5,7 @@
 //! [`CpuHead`] is its [`crate::fused::Head`] for the fused LM-head losses.
 
 mod baseline_linear;
+pub mod bf16_choice;
 pub mod bf16_gemm;
 mod grpo_logits;
 mod grpo_logits_staged;
@@ -23,6 +24,7 @@ mod unfused_logits;
 pub use baseline_linear::{
     BaselineWorkspace, ce_linear_baseline_into, grpo_linear_baseline, grpo_linear_baseline_into,
 };
+pub use bf16_choice::{BF16_PRODUCTS_ENV, Bf16Choice, Bf16Rates, Bf16Reason, bf16_products_choice};
 pub use bf16_gemm::Avx512Bf16;
 pub use grpo_logits::{
     grpo_logits_forward, grpo_logits_forward_per_token, grpo_logits_forward_sharded,
@@ -31,7 +33,6 @@ pub use grpo_logits::{
 pub use grpo_logits_staged::{StagedForward, grpo_logits_forward_staged};
 pub use online_softmax::{VOCAB_TILE, row_state, tile_state};
 pub use passes::{CpuHead, GEMM_SCRATCH_PER_THREAD, gemm_reserve_bytes, plan};
-pub use products::BF16_PRODUCTS_ENV;
 pub use selective_log_softmax::selective_log_softmax;
 pub use tiles::Workspace;
 pub use unfused_logits::{UnfusedWorkspace, grpo_logits_unfused, grpo_logits_unfused_into};

@@ -1,7 +1,8 @@
 //! The three products of a fused step on a row block and a vocabulary tile,
 //! `Z = H·Wᵀ`, `dH += dZ·W` and `dW += dZᵀ·H`, on the engine the plan chose: f32 through
 //! `gemm` (bf16 inputs widened a block or a tile at a time), or, for a bf16 head on a CPU
-//! with AVX512-BF16, bf16 operands on `vdpbf16ps` with f32 accumulation
+//! with AVX512-BF16 where it is the faster ([`super::bf16_choice`]), bf16 operands on
+//! `vdpbf16ps` with f32 accumulation
 //! ([`super::bf16_gemm`]; `dZ` is rounded to bf16 for the two gradient products).
 //! The hidden block is prepared once per row block (widened, or packed for both of its
 //! products) and read by every tile.
@@ -12,13 +13,14 @@
 //! weight's layout: `dW_tile += dZᵀ·H` as `[cols, h]`, or `dW_tileᵀ += Hᵀ·dZ` as
 //! `[h, cols]` rows `V` apart.
 
+use super::bf16_choice::{bf16_products_choice, no_avx512bf16};
 use super::bf16_gemm::{Avx512Bf16, PackedA, PackedB};
 use super::matmul::{MatRef, matmul_on};
 use super::row_blocks::RowBlock;
 use super::simd;
 use crate::batch::LinearInputs;
 use crate::element::Element;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::fused::{Bf16Products, Plan};
 use crate::weight_layout::WeightLayout;
 use half::bf16;
@@ -33,29 +35,12 @@ pub(crate) enum Engine {
     Bf16(Avx512Bf16),
 }
 
-/// The environment variable that chooses for [`Bf16Products::Auto`] in every binding
-/// (`auto`, `widened`, `avx512bf16`), as `ONEDNN_MAX_CPU_ISA` does for oneDNN; an option
-/// other than `auto` wins over it.
-pub const BF16_PRODUCTS_ENV: &str = "FLASHLOSS_BF16_PRODUCTS";
-
 impl Engine {
-    /// What a bf16 head runs for `asked` (`auto`: [`BF16_PRODUCTS_ENV`] where set) on this
-    /// CPU; an error where the CPU lacks it or the variable holds another value.
+    /// What a bf16 head runs for `asked` on this CPU
+    /// ([`super::bf16_choice::bf16_products_choice`]: `auto` takes `FLASHLOSS_BF16_PRODUCTS`
+    /// where set, else the faster path as measured on this CPU).
     pub(crate) fn resolve(asked: Bf16Products) -> Result<Bf16Products> {
-        let asked = match (asked, std::env::var(BF16_PRODUCTS_ENV)) {
-            (Bf16Products::Auto, Ok(name)) => {
-                Bf16Products::from_name(&name).ok_or_else(|| Error::InvalidArgument {
-                    arg: BF16_PRODUCTS_ENV,
-                    reason: format!("{name:?} is not one of auto, widened, avx512bf16"),
-                })?
-            }
-            _ => asked,
-        };
-        match (asked, Avx512Bf16::detect()) {
-            (Bf16Products::Widened, _) | (Bf16Products::Auto, None) => Ok(Bf16Products::Widened),
-            (_, Some(_)) => Ok(Bf16Products::Avx512Bf16),
-            (Bf16Products::Avx512Bf16, None) => Err(no_avx512bf16()),
-        }
+        Ok(bf16_products_choice(asked)?.runs)
     }
 
     /// The engine of `plan`; an error for a plan that names bf16 products this CPU
@@ -67,14 +52,6 @@ impl Engine {
                 .ok_or_else(no_avx512bf16),
             _ => Ok(Engine::F32),
         }
-    }
-}
-
-/// The error of bf16 products asked for on a CPU without AVX512-BF16.
-fn no_avx512bf16() -> Error {
-    Error::InvalidArgument {
-        arg: "bf16_products",
-        reason: "avx512bf16 asked for, and this CPU has no AVX512-BF16 (vdpbf16ps)".into(),
     }
 }
 

@@ -60,10 +60,11 @@ impl Mode {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "snake_case")]
 pub enum Bf16Products {
-    /// The fastest this CPU has, chosen at run time: [`Bf16Products::Avx512Bf16`] where
-    /// the CPU has AVX512-BF16, [`Bf16Products::Widened`] otherwise; the environment
-    /// variable `FLASHLOSS_BF16_PRODUCTS` (`crate::cpu::BF16_PRODUCTS_ENV`) chooses
-    /// instead where set, in every binding.
+    /// The faster on this CPU, chosen at run time: [`Bf16Products::Avx512Bf16`] where
+    /// the CPU has AVX512-BF16 and a product measured once per process runs at least
+    /// 1.1x as fast on it as [`Bf16Products::Widened`], which runs otherwise
+    /// (`crate::cpu::bf16_choice`); the environment variable `FLASHLOSS_BF16_PRODUCTS`
+    /// (`crate::cpu::BF16_PRODUCTS_ENV`) chooses instead where set, in every binding.
     #[default]
     Auto,
     /// Operands widened to f32 a block or a tile at a time, f32 products (`gemm`).
