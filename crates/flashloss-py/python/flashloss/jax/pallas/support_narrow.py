@@ -63,17 +63,18 @@ def _kernel(*refs, v: int, bv: int, size: int, with_mass: bool, layout: str, tra
     th = th_ref[...]
     lane = jax.lax.broadcasted_iota(jnp.int32, th.shape, 1)
     e = jnp.exp(s - mu_ref[:, :1]) if with_mass else None
-    acc = jnp.zeros(th.shape, jnp.float32)
-    first = None
-    for k in range(size):
+
+    def one(k, acc):
         t = jnp.max(jnp.where(lane == k, th, -jnp.inf), axis=1, keepdims=True)
         ge = s >= t
-        first = ge if k == 0 else first
         acc = jnp.where(lane == k, jnp.sum(jnp.where(ge, 1.0, 0.0), axis=1, keepdims=True), acc)
         if with_mass:
             acc = jnp.where(lane == MAX_THRESHOLDS + k, jnp.sum(jnp.where(ge, e, 0.0), axis=1, keepdims=True), acc)
+        return acc
+
+    acc = jax.lax.fori_loop(0, size, one, jnp.zeros(th.shape, jnp.float32))
     sums_ref[...] += acc
-    inside = first & (s <= up_ref[:, :1])
+    inside = (s >= th_ref[:, :1]) & (s <= up_ref[:, :1])
     low = jnp.min(jnp.where(inside, s, jnp.inf), axis=1, keepdims=True)
     neg_high = jnp.min(jnp.where(inside, -s, jnp.inf), axis=1, keepdims=True)
     range_ref[...] = jnp.minimum(range_ref[...], jnp.where(lane == 0, low, neg_high))
