@@ -11,22 +11,30 @@ additions 12-13, vLLM's order min-p → top-k → top-p). Per row ``i``:
   f64 as two f32, ``s - m`` exact by a two-sum; the f64 test ``e^{s - m} ≥ min_p`` of the
   reference up to f64 rounding), from ``m`` alone;
 - top-k: ``v_k`` = the ``k``-th largest value (with repeats) of the row, from ``L`` where
-  ``k ≤ C`` (else from further collecting passes, each the next ``C`` keys below the
-  last); ``τ = max(τ_min, v_k)`` (ties at ``v_k`` kept; fewer than ``k`` entries left by
-  min-p: all of them), the set left ``{s ≥ τ}``;
+  ``k ≤ C`` (else past it, :mod:`.support_search`); ``τ = max(τ_min, v_k)`` (ties at
+  ``v_k`` kept; fewer than ``k`` entries left by min-p: all of them), the set left
+  ``{s ≥ τ}``;
 - top-p: with ``M = Σ_{s ≥ τ} e^{s - m}`` (``σ`` where nothing was cut, else a
   :mod:`.support_tally` pass) and ``A(e) = Σ_{keys > e, s ≥ τ} e^{s - m}`` the mass above
   key ``e``, the reference drops the ascending prefix with cumulative mass
   ``M - A(e) ≤ (1 - top_p)·M``, so ``κ`` is the smallest key of the set left with
   ``M - A(κ) > (1 - top_p)·M`` (the largest key at least): walked down ``L`` and, where
-  ``L`` runs out first (flat rows), down the next ``C`` keys below its last, one
-  collecting pass each;
+  ``L`` runs out first (flat rows: a nucleus of more than ``C`` keys), found by
+  :mod:`.support_search`: narrowing passes (:mod:`.support_narrow`, counts and masses at
+  16 thresholds a row at once) onto an interval of at most ``C`` keys, then one
+  collecting pass and the same walk;
 - a :mod:`.support_tally` pass at ``κ``: ``M^K = Σ_{K} e^{s - m}``, ``s_y``, ``y ∈ K``;
   ``lse^K = m + log M^K``, ``logp^K = s_y - lse^K`` (``-inf`` where ``y ∉ K``).
 
 Passes over the head (each ``2NHV`` FLOPs, the head read ``⌈N/bn⌉`` times): ``2`` (A and
-the tally at ``κ``), ``+1`` for top-p after min-p or top-k (``M``), ``+⌈(k - C)/C⌉`` for
-``top_k > C``, ``+1`` per ``C`` keys of a top-p walk past ``L``; besides, the statistics
+the tally at ``κ``), ``+1`` for top-p after min-p or top-k (``M``); where a row's search
+runs past ``L`` (the slowest row of the batch sets the count, dead rows take none): top-k
+with ``k > C``, ``⌈(k - C)/C⌉`` collecting passes up to 3, else narrowing; top-p past
+``L``, on a row whose values spread smoothly, ``⌈log_16(n/C)⌉ + 1`` narrowing passes
+(``n`` the entries in the first interval, ``≤ V``) and one collecting pass: at ``V`` =
+151936, ``C`` = 128, at most 4 + 1; on any row at most 12 + 1, plus ``⌈t/C⌉ - 1`` where
+the cut lies inside a tie of ``t > C`` entries of one value (:mod:`.support_search`).
+Peaked rows (a cut inside ``L``) take none. Besides, the statistics
 kernel of :mod:`.stats` (entropy, lse). :func:`row_stats` is one ``custom_vjp`` for all of
 them, so the backward is :mod:`.head_grads` once (``4NHV``): the statistics' coefficients,
 with ``∂logp^K/∂s_j = 1[j = y] - p^K_j`` added (``lse^K``, ``-g`` and ``κ`` as row inputs;

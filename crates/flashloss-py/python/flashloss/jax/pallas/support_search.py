@@ -33,7 +33,7 @@ Passes, each ``2NHV`` FLOPs (a ``lax.while_loop`` runs until the slowest row of 
 batch stops; dead rows take none): at most ``LINEAR_PASSES + ⌈32/log2 T⌉`` = 4 + 8 = 12
 narrowing passes and one collecting pass, plus ``⌈ties/C⌉ - 1`` where the cut lies in a
 tie of more than ``C`` entries; a row of ``n`` entries spread smoothly over the interval
-takes ``≈ ⌈log_T(n/C)⌉ + 1`` narrowing passes (``V`` = 151936, ``C`` = 128: 3 or 4). Top-k
+takes ``⌈log_T(n/C)⌉ + 1`` narrowing passes (``V`` = 151936, ``C`` = 128: 4). Top-k
 with ``⌈(k - C)/C⌉ ≤`` :data:`WALK_PASSES` walks the keys down instead (that many
 collecting passes, exact at ties too).
 """
