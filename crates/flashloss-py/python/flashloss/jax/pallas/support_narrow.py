@@ -27,7 +27,9 @@ v6e's ~524k FLOPs a cycle (918 TFLOP/s at ~1.75 GHz, ~64 logits a cycle) leaves 
 Grid ``(row blocks "parallel", vocabulary tiles "arbitrary")``, blocks as
 :mod:`.support_tally`'s (the forward plan); the thresholds, sums and range travel as
 ``[N, 128]`` arrays (lanes ``0..T-1``: counts; ``64..64+T-1``: masses; range: lane 0
-``lo``, lane 1 ``-hi``), accumulated in the output blocks.
+``lo``, lane 1 ``-hi``), accumulated in the output blocks. The thresholds run in a
+``fori_loop`` (one ``[bn, bv]`` compare live at a time; unrolled, the interpreted kernel
+under ``shard_map`` on 8 simulated CPU devices deadlocked XLA's host thread pool).
 """
 
 from __future__ import annotations
