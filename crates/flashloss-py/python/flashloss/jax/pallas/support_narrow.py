@@ -29,7 +29,7 @@ Grid ``(row blocks "parallel", vocabulary tiles "arbitrary")``, blocks as
 ``[N, 128]`` arrays (lanes ``0..T-1``: counts; ``64..64+T-1``: masses; range: lane 0
 ``lo``, lane 1 ``-hi``), accumulated in the output blocks. The thresholds run in a
 ``fori_loop`` (one ``[bn, bv]`` compare live at a time; unrolled, the interpreted kernel
-under ``shard_map`` on 8 simulated CPU devices deadlocked XLA's host thread pool).
+under ``shard_map`` on simulated CPU devices deadlocked XLA's host thread pool).
 """
 
 from __future__ import annotations
