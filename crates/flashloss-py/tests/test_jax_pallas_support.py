@@ -3,8 +3,10 @@ interpret mode, against the float64 numpy reference of test_jax_logprobs_support
 small tiles (128 columns, so a ragged last tile and many tiles per row) and shapes that
 exercise every branch: odd sizes, masked rows, ties (repeated weight rows, a row of one
 value), flat and peaked rows, ``top_k`` above the list's 512 keys (further collecting
-passes) and a top-p nucleus longer than the list (the walk past it); the gradients of
-every statistic together (one backward pass), and min-p's threshold against f64."""
+passes) and a top-p nucleus longer than the list (the narrowing search past it); the
+gradients of every statistic together (one backward pass), and min-p's threshold against
+f64. Then the search's pass counts (``support.search_passes``' diagnostic, from
+``support._forward``) on flat rows, ties and top-k past the list, at V = 1024-2048."""
 
 import math
 
@@ -132,7 +134,7 @@ def _check_forward(x, w, filters, offsets, max_vocab=1024):
 
 
 def test_flat_rows_narrow_onto_the_top_p_cut_in_few_passes():
-    """Flat rows whose nucleus holds most of V = 2048 keys (the list walk took ~14 passes of
+    """Flat rows whose nucleus holds most of V = 2048 keys (the list walk took 15 passes of
     C = 128 keys): uniform over [0, 3], 2 ± a few ulps, 0 ± 1e-30 steps (the f32 order's
     spacing), beside a peaked row and a dead row of one value. The narrowing takes
     ``⌈log_T(V/C)⌉ + 1`` passes and one collecting pass (support_search's header), exact."""

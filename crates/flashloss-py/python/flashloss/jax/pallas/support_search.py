@@ -195,7 +195,7 @@ def top_p(h, first, m, tau, total, top_p: float, live):
 
     vals, cols = first
     n = vals.shape[0]
-    over, _, cut_v, cut_j, done = step(vals, cols, tau, jnp.zeros((n,), jnp.float32), vals[:, 0], cols[:, 0], ~live)
+    over, after, cut_v, cut_j, done = step(vals, cols, tau, jnp.zeros((n,), jnp.float32), vals[:, 0], cols[:, 0], ~live)
     # Past the list: κ_v ≤ its last value ℓ, above ℓ the mass A_g (the walk's own sum).
     last = vals[:, -1]
     above_n = jnp.sum(vals > last[:, None], axis=1)
@@ -207,6 +207,10 @@ def top_p(h, first, m, tau, total, top_p: float, live):
 
     (lo, up, _, _, above_g), passes = narrow(h, m, state, ~done, hit, base, True)
     tie = lo == up
+    # Where no threshold fell below the list's last key, the walk goes on below it.
+    on = up == last
+    start_v, start_j = up, jnp.where(on, cols[:, -1], ALL_COLUMNS)
+    above_g = jnp.where(on, after, above_g)
 
     def body(state):
         (bv, bj), above, cut_v, cut_j, done, p = state
@@ -214,9 +218,7 @@ def top_p(h, first, m, tau, total, top_p: float, live):
         _, above, cut_v, cut_j, now = step(vals, cols, lo, above, cut_v, cut_j, done)
         return (vals[:, -1], cols[:, -1]), above, cut_v, cut_j, now | ~tie, p + 1
 
-    bv, bj, above_g, cut_v, cut_j, done = same_axes(
-        up, jnp.full((n,), ALL_COLUMNS, jnp.int32), above_g, cut_v, cut_j, done
-    )
+    bv, bj, above_g, cut_v, cut_j, done = same_axes(start_v, start_j, above_g, cut_v, cut_j, done)
     init = ((bv, bj), above_g, cut_v, cut_j, done, passes)
     _, _, cut_v, cut_j, _, passes = jax.lax.while_loop(lambda s: ~jnp.all(s[4]), body, init)
     return cut_v, cut_j, passes
