@@ -3,8 +3,10 @@ interpret mode, against the float64 numpy reference of test_jax_logprobs_support
 small tiles (128 columns, so a ragged last tile and many tiles per row) and shapes that
 exercise every branch: odd sizes, masked rows, ties (repeated weight rows, a row of one
 value), flat and peaked rows, ``top_k`` above the list's 512 keys (further collecting
-passes) and a top-p nucleus longer than the list (the walk past it); the gradients of
-every statistic together (one backward pass), and min-p's threshold against f64."""
+passes) and a top-p nucleus longer than the list (the narrowing search past it); the
+gradients of every statistic together (one backward pass), and min-p's threshold against
+f64. Then the search's pass counts (``support.search_passes``' diagnostic, from
+``support._forward``) on flat rows, ties and top-k past the list, at V = 1024-2048."""
 
 import math
 
@@ -18,7 +20,7 @@ from flashloss.jax._support import Filters  # noqa: E402
 from flashloss.jax.pallas import support  # noqa: E402
 from flashloss.jax.pallas.head import Transform  # noqa: E402
 from flashloss.jax.pallas.stats import HeadSpec  # noqa: E402
-from test_jax_logprobs_support import exact_head, reference  # noqa: E402
+from test_jax_logprobs_support import exact_head, reference, support_keep  # noqa: E402
 
 N, H, V, TEMPERATURE = 13, 12, 700, 0.5
 CASES = [  # (filters, bias): without a bias row 1's logits are all 0, one tie
@@ -94,3 +96,75 @@ def test_min_p_cut_is_the_f64_threshold():
         ok = cut.astype(np.float64) - m.astype(np.float64) >= log
         below = np.nextafter(cut, np.float32(-np.inf)).astype(np.float64) - m.astype(np.float64) >= log
         assert ok.all() and not below.any(), min_p
+
+
+def _one_hot_head(rows):
+    """Rows ``x_i = e_i`` over a head whose column ``i`` is row ``i``'s logits: every logit
+    exact (T = 1), and a last, dead row of zeros (one tie of ``V`` entries)."""
+    v, n = len(rows[0]), len(rows) + 1
+    w = np.zeros((v, n), np.float32)
+    for i, r in enumerate(rows):
+        w[:, i] = r
+    x = np.eye(n, dtype=np.float32)
+    x[-1] = 0
+    return x, w
+
+
+def _check_forward(x, w, filters, offsets, max_vocab=1024):
+    """``support._forward`` against the f64 reference, each row's target ``offsets[i]``
+    entries past its last kept one (0: the first dropped); returns its passes past pass A."""
+    n, v = x.shape[0], w.shape[0]
+    z = x.astype(np.float64) @ w.T.astype(np.float64)
+    kept = support_keep(z.astype(np.float32), *filters).sum(1)
+    keys = [np.lexsort((-np.arange(v), -z[i])) for i in range(n)]  # descending (s, j): the support's order
+    ids = np.array([keys[i][min(kept[i] + d, v - 1)] for i, d in enumerate(offsets)])
+    live = np.ones(n, bool)
+    live[-1] = False
+    spec = HeadSpec(layout="vh", transform=Transform(1.0), vocab=v, interpret=True, max_rows=128,
+                    max_vocab=max_vocab, support=Filters(*filters))  # fmt: skip
+    args = (jnp.asarray(x), jnp.asarray(w), None, jnp.asarray(ids, jnp.int32), jnp.asarray(live))
+    (logp, outside, *_), passes = jax.jit(lambda *a: support._forward(*a, spec))(*args)
+    want, want_out, _ = reference(x, w, np.zeros(v, np.float32), ids, live, np.ones(n), 1.0, filters)
+    np.testing.assert_array_equal(np.asarray(outside), want_out, err_msg=str(filters))
+    got = np.asarray(logp, np.float64)
+    finite = live & ~want_out
+    assert np.array_equal(np.isneginf(got), want_out) and want_out.any() and finite.any()
+    np.testing.assert_allclose(got[finite], want[finite], rtol=1e-5, atol=1e-6)
+    return int(passes), z
+
+
+def test_flat_rows_narrow_onto_the_top_p_cut_in_few_passes():
+    """Flat rows whose nucleus holds most of V = 2048 keys (the list walk took 15 passes of
+    C = 128 keys): uniform over [0, 3], 2 ± a few ulps, 0 ± 1e-30 steps (the f32 order's
+    spacing), beside a peaked row and a dead row of one value. The narrowing takes
+    ``⌈log_T(V/C)⌉ + 1`` passes and one collecting pass (support_search's header), exact."""
+    from flashloss.jax.pallas import support_search
+
+    rng = np.random.default_rng(7)
+    v = 2048
+    rows = [rng.uniform(0, 3, v), 2.0 + rng.integers(-8, 9, v) * 2.0**-22, rng.integers(-8, 9, v) * 1e-30,
+            rng.normal(0, 4, v)]  # fmt: skip
+    x, w = _one_hot_head(rows)
+    passes, z = _check_forward(x, w, (None, 0.9, None), [0, -1, 0, -1, 0])
+    walk = -(-support_keep(z[:3].astype(np.float32), None, 0.9, None).sum(1).max() // 128)  # one per 128 keys
+    bound = math.ceil(math.log(v / 128, support_search.THRESHOLDS)) + 1 + 1
+    assert passes <= bound < walk, (passes, bound, walk)
+
+
+def test_ties_and_top_k_past_the_list_narrow_exactly(monkeypatch):
+    """top_k = 600 > C = 512 by narrowing on counts (the walk turned off), then top-p: a
+    flat row, a row whose 640 top entries tie (``v_k`` the tie's value, top-p's cut its
+    576-th key: past the list, the walk by columns through the tie), a peaked row, a
+    dead row."""
+    from flashloss.jax.pallas import support_search
+
+    monkeypatch.setattr(support_search, "WALK_PASSES", 0)
+    rng = np.random.default_rng(8)
+    v = 1024
+    tie = rng.uniform(-12, -10, v)
+    tie[rng.permutation(v)[:640]] = 0.0
+    x, w = _one_hot_head([rng.uniform(0, 3, v), tie, rng.normal(0, 4, v)])
+    passes, _ = _check_forward(x, w, (600, 0.9, None), [0, 0, -1, 0])
+    # top-k: narrowing, one collecting pass; M's tally; top-p: narrowing and the tie's walk.
+    bound = 2 * support_search.max_narrowing_passes() + 1 + 1 + 1
+    assert 2 <= passes <= bound, (passes, bound)

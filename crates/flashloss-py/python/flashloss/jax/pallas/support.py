@@ -11,22 +11,30 @@ additions 12-13, vLLM's order min-p → top-k → top-p). Per row ``i``:
   f64 as two f32, ``s - m`` exact by a two-sum; the f64 test ``e^{s - m} ≥ min_p`` of the
   reference up to f64 rounding), from ``m`` alone;
 - top-k: ``v_k`` = the ``k``-th largest value (with repeats) of the row, from ``L`` where
-  ``k ≤ C`` (else from further collecting passes, each the next ``C`` keys below the
-  last); ``τ = max(τ_min, v_k)`` (ties at ``v_k`` kept; fewer than ``k`` entries left by
-  min-p: all of them), the set left ``{s ≥ τ}``;
+  ``k ≤ C`` (else past it, :mod:`.support_search`); ``τ = max(τ_min, v_k)`` (ties at
+  ``v_k`` kept; fewer than ``k`` entries left by min-p: all of them), the set left
+  ``{s ≥ τ}``;
 - top-p: with ``M = Σ_{s ≥ τ} e^{s - m}`` (``σ`` where nothing was cut, else a
   :mod:`.support_tally` pass) and ``A(e) = Σ_{keys > e, s ≥ τ} e^{s - m}`` the mass above
   key ``e``, the reference drops the ascending prefix with cumulative mass
   ``M - A(e) ≤ (1 - top_p)·M``, so ``κ`` is the smallest key of the set left with
   ``M - A(κ) > (1 - top_p)·M`` (the largest key at least): walked down ``L`` and, where
-  ``L`` runs out first (flat rows), down the next ``C`` keys below its last, one
-  collecting pass each;
+  ``L`` runs out first (flat rows: a nucleus of more than ``C`` keys), found by
+  :mod:`.support_search`: narrowing passes (:mod:`.support_narrow`, counts and masses at
+  16 thresholds a row at once) onto an interval of at most ``C`` keys, then one
+  collecting pass and the same walk;
 - a :mod:`.support_tally` pass at ``κ``: ``M^K = Σ_{K} e^{s - m}``, ``s_y``, ``y ∈ K``;
   ``lse^K = m + log M^K``, ``logp^K = s_y - lse^K`` (``-inf`` where ``y ∉ K``).
 
 Passes over the head (each ``2NHV`` FLOPs, the head read ``⌈N/bn⌉`` times): ``2`` (A and
-the tally at ``κ``), ``+1`` for top-p after min-p or top-k (``M``), ``+⌈(k - C)/C⌉`` for
-``top_k > C``, ``+1`` per ``C`` keys of a top-p walk past ``L``; besides, the statistics
+the tally at ``κ``), ``+1`` for top-p after min-p or top-k (``M``); where a row's search
+runs past ``L`` (the slowest row of the batch sets the count, dead rows take none): top-k
+with ``k > C``, ``⌈(k - C)/C⌉`` collecting passes up to 3, else narrowing; top-p past
+``L``, on a row whose values spread smoothly, ``⌈log_16(n/C)⌉ + 1`` narrowing passes
+(``n`` the entries in the first interval, ``≤ V``) and one collecting pass: at ``V`` =
+151936, ``C`` = 128, at most 4 + 1; on any row at most 12 + 1, plus ``⌈t/C⌉ - 1`` where
+the cut lies inside a tie of ``t > C`` entries of one value (:mod:`.support_search`).
+Peaked rows (a cut inside ``L``) take none. Besides, the statistics
 kernel of :mod:`.stats` (entropy, lse). :func:`row_stats` is one ``custom_vjp`` for all of
 them, so the backward is :mod:`.head_grads` once (``4NHV``): the statistics' coefficients,
 with ``∂logp^K/∂s_j = 1[j = y] - p^K_j`` added (``lse^K``, ``-g`` and ``κ`` as row inputs;
@@ -51,12 +59,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
-from . import stats, support_tally, support_topc
+from . import stats, support_narrow, support_search, support_tally, support_topc
 from .head import vocab_size
 from .stats import HeadSpec, _primal
-
-#: A column below every column (a cut at a value alone), safe to shift by an offset.
-NO_COLUMN = -(1 << 30)
+from .support_search import NO_COLUMN
 
 
 def list_size(top_k: Optional[int]) -> int:
@@ -71,6 +77,7 @@ class _Head:
         self.x, self.weight, self.bias, self.axis = x, weight, bias, spec.vocab_axis
         self.kw = spec.kernel_args()
         self.size = list_size(spec.support.top_k)
+        self.vocab = spec.vocab
         block = vocab_size(weight, spec.layout)
         self.offset = 0 if self.axis is None else (jax.lax.axis_index(self.axis) * block).astype(jnp.int32)
         self.local_ids = ids - self.offset
@@ -102,6 +109,18 @@ class _Head:
         )
         return self._sum(mass), self._sum(t), self._sum(inside) > 0
 
+    def narrow(self, thresholds, up, m, with_mass):
+        """``(N, G)`` ``[N, T]`` at ``thresholds`` and the least and largest value in
+        ``[thresholds[:, 0], up]`` (:mod:`.support_narrow`), masses relative to ``m``."""
+        shift = jnp.where(jnp.isfinite(m), m, 0.0)
+        cnt, mass, least, most = support_narrow.narrow(
+            self.x, self.weight, self.bias, thresholds, up, shift, with_mass=with_mass, **self.kw
+        )
+        if self.axis is not None:
+            cnt, mass = self._sum(cnt), self._sum(mass)
+            least, most = jax.lax.pmin(least, self.axis), jax.lax.pmax(most, self.axis)
+        return cnt, mass, least, most
+
 
 def min_p_cut(m: jax.Array, min_p: float) -> jax.Array:
     """The least f32 ``s`` with ``s - m ≥ log(min_p)`` (exactly), ``-inf`` where ``m`` is."""
@@ -118,90 +137,42 @@ def min_p_cut(m: jax.Array, min_p: float) -> jax.Array:
     return jnp.where(jnp.isfinite(m), cut, -jnp.inf)
 
 
-def _take(a, i):
-    return jnp.take_along_axis(a, jnp.clip(i, 0, a.shape[1] - 1)[:, None], 1)[:, 0]
-
-
-def _kth(h: _Head, first, k: int) -> jax.Array:
-    """The ``k``-th largest value of every row, with repeats (``-inf`` past its end)."""
-    size = h.size
-
-    def step(vals, cols, need, kth, done):
-        count = jnp.sum(vals > -jnp.inf, axis=1)
-        found = ~done & (need <= count)
-        kth = jnp.where(found, _take(vals, need - 1), kth)
-        done = done | found | (count < size)
-        return (vals[:, -1], cols[:, -1]), need - size, kth, done
-
-    vals, cols = first
-    n = vals.shape[0]
-    init = step(vals, cols, jnp.full((n,), k, jnp.int32), jnp.full((n,), -jnp.inf, jnp.float32), jnp.zeros((n,), bool))
-    if k <= size:
-        return init[2]
-
-    def body(state):
-        (bv, bj), need, kth, done = state
-        vals, cols = h.collect(jnp.where(done, -jnp.inf, bv), jnp.where(done, NO_COLUMN, bj))[:2]
-        return step(vals, cols, need, kth, done)
-
-    return jax.lax.while_loop(lambda s: ~jnp.all(s[3]), body, init)[2]
-
-
-def _top_p(h: _Head, first, m, tau, total, top_p: float):
-    """``κ`` ``(value, column)`` of top-p on the keys of value ``≥ tau`` (mass ``total``)."""
-    size = h.size
-    threshold = total * np.float32(1.0 - top_p)
-
-    def step(vals, cols, above, cut_v, cut_j, done):
-        left = (vals > -jnp.inf) & (vals >= tau[:, None])
-        w = jnp.where(left, jnp.exp(vals - m[:, None]), 0.0)
-        over = above[:, None] + jnp.cumsum(w, axis=1) - w  # A(e) of each key
-        kept = left & (total[:, None] - over > threshold[:, None])
-        nk, nl = jnp.sum(kept, axis=1), jnp.sum(left, axis=1)
-        take = ~done & (nk > 0)
-        cut_v = jnp.where(take, _take(vals, nk - 1), cut_v)
-        cut_j = jnp.where(take, _take(cols, nk - 1), cut_j)
-        done = done | (nk < nl) | (nl < size)
-        return (vals[:, -1], cols[:, -1]), above + jnp.sum(w, axis=1), cut_v, cut_j, done
-
-    vals, cols = first
-    n = vals.shape[0]
-    init = step(vals, cols, jnp.zeros((n,), jnp.float32), vals[:, 0], cols[:, 0], jnp.zeros((n,), bool))
-
-    def body(state):
-        (bv, bj), above, cut_v, cut_j, done = state
-        vals, cols = h.collect(jnp.where(done, -jnp.inf, bv), jnp.where(done, NO_COLUMN, bj))[:2]
-        return step(vals, cols, above, cut_v, cut_j, done)
-
-    _, _, cut_v, cut_j, _ = jax.lax.while_loop(lambda s: ~jnp.all(s[4]), body, init)
-    return cut_v, cut_j
-
-
 def _forward(x, weight, bias, ids, live, spec: HeadSpec):
-    """``(logp^K, outside, lse^K, cut_v, cut_j)`` ``[N]``."""
+    """``(logp^K, outside, lse^K, cut_v, cut_j)`` ``[N]`` and the passes over the head
+    past pass A and the tally at ``κ`` (the searches' and the tally of ``M``)."""
     f = spec.support
     h = _Head(x, weight, ids, spec, bias)
     n = x.shape[0]
     vals, cols, m, sigma, _ = h.collect(jnp.full((n,), jnp.inf, jnp.float32), jnp.zeros((n,), jnp.int32))
     tau = jnp.full((n,), -jnp.inf, jnp.float32) if f.min_p is None else min_p_cut(m, f.min_p)
+    passes = jnp.int32(0)
     if f.top_k is not None:
-        tau = jnp.maximum(tau, _kth(h, (vals, cols), f.top_k))
+        kth, passes = support_search.kth(h, (vals, cols), f.top_k, live)
+        tau = jnp.maximum(tau, kth)
     cut_v, cut_j = tau, jnp.full((n,), NO_COLUMN, jnp.int32)
     if f.top_p is not None:
         total = sigma
         if f.min_p is not None or f.top_k is not None:
             total = h.tally(tau, cut_j, m)[0]
-        cut_v, cut_j = _top_p(h, (vals, cols), m, tau, total, f.top_p)
+            passes = passes + 1
+        cut_v, cut_j, more = support_search.top_p(h, (vals, cols), m, tau, total, f.top_p, live)
+        passes = passes + more
     mass, s_y, inside = h.tally(cut_v, cut_j, m)
     lse = jnp.where(jnp.isfinite(m), m, 0.0) + jnp.log(mass)
     logp = jnp.where(live, jnp.where(inside, s_y - lse, -jnp.inf), 0.0)
-    return logp, live & ~inside, lse, cut_v, cut_j
+    return (logp, live & ~inside, lse, cut_v, cut_j), passes
+
+
+def search_passes(x, weight, bias, ids, live, spec: HeadSpec) -> jax.Array:
+    """The passes over the head that :func:`row_stats`' forward runs besides pass A and the
+    tally at ``κ`` (int32 scalar; a diagnostic, the same decisions)."""
+    return _forward(x, weight, bias, ids, live, spec)[1]
 
 
 def _stats(x, weight, bias, ids, live, spec: HeadSpec):
     """:class:`.stats.RowStats` with ``logp_k``, ``outside``, and ``(lse^K, κ)``."""
     full = stats._forward(x, weight, bias, ids, live, spec)
-    logp, outside, lse, cut_v, cut_j = _forward(x, weight, bias, ids, live, spec)
+    (logp, outside, lse, cut_v, cut_j), _ = _forward(x, weight, bias, ids, live, spec)
     return full._replace(logp_k=logp, outside=outside), (lse, cut_v, cut_j)
 
 
