@@ -3,9 +3,9 @@
 JAX runs: pass A on each device's block gives per-row partial softmax states (max,
 ``Σexp``, ``Σexp·s``, the target's raw logit); they merge with ``lax.pmax`` / ``psum``
 (:func:`.._collectives.merge_partial`, as flashloss's ``sharding::merge_partial``
-does); the O(N) policy stage runs on the merged statistics (the same on every device); pass B adds each block's ``dW`` and its
-part of ``dH``, which JAX sums over the axis (``hidden`` is cast to varying first, so
-the transpose of that cast is the sum).
+does); the O(N) policy stage runs on the merged statistics (the same on every device);
+pass B adds each block's ``dW`` and its part of ``dH``, which JAX sums over the axis
+(``hidden`` is cast to varying first, so the transpose of that cast is the sum).
 
 Each function takes ``weight_layout``: ``"vh"`` (the block ``[V_r, H]``) or ``"hv"``
 (``[H, V_r]``, a Flax kernel split along its columns); the block's ``dweight`` has its
