@@ -2,7 +2,7 @@
 a gradient over ``hidden`` alone (or a ``stop_gradient`` head) calls the handlers with
 ``head_grad="frozen"`` (no ``[V, H]`` result) and gives the trainable head's hidden
 gradient; the GRPO and CE losses, per-row CE and the differentiable log-probs, the
-one-device calls and the vocabulary-split ones (``_vocab``, on one block)."""
+one-device calls and the vocabulary-split ones (``ffi.vocab``, on one block)."""
 
 import numpy as np
 import pytest
@@ -12,7 +12,8 @@ pytest.importorskip("flashloss.jax")
 import jax.numpy as jnp  # noqa: E402
 
 import flashloss.jax as fj  # noqa: E402
-from flashloss.jax import _ops, _vocab  # noqa: E402
+from flashloss.jax.ffi import ops as _ops  # noqa: E402
+from flashloss.jax.ffi import vocab as _vocab  # noqa: E402
 
 B, T, H, V = 3, 5, 16, 301
 

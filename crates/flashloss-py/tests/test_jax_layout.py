@@ -1,6 +1,6 @@
 """The JAX FFI calls with an ``[H, V]`` head (``weight_layout="hv"``, a Flax kernel):
-``_ops.grpo_linear``, ``ce_linear``, ``ce_rows``, ``logp_linear`` and the vocab-split
-steps of ``_vocab`` (``logprobs``, ``grpo``, ``cross_entropy``, on one device and inside
+``ffi.ops.grpo_linear``, ``ce_linear``, ``ce_rows``, ``logp_linear`` and the vocab-split
+steps of ``ffi.vocab`` (``logprobs``, ``grpo``, ``cross_entropy``, on one device and inside
 ``jax.shard_map`` over 2 simulated devices) on ``weight.T`` equal the ``"vh"`` calls on
 ``weight`` (``dweight`` transposed); a weight of the wrong shape is an error naming
 ``weight``."""
@@ -18,7 +18,8 @@ pytest.importorskip("flashloss.jax")
 
 import jax.numpy as jnp  # noqa: E402
 
-from flashloss.jax import _ops, _vocab  # noqa: E402
+from flashloss.jax.ffi import ops as _ops  # noqa: E402
+from flashloss.jax.ffi import vocab as _vocab  # noqa: E402
 
 B, T, H, V = 3, 4, 16, 301
 BUDGET = 64.0

@@ -16,7 +16,7 @@ import pytest
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 pytest.importorskip("flashloss.jax")
-from flashloss.jax._support import Filters  # noqa: E402
+from flashloss.jax.ffi.support import Filters  # noqa: E402
 from flashloss.jax.pallas import support  # noqa: E402
 from flashloss.jax.pallas.head import Transform  # noqa: E402
 from flashloss.jax.pallas.stats import HeadSpec  # noqa: E402

@@ -24,7 +24,7 @@ from jax.extend import core as jex_core  # noqa: E402
 
 from flashloss._spec import LOSS_TYPES  # noqa: E402
 from flashloss.jax import _policy as P  # noqa: E402
-from flashloss.jax import _vocab  # noqa: E402
+from flashloss.jax.ffi import vocab as _vocab  # noqa: E402
 
 LEVELS = ("token", "sequence")
 # (B, T, kind): kind "ragged" random lengths, "hole" sequence 0 fully masked, "none" every token masked out.

@@ -126,7 +126,8 @@ def test_single_pass_bf16():
 def test_plan_choice():
     """``auto`` takes the single pass where a block fits ``budget_mib``, else two passes;
     ``two_pass`` never; sequence level, vespo and a sampler support never."""
-    from flashloss.jax import _policy, _support
+    from flashloss.jax import _policy
+    from flashloss.jax.ffi import support as _support
     from flashloss.jax.pallas import losses
 
     x, w = jax.ShapeDtypeStruct((8192, 4096), jnp.bfloat16), jax.ShapeDtypeStruct((151936, 4096), jnp.bfloat16)

@@ -67,7 +67,8 @@ def _main():
                 run = np.flatnonzero(s32[i] == value)
                 cut_across |= bool(~keep[i][run].all() and len(np.unique(run // (v // 8))) > 1)
     assert cut_across
-    from flashloss.jax import _support, _support_vocab
+    from flashloss.jax.ffi import support as _support
+    from flashloss.jax.ffi import support_vocab as _support_vocab
 
     _support.BLOCK_ELEMENTS = 4 * v  # blocks of 4 rows: 14 rows end in a padded block
     split = jax.device_put(jnp.asarray(s32), NamedSharding(mesh, P(None, "v")))

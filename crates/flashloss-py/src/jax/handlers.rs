@@ -2,7 +2,7 @@
 //! process's CPU [`flashloss::Device`] and writes its results. The loss and the
 //! gradients of `hidden`, `weight`, `bias` come out of one fused call (the backward of the
 //! JAX op only scales them by the cotangent). Argument order and attributes are those of
-//! `python/flashloss/jax/_ops.py`; every handler that takes a weight takes the attribute
+//! `python/flashloss/jax/ffi/ops.py`; every handler that takes a weight takes the attribute
 //! `weight_layout` (`"vh"`: `[V, H]`, `"hv"`: `[H, V]`, a Flax kernel), and its `dweight`
 //! result has the weight's shape.
 

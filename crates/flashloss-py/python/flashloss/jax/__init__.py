@@ -39,11 +39,11 @@ from __future__ import annotations
 import jax
 
 from .._spec import GRPOOutputs, LogprobOutputs
-from . import _ops
+from .ffi import ops as _ffi_ops
 from ._grpo import grpo_loss, linear_grpo_loss
 from ._losses import linear_cross_entropy, linear_logprobs
 
 __all__ = ["GRPOOutputs", "LogprobOutputs", "grpo_loss", "linear_cross_entropy", "linear_grpo_loss", "linear_logprobs"]
 
-_ops.register()
+_ffi_ops.register()
 jax.tree_util.register_dataclass(GRPOOutputs)

@@ -1,27 +1,14 @@
 """The JAX binding's argument checks, shared by its losses: the head in one float dtype
-and layout, ids, a GRPO batch, mesh axes, and the choice of path (FFI or Pallas)."""
+and layout, ids, a GRPO batch, mesh axes (the choice of path: :mod:`._paths`)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
-IMPLS = ("auto", "ffi", "pallas")
 LAYOUTS = ("vh", "hv")
-
-
-def on_path(impl: str, interpret: Any, pallas: Callable, ffi: Callable, *operands):
-    """``pallas(*operands)`` or ``ffi(*operands)`` as ``impl`` says (``auto``: by the
-    lowering platform, or Pallas in interpret mode)."""
-    if impl not in IMPLS:
-        raise ValueError(f"argument `impl`: expected one of {', '.join(IMPLS)}, got {impl!r}")
-    if impl == "pallas" or (impl == "auto" and interpret):
-        return pallas(*operands)
-    if impl == "ffi":
-        return ffi(*operands)
-    return jax.lax.platform_dependent(*operands, tpu=pallas, default=ffi)
 
 
 def floats(arg: str, x) -> jax.Array:

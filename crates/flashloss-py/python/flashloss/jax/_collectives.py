@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from .._spec import METRICS, GrpoArgs
-from ._ops import vocab_size
+from .ffi.ops import vocab_size
 
 
 def psum(x, axis):

@@ -3,7 +3,6 @@ LM head, and :func:`grpo_loss` on materialized logits."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Optional
 
 import jax
@@ -12,11 +11,13 @@ import jax.numpy as jnp
 from .._config import DEFAULT_BUDGET_MIB
 from .._spec import METRICS, NORMALIZERS, GRPOOutputs, GrpoArgs, SamplerFilters, with_params
 from . import _args as A
-from . import _ffi, _packed, _policy, _support, _support_vocab, _vocab
+from . import _packed, _policy
+from ._calls import LinearGrpoCall, LogitsGrpoCall
 from ._collectives import over_tokens
 from ._losses import linear_logprobs
+from ._paths import dispatch
+from .ffi import support as _support
 from .pallas import checks as _checks
-from .pallas import losses as _pallas
 
 _TRL = GrpoArgs()
 
@@ -168,29 +169,11 @@ def linear_grpo_loss(
         head = dict(vocab_axis=vocab_axis, impl=impl, interpret=interpret, weight_layout=weight_layout)
         loss, aux = _from_stats(*operands, args, masks, dict(head, mode=mode, budget_mib=budget))
     else:
-        spec = _pallas.spec_for(weight_layout, temperature, None, vocab_axis, vocab, interpret)
-        k_spec = (support, weight_layout, spec.transform)
-        stats = (vocab_axis, float(temperature), budget, mode, weight_layout)
-        config = args.config_json()
-
-        def ffi(hidden, weight, bias, ids, mask, adv, old, ref, rho):
-            if vocab_axis is None:
-                return _ffi.grpo(hidden, weight, bias, ids, mask, adv, old, ref, rho, config, mode, budget,
-                                 weight_layout)  # fmt: skip
-            if support is not None:  # the policy handler takes no support: the loss in JAX
-                return _support_vocab.grpo(hidden, weight, bias, ids, mask, adv, old, ref, rho, args, k_spec, stats)
-            return _vocab.grpo(
-                hidden, weight, bias, ids, mask, adv, old, ref, config, vocab_axis, float(temperature), int(vocab),
-                mode, budget, weight_layout, ratio=rho,
-            )  # fmt: skip
-
-        def pallas(hidden, weight, bias, ids, mask, adv, old, ref, rho):
-            hidden, weight, bias = A.wide(hidden, weight, bias)
-            head = dataclasses.replace(spec, support=support)
-            plan = (mode, budget) if token_axis is None else ("two_pass", budget)
-            return _pallas.grpo(hidden, weight, bias, ids, mask, adv, old, ref, rho, args, head, *plan)
-
-        loss, aux = A.on_path(impl, interpret, pallas, ffi, *operands)
+        call = LinearGrpoCall(
+            args=args, support=support, token_axis=token_axis, weight_layout=weight_layout, vocab_axis=vocab_axis,
+            vocab=int(vocab), mode=mode, budget=budget, interpret=interpret,
+        )  # fmt: skip
+        loss, aux = dispatch("linear_grpo", impl, call, *operands)
     outside = mask & jnp.isneginf(aux[0]) if truncated else None
     if token_axis is not None:
         kept = mask if outside is None else mask & ~outside
@@ -302,22 +285,10 @@ def grpo_loss(
         sapo_temperature_neg=sapo_temperature_neg, vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos,
         vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg,
     ).validate()  # fmt: skip
-    config = args.config_json()
     rho = _policy.sampler_ratio(importance_sampling_ratio, *ids.shape)
     operands = (logits, ids, mask, adv, old, ref, rho)
+    call = LogitsGrpoCall(args=args, interpret=interpret)
     if not reduce:
-        rows, (kl, clipped) = A.on_path(
-            impl, interpret,
-            lambda *xs: _pallas.grpo_logits_rows(*A.wide(xs[0]), *xs[1:], args, interpret),
-            lambda *xs: _ffi.grpo_logits_rows(*xs, config),
-            *operands,
-        )  # fmt: skip
+        rows, (kl, clipped) = dispatch("grpo_logits_rows", impl, call, *operands)
         return rows, (jax.lax.stop_gradient(kl) if args.beta != 0.0 else None), jax.lax.stop_gradient(clipped)
-
-    def ffi(logits, *batch):
-        return _ffi.grpo_logits(logits, *batch, config)
-
-    def pallas(logits, *batch):
-        return _pallas.grpo_logits(*A.wide(logits), *batch, args, interpret)
-
-    return _outputs(*A.on_path(impl, interpret, pallas, ffi, *operands))
+    return _outputs(*dispatch("grpo_logits", impl, call, *operands))

@@ -117,3 +117,21 @@ def gathered_logp(x, weight, bias, ids, live, lse, **kw: Any) -> jax.Array:
     head's inputs through both terms (``lse`` from the statistics' ``custom_vjp``)."""
     s = gathered_logits(x, weight, bias, ids, live, **kw)
     return jnp.where(live[:, None], s - lse[:, None], 0.0)
+
+
+def gathered(call, x, weight, bias, live, lse, cand, check: bool) -> Optional[jax.Array]:
+    """``gathered_logp`` of a ``linear_logprobs`` call (a :class:`._calls.LogprobCall`) at
+    the candidates ``cand`` ``[N, K]`` (None where none were asked); ``check``: their ids
+    checked against ``V`` by a host callback first."""
+    if cand is None:
+        return None
+    if check:
+        check_gather_ids(cand, live, call.vocab)
+    kw = dict(layout=call.weight_layout, transform=call.transform, vocab_axis=call.vocab_axis)
+    return gathered_logp(x, weight, bias, cand, live, lse, **kw)
+
+
+def all_inside(call, live) -> Optional[jax.Array]:
+    """``outside_support`` where a filter is named but keeps everything (all False), None
+    where none is named."""
+    return None if call.support is None else jnp.zeros(live.shape, bool)

@@ -3,7 +3,6 @@ states and the LM head: :func:`linear_cross_entropy`, :func:`linear_logprobs`.""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Optional
 
 import jax
@@ -12,9 +11,10 @@ import jax.numpy as jnp
 from .._config import DEFAULT_BUDGET_MIB
 from .._spec import CeArgs, LogprobOutputs, LogprobRequest, with_params
 from . import _args as A
-from . import _ffi, _logprobs, _support, _support_vocab, _vocab
-from .pallas import checks as _checks
-from .pallas import losses as _pallas
+from . import _logprobs
+from ._calls import CeCall, LogprobCall
+from ._paths import dispatch
+from .ffi import support as _support
 
 
 @with_params
@@ -51,10 +51,10 @@ def linear_cross_entropy(
     vocabulary is split in equal contiguous blocks, as in :func:`linear_grpo_loss`; every
     device passes all the rows and gets the loss, the whole ``hidden`` gradient and its
     block's gradients. ``impl``, ``interpret``, ``weight_layout``: see :mod:`flashloss.jax`."""
-    config = CeArgs(
+    args = CeArgs(
         ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
         reduction=reduction, temperature=temperature,
-    ).validate().config_json()  # fmt: skip
+    ).validate()  # fmt: skip
     hidden, weight, bias = A.head(hidden, weight, bias, weight_layout)
     targets = A.int_ids("targets", targets)
     if hidden.shape[:-1] != targets.shape:
@@ -66,24 +66,11 @@ def linear_cross_entropy(
     vocab = A.vocab_size(weight, weight_layout, vocab_axis)
     if vocab_axis is not None:
         h2 = jax.lax.pcast(h2, vocab_axis, to="varying")
-    spec = _pallas.spec_for(weight_layout, temperature, softcap, vocab_axis, vocab, interpret)
-
-    def ffi(h2, weight, bias, t1):
-        if vocab_axis is not None:
-            args = (vocab_axis, config, float(temperature), int(ignore_index), int(vocab), reduction, budget, mode)
-            return _vocab.cross_entropy(h2, weight, bias, t1, *args, weight_layout)
-        if reduction == "none":
-            return _ffi.cross_entropy_rows(h2, weight, bias, t1, config, mode, budget, weight_layout)
-        return _ffi.cross_entropy(h2, weight, bias, t1, config, mode, budget, weight_layout)
-
-    def pallas(h2, weight, bias, t1):
-        out, lse = _pallas.cross_entropy(
-            *A.wide(h2, weight, bias), t1, spec, ignore_index=int(ignore_index), label_smoothing=float(label_smoothing),
-            z_loss=float(z_loss), reduction=reduction,
-        )  # fmt: skip
-        return out, lse
-
-    out, lse = A.on_path(impl, interpret, pallas, ffi, h2, weight, bias, t1)
+    call = CeCall(
+        args=args, weight_layout=weight_layout, vocab_axis=vocab_axis, vocab=int(vocab), mode=mode, budget=budget,
+        interpret=interpret,
+    )  # fmt: skip
+    out, lse = dispatch("linear_cross_entropy", impl, call, h2, weight, bias, t1)
     out = out.reshape(targets.shape) if reduction == "none" else out
     return (out, lse.reshape(targets.shape)) if return_lse else out
 
@@ -131,7 +118,7 @@ def linear_logprobs(
     {filters}
     ``outside_support`` is returned whenever a filter is named. On the Pallas path, and
     with ``vocab_axis`` on both, the support is plain JAX over blocks of rows, not
-    streamed (``_support``, ``_support_vocab``).
+    streamed (``ffi/support.py``, ``ffi/support_vocab.py``).
 
     {plan} (the FFI path's)"""
     hidden, weight, bias = A.head(hidden, weight, bias, weight_layout)
@@ -157,52 +144,11 @@ def linear_logprobs(
         support = _support.filters(f.top_k, f.top_p, f.min_p, vocab) or _support.Filters(None, None, None)
     if vocab_axis is not None:
         x = jax.lax.pcast(x, vocab_axis, to="varying")
-    spec = _pallas.spec_for(weight_layout, temperature, None, vocab_axis, vocab, interpret)
-    spec = dataclasses.replace(spec, sum_p2=bool(return_sum_p2))
-    filtered = _support.active(support) is not None
-    seq_len = ids.shape[-1] if ids.ndim else 1
-    gather_kw = dict(layout=weight_layout, transform=spec.transform, vocab_axis=vocab_axis)
-
-    def gathered(x, weight, bias, live, lse, cand, check: bool):
-        if cand is None:
-            return None
-        if check:
-            _logprobs.check_gather_ids(cand, live, vocab)
-        return _logprobs.gathered_logp(x, weight, bias, cand, live, lse, **gather_kw)
-
-    def outside(flat_mask):  # where the support is asked but keeps everything
-        return None if support is None else jnp.zeros(flat_mask.shape, bool)
-
-    def truncated(x, weight, bias, flat_ids, flat_mask):
-        k_spec = (support, weight_layout, spec.transform)
-        return _support_vocab.truncated(x, weight, bias, flat_ids, flat_mask, k_spec, vocab_axis)
-
-    def ffi(x, weight, bias, flat_ids, flat_mask, cand):
-        stats_args = (float(temperature), budget, mode, weight_layout)
-        if filtered and vocab_axis is None:
-            *out, out_k = _support.ffi_logprobs(x, weight, bias, flat_ids, flat_mask, support, *stats_args)
-        else:
-            out = _vocab.logprobs(x, weight, bias, flat_ids, flat_mask, vocab_axis, *stats_args)
-            out_k = outside(flat_mask)
-            if filtered:  # vocab-parallel: logp^K in plain JAX, the rest the full softmax's
-                logp_k, out_k = truncated(x, weight, bias, flat_ids, flat_mask)
-                out = (logp_k, *out[1:])
-        logp, entropy, lse, top, p2 = out
-        p2 = p2 if return_sum_p2 else None
-        return logp, entropy, lse, top, p2, gathered(x, weight, bias, flat_mask, lse, cand, True), out_k
-
-    def pallas(x, weight, bias, flat_ids, flat_mask, cand):
-        x, weight, bias = A.wide(x, weight, bias)
-        head = dataclasses.replace(spec, support=support if filtered else None)
-        st = _pallas.logprob_stats(x, weight, bias, flat_ids, flat_mask, head, seq_len)
-        p2 = st.sum_p2 if return_sum_p2 else None
-        g = gathered(x, weight, bias, flat_mask, st.lse, cand, _checks.runs_here(interpret))
-        logp, out_k = st.logp, outside(flat_mask)
-        if filtered:
-            logp, out_k = st.logp_k, st.outside
-        return logp, st.entropy, st.lse, st.max, p2, g, out_k
-
-    out = A.on_path(impl, interpret, pallas, ffi, x, weight, bias, ids.reshape(-1), m.reshape(-1), candidates)
+    call = LogprobCall(
+        request=request, support=support, seq_len=ids.shape[-1] if ids.ndim else 1, weight_layout=weight_layout,
+        vocab_axis=vocab_axis, vocab=int(vocab), mode=mode, budget=budget, interpret=interpret,
+    )  # fmt: skip
+    out = dispatch("linear_logprobs", impl, call, x, weight, bias, ids.reshape(-1), m.reshape(-1), candidates)
     logp, entropy, lse, top, p2, g, out_k = (None if y is None else y.reshape(ids.shape + y.shape[1:]) for y in out)
     return LogprobOutputs(
         logp=logp,

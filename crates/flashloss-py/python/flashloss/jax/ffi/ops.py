@@ -20,7 +20,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from .. import _native
+from ... import _native
 
 
 def register() -> None:

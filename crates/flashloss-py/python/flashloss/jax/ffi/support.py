@@ -13,8 +13,8 @@ keep the largest). ``logp^K_i = s_{i,y_i} - logsumexp_{j∈K_i} s_ij``, ``-inf``
 - FFI path (:func:`ffi_logprobs`): the handlers ``flashloss_logp_support`` (every row's
   statistics with ``logp^K``) and ``flashloss_logp_support_grads`` (one more pass with the
   rows' cotangents), a whole head (a head split over ``vocab_axis``:
-  :mod:`._support_vocab`).
-- Pallas path (:mod:`.pallas.support`, the head's statistics with ``HeadSpec.support``):
+  :mod:`.support_vocab`).
+- Pallas path (:mod:`..pallas.support`, the head's statistics with ``HeadSpec.support``):
   streamed over the vocabulary (a running top-``C`` of the keys ``(s_j, j)`` per row,
   tallies at a per-row cut, the head's backward kernels with ``p^K`` in the same pass as
   the other statistics' gradients), also over ``vocab_axis``; no ``[N, V]`` array. Top-p's
@@ -31,12 +31,12 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-from ._ffi import _values, head_grad_wanted, wants
-from ._ops import _call, _like, _or_empty, head_grad_results, vocab_size
-from .pallas.head import Transform
+from .fused import _values, head_grad_wanted, wants
+from .ops import _call, _like, _or_empty, head_grad_results, vocab_size
+from ..pallas.head import Transform
 
 #: Elements of one block's ``[rows, V]`` logits of the FFI path's vocab-parallel support
-#: in plain JAX (:mod:`._support_vocab`; 16 MiB in f32).
+#: in plain JAX (:mod:`.support_vocab`; 16 MiB in f32).
 BLOCK_ELEMENTS = 1 << 22
 
 

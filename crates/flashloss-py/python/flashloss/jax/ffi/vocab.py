@@ -2,10 +2,10 @@
 ``jax.shard_map``; a tensor-parallel LM head). The step is cut at the collectives, which
 JAX runs: pass A on each device's block gives per-row partial softmax states (max,
 ``Σexp``, ``Σexp·s``, the target's raw logit); they merge with ``lax.pmax`` / ``psum``
-(:func:`._collectives.merge_partial`, as flashloss's ``sharding::merge_partial`` does); the O(N) policy stage runs on the
-merged statistics (the same on every device); pass B adds each block's ``dW`` and its
-part of ``dH``, which JAX sums over the axis (``hidden`` is cast to varying first, so
-the transpose of that cast is the sum).
+(:func:`.._collectives.merge_partial`, as flashloss's ``sharding::merge_partial``
+does); the O(N) policy stage runs on the merged statistics (the same on every device);
+pass B adds each block's ``dW`` and its part of ``dH``, which JAX sums over the axis
+(``hidden`` is cast to varying first, so the transpose of that cast is the sum).
 
 Each function takes ``weight_layout``: ``"vh"`` (the block ``[V_r, H]``) or ``"hv"``
 (``[H, V_r]``, a Flax kernel split along its columns); the block's ``dweight`` has its
@@ -21,9 +21,9 @@ import jax.numpy as jnp
 
 from jax.custom_derivatives import SymbolicZero
 
-from ._ffi import _values, head_grad_wanted, wants
-from ._collectives import merge_partial, psum, sum_p2, vocab_offset
-from ._ops import _call, _like, _or_empty, head_grad_results, vocab_size
+from .fused import _values, head_grad_wanted, wants
+from .._collectives import merge_partial, psum, sum_p2, vocab_offset
+from .ops import _call, _like, _or_empty, head_grad_results, vocab_size
 
 
 def _partial(x, w, bias, ids, mask, offset, temperature, budget, mode, layout):

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-from . import _ops
+from . import ops
 
 
 def _values(*primals):
@@ -68,7 +68,7 @@ def _grads_bwd(res, g):
 def grpo(hidden, weight, bias, ids, mask, adv, old, ref, ratio, config, mode, budget, layout):
     """``(loss, (logp, entropy, kl, metrics))`` of one ``flashloss_grpo_linear`` call
     (``ratio``: the sampler's importance ratio ``[B]``, ``[B, T]`` or None)."""
-    loss, *_, logp, entropy, kl, metrics = _ops.grpo_linear(
+    loss, *_, logp, entropy, kl, metrics = ops.grpo_linear(
         hidden, weight, bias, ids, mask, adv, old, ref, ratio, config=config, mode=mode, budget_mib=budget,
         weight_layout=layout, head_grad="frozen",
     )  # fmt: skip
@@ -81,7 +81,7 @@ def _grpo_fwd(hidden, weight, bias, ids, mask, adv, old, ref, ratio, config, mod
     hidden, weight, bias, ids, mask, adv, old, ref, ratio = _values(
         hidden, weight, bias, ids, mask, adv, old, ref, ratio
     )
-    loss, dh, dw, db, logp, entropy, kl, metrics = _ops.grpo_linear(
+    loss, dh, dw, db, logp, entropy, kl, metrics = ops.grpo_linear(
         hidden, weight, bias, ids, mask, adv, old, ref, ratio, config=config, mode=mode, budget_mib=budget,
         weight_layout=layout, head_grad=head_grad,
     )  # fmt: skip
@@ -111,7 +111,7 @@ def cross_entropy(hidden, weight, bias, targets, config, mode, budget, layout):
     """``(loss, lse)``: the reduced (mean, sum) cross-entropy of one ``flashloss_ce_linear``
     call and each row's log-sum-exp ``[N]`` (0 where ignored), differentiable in both (a
     cotangent on ``lse`` runs the kernel once more)."""
-    out = _ops.ce_linear(
+    out = ops.ce_linear(
         hidden, weight, bias, targets, None, config=config, mode=mode, budget_mib=budget, weight_layout=layout,
         head_grad="frozen",
     )  # fmt: skip
@@ -121,7 +121,7 @@ def cross_entropy(hidden, weight, bias, targets, config, mode, budget, layout):
 def _ce_fwd(hidden, weight, bias, targets, config, mode, budget, layout):
     wanted = wants(hidden, weight, bias)
     hidden, weight, bias, targets = _values(hidden, weight, bias, targets)
-    loss, dh, dw, db, _, _, lse = _ops.ce_linear(
+    loss, dh, dw, db, _, _, lse = ops.ce_linear(
         hidden, weight, bias, targets, None, config=config, mode=mode, budget_mib=budget, weight_layout=layout,
         head_grad=head_grad_wanted(wanted),
     )  # fmt: skip
@@ -134,7 +134,7 @@ def _ce_bwd(config, mode, budget, layout, res, cts):
     scaled = tuple(None if w is None or isinstance(g, SymbolicZero) else g * d for d, w in zip(grads, wanted))
 
     def call(**kw):
-        return _ops.ce_linear(
+        return ops.ce_linear(
             hidden, weight, bias, targets, None, config=config, mode=mode, budget_mib=budget, weight_layout=layout,
             grad_output=0.0, **kw,
         )[1:4]  # fmt: skip
@@ -156,7 +156,7 @@ def cross_entropy_rows(hidden, weight, bias, targets, config, mode, budget, layo
     """``(row_loss, lse)`` ``[N]``: the per-row cross-entropy (reduction none) and
     log-sum-exp, one statistics pass; the backward reruns the kernel with each row's
     cotangents."""
-    return _ops.ce_rows(hidden, weight, bias, targets, config=config, budget_mib=budget, weight_layout=layout)
+    return ops.ce_rows(hidden, weight, bias, targets, config=config, budget_mib=budget, weight_layout=layout)
 
 
 def _ce_rows_fwd(hidden, weight, bias, targets, config, mode, budget, layout):
@@ -172,7 +172,7 @@ def _ce_rows_bwd(config, mode, budget, layout, res, cts):
     if isinstance(g, SymbolicZero) and isinstance(g_lse, SymbolicZero):
         return None, None, None, None
     rows = None if isinstance(g, SymbolicZero) else g.astype(jnp.float32)
-    _, dh, dw, db, *_ = _ops.ce_linear(
+    _, dh, dw, db, *_ = ops.ce_linear(
         hidden, weight, bias, targets, rows, config=config, mode=mode, budget_mib=budget, weight_layout=layout,
         head_grad=head_grad_wanted(wanted), grad_output=0.0 if rows is None else 1.0,
         grad_lse=None if isinstance(g_lse, SymbolicZero) else g_lse.astype(jnp.float32),
@@ -186,12 +186,12 @@ cross_entropy_rows.defvjp(_ce_rows_fwd, _ce_rows_bwd, symbolic_zeros=True)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
 def grpo_logits(logits, ids, mask, adv, old, ref, ratio, config):
     """``(loss, (logp, entropy, kl, metrics))`` of one ``flashloss_grpo_logits`` call."""
-    loss, _, logp, entropy, kl, metrics = _ops.grpo_logits(logits, ids, mask, adv, old, ref, ratio, config=config)
+    loss, _, logp, entropy, kl, metrics = ops.grpo_logits(logits, ids, mask, adv, old, ref, ratio, config=config)
     return loss, (logp, entropy, kl, metrics)
 
 
 def _logits_fwd(logits, ids, mask, adv, old, ref, ratio, config):
-    loss, dz, logp, entropy, kl, metrics = _ops.grpo_logits(logits, ids, mask, adv, old, ref, ratio, config=config)
+    loss, dz, logp, entropy, kl, metrics = ops.grpo_logits(logits, ids, mask, adv, old, ref, ratio, config=config)
     return (loss, (logp, entropy, kl, metrics)), dz
 
 
@@ -207,7 +207,7 @@ def grpo_logits_rows(logits, ids, mask, adv, old, ref, ratio, config):
     """``(token_loss, (kl, clipped))`` ``[B, T]``: the per-token losses ``ℓ_tot`` (Liger's
     ``reduce=False``); the backward runs the logits again with the cotangent."""
     ones = jnp.ones(ids.shape, jnp.float32)
-    rows, kl, clipped, _ = _ops.grpo_logits_rows(
+    rows, kl, clipped, _ = ops.grpo_logits_rows(
         logits, ids, mask, adv, old, ref, ones, config=config, with_grad=False, ratio=ratio
     )
     return rows, (kl, clipped)
@@ -221,7 +221,7 @@ def _rows_fwd(logits, ids, mask, adv, old, ref, ratio, config):
 def _rows_bwd(config, res, cts):
     logits, ids, mask, adv, old, ref, ratio = res
     g = cts[0].astype(jnp.float32)
-    dz = _ops.grpo_logits_rows(logits, ids, mask, adv, old, ref, g, config=config, with_grad=True, ratio=ratio)[3]
+    dz = ops.grpo_logits_rows(logits, ids, mask, adv, old, ref, g, config=config, with_grad=True, ratio=ratio)[3]
     return (dz, None, None, None, None, None, None)
 
 

@@ -1,7 +1,7 @@
-"""The truncated support (:mod:`._support`) over a head split over a mesh axis
+"""The truncated support (:mod:`.support`) over a head split over a mesh axis
 (``vocab_axis``): each device holds an equal contiguous block of the vocabulary in axis
 order, global id ``j = offset + local index``. The FFI path's, plain JAX over blocks of
-rows (the Pallas path streams it over the vocabulary: :mod:`.pallas.support`).
+rows (the Pallas path streams it over the vocabulary: :mod:`..pallas.support`).
 
 Per block of rows each device forms its logits ``s`` ``[rows, V_r]``, then:
 
@@ -33,11 +33,12 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-from . import _policy, _vocab
-from ._ffi import _values
-from ._ops import vocab_size
-from ._support import Filters, _blocks, _row_logits, _zeros
-from .pallas import checks
+from .. import _policy
+from . import vocab
+from .fused import _values
+from .ops import vocab_size
+from .support import Filters, _blocks, _row_logits, _zeros
+from ..pallas import checks
 
 _BITS = 32  # bisection rounds over the uint32 keys
 
@@ -187,14 +188,14 @@ truncated_logp.defvjp(_fwd, _bwd, symbolic_zeros=True)
 
 def truncated(x, weight, bias, ids, live, spec, axis: str):
     """``(logp^K, outside)`` of :func:`truncated_logp` over ``axis`` (the FFI path's
-    vocab-parallel support; the Pallas path's is :mod:`.pallas.support`)."""
+    vocab-parallel support; the Pallas path's is :mod:`..pallas.support`)."""
     return truncated_logp(x, weight, bias, ids, live, spec, axis)
 
 
 def grpo(hidden, weight, bias, ids, mask, adv, old, ref, ratio, args: _policy.GrpoArgs, spec, stats):
     """The FFI path's GRPO loss under the truncated support with the head split over
     ``stats``'s axis (the Pallas path's is ``pallas.losses.grpo``): ``(loss, (logp^K,
-    entropy, kl, metrics))`` from the entropy of :func:`._vocab.logprobs` (``stats``: its
+    entropy, kl, metrics))`` from the entropy of :func:`.vocab.logprobs` (``stats``: its
     static arguments ``(axis, temperature, budget, mode, layout)``), :func:`truncated_logp`
     (``spec`` as there) and the policy loss in JAX on the kept tokens (docs/spec/losses.md,
     flashloss addition 13). The batch's values are checked by host callbacks (the FFI
@@ -205,7 +206,7 @@ def grpo(hidden, weight, bias, ids, mask, adv, old, ref, ratio, args: _policy.Gr
         checks.finite(name, values, None if name == "advantages" else mask, True)
     checks.sampler_ratio(ratio, mask, True)
     x, flat_ids, flat_mask = hidden.reshape(b * t, hidden.shape[-1]), ids.reshape(-1), mask.reshape(-1)
-    entropy = _vocab.logprobs(x, weight, bias, flat_ids, flat_mask, *stats)[1].reshape(b, t)
+    entropy = vocab.logprobs(x, weight, bias, flat_ids, flat_mask, *stats)[1].reshape(b, t)
     logp_k, outside = (y.reshape(b, t) for y in truncated_logp(x, weight, bias, flat_ids, flat_mask, spec, axis))
     kept = mask & ~outside
     loss, kl, metrics = _policy.grpo_policy_loss(
