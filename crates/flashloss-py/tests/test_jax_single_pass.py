@@ -14,7 +14,7 @@ jnp = pytest.importorskip("jax.numpy")
 fj = pytest.importorskip("flashloss.jax")
 
 from flashloss.jax import gradcheck  # noqa: E402
-from flashloss.jax.pallas import single_pass  # noqa: E402
+from flashloss.jax.pallas import single_pass, target_chip  # noqa: E402
 from test_jax_pallas import _grpo_inputs, _rel  # noqa: E402
 
 TOKEN_LOCAL = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
@@ -136,7 +136,15 @@ def test_plan_choice():
     # at the original shape the f32 dW carry alone is V·H·4 = 2.49 GB: not within 160 MiB
     assert losses.single_pass_rows("auto", 160.0, x, w, spec, args) is None
     # 1024 rows: f32 logits and dZ 1.24 GB, with the dW carry 3.73 GB (2048 rows: 4.98 GB)
-    assert losses.single_pass_rows("auto", 4096.0, x, w, spec, args) == 1024
+    with target_chip("v6e"):
+        v6e = losses.spec_for("vh", 1.0, None, None, 151936, False)
+    assert losses.single_pass_rows("auto", 4096.0, x, w, v6e, args) == 1024
+    # v7x (the default without a TPU) copies a bf16 head for the dots: + V·H·2 = 1.24 GB, so
+    # 256 rows (512: 0.62 + 2.49 + 1.24 + 0.62 GB > 4096 MiB); an f32 head is not copied
+    assert spec.chip == "7x"
+    assert losses.single_pass_rows("auto", 4096.0, x, w, spec, args) == 256
+    w32 = jax.ShapeDtypeStruct((151936, 4096), jnp.float32)
+    assert losses.single_pass_rows("auto", 4096.0, x, w32, spec, args) == 1024
     assert losses.single_pass_rows("two_pass", 4096.0, x, w, spec, args) is None
     assert losses.single_pass_rows("single_pass", 160.0, x, w, spec, args) == 128
     seq = dataclasses.replace(args, importance_sampling_level="sequence")

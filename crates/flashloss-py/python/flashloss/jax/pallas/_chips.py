@@ -64,6 +64,12 @@ _VOCAB_BLOCKS = (2048, 1024, 768, 512, 256, 128)
 #: row block of the forward kernel; 16 bounds it).
 F32_SPLIT_BYTES = 16
 
+#: Chips whose XLA copies a bfloat16 head argument (tiled ``T(8,128)(2,1)``) into its own
+#: tiling (``T(16,128)(2,1)``) before an XLA dot over it: seen in the single pass's HLO
+#: compiled for v7x (a 1.16 GiB copy of a ``[151936, 4096]`` head, none on v5e, v6e, v5p).
+#: The single pass's footprint counts the copy there.
+RELAYOUTS_BF16_HEAD = ("7x",)
+
 
 @dataclass(frozen=True)
 class Chip:

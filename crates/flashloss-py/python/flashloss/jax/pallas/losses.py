@@ -48,7 +48,8 @@ def single_pass_rows(mode: str, budget_mib: float, x, weight, spec: HeadSpec, ar
         return None
     n, hidden = x.shape
     v = weight.shape[0] if spec.layout == "vh" else weight.shape[1]
-    rows = single_pass.block_rows(n, v, hidden, budget_mib * 2**20)
+    relayout = weight.dtype == jnp.bfloat16 and _chips.chip(spec.chip).name in _chips.RELAYOUTS_BF16_HEAD
+    rows = single_pass.block_rows(n, v, hidden, budget_mib * 2**20, v * hidden * 2 if relayout else 0)
     if rows is None and mode in ("single_pass", "compact"):
         return min(n, single_pass.BLOCK_ROWS[-1])
     return rows

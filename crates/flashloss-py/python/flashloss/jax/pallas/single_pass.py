@@ -39,18 +39,19 @@ from . import logits
 BLOCK_ROWS = (4096, 2048, 1024, 512, 256, 128)
 
 
-def footprint_bytes(rows: int, v: int, hidden: int) -> int:
+def footprint_bytes(rows: int, v: int, hidden: int, head_copy_bytes: int = 0) -> int:
     """Bytes the plan holds beyond its inputs and outputs: a block's f32 logits and ``dZ``
-    (``2·rows·V·4``) and the f32 ``dW`` and ``dc`` carries (``V·H·4 + V·4``)."""
-    return 2 * rows * v * 4 + v * hidden * 4 + v * 4
+    (``2·rows·V·4``), the f32 ``dW`` and ``dc`` carries (``V·H·4 + V·4``) and the copy of
+    the head the chip's compiler makes for its dots (``_chips.RELAYOUTS_BF16_HEAD``)."""
+    return 2 * rows * v * 4 + v * hidden * 4 + v * 4 + head_copy_bytes
 
 
-def block_rows(n: int, v: int, hidden: int, budget_bytes: float) -> Optional[int]:
+def block_rows(n: int, v: int, hidden: int, budget_bytes: float, head_copy_bytes: int = 0) -> Optional[int]:
     """The most rows per block (of :data:`BLOCK_ROWS`, or ``n`` when smaller) whose
     :func:`footprint_bytes` fits ``budget_bytes``; None when none does (then two-pass)."""
     for rows in (n,) if n < BLOCK_ROWS[-1] else BLOCK_ROWS:
         rows = min(rows, n)
-        if footprint_bytes(rows, v, hidden) <= budget_bytes:
+        if footprint_bytes(rows, v, hidden, head_copy_bytes) <= budget_bytes:
             return rows
     return None
 
