@@ -129,16 +129,17 @@ def linear_grpo_loss(
     """
     hidden, weight, bias, vocab_parallel_group = _dtensor.local_head(hidden, weight, bias, vocab_parallel_group)
     group = _dist.register(vocab_parallel_group)
+    fields = dict(  # the loss's configuration but num_items_in_batch (read by _items under agreement)
+        loss_type=loss_type, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
+        importance_sampling_level=importance_sampling_level, temperature=temperature,
+        use_bias_correction_kl=use_bias_correction_kl, entropy_coef=entropy_coef,
+        max_completion_length=max_completion_length, sapo_temperature_pos=sapo_temperature_pos,
+        sapo_temperature_neg=sapo_temperature_neg, vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos,
+        vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg, top_k=top_k, top_p=top_p, min_p=min_p,
+    )  # fmt: skip
     if cu_seqlens is not None or position_ids is not None:
         items, items_tensor = _items(num_items_in_batch)
-        fields = dict(
-            loss_type=loss_type, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
-            importance_sampling_level=importance_sampling_level, temperature=temperature,
-            use_bias_correction_kl=use_bias_correction_kl, entropy_coef=entropy_coef, num_items_in_batch=items,
-            max_completion_length=max_completion_length, sapo_temperature_pos=sapo_temperature_pos,
-            sapo_temperature_neg=sapo_temperature_neg, vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos,
-            vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg, top_k=top_k, top_p=top_p, min_p=min_p,
-        )  # fmt: skip
+        fields["num_items_in_batch"] = items
         per_token = dict(
             old=old_per_token_logps, ref=ref_per_token_logps, ratio=importance_sampling_ratio,
             policy_mask=policy_mask, entropy_mask=entropy_mask,
@@ -173,14 +174,7 @@ def linear_grpo_loss(
         if b is not None and device.type == "cuda":
             b = b.float()  # the GPU kernels read the bias in f32
         items, items_tensor = _items(num_items_in_batch)
-        config = _grpo_json(
-            loss_type=loss_type, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
-            importance_sampling_level=importance_sampling_level, temperature=temperature,
-            use_bias_correction_kl=use_bias_correction_kl, entropy_coef=entropy_coef, num_items_in_batch=items,
-            max_completion_length=max_completion_length, sapo_temperature_pos=sapo_temperature_pos,
-            sapo_temperature_neg=sapo_temperature_neg, vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos,
-            vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg, top_k=top_k, top_p=top_p, min_p=min_p,
-        )  # fmt: skip
+        config = _grpo_json(**fields, num_items_in_batch=items)
         return h, w, b, _grpo_batch(completion_ids, completion_mask, advantages), items_tensor, config
 
     h, w, b, (ids, mask, adv), items, config = _dist.agreed(group, prepare)
