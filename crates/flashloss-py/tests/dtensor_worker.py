@@ -19,31 +19,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 import flashloss.torch as fl
 from flashloss.liger import LigerFusedLinearGRPOLoss
 
-V, H, B, T = 37, 16, 3, 5
-
-
-def close(name, got, want, rtol=1e-4):
-    scale = want.abs().max().item() if want.numel() else 0.0
-    err = (got - want).abs().max().item() if want.numel() else 0.0
-    if not err <= rtol * max(scale, 1e-3):
-        raise AssertionError(f"{name}: max error {err:.3g} against scale {scale:.3g}")
-
-
-def data(seed):
-    g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(B, T, H, generator=g)
-    weight = torch.randn(V, H, generator=g) / H**0.5
-    bias = torch.randn(V, generator=g) * 0.1
-    ids = torch.randint(0, V, (B, T), generator=g)
-    mask = torch.rand(B, T, generator=g) > 0.25
-    mask[0] = True
-    adv = torch.randn(B, generator=g)
-    old = torch.randn(B, T, generator=g) * 0.1 - 3.6
-    return hidden, weight, bias, ids, mask, adv, old
-
-
-def leaves(*xs):
-    return [x.detach().clone().requires_grad_() for x in xs]
+from dist_worker import close, data, leaves  # dist_worker's shapes (V = 37), inputs and check
 
 
 def dleaves(mesh, hidden, weight, bias, placement, hidden_dtensor=True):
