@@ -150,14 +150,14 @@ def linear_grpo_loss(
             )
         weight = jax.lax.pcast(weight, token_axis, to="varying")
         bias = None if bias is None else jax.lax.pcast(bias, token_axis, to="varying")
+    # linear_logprobs' plan and path, for the losses formed above it (packed, or with a mask)
+    head = dict(
+        mode=mode, budget_mib=budget, vocab_axis=vocab_axis, impl=impl, interpret=interpret, weight_layout=weight_layout
+    )
     if packed:
         per_token = dict(
             old_per_token_logps=old_per_token_logps, ref_per_token_logps=ref_per_token_logps,
             importance_sampling_ratio=importance_sampling_ratio, policy_mask=policy_mask, entropy_mask=entropy_mask,
-        )  # fmt: skip
-        head = dict(
-            mode=mode, budget_mib=budget, vocab_axis=vocab_axis, impl=impl, interpret=interpret,
-            weight_layout=weight_layout,
         )  # fmt: skip
         loss, aux, outside = _packed.linear_grpo(batch, hidden, weight, bias, per_token, args, head, token_axis)
         return _outputs(loss, aux, outside)
@@ -166,8 +166,7 @@ def linear_grpo_loss(
         hidden = jax.lax.pcast(hidden, vocab_axis, to="varying")
     operands = (hidden, weight, bias, ids, mask, adv, old, ref, rho)
     if by_stats:
-        head = dict(vocab_axis=vocab_axis, impl=impl, interpret=interpret, weight_layout=weight_layout)
-        loss, aux = _from_stats(*operands, args, masks, dict(head, mode=mode, budget_mib=budget))
+        loss, aux = _from_stats(*operands, args, masks, head)
     else:
         call = LinearGrpoCall(
             args=args, support=support, token_axis=token_axis, weight_layout=weight_layout, vocab_axis=vocab_axis,
@@ -252,18 +251,18 @@ def grpo_loss(
     {packed}
     Packed logits are ``[total_tokens, V]`` (or ``[1, total_tokens, V]``); each row's
     log-softmax is then formed in JAX (float32), and ``reduce=False`` is not taken."""
+    args = GrpoArgs(
+        loss_type=loss_type, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
+        importance_sampling_level=importance_sampling_level, temperature=temperature,
+        use_bias_correction_kl=use_bias_correction_kl, num_items_in_batch=num_items_in_batch,
+        max_completion_length=max_completion_length, sapo_temperature_pos=sapo_temperature_pos,
+        sapo_temperature_neg=sapo_temperature_neg, vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos,
+        vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg,
+    ).validate()  # fmt: skip
     if cu_seqlens is not None or position_ids is not None:
         if not reduce:
             raise ValueError("argument `reduce`: False is not supported with a packed batch (cu_seqlens/position_ids)")
         batch = _packed.Packed(cu_seqlens, position_ids, completion_ids, completion_mask, advantages)
-        args = GrpoArgs(
-            loss_type=loss_type, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
-            importance_sampling_level=importance_sampling_level, temperature=temperature,
-            use_bias_correction_kl=use_bias_correction_kl, num_items_in_batch=num_items_in_batch,
-            max_completion_length=max_completion_length, sapo_temperature_pos=sapo_temperature_pos,
-            sapo_temperature_neg=sapo_temperature_neg, vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos,
-            vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg,
-        ).validate()  # fmt: skip
         per_token = dict(
             old_per_token_logps=old_per_token_logps, ref_per_token_logps=ref_per_token_logps,
             importance_sampling_ratio=importance_sampling_ratio, policy_mask=None, entropy_mask=None,
@@ -277,14 +276,6 @@ def grpo_loss(
         raise ValueError(
             f"argument `logits`: expected shape [B, T, V] with [B, T] = {list(ids.shape)}, got {list(logits.shape)}"
         )
-    args = GrpoArgs(
-        loss_type=loss_type, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
-        importance_sampling_level=importance_sampling_level, temperature=temperature,
-        use_bias_correction_kl=use_bias_correction_kl, num_items_in_batch=num_items_in_batch,
-        max_completion_length=max_completion_length, sapo_temperature_pos=sapo_temperature_pos,
-        sapo_temperature_neg=sapo_temperature_neg, vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos,
-        vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg,
-    ).validate()  # fmt: skip
     rho = _policy.sampler_ratio(importance_sampling_ratio, *ids.shape)
     operands = (logits, ids, mask, adv, old, ref, rho)
     call = LogitsGrpoCall(args=args, interpret=interpret)
