@@ -23,6 +23,7 @@ mod nccl;
 mod passes;
 mod plan;
 mod selective_log_softmax;
+mod support;
 mod watchdog;
 
 pub use blas::{CUBLAS_WORKSPACE_BYTES, GemmShape};
