@@ -149,6 +149,11 @@ impl DeviceSparse {
         })
     }
 
+    /// Whether row `i` adds nothing.
+    pub(crate) fn row_is_zero(&self, i: usize) -> bool {
+        self.zero_rows[i]
+    }
+
     /// Whether every row of `rows` adds nothing.
     pub(crate) fn rows_are_zero(&self, rows: &Range<usize>) -> bool {
         self.zero_rows[rows.clone()].iter().all(|&z| z)

@@ -22,6 +22,7 @@ mod launch;
 mod nccl;
 mod passes;
 mod plan;
+mod row_spans;
 mod selective_log_softmax;
 mod support;
 mod watchdog;

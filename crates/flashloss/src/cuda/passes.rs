@@ -13,6 +13,7 @@ use super::candidates::{DeviceGather, DeviceSparse, TileArgs, hook_unsupported, 
 use super::device::{DeviceBuffer, Gpu, GpuElement, device_error};
 use super::head::{GpuGrads, GpuInputs, GpuWorkspace, no_grads};
 use super::launch::{KernelLayout, RowCoef, rows_launch};
+use super::row_spans::{RowSpan, row_spans};
 use super::support::{DeviceTop, HostRows};
 use crate::element::DType;
 use crate::error::{Error, Result};
@@ -85,9 +86,11 @@ impl<'a, E: GpuElement> GpuPasses<'a, E> {
         })
     }
 
-    fn row_blocks(&self) -> Vec<Range<usize>> {
-        let (n, nb) = (self.head.tokens, self.plan.block_rows);
-        (0..n).step_by(nb).map(|s| s..(s + nb).min(n)).collect()
+    /// The blocks of the rows that take part (`cuda/row_spans.rs`): pass A's, the extra
+    /// passes', the single pass's, and pass B's under a truncated support (its keys
+    /// compare logits recomputed in blocks of the same shapes, bitwise the same).
+    fn row_blocks(&self) -> Vec<RowSpan> {
+        row_spans(self.rows.live, self.plan.block_rows)
     }
 
     fn vocab_tiles(&self, vt: usize) -> Vec<Range<usize>> {
@@ -362,7 +365,7 @@ impl<E: GpuElement> GpuPasses<'_, E> {
     ) -> Result<PartialStats> {
         let vt = self.plan.vocab_tile;
         let hooks = (self.rows.transform.inv_temp, self.gpu.addr(&self.live, 0));
-        for rows in self.row_blocks() {
+        for RowSpan { rows, .. } in self.row_blocks() {
             for (t, vocab) in self.vocab_tiles(vt).into_iter().enumerate() {
                 self.logits_tile(&rows, &vocab, vocab.len())?;
                 self.merge_states(&rows, &vocab, vocab.len(), t > 0)?;
@@ -385,7 +388,8 @@ impl<E: GpuElement> GpuPasses<'_, E> {
     /// hold a row `visitor` wants, those rows' alone handed to it on the host.
     fn host_rows_pass(&mut self, visitor: &mut dyn TileVisitor) -> Result<()> {
         let wanted = visitor.rows_wanted().ok_or_else(hook_unsupported)?;
-        let (vt, blocks) = (self.plan.vocab_tile, self.row_blocks());
+        let vt = self.plan.vocab_tile;
+        let blocks: Vec<Range<usize>> = self.row_blocks().into_iter().map(|b| b.rows).collect();
         let host = HostRows::new(self.gpu, &blocks, &wanted, vt)?;
         for (rows, picked) in blocks.iter().zip(&host.picked) {
             if picked.is_empty() {
@@ -404,10 +408,23 @@ impl<E: GpuElement> GpuPasses<'_, E> {
         Ok(())
     }
 
-    /// Pass B with the `sparse` terms added to each `dZ` tile.
+    /// Pass B with the `sparse` terms added to each `dZ` tile, over the blocks of the rows
+    /// with a gradient (pass A's blocks under a truncated support).
     fn grads_pass(&mut self, grads: &[RowGrad], sparse: Option<&DeviceSparse>) -> Result<()> {
         let vt = self.plan.vocab_tile;
-        for rows in self.row_blocks() {
+        let blocks = match grads.iter().any(|g| g.support.is_some()) {
+            true => self.row_blocks(),
+            false => {
+                let with_gradient: Vec<bool> = (grads.iter().enumerate())
+                    .map(|(i, g)| !g.is_zero() || sparse.is_some_and(|s| !s.row_is_zero(i)))
+                    .collect();
+                row_spans(&with_gradient, self.plan.block_rows)
+            }
+        };
+        for RowSpan { rows, .. } in blocks {
+            if rows.is_empty() {
+                continue;
+            }
             let sparse_zero = sparse.is_none_or(|s| s.rows_are_zero(&rows));
             if grads[rows.clone()].iter().all(RowGrad::is_zero) && sparse_zero {
                 continue;
@@ -432,7 +449,11 @@ impl<E: GpuElement> GpuPasses<'_, E> {
         let v = self.head.vocab;
         let all = 0..v;
         let mut stats = vec![RowStats::default(); self.head.tokens];
-        for rows in self.row_blocks() {
+        for RowSpan { rows, span } in self.row_blocks() {
+            if rows.is_empty() {
+                grads_of(span, &stats);
+                continue;
+            }
             self.logits_tile(&rows, &all, v)?;
             self.merge_states(&rows, &all, v, false)?;
             if let Some(g) = gather {
@@ -446,8 +467,10 @@ impl<E: GpuElement> GpuPasses<'_, E> {
             for (r, i) in rows.clone().enumerate() {
                 stats[i] = part.finish_row(r, i, &self.rows, v);
             }
-            let grads = grads_of(rows.clone(), &stats);
-            let coefs = self.upload_coefs(&grads)?;
+            // The span's rows left out take no part: their gradients are zero.
+            let grads = grads_of(span.clone(), &stats);
+            let own = rows.start - span.start..rows.end - span.start;
+            let coefs = self.upload_coefs(&grads[own])?;
             self.grad_and_accumulate((&rows, &all, v), &coefs, sparse)?;
         }
         Ok(stats)
