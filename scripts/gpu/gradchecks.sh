@@ -42,7 +42,21 @@ gradchecks() {
     done
     "$run" "gc_linear_logprobs_frozen_$dtype" "$BIN" gradcheck \
       --config configs/gradcheck/gpu/linear_logprobs.yaml --set dtype=$dtype --set head_grad=frozen
+    # The truncated support (issue 41): top-p alone on flat rows (extra passes); min-p,
+    # top-k and top-p with K = 5 candidates beside them; GRPO under the support. The CPU
+    # passes the same runs (gradcheck_logprobs.rs::the_gpu_support_config_passes_on_the_cpu).
+    "$run" "gc_linear_logprobs_top_p_$dtype" "$BIN" gradcheck \
+      --config configs/gradcheck/gpu/linear_logprobs_support.yaml --set dtype=$dtype
+    "$run" "gc_linear_logprobs_support_$dtype" "$BIN" gradcheck \
+      --config configs/gradcheck/gpu/linear_logprobs_support.yaml --set dtype=$dtype \
+      --set logprobs.top_k=400 --set logprobs.min_p=0.02 --set logprobs.temperature=0.7 \
+      --set logprobs.gather_k=5
+    "$run" "gc_linear_grpo_support_$dtype" "$BIN" gradcheck \
+      --config configs/gradcheck/linear_grpo_support.yaml --set device=cuda --set dtype=$dtype
   done
+  # A top-k beyond the largest buffer (4096 keys): searched over extra passes.
+  "$run" gc_linear_logprobs_top_k4500_f32 "$BIN" gradcheck \
+    --config configs/gradcheck/gpu/linear_logprobs_support.yaml --set logprobs.top_k=4500
   # float16 heads, widened to f32 on the host before the device (issue 41).
   "$run" gc_linear_grpo_auto_f16 "$BIN" gradcheck \
     --config configs/gradcheck/gpu/linear_grpo.yaml --set dtype=f16

@@ -149,11 +149,78 @@ def test_logprob_options_match_the_cpu(dtype, tol, mode):
         assert (got.cpu().double() - want.double()).abs().max() <= tol * want.double().abs().max() + 1e-6
 
 
-def test_truncated_support_is_refused_on_cuda():
-    """The truncated support does not run on CUDA yet: a ValueError naming it."""
-    d = data(9)
-    with pytest.raises(ValueError, match="truncated support"):
-        fl.linear_logprobs(d["hidden"].cuda(), d["weight"].cuda(), d["ids"].cuda(), top_k=50)
+def exact_data(seed, b=3, t=17, h=64, v=5003, dtype=torch.float32):
+    """``data`` on a grid where every f32 logit is exact in any summation order (hidden in
+    eighths, weight in 64ths, bias in 512ths; bf16 holds them exactly): the CPU and the GPU
+    decide the same truncated support."""
+    g = torch.Generator().manual_seed(seed)
+
+    def grid(shape, den):
+        return torch.randint(-8, 9, shape, generator=g).float() / den
+
+    d = data(seed, b=b, t=t, h=h, v=v)
+    d.update(hidden=grid((b, t, h), 8).to(dtype), weight=grid((v, h), 64).to(dtype), bias=grid((v,), 512))
+    return d
+
+
+def support_on(d, device, **kw):
+    """``linear_logprobs`` under a truncated support on ``device``, and the gradients of
+    a sum of its outputs (the targets outside the support left out)."""
+    leaves = [d[k].to(device).clone().requires_grad_() for k in ("hidden", "weight", "bias")]
+    out = fl.linear_logprobs(
+        leaves[0], leaves[1], d["ids"].to(device), 0.7, True, bias=leaves[2].to(d["hidden"].dtype),
+        mask=d["mask"].to(device), return_lse=True, **kw,
+    )  # fmt: skip
+    inside = torch.isfinite(out.logp)
+    loss = torch.where(inside, out.logp, 0.0).sum() + 0.1 * out.entropy.sum() + 0.01 * out.lse.sum()
+    loss.backward()
+    return out, [x.grad for x in leaves]
+
+
+FILTERS = [
+    dict(top_k=50),
+    dict(top_p=0.9),
+    dict(min_p=0.05),
+    dict(top_k=400, top_p=0.9, min_p=0.02),
+    dict(top_k=4500, top_p=0.97),
+]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("filters", FILTERS, ids=lambda f: "-".join(f"{k}{v}" for k, v in f.items()))
+def test_truncated_support_matches_the_cpu(dtype, tol, filters):
+    """Issue 41: the sampler's truncated support on CUDA tensors (pass A's top keys by
+    top_keys.cu, the rows its buffer cannot decide searched over extra passes on the host,
+    the support term in row_grad) gives the CPU's supports, log-probs and gradients: top-k
+    within the buffer, top-p on flat rows (extra passes), min-p, the three together, a
+    top-k beyond the largest buffer."""
+    d = exact_data(10, dtype=dtype)
+    cpu_out, cpu_grads = support_on(d, "cpu", **filters)
+    out, grads = support_on(d, "cuda", **filters)
+    assert out.outside_support.device.type == "cuda"
+    assert torch.equal(out.outside_support.cpu(), cpu_out.outside_support)
+    assert cpu_out.outside_support.any() and not cpu_out.outside_support.all()
+    for name in ("logp", "entropy", "lse"):
+        got, want = getattr(out, name).cpu().double(), getattr(cpu_out, name).double()
+        assert torch.equal(torch.isfinite(got), torch.isfinite(want)), name
+        fin = torch.isfinite(want)
+        err = (got[fin] - want[fin]).abs().max().item()
+        assert err <= tol * max(1.0, want[fin].abs().max().item()), (name, err)
+    for got, want in zip(grads, cpu_grads):
+        assert got.device.type == "cuda" and got.dtype == want.dtype
+        assert (got.cpu().double() - want.double()).abs().max() <= tol * want.double().abs().max() + 1e-6
+
+
+def test_grpo_under_a_support_matches_the_cpu():
+    """GRPO under a truncated support (logp^K in every term, targets outside masked) on
+    CUDA tensors gives the CPU's loss and gradients."""
+    d = exact_data(11)
+    cpu_loss, _, cpu_grads = run(d, "cpu", loss_type="dapo", top_k=400, top_p=0.9, min_p=0.02)
+    loss, _, grads = run(d, "cuda", loss_type="dapo", top_k=400, top_p=0.9, min_p=0.02)
+    assert abs(loss.item() - cpu_loss.item()) <= 1e-4 * max(1.0, abs(cpu_loss.item()))
+    for g, c in zip(grads, cpu_grads):
+        assert g.device.type == "cuda"
+        assert (g.cpu().double() - c.double()).abs().max() <= 1e-4 * c.double().abs().max() + 1e-6
 
 
 def test_verl_entry_points_on_cuda_tensors():

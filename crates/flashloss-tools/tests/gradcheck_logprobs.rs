@@ -14,6 +14,25 @@ const SHIPPED: &str = include_str!("../../../configs/gradcheck/linear_logprobs.y
 /// The GPU check's log-prob config (scripts/gpu/gradchecks.sh, `device: cuda`).
 const GPU: &str = include_str!("../../../configs/gradcheck/gpu/linear_logprobs.yaml");
 
+/// The GPU check's truncated-support config (scripts/gpu/gradchecks.sh).
+const GPU_SUPPORT: &str =
+    include_str!("../../../configs/gradcheck/gpu/linear_logprobs_support.yaml");
+
+/// GRPO under a support, which scripts/gpu/gradchecks.sh runs with `device=cuda`.
+const GRPO_SUPPORT: &str = include_str!("../../../configs/gradcheck/linear_grpo_support.yaml");
+
+/// The `--set`s scripts/gpu/gradchecks.sh runs `GPU_SUPPORT` with (besides the dtype).
+const GPU_SUPPORT_RUNS: &[&[&str]] = &[
+    &[],
+    &[
+        "logprobs.top_k=400",
+        "logprobs.min_p=0.02",
+        "logprobs.temperature=0.7",
+        "logprobs.gather_k=5",
+    ],
+    &["logprobs.top_k=4500"],
+];
+
 /// A small head (V not a multiple of 256, masked rows) with every request on.
 fn config(dtype: DType, support: bool) -> GradcheckConfig {
     let logprobs = LogprobsConfig {
@@ -111,6 +130,34 @@ fn the_gpu_config_passes_on_the_cpu() {
             assert!(r.gate(gate).is_some(), "{sets:?}: no gate {gate}");
         }
         assert!(r.gate("support_outside").is_none(), "{sets:?}");
+    }
+}
+
+/// The GPU check's support runs pass on the CPU (what the device must match), every
+/// support gate present.
+#[test]
+fn the_gpu_support_config_passes_on_the_cpu() {
+    let cuda: GradcheckConfig = config_file::parse(GPU_SUPPORT, &[]).unwrap();
+    assert_eq!(cuda.device, gradcheck::Backend::Cuda);
+    for dtype in ["dtype=f32", "dtype=bf16"] {
+        for sets in GPU_SUPPORT_RUNS {
+            let sets: Vec<String> = (["device=cpu", dtype].iter().chain(sets.iter()))
+                .map(|s| s.to_string())
+                .collect();
+            let cfg: GradcheckConfig = config_file::parse(GPU_SUPPORT, &sets).unwrap();
+            assert!(cfg.logprobs.top_p.is_some(), "{sets:?}");
+            let r = gradcheck::run(&cfg).unwrap();
+            assert!(r.passed, "{sets:?}: {:?}", r.gates);
+            assert!(
+                r.gate("support_outside").is_some(),
+                "{sets:?}: no support gate"
+            );
+        }
+        let sets = vec![dtype.to_string()];
+        let cfg: GradcheckConfig = config_file::parse(GRPO_SUPPORT, &sets).unwrap();
+        let r = gradcheck::run(&cfg).unwrap();
+        assert!(r.passed, "GRPO {sets:?}: {:?}", r.gates);
+        assert!(r.gate("support_outside").is_some(), "GRPO {sets:?}");
     }
 }
 

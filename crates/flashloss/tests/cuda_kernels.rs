@@ -152,3 +152,29 @@ ptxas info    : Used 12 registers, used 1 barriers, 65536 bytes smem
     let warned = format!("{log}ptxas warning : Registers are spilled to local memory\n");
     assert_eq!(parse_ptxas_log(&warned), None);
 }
+
+/// The helpers every source shares live in one header (`kernels/flashloss.cuh`, given to
+/// NVRTC with each program): a source includes it and defines none of them again.
+#[test]
+fn every_source_takes_the_shared_helpers_from_the_header() {
+    use flashloss::cuda::kernels::HEADERS;
+    assert_eq!(HEADERS.len(), 1);
+    let (name, header) = HEADERS[0];
+    for helper in ["bf16_bits;", "float load(", "void store(", "float logit("] {
+        assert!(header.contains(helper), "{name} lacks {helper}");
+        for src in SOURCES {
+            assert!(
+                !src.source.contains(helper),
+                "{} defines {helper} again",
+                src.name
+            );
+        }
+    }
+    for src in SOURCES {
+        assert!(
+            src.source.contains(&format!("#include \"{name}\"")),
+            "{} does not include {name}",
+            src.name
+        );
+    }
+}

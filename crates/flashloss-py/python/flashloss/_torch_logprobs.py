@@ -55,9 +55,9 @@ def linear_logprobs(
 
     CPU tensors, or CUDA tensors in a build with the ``cuda`` feature: the head stays on the
     GPU (PyTorch's current stream), ``ids``, ``mask`` and ``gather_ids`` are copied to the
-    host, the outputs come back on the head's device. On CUDA every option but the
-    truncated support (``top_k``/``top_p``/``min_p``, refused with a ``ValueError``) runs
-    (compiled, not yet run on a GPU).
+    host, the outputs come back on the head's device. On CUDA every option runs, the
+    truncated support (``top_k``/``top_p``/``min_p``) included (compiled, not yet run on a
+    GPU).
 
     More per-row outputs: ``return_lse`` (``logsumexp_j s_j``), ``return_max``
     (``max_j s_j``), ``return_sum_p2`` (``Σ_j p_j²``), ``gather_ids`` ``[..., K]`` (integer,

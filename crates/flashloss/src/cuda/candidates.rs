@@ -7,6 +7,7 @@
 //! gradient's one-hot terms ([`SparseGrads`]) go up once per pass ([`DeviceSparse`]:
 //! 12·N·K bytes) and `sparse_grads.cu` adds them into each `dZ` tile before its
 //! products. Compiled with NVRTC and checked by ptxas in CI; not run on a device yet.
+//! The truncated support's device half is `support.rs`.
 
 use super::device::{DeviceBuffer, Gpu, device_error};
 use super::launch::{cols_arg, rows_launch};
@@ -148,6 +149,11 @@ impl DeviceSparse {
         })
     }
 
+    /// Whether row `i` adds nothing.
+    pub(crate) fn row_is_zero(&self, i: usize) -> bool {
+        self.zero_rows[i]
+    }
+
     /// Whether every row of `rows` adds nothing.
     pub(crate) fn rows_are_zero(&self, rows: &Range<usize>) -> bool {
         self.zero_rows[rows.clone()].iter().all(|&z| z)
@@ -200,12 +206,14 @@ pub(crate) fn no_softcap() -> Error {
     }
 }
 
-/// The error of a pass hook the GPU does not run (a truncated support's visitors).
+/// The error of a pass hook the GPU does not run: a visitor that needs every tile on the
+/// host (the GPU runs candidate sets' gathers and a truncated support's top keys on the
+/// device, and hands the host only the rows an extra pass names).
 pub(crate) fn hook_unsupported() -> Error {
     Error::Unsupported {
-        feature: "top_k/top_p/min_p",
-        reason: "the CUDA backend does not compute a truncated support yet; use the CPU \
-                 backend"
+        feature: "pass hooks",
+        reason: "the CUDA backend does not hand every logits tile to the host; use the \
+                 CPU backend"
             .into(),
     }
 }

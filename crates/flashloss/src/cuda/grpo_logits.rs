@@ -73,6 +73,7 @@ pub fn grpo_logits_backward<E: GpuElement>(
                 coef_uniform: 0.0,
                 coef_target: c.target,
                 target: fwd.targets[i],
+                ..RowCoef::default()
             }
         })
         .collect();

@@ -57,8 +57,20 @@ pub const SPARSE_GRADS: KernelSource = KernelSource {
     kernels: &["sparse_add_f32", "sparse_add_bf16"],
 };
 
+/// A truncated support (`top_k`/`top_p`/`min_p`): pass A's per-row top keys selected from
+/// each tile, and the rows an extra pass hands to the host.
+pub const TOP_KEYS: KernelSource = KernelSource {
+    name: "top_keys.cu",
+    source: include_str!("kernels/top_keys.cu"),
+    kernels: &["top_keys_f32", "rows_logits_f32"],
+};
+
 /// Every source of the backend.
-pub const SOURCES: &[KernelSource] = &[SOFTMAX_ROWS, GATHER_LOGITS, SPARSE_GRADS];
+pub const SOURCES: &[KernelSource] = &[SOFTMAX_ROWS, GATHER_LOGITS, SPARSE_GRADS, TOP_KEYS];
+
+/// The headers every program gets (name as `#include`d, text), written once: the bf16
+/// loads and stores, the logit's bias and soft-cap, the support's keys.
+pub const HEADERS: &[(&str, &str)] = &[("flashloss.cuh", include_str!("kernels/flashloss.cuh"))];
 
 /// Whether NVRTC's library can be loaded (checked before any call: cudarc panics if
 /// a library it needs is missing).
@@ -81,6 +93,32 @@ fn text_of(buf: Vec<c_char>) -> String {
     String::from_utf8_lossy(&bytes).trim().to_string()
 }
 
+/// The NVRTC program of `src` with [`HEADERS`].
+fn create_program(src: &KernelSource) -> Result<nvrtc_sys::nvrtcProgram> {
+    let cstr = |s: &str| CString::new(s).expect("kernel sources and names hold no NUL");
+    let (code, name) = (cstr(src.source), cstr(src.name));
+    let texts: Vec<CString> = HEADERS.iter().map(|(_, text)| cstr(text)).collect();
+    let names: Vec<CString> = HEADERS.iter().map(|(name, _)| cstr(name)).collect();
+    let text_ptrs: Vec<*const c_char> = texts.iter().map(|t| t.as_ptr()).collect();
+    let name_ptrs: Vec<*const c_char> = names.iter().map(|n| n.as_ptr()).collect();
+    let mut prog = std::mem::MaybeUninit::uninit();
+    // SAFETY: every pointer is to a NUL-terminated string alive for the call, the arrays
+    // hold `HEADERS.len()` of them; NVRTC copies what it keeps.
+    unsafe {
+        nvrtc_sys::nvrtcCreateProgram(
+            prog.as_mut_ptr(),
+            code.as_ptr(),
+            name.as_ptr(),
+            HEADERS.len() as i32,
+            text_ptrs.as_ptr(),
+            name_ptrs.as_ptr(),
+        )
+        .result()
+        .map_err(|e| device_error(format!("{}: nvrtcCreateProgram: {e:?}", src.name)))?;
+        Ok(prog.assume_init())
+    }
+}
+
 /// Runs NVRTC on `src` for `arch` with `extra` options; returns what `output` reads
 /// from the compiled program (the PTX or the cubin) and the log. A failure names the
 /// source and carries NVRTC's log.
@@ -97,10 +135,7 @@ fn run_nvrtc(
                 .into(),
         ));
     }
-    let code = CString::new(src.source).expect("kernel sources hold no NUL");
-    let name = CString::new(src.name).expect("file names hold no NUL");
-    let prog = nvrtc::create_program(&code, Some(&name))
-        .map_err(|e| device_error(format!("{}: nvrtcCreateProgram: {e:?}", src.name)))?;
+    let prog = create_program(src)?;
     let mut options = vec![
         format!("--gpu-architecture={arch}"),
         "--std=c++17".to_string(),

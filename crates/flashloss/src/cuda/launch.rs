@@ -4,6 +4,7 @@
 
 use crate::batch::LogitsLayout;
 use crate::error::{Error, Result};
+use crate::fused::RowGrad;
 use cudarc::driver::{DeviceRepr, LaunchConfig};
 
 /// Threads per block of the row kernels (`BLOCK` in `softmax_rows.cu`).
@@ -53,10 +54,37 @@ pub(crate) struct RowCoef {
     pub(crate) coef_target: f32,
     /// Vocabulary id of the target (-1: none).
     pub(crate) target: i64,
+    /// A truncated support's term ([`crate::fused::SupportTerm`]; `sup_coef` 0: none).
+    pub(crate) sup_coef: f32,
+    pub(crate) sup_log_sum: f32,
+    pub(crate) cut: u64,
+    /// The head's first id in the whole vocabulary.
+    pub(crate) sup_offset: i64,
 }
 
 // SAFETY: plain old data with the layout of the kernels' struct.
 unsafe impl DeviceRepr for RowCoef {}
+
+impl RowCoef {
+    /// The kernels' coefficients of a row's gradient (its support term, where it has one).
+    pub(crate) fn of(g: &RowGrad) -> Self {
+        let sup = g.support.unwrap_or_default();
+        RowCoef {
+            max: g.stats.max,
+            log_sum: g.stats.log_sum,
+            entropy: g.stats.entropy,
+            coef_p: g.coef_p,
+            coef_h: g.coef_h,
+            coef_uniform: g.coef_uniform,
+            coef_target: g.coef_target,
+            target: g.target as i64,
+            sup_coef: sup.coef,
+            sup_log_sum: sup.log_sum,
+            cut: sup.cut,
+            sup_offset: sup.offset as i64,
+        }
+    }
+}
 
 /// One block per row: the launch of `rows` rows (at most 2^31 - 1).
 pub(crate) fn rows_launch(rows: usize) -> Result<LaunchConfig> {
@@ -79,4 +107,23 @@ pub(crate) fn cols_arg(vocab: usize) -> Result<i32> {
         arg: "vocab",
         reason: format!("{vocab} exceeds the kernels' column limit of {}", i32::MAX),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::mem::{offset_of, size_of};
+
+    /// `RowCoef` has the layout of the kernels' struct (`softmax_rows.cu`): seven f32, the
+    /// i64 target at 32, the support's two f32 at 40 and 44, its u64 cut at 48 and i64
+    /// offset at 56: 64 bytes.
+    #[test]
+    fn row_coef_has_the_kernels_layout() {
+        assert_eq!(offset_of!(RowCoef, target), 32);
+        assert_eq!(offset_of!(RowCoef, sup_coef), 40);
+        assert_eq!(offset_of!(RowCoef, sup_log_sum), 44);
+        assert_eq!(offset_of!(RowCoef, cut), 48);
+        assert_eq!(offset_of!(RowCoef, sup_offset), 56);
+        assert_eq!(size_of::<RowCoef>(), 64);
+    }
 }

@@ -22,7 +22,9 @@ mod launch;
 mod nccl;
 mod passes;
 mod plan;
+mod row_spans;
 mod selective_log_softmax;
+mod support;
 mod watchdog;
 
 pub use blas::{CUBLAS_WORKSPACE_BYTES, GemmShape};

@@ -13,10 +13,12 @@ use super::candidates::{DeviceGather, DeviceSparse, TileArgs, hook_unsupported, 
 use super::device::{DeviceBuffer, Gpu, GpuElement, device_error};
 use super::head::{GpuGrads, GpuInputs, GpuWorkspace, no_grads};
 use super::launch::{KernelLayout, RowCoef, rows_launch};
+use super::row_spans::{RowSpan, row_spans};
+use super::support::{DeviceTop, HostRows};
 use crate::element::DType;
 use crate::error::{Error, Result};
 use crate::fused::{
-    FusedPasses, GradsOf, Plan, RowGrad, SinglePassHooks, SparseGrads, TileVisitor,
+    DeviceSinks, FusedPasses, GradsOf, Plan, RowGrad, SinglePassHooks, SparseGrads, TileVisitor,
 };
 use crate::rows::{OnlineSoftmax, PartialStats, RowInputs, RowStats};
 use cudarc::cublas::sys::cudaDataType_t;
@@ -84,9 +86,11 @@ impl<'a, E: GpuElement> GpuPasses<'a, E> {
         })
     }
 
-    fn row_blocks(&self) -> Vec<Range<usize>> {
-        let (n, nb) = (self.head.tokens, self.plan.block_rows);
-        (0..n).step_by(nb).map(|s| s..(s + nb).min(n)).collect()
+    /// The blocks of the rows that take part (`cuda/row_spans.rs`): pass A's, the extra
+    /// passes', the single pass's, and pass B's under a truncated support (its keys
+    /// compare logits recomputed in blocks of the same shapes, bitwise the same).
+    fn row_blocks(&self) -> Vec<RowSpan> {
+        row_spans(self.rows.live, self.plan.block_rows)
     }
 
     fn vocab_tiles(&self, vt: usize) -> Vec<Range<usize>> {
@@ -347,47 +351,80 @@ impl<'a, E: GpuElement> GpuPasses<'a, E> {
 
     /// The device coefficients of `grads` (one per row of a block).
     fn upload_coefs(&self, grads: &[RowGrad]) -> Result<DeviceBuffer<RowCoef>> {
-        let coefs: Vec<RowCoef> = grads
-            .iter()
-            .map(|g| RowCoef {
-                max: g.stats.max,
-                log_sum: g.stats.log_sum,
-                entropy: g.stats.entropy,
-                coef_p: g.coef_p,
-                coef_h: g.coef_h,
-                coef_uniform: g.coef_uniform,
-                coef_target: g.coef_target,
-                target: g.target as i64,
-            })
-            .collect();
+        let coefs: Vec<RowCoef> = grads.iter().map(RowCoef::of).collect();
         self.gpu.upload(&coefs)
     }
 }
 
 impl<E: GpuElement> GpuPasses<'_, E> {
-    /// Pass A, gathering the candidates of `gather` from each tile.
-    fn states_pass(&mut self, gather: Option<&DeviceGather>) -> Result<PartialStats> {
+    /// Pass A, gathering the candidates of `gather` and keeping the top keys of `top`
+    /// from each tile.
+    fn states_pass(
+        &mut self,
+        (gather, top): (Option<&DeviceGather>, Option<&DeviceTop>),
+    ) -> Result<PartialStats> {
         let vt = self.plan.vocab_tile;
-        for rows in self.row_blocks() {
+        let hooks = (self.rows.transform.inv_temp, self.gpu.addr(&self.live, 0));
+        for RowSpan { rows, .. } in self.row_blocks() {
             for (t, vocab) in self.vocab_tiles(vt).into_iter().enumerate() {
                 self.logits_tile(&rows, &vocab, vocab.len())?;
                 self.merge_states(&rows, &vocab, vocab.len(), t > 0)?;
+                let (z, tile) = (
+                    self.logits_addr()?,
+                    self.tile_args(&rows, &vocab, vocab.len()),
+                );
                 if let Some(g) = gather {
-                    let z = self.logits_addr()?;
-                    g.tile(self.gpu, z, &self.tile_args(&rows, &vocab, vocab.len()))?;
+                    g.tile(self.gpu, z, &tile)?;
+                }
+                if let Some(top) = top {
+                    top.tile(self.gpu, z, &tile, hooks)?;
                 }
             }
         }
         self.download_states(&(0..self.head.tokens))
     }
 
-    /// Pass B with the `sparse` terms added to each `dZ` tile.
-    fn grads_pass(&mut self, grads: &[RowGrad], sparse: Option<&DeviceSparse>) -> Result<()> {
-        if grads.iter().any(|g| g.support.is_some()) {
-            return Err(hook_unsupported());
-        }
+    /// An extra pass of a truncated support: the logits tiles of the row blocks that
+    /// hold a row `visitor` wants, those rows' alone handed to it on the host.
+    fn host_rows_pass(&mut self, visitor: &mut dyn TileVisitor) -> Result<()> {
+        let wanted = visitor.rows_wanted().ok_or_else(hook_unsupported)?;
         let vt = self.plan.vocab_tile;
-        for rows in self.row_blocks() {
+        let blocks: Vec<Range<usize>> = self.row_blocks().into_iter().map(|b| b.rows).collect();
+        let host = HostRows::new(self.gpu, &blocks, &wanted, vt)?;
+        for (rows, picked) in blocks.iter().zip(&host.picked) {
+            if picked.is_empty() {
+                continue;
+            }
+            for vocab in self.vocab_tiles(vt) {
+                self.logits_tile(rows, &vocab, vocab.len())?;
+                let (z, tile) = (
+                    self.logits_addr()?,
+                    self.tile_args(rows, &vocab, vocab.len()),
+                );
+                let logits = host.tile(self.gpu, z, &tile, picked)?;
+                visitor.visit(picked, vocab.clone(), &logits, vocab.len());
+            }
+        }
+        Ok(())
+    }
+
+    /// Pass B with the `sparse` terms added to each `dZ` tile, over the blocks of the rows
+    /// with a gradient (pass A's blocks under a truncated support).
+    fn grads_pass(&mut self, grads: &[RowGrad], sparse: Option<&DeviceSparse>) -> Result<()> {
+        let vt = self.plan.vocab_tile;
+        let blocks = match grads.iter().any(|g| g.support.is_some()) {
+            true => self.row_blocks(),
+            false => {
+                let with_gradient: Vec<bool> = (grads.iter().enumerate())
+                    .map(|(i, g)| !g.is_zero() || sparse.is_some_and(|s| !s.row_is_zero(i)))
+                    .collect();
+                row_spans(&with_gradient, self.plan.block_rows)
+            }
+        };
+        for RowSpan { rows, .. } in blocks {
+            if rows.is_empty() {
+                continue;
+            }
             let sparse_zero = sparse.is_none_or(|s| s.rows_are_zero(&rows));
             if grads[rows.clone()].iter().all(RowGrad::is_zero) && sparse_zero {
                 continue;
@@ -412,7 +449,11 @@ impl<E: GpuElement> GpuPasses<'_, E> {
         let v = self.head.vocab;
         let all = 0..v;
         let mut stats = vec![RowStats::default(); self.head.tokens];
-        for rows in self.row_blocks() {
+        for RowSpan { rows, span } in self.row_blocks() {
+            if rows.is_empty() {
+                grads_of(span, &stats);
+                continue;
+            }
             self.logits_tile(&rows, &all, v)?;
             self.merge_states(&rows, &all, v, false)?;
             if let Some(g) = gather {
@@ -426,8 +467,10 @@ impl<E: GpuElement> GpuPasses<'_, E> {
             for (r, i) in rows.clone().enumerate() {
                 stats[i] = part.finish_row(r, i, &self.rows, v);
             }
-            let grads = grads_of(rows.clone(), &stats);
-            let coefs = self.upload_coefs(&grads)?;
+            // The span's rows left out take no part: their gradients are zero.
+            let grads = grads_of(span.clone(), &stats);
+            let own = rows.start - span.start..rows.end - span.start;
+            let coefs = self.upload_coefs(&grads[own])?;
             self.grad_and_accumulate((&rows, &all, v), &coefs, sparse)?;
         }
         Ok(stats)
@@ -443,15 +486,16 @@ impl<E: GpuElement> GpuPasses<'_, E> {
 }
 
 /// The hooks run on the device: candidate sets (their ids up once, their logits down
-/// once, `cuda/candidates.rs`); a truncated support's visitors, which need every tile
-/// on the host, are refused ([`hook_unsupported`]), as is `visit_tiles`.
+/// once, `cuda/candidates.rs`), a truncated support's top keys (down once) and its extra
+/// passes (the searching rows' logits down, `cuda/support.rs`); a visitor that needs
+/// every tile on the host is refused ([`hook_unsupported`]).
 impl<E: GpuElement> FusedPasses for GpuPasses<'_, E> {
     fn plan(&self) -> Plan {
         self.plan
     }
 
     fn row_states(&mut self) -> Result<PartialStats> {
-        self.states_pass(None)
+        self.states_pass((None, None))
     }
 
     fn accumulate_grads(&mut self, grads: &[RowGrad]) -> Result<()> {
@@ -459,11 +503,30 @@ impl<E: GpuElement> FusedPasses for GpuPasses<'_, E> {
     }
 
     fn row_states_visiting(&mut self, visitor: &mut dyn TileVisitor) -> Result<PartialStats> {
-        let mut sink = visitor.device_gather().ok_or_else(hook_unsupported)?;
-        let gather = DeviceGather::upload(self.gpu, &sink)?;
-        let states = self.states_pass(Some(&gather))?;
-        gather.download(self.gpu, &mut sink)?;
+        let DeviceSinks { gather, top } = visitor.device_sinks();
+        let (mut gather_sink, mut top_sink) = (gather, top);
+        if gather_sink.is_none() && top_sink.is_none() {
+            return Err(hook_unsupported());
+        }
+        let (gpu, n) = (self.gpu, self.head.tokens);
+        let gather = (gather_sink.as_ref())
+            .map(|s| DeviceGather::upload(gpu, s))
+            .transpose()?;
+        let top = (top_sink.as_ref())
+            .map(|s| DeviceTop::new(gpu, n, s))
+            .transpose()?;
+        let states = self.states_pass((gather.as_ref(), top.as_ref()))?;
+        if let (Some(g), Some(s)) = (&gather, gather_sink.as_mut()) {
+            g.download(gpu, s)?;
+        }
+        if let (Some(t), Some(s)) = (&top, top_sink.as_mut()) {
+            t.download(gpu, s)?;
+        }
         Ok(states)
+    }
+
+    fn visit_tiles(&mut self, visitor: &mut dyn TileVisitor) -> Result<()> {
+        self.host_rows_pass(visitor)
     }
 
     fn accumulate_grads_sparse(&mut self, grads: &[RowGrad], sparse: &SparseGrads) -> Result<()> {
@@ -481,7 +544,7 @@ impl<E: GpuElement> FusedPasses for GpuPasses<'_, E> {
         hooks: SinglePassHooks,
     ) -> Result<Vec<RowStats>> {
         let mut sink = match hooks.visitor {
-            Some(v) => Some(v.device_gather().ok_or_else(hook_unsupported)?),
+            Some(v) => Some(v.device_sinks().gather.ok_or_else(hook_unsupported)?),
             None => None,
         };
         let gather = (sink.as_ref())

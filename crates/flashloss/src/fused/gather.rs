@@ -11,7 +11,7 @@
 
 use super::logp_request::GatherIds;
 use super::passes::SparseGrads;
-use super::terms::{DeviceGatherSink, TileVisitor};
+use super::terms::{DeviceGatherSink, DeviceSinks, TileVisitor};
 use crate::rows::RowStats;
 use std::ops::Range;
 
@@ -75,12 +75,15 @@ impl TileVisitor for GatherVisitor {
         }
     }
 
-    fn device_gather(&mut self) -> Option<DeviceGatherSink<'_>> {
-        Some(DeviceGatherSink {
-            k: self.k,
-            local_ids: &self.local,
-            z: &mut self.z,
-        })
+    fn device_sinks(&mut self) -> DeviceSinks<'_> {
+        DeviceSinks {
+            gather: Some(DeviceGatherSink {
+                k: self.k,
+                local_ids: &self.local,
+                z: &mut self.z,
+            }),
+            top: None,
+        }
     }
 }
 
@@ -174,7 +177,8 @@ mod tests {
         let gather = GatherIds { ids: &ids, k };
         let mut visitor = GatherVisitor::new(&gather, &live, &range);
         let sink = visitor
-            .device_gather()
+            .device_sinks()
+            .gather
             .expect("a candidate visitor gathers on a device");
         assert_eq!(sink.k, k);
         let local = sink.local_ids.to_vec();

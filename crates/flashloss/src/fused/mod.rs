@@ -45,4 +45,4 @@ pub use split::{
 };
 pub use support::RowSupport;
 pub use support::key::support_key;
-pub use terms::{DeviceGatherSink, RowGrad, SupportTerm, TileVisitor};
+pub use terms::{DeviceGatherSink, DeviceSinks, DeviceTopSink, RowGrad, SupportTerm, TileVisitor};

@@ -97,13 +97,45 @@ pub trait TileVisitor: Send {
     /// One tile.
     fn visit(&mut self, rows: &[usize], vocab: Range<usize>, z: &[f32], ld: usize);
 
-    /// For a backend whose tiles stay on its device (CUDA): the candidate ids this
-    /// visitor gathers, to gather there instead of [`TileVisitor::visit`]. `None` (the
-    /// default): the visitor needs every tile (a truncated support's), which such a
-    /// backend refuses.
-    fn device_gather(&mut self) -> Option<DeviceGatherSink<'_>> {
+    /// For a backend whose tiles stay on its device (CUDA): what this visitor's pass can
+    /// do there instead of [`TileVisitor::visit`] (candidate sets' gathers, a truncated
+    /// support's top keys). None of them (the default): the visitor needs every tile on
+    /// the host, which such a backend refuses unless [`TileVisitor::rows_wanted`] names
+    /// the few rows it needs.
+    fn device_sinks(&mut self) -> DeviceSinks<'_> {
+        DeviceSinks::default()
+    }
+
+    /// The rows (global ids, `[N]` flags) whose tiles the visitor reads, for a backend
+    /// that hands the host only those rows' tiles (an extra pass of a truncated support:
+    /// the rows still searching); `None` (the default): every row.
+    fn rows_wanted(&self) -> Option<Vec<bool>> {
         None
     }
+}
+
+/// What a visitor's pass does on a backend's device ([`TileVisitor::device_sinks`]).
+#[derive(Default)]
+pub struct DeviceSinks<'v> {
+    /// Candidate sets gathered from each tile.
+    pub gather: Option<DeviceGatherSink<'v>>,
+    /// A truncated support's per-row top keys, selected from each tile.
+    pub top: Option<DeviceTopSink<'v>>,
+}
+
+/// What a truncated support's pass-A visitor keeps, for a backend that selects it on its
+/// device: per row its top `cap` keys (`support::key::order_key` of the scaled logits
+/// `s = fl(x·inv_temp) + 0` after bias and soft-cap, ids of the whole vocabulary: entry
+/// `j` of the head has id `offset + j`), and whether they are the whole row (every
+/// entry seen, none dropped). Masked rows keep none.
+pub struct DeviceTopSink<'v> {
+    /// Keys a row keeps.
+    pub cap: usize,
+    /// The head's first id in the whole vocabulary.
+    pub offset: usize,
+    /// Set by the backend after the pass: per row its keys (any order, at most `cap`)
+    /// and whether they are the whole row.
+    pub tops: &'v mut Option<Vec<(Vec<u64>, bool)>>,
 }
 
 /// What a candidate-set visitor gathers, for a backend that gathers on its device: per

@@ -1,4 +1,5 @@
-// Candidate sets (gather_ids) on the GPU, compiled at run time with NVRTC (no headers).
+// Candidate sets (gather_ids) on the GPU, compiled at run time with NVRTC (header
+// flashloss.cuh: logit).
 //
 // From one f32 logits tile (rows [0, rows) of a row block, row stride ldz, vocabulary
 // entries [col0, col0 + cols) of the head), the logits the loss sees,
@@ -9,6 +10,8 @@
 // start at the block's first row; `bias` at the tile's first entry. One block per row
 // (blockIdx.x = r < rows), its threads over the slots: each entry is written by one
 // thread, so repeats are harmless and the result does not depend on the launch.
+
+#include "flashloss.cuh"
 
 #define BLOCK 64
 
@@ -23,8 +26,6 @@ gather_logits_f32(const float* __restrict__ z, long long ldz, long long col0, in
         long long id = ids[at];
         long long j = id - col0;
         if (id < 0 || j < 0 || j >= cols) continue;
-        float x = zr[j];
-        if (bias) x += bias[j];
-        out[at] = inv_cap != 0.0f ? cap * tanhf(x * inv_cap) : x;
+        out[at] = logit(zr[j], bias, j, cap, inv_cap);
     }
 }

@@ -1,4 +1,5 @@
-// Row kernels of the CUDA backend, compiled at run time with NVRTC (no headers needed).
+// Row kernels of the CUDA backend, compiled at run time with NVRTC (header flashloss.cuh:
+// load/store of f32 and bf16, logit, the support's keys).
 // One block per row on a 1-D grid (blockIdx.x = row: up to 2^31 - 1 rows), 256 threads.
 //
 // Rows are laid out as the CPU's LogitsLayout: row r = b*T + t starts at
@@ -11,25 +12,10 @@
 //   S2 = sum_j exp(2 (x_j - mu) * inv_temp),
 // so that lse = mu * inv_temp + log S, H = log S - U / S and sum_j p_j^2 = S2 / S^2.
 
+#include "flashloss.cuh"
+
 #define BLOCK 256
 #define NEG_INF (-__int_as_float(0x7f800000))
-
-typedef unsigned short bf16_bits;
-
-__device__ __forceinline__ float load(const float* p, long long i) { return p[i]; }
-__device__ __forceinline__ float load(const bf16_bits* p, long long i) {
-    return __uint_as_float(((unsigned int)p[i]) << 16);
-}
-__device__ __forceinline__ void store(float* p, long long i, float v) { p[i] = v; }
-__device__ __forceinline__ void store(bf16_bits* p, long long i, float v) {
-    unsigned int bits = __float_as_uint(v);
-    if (v != v) {
-        p[i] = (bf16_bits)0x7fc0;
-        return;
-    }
-    bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest even
-    p[i] = (bf16_bits)(bits >> 16);
-}
 
 // Where row `row` starts.
 struct Layout {
@@ -38,13 +24,6 @@ struct Layout {
 
 __device__ __forceinline__ long long row_offset(Layout l, long long row) {
     return (row / l.seq_len) * l.seq_stride + (row % l.seq_len) * l.row_stride;
-}
-
-// The logit the loss sees: bias, then soft-cap.
-__device__ __forceinline__ float logit(float z, const float* bias, long long col, float cap,
-                                       float inv_cap) {
-    if (bias) z += bias[col];
-    return inv_cap != 0.0f ? cap * tanhf(z * inv_cap) : z;
 }
 
 // Online-softmax state (mu, S, U, S2) and its merge (the CPU's OnlineSoftmax::merge).
@@ -178,11 +157,17 @@ __device__ void row_states(const T* __restrict__ z, Layout lz, int cols, long lo
 
 // A row's gradient coefficients (the CPU's RowGrad): with
 // p_j = exp((x_j - mu) * inv_temp - log_sum),
-// dz_j = (coef_p p_j + coef_h p_j (log p_j + H) + coef_uniform + [j = target] coef_target)
-//        * slope_j, slope_j = 1 - (x_j / cap)^2 (1 without a cap).
+// dz_j = (coef_p p_j + coef_h p_j (log p_j + H) + coef_uniform + [j = target] coef_target
+//         + sup_coef p^K_j [key_j >= cut]) * slope_j, slope_j = 1 - (x_j / cap)^2 (1 without
+// a cap), with a truncated support's term (fused::SupportTerm; sup_coef = 0: none):
+// p^K_j = exp(min((x_j - mu) * inv_temp - sup_log_sum, 0)) and key_j the support's key of
+// the scaled logit (flashloss.cuh: order_key) at id sup_offset + col_offset + j.
 struct RowCoef {
     float mu, log_sum, entropy, coef_p, coef_h, coef_uniform, coef_target;
     long long target;  // vocabulary id of the target (-1: none)
+    float sup_coef, sup_log_sum;
+    unsigned long long cut;
+    long long sup_offset;  // the head's first id in the whole vocabulary
 };
 
 // dz of columns [0, cols) written to `out` (laid out as `lo`; may be `z` itself: each
@@ -197,7 +182,7 @@ __device__ void row_grad(const TZ* z, Layout lz, int cols, long long col_offset,
     const TZ* zr = z + row_offset(lz, row);
     TO* o = out + row_offset(lo, row);
     bool zero = c.coef_p == 0.0f && c.coef_h == 0.0f && c.coef_uniform == 0.0f &&
-                c.coef_target == 0.0f;
+                c.coef_target == 0.0f && c.sup_coef == 0.0f;
     for (int j = threadIdx.x; j < cols; j += BLOCK) {
         float g = 0.0f;
         if (!zero) {
@@ -207,6 +192,9 @@ __device__ void row_grad(const TZ* z, Layout lz, int cols, long long col_offset,
             g = c.coef_p * p + c.coef_uniform;
             if (c.coef_h != 0.0f && p > 0.0f) g += c.coef_h * p * (lp + c.entropy);
             if (col_offset + j == c.target) g += c.coef_target;
+            if (c.sup_coef != 0.0f &&
+                order_key(scaled(x, inv_temp), c.sup_offset + col_offset + j) >= c.cut)
+                g += c.sup_coef * __expf(fminf((x - c.mu) * inv_temp - c.sup_log_sum, 0.0f));
             if (inv_cap != 0.0f) {
                 float t = x * inv_cap;
                 g *= 1.0f - t * t;

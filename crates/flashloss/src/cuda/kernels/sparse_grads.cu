@@ -1,5 +1,6 @@
 // Sparse terms of a row block's gradient tile (candidate sets' one-hot terms,
-// fused::SparseGrads), compiled at run time with NVRTC (no headers).
+// fused::SparseGrads), compiled at run time with NVRTC (header
+// flashloss.cuh: load/store).
 //
 // dz[r * ld + (id - col0)] += coef for every pair (id, coef) = (ids[r * k + slot],
 // coefs[r * k + slot]) of rows [0, rows) whose id falls in the tile's vocabulary entries
@@ -9,24 +10,9 @@
 // and `coefs` start at the block's first row. A bf16 tile is read, added to in f32 and
 // rounded back (to nearest even).
 
+#include "flashloss.cuh"
+
 #define BLOCK 256
-
-typedef unsigned short bf16_bits;
-
-__device__ __forceinline__ float load(const float* p, long long i) { return p[i]; }
-__device__ __forceinline__ float load(const bf16_bits* p, long long i) {
-    return __uint_as_float(((unsigned int)p[i]) << 16);
-}
-__device__ __forceinline__ void store(float* p, long long i, float v) { p[i] = v; }
-__device__ __forceinline__ void store(bf16_bits* p, long long i, float v) {
-    unsigned int bits = __float_as_uint(v);
-    if (v != v) {
-        p[i] = (bf16_bits)0x7fc0;
-        return;
-    }
-    bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest even
-    p[i] = (bf16_bits)(bits >> 16);
-}
 
 template <typename T>
 __device__ void sparse_add(T* dz, long long ld, int rows, long long col0, int cols,

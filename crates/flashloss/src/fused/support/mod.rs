@@ -39,7 +39,7 @@
 
 use super::logp_request::SupportStats;
 use super::passes::FusedPasses;
-use super::terms::{SupportTerm, TileVisitor};
+use super::terms::{DeviceSinks, SupportTerm, TileVisitor};
 use crate::error::Result;
 use crate::rows::{OnlineSoftmax, PartialStats, RowInputs, RowStats};
 use crate::sharding::VocabSplit;
@@ -50,6 +50,8 @@ use pass_a::BufferPass;
 use search::{Found, Goal, Search, SearchPass, Tally};
 use shards::{combine_pass, merge_buffers, merge_histograms};
 
+#[cfg(test)]
+pub(crate) mod device_top;
 mod histogram;
 #[cfg(test)]
 mod histogram_tests;
@@ -302,6 +304,14 @@ impl TileVisitor for VisitBoth<'_> {
         self.0.visit(rows, vocab.clone(), z, ld);
         self.1.visit(rows, vocab, z, ld);
     }
+
+    fn device_sinks(&mut self) -> DeviceSinks<'_> {
+        let (a, b) = (self.0.device_sinks(), self.1.device_sinks());
+        DeviceSinks {
+            gather: a.gather.or(b.gather),
+            top: a.top.or(b.top),
+        }
+    }
 }
 
 /// After pass A (`partial`, the whole vocabulary's states, with `buffers` its visitor):
@@ -321,6 +331,7 @@ pub(crate) fn support_passes(
     let n = rows.live.len();
     let inv_temp = rows.transform.inv_temp;
     let cap = t.buffer_cap();
+    let mass_exact = buffers.pass_a_mass_exact();
     let s_max: Vec<f32> = (partial.states.iter())
         .map(|st| scaled(st.max, inv_temp))
         .collect();
@@ -342,7 +353,8 @@ pub(crate) fn support_passes(
                 return ((Pending::Idle, None), None);
             }
             // Pass A's mass relative to `exp(s_max)` instead of `exp(max·inv_temp)`.
-            let total = st.sum * (st.max as f64 * inv_temp as f64 - s_max[i] as f64).exp();
+            let total = (mass_exact)
+                .then(|| st.sum * (st.max as f64 * inv_temp as f64 - s_max[i] as f64).exp());
             let bin = bin.filter(|b| b.s_max == s_max[i]);
             let decision = decide(&keys, complete, (s_max[i], total, bin), t);
             // A top-p search that sums the mass first may find the cut among the keys.
@@ -404,12 +416,13 @@ pub(crate) fn support_passes(
 }
 
 /// A row's decision from its top keys (`keys`, descending; `complete` when they are
-/// the whole row), its largest scaled logit, pass A's mass relative to it and, for
-/// top-p alone, its histogram's cut bin: the cut, or the search that finds it.
+/// the whole row), its largest scaled logit, pass A's mass relative to it (`None`: not
+/// exact enough to cut by, a device's f32 sums) and, for top-p alone, its histogram's cut
+/// bin: the cut, or the search that finds it.
 fn decide(
     keys: &[u64],
     complete: bool,
-    (s_max, total, bin): (f32, f64, Option<BinCut>),
+    (s_max, total, bin): (f32, Option<f64>, Option<BinCut>),
     t: &Truncation,
 ) -> (Pending, Option<Search>) {
     // Whether every key `≥ l` is held.
@@ -443,8 +456,9 @@ fn decide(
     }
     // The buffer lies inside what min-p and top-k keep; the rest is below it. The
     // histogram's mass is exact to f64 rounding (pass A's sum may be f32 exponentials).
-    let total = bin.map_or(total, |b| b.total);
-    let target = t.top_p.filter(|_| l2 == 0).map(|p| p * total);
+    // Without a mass, a top-p search sums it in its first pass.
+    let total = bin.map(|b| b.total).or(total);
+    let target = (t.top_p.filter(|_| l2 == 0)).and_then(|p| total.map(|m| p * m));
     if let Some(cut) = target.and_then(|m| top_p_descending(keys, m, s_max)) {
         return (Pending::Done(cut), None);
     }

@@ -8,7 +8,7 @@
 use super::histogram::HistogramRow;
 use super::key::{order_key, scaled};
 use super::search::pick;
-use crate::fused::terms::TileVisitor;
+use crate::fused::terms::{DeviceSinks, DeviceTopSink, TileVisitor};
 use rayon::prelude::*;
 use std::ops::Range;
 
@@ -79,6 +79,12 @@ pub(crate) struct BufferPass {
     pub(crate) vocab: usize,
     pub(crate) rows: Vec<TopBuffer>,
     pub(crate) histograms: Option<Histograms>,
+    /// Every row's top keys as a device selected them (`TileVisitor::device_sinks`):
+    /// then `rows` stay empty and no histogram is kept.
+    device_tops: Option<Vec<(Vec<u64>, bool)>>,
+    /// Whether the pass ran on a device, whose pass-A sums are f32 (`__expf`): the
+    /// decisions then take no mass from them (`super::decide`).
+    on_device: bool,
 }
 
 impl BufferPass {
@@ -102,18 +108,42 @@ impl BufferPass {
                 shard,
                 rows: vec![HistogramRow::default(); n],
             }),
+            device_tops: None,
+            on_device: false,
         }
+    }
+
+    /// Whether pass A's masses are exact to f64 rounding (the CPU's pass; not a
+    /// device's f32 sums).
+    pub(crate) fn pass_a_mass_exact(&self) -> bool {
+        !self.on_device
     }
 
     /// Every row's top keys (descending, and whether they are the whole row), and the
     /// histograms.
     pub(crate) fn finish(self) -> (Vec<(Vec<u64>, bool)>, Option<Histograms>) {
         let cap = self.cap;
+        if let Some(tops) = self.device_tops {
+            return (device_tops(tops, cap), self.histograms);
+        }
         let tops = (self.rows.into_par_iter())
             .map(|buf| buf.finish(cap))
             .collect();
         (tops, self.histograms)
     }
+}
+
+/// A device's top keys (any order, at most `cap`; more are a device's fault and are cut
+/// to the largest `cap`, marked incomplete) in [`TopBuffer::finish`]'s form.
+fn device_tops(tops: Vec<(Vec<u64>, bool)>, cap: usize) -> Vec<(Vec<u64>, bool)> {
+    (tops.into_par_iter())
+        .map(|(mut keys, complete)| {
+            keys.sort_unstable_by(|a, b| b.cmp(a));
+            let complete = complete && keys.len() <= cap;
+            keys.truncate(cap);
+            (keys, complete)
+        })
+        .collect()
 }
 
 /// Each tile's rows go to their buffers and histograms (in parallel over the rows); a
@@ -138,6 +168,22 @@ impl TileVisitor for BufferPass {
                     hist.push_tile(&row[..cols], inv_temp, close);
                 });
             }
+        }
+    }
+
+    /// On a device: the top keys are selected there; the histograms are not kept (a
+    /// top-p row its buffer cannot decide sums its mass in its first extra pass).
+    fn device_sinks(&mut self) -> DeviceSinks<'_> {
+        self.histograms = None;
+        self.on_device = true;
+        let (cap, offset) = (self.cap, self.offset);
+        DeviceSinks {
+            gather: None,
+            top: Some(DeviceTopSink {
+                cap,
+                offset,
+                tops: &mut self.device_tops,
+            }),
         }
     }
 }

@@ -309,6 +309,11 @@ impl TileVisitor for SearchPass {
                 }
             });
     }
+
+    /// The rows still searching.
+    fn rows_wanted(&self) -> Option<Vec<bool>> {
+        Some(self.rows.iter().map(Option::is_some).collect())
+    }
 }
 
 #[cfg(test)]

@@ -4,6 +4,8 @@
 //! min-p and top-k cuts below it, a top-k beyond the largest buffer, every combination of
 //! the filters.
 
+use super::device_top::DeviceRow;
+use super::key::{order_key, scaled};
 use super::{RowSupport, Truncation, support_buffers, support_passes};
 use crate::error::{Error, Result};
 use crate::fused::plan::{HeadGrad, Plan};
@@ -22,6 +24,10 @@ pub(super) struct Dense {
     pub(super) inv_temp: f32,
     pub(super) targets: Vec<i64>,
     pub(super) live: Vec<bool>,
+    /// Shown as the CUDA backend shows them: pass A's top keys selected "on the device"
+    /// (`super::device_top`'s model of the kernel), extra passes only to the rows still
+    /// searching.
+    pub(super) device: bool,
 }
 
 impl Dense {
@@ -63,6 +69,10 @@ impl FusedPasses for Dense {
         let rows = self.live_rows();
         let inv_temp = self.inv_temp;
         let targets = self.targets.clone();
+        let device = self.device;
+        let top = |v: &mut dyn TileVisitor| v.device_sinks().top.map(|t| (t.cap, t.offset));
+        let (cap, offset) = (device.then(|| top(visitor)).flatten()).unwrap_or((0, 0));
+        let mut device_rows = vec![DeviceRow::new(cap); self.n];
         self.tiles(|vocab, tile| {
             let cols = vocab.len();
             for (&i, row) in rows.iter().zip(tile.chunks(cols)) {
@@ -82,15 +92,38 @@ impl FusedPasses for Dense {
                 if vocab.contains(&y) {
                     out.target_logits[i] = row[y - vocab.start];
                 }
+                if device {
+                    let id = |o: usize| offset + vocab.start + o;
+                    let keys: Vec<u64> = (row.iter().enumerate())
+                        .map(|(o, &x)| order_key(scaled(x, inv_temp), id(o)))
+                        .collect();
+                    device_rows[i].push_tile(&keys);
+                }
             }
-            visitor.visit(&rows, vocab, tile, cols);
+            if !device {
+                visitor.visit(&rows, vocab, tile, cols);
+            }
         });
+        if let Some(top) = device.then(|| visitor.device_sinks().top).flatten() {
+            *top.tops = Some(device_rows.iter().map(DeviceRow::keys).collect());
+        }
         Ok(out)
     }
 
     fn visit_tiles(&mut self, visitor: &mut dyn TileVisitor) -> Result<()> {
-        let rows = self.live_rows();
-        self.tiles(|vocab, tile| visitor.visit(&rows, vocab.clone(), tile, vocab.len()));
+        let mut rows = self.live_rows();
+        if self.device {
+            let wanted = visitor.rows_wanted().expect("an extra pass names its rows");
+            rows.retain(|&i| wanted[i]);
+        }
+        let v = self.v;
+        for start in (0..v).step_by(self.tile) {
+            let end = (start + self.tile).min(v);
+            let tile: Vec<f32> = (rows.iter())
+                .flat_map(|&i| self.z[i * v + start..i * v + end].iter().copied())
+                .collect();
+            visitor.visit(&rows, start..end, &tile, end - start);
+        }
         Ok(())
     }
 
@@ -155,6 +188,17 @@ pub(super) fn run_support(
     temperature: f64,
     f: SupportFilter,
 ) -> (Vec<RowSupport>, usize, Vec<i64>) {
+    run_support_on(false, z, (n, v, live), temperature, f)
+}
+
+/// [`run_support`] on the host's passes or (`device`) as the CUDA backend runs them.
+fn run_support_on(
+    device: bool,
+    z: Vec<f32>,
+    (n, v, live): (usize, usize, &[bool]),
+    temperature: f64,
+    f: SupportFilter,
+) -> (Vec<RowSupport>, usize, Vec<i64>) {
     let mut rng = Rng(v as u64 * 31 + n as u64);
     let targets: Vec<i64> = (0..n).map(|_| (rng.uniform() * v as f64) as i64).collect();
     let transform = RowTransform::with_temperature(Temperature::new(temperature).unwrap());
@@ -166,6 +210,7 @@ pub(super) fn run_support(
         inv_temp: transform.inv_temp,
         targets: targets.clone(),
         live: live.to_vec(),
+        device,
     };
     let rows = RowInputs {
         targets: &targets,
@@ -189,7 +234,19 @@ pub(super) fn check_live(
     f: SupportFilter,
     min_margin: f64,
 ) -> usize {
-    let (got, extra, targets) = run_support(z.clone(), (n, v, live), temperature, f);
+    check_on(false, case, z, (n, v, live), (temperature, f, min_margin))
+}
+
+/// [`check_live`] on the host's passes or (`device`) as the CUDA backend runs them.
+fn check_on(
+    device: bool,
+    case: &str,
+    z: Vec<f32>,
+    (n, v, live): (usize, usize, &[bool]),
+    (temperature, f, min_margin): (f64, SupportFilter, f64),
+) -> usize {
+    let case = &format!("{case}{}", if device { " (device)" } else { "" });
+    let (got, extra, targets) = run_support_on(device, z.clone(), (n, v, live), temperature, f);
     let mut compared = 0;
     for i in 0..n {
         if !live[i] {
@@ -400,4 +457,59 @@ fn random_shapes_scales_ties_and_filters() {
             1e-9,
         );
     }
+}
+
+/// The CUDA backend's path (pass A's top keys from the device kernel's model, no
+/// histogram and no pass-A mass, extra passes over the searching rows only) decides
+/// every row as the reference does: peaked, flat and sampled rows under every
+/// combination, ties beyond the buffer, a top-k beyond the largest buffer, masked rows.
+#[test]
+fn the_device_path_matches_the_reference() {
+    let (n, v) = (5, 1531);
+    let mut rng = Rng(15);
+    let mut live = vec![true; n];
+    live[3] = false;
+    for (kind, scale) in [("sampled", 2.0), ("peaked", 8.0), ("flat", 0.05)] {
+        let z: Vec<f32> = (0..n * v).map(|_| (rng.normal() * scale) as f32).collect();
+        for f in combinations() {
+            let case = format!("{kind} {f:?}");
+            check_on(true, &case, z.clone(), (n, v, &live), (0.7, f, 1e-9));
+        }
+    }
+    let (n, v) = (3, 12_007);
+    let ties: Vec<f32> = (0..n * v).map(|x| ((x * 7 + x / v) % 4) as f32).collect();
+    let flat: Vec<f32> = (0..n * v).map(|_| (rng.normal() * 0.3) as f32).collect();
+    let all = vec![true; n];
+    for f in [
+        filters(Some(3), None, None),
+        filters(Some(5000), None, None),
+        filters(None, Some(0.5), None),
+        filters(None, Some(0.9), None),
+        filters(Some(7000), Some(0.6), None),
+        filters(None, Some(0.77), Some(0.3)),
+    ] {
+        let extra = check_on(
+            true,
+            &format!("ties {f:?}"),
+            ties.clone(),
+            (n, v, &all),
+            (1.0, f, 1e-10),
+        );
+        assert!(extra >= 1, "{f:?}: the buffer cannot hold the ties");
+        check_on(
+            true,
+            &format!("flat {f:?}"),
+            flat.clone(),
+            (n, v, &all),
+            (1.0, f, 1e-9),
+        );
+    }
+    let f = filters(Some(9000), Some(0.5), Some(1e-9));
+    check_on(
+        true,
+        "top-k beyond the buffer",
+        flat,
+        (n, v, &all),
+        (0.5, f, 1e-9),
+    );
 }
