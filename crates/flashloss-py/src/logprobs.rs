@@ -13,6 +13,7 @@ use crate::dist::VocabGroup;
 use crate::front::{call_head, with_element};
 use crate::losses::{agreed, budget, head_shard, write_f32, write_stats};
 use crate::tensor::{Tensor, arg_error};
+use flashloss::device::LogpCall;
 use flashloss::fused::{FusedOptions, GatherIds, LogpOutput, LogpRequest, LogpRows, LogpUpstream};
 use flashloss::{Grid, SupportFilter, Temperature};
 use pyo3::prelude::*;
@@ -162,13 +163,13 @@ pub fn logp_linear<'py>(
     let out = match &group {
         None => {
             with_element!(head.hidden.dtype, E => call_head::<E, _>(py, &head, None, stream, |d, h| {
-                d.logp_linear_with(h, rows, &request, budget, seq_len)
+                d.logprobs(h, LogpCall::forward(rows, &FusedOptions::forward(budget), seq_len).request(&request))
             }))?
         }
         Some(g) => {
             let shard = head_shard(py, g, &head)?;
             with_element!(head.hidden.dtype, E => call_head::<E, _>(py, &head, None, stream, |d, h| {
-                d.logp_linear_sharded_with(&Grid::vocab(&g.0), shard, h, (rows, &request), budget, seq_len)
+                d.logprobs(h, LogpCall::forward(rows, &FusedOptions::forward(budget), seq_len).request(&request).sharded(&Grid::vocab(&g.0), shard))
             }))?
         }
     };
@@ -314,13 +315,13 @@ pub fn logp_linear_grads<'py>(
     match &group {
         None => with_element!(head.hidden.dtype, E => call_head::<E, _>(
             py, &head, Some(&mut grads), stream,
-            |d, h| d.logp_linear_grads_with_into(h, call, upstream, &opts, seq_len),
+            |d, h| d.logprobs(h, LogpCall::grads(call.0, upstream, &opts, seq_len).request(call.1)),
         ))?,
         Some(g) => {
             let shard = head_shard(py, g, &head)?;
             with_element!(head.hidden.dtype, E => call_head::<E, _>(
                 py, &head, Some(&mut grads), stream,
-                |d, h| d.logp_linear_grads_sharded_with_into(&Grid::vocab(&g.0), shard, h, call, upstream, &opts, seq_len),
+                |d, h| d.logprobs(h, LogpCall::grads(call.0, upstream, &opts, seq_len).request(call.1).sharded(&Grid::vocab(&g.0), shard)),
             ))?
         }
     };

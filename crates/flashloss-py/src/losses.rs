@@ -8,6 +8,7 @@ use crate::args::{BatchTensors, F32, Grads, HeadTensors, I64};
 use crate::dist::VocabGroup;
 use crate::front::{call_head, with_element};
 use crate::tensor::{Tensor, arg_error};
+use flashloss::device::{CeCall, CeUpstream, GrpoCall};
 use flashloss::fused::{self, FusedOptions, Mode, Plan};
 use flashloss::policy::GrpoMetrics;
 use flashloss::{CeConfig, CrossEntropy, Grid, GrpoLoss, GrpoLossConfig, RowStats, Shard};
@@ -164,13 +165,13 @@ pub fn grpo_linear<'py>(
     let out = match &group {
         None => with_element!(head.hidden.dtype, E => call_head::<E, _>(
             py, &head, Some(&mut grads), stream,
-            |d, h| d.grpo_linear_into(&loss, &batch, h, &opts),
+            |d, h| d.grpo(h, GrpoCall::new(&loss, &batch, &opts)),
         ))?,
         Some(g) => {
             let shard = head_shard(py, g, &head)?;
             with_element!(head.hidden.dtype, E => call_head::<E, _>(
                 py, &head, Some(&mut grads), stream,
-                |d, h| d.grpo_linear_sharded_into(&Grid::vocab(&g.0), shard, &loss, &batch, h, &opts),
+                |d, h| d.grpo(h, GrpoCall::new(&loss, &batch, &opts).sharded(&Grid::vocab(&g.0), shard)),
             ))?
         }
     };
@@ -277,13 +278,13 @@ pub fn ce_linear<'py>(
     let out = match &group {
         None => with_element!(head.hidden.dtype, E => call_head::<E, _>(
             py, &head, Some(&mut grads), stream,
-            |d, h| d.ce_linear_lse_into(&ce, targets, (grad_rows, grad_lse), h, &opts),
+            |d, h| d.cross_entropy(h, CeCall::new(&ce, targets, &opts).upstream(CeUpstream { rows: grad_rows, lse: grad_lse })),
         ))?,
         Some(g) => {
             let shard = head_shard(py, g, &head)?;
             with_element!(head.hidden.dtype, E => call_head::<E, _>(
                 py, &head, Some(&mut grads), stream,
-                |d, h| d.ce_linear_sharded_into(&Grid::vocab(&g.0), shard, &ce, targets, grad_rows, h, &opts),
+                |d, h| d.cross_entropy(h, CeCall::new(&ce, targets, &opts).upstream(CeUpstream { rows: grad_rows, lse: None }).sharded(&Grid::vocab(&g.0), shard)),
             ))?
         }
     };
@@ -355,7 +356,7 @@ pub fn ce_rows<'py>(
     )?;
     let targets = targets.i64s()?;
     let out = with_element!(head.hidden.dtype, E => call_head::<E, _>(
-        py, &head, None, 0, |d, h| d.ce_row_losses(h, &ce, targets, &opts),
+        py, &head, None, 0, |d, h| d.cross_entropy(h, CeCall::new(&ce, targets, &opts).forward()),
     ))?;
     write_f32(
         &out.row_loss,

@@ -105,7 +105,7 @@ unsafe extern "C" fn ce_vocab_grads(frame: *mut CallFrame) -> *mut c_void {
             let out = by_dtype!(x, E, code => {
                 let inputs: LinearInputs<E> = head((&x, &w, &b), layout, code)?;
                 let args = HeadArgs::Host { inputs: &inputs, grads: grads(f, 2)? };
-                Ok(cpu().ce_accumulate_row_grads(args, shard, &ce, &targets, upstream, stats, &opts)?)
+                Ok(cpu().ce_accumulate_row_grads(args, shard, &ce, &targets, stats, upstream, &opts)?)
             })?;
             f.ret(0, "loss")?.f32s_mut()?[0] = out.loss as f32;
             f.ret(1, "row_loss")?

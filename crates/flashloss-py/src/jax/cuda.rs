@@ -17,6 +17,7 @@ use super::handlers::{
 use crate::front::gpu;
 use cudarc::driver::{result as cu, sys};
 use flashloss::cuda::BorrowedHead;
+use flashloss::device::{CeCall, CeUpstream, GrpoCall};
 use flashloss::{CeConfig, CrossEntropy, GrpoLoss, GrpoLossConfig, HeadArgs, WeightLayout};
 use half::bf16;
 use std::ffi::c_void;
@@ -298,10 +299,14 @@ unsafe extern "C" fn grpo_linear(frame: *mut CallFrame) -> *mut c_void {
             let tokens = Tokens::read(f, 3)?;
             let batch = tokens.batch();
             let out = match dtype {
-                ffi::dtype::F32 => {
-                    device.grpo_linear_into(&loss, &batch, HeadArgs::<f32>::Cuda(head), &opts)?
-                }
-                _ => device.grpo_linear_into(&loss, &batch, HeadArgs::<bf16>::Cuda(head), &opts)?,
+                ffi::dtype::F32 => device.grpo(
+                    HeadArgs::<f32>::Cuda(head),
+                    GrpoCall::new(&loss, &batch, &opts),
+                )?,
+                _ => device.grpo(
+                    HeadArgs::<bf16>::Cuda(head),
+                    GrpoCall::new(&loss, &batch, &opts),
+                )?,
             };
             grpo_outputs(f, 4, out.loss, &out.metrics, &out.stats, &out.kl)
         })
@@ -319,19 +324,13 @@ unsafe extern "C" fn ce_linear(frame: *mut CallFrame) -> *mut c_void {
             let targets = f.arg(3, "targets")?.ids()?;
             let upstream = ce_upstream(f, 4, targets.len())?;
             let out = match dtype {
-                ffi::dtype::F32 => device.ce_linear_lse_into(
-                    &ce,
-                    &targets,
-                    upstream,
+                ffi::dtype::F32 => device.cross_entropy(
                     HeadArgs::<f32>::Cuda(head),
-                    &opts,
+                    CeCall::new(&ce, &targets, &opts).upstream(upstream),
                 )?,
-                _ => device.ce_linear_lse_into(
-                    &ce,
-                    &targets,
-                    upstream,
+                _ => device.cross_entropy(
                     HeadArgs::<bf16>::Cuda(head),
-                    &opts,
+                    CeCall::new(&ce, &targets, &opts).upstream(upstream),
                 )?,
             };
             ce_outputs(f, &out)

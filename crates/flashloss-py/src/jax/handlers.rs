@@ -9,6 +9,8 @@
 use super::ffi::CallFrame;
 use super::frame::{Frame, Named, Result, bad, handle};
 use crate::front::cpu;
+use flashloss::device::{CeCall, CeUpstream, GrpoCall, LogpCall};
+use flashloss::fused::LogpRows;
 use flashloss::fused::{FusedOptions, HeadGrad, LinearGradsMut, Mode};
 use flashloss::policy::GrpoMetrics;
 use flashloss::{
@@ -312,7 +314,7 @@ unsafe extern "C" fn grpo_linear(frame: *mut CallFrame) -> *mut c_void {
             let out = by_dtype!(x, E, code => {
                 let inputs = head::<E>((&x, &w, &bias), layout, code)?;
                 let args = HeadArgs::Host { inputs: &inputs, grads: grads(f, 1)? };
-                Ok(cpu().grpo_linear_into(&loss, &batch, args, &opts)?)
+                Ok(cpu().grpo(args, GrpoCall::new(&loss, &batch, &opts))?)
             })?;
             grpo_outputs(f, 4, out.loss, &out.metrics, &out.stats, &out.kl)
         })
@@ -339,7 +341,7 @@ unsafe extern "C" fn ce_linear(frame: *mut CallFrame) -> *mut c_void {
             let out = by_dtype!(x, E, code => {
                 let inputs = head::<E>((&x, &w, &bias), layout, code)?;
                 let args = HeadArgs::Host { inputs: &inputs, grads: grads(f, 1)? };
-                Ok(cpu().ce_linear_lse_into(&ce, &targets, upstream, args, &opts)?)
+                Ok(cpu().cross_entropy(args, CeCall::new(&ce, &targets, &opts).upstream(upstream))?)
             })?;
             ce_outputs(f, &out)
         })
@@ -359,9 +361,6 @@ pub(super) fn ce_grad_options(f: &Frame) -> Result<FusedOptions> {
     })
 }
 
-/// Per-row upstream gradients of a CE call: `(grad_rows, grad_lse)`, each optional.
-type CeUpstream<'a> = (Option<&'a [f32]>, Option<&'a [f32]>);
-
 /// The per-row upstream gradients of a CE call: arguments `first` (grad_rows) and
 /// `first + 1` (grad_lse), each `[N]` or `[0]` (none).
 pub(super) fn ce_upstream<'a>(f: &Frame<'a>, first: usize, n: usize) -> Result<CeUpstream<'a>> {
@@ -373,7 +372,10 @@ pub(super) fn ce_upstream<'a>(f: &Frame<'a>, first: usize, n: usize) -> Result<C
         a.expect_dims(&[n])?;
         a.f32s().map(Some)
     });
-    Ok((rows?, lse?))
+    Ok(CeUpstream {
+        rows: rows?,
+        lse: lse?,
+    })
 }
 
 /// Writes a CE call's loss (result 0), per-row losses (4), counted rows (5) and each
@@ -408,7 +410,7 @@ unsafe extern "C" fn ce_rows(frame: *mut CallFrame) -> *mut c_void {
             let targets = f.arg(3, "targets")?.ids()?;
             let out = by_dtype!(x, E, code => {
                 let inputs = head::<E>((&x, &w, &bias), layout, code)?;
-                Ok(cpu().ce_row_losses(HeadArgs::host(&inputs), &ce, &targets, &opts)?)
+                Ok(cpu().cross_entropy(HeadArgs::host(&inputs), CeCall::new(&ce, &targets, &opts).forward())?)
             })?;
             f.ret(0, "row_loss")?
                 .f32s_mut()?
@@ -435,7 +437,7 @@ unsafe extern "C" fn logp_linear(frame: *mut CallFrame) -> *mut c_void {
             let stats = by_dtype!(x, E, code => {
                 let inputs = head::<E>((&x, &w, &bias), layout, code)?;
                 let device = cpu();
-                Ok(device.logp_linear(HeadArgs::host(&inputs), &ids, Some(&mask), temperature, budget, n)?)
+                Ok(device.logprobs(HeadArgs::host(&inputs), LogpCall::forward(LogpRows { targets: &ids, mask: Some(&mask), temperature }, &FusedOptions::forward(budget), n)).map(|o| o.stats)?)
             })?;
             let (lp, ent) = (
                 f.ret(0, "logp")?.f32s_mut()?,

@@ -12,6 +12,8 @@ use super::frame::{Frame, Named, Result, bad, handle};
 use super::handlers::{by_dtype, grad_options, grads, head, options, weight_layout};
 use crate::front::cpu;
 use flashloss::SupportFilter;
+use flashloss::device::LogpCall;
+use flashloss::fused::FusedOptions;
 use flashloss::fused::{LogpRequest, LogpRows, LogpUpstream};
 use flashloss::{HeadArgs, LinearInputs, Temperature};
 use std::ffi::c_void;
@@ -94,7 +96,7 @@ unsafe extern "C" fn logp_support(frame: *mut CallFrame) -> *mut c_void {
             let n = rows.ids.len();
             let out = by_dtype!(x, E, code => {
                 let inputs: LinearInputs<E> = head((&x, &w, &b), layout, code)?;
-                Ok(cpu().logp_linear_with(HeadArgs::host(&inputs), rows.rows(), &request, budget, n)?)
+                Ok(cpu().logprobs(HeadArgs::host(&inputs), LogpCall::forward(rows.rows(), &FusedOptions::forward(budget), n).request(&request))?)
             })?;
             let (Some(support), Some(p2)) = (&out.support, &out.sum_p2) else {
                 return Err(bad("support", "the kernel returned no support outputs"));
@@ -152,7 +154,7 @@ unsafe extern "C" fn logp_support_grads(frame: *mut CallFrame) -> *mut c_void {
                 let inputs: LinearInputs<E> = head((&x, &w, &b), layout, code)?;
                 let args = HeadArgs::Host { inputs: &inputs, grads: grads(f, 0)? };
                 let call = (rows.rows(), &request);
-                cpu().logp_linear_grads_with_into(args, call, upstream, &opts, n)?;
+                cpu().logprobs(args, LogpCall::grads(call.0, upstream, &opts, n).request(call.1))?;
                 Ok(())
             })
         })
