@@ -17,7 +17,8 @@ use crate::cross_entropy::CrossEntropy;
 use crate::element::Element;
 use crate::error::{Error, Result};
 use crate::fused::{
-    self, CeLinearOutput, FusedOptions, GrpoLinearOutput, Head, LinearGradsMut, LogpOutput, RowGrad,
+    self, CeLinearOutput, FusedOptions, GrpoLinearOutput, Head, HeadGrad, LinearGrads,
+    LinearGradsMut, LogpOutput, RowGrad,
 };
 use crate::grpo_config::GrpoLoss;
 use crate::grpo_logits::GrpoLogitsForward;
@@ -29,7 +30,7 @@ use std::sync::{Mutex, MutexGuard};
 
 mod calls;
 
-pub use calls::{CeCall, CeUpstream, GrpoCall, LogpCall, LossCall, Returns, Vocab};
+pub use calls::{CeCall, CeUpstream, GrpoCall, LogpCall, Returns, Vocab};
 
 /// A backend and the state it keeps between calls.
 pub struct Device {
@@ -438,6 +439,63 @@ impl Device {
                 crate::cuda::grpo_logits_host(gpu, loss, batch, &z, layout, grad_output, logits)
             }
         }
+    }
+}
+
+/// A loss's call whose gradients [`Device::with_host_grads`] can hold in host memory.
+pub trait LossCall: Copy {
+    /// What the call returns (with a `grads` field).
+    type Output;
+    /// Which of the head's gradients the call forms.
+    fn head_grad(&self) -> HeadGrad;
+    /// The call's method on `device`.
+    fn run<E: Element>(self, device: &Device, head: HeadArgs<E>) -> Result<Self::Output>;
+    /// `out` with `grads` in it.
+    fn with_grads(out: Self::Output, grads: LinearGrads) -> Self::Output;
+}
+
+impl LossCall for GrpoCall<'_> {
+    type Output = GrpoLinearOutput;
+    fn head_grad(&self) -> HeadGrad {
+        self.opts.head_grad
+    }
+    fn run<E: Element>(self, device: &Device, head: HeadArgs<E>) -> Result<GrpoLinearOutput> {
+        device.grpo(head, self)
+    }
+    fn with_grads(out: GrpoLinearOutput, grads: LinearGrads) -> GrpoLinearOutput {
+        GrpoLinearOutput { grads, ..out }
+    }
+}
+
+impl LossCall for CeCall<'_> {
+    type Output = CeLinearOutput;
+    fn head_grad(&self) -> HeadGrad {
+        self.opts.head_grad
+    }
+    fn run<E: Element>(self, device: &Device, head: HeadArgs<E>) -> Result<CeLinearOutput> {
+        device.cross_entropy(head, self)
+    }
+    fn with_grads(out: CeLinearOutput, grads: LinearGrads) -> CeLinearOutput {
+        CeLinearOutput { grads, ..out }
+    }
+}
+
+impl Device {
+    /// Runs `call` on host `inputs` with zeroed gradient buffers of its own (`dH`, and
+    /// `dW`, `dbias` as the call's `head_grad` asks) and returns its output with them in
+    /// `grads`: the one convenience for a caller that keeps no buffers of its own.
+    pub fn with_host_grads<E: Element, C: LossCall>(
+        &self,
+        inputs: &LinearInputs<E>,
+        call: C,
+    ) -> Result<C::Output> {
+        let mut grads = LinearGrads::zeros_for(inputs, call.head_grad());
+        let head = HeadArgs::Host {
+            inputs,
+            grads: grads.view(),
+        };
+        let out = call.run(self, head)?;
+        Ok(C::with_grads(out, grads))
     }
 }
 
