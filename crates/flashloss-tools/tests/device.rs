@@ -6,10 +6,9 @@
 
 mod common;
 use common::*;
-use flashloss::collective::{Collective, run_in_process};
+use flashloss::collective::{Collective, Solo, run_in_process};
 use flashloss::device::{CeCall, CeUpstream, GrpoCall, LogpCall};
-use flashloss::fused::LinearGradsMut;
-use flashloss::fused::LogpRows;
+use flashloss::fused::{LinearGradsMut, LogpRows};
 use flashloss::{
     Device, FusedOptions, Grid, GrpoLoss, GrpoLossConfig, HeadArgs, LinearInputs, LossType, Mode,
     Shard, Temperature,
@@ -471,6 +470,20 @@ fn row_losses_without_gradients_equal_the_fused_calls() {
     assert_close("row_loss", &rows.row_loss, &f64s(&fused.row_loss), 1e-6);
     assert!((rows.loss - fused.loss).abs() <= 1e-6 * fused.loss.abs().max(1.0));
     assert_eq!(rows.row_loss[5], 0.0);
+    // Sharded, CE returns gradients of the row losses only; one rank is the whole call.
+    let grid = Grid::vocab(&Solo);
+    let o = opts(Mode::Auto);
+    let sharded = CeCall::new(&ce, &targets, &o).sharded(&grid, Shard::whole(v));
+    let err = device.cross_entropy(HeadArgs::host(&head.inputs()), sharded.forward());
+    assert!(err.unwrap_err().to_string().contains("returns"));
+    let lse = CeUpstream {
+        rows: None,
+        lse: Some(&fused.row_loss),
+    };
+    let err = device.with_host_grads(&head.inputs(), sharded.upstream(lse));
+    assert!(err.unwrap_err().to_string().contains("grad_lse"));
+    let one = device.with_host_grads(&head.inputs(), sharded).unwrap();
+    assert_close("sharded", &one.row_loss, &f64s(&fused.row_loss), 1e-6);
 }
 
 #[test]
