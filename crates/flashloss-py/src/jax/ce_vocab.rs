@@ -8,9 +8,7 @@
 
 use super::ffi::CallFrame;
 use super::frame::{Frame, Named, Result, bad, handle};
-use super::handlers::{
-    by_dtype, ce_grad_options, ce_upstream, grads, head, options, parse, weight_layout,
-};
+use super::handlers::{by_dtype, ce_upstream, grads, head, options, weight_layout};
 use super::vocab::{merged_stats, offset_of};
 use crate::front::cpu;
 use flashloss::rows::RowStats;
@@ -20,9 +18,9 @@ use std::ffi::c_void;
 /// The loss (attribute `config`, a `CeConfig`) and the block's place: argument
 /// `offset` (one int) and attribute `vocab` (the whole vocabulary's size).
 fn loss_and_shard(f: &Frame, offset: &Named) -> Result<(CrossEntropy, Shard)> {
-    let ce = CrossEntropy::new(parse::<CeConfig>(f.attr_str("config")?)?)?;
+    let ce = CrossEntropy::new(f.spec()?.config::<CeConfig>()?)?;
     let offset = offset_of(offset)?;
-    let vocab = f.attr_i64("vocab")?;
+    let vocab = f.spec()?.i64("vocab")?;
     if vocab < 1 {
         return Err(bad("vocab", format!("must be >= 1, got {vocab}")));
     }
@@ -84,7 +82,7 @@ unsafe extern "C" fn ce_vocab_grads(frame: *mut CallFrame) -> *mut c_void {
             let layout = weight_layout(f)?;
             let targets = f.arg(3, "targets")?.ids()?;
             let (ce, shard) = loss_and_shard(f, &f.arg(4, "offset")?)?;
-            let opts = ce_grad_options(f)?;
+            let opts = options(f)?;
             let inv_temp = (1.0 / ce.config().temperature) as f32;
             let n = targets.len();
             let names = ["max", "log_sum", "entropy", "logp", "mean_logit"];

@@ -11,7 +11,7 @@ use super::frame::{Frame, Named, Result, bad, handle};
 use crate::front::cpu;
 use flashloss::device::{CeCall, CeUpstream, GrpoCall, LogpCall};
 use flashloss::fused::LogpRows;
-use flashloss::fused::{FusedOptions, HeadGrad, LinearGradsMut, Mode};
+use flashloss::fused::{FusedOptions, LinearGradsMut};
 use flashloss::policy::GrpoMetrics;
 use flashloss::{
     CeConfig, CrossEntropy, Element, GrpoBatch, GrpoLoss, GrpoLossConfig, HeadArgs, LinearInputs,
@@ -25,36 +25,15 @@ pub(super) fn parse<T: serde::de::DeserializeOwned>(json: &str) -> Result<T> {
     serde_path_to_error::deserialize(de).map_err(|e| bad(&e.path().to_string(), e.inner()))
 }
 
+/// The options of the call's spec (`mode`, `budget_mib`, `grad_output`, `head_grad`: see
+/// [`crate::spec::Spec::options`]).
 pub(super) fn options(f: &Frame) -> Result<FusedOptions> {
-    let mode: Mode = parse(&format!("{:?}", f.attr_str("mode")?))?;
-    options_of(f, mode)
+    Ok(f.spec()?.options()?)
 }
 
-/// [`options`] of a call that forms gradients, with the attribute `head_grad`
-/// (`"full"`, or `"frozen"`: no dW or dbias, whose results are then `[0]`).
-pub(super) fn grad_options(f: &Frame) -> Result<FusedOptions> {
-    let head_grad: HeadGrad = parse(&format!("{:?}", f.attr_str("head_grad")?))?;
-    Ok(FusedOptions {
-        head_grad,
-        ..options(f)?
-    })
-}
-
-/// The options of `mode` with the attribute `budget_mib` (checked positive).
-fn options_of(f: &Frame, mode: Mode) -> Result<FusedOptions> {
-    let mib = f.attr_f64("budget_mib")?;
-    if !(mib.is_finite() && mib > 0.0) {
-        return Err(bad(
-            "budget_mib",
-            format!("must be a positive number, got {mib}"),
-        ));
-    }
-    Ok(FusedOptions::from_mib(mode, mib, 1.0))
-}
-
-/// The attribute `weight_layout`: `"vh"` (`[V, H]`) or `"hv"` (`[H, V]`).
+/// The spec's `weight_layout`: `"vh"` (`[V, H]`) or `"hv"` (`[H, V]`).
 pub(super) fn weight_layout(f: &Frame) -> Result<WeightLayout> {
-    Ok(WeightLayout::from_name(f.attr_str("weight_layout")?)?)
+    Ok(f.spec()?.weight_layout()?)
 }
 
 /// `(V, H)` of `weight` in `layout`, checked 2-D and of the hidden size `H` of `hidden`
@@ -305,8 +284,8 @@ unsafe extern "C" fn grpo_linear(frame: *mut CallFrame) -> *mut c_void {
     // SAFETY: XLA's frame.
     unsafe {
         handle(frame, |f| {
-            let loss = GrpoLoss::new(parse::<GrpoLossConfig>(f.attr_str("config")?)?)?;
-            let opts = grad_options(f)?;
+            let loss = GrpoLoss::new(f.spec()?.config::<GrpoLossConfig>()?)?;
+            let opts = options(f)?;
             let (x, w, bias) = (f.arg(0, "hidden")?, f.arg(1, "weight")?, f.arg(2, "bias")?);
             let layout = weight_layout(f)?;
             let tokens = Tokens::read(f, 3)?;
@@ -332,8 +311,8 @@ unsafe extern "C" fn ce_linear(frame: *mut CallFrame) -> *mut c_void {
     // SAFETY: XLA's frame.
     unsafe {
         handle(frame, |f| {
-            let ce = CrossEntropy::new(parse::<CeConfig>(f.attr_str("config")?)?)?;
-            let opts = ce_grad_options(f)?;
+            let ce = CrossEntropy::new(f.spec()?.config::<CeConfig>()?)?;
+            let opts = options(f)?;
             let (x, w, bias) = (f.arg(0, "hidden")?, f.arg(1, "weight")?, f.arg(2, "bias")?);
             let layout = weight_layout(f)?;
             let targets = f.arg(3, "targets")?.ids()?;
@@ -346,19 +325,6 @@ unsafe extern "C" fn ce_linear(frame: *mut CallFrame) -> *mut c_void {
             ce_outputs(f, &out)
         })
     }
-}
-
-/// [`grad_options`] of a CE call, with the attribute `grad_output` (the upstream
-/// gradient of the loss, finite).
-pub(super) fn ce_grad_options(f: &Frame) -> Result<FusedOptions> {
-    let g = f.attr_f64("grad_output")?;
-    if !g.is_finite() {
-        return Err(bad("grad_output", format!("must be finite, got {g}")));
-    }
-    Ok(FusedOptions {
-        grad_output: g as f32,
-        ..grad_options(f)?
-    })
 }
 
 /// The per-row upstream gradients of a CE call: arguments `first` (grad_rows) and
@@ -403,8 +369,8 @@ unsafe extern "C" fn ce_rows(frame: *mut CallFrame) -> *mut c_void {
     // SAFETY: XLA's frame.
     unsafe {
         handle(frame, |f| {
-            let ce = CrossEntropy::new(parse::<CeConfig>(f.attr_str("config")?)?)?;
-            let opts = options_of(f, Mode::TwoPass)?;
+            let ce = CrossEntropy::new(f.spec()?.config::<CeConfig>()?)?;
+            let opts = options(f)?.two_pass();
             let (x, w, bias) = (f.arg(0, "hidden")?, f.arg(1, "weight")?, f.arg(2, "bias")?);
             let layout = weight_layout(f)?;
             let targets = f.arg(3, "targets")?.ids()?;
@@ -427,7 +393,7 @@ unsafe extern "C" fn logp_linear(frame: *mut CallFrame) -> *mut c_void {
     // SAFETY: XLA's frame.
     unsafe {
         handle(frame, |f| {
-            let temperature = Temperature::new(f.attr_f64("temperature")?)?;
+            let temperature = Temperature::new(f.spec()?.f64("temperature")?)?;
             let budget = options(f)?.budget_bytes;
             let (x, w, bias) = (f.arg(0, "hidden")?, f.arg(1, "weight")?, f.arg(2, "bias")?);
             let layout = weight_layout(f)?;
@@ -459,7 +425,7 @@ unsafe extern "C" fn grpo_logits(frame: *mut CallFrame) -> *mut c_void {
     // SAFETY: XLA's frame.
     unsafe {
         handle(frame, |f| {
-            let loss = GrpoLoss::new(parse::<GrpoLossConfig>(f.attr_str("config")?)?)?;
+            let loss = GrpoLoss::new(f.spec()?.config::<GrpoLossConfig>()?)?;
             let z = f.arg(0, "logits")?;
             let tokens = Tokens::read(f, 1)?;
             let layout = logits_layout(&z, &tokens)?;
@@ -497,7 +463,7 @@ unsafe extern "C" fn grpo_logits_rows(frame: *mut CallFrame) -> *mut c_void {
     // SAFETY: XLA's frame.
     unsafe {
         handle(frame, |f| {
-            let loss = GrpoLoss::new(parse::<GrpoLossConfig>(f.attr_str("config")?)?)?;
+            let loss = GrpoLoss::new(f.spec()?.config::<GrpoLossConfig>()?)?;
             let z = f.arg(0, "logits")?;
             let tokens = Tokens::read(f, 1)?;
             let layout = logits_layout(&z, &tokens)?;

@@ -9,7 +9,7 @@
 
 use super::ffi::CallFrame;
 use super::frame::{Frame, Named, Result, bad, handle};
-use super::handlers::{by_dtype, grad_options, grads, head, options, weight_layout};
+use super::handlers::{by_dtype, grads, head, options, weight_layout};
 use crate::front::cpu;
 use flashloss::SupportFilter;
 use flashloss::device::LogpCall;
@@ -21,7 +21,7 @@ use std::ffi::c_void;
 /// The filters from the attributes `top_k` (`0`: none), `top_p` and `min_p` (`1` and
 /// `0`: none, as vLLM), checked.
 fn filter(f: &Frame) -> Result<SupportFilter> {
-    let k = f.attr_i64("top_k")?;
+    let k = f.spec()?.i64("top_k")?;
     if k < 0 {
         return Err(bad(
             "top_k",
@@ -30,8 +30,8 @@ fn filter(f: &Frame) -> Result<SupportFilter> {
     }
     let filter = SupportFilter {
         top_k: (k > 0).then_some(k as usize),
-        top_p: Some(f.attr_f64("top_p")?),
-        min_p: Some(f.attr_f64("min_p")?),
+        top_p: Some(f.spec()?.f64("top_p")?),
+        min_p: Some(f.spec()?.f64("min_p")?),
     };
     filter.check()?;
     Ok(filter)
@@ -50,7 +50,7 @@ impl SupportRows {
         let ids = f.arg(3, "ids")?.ids()?;
         let mask = f.arg(4, "mask")?;
         mask.expect_dims(&[ids.len()])?;
-        let temperature = Temperature::new(f.attr_f64("temperature")?)?;
+        let temperature = Temperature::new(f.spec()?.f64("temperature")?)?;
         Ok(SupportRows {
             ids,
             mask: mask.bools()?,
@@ -140,7 +140,7 @@ unsafe extern "C" fn logp_support_grads(frame: *mut CallFrame) -> *mut c_void {
                 support: Some(filter(f)?),
                 ..LogpRequest::default()
             };
-            let opts = grad_options(f)?;
+            let opts = options(f)?;
             let n = rows.ids.len();
             let g = f.arg(5, "grad_logp")?;
             g.expect_dims(&[n])?;
