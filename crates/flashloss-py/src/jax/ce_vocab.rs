@@ -15,8 +15,8 @@ use flashloss::rows::RowStats;
 use flashloss::{CeConfig, CrossEntropy, HeadArgs, LinearInputs, Shard};
 use std::ffi::c_void;
 
-/// The loss (attribute `config`, a `CeConfig`) and the block's place: argument
-/// `offset` (one int) and attribute `vocab` (the whole vocabulary's size).
+/// The loss (spec field `config`, a `CeConfig`) and the block's place: argument
+/// `offset` (one int) and spec field `vocab` (the whole vocabulary's size).
 fn loss_and_shard(f: &Frame, offset: &Named) -> Result<(CrossEntropy, Shard)> {
     let ce = CrossEntropy::new(f.spec()?.config::<CeConfig>()?)?;
     let offset = offset_of(offset)?;
@@ -29,7 +29,7 @@ fn loss_and_shard(f: &Frame, offset: &Named) -> Result<(CrossEntropy, Shard)> {
 }
 
 /// Pass A. Arguments: hidden `[N, H]`, weight (block), bias (block or `[0]`), targets
-/// `[N]` (ids of the whole vocabulary), offset; attributes: budget_mib, config, mode,
+/// `[N]` (ids of the whole vocabulary), offset; spec fields: budget_mib, config, mode,
 /// vocab, weight_layout. Results `[N]` each: max, sum, weighted, target logit, logit sum.
 unsafe extern "C" fn ce_vocab_partial(frame: *mut CallFrame) -> *mut c_void {
     // SAFETY: XLA's frame.
@@ -69,7 +69,7 @@ unsafe extern "C" fn ce_vocab_partial(frame: *mut CallFrame) -> *mut c_void {
 /// The row stage and pass B. Arguments: hidden, weight (block), bias, targets `[N]`,
 /// offset, the merged max, log_sum, entropy, logp, mean_logit (`[N]` each), grad_rows
 /// (`[N]` for reduction none, `[0]` otherwise), grad_lse (`[N]`: the upstream gradient
-/// of each row's log-sum-exp, `∂lse/∂s_j = p_j`; `[0]` for none); attributes:
+/// of each row's log-sum-exp, `∂lse/∂s_j = p_j`; `[0]` for none); spec fields:
 /// budget_mib, config, mode, vocab, weight_layout, head_grad, grad_output. Results:
 /// loss, row_loss `[N]`, dhidden (the block's part), dweight (the weight's shape), dbias
 /// (the block's; both `[0]` for a frozen head): the gradients of

@@ -287,7 +287,7 @@ unsafe fn run_cuda(
     }
 }
 
-/// GRPO from hidden states on a GPU: arguments, attributes and results as the CPU
+/// GRPO from hidden states on a GPU: arguments, spec and results as the CPU
 /// handler's (`handlers::grpo_linear`).
 unsafe extern "C" fn grpo_linear(frame: *mut CallFrame) -> *mut c_void {
     // SAFETY: XLA's frame.
@@ -312,7 +312,7 @@ unsafe extern "C" fn grpo_linear(frame: *mut CallFrame) -> *mut c_void {
     }
 }
 
-/// Cross-entropy from hidden states on a GPU: arguments, attributes and results as the
+/// Cross-entropy from hidden states on a GPU: arguments, spec and results as the
 /// CPU handler's (`handlers::ce_linear`).
 unsafe extern "C" fn ce_linear(frame: *mut CallFrame) -> *mut c_void {
     // SAFETY: XLA's frame.

@@ -1,10 +1,12 @@
 //! The XLA FFI handlers of `flashloss.jax` (CPU): each reads its call frame, calls the
 //! process's CPU [`flashloss::Device`] and writes its results. The loss and the
 //! gradients of `hidden`, `weight`, `bias` come out of one fused call (the backward of the
-//! JAX op only scales them by the cotangent). Argument order and attributes are those of
-//! `python/flashloss/jax/ffi/ops.py`; every handler that takes a weight takes the attribute
-//! `weight_layout` (`"vh"`: `[V, H]`, `"hv"`: `[H, V]`, a Flax kernel), and its `dweight`
-//! result has the weight's shape.
+//! JAX op only scales them by the cotangent). Argument order is that of
+//! `python/flashloss/jax/ffi/ops.py`. Every handler takes one attribute, `spec` (the JSON
+//! of [`crate::spec::Spec`], parsed by [`Frame::spec`] as the torch entry points parse
+//! theirs); the "spec fields" each handler's documentation names are its fields. Every
+//! handler that takes a weight reads `weight_layout` (`"vh"`: `[V, H]`, `"hv"`: `[H, V]`,
+//! a Flax kernel), and its `dweight` result has the weight's shape.
 
 use super::ffi::CallFrame;
 use super::frame::{Frame, Named, Result, bad, handle};
@@ -19,7 +21,7 @@ use flashloss::{
 };
 use std::ffi::c_void;
 
-/// A config from its JSON attribute; an error names the offending key.
+/// A config from JSON; an error names the offending key.
 pub(super) fn parse<T: serde::de::DeserializeOwned>(json: &str) -> Result<T> {
     let de = &mut serde_json::Deserializer::from_str(json);
     serde_path_to_error::deserialize(de).map_err(|e| bad(&e.path().to_string(), e.inner()))
@@ -276,7 +278,7 @@ macro_rules! by_dtype {
 pub(super) use by_dtype;
 
 /// GRPO from hidden states. Arguments: hidden, weight, bias, completion_ids,
-/// completion_mask, advantages, old and ref logp, importance_sampling_ratio; attributes: budget_mib, config (the
+/// completion_mask, advantages, old and ref logp, importance_sampling_ratio; spec fields: budget_mib, config (the
 /// JSON of `GrpoLossConfig`), mode, weight_layout, head_grad. Results: loss, dhidden,
 /// dweight, dbias (`[0]` each for a frozen head), logp, entropy, kl, metrics
 /// `[kl, entropy, clip low, high, region]`.
@@ -302,7 +304,7 @@ unsafe extern "C" fn grpo_linear(frame: *mut CallFrame) -> *mut c_void {
 
 /// Cross-entropy from hidden states. Arguments: hidden, weight, bias, targets `[N]`,
 /// grad_rows `[N]` (reduction none; `[0]` otherwise), grad_lse `[N]` (the upstream
-/// gradient of each row's log-sum-exp; `[0]` for none); attributes: budget_mib, config
+/// gradient of each row's log-sum-exp; `[0]` for none); spec fields: budget_mib, config
 /// (the JSON of `CeConfig`), mode, weight_layout, head_grad, grad_output. Results: loss,
 /// dhidden, dweight, dbias (`[0]` each for a frozen head: the gradients of
 /// `grad_output·L + Σ_i grad_lse_i·lse_i`), row_loss `[N]`, count, lse `[N]` (0 where
@@ -363,7 +365,7 @@ fn write_lse(f: &Frame, index: usize, stats: &[flashloss::RowStats]) -> Result<(
 }
 
 /// Per-row CE losses without gradients (reduction `none`'s forward: one statistics
-/// pass). Arguments: hidden, weight, bias, targets `[N]`; attributes: budget_mib,
+/// pass). Arguments: hidden, weight, bias, targets `[N]`; spec fields: budget_mib,
 /// config, weight_layout. Results: row_loss, lse `[N]` (0 where ignored).
 unsafe extern "C" fn ce_rows(frame: *mut CallFrame) -> *mut c_void {
     // SAFETY: XLA's frame.
@@ -387,7 +389,7 @@ unsafe extern "C" fn ce_rows(frame: *mut CallFrame) -> *mut c_void {
 }
 
 /// Per-row log-probs and entropy (no gradient). Arguments: hidden, weight, bias, ids
-/// `[N]`, mask `[N]`; attributes: budget_mib, temperature, weight_layout. Results: logp,
+/// `[N]`, mask `[N]`; spec fields: budget_mib, temperature, weight_layout. Results: logp,
 /// entropy `[N]`.
 unsafe extern "C" fn logp_linear(frame: *mut CallFrame) -> *mut c_void {
     // SAFETY: XLA's frame.
@@ -419,7 +421,7 @@ unsafe extern "C" fn logp_linear(frame: *mut CallFrame) -> *mut c_void {
 
 /// GRPO on materialized logits `[B, T, V]` (f32 or bf16; the gradient in their dtype,
 /// no f32 copy of bf16 logits). Arguments: logits, completion_ids, completion_mask,
-/// advantages, old and ref logp, importance_sampling_ratio; attribute: config. Results: loss, dlogits, logp,
+/// advantages, old and ref logp, importance_sampling_ratio; spec field: config. Results: loss, dlogits, logp,
 /// entropy, kl, metrics.
 unsafe extern "C" fn grpo_logits(frame: *mut CallFrame) -> *mut c_void {
     // SAFETY: XLA's frame.
@@ -457,7 +459,7 @@ fn logits_layout(z: &Named, tokens: &Tokens) -> Result<LogitsLayout> {
 /// Per-token GRPO losses on logits `[B, T, V]`, unreduced (Liger's `reduce=False`).
 /// Arguments: logits, completion_ids, completion_mask, advantages, old and ref logp,
 /// importance_sampling_ratio, grad_rows `[B, T]` (each token's upstream gradient; ones for the losses themselves);
-/// attribute: config. Results: token_loss `g·ℓ_tot`, kl, clipped (0/1) `[B, T]` f32, and
+/// spec field: config. Results: token_loss `g·ℓ_tot`, kl, clipped (0/1) `[B, T]` f32, and
 /// dlogits (the logits' shape and dtype: `∂(Σ g·ℓ_tot)/∂logits`; `[0]` for none).
 unsafe extern "C" fn grpo_logits_rows(frame: *mut CallFrame) -> *mut c_void {
     // SAFETY: XLA's frame.

@@ -18,7 +18,7 @@ use flashloss::fused::{LogpRequest, LogpRows, LogpUpstream};
 use flashloss::{HeadArgs, LinearInputs, Temperature};
 use std::ffi::c_void;
 
-/// The filters from the attributes `top_k` (`0`: none), `top_p` and `min_p` (`1` and
+/// The filters from the spec fields `top_k` (`0`: none), `top_p` and `min_p` (`1` and
 /// `0`: none, as vLLM), checked.
 fn filter(f: &Frame) -> Result<SupportFilter> {
     let k = f.spec()?.i64("top_k")?;
@@ -37,7 +37,7 @@ fn filter(f: &Frame) -> Result<SupportFilter> {
     Ok(filter)
 }
 
-/// The rows' arguments: ids `[N]` (argument 3), mask `[N]` (4); the attribute
+/// The rows' arguments: ids `[N]` (argument 3), mask `[N]` (4); the spec field
 /// `temperature`.
 struct SupportRows {
     ids: Vec<i64>,
@@ -76,7 +76,7 @@ fn optional_rows<'a>(a: &Named<'a>, n: usize) -> Result<Option<&'a [f32]>> {
     a.f32s().map(Some)
 }
 
-/// The forward. Arguments: hidden, weight, bias, ids `[N]`, mask `[N]`; attributes:
+/// The forward. Arguments: hidden, weight, bias, ids `[N]`, mask `[N]`; spec fields:
 /// budget_mib, mode, temperature, weight_layout, top_k, top_p, min_p. Results `[N]` f32
 /// each (0 where masked): logp^K (`-inf` outside the support), entropy, lse (the full
 /// softmax's), max (`max_j s_j`), sum_p2, outside (1 where the target is outside).
@@ -126,7 +126,7 @@ unsafe extern "C" fn logp_support(frame: *mut CallFrame) -> *mut c_void {
 }
 
 /// The gradient. Arguments: hidden, weight, bias, ids `[N]`, mask `[N]`, grad_logp `[N]`
-/// (of logp^K), grad_entropy and grad_lse (`[N]` or `[0]`: none); attributes:
+/// (of logp^K), grad_entropy and grad_lse (`[N]` or `[0]`: none); spec fields:
 /// budget_mib, mode, temperature, weight_layout, top_k, top_p, min_p, head_grad. Results:
 /// dhidden, dweight, dbias (`[0]` each for a frozen head).
 unsafe extern "C" fn logp_support_grads(frame: *mut CallFrame) -> *mut c_void {

@@ -44,7 +44,7 @@ pub(super) fn merged_stats(max: f32, log_sum: f32, entropy: f32, inv_temp: f32) 
 }
 
 /// The arguments both passes share: hidden, weight (shard), bias, ids `[N]`, mask
-/// `[N]`, offset, and the attributes budget_mib, mode, temperature, weight_layout.
+/// `[N]`, offset, and the spec fields budget_mib, mode, temperature, weight_layout.
 struct ShardCall<'a> {
     x: Named<'a>,
     w: Named<'a>,
@@ -94,7 +94,7 @@ impl<'a> ShardCall<'a> {
 }
 
 /// Pass A. Arguments: hidden, weight (shard), bias (shard or `[0]`), ids `[N]`, mask
-/// `[N]`, offset; attributes: budget_mib, mode, temperature, weight_layout. Results `[N]`
+/// `[N]`, offset; spec fields: budget_mib, mode, temperature, weight_layout. Results `[N]`
 /// each: max, sum, weighted, target logit, sum2 (`S₂ = Σ exp(2(z-μ)/T)`, for `Σp²`).
 unsafe extern "C" fn vocab_partial(frame: *mut CallFrame) -> *mut c_void {
     // SAFETY: XLA's frame.
@@ -126,7 +126,7 @@ unsafe extern "C" fn vocab_partial(frame: *mut CallFrame) -> *mut c_void {
 
 /// The policy stage on merged statistics. Arguments: logp, entropy `[B, T]`,
 /// completion_ids, completion_mask, advantages, old and ref logp,
-/// importance_sampling_ratio; attributes: config,
+/// importance_sampling_ratio; spec fields: config,
 /// vocab (the whole vocabulary's size, for the ids' check).
 /// Results: loss, dlogp, dentropy, kl `[B, T]`, metrics.
 unsafe extern "C" fn grpo_policy(frame: *mut CallFrame) -> *mut c_void {
@@ -179,7 +179,7 @@ unsafe extern "C" fn grpo_policy(frame: *mut CallFrame) -> *mut c_void {
 /// the merged max, log_sum, entropy with the policy's dlogp, dentropy (`[N]` each), and
 /// dlse (`[N]`: the upstream gradient of each row's log-sum-exp, `∂lse/∂s_j = p_j`, so
 /// it adds to `coef_p`; `[0]` for none);
-/// attributes: budget_mib, mode, temperature, weight_layout, head_grad. Results: dhidden
+/// spec fields: budget_mib, mode, temperature, weight_layout, head_grad. Results: dhidden
 /// (this shard's part), dweight (the weight's shape), dbias (the shard's; both `[0]`
 /// for a frozen head).
 unsafe extern "C" fn vocab_grads(frame: *mut CallFrame) -> *mut c_void {
