@@ -3,6 +3,7 @@
 //! workspace's tests (`crates/flashloss-cli/tests/fuzz_corpus.rs`). A body panics only
 //! where the code under test broke a promise: a panic, a NaN or infinite result.
 
+use flashloss::device::{CeCall, GrpoCall};
 use flashloss::{
     CeConfig, CrossEntropy, Device, FusedOptions, GrpoLoss, GrpoLossConfig, LogitsLayout, LossType,
     Mode, PerSeqOrTokenBuf,
@@ -209,12 +210,13 @@ pub fn batch_validation(data: &[u8]) {
             grad_output,
             head_grad: Default::default(),
         };
-        if let Ok(out) = device.grpo_linear(&loss, &batch, &inputs, &opts) {
+        if let Ok(out) = device.with_host_grads(&inputs, GrpoCall::new(&loss, &batch, &opts)) {
             assert!(out.loss.is_finite(), "fused GRPO loss {}", out.loss);
             assert!(all_finite(&out.grads.dhidden) && all_finite(&out.grads.dweight));
         }
         let ce = CrossEntropy::new(CeConfig::default()).unwrap();
-        if let Ok(out) = device.ce_linear(&ce, batch.target_ids, None, &inputs, &opts) {
+        if let Ok(out) = device.with_host_grads(&inputs, CeCall::new(&ce, batch.target_ids, &opts))
+        {
             assert!(out.loss.is_finite(), "fused CE loss {}", out.loss);
             assert!(all_finite(&out.grads.dhidden) && all_finite(&out.grads.dweight));
         }

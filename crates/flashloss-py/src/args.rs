@@ -9,6 +9,29 @@ use flashloss::{Element, GrpoBatch, LinearInputs, PerSeqOrToken};
 use half::{bf16, f16};
 use pyo3::prelude::*;
 
+type Any<'py> = Bound<'py, PyAny>;
+
+/// A native call's LM head: `(hidden, weight, bias)`.
+pub(crate) type HeadArrays<'py> = (Any<'py>, Any<'py>, Option<Any<'py>>);
+
+/// The f32 buffers a call adds the head's gradients into: `(grad_hidden, grad_weight,
+/// grad_bias)` (no `grad_weight`: a frozen head).
+pub(crate) type GradArrays<'py> = (Any<'py>, Option<Any<'py>>, Option<Any<'py>>);
+
+/// A GRPO step's per-token arrays: `(completion_ids, completion_mask, advantages,
+/// old_per_token_logps, ref_per_token_logps, importance_sampling_ratio, policy_mask,
+/// entropy_mask)`.
+pub(crate) type BatchArrays<'py> = (
+    Any<'py>,
+    Any<'py>,
+    Any<'py>,
+    Option<Any<'py>>,
+    Option<Any<'py>>,
+    Option<Any<'py>>,
+    Option<Any<'py>>,
+    Option<Any<'py>>,
+);
+
 pub(crate) const FLOAT: &[DType] = &[DType::F32, DType::Bf16, DType::F16];
 pub(crate) const F32: &[DType] = &[DType::F32];
 pub(crate) const I64: &[DType] = &[DType::I64];
@@ -67,6 +90,10 @@ pub(crate) struct HeadTensors<'py> {
 }
 
 impl<'py> HeadTensors<'py> {
+    pub(crate) fn of(head: &HeadArrays<'py>) -> PyResult<Self> {
+        Self::new(&head.0, &head.1, head.2.as_ref())
+    }
+
     pub(crate) fn new(
         hidden: &Bound<'py, PyAny>,
         weight: &Bound<'py, PyAny>,
@@ -163,10 +190,9 @@ pub(crate) struct Grads<'py> {
 impl<'py> Grads<'py> {
     pub(crate) fn new(
         head: &HeadTensors,
-        hidden: &Bound<'py, PyAny>,
-        weight: Option<&Bound<'py, PyAny>>,
-        bias: Option<&Bound<'py, PyAny>>,
+        (hidden, weight, bias): &GradArrays<'py>,
     ) -> PyResult<Self> {
+        let (weight, bias) = (weight.as_ref(), bias.as_ref());
         let g = Grads {
             hidden: Tensor::new("grad_hidden", hidden, F32)?,
             weight: Tensor::optional("grad_weight", weight, F32)?,
@@ -250,17 +276,11 @@ pub(crate) struct BatchTensors<'py> {
 }
 
 impl<'py> BatchTensors<'py> {
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn new(
-        ids: &Bound<'py, PyAny>,
-        mask: &Bound<'py, PyAny>,
-        advantages: &Bound<'py, PyAny>,
-        old_logp: Option<&Bound<'py, PyAny>>,
-        ref_logp: Option<&Bound<'py, PyAny>>,
-        sampler_ratio: Option<&Bound<'py, PyAny>>,
-        policy_mask: Option<&Bound<'py, PyAny>>,
-        entropy_mask: Option<&Bound<'py, PyAny>>,
-    ) -> PyResult<Self> {
+    pub(crate) fn new(arrays: &BatchArrays<'py>) -> PyResult<Self> {
+        let (ids, mask, advantages) = (&arrays.0, &arrays.1, &arrays.2);
+        let (old_logp, ref_logp, sampler_ratio) =
+            (arrays.3.as_ref(), arrays.4.as_ref(), arrays.5.as_ref());
+        let (policy_mask, entropy_mask) = (arrays.6.as_ref(), arrays.7.as_ref());
         let ids = Tensor::new("completion_ids", ids, I64)?;
         if ids.shape.len() != 2 {
             return Err(arg_error(

@@ -13,6 +13,7 @@ mod logits;
 mod logprobs;
 mod losses;
 mod policy;
+mod spec;
 mod tensor;
 
 use pyo3::prelude::*;

@@ -3,9 +3,10 @@
 //! reduced with its gradient formed in one call ([`grpo_logits`]), or per token, unreduced
 //! ([`grpo_logits_per_token`]). CPU tensors.
 
-use crate::args::{BatchTensors, F32, FLOAT, TorchElement};
+use crate::args::{BatchArrays, BatchTensors, F32, FLOAT, TorchElement};
 use crate::front::{cpu, run, with_element};
-use crate::losses::{grpo_result, parse_json, write_f32, write_stats};
+use crate::losses::{grpo_result, write_f32, write_stats};
+use crate::spec::Spec;
 use crate::tensor::{Tensor, arg_error};
 use flashloss::{GrpoLoss, GrpoLossConfig, LogitsLayout};
 use pyo3::exceptions::PyValueError;
@@ -17,37 +18,17 @@ use pyo3::types::PyDict;
 /// backward at once, `∂L/∂logits` of the first T positions written into `dlogits`
 /// (dense `[B, T, V]`, `logits`' dtype) or, when it is `None`, over `logits`.
 #[pyfunction]
-#[allow(clippy::too_many_arguments)]
-#[pyo3(signature = (logits, completion_ids, completion_mask, advantages, old_per_token_logps,
-    ref_per_token_logps, importance_sampling_ratio, config_json, dlogits, out_logp,
-    out_entropy, out_kl))]
+#[pyo3(signature = (logits, batch, dlogits, outs, spec))]
 pub fn grpo_logits<'py>(
     py: Python<'py>,
     logits: &Bound<'py, PyAny>,
-    completion_ids: &Bound<'py, PyAny>,
-    completion_mask: &Bound<'py, PyAny>,
-    advantages: &Bound<'py, PyAny>,
-    old_per_token_logps: Option<&Bound<'py, PyAny>>,
-    ref_per_token_logps: Option<&Bound<'py, PyAny>>,
-    importance_sampling_ratio: Option<&Bound<'py, PyAny>>,
-    config_json: &str,
+    batch: BatchArrays<'py>,
     dlogits: Option<&Bound<'py, PyAny>>,
-    out_logp: &Bound<'py, PyAny>,
-    out_entropy: &Bound<'py, PyAny>,
-    out_kl: &Bound<'py, PyAny>,
+    outs: (Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyAny>),
+    spec: &str,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let (loss, mut logits, tensors) = logits_args(
-        logits,
-        completion_ids,
-        completion_mask,
-        advantages,
-        [
-            old_per_token_logps,
-            ref_per_token_logps,
-            importance_sampling_ratio,
-        ],
-        config_json,
-    )?;
+    let (loss, mut logits, tensors) = logits_args(logits, &batch, spec)?;
+    let (out_logp, out_entropy, out_kl) = (&outs.0, &outs.1, &outs.2);
     let batch = tensors.batch()?;
     let layout = logits_layout(&logits, batch.batch, batch.seq_len)?;
     let (b, t, v) = (batch.batch, batch.seq_len, logits.shape[2]);
@@ -74,29 +55,22 @@ pub fn grpo_logits<'py>(
     grpo_result(py, fwd.loss, &fwd.metrics, None)
 }
 
-/// A logits-level call's config, logits `[B, T' ≥ T, V]` and per-token inputs, checked.
+/// A logits-level call's config (`spec`'s), logits `[B, T' ≥ T, V]` and per-token
+/// inputs ([`BatchArrays`], without the policy and entropy masks), checked.
 fn logits_args<'py>(
     logits: &Bound<'py, PyAny>,
-    completion_ids: &Bound<'py, PyAny>,
-    completion_mask: &Bound<'py, PyAny>,
-    advantages: &Bound<'py, PyAny>,
-    [old, reference, ratio]: [Option<&Bound<'py, PyAny>>; 3],
-    config_json: &str,
+    batch: &BatchArrays<'py>,
+    spec: &str,
 ) -> PyResult<(GrpoLoss, Tensor<'py>, BatchTensors<'py>)> {
-    let loss = GrpoLoss::new(parse_json::<GrpoLossConfig>("config", config_json)?)
+    let loss = GrpoLoss::new(Spec::parse(spec)?.config::<GrpoLossConfig>()?)
         .map_err(|e| PyValueError::new_err(e.to_string()))?;
+    for (arg, t) in [("policy_mask", &batch.6), ("entropy_mask", &batch.7)] {
+        if t.is_some() {
+            return Err(arg_error(arg, "is not taken by the logits-level loss"));
+        }
+    }
     let logits = Tensor::new("logits", logits, FLOAT)?;
-    let tensors = BatchTensors::new(
-        completion_ids,
-        completion_mask,
-        advantages,
-        old,
-        reference,
-        ratio,
-        None,
-        None,
-    )?;
-    Ok((loss, logits, tensors))
+    Ok((loss, logits, BatchTensors::new(batch)?))
 }
 
 /// The layout of `logits` `[B, T' ≥ T, V]` whose first T positions are read.
@@ -122,40 +96,19 @@ fn logits_layout(logits: &Tensor, b: usize, t: usize) -> PyResult<LogitsLayout> 
 /// upstream gradient), `∂(Σ_i g_i·ℓ_tot,i)/∂logits` of the first T positions is written
 /// into `dlogits` (dense `[B, T, V]`, the logits' dtype). CPU tensors.
 #[pyfunction]
-#[allow(clippy::too_many_arguments)]
-#[pyo3(signature = (logits, completion_ids, completion_mask, advantages, old_per_token_logps,
-    ref_per_token_logps, importance_sampling_ratio, config_json, grad_rows, dlogits,
-    out_token_loss, out_logp, out_entropy, out_kl, out_clip))]
+#[pyo3(signature = (logits, batch, grad_rows, dlogits, outs, spec))]
 pub fn grpo_logits_per_token<'py>(
     py: Python<'py>,
     logits: &Bound<'py, PyAny>,
-    completion_ids: &Bound<'py, PyAny>,
-    completion_mask: &Bound<'py, PyAny>,
-    advantages: &Bound<'py, PyAny>,
-    old_per_token_logps: Option<&Bound<'py, PyAny>>,
-    ref_per_token_logps: Option<&Bound<'py, PyAny>>,
-    importance_sampling_ratio: Option<&Bound<'py, PyAny>>,
-    config_json: &str,
+    batch: BatchArrays<'py>,
     grad_rows: Option<&Bound<'py, PyAny>>,
     dlogits: Option<&Bound<'py, PyAny>>,
-    out_token_loss: &Bound<'py, PyAny>,
-    out_logp: &Bound<'py, PyAny>,
-    out_entropy: &Bound<'py, PyAny>,
-    out_kl: &Bound<'py, PyAny>,
-    out_clip: &Bound<'py, PyAny>,
+    outs: PerTokenOuts<'py>,
+    spec: &str,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let (loss, logits, tensors) = logits_args(
-        logits,
-        completion_ids,
-        completion_mask,
-        advantages,
-        [
-            old_per_token_logps,
-            ref_per_token_logps,
-            importance_sampling_ratio,
-        ],
-        config_json,
-    )?;
+    let (loss, logits, tensors) = logits_args(logits, &batch, spec)?;
+    let (out_token_loss, out_logp, out_entropy, out_kl, out_clip) =
+        (&outs.0, &outs.1, &outs.2, &outs.3, &outs.4);
     let batch = tensors.batch()?;
     let (b, t) = (batch.batch, batch.seq_len);
     let layout = logits_layout(&logits, b, t)?;
@@ -191,3 +144,13 @@ pub fn grpo_logits_per_token<'py>(
     write_f32(&fwd.kl, &mut Tensor::new("out_kl", out_kl, F32)?)?;
     grpo_result(py, fwd.loss, &fwd.metrics, None)
 }
+
+/// Where [`grpo_logits_per_token`] writes: `(out_token_loss, out_logp, out_entropy,
+/// out_kl, out_clip)`, `[B, T]` f32 each.
+type PerTokenOuts<'py> = (
+    Bound<'py, PyAny>,
+    Bound<'py, PyAny>,
+    Bound<'py, PyAny>,
+    Bound<'py, PyAny>,
+    Bound<'py, PyAny>,
+);

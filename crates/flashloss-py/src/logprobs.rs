@@ -8,11 +8,13 @@
 //! per-row inputs and outputs are CPU tensors either way (the Python side stages them). A
 //! vocab-parallel `group` splits the head's vocabulary.
 
-use crate::args::{BOOL, F32, Grads, HeadTensors, I64};
+use crate::args::{BOOL, F32, GradArrays, Grads, HeadArrays, HeadTensors, I64};
 use crate::dist::VocabGroup;
 use crate::front::{call_head, with_element};
-use crate::losses::{agreed, budget, head_shard, write_f32, write_stats};
+use crate::losses::{agreed, head_shard, write_f32, write_stats};
+use crate::spec::Spec;
 use crate::tensor::{Tensor, arg_error};
+use flashloss::device::LogpCall;
 use flashloss::fused::{FusedOptions, GatherIds, LogpOutput, LogpRequest, LogpRows, LogpUpstream};
 use flashloss::{Grid, SupportFilter, Temperature};
 use pyo3::prelude::*;
@@ -83,10 +85,10 @@ impl<'py> Extras<'py> {
 /// checked against `head`.
 fn logp_rows<'py>(
     head: &HeadTensors,
-    ids: &Bound<'py, PyAny>,
-    mask: Option<&Bound<'py, PyAny>>,
+    (ids, mask): &(Bound<'py, PyAny>, Option<Bound<'py, PyAny>>),
     temperature: f64,
 ) -> PyResult<(Tensor<'py>, Option<Vec<bool>>, Temperature)> {
+    let mask = mask.as_ref();
     let ids = Tensor::new("ids", ids, I64)?;
     if ids.numel() != head.tokens {
         return Err(arg_error(
@@ -114,43 +116,46 @@ fn logp_rows<'py>(
 /// support: `out_logp` then holds `logp^K` (`-inf` where the target is outside the
 /// support; the entropy and `lse` stay the full softmax's) and `out_outside` (f32, 1.0
 /// where outside), if given, the flags. No gradient.
+/// The arrays a log-prob call writes: `(out_logp, out_entropy [N] f32; out_lse, out_max,
+/// out_sum_p2 [N], out_gathered [..., K], out_outside [N]: each where asked)`.
+type LogpOuts<'py> = (
+    Bound<'py, PyAny>,
+    Bound<'py, PyAny>,
+    Option<Bound<'py, PyAny>>,
+    Option<Bound<'py, PyAny>>,
+    Option<Bound<'py, PyAny>>,
+    Option<Bound<'py, PyAny>>,
+    Option<Bound<'py, PyAny>>,
+);
+
+/// Per-row `logp` and entropy of the head's logits divided by `spec`'s `temperature` at
+/// `rows` `(ids, mask)`, and what the outputs ask (see [`LogpOuts`]): the candidates'
+/// log-probs at `gather_ids`, a truncated support of `spec`'s `top_k`, `top_p`, `min_p`.
+/// Two-pass within `spec`'s `budget_mib`.
 #[pyfunction]
-#[allow(clippy::too_many_arguments)]
-#[pyo3(signature = (hidden, weight, bias, ids, mask, temperature, budget_mib, out_logp, out_entropy,
-    group=None, out_lse=None, out_max=None, out_sum_p2=None, gather_ids=None, out_gathered=None,
-    top_k=None, top_p=None, min_p=None, out_outside=None, stream=0))]
+#[allow(clippy::too_many_arguments)] // the arrays by role, the spec, stream, group
+#[pyo3(signature = (head, rows, outs, gather_ids, spec, stream=0, group=None))]
 pub fn logp_linear<'py>(
     py: Python<'py>,
-    hidden: &Bound<'py, PyAny>,
-    weight: &Bound<'py, PyAny>,
-    bias: Option<&Bound<'py, PyAny>>,
-    ids: &Bound<'py, PyAny>,
-    mask: Option<&Bound<'py, PyAny>>,
-    temperature: f64,
-    budget_mib: f64,
-    out_logp: &Bound<'py, PyAny>,
-    out_entropy: &Bound<'py, PyAny>,
-    group: Option<&Bound<'py, PyAny>>,
-    out_lse: Option<&Bound<'py, PyAny>>,
-    out_max: Option<&Bound<'py, PyAny>>,
-    out_sum_p2: Option<&Bound<'py, PyAny>>,
+    head: HeadArrays<'py>,
+    rows: (Bound<'py, PyAny>, Option<Bound<'py, PyAny>>),
+    outs: LogpOuts<'py>,
     gather_ids: Option<&Bound<'py, PyAny>>,
-    out_gathered: Option<&Bound<'py, PyAny>>,
-    top_k: Option<i64>,
-    top_p: Option<f64>,
-    min_p: Option<f64>,
-    out_outside: Option<&Bound<'py, PyAny>>,
+    spec: &str,
     stream: usize,
+    group: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<()> {
     let group = VocabGroup::new(group)?;
     let parsed = (|| {
-        let opts = budget("two_pass", budget_mib)?;
-        let head = HeadTensors::new(hidden, weight, bias)?;
-        let (ids, mask, t) = logp_rows(&head, ids, mask, temperature)?;
-        let extras = Extras::new(&ids, gather_ids, (top_k, top_p, min_p))?;
+        let spec = Spec::parse(spec)?;
+        let opts = spec.options()?.two_pass();
+        let head = HeadTensors::of(&head)?;
+        let (ids, mask, t) = logp_rows(&head, &rows, spec.f64("temperature")?)?;
+        let extras = Extras::new(&ids, gather_ids, spec.filters())?;
         Ok((opts, head, ids, mask, t, extras))
     })();
     let (opts, head, ids, mask, temperature, extras) = agreed(py, group.as_ref(), parsed)?;
+    let (out_logp, out_entropy, out_lse, out_max, out_sum_p2, out_gathered, out_outside) = outs;
     let seq_len = ids.shape.last().copied().unwrap_or(1);
     let rows = LogpRows {
         targets: ids.i64s()?,
@@ -158,28 +163,28 @@ pub fn logp_linear<'py>(
         temperature,
     };
     let request = extras.request(out_sum_p2.is_some())?;
-    let budget = opts.budget_bytes;
-    let out = match &group {
-        None => {
-            with_element!(head.hidden.dtype, E => call_head::<E, _>(py, &head, None, stream, |d, h| {
-                d.logp_linear_with(h, rows, &request, budget, seq_len)
-            }))?
-        }
-        Some(g) => {
-            let shard = head_shard(py, g, &head)?;
-            with_element!(head.hidden.dtype, E => call_head::<E, _>(py, &head, None, stream, |d, h| {
-                d.logp_linear_sharded_with(&Grid::vocab(&g.0), shard, h, (rows, &request), budget, seq_len)
-            }))?
-        }
+    let call = LogpCall::forward(rows, &opts, seq_len).request(&request);
+    let shard = group
+        .as_ref()
+        .map(|g| head_shard(py, g, &head))
+        .transpose()?;
+    let grid = group.as_ref().map(|g| Grid::vocab(&g.0));
+    let call = match (&grid, shard) {
+        (Some(grid), Some(shard)) => call.sharded(grid, shard),
+        _ => call,
     };
-    let mut logp = Tensor::new("out_logp", out_logp, F32)?;
+    let out = with_element!(head.hidden.dtype, E => call_head::<E, _>(
+        py, &head, None, stream, |d, h| d.logprobs(h, call),
+    ))?;
+    let mut logp = Tensor::new("out_logp", &out_logp, F32)?;
     write_stats(
         &out.stats,
         &mut logp,
-        &mut Tensor::new("out_entropy", out_entropy, F32)?,
+        &mut Tensor::new("out_entropy", &out_entropy, F32)?,
     )?;
-    write_support(&out, &mut logp, out_outside)?;
-    write_extras(&out, (out_lse, out_max, out_sum_p2, out_gathered))
+    write_support(&out, &mut logp, out_outside.as_ref())?;
+    let extras = (out_lse.as_ref(), out_max.as_ref(), out_sum_p2.as_ref());
+    write_extras(&out, (extras.0, extras.1, extras.2, out_gathered.as_ref()))
 }
 
 /// Under a truncated support: its `logp^K` over `logp` (`-inf` where the target is
@@ -237,58 +242,47 @@ type Outputs<'a, 'py> = (
 );
 
 /// The gradient of `Σ_i grad_logp_i·logp_i + grad_entropy_i·H_i + grad_lse_i·lse_i +
-/// Σ_k grad_gathered_ik·logp_ik` of [`logp_linear`]'s outputs (`[N]` f32 each, `[..., K]`
-/// for the candidates'; None: zero) w.r.t. hidden, weight and bias, added into `grad_*`
-/// (no `grad_weight`: a frozen head, dH alone).
+/// Σ_k grad_gathered_ik·logp_ik` of [`logp_linear`]'s outputs w.r.t. hidden, weight and
+/// bias, added into `grads` (no `grad_weight`: a frozen head, dH alone). `upstream` is
+/// `(grad_logp, grad_entropy, grad_lse, grad_gathered)` (`[N]` f32 each, `[..., K]` for
+/// the candidates'; None: zero); `spec` has `temperature`, `mode`, `budget_mib` and the
+/// filters.
 #[pyfunction]
-#[allow(clippy::too_many_arguments)]
-#[pyo3(signature = (hidden, weight, bias, ids, mask, grad_logp, grad_entropy, temperature, mode,
-    budget_mib, grad_hidden, grad_weight, grad_bias, group=None, grad_lse=None, gather_ids=None,
-    grad_gathered=None, top_k=None, top_p=None, min_p=None, stream=0))]
+#[allow(clippy::too_many_arguments)] // the arrays by role, the spec, stream, group
+#[pyo3(signature = (head, rows, upstream, grads, gather_ids, spec, stream=0, group=None))]
 pub fn logp_linear_grads<'py>(
     py: Python<'py>,
-    hidden: &Bound<'py, PyAny>,
-    weight: &Bound<'py, PyAny>,
-    bias: Option<&Bound<'py, PyAny>>,
-    ids: &Bound<'py, PyAny>,
-    mask: Option<&Bound<'py, PyAny>>,
-    grad_logp: &Bound<'py, PyAny>,
-    grad_entropy: Option<&Bound<'py, PyAny>>,
-    temperature: f64,
-    mode: &str,
-    budget_mib: f64,
-    grad_hidden: &Bound<'py, PyAny>,
-    grad_weight: Option<&Bound<'py, PyAny>>,
-    grad_bias: Option<&Bound<'py, PyAny>>,
-    group: Option<&Bound<'py, PyAny>>,
-    grad_lse: Option<&Bound<'py, PyAny>>,
+    head: HeadArrays<'py>,
+    rows: (Bound<'py, PyAny>, Option<Bound<'py, PyAny>>),
+    upstream: LogpUpstreamArrays<'py>,
+    grads: GradArrays<'py>,
     gather_ids: Option<&Bound<'py, PyAny>>,
-    grad_gathered: Option<&Bound<'py, PyAny>>,
-    top_k: Option<i64>,
-    top_p: Option<f64>,
-    min_p: Option<f64>,
+    spec: &str,
     stream: usize,
+    group: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<()> {
     let group = VocabGroup::new(group)?;
+    let (grad_logp, grad_entropy, grad_lse, grad_gathered) = &upstream;
     let parsed = (|| {
-        let head = HeadTensors::new(hidden, weight, bias)?;
-        let (ids, mask, t) = logp_rows(&head, ids, mask, temperature)?;
-        let extras = Extras::new(&ids, gather_ids, (top_k, top_p, min_p))?;
-        let grads = Grads::new(&head, grad_hidden, grad_weight, grad_bias)?;
+        let spec = Spec::parse(spec)?;
+        let head = HeadTensors::of(&head)?;
+        let (ids, mask, t) = logp_rows(&head, &rows, spec.f64("temperature")?)?;
+        let extras = Extras::new(&ids, gather_ids, spec.filters())?;
+        let grads = Grads::new(&head, &grads)?;
         let opts = FusedOptions {
             head_grad: grads.head_grad(),
-            ..budget(mode, budget_mib)?
+            ..spec.options()?
         };
         let g_logp = Tensor::new("grad_logp", grad_logp, F32)?;
-        let g_entropy = Tensor::optional("grad_entropy", grad_entropy, F32)?;
-        let g_lse = Tensor::optional("grad_lse", grad_lse, F32)?;
+        let g_entropy = Tensor::optional("grad_entropy", grad_entropy.as_ref(), F32)?;
+        let g_lse = Tensor::optional("grad_lse", grad_lse.as_ref(), F32)?;
         for g in [Some(&g_logp), g_entropy.as_ref(), g_lse.as_ref()]
             .into_iter()
             .flatten()
         {
             g.expect_shape(&ids.shape)?;
         }
-        let g_gathered = Tensor::optional("grad_gathered", grad_gathered, F32)?;
+        let g_gathered = Tensor::optional("grad_gathered", grad_gathered.as_ref(), F32)?;
         if let (Some(g), Some(ids)) = (&g_gathered, &extras.gather) {
             g.expect_shape(&ids.shape)?;
         }
@@ -310,22 +304,30 @@ pub fn logp_linear_grads<'py>(
         gathered: optional_f32s(g_gathered)?,
         ..LogpUpstream::new(g_logp.f32s()?, optional_f32s(g_entropy)?)
     };
-    let call = (rows, &request);
-    match &group {
-        None => with_element!(head.hidden.dtype, E => call_head::<E, _>(
-            py, &head, Some(&mut grads), stream,
-            |d, h| d.logp_linear_grads_with_into(h, call, upstream, &opts, seq_len),
-        ))?,
-        Some(g) => {
-            let shard = head_shard(py, g, &head)?;
-            with_element!(head.hidden.dtype, E => call_head::<E, _>(
-                py, &head, Some(&mut grads), stream,
-                |d, h| d.logp_linear_grads_sharded_with_into(&Grid::vocab(&g.0), shard, h, call, upstream, &opts, seq_len),
-            ))?
-        }
+    let call = LogpCall::grads(rows, upstream, &opts, seq_len).request(&request);
+    let shard = group
+        .as_ref()
+        .map(|g| head_shard(py, g, &head))
+        .transpose()?;
+    let grid = group.as_ref().map(|g| Grid::vocab(&g.0));
+    let call = match (&grid, shard) {
+        (Some(grid), Some(shard)) => call.sharded(grid, shard),
+        _ => call,
     };
+    with_element!(head.hidden.dtype, E => call_head::<E, _>(
+        py, &head, Some(&mut grads), stream, |d, h| d.logprobs(h, call),
+    ))?;
     Ok(())
 }
+
+/// The upstream gradients of a log-prob call: `(grad_logp, grad_entropy, grad_lse,
+/// grad_gathered)`.
+type LogpUpstreamArrays<'py> = (
+    Bound<'py, PyAny>,
+    Option<Bound<'py, PyAny>>,
+    Option<Bound<'py, PyAny>>,
+    Option<Bound<'py, PyAny>>,
+);
 
 /// The values of an optional f32 tensor.
 fn optional_f32s<'a>(t: &'a Option<Tensor>) -> PyResult<Option<&'a [f32]>> {

@@ -4,37 +4,20 @@
 //! `GrpoLossConfig`/`CeConfig` (unknown keys are errors). Gradients are added into f32
 //! tensors the caller zeroed.
 
-use crate::args::{BatchTensors, F32, Grads, HeadTensors, I64};
+use crate::args::{
+    BatchArrays, BatchTensors, F32, GradArrays, Grads, HeadArrays, HeadTensors, I64,
+};
 use crate::dist::VocabGroup;
 use crate::front::{call_head, with_element};
+use crate::spec::Spec;
 use crate::tensor::{Tensor, arg_error};
-use flashloss::fused::{self, FusedOptions, Mode, Plan};
+use flashloss::device::{CeCall, CeUpstream, GrpoCall};
+use flashloss::fused::{self, FusedOptions, Plan};
 use flashloss::policy::GrpoMetrics;
 use flashloss::{CeConfig, CrossEntropy, Grid, GrpoLoss, GrpoLossConfig, RowStats, Shard};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
-
-/// Parses a config; an error names the offending keyword (e.g. `loss_type`).
-pub(crate) fn parse_json<T: serde::de::DeserializeOwned>(arg: &str, json: &str) -> PyResult<T> {
-    let de = &mut serde_json::Deserializer::from_str(json);
-    serde_path_to_error::deserialize(de).map_err(|e| {
-        let path = e.path().to_string();
-        let key = if path == "." { arg } else { &path };
-        arg_error(key, e.into_inner())
-    })
-}
-
-pub(crate) fn budget(mode: &str, budget_mib: f64) -> PyResult<FusedOptions> {
-    if !(budget_mib.is_finite() && budget_mib > 0.0) {
-        return Err(arg_error(
-            "budget_mib",
-            format!("must be a positive number, got {budget_mib}"),
-        ));
-    }
-    let mode: Mode = parse_json("mode", &format!("{mode:?}"))?;
-    Ok(FusedOptions::from_mib(mode, budget_mib, 1.0))
-}
 
 /// Writes the per-row `logp` and entropy into `[N]`-sized f32 tensors.
 pub(crate) fn write_stats(
@@ -92,61 +75,37 @@ pub(crate) fn grpo_result<'py>(
     Ok(d)
 }
 
-/// GRPO from hidden states: the loss of `config_json` (a `GrpoLossConfig`), `∂L/∂hidden`,
-/// `∂L/∂weight`, `∂L/∂bias` added into the `grad_*` tensors (no `grad_weight`: a frozen
-/// head, neither dW nor dbias formed), per-token `logp`, entropy and KL written into
-/// `out_*` (`[B, T]` f32). Returns the loss and the metrics.
+/// GRPO from hidden states: the loss of `spec` (its `config` a `GrpoLossConfig`, with
+/// `mode`, `budget_mib`: see [`Spec`]) on `head` `(hidden, weight, bias)` and `batch`
+/// ([`BatchArrays`]); `∂L/∂hidden`, `∂L/∂weight`, `∂L/∂bias` added into `grads`
+/// `(grad_hidden, grad_weight, grad_bias)` (no `grad_weight`: a frozen head, neither dW
+/// nor dbias formed), per-token `logp`, entropy and KL written into `outs` (`[B, T]` f32
+/// each). Returns the loss and the metrics.
 #[pyfunction]
-#[allow(clippy::too_many_arguments)]
-#[pyo3(signature = (hidden, weight, bias, completion_ids, completion_mask, advantages,
-    old_per_token_logps, ref_per_token_logps, importance_sampling_ratio, policy_mask,
-    entropy_mask, config_json, mode, budget_mib, grad_hidden, grad_weight, grad_bias, out_logp,
-    out_entropy, out_kl, stream=0, group=None))]
+#[allow(clippy::too_many_arguments)] // the arrays by role, the spec, stream, group
+#[pyo3(signature = (head, batch, grads, outs, spec, stream=0, group=None))]
 pub fn grpo_linear<'py>(
     py: Python<'py>,
-    hidden: &Bound<'py, PyAny>,
-    weight: &Bound<'py, PyAny>,
-    bias: Option<&Bound<'py, PyAny>>,
-    completion_ids: &Bound<'py, PyAny>,
-    completion_mask: &Bound<'py, PyAny>,
-    advantages: &Bound<'py, PyAny>,
-    old_per_token_logps: Option<&Bound<'py, PyAny>>,
-    ref_per_token_logps: Option<&Bound<'py, PyAny>>,
-    importance_sampling_ratio: Option<&Bound<'py, PyAny>>,
-    policy_mask: Option<&Bound<'py, PyAny>>,
-    entropy_mask: Option<&Bound<'py, PyAny>>,
-    config_json: &str,
-    mode: &str,
-    budget_mib: f64,
-    grad_hidden: &Bound<'py, PyAny>,
-    grad_weight: Option<&Bound<'py, PyAny>>,
-    grad_bias: Option<&Bound<'py, PyAny>>,
-    out_logp: &Bound<'py, PyAny>,
-    out_entropy: &Bound<'py, PyAny>,
-    out_kl: &Bound<'py, PyAny>,
+    head: HeadArrays<'py>,
+    batch: BatchArrays<'py>,
+    grads: GradArrays<'py>,
+    outs: (Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyAny>),
+    spec: &str,
     stream: usize,
     group: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let group = VocabGroup::new(group)?;
     let parsed = (|| {
-        let loss = GrpoLoss::new(parse_json::<GrpoLossConfig>("config", config_json)?)
+        let spec = Spec::parse(spec)?;
+        let loss = GrpoLoss::new(spec.config::<GrpoLossConfig>()?)
             .map_err(|e| PyValueError::new_err(e.to_string()))?;
-        let head = HeadTensors::new(hidden, weight, bias)?;
-        let grads = Grads::new(&head, grad_hidden, grad_weight, grad_bias)?;
+        let head = HeadTensors::of(&head)?;
+        let grads = Grads::new(&head, &grads)?;
         let opts = FusedOptions {
             head_grad: grads.head_grad(),
-            ..budget(mode, budget_mib)?
+            ..spec.options()?
         };
-        let tensors = BatchTensors::new(
-            completion_ids,
-            completion_mask,
-            advantages,
-            old_per_token_logps,
-            ref_per_token_logps,
-            importance_sampling_ratio,
-            policy_mask,
-            entropy_mask,
-        )?;
+        let tensors = BatchTensors::new(&batch)?;
         let rows = tensors.batch()?.rows();
         if head.tokens != rows {
             return Err(arg_error(
@@ -161,20 +120,19 @@ pub fn grpo_linear<'py>(
     })();
     let (loss, opts, head, mut grads, tensors) = agreed(py, group.as_ref(), parsed)?;
     let batch = tensors.batch()?;
-    let out = match &group {
-        None => with_element!(head.hidden.dtype, E => call_head::<E, _>(
-            py, &head, Some(&mut grads), stream,
-            |d, h| d.grpo_linear_into(&loss, &batch, h, &opts),
-        ))?,
-        Some(g) => {
-            let shard = head_shard(py, g, &head)?;
-            with_element!(head.hidden.dtype, E => call_head::<E, _>(
-                py, &head, Some(&mut grads), stream,
-                |d, h| d.grpo_linear_sharded_into(&Grid::vocab(&g.0), shard, &loss, &batch, h, &opts),
-            ))?
-        }
+    let shard = group
+        .as_ref()
+        .map(|g| head_shard(py, g, &head))
+        .transpose()?;
+    let grid = group.as_ref().map(|g| Grid::vocab(&g.0));
+    let call = match (&grid, shard) {
+        (Some(grid), Some(shard)) => GrpoCall::new(&loss, &batch, &opts).sharded(grid, shard),
+        _ => GrpoCall::new(&loss, &batch, &opts),
     };
-    grpo_outputs(py, &out, out_logp, out_entropy, out_kl)
+    let out = with_element!(head.hidden.dtype, E => call_head::<E, _>(
+        py, &head, Some(&mut grads), stream, |d, h| d.grpo(h, call),
+    ))?;
+    grpo_outputs(py, &out, &outs)
 }
 
 /// `parsed` as is without a group, else agreed over it (see [`VocabGroup::agree`]).
@@ -202,9 +160,7 @@ pub(crate) fn head_shard(
 fn grpo_outputs<'py>(
     py: Python<'py>,
     out: &fused::GrpoLinearOutput,
-    out_logp: &Bound<'py, PyAny>,
-    out_entropy: &Bound<'py, PyAny>,
-    out_kl: &Bound<'py, PyAny>,
+    (out_logp, out_entropy, out_kl): &(Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyAny>),
 ) -> PyResult<Bound<'py, PyDict>> {
     write_stats(
         &out.stats,
@@ -215,49 +171,37 @@ fn grpo_outputs<'py>(
     grpo_result(py, out.loss, &out.metrics, Some(&out.plan))
 }
 
-/// Cross-entropy from hidden states at `targets` `[N]` (`config_json`: a `CeConfig`);
-/// gradients of `grad_output·L + Σ_i grad_lse_i·lse_i` added into `grad_*` (`L` with
-/// `grad_rows` `[N]` for reduction `none`; no `grad_weight`: a frozen head), the per-row
-/// losses written into `out_row_loss` `[N]` and, given `out_lse`, each row's log-sum-exp
-/// of the scaled logits (0 where ignored). Returns loss, z-loss and the count of rows that
-/// are not ignored.
+/// Cross-entropy from hidden states at `targets` `[N]` (`spec`: its `config` a
+/// `CeConfig`, with `mode`, `budget_mib`, `grad_output`); gradients of
+/// `grad_output·L + Σ_i grad_lse_i·lse_i` added into `grads` (`L` with `grad_rows` `[N]`
+/// for reduction `none`; `upstream` is `(grad_rows, grad_lse)`, each optional; no
+/// `grad_weight`: a frozen head), the per-row losses written into `outs.0` `[N]` and,
+/// given `outs.1`, each row's log-sum-exp of the scaled logits (0 where ignored).
+/// Returns loss, z-loss and the count of rows that are not ignored.
 #[pyfunction]
-#[allow(clippy::too_many_arguments)]
-#[pyo3(signature = (hidden, weight, bias, targets, config_json, mode, budget_mib, grad_rows,
-    grad_hidden, grad_weight, grad_bias, out_row_loss, stream=0, group=None, grad_lse=None,
-    grad_output=1.0, out_lse=None))]
+#[allow(clippy::too_many_arguments)] // the arrays by role, the spec, stream, group
+#[pyo3(signature = (head, targets, upstream, grads, outs, spec, stream=0, group=None))]
 pub fn ce_linear<'py>(
     py: Python<'py>,
-    hidden: &Bound<'py, PyAny>,
-    weight: &Bound<'py, PyAny>,
-    bias: Option<&Bound<'py, PyAny>>,
+    head: HeadArrays<'py>,
     targets: &Bound<'py, PyAny>,
-    config_json: &str,
-    mode: &str,
-    budget_mib: f64,
-    grad_rows: Option<&Bound<'py, PyAny>>,
-    grad_hidden: &Bound<'py, PyAny>,
-    grad_weight: Option<&Bound<'py, PyAny>>,
-    grad_bias: Option<&Bound<'py, PyAny>>,
-    out_row_loss: &Bound<'py, PyAny>,
+    upstream: (Option<Bound<'py, PyAny>>, Option<Bound<'py, PyAny>>),
+    grads: GradArrays<'py>,
+    outs: CeOuts<'py>,
+    spec: &str,
     stream: usize,
     group: Option<&Bound<'py, PyAny>>,
-    grad_lse: Option<&Bound<'py, PyAny>>,
-    grad_output: f64,
-    out_lse: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let group = VocabGroup::new(group)?;
     let parsed = (|| {
-        let (ce, mut opts, head, targets) =
-            ce_args(config_json, mode, budget_mib, hidden, weight, bias, targets)?;
-        opts.grad_output = grad_output as f32;
-        let grads = Grads::new(&head, grad_hidden, grad_weight, grad_bias)?;
+        let (ce, opts, head, targets) = ce_args(spec, &head, targets)?;
+        let grads = Grads::new(&head, &grads)?;
         let opts = FusedOptions {
             head_grad: grads.head_grad(),
             ..opts
         };
-        let grad_rows = Tensor::optional("grad_rows", grad_rows, F32)?;
-        let grad_lse = Tensor::optional("grad_lse", grad_lse, F32)?;
+        let grad_rows = Tensor::optional("grad_rows", upstream.0.as_ref(), F32)?;
+        let grad_lse = Tensor::optional("grad_lse", upstream.1.as_ref(), F32)?;
         for g in grad_rows.iter().chain(&grad_lse) {
             g.expect_shape(&[head.tokens])?;
         }
@@ -269,29 +213,25 @@ pub fn ce_linear<'py>(
     })();
     let (ce, opts, head, mut grads, targets, grad_rows, grad_lse) =
         agreed(py, group.as_ref(), parsed)?;
-    let (targets, grad_rows, grad_lse) = (
-        targets.i64s()?,
-        grad_rows.as_ref().map(|t| t.f32s()).transpose()?,
-        grad_lse.as_ref().map(|t| t.f32s()).transpose()?,
-    );
-    let out = match &group {
-        None => with_element!(head.hidden.dtype, E => call_head::<E, _>(
-            py, &head, Some(&mut grads), stream,
-            |d, h| d.ce_linear_lse_into(&ce, targets, (grad_rows, grad_lse), h, &opts),
-        ))?,
-        Some(g) => {
-            let shard = head_shard(py, g, &head)?;
-            with_element!(head.hidden.dtype, E => call_head::<E, _>(
-                py, &head, Some(&mut grads), stream,
-                |d, h| d.ce_linear_sharded_into(&Grid::vocab(&g.0), shard, &ce, targets, grad_rows, h, &opts),
-            ))?
-        }
+    let upstream = CeUpstream {
+        rows: grad_rows.as_ref().map(|t| t.f32s()).transpose()?,
+        lse: grad_lse.as_ref().map(|t| t.f32s()).transpose()?,
     };
-    write_f32(
-        &out.row_loss,
-        &mut Tensor::new("out_row_loss", out_row_loss, F32)?,
-    )?;
-    write_lse(&out.stats, out_lse)?;
+    let targets = targets.i64s()?;
+    let shard = group
+        .as_ref()
+        .map(|g| head_shard(py, g, &head))
+        .transpose()?;
+    let grid = group.as_ref().map(|g| Grid::vocab(&g.0));
+    let call = CeCall::new(&ce, targets, &opts).upstream(upstream);
+    let call = match (&grid, shard) {
+        (Some(grid), Some(shard)) => call.sharded(grid, shard),
+        _ => call,
+    };
+    let out = with_element!(head.hidden.dtype, E => call_head::<E, _>(
+        py, &head, Some(&mut grads), stream, |d, h| d.cross_entropy(h, call),
+    ))?;
+    write_ce_rows(&out, &outs)?;
     let d = PyDict::new(py);
     d.set_item("loss", out.loss)?;
     d.set_item("z_loss", out.z_loss)?;
@@ -300,20 +240,28 @@ pub fn ce_linear<'py>(
     Ok(d)
 }
 
+/// Where a CE call writes its per-row outputs: `(out_row_loss [N], out_lse [N] or None)`.
+type CeOuts<'py> = (Bound<'py, PyAny>, Option<Bound<'py, PyAny>>);
+
+fn write_ce_rows(out: &fused::CeLinearOutput, (row_loss, lse): &CeOuts) -> PyResult<()> {
+    write_f32(
+        &out.row_loss,
+        &mut Tensor::new("out_row_loss", row_loss, F32)?,
+    )?;
+    write_lse(&out.stats, lse.as_ref())
+}
+
 /// A CE call's loss, plan options, head and `targets` `[N]`, each checked.
 fn ce_args<'py>(
-    config_json: &str,
-    mode: &str,
-    budget_mib: f64,
-    hidden: &Bound<'py, PyAny>,
-    weight: &Bound<'py, PyAny>,
-    bias: Option<&Bound<'py, PyAny>>,
+    spec: &str,
+    head: &HeadArrays<'py>,
     targets: &Bound<'py, PyAny>,
 ) -> PyResult<(CrossEntropy, FusedOptions, HeadTensors<'py>, Tensor<'py>)> {
-    let ce = CrossEntropy::new(parse_json::<CeConfig>("config", config_json)?)
+    let spec = Spec::parse(spec)?;
+    let ce = CrossEntropy::new(spec.config::<CeConfig>()?)
         .map_err(|e| PyValueError::new_err(e.to_string()))?;
-    let opts = budget(mode, budget_mib)?;
-    let head = HeadTensors::new(hidden, weight, bias)?;
+    let opts = spec.options()?;
+    let head = HeadTensors::of(head)?;
     let targets = Tensor::new("target", targets, I64)?;
     targets.expect_shape(&[head.tokens])?;
     Ok((ce, opts, head, targets))
@@ -327,39 +275,21 @@ fn write_lse(stats: &[RowStats], out: Option<&Bound<'_, PyAny>>) -> PyResult<()>
 }
 
 /// The per-row cross-entropy losses at `targets` `[N]` without gradients (reduction
-/// `none`'s forward), written into `out_row_loss` `[N]` (and each row's log-sum-exp
-/// into `out_lse`, when given); CPU tensors.
+/// `none`'s forward, two-pass within `spec`'s `budget_mib`), written into `outs.0` `[N]`
+/// (and each row's log-sum-exp into `outs.1`, when given); CPU tensors.
 #[pyfunction]
-#[allow(clippy::too_many_arguments)]
-#[pyo3(signature = (hidden, weight, bias, targets, config_json, budget_mib, out_row_loss,
-    out_lse=None))]
+#[pyo3(signature = (head, targets, outs, spec))]
 pub fn ce_rows<'py>(
     py: Python<'py>,
-    hidden: &Bound<'py, PyAny>,
-    weight: &Bound<'py, PyAny>,
-    bias: Option<&Bound<'py, PyAny>>,
+    head: HeadArrays<'py>,
     targets: &Bound<'py, PyAny>,
-    config_json: &str,
-    budget_mib: f64,
-    out_row_loss: &Bound<'py, PyAny>,
-    out_lse: Option<&Bound<'py, PyAny>>,
+    outs: CeOuts<'py>,
+    spec: &str,
 ) -> PyResult<()> {
-    let (ce, opts, head, targets) = ce_args(
-        config_json,
-        "two_pass",
-        budget_mib,
-        hidden,
-        weight,
-        bias,
-        targets,
-    )?;
-    let targets = targets.i64s()?;
+    let (ce, opts, head, targets) = ce_args(spec, &head, targets)?;
+    let (opts, targets) = (opts.two_pass(), targets.i64s()?);
     let out = with_element!(head.hidden.dtype, E => call_head::<E, _>(
-        py, &head, None, 0, |d, h| d.ce_row_losses(h, &ce, targets, &opts),
+        py, &head, None, 0, |d, h| d.cross_entropy(h, CeCall::new(&ce, targets, &opts).forward()),
     ))?;
-    write_f32(
-        &out.row_loss,
-        &mut Tensor::new("out_row_loss", out_row_loss, F32)?,
-    )?;
-    write_lse(&out.stats, out_lse)
+    write_ce_rows(&out, &outs)
 }

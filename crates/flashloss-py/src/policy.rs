@@ -6,9 +6,10 @@
 //! per-sequence reductions (sequence-level ratios, vespo's `log w_b`, each loss type's
 //! normalizer) are written, and returns the loss with `∂L/∂logp` and `∂L/∂H` per token.
 
-use crate::args::{BatchTensors, F32};
+use crate::args::{BatchArrays, BatchTensors, F32};
 use crate::front::run;
-use crate::losses::{grpo_result, parse_json, write_f32};
+use crate::losses::{grpo_result, write_f32};
+use crate::spec::Spec;
 use crate::tensor::Tensor;
 use flashloss::policy::{Normalizers, policy_stage};
 use flashloss::range::check_policy_rows;
@@ -17,45 +18,25 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-/// The loss of `config_json` (a `GrpoLossConfig`) and its metrics from per-token `logp`
-/// and `entropy` `[B, T]` (f32, read where `completion_mask` is set), with the batch's
-/// inputs as [`crate::losses::grpo_linear`] takes them (`completion_ids` only gives the
-/// shape: the ids are not read). Writes `∂L/∂logp`, `∂L/∂H` and the per-token KL into
-/// `out_dlogp`, `out_dentropy`, `out_kl` (`[B, T]` f32, 0 where masked).
+/// The loss of `spec` (its `config` a `GrpoLossConfig`) and its metrics from per-token
+/// `logp` and `entropy` `[B, T]` (f32, read where `completion_mask` is set), with the
+/// batch's arrays as [`crate::losses::grpo_linear`] takes them ([`BatchArrays`];
+/// `completion_ids` only gives the shape: the ids are not read). Writes `∂L/∂logp`,
+/// `∂L/∂H` and the per-token KL into `outs` (`[B, T]` f32 each, 0 where masked).
 #[pyfunction]
-#[allow(clippy::too_many_arguments)]
-#[pyo3(signature = (logp, entropy, completion_ids, completion_mask, advantages,
-    old_per_token_logps, ref_per_token_logps, importance_sampling_ratio, policy_mask,
-    entropy_mask, config_json, out_dlogp, out_dentropy, out_kl))]
+#[pyo3(signature = (logp, entropy, batch, outs, spec))]
 pub fn grpo_policy<'py>(
     py: Python<'py>,
     logp: &Bound<'py, PyAny>,
     entropy: &Bound<'py, PyAny>,
-    completion_ids: &Bound<'py, PyAny>,
-    completion_mask: &Bound<'py, PyAny>,
-    advantages: &Bound<'py, PyAny>,
-    old_per_token_logps: Option<&Bound<'py, PyAny>>,
-    ref_per_token_logps: Option<&Bound<'py, PyAny>>,
-    importance_sampling_ratio: Option<&Bound<'py, PyAny>>,
-    policy_mask: Option<&Bound<'py, PyAny>>,
-    entropy_mask: Option<&Bound<'py, PyAny>>,
-    config_json: &str,
-    out_dlogp: &Bound<'py, PyAny>,
-    out_dentropy: &Bound<'py, PyAny>,
-    out_kl: &Bound<'py, PyAny>,
+    batch: BatchArrays<'py>,
+    outs: (Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyAny>),
+    spec: &str,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let loss = GrpoLoss::new(parse_json::<GrpoLossConfig>("config", config_json)?)
+    let loss = GrpoLoss::new(Spec::parse(spec)?.config::<GrpoLossConfig>()?)
         .map_err(|e| PyValueError::new_err(e.to_string()))?;
-    let tensors = BatchTensors::new(
-        completion_ids,
-        completion_mask,
-        advantages,
-        old_per_token_logps,
-        ref_per_token_logps,
-        importance_sampling_ratio,
-        policy_mask,
-        entropy_mask,
-    )?;
+    let tensors = BatchTensors::new(&batch)?;
+    let (out_dlogp, out_dentropy, out_kl) = (&outs.0, &outs.1, &outs.2);
     let batch = tensors.batch()?;
     let shape = tensors.ids.shape.clone();
     let (logp, entropy) = (

@@ -171,20 +171,21 @@ def _ce_rows(h, w, b, ids, mask, adv, old):
 
 class _NativeSpy:
     """``flashloss._native`` recording, per call that forms gradients, whether it was
-    given a ``grad_weight`` buffer (None: a frozen head, no dW formed)."""
+    given a ``grad_weight`` buffer (None: a frozen head, no dW formed): the second of its
+    ``(grad_hidden, grad_weight, grad_bias)`` argument."""
 
-    GRAD_WEIGHT_ARG = {"grpo_linear": 15, "ce_linear": 9, "logp_linear_grads": 11}
+    GRADS_ARG = {"grpo_linear": 2, "ce_linear": 3, "logp_linear_grads": 3}
 
     def __init__(self, native):
         self.native, self.calls = native, []
 
     def __getattr__(self, name):
         fn = getattr(self.native, name)
-        if name not in self.GRAD_WEIGHT_ARG:
+        if name not in self.GRADS_ARG:
             return fn
 
         def spied(*args, **kw):
-            self.calls.append(args[self.GRAD_WEIGHT_ARG[name]] is not None)
+            self.calls.append(args[self.GRADS_ARG[name]][1] is not None)
             return fn(*args, **kw)
 
         return spied

@@ -17,6 +17,7 @@ use flashloss::batch::LinearInputs;
 use flashloss::collective::{Collective, agree, run_in_process};
 use flashloss::cpu::{CpuHead, Workspace};
 use flashloss::cross_entropy::CrossEntropy;
+use flashloss::device::{CeCall, GrpoCall};
 use flashloss::element::{DType, Element};
 use flashloss::fused::{ce_linear, grpo_linear};
 use flashloss::memory;
@@ -326,13 +327,19 @@ fn rank_typed<E: Element>(
         };
         let (value, grads) = match cfg.loss {
             LossKind::Grpo => {
-                let o = device.grpo_linear_sharded(&grid, shard, &loss, &batch, &lin, &opts)?;
+                let o = device.with_host_grads(
+                    &lin,
+                    GrpoCall::new(&loss, &batch, &opts).sharded(&grid, shard),
+                )?;
                 (o.loss, o.grads)
             }
             LossKind::Logprobs => return Err(logprobs_unsharded()),
             LossKind::Ce => {
                 let targets = batch.target_ids;
-                let o = device.ce_linear_sharded(&grid, shard, &ce, targets, &lin, &opts)?;
+                let o = device.with_host_grads(
+                    &lin,
+                    CeCall::new(&ce, targets, &opts).sharded(&grid, shard),
+                )?;
                 (o.loss, o.grads)
             }
         };

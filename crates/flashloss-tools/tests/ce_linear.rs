@@ -9,6 +9,7 @@ mod common;
 use common::cpu_steps::{ce_linear, ce_linear_into};
 use common::*;
 use flashloss::cpu::{BaselineWorkspace, Workspace, ce_linear_baseline_into};
+use flashloss::device::{CeCall, CeUpstream};
 use flashloss::reference::{ce_reference, linear_grads, linear_logits};
 use flashloss::{CeConfig, CrossEntropy, Element, Reduction};
 use flashloss::{FusedOptions, LinearGrads, Mode};
@@ -469,7 +470,13 @@ fn lse_upstream_gradients_match_the_reference() {
             grads: grads.view(),
         };
         let out = flashloss::Device::cpu()
-            .ce_linear_lse_into(&ce, &y, (grad_rows.as_deref(), Some(&g)), args, &opts)
+            .cross_entropy(
+                args,
+                CeCall::new(&ce, &y, &opts).upstream(CeUpstream {
+                    rows: grad_rows.as_deref(),
+                    lse: Some(&g),
+                }),
+            )
             .unwrap();
         let z = linear_logits(&inputs);
         let r = ce_reference_lse(&ce, &y, &z, v, (0.75, grad_rows.as_deref()), Some(&g));
@@ -525,12 +532,12 @@ fn lse_upstream_gradients_match_the_reference() {
             grads: grads.view(),
         };
         let err = flashloss::Device::cpu()
-            .ce_linear_lse_into(
-                &ce,
-                &[0, 1, 2],
-                (None, Some(&bad)),
+            .cross_entropy(
                 args,
-                &FusedOptions::default(),
+                CeCall::new(&ce, &[0, 1, 2], &FusedOptions::default()).upstream(CeUpstream {
+                    rows: None,
+                    lse: Some(&bad),
+                }),
             )
             .unwrap_err();
         assert!(err.to_string().starts_with("argument `grad_lse`"), "{err}");

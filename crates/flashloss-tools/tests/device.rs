@@ -6,8 +6,9 @@
 
 mod common;
 use common::*;
-use flashloss::collective::{Collective, run_in_process};
-use flashloss::fused::LinearGradsMut;
+use flashloss::collective::{Collective, Solo, run_in_process};
+use flashloss::device::{CeCall, CeUpstream, GrpoCall, LogpCall};
+use flashloss::fused::{LinearGradsMut, LogpRows};
 use flashloss::{
     Device, FusedOptions, Grid, GrpoLoss, GrpoLossConfig, HeadArgs, LinearInputs, LossType, Mode,
     Shard, Temperature,
@@ -51,10 +52,10 @@ fn a_kept_workspace_changes_no_bit_of_any_result() {
             let x = draw(b, t, v, 11 + i as u64);
             let (batch, inputs) = (x.batch(), head.inputs());
             let again = kept
-                .grpo_linear(&loss(), &batch, &inputs, &opts(mode))
+                .with_host_grads(&inputs, GrpoCall::new(&loss(), &batch, &opts(mode)))
                 .unwrap();
             let fresh = Device::cpu()
-                .grpo_linear(&loss(), &batch, &inputs, &opts(mode))
+                .with_host_grads(&inputs, GrpoCall::new(&loss(), &batch, &opts(mode)))
                 .unwrap();
             let case = format!("{mode:?} [B={b},T={t},H={h},V={v}]");
             assert_eq!(again.loss.to_bits(), fresh.loss.to_bits(), "{case}");
@@ -76,7 +77,10 @@ fn a_nan_in_a_masked_row_and_an_empty_head_are_errors_on_every_entry_point() {
     let device = Device::cpu();
     let batch = x.batch();
     let err = device
-        .grpo_linear(&loss(), &batch, &head.inputs(), &opts(Mode::Auto))
+        .with_host_grads(
+            &head.inputs(),
+            GrpoCall::new(&loss(), &batch, &opts(Mode::Auto)),
+        )
         .unwrap_err();
     assert!(err.to_string().contains("`hidden`"), "{err}");
     let mut grads = flashloss::LinearGrads::zeros(&head.inputs());
@@ -86,7 +90,7 @@ fn a_nan_in_a_masked_row_and_an_empty_head_are_errors_on_every_entry_point() {
         grads: grads.view(),
     };
     let err = device
-        .grpo_linear_into(&loss(), &batch, args, &opts(Mode::Auto))
+        .grpo(args, GrpoCall::new(&loss(), &batch, &opts(Mode::Auto)))
         .unwrap_err();
     assert!(err.to_string().contains("`hidden`"), "{err}");
     // N = 0 through log-probs (no gradient buffers): an error, never a panic.
@@ -101,7 +105,19 @@ fn a_nan_in_a_masked_row_and_an_empty_head_are_errors_on_every_entry_point() {
     };
     let t1 = Temperature::new(1.0).unwrap();
     let err = device
-        .logp_linear(HeadArgs::host(&empty), &[], None, t1, 1 << 24, 1)
+        .logprobs(
+            HeadArgs::host(&empty),
+            LogpCall::forward(
+                LogpRows {
+                    targets: &[],
+                    mask: None,
+                    temperature: t1,
+                },
+                &FusedOptions::forward(1 << 24),
+                1,
+            ),
+        )
+        .map(|o| o.stats)
         .unwrap_err();
     assert!(err.to_string().contains("must be >= 1"), "{err}");
 }
@@ -114,17 +130,25 @@ fn log_probs_need_no_gradient_buffers_and_match_the_loss_statistics() {
     let device = Device::cpu();
     let inputs = head.inputs();
     let stats = device
-        .logp_linear(
+        .logprobs(
             HeadArgs::host(&inputs),
-            &x.data.target_ids,
-            Some(&x.data.mask),
-            Temperature::default(),
-            1 << 24,
-            t,
+            LogpCall::forward(
+                LogpRows {
+                    targets: &x.data.target_ids,
+                    mask: Some(&x.data.mask),
+                    temperature: Temperature::default(),
+                },
+                &FusedOptions::forward(1 << 24),
+                t,
+            ),
         )
+        .map(|o| o.stats)
         .unwrap();
     let out = device
-        .grpo_linear(&loss(), &x.batch(), &inputs, &opts(Mode::TwoPass))
+        .with_host_grads(
+            &inputs,
+            GrpoCall::new(&loss(), &x.batch(), &opts(Mode::TwoPass)),
+        )
         .unwrap();
     for i in (0..b * t).filter(|&i| x.data.mask[i]) {
         assert_eq!(
@@ -143,7 +167,7 @@ fn log_probs_need_no_gradient_buffers_and_match_the_loss_statistics() {
         },
     };
     let err = device
-        .grpo_linear_into(&loss(), &x.batch(), args, &opts(Mode::Auto))
+        .grpo(args, GrpoCall::new(&loss(), &x.batch(), &opts(Mode::Auto)))
         .unwrap_err();
     assert!(err.to_string().contains("dhidden"), "{err}");
 }
@@ -182,7 +206,10 @@ fn a_summed_gradient_beyond_f32_fails_every_rank_of_a_sharded_step() {
         };
         let grid = Grid::token(comm);
         Device::cpu()
-            .grpo_linear_sharded(&grid, Shard::whole(v), &loss, &mine.batch(), &inputs, &opts)
+            .with_host_grads(
+                &inputs,
+                GrpoCall::new(&loss, &mine.batch(), &opts).sharded(&grid, Shard::whole(v)),
+            )
             .map(|o| o.loss)
     });
     let errors: Vec<String> = results
@@ -207,7 +234,10 @@ fn split_passes_over_three_shards_equal_the_fused_step() {
     let batch = x.batch();
     let device = Device::cpu();
     let whole = device
-        .grpo_linear(&loss(), &batch, &head.inputs(), &opts(Mode::TwoPass))
+        .with_host_grads(
+            &head.inputs(),
+            GrpoCall::new(&loss(), &batch, &opts(Mode::TwoPass)),
+        )
         .unwrap();
     let transform = RowTransform::grpo(&loss());
     let shards = [0..100, 100..201, 201..301];
@@ -333,7 +363,11 @@ fn split_cross_entropy_over_three_shards_equals_the_fused_call() {
             grads: grads.view(),
         };
         let whole = device
-            .ce_linear_lse_into(&ce, &targets, (g, lse), args, &opts(Mode::TwoPass))
+            .cross_entropy(
+                args,
+                CeCall::new(&ce, &targets, &opts(Mode::TwoPass))
+                    .upstream(CeUpstream { rows: g, lse }),
+            )
             .unwrap();
         let whole = flashloss::fused::CeLinearOutput { grads, ..whole };
         let shards = [0..100, 100..201, 201..301];
@@ -384,8 +418,8 @@ fn split_cross_entropy_over_three_shards_equals_the_fused_call() {
                     shard(r),
                     &ce,
                     &targets,
-                    (g, lse),
                     stats.clone(),
+                    CeUpstream { rows: g, lse },
                     &opts(Mode::Auto),
                 )
                 .unwrap();
@@ -422,19 +456,34 @@ fn row_losses_without_gradients_equal_the_fused_calls() {
     .unwrap();
     let device = Device::cpu();
     let fused = device
-        .ce_linear(&ce, &targets, None, &head.inputs(), &opts(Mode::Auto))
+        .with_host_grads(
+            &head.inputs(),
+            CeCall::new(&ce, &targets, &opts(Mode::Auto)),
+        )
         .unwrap();
     let rows = device
-        .ce_row_losses(
+        .cross_entropy(
             HeadArgs::host(&head.inputs()),
-            &ce,
-            &targets,
-            &opts(Mode::Auto),
+            CeCall::new(&ce, &targets, &opts(Mode::Auto)).forward(),
         )
         .unwrap();
     assert_close("row_loss", &rows.row_loss, &f64s(&fused.row_loss), 1e-6);
     assert!((rows.loss - fused.loss).abs() <= 1e-6 * fused.loss.abs().max(1.0));
     assert_eq!(rows.row_loss[5], 0.0);
+    // Sharded, CE returns gradients of the row losses only; one rank is the whole call.
+    let grid = Grid::vocab(&Solo);
+    let o = opts(Mode::Auto);
+    let sharded = CeCall::new(&ce, &targets, &o).sharded(&grid, Shard::whole(v));
+    let err = device.cross_entropy(HeadArgs::host(&head.inputs()), sharded.forward());
+    assert!(err.unwrap_err().to_string().contains("returns"));
+    let lse = CeUpstream {
+        rows: None,
+        lse: Some(&fused.row_loss),
+    };
+    let err = device.with_host_grads(&head.inputs(), sharded.upstream(lse));
+    assert!(err.unwrap_err().to_string().contains("grad_lse"));
+    let one = device.with_host_grads(&head.inputs(), sharded).unwrap();
+    assert_close("sharded", &one.row_loss, &f64s(&fused.row_loss), 1e-6);
 }
 
 #[test]
@@ -447,14 +496,19 @@ fn sharded_log_probs_over_three_ranks_equal_the_whole_head() {
     let budget = opts(Mode::Auto).budget_bytes;
     let (ids, mask) = (batch.target_ids, Some(batch.mask));
     let whole = Device::cpu()
-        .logp_linear(
+        .logprobs(
             HeadArgs::host(&head.inputs()),
-            ids,
-            mask,
-            temperature,
-            budget,
-            t,
+            LogpCall::forward(
+                LogpRows {
+                    targets: ids,
+                    mask,
+                    temperature,
+                },
+                &FusedOptions::forward(budget),
+                t,
+            ),
         )
+        .map(|o| o.stats)
         .unwrap();
     let blocks = [0..90, 90..230, 230..301];
     let results = run_in_process(3, Duration::from_secs(60), |comm| {
@@ -471,16 +525,21 @@ fn sharded_log_probs_over_three_ranks_equal_the_whole_head() {
             vocab: v,
         };
         let args = HeadArgs::host(&inputs);
-        Device::cpu().logp_linear_sharded(
-            &Grid::vocab(comm),
-            shard,
-            args,
-            ids,
-            mask,
-            temperature,
-            budget,
-            t,
-        )
+        Device::cpu()
+            .logprobs(
+                args,
+                LogpCall::forward(
+                    LogpRows {
+                        targets: ids,
+                        mask,
+                        temperature,
+                    },
+                    &FusedOptions::forward(budget),
+                    t,
+                )
+                .sharded(&Grid::vocab(comm), shard),
+            )
+            .map(|o| o.stats)
     });
     for stats in results {
         let stats = stats.unwrap();
@@ -511,16 +570,21 @@ fn sharded_log_probs_over_three_ranks_equal_the_whole_head() {
             offset: r.start,
             vocab: v,
         };
-        Device::cpu().logp_linear_sharded(
-            &Grid::vocab(comm),
-            shard,
-            HeadArgs::host(&inputs),
-            &bad,
-            mask,
-            temperature,
-            budget,
-            t,
-        )
+        Device::cpu()
+            .logprobs(
+                HeadArgs::host(&inputs),
+                LogpCall::forward(
+                    LogpRows {
+                        targets: &bad,
+                        mask,
+                        temperature,
+                    },
+                    &FusedOptions::forward(budget),
+                    t,
+                )
+                .sharded(&Grid::vocab(comm), shard),
+            )
+            .map(|o| o.stats)
     });
     let errors: Vec<String> = results
         .into_iter()

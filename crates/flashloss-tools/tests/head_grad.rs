@@ -10,6 +10,7 @@ mod common;
 use common::*;
 use flashloss::collective::{Collective, run_in_process};
 use flashloss::cpu::{CpuHead, Workspace};
+use flashloss::device::{CeCall, GrpoCall, LogpCall};
 use flashloss::fused::{self, LogpRows, LogpUpstream};
 use flashloss::policy::Normalizers;
 use flashloss::reference::{grpo_reference, linear_grads, linear_logits, row_softmax};
@@ -89,9 +90,11 @@ fn check_grpo_and_ce<E: Element>() {
             let device = Device::cpu();
             let run = |head_grad| {
                 let o = opts(mode, products, head_grad, budget);
-                let grpo = device.grpo_linear(&loss, &batch, inputs, &o).unwrap();
+                let grpo = device
+                    .with_host_grads(inputs, GrpoCall::new(&loss, &batch, &o))
+                    .unwrap();
                 let ce = device
-                    .ce_linear(&ce, batch.target_ids, None, inputs, &o)
+                    .with_host_grads(inputs, CeCall::new(&ce, batch.target_ids, &o))
                     .unwrap();
                 (grpo, ce)
             };
@@ -235,7 +238,7 @@ fn frozen_vocab_parallel_matches_one_rank() {
     let loss = GrpoLoss::new(GrpoLossConfig::default()).unwrap();
     let o = opts(Mode::Auto, Bf16Products::Auto, HeadGrad::Frozen, 64.0);
     let one = Device::cpu()
-        .grpo_linear(&loss, &x.batch(), &head.inputs(), &o)
+        .with_host_grads(&head.inputs(), GrpoCall::new(&loss, &x.batch(), &o))
         .unwrap();
     for p in [2, 3] {
         let results = run_in_process(p, Duration::from_secs(60), |comm| {
@@ -246,7 +249,10 @@ fn frozen_vocab_parallel_matches_one_rank() {
                 vocab: v,
             };
             let grid = Grid::vocab(comm);
-            Device::cpu().grpo_linear_sharded(&grid, shard, &loss, &x.batch(), &part.inputs(), &o)
+            Device::cpu().with_host_grads(
+                &part.inputs(),
+                GrpoCall::new(&loss, &x.batch(), &o).sharded(&grid, shard),
+            )
         });
         for (rank, r) in results.into_iter().enumerate() {
             let out = r.unwrap();
@@ -323,14 +329,19 @@ fn check_logp_grads<E: Element>(bias: bool, layout: WeightLayout) {
     dz.iter_mut().for_each(|x| *x *= 0.75); // grad_output
     let (dh, dw, db) = linear_grads(&inputs, &dz);
     let stats_only = Device::cpu()
-        .logp_linear(
+        .logprobs(
             HeadArgs::host(&inputs),
-            &targets,
-            Some(&mask),
-            rows.temperature,
-            64 << 20,
-            n,
+            LogpCall::forward(
+                LogpRows {
+                    targets: &targets,
+                    mask: Some(&mask),
+                    temperature: rows.temperature,
+                },
+                &FusedOptions::forward(64 << 20),
+                n,
+            ),
         )
+        .map(|o| o.stats)
         .unwrap();
     for (products, mode) in paths::<E>().into_iter().flat_map(|p| MODES.map(|m| (p, m))) {
         for head_grad in [HeadGrad::Full, HeadGrad::Frozen] {
@@ -343,7 +354,8 @@ fn check_logp_grads<E: Element>(bias: bool, layout: WeightLayout) {
                 grads: grads.view(),
             };
             let stats = Device::cpu()
-                .logp_linear_grads_into(args, rows, up, &o, n)
+                .logprobs(args, LogpCall::grads(rows, up, &o, n))
+                .map(|o| o.stats)
                 .unwrap();
             let case = format!(
                 "{:?} {layout:?} bias={bias} {products:?} {mode:?} {head_grad:?}",
@@ -408,7 +420,8 @@ fn logp_grads_vocab_parallel_match_one_rank() {
             grads: one.view(),
         };
         Device::cpu()
-            .logp_linear_grads_into(args, rows, up, &o, n)
+            .logprobs(args, LogpCall::grads(rows, up, &o, n))
+            .map(|o| o.stats)
             .unwrap();
         let results = run_in_process(3, Duration::from_secs(60), |comm| {
             let range = shard_range(v, comm.world_size(), comm.rank());
@@ -424,15 +437,12 @@ fn logp_grads_vocab_parallel_match_one_rank() {
                 vocab: v,
             };
             let device = Device::cpu();
-            device.logp_linear_grads_sharded_into(
-                &Grid::vocab(comm),
-                shard,
-                args,
-                rows,
-                up,
-                &o,
-                n,
-            )?;
+            device
+                .logprobs(
+                    args,
+                    LogpCall::grads(rows, up, &o, n).sharded(&Grid::vocab(comm), shard),
+                )
+                .map(|o| o.stats)?;
             Ok((range, grads))
         });
         let want = |x: &[f32]| x.iter().map(|&x| x as f64).collect::<Vec<_>>();

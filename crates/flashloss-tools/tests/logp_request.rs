@@ -8,6 +8,7 @@
 
 mod common;
 use common::*;
+use flashloss::device::LogpCall;
 use flashloss::fused::{GatherIds, LogpOutput, LogpRequest, LogpRows, LogpUpstream};
 use flashloss::reference::{
     LogpRefRows, LogpRefUpstream, LogpReference, linear_grads, linear_logits, logp_reference,
@@ -228,12 +229,14 @@ fn check_case<E: Element>(shape: (usize, usize, usize, usize), temperature: f64,
             let request = case.request(true, gather);
             for mib in [0.3, 64.0] {
                 let out = device
-                    .logp_linear_with(
+                    .logprobs(
                         HeadArgs::host(&inputs),
-                        case.rows(),
-                        &request,
-                        (budget(mib) * 1048576.0) as usize,
-                        n,
+                        LogpCall::forward(
+                            case.rows(),
+                            &FusedOptions::forward((budget(mib) * 1048576.0) as usize),
+                            n,
+                        )
+                        .request(&request),
                     )
                     .unwrap();
                 check_outputs(
@@ -276,12 +279,10 @@ fn check_case<E: Element>(shape: (usize, usize, usize, usize), temperature: f64,
                         "{tag} gather={gather} {layout:?} {products:?} {mode:?} {head_grad:?}"
                     );
                     let out = device
-                        .logp_linear_grads_with_into(
+                        .logprobs(
                             args,
-                            (case.rows(), &case.request(true, gather)),
-                            case.upstream(gather),
-                            &o,
-                            n,
+                            LogpCall::grads(case.rows(), case.upstream(gather), &o, n)
+                                .request(&case.request(true, gather)),
                         )
                         .unwrap_or_else(|e| panic!("{what}: {e}"));
                     check_outputs(&case, &out, &r, &what);

@@ -9,6 +9,7 @@ mod common;
 use common::*;
 use flashloss::SupportFilter;
 use flashloss::collective::{Collective, run_in_process};
+use flashloss::device::LogpCall;
 use flashloss::fused::{GatherIds, LogpOutput, LogpRequest, LogpRows, LogpUpstream};
 use flashloss::{
     Device, Error, FusedOptions, Grid, HeadArgs, HeadGrad, LinearGrads, Mode, Shard, Temperature,
@@ -128,12 +129,10 @@ fn vocab_parallel_over_three_ranks_matches_one_rank() {
     let r = rows();
     let device = Device::cpu();
     let one_fwd = device
-        .logp_linear_with(
+        .logprobs(
             HeadArgs::host(&head.inputs()),
-            r.logp_rows(),
-            &r.request(),
-            64 << 20,
-            N,
+            LogpCall::forward(r.logp_rows(), &FusedOptions::forward(64 << 20), N)
+                .request(&r.request()),
         )
         .unwrap();
     for head_grad in [HeadGrad::Full, HeadGrad::Frozen] {
@@ -144,7 +143,10 @@ fn vocab_parallel_over_three_ranks_matches_one_rank() {
             grads: one.view(),
         };
         let one_out = device
-            .logp_linear_grads_with_into(args, (r.logp_rows(), &r.request()), r.upstream(), &o, N)
+            .logprobs(
+                args,
+                LogpCall::grads(r.logp_rows(), r.upstream(), &o, N).request(&r.request()),
+            )
             .unwrap();
         let results = run_in_process(3, Duration::from_secs(60), |comm| {
             let range = shard_range(V, comm.world_size(), comm.rank());
@@ -157,27 +159,22 @@ fn vocab_parallel_over_three_ranks_matches_one_rank() {
             let grid = Grid::vocab(comm);
             let device = Device::cpu();
             let call = (r.logp_rows(), &r.request());
-            let fwd = device.logp_linear_sharded_with(
-                &grid,
-                shard,
+            let fwd = device.logprobs(
                 HeadArgs::host(&inputs),
-                call,
-                1 << 26,
-                N,
+                LogpCall::forward(call.0, &FusedOptions::forward(1 << 26), N)
+                    .request(call.1)
+                    .sharded(&grid, shard),
             )?;
             let mut grads = LinearGrads::zeros_for(&inputs, head_grad);
             let args = HeadArgs::Host {
                 inputs: &inputs,
                 grads: grads.view(),
             };
-            let out = device.logp_linear_grads_sharded_with_into(
-                &grid,
-                shard,
+            let out = device.logprobs(
                 args,
-                call,
-                r.upstream(),
-                &o,
-                N,
+                LogpCall::grads(call.0, r.upstream(), &o, N)
+                    .request(call.1)
+                    .sharded(&grid, shard),
             )?;
             Ok((range, fwd, out, grads))
         });
@@ -214,12 +211,10 @@ fn grads_error(request: &LogpRequest, upstream: LogpUpstream, mode: Mode) -> Err
         grads: grads.view(),
     };
     Device::cpu()
-        .logp_linear_grads_with_into(
+        .logprobs(
             args,
-            (r.logp_rows(), request),
-            upstream,
-            &opts(mode, HeadGrad::Full),
-            N,
+            LogpCall::grads(r.logp_rows(), upstream, &opts(mode, HeadGrad::Full), N)
+                .request(request),
         )
         .unwrap_err()
 }
@@ -228,12 +223,9 @@ fn forward_error(request: &LogpRequest) -> Error {
     let head = Head::<f32>::random(N, H, V, false, 8);
     let r = rows();
     Device::cpu()
-        .logp_linear_with(
+        .logprobs(
             HeadArgs::host(&head.inputs()),
-            r.logp_rows(),
-            request,
-            64 << 20,
-            5,
+            LogpCall::forward(r.logp_rows(), &FusedOptions::forward(64 << 20), 5).request(request),
         )
         .unwrap_err()
 }
@@ -278,12 +270,9 @@ fn bad_requests_are_typed_errors() {
         ..LogpRequest::default()
     };
     let out = Device::cpu()
-        .logp_linear_with(
+        .logprobs(
             HeadArgs::host(&head.inputs()),
-            r.logp_rows(),
-            &ok,
-            64 << 20,
-            N,
+            LogpCall::forward(r.logp_rows(), &FusedOptions::forward(64 << 20), N).request(&ok),
         )
         .unwrap();
     assert!(
@@ -414,7 +403,10 @@ fn one_hot_terms_alone_in_every_mode() {
         let call = (r.logp_rows(), &r.request());
         let o = opts(mode, HeadGrad::Full);
         let out = Device::cpu()
-            .logp_linear_grads_with_into(args, call, upstream, &o, N)
+            .logprobs(
+                args,
+                LogpCall::grads(call.0, upstream, &o, N).request(call.1),
+            )
             .unwrap_or_else(|e| panic!("{mode:?}: {e}"));
         (out, grads)
     };

@@ -7,6 +7,7 @@ mod support_common;
 use common::assert_close;
 use flashloss::SupportFilter;
 use flashloss::cpu::{CpuHead, Workspace};
+use flashloss::device::LogpCall;
 use flashloss::fused::{self, LogpRequest, LogpUpstream};
 use flashloss::reference::linear_logits;
 use flashloss::{FusedOptions, HeadGrad, LinearGrads, Mode};
@@ -116,7 +117,10 @@ fn check_vocab_parallel(
         };
         let device = Device::cpu();
         let one_out = device
-            .logp_linear_grads_with_into(args, (call.rows(), &request), up, &opts, n)
+            .logprobs(
+                args,
+                LogpCall::grads(call.rows(), up, &opts, n).request(&request),
+            )
             .unwrap();
         check_forward(&format!("one rank {f:?}"), &one_out, &z, &call, f, 1e-5);
         let results = run_in_process(3, std::time::Duration::from_secs(60), |comm| {
@@ -133,14 +137,11 @@ fn check_vocab_parallel(
                 inputs: &inputs,
                 grads: grads.view(),
             };
-            let out = Device::cpu().logp_linear_grads_sharded_with_into(
-                &grid,
-                shard,
+            let out = Device::cpu().logprobs(
                 args,
-                (call.rows(), &request),
-                up,
-                &opts,
-                n,
+                LogpCall::grads(call.rows(), up, &opts, n)
+                    .request(&request)
+                    .sharded(&grid, shard),
             )?;
             Ok((range, out, grads))
         });

@@ -5,6 +5,7 @@
 mod common;
 use common::cpu_steps::grpo_linear;
 use common::*;
+use flashloss::device::CeCall;
 use flashloss::policy::Normalizers;
 use flashloss::reference::{grpo_reference, linear_logits};
 use flashloss::{Device, Error, FusedOptions, GrpoLoss, LogitsLayout, LossType, Mode};
@@ -320,7 +321,7 @@ fn grad_output_at_f32_max_is_out_of_range_not_inf() {
         }
         let ce = flashloss::CrossEntropy::new(Default::default()).unwrap();
         let err = Device::cpu()
-            .ce_linear(&ce, batch.target_ids, None, &head.inputs(), &opts)
+            .with_host_grads(&head.inputs(), CeCall::new(&ce, batch.target_ids, &opts))
             .unwrap_err();
         assert_out_of_range(&err, &format!("ce {mode:?}"));
     }

@@ -5,6 +5,7 @@
 //! typed error, or finite loss and gradients. The YAML configs with random `--set`
 //! overrides never panic either. 1000 + 500 + 1000 cases per run (`PROPTEST_CASES`).
 
+use flashloss::device::{CeCall, GrpoCall};
 use flashloss::{
     CeConfig, CrossEntropy, Device, FusedOptions, GrpoLoss, GrpoLossConfig, LogitsLayout, Mode,
     PerSeqOrTokenBuf,
@@ -232,12 +233,12 @@ proptest! {
         for mode in [Mode::SinglePass, Mode::TwoPass] {
             let opts = FusedOptions { bf16_products: Default::default(), mode, budget_bytes: flashloss::cpu::gemm_reserve_bytes() + (1 << 20), grad_output: c.grad_output, head_grad: Default::default() };
             let inputs = c.head.inputs();
-            if let Ok(out) = device.grpo_linear(&loss, &batch, &inputs, &opts) {
+            if let Ok(out) = device.with_host_grads(&inputs, GrpoCall::new(&loss, &batch, &opts)) {
                 prop_assert!(out.loss.is_finite(), "linear loss {}", out.loss);
                 prop_assert!(all_finite(&out.grads.dhidden) && all_finite(&out.grads.dweight));
             }
             let ce = CrossEntropy::new(c.ce.clone());
-            let out = ce.and_then(|ce| device.ce_linear(&ce, batch.target_ids, None, &inputs, &opts));
+            let out = ce.and_then(|ce| device.with_host_grads(&inputs, CeCall::new(&ce, batch.target_ids, &opts)));
             if let Ok(out) = out {
                 prop_assert!(out.loss.is_finite(), "ce loss {}", out.loss);
                 prop_assert!(all_finite(&out.grads.dhidden) && all_finite(&out.grads.dweight));

@@ -5,8 +5,8 @@
 use flashloss::collective::{Collective, run_in_process};
 use flashloss::shard_range;
 use flashloss::{
-    CeConfig, CrossEntropy, Device, FusedOptions, Grid, GrpoBatch, GrpoLoss, GrpoLossConfig,
-    LinearInputs, LogitsLayout, LossType, PerSeqOrToken, Shard,
+    CeCall, CeConfig, CrossEntropy, Device, FusedOptions, Grid, GrpoBatch, GrpoCall, GrpoLoss,
+    GrpoLossConfig, LinearInputs, LogitsLayout, LossType, PerSeqOrToken, Shard,
 };
 
 fn main() -> flashloss::Result<()> {
@@ -57,7 +57,9 @@ fn main() -> flashloss::Result<()> {
         vocab: v,
     };
     let opts = FusedOptions::default();
-    let out = device.grpo_linear(&loss, &batch, &head, &opts)?;
+    // One call struct per loss; `with_host_grads` makes and returns the gradient buffers
+    // (`device.grpo(HeadArgs::Host { inputs, grads }, call)` adds into the caller's).
+    let out = device.with_host_grads(&head, GrpoCall::new(&loss, &batch, &opts))?;
     println!(
         "fused GRPO loss {:.6}, |dW| = {}",
         out.loss,
@@ -70,7 +72,7 @@ fn main() -> flashloss::Result<()> {
         softcap: Some(30.0),
         ..Default::default()
     })?;
-    let one = device.ce_linear(&ce, &ids, None, &head, &opts)?;
+    let one = device.with_host_grads(&head, CeCall::new(&ce, &ids, &opts))?;
 
     // Vocab-parallel over 2 in-process ranks, each holding half of the head:
     let results = run_in_process(2, std::time::Duration::from_secs(60), |comm| {
@@ -86,7 +88,10 @@ fn main() -> flashloss::Result<()> {
             vocab: v,
         };
         let grid = Grid::vocab(comm);
-        device.ce_linear_sharded(&grid, shard, &ce, &ids, &shard_head, &opts)
+        device.with_host_grads(
+            &shard_head,
+            CeCall::new(&ce, &ids, &opts).sharded(&grid, shard),
+        )
     });
     for r in results {
         println!("sharded CE loss {:.6} (one rank: {:.6})", r?.loss, one.loss);

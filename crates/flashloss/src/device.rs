@@ -17,18 +17,20 @@ use crate::cross_entropy::CrossEntropy;
 use crate::element::Element;
 use crate::error::{Error, Result};
 use crate::fused::{
-    self, CeLinearOutput, FusedOptions, GrpoLinearOutput, Head, LinearGrads, LinearGradsMut,
-    RowGrad,
+    self, CeLinearOutput, FusedOptions, GrpoLinearOutput, Head, HeadGrad, LinearGrads,
+    LinearGradsMut, LogpOutput, RowGrad,
 };
 use crate::grpo_config::GrpoLoss;
 use crate::grpo_logits::GrpoLogitsForward;
 use crate::policy::Normalizers;
 use crate::rows::RowStats;
 use crate::rows::{PartialStats, RowInputs};
-use crate::sharding::{Grid, Shard};
+use crate::sharding::Shard;
 use std::sync::{Mutex, MutexGuard};
 
-mod logp;
+mod calls;
+
+pub use calls::{CeCall, CeUpstream, GrpoCall, LogpCall, Returns, Vocab};
 
 /// A backend and the state it keeps between calls.
 pub struct Device {
@@ -188,156 +190,102 @@ impl Device {
         }
     }
 
-    /// The GRPO loss of `batch` (N = B·T rows) on logits `hidden · weightᵀ + bias`
-    /// (normalizers of the batch itself), with `grad_output ·` its gradients returned.
-    pub fn grpo_linear<E: Element>(
-        &self,
-        loss: &GrpoLoss,
-        batch: &GrpoBatch,
-        inputs: &LinearInputs<E>,
-        opts: &FusedOptions,
-    ) -> Result<GrpoLinearOutput> {
-        let mut grads = LinearGrads::zeros_for(inputs, opts.head_grad);
-        let grads_mut = grads.view();
-        let out = self.grpo_linear_into(loss, batch, host(inputs, grads_mut), opts)?;
-        Ok(GrpoLinearOutput { grads, ..out })
+    /// The GRPO loss of `call.batch` on the head's logits `hidden · weightᵀ + bias`, its
+    /// gradients added into the head's buffers (see [`fused::grpo_linear`],
+    /// [`fused::grpo_linear_sharded`]).
+    pub fn grpo<E: Element>(&self, head: HeadArgs<E>, call: GrpoCall) -> Result<GrpoLinearOutput> {
+        let GrpoCall {
+            loss,
+            batch,
+            vocab,
+            opts,
+        } = call;
+        match vocab {
+            Vocab::Whole => {
+                let norm = Normalizers::local(batch);
+                self.run(head, |h| fused::grpo_linear(h, loss, batch, norm, opts))
+            }
+            Vocab::Sharded { grid, shard } => self.run(head, |h| {
+                fused::grpo_linear_sharded(grid, h, shard, loss, batch, opts)
+            }),
+        }
     }
 
-    /// [`Device::grpo_linear`] adding the gradients into the caller's buffers.
-    pub fn grpo_linear_into<E: Element>(
-        &self,
-        loss: &GrpoLoss,
-        batch: &GrpoBatch,
-        head: HeadArgs<E>,
-        opts: &FusedOptions,
-    ) -> Result<GrpoLinearOutput> {
-        let norm = Normalizers::local(batch);
-        self.run(head, |h| fused::grpo_linear(h, loss, batch, norm, opts))
-    }
-
-    /// The cross-entropy of `hidden · weightᵀ + bias` at `targets` `[N]`, with its
-    /// gradients returned; `grad_rows` as in [`fused::ce_linear`].
-    pub fn ce_linear<E: Element>(
-        &self,
-        ce: &CrossEntropy,
-        targets: &[i64],
-        grad_rows: Option<&[f32]>,
-        inputs: &LinearInputs<E>,
-        opts: &FusedOptions,
-    ) -> Result<CeLinearOutput> {
-        let mut grads = LinearGrads::zeros_for(inputs, opts.head_grad);
-        let grads_mut = grads.view();
-        let head = host(inputs, grads_mut);
-        let out = self.ce_linear_into(ce, targets, grad_rows, head, opts)?;
-        Ok(CeLinearOutput { grads, ..out })
-    }
-
-    /// [`Device::ce_linear`] adding the gradients into the caller's buffers.
-    pub fn ce_linear_into<E: Element>(
-        &self,
-        ce: &CrossEntropy,
-        targets: &[i64],
-        grad_rows: Option<&[f32]>,
-        head: HeadArgs<E>,
-        opts: &FusedOptions,
-    ) -> Result<CeLinearOutput> {
-        self.run(head, |h| fused::ce_linear(h, ce, targets, grad_rows, opts))
-    }
-
-    /// [`Device::ce_linear_into`] whose gradients also take each row's log-sum-exp's
-    /// upstream gradient `grad_lse` `[N]` (see [`fused::ce_linear_lse`]).
-    pub fn ce_linear_lse_into<E: Element>(
-        &self,
-        ce: &CrossEntropy,
-        targets: &[i64],
-        (grad_rows, grad_lse): (Option<&[f32]>, Option<&[f32]>),
-        head: HeadArgs<E>,
-        opts: &FusedOptions,
-    ) -> Result<CeLinearOutput> {
-        self.run(head, |h| {
-            fused::ce_linear_lse(h, ce, targets, grad_rows, grad_lse, opts)
-        })
-    }
-
-    /// The per-row cross-entropy losses without gradients (see
-    /// [`fused::ce_row_losses`]); no gradient buffer is made.
-    pub fn ce_row_losses<E: Element>(
+    /// The cross-entropy of the head's logits at `call.targets`: the per-row losses
+    /// alone ([`Returns::Forward`], one rank), or with the gradients of the upstream
+    /// added into the head's buffers (see [`fused::ce_row_losses`],
+    /// [`fused::ce_linear_lse`], [`fused::ce_linear_sharded`]).
+    pub fn cross_entropy<E: Element>(
         &self,
         head: HeadArgs<E>,
-        ce: &CrossEntropy,
-        targets: &[i64],
-        opts: &FusedOptions,
+        call: CeCall,
     ) -> Result<CeLinearOutput> {
-        self.run(head, |h| fused::ce_row_losses(h, ce, targets, opts))
+        let CeCall {
+            ce,
+            targets,
+            vocab,
+            returns,
+            opts,
+        } = call;
+        match (vocab, returns) {
+            (Vocab::Whole, Returns::Forward) => {
+                self.run(head, |h| fused::ce_row_losses(h, ce, targets, opts))
+            }
+            (Vocab::Whole, Returns::Grads(up)) => self.run(head, |h| {
+                fused::ce_linear_lse(h, ce, targets, up.rows, up.lse, opts)
+            }),
+            (Vocab::Sharded { grid, shard }, Returns::Grads(up)) if up.lse.is_none() => self
+                .run(head, |h| {
+                    fused::ce_linear_sharded(grid, h, shard, ce, targets, up.rows, opts)
+                }),
+            (Vocab::Sharded { .. }, returns) => Err(Error::InvalidArgument {
+                arg: match returns {
+                    Returns::Forward => "returns",
+                    Returns::Grads(_) => "grad_lse",
+                },
+                reason: "a sharded cross-entropy returns its gradients, of the row losses only"
+                    .into(),
+            }),
+        }
     }
 
-    /// GRPO on a [`Grid`] of ranks: this rank's token group's `batch` and its head,
-    /// the [`Shard`] of the vocabulary its weight rows hold (see
-    /// [`fused::grpo_linear_sharded`]), with its gradients returned.
-    pub fn grpo_linear_sharded<E: Element>(
-        &self,
-        grid: &Grid,
-        shard: Shard,
-        loss: &GrpoLoss,
-        batch: &GrpoBatch,
-        inputs: &LinearInputs<E>,
-        opts: &FusedOptions,
-    ) -> Result<GrpoLinearOutput> {
-        let mut grads = LinearGrads::zeros_for(inputs, opts.head_grad);
-        let head = host(inputs, grads.view());
-        let out = self.grpo_linear_sharded_into(grid, shard, loss, batch, head, opts)?;
-        Ok(GrpoLinearOutput { grads, ..out })
+    /// Per-row `logp`, `lse`, entropy and max logit of the head's scaled logits, what
+    /// `call.request` adds, and for [`Returns::Grads`] their gradients added into the
+    /// head's buffers (see [`fused::logp_linear_with`], [`fused::logp_linear_grads_with`]
+    /// and their sharded forms). A forward runs two-pass within `opts.budget_bytes`.
+    pub fn logprobs<E: Element>(&self, head: HeadArgs<E>, call: LogpCall) -> Result<LogpOutput> {
+        let LogpCall {
+            rows,
+            request,
+            vocab,
+            returns,
+            opts,
+            seq_len,
+        } = call;
+        let budget = opts.budget_bytes;
+        match (vocab, returns) {
+            (Vocab::Whole, Returns::Forward) => self.run(head, |h| {
+                fused::logp_linear_with(h, rows, &request, budget, seq_len)
+            }),
+            (Vocab::Whole, Returns::Grads(up)) => self.run(head, |h| {
+                fused::logp_linear_grads_with(h, rows, &request, up, opts, seq_len)
+            }),
+            (Vocab::Sharded { grid, shard }, Returns::Forward) => self.run(head, |h| {
+                fused::logp_linear_sharded_with(grid, h, shard, rows, &request, budget, seq_len)
+            }),
+            (Vocab::Sharded { grid, shard }, Returns::Grads(up)) => self.run(head, |h| {
+                let call = (rows, &request, up);
+                fused::logp_linear_grads_sharded_with(grid, h, shard, call, opts, seq_len)
+            }),
+        }
     }
 
-    /// [`Device::grpo_linear_sharded`] adding the gradients into the caller's buffers.
-    pub fn grpo_linear_sharded_into<E: Element>(
-        &self,
-        grid: &Grid,
-        shard: Shard,
-        loss: &GrpoLoss,
-        batch: &GrpoBatch,
-        head: HeadArgs<E>,
-        opts: &FusedOptions,
-    ) -> Result<GrpoLinearOutput> {
-        self.run(head, |h| {
-            fused::grpo_linear_sharded(grid, h, shard, loss, batch, opts)
-        })
-    }
-
-    /// Cross-entropy on a [`Grid`] of ranks (see [`fused::ce_linear_sharded`]), with
-    /// its gradients returned.
-    pub fn ce_linear_sharded<E: Element>(
-        &self,
-        grid: &Grid,
-        shard: Shard,
-        ce: &CrossEntropy,
-        targets: &[i64],
-        inputs: &LinearInputs<E>,
-        opts: &FusedOptions,
-    ) -> Result<CeLinearOutput> {
-        let mut grads = LinearGrads::zeros_for(inputs, opts.head_grad);
-        let head = host(inputs, grads.view());
-        let out = self.ce_linear_sharded_into(grid, shard, ce, targets, None, head, opts)?;
-        Ok(CeLinearOutput { grads, ..out })
-    }
-
-    /// [`Device::ce_linear_sharded`] adding the gradients into the caller's buffers;
-    /// `grad_rows` as in [`fused::ce_linear`].
-    #[allow(clippy::too_many_arguments)]
-    pub fn ce_linear_sharded_into<E: Element>(
-        &self,
-        grid: &Grid,
-        shard: Shard,
-        ce: &CrossEntropy,
-        targets: &[i64],
-        grad_rows: Option<&[f32]>,
-        head: HeadArgs<E>,
-        opts: &FusedOptions,
-    ) -> Result<CeLinearOutput> {
-        self.run(head, |h| {
-            fused::ce_linear_sharded(grid, h, shard, ce, targets, grad_rows, opts)
-        })
-    }
+    // The stages of a fused step, for a caller that merges a vocabulary shard's partial
+    // row states with its own collectives (the JAX handlers under `shard_map`): pass A
+    // gives each row's partial softmax state on this head; the caller merges them and
+    // forms each row's gradient; pass B adds them. A distinct concept from the losses
+    // above (no grid: the caller is the collective), with their argument order: the
+    // head, what the call is on, its data, the options.
 
     /// Pass A of a fused step on this head (a vocabulary shard, for a caller that merges
     /// the shards with its own collectives): see [`fused::partial_row_states`].
@@ -380,8 +328,8 @@ impl Device {
         })
     }
 
-    /// Cross-entropy's row stage and pass B on this head's [`Shard`] from merged
-    /// statistics, with the upstream gradients `(grad_rows, grad_lse)` (see
+    /// Cross-entropy's row stage and pass B on this head's [`Shard`] from the merged
+    /// statistics `stats`, with the gradients of `upstream` (see
     /// [`fused::ce_accumulate_row_grads`]).
     #[allow(clippy::too_many_arguments)]
     pub fn ce_accumulate_row_grads<E: Element>(
@@ -390,12 +338,13 @@ impl Device {
         shard: Shard,
         ce: &CrossEntropy,
         targets: &[i64],
-        upstream: (Option<&[f32]>, Option<&[f32]>),
         stats: Vec<RowStats>,
+        upstream: CeUpstream,
         opts: &FusedOptions,
     ) -> Result<CeLinearOutput> {
+        let up = (upstream.rows, upstream.lse);
         self.run(head, |h| {
-            fused::ce_accumulate_row_grads(h, shard, ce, targets, upstream, stats, opts)
+            fused::ce_accumulate_row_grads(h, shard, ce, targets, up, stats, opts)
         })
     }
 
@@ -493,8 +442,61 @@ impl Device {
     }
 }
 
-fn host<'a, E>(inputs: &'a LinearInputs<'a, E>, grads: LinearGradsMut<'a>) -> HeadArgs<'a, E> {
-    HeadArgs::Host { inputs, grads }
+/// A loss's call whose gradients [`Device::with_host_grads`] can hold in host memory.
+pub trait LossCall: Copy {
+    /// What the call returns (with a `grads` field).
+    type Output;
+    /// Which of the head's gradients the call forms.
+    fn head_grad(&self) -> HeadGrad;
+    /// The call's method on `device`.
+    fn run<E: Element>(self, device: &Device, head: HeadArgs<E>) -> Result<Self::Output>;
+    /// `out` with `grads` in it.
+    fn with_grads(out: Self::Output, grads: LinearGrads) -> Self::Output;
+}
+
+impl LossCall for GrpoCall<'_> {
+    type Output = GrpoLinearOutput;
+    fn head_grad(&self) -> HeadGrad {
+        self.opts.head_grad
+    }
+    fn run<E: Element>(self, device: &Device, head: HeadArgs<E>) -> Result<GrpoLinearOutput> {
+        device.grpo(head, self)
+    }
+    fn with_grads(out: GrpoLinearOutput, grads: LinearGrads) -> GrpoLinearOutput {
+        GrpoLinearOutput { grads, ..out }
+    }
+}
+
+impl LossCall for CeCall<'_> {
+    type Output = CeLinearOutput;
+    fn head_grad(&self) -> HeadGrad {
+        self.opts.head_grad
+    }
+    fn run<E: Element>(self, device: &Device, head: HeadArgs<E>) -> Result<CeLinearOutput> {
+        device.cross_entropy(head, self)
+    }
+    fn with_grads(out: CeLinearOutput, grads: LinearGrads) -> CeLinearOutput {
+        CeLinearOutput { grads, ..out }
+    }
+}
+
+impl Device {
+    /// Runs `call` on host `inputs` with zeroed gradient buffers of its own (`dH`, and
+    /// `dW`, `dbias` as the call's `head_grad` asks) and returns its output with them in
+    /// `grads`: the one convenience for a caller that keeps no buffers of its own.
+    pub fn with_host_grads<E: Element, C: LossCall>(
+        &self,
+        inputs: &LinearInputs<E>,
+        call: C,
+    ) -> Result<C::Output> {
+        let mut grads = LinearGrads::zeros_for(inputs, call.head_grad());
+        let head = HeadArgs::Host {
+            inputs,
+            grads: grads.view(),
+        };
+        let out = call.run(self, head)?;
+        Ok(C::with_grads(out, grads))
+    }
 }
 
 #[cfg(test)]

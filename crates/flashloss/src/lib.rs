@@ -39,7 +39,9 @@ pub use batch::{
     PerSeqOrTokenBuf,
 };
 pub use cross_entropy::{CeConfig, CrossEntropy, Reduction};
-pub use device::{Device, HeadArgs};
+pub use device::{
+    CeCall, CeUpstream, Device, GrpoCall, HeadArgs, LogpCall, LossCall, Returns, Vocab,
+};
 pub use element::{DType, Element};
 pub use error::{Error, Result};
 pub use fused::{

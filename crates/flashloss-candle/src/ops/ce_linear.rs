@@ -2,6 +2,7 @@
 
 use super::{HeadLoss, HeadOp, SavedGrads, device, wrap};
 use candle_core::{Result, Tensor};
+use flashloss::device::CeCall;
 use flashloss::{CrossEntropy, Element, FusedOptions, LinearInputs, Reduction};
 
 struct FusedCeLinear {
@@ -19,7 +20,7 @@ impl HeadLoss for FusedCeLinear {
             ..FusedOptions::default()
         };
         let out = device()
-            .ce_linear(&self.ce, &self.targets, None, inputs, &opts)
+            .with_host_grads(inputs, CeCall::new(&self.ce, &self.targets, &opts))
             .map_err(wrap)?;
         grads.store(out.grads.dhidden, out.grads.dweight);
         Ok(out.loss as f32)

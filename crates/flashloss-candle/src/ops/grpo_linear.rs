@@ -2,6 +2,7 @@
 
 use super::{HeadLoss, HeadOp, SavedGrads, device, wrap};
 use candle_core::{Result, Tensor};
+use flashloss::device::GrpoCall;
 use flashloss::policy::GrpoMetrics;
 use flashloss::{Element, FusedOptions, GrpoBatchData, GrpoLoss, LinearInputs, RowStats};
 use std::sync::{Arc, Mutex};
@@ -48,7 +49,7 @@ impl HeadLoss for FusedGrpoLinear {
         };
         let batch = self.inputs.batch();
         let out = device()
-            .grpo_linear(&self.loss, &batch, inputs, &opts)
+            .with_host_grads(inputs, GrpoCall::new(&self.loss, &batch, &opts))
             .map_err(wrap)?;
         grads.store(out.grads.dhidden, out.grads.dweight);
         *self.step.lock().expect("grpo step lock") =

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from . import _native
+from ._spec.native import call_spec
 from ._torch_op_utils import METRICS, _f32, _only_the_loss_differentiable, _scale, _with_items, metrics_tensor
 
 # --- GRPO on materialized logits -------------------------------------------------------
@@ -33,10 +34,18 @@ def grpo_logits(
     b, t = completion_ids.shape
     dlogits = torch.empty((b, t, logits.shape[-1]), dtype=logits.dtype)
     logp, entropy, kl = (torch.empty((b, t), dtype=torch.float32) for _ in range(3))
+    batch = (
+        completion_ids,
+        completion_mask,
+        advantages,
+        old_per_token_logps,
+        ref_per_token_logps,
+        importance_sampling_ratio,
+        None,
+        None,
+    )
     out = _native.grpo_logits(
-        logits.contiguous(), completion_ids, completion_mask, advantages, old_per_token_logps,
-        ref_per_token_logps, importance_sampling_ratio, _with_items(config, num_items), dlogits,
-        logp, entropy, kl,
+        logits.contiguous(), batch, dlogits, (logp, entropy, kl), call_spec(_with_items(config, num_items)),
     )  # fmt: skip
     if logits.shape[1] != t:
         dlogits = torch.nn.functional.pad(dlogits, (0, 0, 0, logits.shape[1] - t))
@@ -72,9 +81,8 @@ grpo_logits.register_autograd(_grpo_logits_backward, setup_context=_grpo_logits_
 def _per_token_call(logits, ids, mask, adv, old, ref, ratio, config, grad_rows, dlogits):
     """The native per-token call: ``(token_loss, kl, clipped)`` ``[B, T]`` f32."""
     outs = [torch.empty(ids.shape, dtype=torch.float32) for _ in range(5)]
-    _native.grpo_logits_per_token(
-        logits.contiguous(), ids, mask, adv, old, ref, ratio, config, grad_rows, dlogits, *outs
-    )
+    batch = (ids, mask, adv, old, ref, ratio, None, None)
+    _native.grpo_logits_per_token(logits.contiguous(), batch, grad_rows, dlogits, tuple(outs), call_spec(config))
     token_loss, _, _, kl, clipped = outs
     return token_loss, kl, clipped
 

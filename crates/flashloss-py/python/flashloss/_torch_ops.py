@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from . import _dist, _native
+from ._spec.native import call_spec
 
 # The logits-level ops (re-exported for flashloss.torch) and the helpers every op shares.
 from ._torch_logits_ops import grpo_logits, grpo_logits_rows, grpo_logits_rows_backward  # noqa: F401
@@ -56,8 +57,8 @@ def _ce_call(hidden, weight, bias, targets, grad_rows, config, mode, budget_mib,
     dh, dw, db = _grad_buffers(hidden, weight, bias, head_grad)
     rows = torch.empty(targets.shape, dtype=torch.float32)
     out = _native.ce_linear(
-        hidden, weight, bias, targets, config, mode, budget_mib, grad_rows, dh,
-        *_native_grads(dw, db, bias, head_grad), rows, _stream(hidden.device), _dist.ops(group),
+        (hidden, weight, bias), targets, (grad_rows, None), (dh, *_native_grads(dw, db, bias, head_grad)),
+        (rows, None), call_spec(config, mode=mode, budget_mib=budget_mib), _stream(hidden.device), _dist.ops(group),
     )  # fmt: skip
     return out, rows, dh, dw, db
 
@@ -102,11 +103,20 @@ def grpo_linear(
     device = hidden.device
     dh, dw, db = _grad_buffers(hidden, weight, bias, head_grad)
     logp, entropy, kl = (torch.empty(completion_ids.shape, dtype=torch.float32) for _ in range(3))
+    batch = (
+        completion_ids,
+        completion_mask,
+        advantages,
+        old_per_token_logps,
+        ref_per_token_logps,
+        importance_sampling_ratio,
+        policy_mask,
+        entropy_mask,
+    )
     out = _native.grpo_linear(
-        hidden, weight, bias, completion_ids, completion_mask, advantages, old_per_token_logps,
-        ref_per_token_logps, importance_sampling_ratio, policy_mask, entropy_mask,
-        _with_items(config, num_items), mode, budget_mib, dh, *_native_grads(dw, db, bias, head_grad),
-        logp, entropy, kl, _stream(device), _dist.ops(group),
+        (hidden, weight, bias), batch, (dh, *_native_grads(dw, db, bias, head_grad)), (logp, entropy, kl),
+        call_spec(_with_items(config, num_items), mode=mode, budget_mib=budget_mib), _stream(device),
+        _dist.ops(group),
     )  # fmt: skip
     loss = torch.tensor(out["loss"], dtype=torch.float32, device=device)
     metrics = metrics_tensor(out, device)
@@ -199,7 +209,7 @@ def ce_linear_rows(
     row gradients."""
     if hidden.device.type == "cpu" and not group:
         rows = torch.empty(targets.shape, dtype=torch.float32)
-        _native.ce_rows(hidden, weight, bias, targets, config, budget_mib, rows)
+        _native.ce_rows((hidden, weight, bias), targets, (rows, None), call_spec(config, budget_mib=budget_mib))
         return rows
     zero = torch.zeros(targets.shape, dtype=torch.float32)
     rows = _ce_call(hidden, weight, bias, targets, zero, config, mode, budget_mib, group, False)[1]
@@ -251,8 +261,9 @@ def ce_linear_lse_backward(
     dh, dw, db = _grad_buffers(hidden, weight, bias, True)  # the lse ops train the head
     out_rows = torch.empty(targets.shape, dtype=torch.float32)
     _native.ce_linear(
-        hidden, weight, bias, targets, config, mode, budget_mib, _f32(grad_rows), dh, dw, None if bias is None else db,
-        out_rows, _stream(hidden.device), _dist.ops(group), _f32(grad_lse), grad_output,
+        (hidden, weight, bias), targets, (_f32(grad_rows), _f32(grad_lse)), (dh, dw, None if bias is None else db),
+        (out_rows, None), call_spec(config, mode=mode, budget_mib=budget_mib, grad_output=grad_output),
+        _stream(hidden.device), _dist.ops(group),
     )  # fmt: skip
     return dh, dw, db
 
@@ -278,8 +289,8 @@ def ce_linear_lse(
     dh, dw, db = _grad_buffers(hidden, weight, bias, True)  # the lse ops train the head
     rows, lse = (torch.empty(targets.shape, dtype=torch.float32) for _ in range(2))
     out = _native.ce_linear(
-        hidden, weight, bias, targets, config, mode, budget_mib, None, dh, dw, None if bias is None else db,
-        rows, _stream(hidden.device), _dist.ops(group), None, 1.0, lse,
+        (hidden, weight, bias), targets, (None, None), (dh, dw, None if bias is None else db), (rows, lse),
+        call_spec(config, mode=mode, budget_mib=budget_mib), _stream(hidden.device), _dist.ops(group),
     )  # fmt: skip
     loss = torch.tensor(out["loss"], dtype=torch.float32, device=hidden.device)
     return loss, lse.to(hidden.device), dh, dw, db
@@ -330,12 +341,12 @@ def ce_linear_rows_lse(
     """Reduction ``none``: each row's loss and log-sum-exp ``[N]`` (f32, 0 where ignored)."""
     rows, lse = (torch.empty(targets.shape, dtype=torch.float32) for _ in range(2))
     if hidden.device.type == "cpu" and not group:
-        _native.ce_rows(hidden, weight, bias, targets, config, budget_mib, rows, lse)
+        _native.ce_rows((hidden, weight, bias), targets, (rows, lse), call_spec(config, budget_mib=budget_mib))
         return rows, lse
     dh, dw, db = _grad_buffers(hidden, weight, bias, True)  # the lse ops train the head
     _native.ce_linear(
-        hidden, weight, bias, targets, config, mode, budget_mib, torch.zeros_like(rows), dh, dw,
-        None if bias is None else db, rows, _stream(hidden.device), _dist.ops(group), None, 1.0, lse,
+        (hidden, weight, bias), targets, (torch.zeros_like(rows), None), (dh, dw, None if bias is None else db),
+        (rows, lse), call_spec(config, mode=mode, budget_mib=budget_mib), _stream(hidden.device), _dist.ops(group),
     )  # fmt: skip
     return rows.to(hidden.device), lse.to(hidden.device)
 
@@ -411,11 +422,19 @@ def logp_linear(
     out = _logp_outputs(ids, gather_ids, sum_p2, support, lambda shape: torch.empty(shape, dtype=torch.float32))
     logp, entropy, lse, max_logit, p2, gathered, outside = out
     h = hidden.reshape(-1, hidden.shape[-1])
+    outs = (
+        logp,
+        entropy,
+        lse,
+        max_logit,
+        p2 if sum_p2 else None,
+        None if gather_ids is None else gathered,
+        outside if support else None,
+    )
+    spec = call_spec(temperature=temperature, budget_mib=budget_mib, top_k=top_k, top_p=top_p, min_p=min_p)
     _native.logp_linear(
-        h, weight, bias, ids, mask, temperature, budget_mib, logp, entropy, _dist.ops(group), lse, max_logit,
-        p2 if sum_p2 else None, gather_ids, None if gather_ids is None else gathered, top_k, top_p, min_p,
-        outside if support else None, _stream(hidden.device),
-    )  # fmt: skip
+        (h, weight, bias), (ids, mask), outs, gather_ids, spec, _stream(hidden.device), _dist.ops(group)
+    )
     return tuple(t.to(hidden.device) for t in out)
 
 
@@ -458,10 +477,13 @@ def logp_linear_backward(
         g_logp = torch.zeros(ids.shape, dtype=torch.float32)
     gathered = _f32(grad_gathered)
     h = hidden.reshape(-1, hidden.shape[-1])
+    spec = call_spec(
+        temperature=temperature, mode=mode, budget_mib=budget_mib, top_k=top_k, top_p=top_p, min_p=min_p,
+    )  # fmt: skip
     _native.logp_linear_grads(
-        h, weight, bias, ids, mask, g_logp, _f32(grad_entropy), temperature, mode, budget_mib,
-        dh.view(h.shape), *_native_grads(dw, db, bias, head_grad), _dist.ops(group), _f32(grad_lse),
-        None if gathered is None else gather_ids, gathered, top_k, top_p, min_p, _stream(hidden.device),
+        (h, weight, bias), (ids, mask), (g_logp, _f32(grad_entropy), _f32(grad_lse), gathered),
+        (dh.view(h.shape), *_native_grads(dw, db, bias, head_grad)), None if gathered is None else gather_ids,
+        spec, _stream(hidden.device), _dist.ops(group),
     )  # fmt: skip
     return dh, dw, db
 

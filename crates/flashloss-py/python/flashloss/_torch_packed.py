@@ -19,6 +19,7 @@ from torch import Tensor
 from . import _native
 from ._spec import METRICS, GRPOOutputs
 from ._spec import packed as P
+from ._spec.native import call_spec
 from ._torch_args import _check_tensor
 from ._torch_logprobs import linear_logprobs
 from ._torch_op_utils import _f32, _with_items, metrics_tensor
@@ -43,10 +44,18 @@ def grpo_policy(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(loss, dlogp, dentropy, kl, metrics)`` of ``logp``, ``entropy`` ``[B, T]``."""
     dlogp, dentropy, kl = (torch.empty(completion_ids.shape, dtype=torch.float32) for _ in range(3))
+    batch = (
+        completion_ids,
+        completion_mask,
+        advantages,
+        old_per_token_logps,
+        ref_per_token_logps,
+        importance_sampling_ratio,
+        policy_mask,
+        entropy_mask,
+    )
     out = _native.grpo_policy(
-        _f32(logp), _f32(entropy), completion_ids, completion_mask, advantages, old_per_token_logps,
-        ref_per_token_logps, importance_sampling_ratio, policy_mask, entropy_mask, _with_items(config, num_items),
-        dlogp, dentropy, kl,
+        _f32(logp), _f32(entropy), batch, (dlogp, dentropy, kl), call_spec(_with_items(config, num_items)),
     )  # fmt: skip
     return torch.tensor(out["loss"], dtype=torch.float32), dlogp, dentropy, kl, metrics_tensor(out)
 

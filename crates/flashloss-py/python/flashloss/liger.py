@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from . import _native
+from ._spec.native import call_spec
 from . import _torch_ops as ops
 from ._spec import GrpoArgs
 from .torch import _grpo_logits_inputs, linear_grpo_loss, linear_logprobs
@@ -213,9 +214,8 @@ def _grpo_logits_in_place(logits, ids, mask, adv, old, ref, ratio, items, config
     t = ids.shape[1]
     z = logits.detach()
     logp, entropy, kl = (torch.empty(ids.shape, dtype=torch.float32) for _ in range(3))
-    out = _native.grpo_logits(
-        z, ids, mask, adv, old, ref, ratio, ops._with_items(config, items), None, logp, entropy, kl
-    )
+    batch = (ids, mask, adv, old, ref, ratio, None, None)
+    out = _native.grpo_logits(z, batch, None, (logp, entropy, kl), call_spec(ops._with_items(config, items)))
     z[:, t:].zero_()
     loss = _GrpoLogits.apply(logits, z, torch.tensor(out["loss"], dtype=torch.float32))
     return loss, ops.metrics_tensor(out)

@@ -8,21 +8,19 @@
 
 use super::ffi::CallFrame;
 use super::frame::{Frame, Named, Result, bad, handle};
-use super::handlers::{
-    by_dtype, ce_grad_options, ce_upstream, grads, head, options, parse, weight_layout,
-};
+use super::handlers::{by_dtype, ce_upstream, grads, head, options, weight_layout};
 use super::vocab::{merged_stats, offset_of};
 use crate::front::cpu;
 use flashloss::rows::RowStats;
 use flashloss::{CeConfig, CrossEntropy, HeadArgs, LinearInputs, Shard};
 use std::ffi::c_void;
 
-/// The loss (attribute `config`, a `CeConfig`) and the block's place: argument
-/// `offset` (one int) and attribute `vocab` (the whole vocabulary's size).
+/// The loss (spec field `config`, a `CeConfig`) and the block's place: argument
+/// `offset` (one int) and spec field `vocab` (the whole vocabulary's size).
 fn loss_and_shard(f: &Frame, offset: &Named) -> Result<(CrossEntropy, Shard)> {
-    let ce = CrossEntropy::new(parse::<CeConfig>(f.attr_str("config")?)?)?;
+    let ce = CrossEntropy::new(f.spec()?.config::<CeConfig>()?)?;
     let offset = offset_of(offset)?;
-    let vocab = f.attr_i64("vocab")?;
+    let vocab = f.spec()?.i64("vocab")?;
     if vocab < 1 {
         return Err(bad("vocab", format!("must be >= 1, got {vocab}")));
     }
@@ -31,7 +29,7 @@ fn loss_and_shard(f: &Frame, offset: &Named) -> Result<(CrossEntropy, Shard)> {
 }
 
 /// Pass A. Arguments: hidden `[N, H]`, weight (block), bias (block or `[0]`), targets
-/// `[N]` (ids of the whole vocabulary), offset; attributes: budget_mib, config, mode,
+/// `[N]` (ids of the whole vocabulary), offset; spec fields: budget_mib, config, mode,
 /// vocab, weight_layout. Results `[N]` each: max, sum, weighted, target logit, logit sum.
 unsafe extern "C" fn ce_vocab_partial(frame: *mut CallFrame) -> *mut c_void {
     // SAFETY: XLA's frame.
@@ -71,7 +69,7 @@ unsafe extern "C" fn ce_vocab_partial(frame: *mut CallFrame) -> *mut c_void {
 /// The row stage and pass B. Arguments: hidden, weight (block), bias, targets `[N]`,
 /// offset, the merged max, log_sum, entropy, logp, mean_logit (`[N]` each), grad_rows
 /// (`[N]` for reduction none, `[0]` otherwise), grad_lse (`[N]`: the upstream gradient
-/// of each row's log-sum-exp, `∂lse/∂s_j = p_j`; `[0]` for none); attributes:
+/// of each row's log-sum-exp, `∂lse/∂s_j = p_j`; `[0]` for none); spec fields:
 /// budget_mib, config, mode, vocab, weight_layout, head_grad, grad_output. Results:
 /// loss, row_loss `[N]`, dhidden (the block's part), dweight (the weight's shape), dbias
 /// (the block's; both `[0]` for a frozen head): the gradients of
@@ -84,7 +82,7 @@ unsafe extern "C" fn ce_vocab_grads(frame: *mut CallFrame) -> *mut c_void {
             let layout = weight_layout(f)?;
             let targets = f.arg(3, "targets")?.ids()?;
             let (ce, shard) = loss_and_shard(f, &f.arg(4, "offset")?)?;
-            let opts = ce_grad_options(f)?;
+            let opts = options(f)?;
             let inv_temp = (1.0 / ce.config().temperature) as f32;
             let n = targets.len();
             let names = ["max", "log_sum", "entropy", "logp", "mean_logit"];
@@ -105,7 +103,7 @@ unsafe extern "C" fn ce_vocab_grads(frame: *mut CallFrame) -> *mut c_void {
             let out = by_dtype!(x, E, code => {
                 let inputs: LinearInputs<E> = head((&x, &w, &b), layout, code)?;
                 let args = HeadArgs::Host { inputs: &inputs, grads: grads(f, 2)? };
-                Ok(cpu().ce_accumulate_row_grads(args, shard, &ce, &targets, upstream, stats, &opts)?)
+                Ok(cpu().ce_accumulate_row_grads(args, shard, &ce, &targets, stats, upstream, &opts)?)
             })?;
             f.ret(0, "loss")?.f32s_mut()?[0] = out.loss as f32;
             f.ret(1, "row_loss")?

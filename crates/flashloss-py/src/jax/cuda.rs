@@ -11,12 +11,12 @@
 use super::ffi::{self, Buffer, CallFrame, StreamGetArgs};
 use super::frame::{Frame, Result, bad, handle};
 use super::handlers::{
-    Tokens, ce_grad_options, ce_outputs, ce_upstream, grad_options, grpo_outputs, parse,
-    vocab_hidden, weight_layout,
+    Tokens, ce_outputs, ce_upstream, grpo_outputs, options, vocab_hidden, weight_layout,
 };
 use crate::front::gpu;
 use cudarc::driver::{result as cu, sys};
 use flashloss::cuda::BorrowedHead;
+use flashloss::device::{CeCall, GrpoCall};
 use flashloss::{CeConfig, CrossEntropy, GrpoLoss, GrpoLossConfig, HeadArgs, WeightLayout};
 use half::bf16;
 use std::ffi::c_void;
@@ -287,51 +287,49 @@ unsafe fn run_cuda(
     }
 }
 
-/// GRPO from hidden states on a GPU: arguments, attributes and results as the CPU
+/// GRPO from hidden states on a GPU: arguments, spec and results as the CPU
 /// handler's (`handlers::grpo_linear`).
 unsafe extern "C" fn grpo_linear(frame: *mut CallFrame) -> *mut c_void {
     // SAFETY: XLA's frame.
     unsafe {
         run_cuda(frame, 1, |f, device, head, dtype| {
-            let loss = GrpoLoss::new(parse::<GrpoLossConfig>(f.attr_str("config")?)?)?;
-            let opts = grad_options(f)?;
+            let loss = GrpoLoss::new(f.spec()?.config::<GrpoLossConfig>()?)?;
+            let opts = options(f)?;
             let tokens = Tokens::read(f, 3)?;
             let batch = tokens.batch();
             let out = match dtype {
-                ffi::dtype::F32 => {
-                    device.grpo_linear_into(&loss, &batch, HeadArgs::<f32>::Cuda(head), &opts)?
-                }
-                _ => device.grpo_linear_into(&loss, &batch, HeadArgs::<bf16>::Cuda(head), &opts)?,
+                ffi::dtype::F32 => device.grpo(
+                    HeadArgs::<f32>::Cuda(head),
+                    GrpoCall::new(&loss, &batch, &opts),
+                )?,
+                _ => device.grpo(
+                    HeadArgs::<bf16>::Cuda(head),
+                    GrpoCall::new(&loss, &batch, &opts),
+                )?,
             };
             grpo_outputs(f, 4, out.loss, &out.metrics, &out.stats, &out.kl)
         })
     }
 }
 
-/// Cross-entropy from hidden states on a GPU: arguments, attributes and results as the
+/// Cross-entropy from hidden states on a GPU: arguments, spec and results as the
 /// CPU handler's (`handlers::ce_linear`).
 unsafe extern "C" fn ce_linear(frame: *mut CallFrame) -> *mut c_void {
     // SAFETY: XLA's frame.
     unsafe {
         run_cuda(frame, 1, |f, device, head, dtype| {
-            let ce = CrossEntropy::new(parse::<CeConfig>(f.attr_str("config")?)?)?;
-            let opts = ce_grad_options(f)?;
+            let ce = CrossEntropy::new(f.spec()?.config::<CeConfig>()?)?;
+            let opts = options(f)?;
             let targets = f.arg(3, "targets")?.ids()?;
             let upstream = ce_upstream(f, 4, targets.len())?;
             let out = match dtype {
-                ffi::dtype::F32 => device.ce_linear_lse_into(
-                    &ce,
-                    &targets,
-                    upstream,
+                ffi::dtype::F32 => device.cross_entropy(
                     HeadArgs::<f32>::Cuda(head),
-                    &opts,
+                    CeCall::new(&ce, &targets, &opts).upstream(upstream),
                 )?,
-                _ => device.ce_linear_lse_into(
-                    &ce,
-                    &targets,
-                    upstream,
+                _ => device.cross_entropy(
                     HeadArgs::<bf16>::Cuda(head),
-                    &opts,
+                    CeCall::new(&ce, &targets, &opts).upstream(upstream),
                 )?,
             };
             ce_outputs(f, &out)

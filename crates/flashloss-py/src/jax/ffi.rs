@@ -14,8 +14,6 @@ pub const API_VERSION: (i32, i32) = (0, 3);
 pub const EXTENSION_METADATA: i32 = 1;
 /// `XLA_FFI_ExecutionStage_EXECUTE`.
 pub const STAGE_EXECUTE: i32 = 3;
-/// `XLA_FFI_AttrType_SCALAR` and `_STRING`.
-pub const ATTR_SCALAR: i32 = 3;
 pub const ATTR_STRING: i32 = 4;
 /// `XLA_FFI_Error_Code_INVALID_ARGUMENT` and `_INTERNAL`.
 pub const ERROR_INVALID_ARGUMENT: i32 = 3;
@@ -28,7 +26,6 @@ pub mod dtype {
     pub const S64: i32 = 5;
     pub const F16: i32 = 10;
     pub const F32: i32 = 11;
-    pub const F64: i32 = 12;
     pub const BF16: i32 = 16;
 }
 

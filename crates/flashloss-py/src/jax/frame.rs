@@ -174,43 +174,17 @@ impl<'a> Frame<'a> {
         Err(bad(name, "missing attribute"))
     }
 
+    /// The call's spec: the attribute `spec`, parsed (see [`crate::spec::Spec`]).
+    pub fn spec(&self) -> Result<crate::spec::Spec> {
+        Ok(crate::spec::Spec::parse(self.attr_str("spec")?)?)
+    }
+
     /// A string attribute (a byte span, not NUL-terminated).
     pub fn attr_str(&self, name: &str) -> Result<&'a str> {
         let p = self.attr(name, ffi::ATTR_STRING)? as *const ffi::ByteSpan;
         // SAFETY: a string attribute is a byte span.
         let bytes = unsafe { std::slice::from_raw_parts((*p).ptr as *const u8, (*p).len) };
         std::str::from_utf8(bytes).map_err(|e| bad(name, e))
-    }
-
-    /// An integer scalar attribute (a Python int).
-    pub fn attr_i64(&self, name: &str) -> Result<i64> {
-        let p = self.attr(name, ffi::ATTR_SCALAR)? as *const ffi::Scalar;
-        // SAFETY: a scalar attribute: a dtype and a pointer to one value of it.
-        unsafe {
-            match (*p).dtype {
-                dtype::S64 => Ok(*((*p).value as *const i64)),
-                dtype::S32 => Ok(*((*p).value as *const i32) as i64),
-                other => Err(bad(
-                    name,
-                    format!("expected an integer scalar, got dtype {other}"),
-                )),
-            }
-        }
-    }
-
-    /// An f64 scalar attribute (a Python float).
-    pub fn attr_f64(&self, name: &str) -> Result<f64> {
-        let p = self.attr(name, ffi::ATTR_SCALAR)? as *const ffi::Scalar;
-        // SAFETY: a scalar attribute: a dtype and a pointer to one value of it.
-        unsafe {
-            match (*p).dtype {
-                dtype::F64 => Ok(*((*p).value as *const f64)),
-                other => Err(bad(
-                    name,
-                    format!("expected an f64 scalar, got dtype {other}"),
-                )),
-            }
-        }
     }
 }
 

@@ -1,15 +1,19 @@
 //! The XLA FFI handlers of `flashloss.jax` (CPU): each reads its call frame, calls the
 //! process's CPU [`flashloss::Device`] and writes its results. The loss and the
 //! gradients of `hidden`, `weight`, `bias` come out of one fused call (the backward of the
-//! JAX op only scales them by the cotangent). Argument order and attributes are those of
-//! `python/flashloss/jax/ffi/ops.py`; every handler that takes a weight takes the attribute
-//! `weight_layout` (`"vh"`: `[V, H]`, `"hv"`: `[H, V]`, a Flax kernel), and its `dweight`
-//! result has the weight's shape.
+//! JAX op only scales them by the cotangent). Argument order is that of
+//! `python/flashloss/jax/ffi/ops.py`. Every handler takes one attribute, `spec` (the JSON
+//! of [`crate::spec::Spec`], parsed by [`Frame::spec`] as the torch entry points parse
+//! theirs); the "spec fields" each handler's documentation names are its fields. Every
+//! handler that takes a weight reads `weight_layout` (`"vh"`: `[V, H]`, `"hv"`: `[H, V]`,
+//! a Flax kernel), and its `dweight` result has the weight's shape.
 
 use super::ffi::CallFrame;
 use super::frame::{Frame, Named, Result, bad, handle};
 use crate::front::cpu;
-use flashloss::fused::{FusedOptions, HeadGrad, LinearGradsMut, Mode};
+use flashloss::device::{CeCall, CeUpstream, GrpoCall, LogpCall};
+use flashloss::fused::LogpRows;
+use flashloss::fused::{FusedOptions, LinearGradsMut};
 use flashloss::policy::GrpoMetrics;
 use flashloss::{
     CeConfig, CrossEntropy, Element, GrpoBatch, GrpoLoss, GrpoLossConfig, HeadArgs, LinearInputs,
@@ -17,42 +21,21 @@ use flashloss::{
 };
 use std::ffi::c_void;
 
-/// A config from its JSON attribute; an error names the offending key.
+/// A config from JSON; an error names the offending key.
 pub(super) fn parse<T: serde::de::DeserializeOwned>(json: &str) -> Result<T> {
     let de = &mut serde_json::Deserializer::from_str(json);
     serde_path_to_error::deserialize(de).map_err(|e| bad(&e.path().to_string(), e.inner()))
 }
 
+/// The options of the call's spec (`mode`, `budget_mib`, `grad_output`, `head_grad`: see
+/// [`crate::spec::Spec::options`]).
 pub(super) fn options(f: &Frame) -> Result<FusedOptions> {
-    let mode: Mode = parse(&format!("{:?}", f.attr_str("mode")?))?;
-    options_of(f, mode)
+    Ok(f.spec()?.options()?)
 }
 
-/// [`options`] of a call that forms gradients, with the attribute `head_grad`
-/// (`"full"`, or `"frozen"`: no dW or dbias, whose results are then `[0]`).
-pub(super) fn grad_options(f: &Frame) -> Result<FusedOptions> {
-    let head_grad: HeadGrad = parse(&format!("{:?}", f.attr_str("head_grad")?))?;
-    Ok(FusedOptions {
-        head_grad,
-        ..options(f)?
-    })
-}
-
-/// The options of `mode` with the attribute `budget_mib` (checked positive).
-fn options_of(f: &Frame, mode: Mode) -> Result<FusedOptions> {
-    let mib = f.attr_f64("budget_mib")?;
-    if !(mib.is_finite() && mib > 0.0) {
-        return Err(bad(
-            "budget_mib",
-            format!("must be a positive number, got {mib}"),
-        ));
-    }
-    Ok(FusedOptions::from_mib(mode, mib, 1.0))
-}
-
-/// The attribute `weight_layout`: `"vh"` (`[V, H]`) or `"hv"` (`[H, V]`).
+/// The spec's `weight_layout`: `"vh"` (`[V, H]`) or `"hv"` (`[H, V]`).
 pub(super) fn weight_layout(f: &Frame) -> Result<WeightLayout> {
-    Ok(WeightLayout::from_name(f.attr_str("weight_layout")?)?)
+    Ok(f.spec()?.weight_layout()?)
 }
 
 /// `(V, H)` of `weight` in `layout`, checked 2-D and of the hidden size `H` of `hidden`
@@ -295,7 +278,7 @@ macro_rules! by_dtype {
 pub(super) use by_dtype;
 
 /// GRPO from hidden states. Arguments: hidden, weight, bias, completion_ids,
-/// completion_mask, advantages, old and ref logp, importance_sampling_ratio; attributes: budget_mib, config (the
+/// completion_mask, advantages, old and ref logp, importance_sampling_ratio; spec fields: budget_mib, config (the
 /// JSON of `GrpoLossConfig`), mode, weight_layout, head_grad. Results: loss, dhidden,
 /// dweight, dbias (`[0]` each for a frozen head), logp, entropy, kl, metrics
 /// `[kl, entropy, clip low, high, region]`.
@@ -303,8 +286,8 @@ unsafe extern "C" fn grpo_linear(frame: *mut CallFrame) -> *mut c_void {
     // SAFETY: XLA's frame.
     unsafe {
         handle(frame, |f| {
-            let loss = GrpoLoss::new(parse::<GrpoLossConfig>(f.attr_str("config")?)?)?;
-            let opts = grad_options(f)?;
+            let loss = GrpoLoss::new(f.spec()?.config::<GrpoLossConfig>()?)?;
+            let opts = options(f)?;
             let (x, w, bias) = (f.arg(0, "hidden")?, f.arg(1, "weight")?, f.arg(2, "bias")?);
             let layout = weight_layout(f)?;
             let tokens = Tokens::read(f, 3)?;
@@ -312,7 +295,7 @@ unsafe extern "C" fn grpo_linear(frame: *mut CallFrame) -> *mut c_void {
             let out = by_dtype!(x, E, code => {
                 let inputs = head::<E>((&x, &w, &bias), layout, code)?;
                 let args = HeadArgs::Host { inputs: &inputs, grads: grads(f, 1)? };
-                Ok(cpu().grpo_linear_into(&loss, &batch, args, &opts)?)
+                Ok(cpu().grpo(args, GrpoCall::new(&loss, &batch, &opts))?)
             })?;
             grpo_outputs(f, 4, out.loss, &out.metrics, &out.stats, &out.kl)
         })
@@ -321,7 +304,7 @@ unsafe extern "C" fn grpo_linear(frame: *mut CallFrame) -> *mut c_void {
 
 /// Cross-entropy from hidden states. Arguments: hidden, weight, bias, targets `[N]`,
 /// grad_rows `[N]` (reduction none; `[0]` otherwise), grad_lse `[N]` (the upstream
-/// gradient of each row's log-sum-exp; `[0]` for none); attributes: budget_mib, config
+/// gradient of each row's log-sum-exp; `[0]` for none); spec fields: budget_mib, config
 /// (the JSON of `CeConfig`), mode, weight_layout, head_grad, grad_output. Results: loss,
 /// dhidden, dweight, dbias (`[0]` each for a frozen head: the gradients of
 /// `grad_output·L + Σ_i grad_lse_i·lse_i`), row_loss `[N]`, count, lse `[N]` (0 where
@@ -330,8 +313,8 @@ unsafe extern "C" fn ce_linear(frame: *mut CallFrame) -> *mut c_void {
     // SAFETY: XLA's frame.
     unsafe {
         handle(frame, |f| {
-            let ce = CrossEntropy::new(parse::<CeConfig>(f.attr_str("config")?)?)?;
-            let opts = ce_grad_options(f)?;
+            let ce = CrossEntropy::new(f.spec()?.config::<CeConfig>()?)?;
+            let opts = options(f)?;
             let (x, w, bias) = (f.arg(0, "hidden")?, f.arg(1, "weight")?, f.arg(2, "bias")?);
             let layout = weight_layout(f)?;
             let targets = f.arg(3, "targets")?.ids()?;
@@ -339,28 +322,12 @@ unsafe extern "C" fn ce_linear(frame: *mut CallFrame) -> *mut c_void {
             let out = by_dtype!(x, E, code => {
                 let inputs = head::<E>((&x, &w, &bias), layout, code)?;
                 let args = HeadArgs::Host { inputs: &inputs, grads: grads(f, 1)? };
-                Ok(cpu().ce_linear_lse_into(&ce, &targets, upstream, args, &opts)?)
+                Ok(cpu().cross_entropy(args, CeCall::new(&ce, &targets, &opts).upstream(upstream))?)
             })?;
             ce_outputs(f, &out)
         })
     }
 }
-
-/// [`grad_options`] of a CE call, with the attribute `grad_output` (the upstream
-/// gradient of the loss, finite).
-pub(super) fn ce_grad_options(f: &Frame) -> Result<FusedOptions> {
-    let g = f.attr_f64("grad_output")?;
-    if !g.is_finite() {
-        return Err(bad("grad_output", format!("must be finite, got {g}")));
-    }
-    Ok(FusedOptions {
-        grad_output: g as f32,
-        ..grad_options(f)?
-    })
-}
-
-/// Per-row upstream gradients of a CE call: `(grad_rows, grad_lse)`, each optional.
-type CeUpstream<'a> = (Option<&'a [f32]>, Option<&'a [f32]>);
 
 /// The per-row upstream gradients of a CE call: arguments `first` (grad_rows) and
 /// `first + 1` (grad_lse), each `[N]` or `[0]` (none).
@@ -373,7 +340,10 @@ pub(super) fn ce_upstream<'a>(f: &Frame<'a>, first: usize, n: usize) -> Result<C
         a.expect_dims(&[n])?;
         a.f32s().map(Some)
     });
-    Ok((rows?, lse?))
+    Ok(CeUpstream {
+        rows: rows?,
+        lse: lse?,
+    })
 }
 
 /// Writes a CE call's loss (result 0), per-row losses (4), counted rows (5) and each
@@ -395,20 +365,20 @@ fn write_lse(f: &Frame, index: usize, stats: &[flashloss::RowStats]) -> Result<(
 }
 
 /// Per-row CE losses without gradients (reduction `none`'s forward: one statistics
-/// pass). Arguments: hidden, weight, bias, targets `[N]`; attributes: budget_mib,
+/// pass). Arguments: hidden, weight, bias, targets `[N]`; spec fields: budget_mib,
 /// config, weight_layout. Results: row_loss, lse `[N]` (0 where ignored).
 unsafe extern "C" fn ce_rows(frame: *mut CallFrame) -> *mut c_void {
     // SAFETY: XLA's frame.
     unsafe {
         handle(frame, |f| {
-            let ce = CrossEntropy::new(parse::<CeConfig>(f.attr_str("config")?)?)?;
-            let opts = options_of(f, Mode::TwoPass)?;
+            let ce = CrossEntropy::new(f.spec()?.config::<CeConfig>()?)?;
+            let opts = options(f)?.two_pass();
             let (x, w, bias) = (f.arg(0, "hidden")?, f.arg(1, "weight")?, f.arg(2, "bias")?);
             let layout = weight_layout(f)?;
             let targets = f.arg(3, "targets")?.ids()?;
             let out = by_dtype!(x, E, code => {
                 let inputs = head::<E>((&x, &w, &bias), layout, code)?;
-                Ok(cpu().ce_row_losses(HeadArgs::host(&inputs), &ce, &targets, &opts)?)
+                Ok(cpu().cross_entropy(HeadArgs::host(&inputs), CeCall::new(&ce, &targets, &opts).forward())?)
             })?;
             f.ret(0, "row_loss")?
                 .f32s_mut()?
@@ -419,13 +389,13 @@ unsafe extern "C" fn ce_rows(frame: *mut CallFrame) -> *mut c_void {
 }
 
 /// Per-row log-probs and entropy (no gradient). Arguments: hidden, weight, bias, ids
-/// `[N]`, mask `[N]`; attributes: budget_mib, temperature, weight_layout. Results: logp,
+/// `[N]`, mask `[N]`; spec fields: budget_mib, temperature, weight_layout. Results: logp,
 /// entropy `[N]`.
 unsafe extern "C" fn logp_linear(frame: *mut CallFrame) -> *mut c_void {
     // SAFETY: XLA's frame.
     unsafe {
         handle(frame, |f| {
-            let temperature = Temperature::new(f.attr_f64("temperature")?)?;
+            let temperature = Temperature::new(f.spec()?.f64("temperature")?)?;
             let budget = options(f)?.budget_bytes;
             let (x, w, bias) = (f.arg(0, "hidden")?, f.arg(1, "weight")?, f.arg(2, "bias")?);
             let layout = weight_layout(f)?;
@@ -435,7 +405,7 @@ unsafe extern "C" fn logp_linear(frame: *mut CallFrame) -> *mut c_void {
             let stats = by_dtype!(x, E, code => {
                 let inputs = head::<E>((&x, &w, &bias), layout, code)?;
                 let device = cpu();
-                Ok(device.logp_linear(HeadArgs::host(&inputs), &ids, Some(&mask), temperature, budget, n)?)
+                Ok(device.logprobs(HeadArgs::host(&inputs), LogpCall::forward(LogpRows { targets: &ids, mask: Some(&mask), temperature }, &FusedOptions::forward(budget), n)).map(|o| o.stats)?)
             })?;
             let (lp, ent) = (
                 f.ret(0, "logp")?.f32s_mut()?,
@@ -451,13 +421,13 @@ unsafe extern "C" fn logp_linear(frame: *mut CallFrame) -> *mut c_void {
 
 /// GRPO on materialized logits `[B, T, V]` (f32 or bf16; the gradient in their dtype,
 /// no f32 copy of bf16 logits). Arguments: logits, completion_ids, completion_mask,
-/// advantages, old and ref logp, importance_sampling_ratio; attribute: config. Results: loss, dlogits, logp,
+/// advantages, old and ref logp, importance_sampling_ratio; spec field: config. Results: loss, dlogits, logp,
 /// entropy, kl, metrics.
 unsafe extern "C" fn grpo_logits(frame: *mut CallFrame) -> *mut c_void {
     // SAFETY: XLA's frame.
     unsafe {
         handle(frame, |f| {
-            let loss = GrpoLoss::new(parse::<GrpoLossConfig>(f.attr_str("config")?)?)?;
+            let loss = GrpoLoss::new(f.spec()?.config::<GrpoLossConfig>()?)?;
             let z = f.arg(0, "logits")?;
             let tokens = Tokens::read(f, 1)?;
             let layout = logits_layout(&z, &tokens)?;
@@ -489,13 +459,13 @@ fn logits_layout(z: &Named, tokens: &Tokens) -> Result<LogitsLayout> {
 /// Per-token GRPO losses on logits `[B, T, V]`, unreduced (Liger's `reduce=False`).
 /// Arguments: logits, completion_ids, completion_mask, advantages, old and ref logp,
 /// importance_sampling_ratio, grad_rows `[B, T]` (each token's upstream gradient; ones for the losses themselves);
-/// attribute: config. Results: token_loss `g·ℓ_tot`, kl, clipped (0/1) `[B, T]` f32, and
+/// spec field: config. Results: token_loss `g·ℓ_tot`, kl, clipped (0/1) `[B, T]` f32, and
 /// dlogits (the logits' shape and dtype: `∂(Σ g·ℓ_tot)/∂logits`; `[0]` for none).
 unsafe extern "C" fn grpo_logits_rows(frame: *mut CallFrame) -> *mut c_void {
     // SAFETY: XLA's frame.
     unsafe {
         handle(frame, |f| {
-            let loss = GrpoLoss::new(parse::<GrpoLossConfig>(f.attr_str("config")?)?)?;
+            let loss = GrpoLoss::new(f.spec()?.config::<GrpoLossConfig>()?)?;
             let z = f.arg(0, "logits")?;
             let tokens = Tokens::read(f, 1)?;
             let layout = logits_layout(&z, &tokens)?;

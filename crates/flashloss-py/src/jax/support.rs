@@ -9,17 +9,19 @@
 
 use super::ffi::CallFrame;
 use super::frame::{Frame, Named, Result, bad, handle};
-use super::handlers::{by_dtype, grad_options, grads, head, options, weight_layout};
+use super::handlers::{by_dtype, grads, head, options, weight_layout};
 use crate::front::cpu;
 use flashloss::SupportFilter;
+use flashloss::device::LogpCall;
+use flashloss::fused::FusedOptions;
 use flashloss::fused::{LogpRequest, LogpRows, LogpUpstream};
 use flashloss::{HeadArgs, LinearInputs, Temperature};
 use std::ffi::c_void;
 
-/// The filters from the attributes `top_k` (`0`: none), `top_p` and `min_p` (`1` and
+/// The filters from the spec fields `top_k` (`0`: none), `top_p` and `min_p` (`1` and
 /// `0`: none, as vLLM), checked.
 fn filter(f: &Frame) -> Result<SupportFilter> {
-    let k = f.attr_i64("top_k")?;
+    let k = f.spec()?.i64("top_k")?;
     if k < 0 {
         return Err(bad(
             "top_k",
@@ -28,14 +30,14 @@ fn filter(f: &Frame) -> Result<SupportFilter> {
     }
     let filter = SupportFilter {
         top_k: (k > 0).then_some(k as usize),
-        top_p: Some(f.attr_f64("top_p")?),
-        min_p: Some(f.attr_f64("min_p")?),
+        top_p: Some(f.spec()?.f64("top_p")?),
+        min_p: Some(f.spec()?.f64("min_p")?),
     };
     filter.check()?;
     Ok(filter)
 }
 
-/// The rows' arguments: ids `[N]` (argument 3), mask `[N]` (4); the attribute
+/// The rows' arguments: ids `[N]` (argument 3), mask `[N]` (4); the spec field
 /// `temperature`.
 struct SupportRows {
     ids: Vec<i64>,
@@ -48,7 +50,7 @@ impl SupportRows {
         let ids = f.arg(3, "ids")?.ids()?;
         let mask = f.arg(4, "mask")?;
         mask.expect_dims(&[ids.len()])?;
-        let temperature = Temperature::new(f.attr_f64("temperature")?)?;
+        let temperature = Temperature::new(f.spec()?.f64("temperature")?)?;
         Ok(SupportRows {
             ids,
             mask: mask.bools()?,
@@ -74,7 +76,7 @@ fn optional_rows<'a>(a: &Named<'a>, n: usize) -> Result<Option<&'a [f32]>> {
     a.f32s().map(Some)
 }
 
-/// The forward. Arguments: hidden, weight, bias, ids `[N]`, mask `[N]`; attributes:
+/// The forward. Arguments: hidden, weight, bias, ids `[N]`, mask `[N]`; spec fields:
 /// budget_mib, mode, temperature, weight_layout, top_k, top_p, min_p. Results `[N]` f32
 /// each (0 where masked): logp^K (`-inf` outside the support), entropy, lse (the full
 /// softmax's), max (`max_j s_j`), sum_p2, outside (1 where the target is outside).
@@ -94,7 +96,7 @@ unsafe extern "C" fn logp_support(frame: *mut CallFrame) -> *mut c_void {
             let n = rows.ids.len();
             let out = by_dtype!(x, E, code => {
                 let inputs: LinearInputs<E> = head((&x, &w, &b), layout, code)?;
-                Ok(cpu().logp_linear_with(HeadArgs::host(&inputs), rows.rows(), &request, budget, n)?)
+                Ok(cpu().logprobs(HeadArgs::host(&inputs), LogpCall::forward(rows.rows(), &FusedOptions::forward(budget), n).request(&request))?)
             })?;
             let (Some(support), Some(p2)) = (&out.support, &out.sum_p2) else {
                 return Err(bad("support", "the kernel returned no support outputs"));
@@ -124,7 +126,7 @@ unsafe extern "C" fn logp_support(frame: *mut CallFrame) -> *mut c_void {
 }
 
 /// The gradient. Arguments: hidden, weight, bias, ids `[N]`, mask `[N]`, grad_logp `[N]`
-/// (of logp^K), grad_entropy and grad_lse (`[N]` or `[0]`: none); attributes:
+/// (of logp^K), grad_entropy and grad_lse (`[N]` or `[0]`: none); spec fields:
 /// budget_mib, mode, temperature, weight_layout, top_k, top_p, min_p, head_grad. Results:
 /// dhidden, dweight, dbias (`[0]` each for a frozen head).
 unsafe extern "C" fn logp_support_grads(frame: *mut CallFrame) -> *mut c_void {
@@ -138,7 +140,7 @@ unsafe extern "C" fn logp_support_grads(frame: *mut CallFrame) -> *mut c_void {
                 support: Some(filter(f)?),
                 ..LogpRequest::default()
             };
-            let opts = grad_options(f)?;
+            let opts = options(f)?;
             let n = rows.ids.len();
             let g = f.arg(5, "grad_logp")?;
             g.expect_dims(&[n])?;
@@ -152,7 +154,7 @@ unsafe extern "C" fn logp_support_grads(frame: *mut CallFrame) -> *mut c_void {
                 let inputs: LinearInputs<E> = head((&x, &w, &b), layout, code)?;
                 let args = HeadArgs::Host { inputs: &inputs, grads: grads(f, 0)? };
                 let call = (rows.rows(), &request);
-                cpu().logp_linear_grads_with_into(args, call, upstream, &opts, n)?;
+                cpu().logprobs(args, LogpCall::grads(call.0, upstream, &opts, n).request(call.1))?;
                 Ok(())
             })
         })

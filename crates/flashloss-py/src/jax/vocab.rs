@@ -8,9 +8,7 @@
 
 use super::ffi::CallFrame;
 use super::frame::{Frame, Named, Result, bad, handle};
-use super::handlers::{
-    Tokens, by_dtype, grad_options, grads, head, options, vocab_hidden, weight_layout,
-};
+use super::handlers::{Tokens, by_dtype, grads, head, options, vocab_hidden, weight_layout};
 use crate::front::cpu;
 use flashloss::fused::{FusedOptions, RowGrad};
 use flashloss::policy::{Normalizers, policy_stage};
@@ -46,7 +44,7 @@ pub(super) fn merged_stats(max: f32, log_sum: f32, entropy: f32, inv_temp: f32) 
 }
 
 /// The arguments both passes share: hidden, weight (shard), bias, ids `[N]`, mask
-/// `[N]`, offset, and the attributes budget_mib, mode, temperature, weight_layout.
+/// `[N]`, offset, and the spec fields budget_mib, mode, temperature, weight_layout.
 struct ShardCall<'a> {
     x: Named<'a>,
     w: Named<'a>,
@@ -63,7 +61,7 @@ struct ShardCall<'a> {
 impl<'a> ShardCall<'a> {
     /// The arguments, with the options `opts_of` reads (pass B's: with `head_grad`).
     fn read(f: &Frame<'a>, opts_of: fn(&Frame) -> Result<FusedOptions>) -> Result<Self> {
-        let t = Temperature::new(f.attr_f64("temperature")?)?;
+        let t = Temperature::new(f.spec()?.f64("temperature")?)?;
         let (x, w, b) = (f.arg(0, "hidden")?, f.arg(1, "weight")?, f.arg(2, "bias")?);
         let (ids, live) = (f.arg(3, "ids")?.ids()?, f.arg(4, "mask")?.bools()?);
         let start = offset_of(&f.arg(5, "offset")?)?;
@@ -96,7 +94,7 @@ impl<'a> ShardCall<'a> {
 }
 
 /// Pass A. Arguments: hidden, weight (shard), bias (shard or `[0]`), ids `[N]`, mask
-/// `[N]`, offset; attributes: budget_mib, mode, temperature, weight_layout. Results `[N]`
+/// `[N]`, offset; spec fields: budget_mib, mode, temperature, weight_layout. Results `[N]`
 /// each: max, sum, weighted, target logit, sum2 (`S₂ = Σ exp(2(z-μ)/T)`, for `Σp²`).
 unsafe extern "C" fn vocab_partial(frame: *mut CallFrame) -> *mut c_void {
     // SAFETY: XLA's frame.
@@ -128,14 +126,14 @@ unsafe extern "C" fn vocab_partial(frame: *mut CallFrame) -> *mut c_void {
 
 /// The policy stage on merged statistics. Arguments: logp, entropy `[B, T]`,
 /// completion_ids, completion_mask, advantages, old and ref logp,
-/// importance_sampling_ratio; attributes: config,
+/// importance_sampling_ratio; spec fields: config,
 /// vocab (the whole vocabulary's size, for the ids' check).
 /// Results: loss, dlogp, dentropy, kl `[B, T]`, metrics.
 unsafe extern "C" fn grpo_policy(frame: *mut CallFrame) -> *mut c_void {
     // SAFETY: XLA's frame.
     unsafe {
         handle(frame, |f| {
-            let loss = GrpoLoss::new(super::handlers::parse(f.attr_str("config")?)?)?;
+            let loss = GrpoLoss::new(f.spec()?.config()?)?;
             loss.check_full_softmax("the vocab-parallel policy stage")?;
             let tokens = Tokens::read(f, 2)?;
             let batch = tokens.batch();
@@ -144,7 +142,7 @@ unsafe extern "C" fn grpo_policy(frame: *mut CallFrame) -> *mut c_void {
             logp.expect_dims(&[tokens.b, tokens.t])?;
             entropy.expect_dims(&[tokens.b, tokens.t])?;
             let (logp, entropy) = (logp.f32s()?, entropy.f32s()?);
-            let vocab = f.attr_i64("vocab")?;
+            let vocab = f.spec()?.i64("vocab")?;
             if vocab < 1 {
                 return Err(bad("vocab", format!("must be >= 1, got {vocab}")));
             }
@@ -181,14 +179,14 @@ unsafe extern "C" fn grpo_policy(frame: *mut CallFrame) -> *mut c_void {
 /// the merged max, log_sum, entropy with the policy's dlogp, dentropy (`[N]` each), and
 /// dlse (`[N]`: the upstream gradient of each row's log-sum-exp, `∂lse/∂s_j = p_j`, so
 /// it adds to `coef_p`; `[0]` for none);
-/// attributes: budget_mib, mode, temperature, weight_layout, head_grad. Results: dhidden
+/// spec fields: budget_mib, mode, temperature, weight_layout, head_grad. Results: dhidden
 /// (this shard's part), dweight (the weight's shape), dbias (the shard's; both `[0]`
 /// for a frozen head).
 unsafe extern "C" fn vocab_grads(frame: *mut CallFrame) -> *mut c_void {
     // SAFETY: XLA's frame.
     unsafe {
         handle(frame, |f| {
-            let c = ShardCall::read(f, grad_options)?;
+            let c = ShardCall::read(f, options)?;
             let (x, w, b, opts) = (&c.x, &c.w, &c.b, &c.opts);
             let (ids, live, range, transform) = (&c.ids, &c.live, &c.range, c.transform);
             let n = ids.len();

@@ -11,6 +11,7 @@ use super::report::{
 use crate::Result;
 use crate::inputs::HeadInputs;
 use flashloss::batch::LinearInputs;
+use flashloss::device::{CeCall, GrpoCall};
 use flashloss::policy::{Normalizers, reduction_weight_sum};
 use flashloss::reference::{ce_reference, grpo_reference, linear_grads};
 use flashloss::{Bf16Products, CrossEntropy, Element, GrpoLoss};
@@ -95,7 +96,7 @@ fn check_grpo<E: Element>(
     let out = cfg
         .device
         .open()?
-        .grpo_linear(&loss, &batch, inputs, &case.opts)?;
+        .with_host_grads(inputs, GrpoCall::new(&loss, &batch, &case.opts))?;
     let r = grpo_reference(&loss, &batch, norm, &case.z, cfg.vocab, cfg.grad_output);
     // Under a truncated support the tokens outside it are masked (spec, addition 13).
     let live: Vec<usize> = (0..n).filter(|&i| batch.mask[i] && !r.outside[i]).collect();
@@ -145,7 +146,7 @@ fn check_ce<E: Element>(
     let ce = CrossEntropy::new(cfg.ce.clone())?;
     let targets = ce_targets(&case.tokens, &ce);
     let device = cfg.device.open()?;
-    let out = device.ce_linear(&ce, &targets, None, inputs, &case.opts)?;
+    let out = device.with_host_grads(inputs, CeCall::new(&ce, &targets, &case.opts))?;
     let r = ce_reference(&ce, &targets, &case.z, cfg.vocab, cfg.grad_output, None);
     let live: Vec<usize> = (0..n).filter(|&i| ce.counts(targets[i])).collect();
     let gates = vec![

@@ -1,12 +1,13 @@
 //! The gates of objective `logprobs` (see `logprobs`): a kernel's outputs against the
 //! reference's (or, sharded, a one-rank run's), and the one-rank check on the fused
-//! LM-head kernel through [`flashloss::Device::logp_linear_grads_with_into`].
+//! LM-head kernel through [`flashloss::Device::logprobs`].
 
 use super::case::{LinearCase, ObjectiveRun, mode_name};
 use super::config::GradcheckConfig;
 use super::logprobs::{LogprobsCase, Outputs};
 use super::report::{Gate, max_abs_diff_by};
 use crate::Result;
+use flashloss::device::LogpCall;
 use flashloss::{Element, HeadArgs, LinearGrads, LinearInputs};
 
 /// `max |got - want| / max(|want|, 1)` over pairs (NaN propagates).
@@ -179,12 +180,9 @@ pub(super) fn check_logprobs<E: Element>(
         grads: grads.view(),
     };
     let seq_len = cfg.seq_len;
-    let out = device.logp_linear_grads_with_into(
+    let out = device.logprobs(
         head,
-        (rows, &request),
-        upstream,
-        &case.opts,
-        seq_len,
+        LogpCall::grads(rows, upstream, &case.opts, seq_len).request(&request),
     )?;
     let plan = match cfg.device {
         super::Backend::Cpu => Some(flashloss::cpu::plan(

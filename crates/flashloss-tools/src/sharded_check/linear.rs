@@ -10,6 +10,7 @@ use crate::inputs::HeadInputs;
 use flashloss::GrpoLoss;
 use flashloss::collective::Collective;
 use flashloss::cross_entropy::CrossEntropy;
+use flashloss::device::{CeCall, GrpoCall};
 use flashloss::element::Element;
 use flashloss::shard_range;
 use flashloss::{Grid, LinearGrads, Result, Shard};
@@ -53,11 +54,13 @@ impl<'c, E: Element> Check<'c, E> {
         let mut one_logprobs = None;
         let (one_loss, one) = match cfg.objective {
             Objective::Grpo => {
-                let out = device.grpo_linear(&grpo, &batch, &inputs, &case.opts)?;
+                let out =
+                    device.with_host_grads(&inputs, GrpoCall::new(&grpo, &batch, &case.opts))?;
                 (out.loss, out.grads)
             }
             Objective::Ce => {
-                let out = device.ce_linear(&ce, &targets, None, &inputs, &case.opts)?;
+                let out =
+                    device.with_host_grads(&inputs, CeCall::new(&ce, &targets, &case.opts))?;
                 (out.loss, out.grads)
             }
             Objective::Logprobs => {
@@ -121,26 +124,18 @@ impl<'c, E: Element> Check<'c, E> {
         let (loss, gates, grads) = match cfg.objective {
             Objective::Grpo => {
                 let batch = part.batch();
-                let o = device.grpo_linear_sharded(
-                    &grid,
-                    shard,
-                    &self.grpo,
-                    &batch,
+                let o = device.with_host_grads(
                     &head.inputs(),
-                    opts,
+                    GrpoCall::new(&self.grpo, &batch, opts).sharded(&grid, shard),
                 )?;
                 let (loss, gates) = loss_gate(o.loss);
                 (loss, gates, o.grads)
             }
             Objective::Ce => {
                 let targets = &self.targets[rows.clone()];
-                let o = device.ce_linear_sharded(
-                    &grid,
-                    shard,
-                    &self.ce,
-                    targets,
+                let o = device.with_host_grads(
                     &head.inputs(),
-                    opts,
+                    CeCall::new(&self.ce, targets, opts).sharded(&grid, shard),
                 )?;
                 let (loss, gates) = loss_gate(o.loss);
                 (loss, gates, o.grads)

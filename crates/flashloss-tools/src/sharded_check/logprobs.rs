@@ -6,6 +6,7 @@
 use super::SHARDED_REL;
 use crate::gradcheck::{Gate, GradcheckConfig, LinearCase, Outputs, output_gates};
 use crate::inputs::HeadInputs;
+use flashloss::device::LogpCall;
 use flashloss::{Element, Grid, HeadArgs, LinearGrads, Result, Shard};
 use std::ops::Range;
 
@@ -26,12 +27,9 @@ pub(super) fn one_rank<E: Element>(
         grads: grads.view(),
     };
     let device = cfg.device.open()?;
-    let out = device.logp_linear_grads_with_into(
+    let out = device.logprobs(
         head,
-        (rows, &request),
-        upstream,
-        &case.opts,
-        cfg.seq_len,
+        LogpCall::grads(rows, upstream, &case.opts, cfg.seq_len).request(&request),
     )?;
     Ok((Outputs::of(&out), grads))
 }
@@ -58,14 +56,11 @@ pub(super) fn rank_step<E: Element>(
         grads: grads.view(),
     };
     let device = cfg.device.open()?;
-    let out = device.logp_linear_grads_sharded_with_into(
-        grid,
-        shard,
+    let out = device.logprobs(
         args,
-        (call_rows, &request),
-        upstream,
-        &case.opts,
-        cfg.seq_len,
+        LogpCall::grads(call_rows, upstream, &case.opts, cfg.seq_len)
+            .request(&request)
+            .sharded(grid, shard),
     )?;
     let got = Outputs::of(&out);
     let g = cfg.grad_output;

@@ -203,7 +203,9 @@ pub fn assert_modes_agree_and_threads_invariant(
 pub mod cpu_steps {
     use flashloss::collective::Collective;
     use flashloss::cpu::{CpuHead, Workspace};
+    use flashloss::device::{CeCall, GrpoCall, LogpCall};
     use flashloss::fused;
+    use flashloss::fused::LogpRows;
     use flashloss::{
         CeLinearOutput, CrossEntropy, Device, Element, FusedOptions, Grid, GrpoBatch,
         GrpoLinearOutput, GrpoLoss, LinearGrads, LinearInputs, Result, RowStats, Shard,
@@ -231,7 +233,7 @@ pub mod cpu_steps {
         inputs: &LinearInputs<E>,
         opts: &FusedOptions,
     ) -> Result<GrpoLinearOutput> {
-        Device::cpu().grpo_linear(loss, batch, inputs, opts)
+        Device::cpu().with_host_grads(inputs, GrpoCall::new(loss, batch, opts))
     }
 
     pub fn ce_linear<E: Element>(
@@ -240,7 +242,7 @@ pub mod cpu_steps {
         inputs: &LinearInputs<E>,
         opts: &FusedOptions,
     ) -> Result<CeLinearOutput> {
-        Device::cpu().ce_linear(ce, targets, None, inputs, opts)
+        Device::cpu().with_host_grads(inputs, CeCall::new(ce, targets, opts))
     }
 
     pub fn ce_linear_into<E: Element>(
@@ -270,7 +272,20 @@ pub mod cpu_steps {
     ) -> Result<Vec<RowStats>> {
         let t = flashloss::Temperature::new(temperature)?;
         let head = flashloss::HeadArgs::host(inputs);
-        Device::cpu().logp_linear(head, targets, mask, t, budget_bytes, seq_len)
+        Device::cpu()
+            .logprobs(
+                head,
+                LogpCall::forward(
+                    LogpRows {
+                        targets,
+                        mask,
+                        temperature: t,
+                    },
+                    &FusedOptions::forward(budget_bytes),
+                    seq_len,
+                ),
+            )
+            .map(|o| o.stats)
     }
 
     pub fn grpo_linear_token_parallel<E: Element>(
@@ -281,7 +296,10 @@ pub mod cpu_steps {
         opts: &FusedOptions,
     ) -> Result<GrpoLinearOutput> {
         let shard = Shard::whole(inputs.vocab);
-        Device::cpu().grpo_linear_sharded(&Grid::token(comm), shard, loss, batch, inputs, opts)
+        Device::cpu().with_host_grads(
+            inputs,
+            GrpoCall::new(loss, batch, opts).sharded(&Grid::token(comm), shard),
+        )
     }
 
     pub fn ce_linear_token_parallel<E: Element>(
@@ -292,7 +310,10 @@ pub mod cpu_steps {
         opts: &FusedOptions,
     ) -> Result<CeLinearOutput> {
         let shard = Shard::whole(inputs.vocab);
-        Device::cpu().ce_linear_sharded(&Grid::token(comm), shard, ce, targets, inputs, opts)
+        Device::cpu().with_host_grads(
+            inputs,
+            CeCall::new(ce, targets, opts).sharded(&Grid::token(comm), shard),
+        )
     }
 
     pub fn grpo_linear_grid<E: Element>(
@@ -302,7 +323,10 @@ pub mod cpu_steps {
         shard: &VocabShard<E>,
         opts: &FusedOptions,
     ) -> Result<GrpoLinearOutput> {
-        Device::cpu().grpo_linear_sharded(grid, shard.shard(), loss, batch, &shard.inputs, opts)
+        Device::cpu().with_host_grads(
+            &shard.inputs,
+            GrpoCall::new(loss, batch, opts).sharded(grid, shard.shard()),
+        )
     }
 
     pub fn ce_linear_grid<E: Element>(
@@ -312,7 +336,10 @@ pub mod cpu_steps {
         shard: &VocabShard<E>,
         opts: &FusedOptions,
     ) -> Result<CeLinearOutput> {
-        Device::cpu().ce_linear_sharded(grid, shard.shard(), ce, targets, &shard.inputs, opts)
+        Device::cpu().with_host_grads(
+            &shard.inputs,
+            CeCall::new(ce, targets, opts).sharded(grid, shard.shard()),
+        )
     }
 
     pub fn grpo_linear_vocab_parallel<E: Element>(

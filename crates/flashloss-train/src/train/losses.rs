@@ -3,6 +3,8 @@
 
 use super::config::LossImpl;
 use candle_core::{Result, Storage, Tensor};
+use flashloss::device::LogpCall;
+use flashloss::fused::{FusedOptions, LogpRows};
 use flashloss::policy::{Normalizers, policy_stage};
 use flashloss::{CrossEntropy, GrpoBatchData, GrpoLoss, HeadArgs, LinearInputs, Temperature};
 use flashloss_candle::ops::{self, GrpoStep, baseline};
@@ -133,14 +135,20 @@ impl LossPath {
                             vocab: v,
                         };
                         let stats = ops::device()
-                            .logp_linear(
+                            .logprobs(
                                 HeadArgs::host(&lin),
-                                &inputs.target_ids,
-                                Some(&inputs.mask),
-                                Temperature::new(temperature).map_err(ops::wrap)?,
-                                self.budget_bytes,
-                                inputs.seq_len,
+                                LogpCall::forward(
+                                    LogpRows {
+                                        targets: &inputs.target_ids,
+                                        mask: Some(&inputs.mask),
+                                        temperature: Temperature::new(temperature)
+                                            .map_err(ops::wrap)?,
+                                    },
+                                    &FusedOptions::forward(self.budget_bytes),
+                                    inputs.seq_len,
+                                ),
                             )
+                            .map(|o| o.stats)
                             .map_err(ops::wrap)?;
                         Ok(stats.iter().map(|s| s.logp).collect())
                     })

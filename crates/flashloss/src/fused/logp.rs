@@ -24,7 +24,7 @@
 use super::gather::{GatherVisitor, finish_gathered, sparse_terms};
 use super::logp_request::{GatherIds, LogpOutput, LogpRequest, LogpUpstream, SupportStats};
 use super::passes::{FusedPasses, Head, SinglePassHooks, SparseGrads, check_head};
-use super::plan::{FusedOptions, HeadGrad, Mode, Plan};
+use super::plan::{FusedOptions, Mode, Plan};
 use super::support::{RowSupport, SupportCall, SupportRun, VisitBoth};
 use super::terms::RowGrad;
 use super::two_pass::{grads_pass, row_grad_passes};
@@ -79,13 +79,7 @@ pub fn logp_linear_with(
 
 /// The options of a call without gradients: two-pass in `budget_bytes`.
 pub(crate) fn forward_options(budget_bytes: usize) -> FusedOptions {
-    FusedOptions {
-        bf16_products: Default::default(),
-        mode: Mode::TwoPass,
-        budget_bytes,
-        grad_output: 1.0,
-        head_grad: HeadGrad::Full,
-    }
+    FusedOptions::forward(budget_bytes)
 }
 
 /// The rows of a log-prob call: target ids `[N]` (of the whole vocabulary), the rows

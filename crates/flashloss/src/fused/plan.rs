@@ -143,6 +143,18 @@ pub struct FusedOptions {
 }
 
 impl FusedOptions {
+    /// The options of a statistics-only (forward) call within `budget_bytes`: two-pass,
+    /// `grad_output` 1, a trainable head.
+    pub fn forward(budget_bytes: usize) -> FusedOptions {
+        FusedOptions {
+            bf16_products: Default::default(),
+            mode: Mode::TwoPass,
+            budget_bytes,
+            grad_output: 1.0,
+            head_grad: HeadGrad::Full,
+        }
+    }
+
     /// These options in mode two-pass (the split passes and the statistics-only drivers).
     pub fn two_pass(&self) -> FusedOptions {
         FusedOptions {

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from ... import _native
+from ..._spec.native import call_spec
 
 
 def register() -> None:
@@ -36,8 +37,11 @@ def _like(x, shape, dtype=jnp.float32):
     return jax.typeof(x).update(shape=tuple(shape), dtype=dtype)
 
 
-def _call(name: str, results, *args, **attrs):
-    return jax.ffi.ffi_call(name, results, vmap_method="sequential")(*args, **attrs)
+def _call(name: str, results, *args, config: Optional[str] = None, **fields):
+    """Handler ``name`` on ``args``, its one attribute ``spec`` the JSON of ``config`` and
+    ``fields`` (:func:`flashloss._spec.native.call_spec`, parsed once in Rust)."""
+    spec = call_spec(config, **fields)
+    return jax.ffi.ffi_call(name, results, vmap_method="sequential")(*args, spec=spec)
 
 
 def _or_empty(x: Optional[jax.Array], dtype) -> jax.Array:

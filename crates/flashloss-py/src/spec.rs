@@ -1,0 +1,185 @@
+//! The one spec of a native call, parsed here for the torch entry points and the JAX
+//! handlers alike: the JSON object
+//!
+//! ```text
+//! {"config": {...}, "mode": "auto", "budget_mib": 160.0, "grad_output": 1.0,
+//!  "head_grad": "full", "weight_layout": "vh", "temperature": 1.0,
+//!  "top_k": 0, "top_p": 1.0, "min_p": 0.0, "vocab": 0}
+//! ```
+//!
+//! where `config` is the loss's Rust config (`GrpoLossConfig`, `CeConfig`; unknown keys
+//! are errors) and each other field is present where the call takes it. Python builds it
+//! in one place (`flashloss._spec.native.call_spec`); an error names the field (or the
+//! config's key).
+
+use flashloss::WeightLayout;
+use flashloss::fused::{FusedOptions, HeadGrad, Mode};
+use serde::Deserialize;
+use serde::de::DeserializeOwned;
+
+/// An argument's error: its name and why.
+#[derive(Debug)]
+pub(crate) struct ArgError {
+    pub(crate) arg: String,
+    pub(crate) reason: String,
+}
+
+fn err(arg: &str, reason: impl std::fmt::Display) -> ArgError {
+    ArgError {
+        arg: arg.into(),
+        reason: reason.to_string(),
+    }
+}
+
+impl From<ArgError> for pyo3::PyErr {
+    fn from(e: ArgError) -> Self {
+        crate::tensor::arg_error(&e.arg, e.reason)
+    }
+}
+
+impl From<ArgError> for crate::jax::frame::HandlerError {
+    fn from(e: ArgError) -> Self {
+        crate::jax::frame::bad(&e.arg, e.reason)
+    }
+}
+
+/// A parsed spec (see the module's documentation).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Spec {
+    config: Option<serde_json::Value>,
+    mode: Option<Mode>,
+    budget_mib: Option<f64>,
+    grad_output: Option<f64>,
+    head_grad: Option<HeadGrad>,
+    weight_layout: Option<String>,
+    temperature: Option<f64>,
+    top_k: Option<i64>,
+    top_p: Option<f64>,
+    min_p: Option<f64>,
+    vocab: Option<i64>,
+}
+
+impl Spec {
+    /// Parses `json`; an unknown or mistyped field is an error naming it.
+    pub(crate) fn parse(json: &str) -> Result<Spec, ArgError> {
+        let de = &mut serde_json::Deserializer::from_str(json);
+        serde_path_to_error::deserialize(de).map_err(|e| {
+            let path = e.path().to_string();
+            let arg = if path == "." { "spec".into() } else { path };
+            err(&arg, e.into_inner())
+        })
+    }
+
+    /// The loss's config; an error names its key (e.g. `loss_type`).
+    pub(crate) fn config<C: DeserializeOwned>(&self) -> Result<C, ArgError> {
+        let value = self
+            .config
+            .as_ref()
+            .ok_or_else(|| err("config", "missing"))?;
+        serde_path_to_error::deserialize(value).map_err(|e| {
+            let path = e.path().to_string();
+            let arg = if path == "." { "config".into() } else { path };
+            err(&arg, e.into_inner())
+        })
+    }
+
+    /// The options: `mode` (default auto), `budget_mib` (required, positive),
+    /// `grad_output` (default 1, finite) and `head_grad` (default full).
+    pub(crate) fn options(&self) -> Result<FusedOptions, ArgError> {
+        let mib = self
+            .budget_mib
+            .ok_or_else(|| err("budget_mib", "missing"))?;
+        if !(mib.is_finite() && mib > 0.0) {
+            return Err(err(
+                "budget_mib",
+                format!("must be a positive number, got {mib}"),
+            ));
+        }
+        let g = self.grad_output.unwrap_or(1.0);
+        if !g.is_finite() {
+            return Err(err("grad_output", format!("must be finite, got {g}")));
+        }
+        let mode = self.mode.unwrap_or_default();
+        Ok(FusedOptions {
+            head_grad: self.head_grad.unwrap_or(HeadGrad::Full),
+            ..FusedOptions::from_mib(mode, mib, g as f32)
+        })
+    }
+
+    /// `weight_layout`: `"vh"` (`[V, H]`, the default) or `"hv"` (`[H, V]`).
+    pub(crate) fn weight_layout(&self) -> flashloss::Result<WeightLayout> {
+        WeightLayout::from_name(self.weight_layout.as_deref().unwrap_or("vh"))
+    }
+
+    /// The sampler filters `(top_k, top_p, min_p)`, each optional.
+    pub(crate) fn filters(&self) -> (Option<i64>, Option<f64>, Option<f64>) {
+        (self.top_k, self.top_p, self.min_p)
+    }
+
+    /// A required float field.
+    pub(crate) fn f64(&self, name: &'static str) -> Result<f64, ArgError> {
+        let v = match name {
+            "temperature" => self.temperature,
+            "top_p" => self.top_p,
+            "min_p" => self.min_p,
+            "grad_output" => self.grad_output,
+            _ => None,
+        };
+        v.ok_or_else(|| err(name, "missing"))
+    }
+
+    /// A required integer field.
+    pub(crate) fn i64(&self, name: &'static str) -> Result<i64, ArgError> {
+        let v = match name {
+            "top_k" => self.top_k,
+            "vocab" => self.vocab,
+            _ => None,
+        };
+        v.ok_or_else(|| err(name, "missing"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Spec;
+    use flashloss::fused::{HeadGrad, Mode};
+
+    #[test]
+    fn parses_and_checks_each_field() {
+        let s =
+            Spec::parse(r#"{"config": {"a": 1}, "mode": "two_pass", "budget_mib": 2}"#).unwrap();
+        let o = s.options().unwrap();
+        assert_eq!(
+            (o.mode, o.head_grad, o.grad_output),
+            (Mode::TwoPass, HeadGrad::Full, 1.0)
+        );
+        assert_eq!(o.budget_bytes, 2 << 20);
+        let e = Spec::parse(r#"{"budget": 2}"#).unwrap_err();
+        assert!(e.reason.contains("unknown field"), "{e:?}");
+        let e = Spec::parse(r#"{"mode": "fast"}"#).unwrap_err();
+        assert_eq!(e.arg, "mode");
+        let e = Spec::parse(r#"{"budget_mib": -1}"#)
+            .unwrap()
+            .options()
+            .unwrap_err();
+        assert_eq!(e.arg, "budget_mib");
+        let e = Spec::parse("{}").unwrap().options().unwrap_err();
+        assert_eq!(
+            (e.arg.as_str(), e.reason.as_str()),
+            ("budget_mib", "missing")
+        );
+        #[derive(serde::Deserialize, Debug)]
+        #[serde(deny_unknown_fields)]
+        #[allow(dead_code)]
+        struct C {
+            loss_type: u8,
+        }
+        let e = Spec::parse(r#"{"config": {"loss_type": "x"}}"#)
+            .unwrap()
+            .config::<C>()
+            .unwrap_err();
+        assert_eq!(e.arg, "loss_type");
+        assert!(Spec::parse("{}").unwrap().config::<C>().is_err());
+    }
+}
