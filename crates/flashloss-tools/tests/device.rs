@@ -1,8 +1,6 @@
-//! The front door (`flashloss::Device`): a kept workspace changes no bit of any result,
-//! across shapes that grow and shrink it; inputs are validated and gradients checked on
-//! every entry point (the neutral drivers, not the backend); log-probs need no gradient
-//! buffers; sharded runs fail together on a gradient that leaves f32; the split passes
-//! (GRPO, cross-entropy) and the sharded log-probs equal the whole head's results.
+//! The front door (`flashloss::Device`): a kept workspace changes no bit of any result;
+//! inputs are validated and gradients checked on every call; log-probs need no gradient
+//! buffers; sharded runs fail together; split passes and sharded calls equal the whole head.
 
 mod common;
 use common::*;
