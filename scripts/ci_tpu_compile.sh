@@ -14,7 +14,9 @@
 #     shape, sequence-level GRPO, CE, log-probs with entropy and with `gather_ids`, the single
 #     pass, the 2-D mesh of 8 chips, the streamed support (min-p; top-k with top-p).
 # TPU_COMPILE_SET=full (about 25 min): v6e every case but the f32 support ones, v5e, v5p and
-# v7x every `core` case (the set of docs/jax.md, "Compiled for each chip").
+# v7x every `core` case.
+# TPU_COMPILE_SET=all: every one-device case on v5e, v6e, v5p and v7x, and the v6e-8 mesh
+# cases (the set of docs/jax.md, "Compiled for each chip"; see there for its time).
 # Two processes at a time (libtpu's compiles are mostly single-threaded). The lines go to
 # target/tpu_compile.jsonl (one per chip and case).
 set -euo pipefail
@@ -38,6 +40,11 @@ case "${TPU_COMPILE_SET:-ci}" in
     run --chips v6e --cases "core,v6e,mesh,$support" & first=$!
     run --chips v5e,v5p,7x --cases core & second=$!
     ;;
+  all)
+    # v5e's compiles are the slowest: one process takes v5e and the mesh, the other the rest
+    (rc=0; run --chips v5e --cases all,-mesh || rc=1; run --chips v6e --cases mesh || rc=1; exit "$rc") & first=$!
+    run --chips v6e,v5p,7x --cases all,-mesh & second=$!
+    ;;
   ci)
     v6e=grpo_token_bf16_vh,grpo_token_f32_hv,logprobs_stats_f32,logits_grpo_bf16,logits_grpo_f32
     v6e=$v6e,grpo_ragged_h3584_f32,grpo_sequence_f32,ce_f32,logprobs_entropy_f32,logprobs_gather64_bf16
@@ -53,7 +60,7 @@ case "${TPU_COMPILE_SET:-ci}" in
       exit "$rc"
     ) & second=$!
     ;;
-  *) echo "TPU_COMPILE_SET: ci or full, not ${TPU_COMPILE_SET}"; exit 2 ;;
+  *) echo "TPU_COMPILE_SET: ci, full or all, not ${TPU_COMPILE_SET}"; exit 2 ;;
 esac
 status=0
 wait "$first" || status=1

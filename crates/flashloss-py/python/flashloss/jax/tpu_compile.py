@@ -219,16 +219,21 @@ def cases() -> dict[str, Case]:
 
 
 def select(spec: str) -> list[Case]:
-    """Cases by comma-separated names or tags (``all``: every case)."""
+    """Cases by comma-separated names or tags, in order (``all``: every case); a word
+    ``-NAME`` drops that case or tag from those chosen before it (``all,-mesh``)."""
     table = cases()
-    if spec == "all":
-        return list(table.values())
     chosen: dict[str, Case] = {}
     for word in spec.split(","):
-        hits = [c for c in table.values() if c.name == word or word in c.tags]
+        drop = word.startswith("-")
+        key = word[1:] if drop else word
+        hits = [c for c in table.values() if key == "all" or c.name == key or key in c.tags]
         if not hits:
-            raise ValueError(f"argument `cases`: no case or tag {word!r} (tags: core, v6e, support, mesh)")
-        chosen.update((c.name, c) for c in hits)
+            raise ValueError(f"argument `cases`: no case or tag {key!r} (tags: core, v6e, support, mesh)")
+        for c in hits:
+            if drop:
+                chosen.pop(c.name, None)
+            else:
+                chosen[c.name] = c
     return list(chosen.values())
 
 
