@@ -178,3 +178,20 @@ def test_gradcheck_cli_on_the_pallas_path():
     assert len(gates) == 3 and all(g.startswith("PASS") for g in gates), out.stdout
     for field in ("loss_ref", "loss_kernel", "abs_diff_loss", "max_rel_diff_dhidden", "max_rel_diff_dweight"):
         assert field in out.stdout
+
+
+def test_tpu_compile_selects_cases_by_name_and_tag():
+    """``flashloss.jax.tpu_compile --cases``: names and tags in order, ``-NAME`` drops a case
+    or tag chosen before it (``all,-mesh``: every one-device case), an unknown word a
+    ValueError naming the argument."""
+    from flashloss.jax import tpu_compile as tc
+
+    every = tc.cases()
+    one = [c.name for c in tc.select("all,-mesh")]
+    assert one == [c.name for c in every.values() if c.devices == 1] and len(one) == len(every) - 3
+    assert {c.name for c in tc.select("core,-grpo_token_bf16_vh")} == {
+        c.name for c in every.values() if "core" in c.tags
+    } - {"grpo_token_bf16_vh"}
+    assert [c.name for c in tc.select("mesh,-mesh,ce_f32")] == ["ce_f32"]
+    with pytest.raises(ValueError, match="argument `cases`"):
+        tc.select("all,-nonesuch")

@@ -15,6 +15,7 @@ and whether temp stays within the case's bound.
 
     python -m flashloss.jax.tpu_compile --chips v5e,v6e,v5p,7x --cases all [--json OUT]
     python -m flashloss.jax.tpu_compile --chips v6e --cases grpo_token_bf16_vh,baseline_bf16
+    python -m flashloss.jax.tpu_compile --chips v5e --cases all,-mesh   # every one-device case
 """
 
 from __future__ import annotations
@@ -301,7 +302,7 @@ def table(lines: list[dict]) -> str:
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--chips", default="v6e", help=f"comma-separated, of {sorted(TOPOLOGIES)}")
-    p.add_argument("--cases", default="core", help="comma-separated case names or tags, or all")
+    p.add_argument("--cases", default="core", help="names or tags (comma-separated), all; -NAME: drop it")
     p.add_argument("--json", metavar="OUT", help="also append the lines to OUT")
     p.add_argument("--list", action="store_true", help="print the case names and tags, compile nothing")
     p.add_argument("--table", metavar="JSONL", help="print the lines of JSONL as a markdown table, compile nothing")
