@@ -8,7 +8,8 @@
 # every chip it can fail on, the expensive duplicates left out:
 #   - v7x (the least VMEM) and v5p: the `core` cases (GRPO in both dtypes and layouts, the
 #     statistics, the logits level, the ragged shapes); on v7x also the bf16 single pass
-#     (whose compiler copies the head);
+#     (whose compiler copies the head), on v5p the bf16 top-p support (once over its bound
+#     there alone);
 #   - v5e (the slowest compiles, 60-110 s each): GRPO f32 [V,H] and bf16 [H,V], the logits level;
 #   - v6e: GRPO bf16 [V,H] and f32 [H,V], the f32 statistics, the logits level, one ragged
 #     shape, sequence-level GRPO, CE, log-probs with entropy and with `gather_ids`, the single
@@ -55,7 +56,7 @@ case "${TPU_COMPILE_SET:-ci}" in
     (
       rc=0
       run --chips 7x --cases core,grpo_single_pass_bf16 || rc=1
-      run --chips v5p --cases core || rc=1
+      run --chips v5p --cases core,logprobs_support_top_p0.9_bf16 || rc=1
       run --chips v5e --cases "$v5e" || rc=1
       exit "$rc"
     ) & second=$!
