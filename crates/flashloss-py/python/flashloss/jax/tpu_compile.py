@@ -15,6 +15,7 @@ and whether temp stays within the case's bound.
 
     python -m flashloss.jax.tpu_compile --chips v5e,v6e,v5p,7x --cases all [--json OUT]
     python -m flashloss.jax.tpu_compile --chips v6e --cases grpo_token_bf16_vh,baseline_bf16
+    python -m flashloss.jax.tpu_compile --chips v5e --cases all,-mesh   # every one-device case
 """
 
 from __future__ import annotations
@@ -219,16 +220,21 @@ def cases() -> dict[str, Case]:
 
 
 def select(spec: str) -> list[Case]:
-    """Cases by comma-separated names or tags (``all``: every case)."""
+    """Cases by comma-separated names or tags, in order (``all``: every case); a word
+    ``-NAME`` drops that case or tag from those chosen before it (``all,-mesh``)."""
     table = cases()
-    if spec == "all":
-        return list(table.values())
     chosen: dict[str, Case] = {}
     for word in spec.split(","):
-        hits = [c for c in table.values() if c.name == word or word in c.tags]
+        drop = word.startswith("-")
+        key = word[1:] if drop else word
+        hits = [c for c in table.values() if key == "all" or c.name == key or key in c.tags]
         if not hits:
-            raise ValueError(f"argument `cases`: no case or tag {word!r} (tags: core, v6e, support, mesh)")
-        chosen.update((c.name, c) for c in hits)
+            raise ValueError(f"argument `cases`: no case or tag {key!r} (tags: core, v6e, support, mesh)")
+        for c in hits:
+            if drop:
+                chosen.pop(c.name, None)
+            else:
+                chosen[c.name] = c
     return list(chosen.values())
 
 
@@ -276,34 +282,62 @@ def compile_case(case: Case, chip: str) -> dict[str, Any]:
 
 def table(lines: list[dict]) -> str:
     """The result lines as a markdown table (MiB, TFLOP, GB, ms)."""
-    out = ["| chip | case | ok | compile s | temp MiB | argument MiB | output MiB | TFLOP | GB accessed | "
-           "roofline ms (estimate) |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    out = ["| chip | case | ok | compile s | temp MiB | bound MiB | argument MiB | output MiB | TFLOP | GB accessed | "
+           "roofline ms (estimate) |", "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in lines:
         if r.get("ok") is None:
             continue
         if "temp_bytes" not in r:
-            out.append(f"| {r['chip']} | {r['case']} | **no**: {r['error']} | {r['compile_seconds']} |||||||")
+            out.append(f"| {r['chip']} | {r['case']} | **no**: {r['error']} | {r['compile_seconds']} ||||||||")
             continue
         ok = "yes" if r["ok"] else "**no** (temp above its bound)"
+        bound = "-" if r.get("temp_bound_bytes") is None else f"{r['temp_bound_bytes'] / MIB:.0f}"
         out.append(
-            f"| {r['chip']} | {r['case']} | {ok} | {r['compile_seconds']} | {r['temp_bytes'] / MIB:.1f} | "
+            f"| {r['chip']} | {r['case']} | {ok} | {r['compile_seconds']} | {r['temp_bytes'] / MIB:.1f} | {bound} | "
             f"{r['argument_bytes'] / MIB:.0f} | {r['output_bytes'] / MIB:.0f} | {r['flops'] / 1e12:.2f} | "
             f"{r['bytes_accessed'] / 1e9:.1f} | {r['roofline_seconds_estimate'] * 1e3:.1f} |"
         )
     return "\n".join(out)
 
 
+def matrix(lines: list[dict]) -> str:
+    """The result lines as one row per case and a column per chip: temp MiB and compile
+    seconds where it compiled within its bound, else what failed (the last line of a
+    (chip, case) pair counts)."""
+    chips = [c for c in TOPOLOGIES if any(r["chip"] == c for r in lines)]
+    cells: dict[str, dict[str, str]] = {}
+    bounds: dict[str, str] = {}
+    for r in lines:
+        if r.get("ok") is None:
+            continue
+        if "temp_bytes" not in r:
+            cell = f"**no**: {r['error']}"
+        else:
+            cell = f"{r['temp_bytes'] / MIB:.1f} ({r['compile_seconds']:.0f} s)"
+            cell = cell if r["ok"] else f"**{cell}: over**"
+        cells.setdefault(r["case"], {})[r["chip"]] = cell
+        bound = r.get("temp_bound_bytes")
+        bounds[r["case"]] = "-" if bound is None else f"{bound / MIB:.0f}"
+    names = [n for n in cases() if n in cells]
+    out = ["| case | bound MiB | " + " | ".join(chips) + " |", "|---|---|" + "---|" * len(chips)]
+    for n in names:
+        out.append(f"| {n} | {bounds.get(n, '')} | " + " | ".join(cells[n].get(c, "") for c in chips) + " |")
+    return "\n".join(out)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--chips", default="v6e", help=f"comma-separated, of {sorted(TOPOLOGIES)}")
-    p.add_argument("--cases", default="core", help="comma-separated case names or tags, or all")
+    p.add_argument("--cases", default="core", help="names or tags (comma-separated), all; -NAME: drop it")
     p.add_argument("--json", metavar="OUT", help="also append the lines to OUT")
     p.add_argument("--list", action="store_true", help="print the case names and tags, compile nothing")
     p.add_argument("--table", metavar="JSONL", help="print the lines of JSONL as a markdown table, compile nothing")
+    p.add_argument("--matrix", metavar="JSONL", help="print JSONL as a case x chip table (temp MiB, compile s)")
     a = p.parse_args(argv)
-    if a.table:
-        with open(a.table) as f:
-            print(table([json.loads(line) for line in f if line.strip()]))
+    if a.table or a.matrix:
+        with open(a.table or a.matrix) as f:
+            lines = [json.loads(line) for line in f if line.strip()]
+        print(table(lines) if a.table else matrix(lines))
         return 0
     chosen = select(a.cases)
     if a.list:
