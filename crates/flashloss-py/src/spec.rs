@@ -60,15 +60,39 @@ pub(crate) struct Spec {
     vocab: Option<i64>,
 }
 
+/// A loss's config from its JSON alone (the trace-time checks of `flashloss.jax`), with
+/// the message a spec's `config` gives.
+pub(crate) fn config_from_json<C: DeserializeOwned>(json: &str) -> Result<C, ArgError> {
+    let de = &mut serde_json::Deserializer::from_str(json);
+    let value = serde_path_to_error::deserialize(de).map_err(|e| json_error(e, "config"))?;
+    config_value(&value)
+}
+
+fn config_value<C: DeserializeOwned>(value: &serde_json::Value) -> Result<C, ArgError> {
+    serde_path_to_error::deserialize(value).map_err(|e| json_error(e, "config"))
+}
+
+/// A JSON error named by its path (`whole` at the top; a config's keys by their own
+/// name, inside a spec or alone), its message without serde_json's "at line L column C":
+/// the config alone and inside a spec number their columns differently, and a check at
+/// trace time must give the handler's very message.
+fn json_error(e: serde_path_to_error::Error<serde_json::Error>, whole: &str) -> ArgError {
+    let path = e.path().to_string();
+    let arg = match path.as_str() {
+        "." => whole,
+        p => p.strip_prefix("config.").unwrap_or(p),
+    };
+    let inner = e.into_inner();
+    let message = inner.to_string();
+    let at = format!(" at line {} column {}", inner.line(), inner.column());
+    err(arg, message.strip_suffix(&at).unwrap_or(&message))
+}
+
 impl Spec {
     /// Parses `json`; an unknown or mistyped field is an error naming it.
     pub(crate) fn parse(json: &str) -> Result<Spec, ArgError> {
         let de = &mut serde_json::Deserializer::from_str(json);
-        serde_path_to_error::deserialize(de).map_err(|e| {
-            let path = e.path().to_string();
-            let arg = if path == "." { "spec".into() } else { path };
-            err(&arg, e.into_inner())
-        })
+        serde_path_to_error::deserialize(de).map_err(|e| json_error(e, "spec"))
     }
 
     /// The loss's config; an error names its key (e.g. `loss_type`).
@@ -77,11 +101,7 @@ impl Spec {
             .config
             .as_ref()
             .ok_or_else(|| err("config", "missing"))?;
-        serde_path_to_error::deserialize(value).map_err(|e| {
-            let path = e.path().to_string();
-            let arg = if path == "." { "config".into() } else { path };
-            err(&arg, e.into_inner())
-        })
+        config_value(value)
     }
 
     /// The options: `mode` (default auto), `budget_mib` (required, positive),
@@ -181,5 +201,33 @@ mod tests {
             .unwrap_err();
         assert_eq!(e.arg, "loss_type");
         assert!(Spec::parse("{}").unwrap().config::<C>().is_err());
+    }
+
+    /// The trace-time check of a config alone gives the handler's very error, for a bad
+    /// value and for text that is not JSON (Python writes a NaN as `NaN`).
+    #[test]
+    fn a_config_alone_and_in_a_spec_give_one_error() {
+        #[derive(serde::Deserialize, Debug)]
+        #[allow(dead_code)]
+        struct C {
+            loss_type: u8,
+            beta: f32,
+        }
+        for config in [
+            r#"{"loss_type": "x", "beta": 0}"#,
+            r#"{"loss_type": 1, "beta": NaN}"#,
+        ] {
+            let alone = super::config_from_json::<C>(config).unwrap_err();
+            let spec = format!(r#"{{"config": {config}, "budget_mib": 1}}"#);
+            let inside = Spec::parse(&spec)
+                .and_then(|s| s.config::<C>())
+                .unwrap_err();
+            assert_eq!((&alone.arg, &alone.reason), (&inside.arg, &inside.reason));
+            assert!(
+                ["loss_type", "beta"].contains(&alone.arg.as_str()),
+                "{alone:?}"
+            );
+            assert!(!alone.reason.contains("column"), "{alone:?}");
+        }
     }
 }

@@ -21,12 +21,6 @@ use flashloss::{
 };
 use std::ffi::c_void;
 
-/// A config from JSON; an error names the offending key.
-pub(super) fn parse<T: serde::de::DeserializeOwned>(json: &str) -> Result<T> {
-    let de = &mut serde_json::Deserializer::from_str(json);
-    serde_path_to_error::deserialize(de).map_err(|e| bad(&e.path().to_string(), e.inner()))
-}
-
 /// The options of the call's spec (`mode`, `budget_mib`, `grad_output`, `head_grad`: see
 /// [`crate::spec::Spec::options`]).
 pub(super) fn options(f: &Frame) -> Result<FusedOptions> {

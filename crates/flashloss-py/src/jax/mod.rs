@@ -70,7 +70,8 @@ pub fn jax_abi_layout(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
 /// `JaxRuntimeError` carries), so a trace-time check reports a bad argument identically.
 #[pyfunction]
 pub fn check_grpo_config(config_json: &str) -> PyResult<()> {
-    let checked = handlers::parse::<GrpoLossConfig>(config_json)
+    let checked = crate::spec::config_from_json::<GrpoLossConfig>(config_json)
+        .map_err(frame::HandlerError::from)
         .and_then(|c| GrpoLoss::new(c).map_err(Into::into));
     checked
         .map(drop)
@@ -81,7 +82,8 @@ pub fn check_grpo_config(config_json: &str) -> PyResult<()> {
 /// [`check_grpo_config`].
 #[pyfunction]
 pub fn check_ce_config(config_json: &str) -> PyResult<()> {
-    let checked = handlers::parse::<CeConfig>(config_json)
+    let checked = crate::spec::config_from_json::<CeConfig>(config_json)
+        .map_err(frame::HandlerError::from)
         .and_then(|c| CrossEntropy::new(c).map_err(Into::into));
     checked
         .map(drop)
