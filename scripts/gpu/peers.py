@@ -11,6 +11,7 @@ then the median.
 
 Written for, and not yet run on, the GPU machine (see docs/bench/gpu.md).
 """
+
 import argparse
 import json
 import statistics
@@ -123,8 +124,17 @@ def run_liger_triton(a):
         # triton_grpo_loss drops the last position of [B, L + 1, V] logits.
         logits = (torch.cat([hidden, pad]) @ weight.t())[None]
         per_token, _, _ = triton_grpo_loss(
-            logits, None, ref_logp[None], ids[None], adv, mask,
-            temperature=1.0, beta=BETA, eps_low=EPS_LOW, eps_high=EPS_HIGH, inplace=True,
+            logits,
+            None,
+            ref_logp[None],
+            ids[None],
+            adv,
+            mask,
+            temperature=1.0,
+            beta=BETA,
+            eps_low=EPS_LOW,
+            eps_high=EPS_HIGH,
+            inplace=True,
         )
         loss = _reduce_grpo_loss(per_token, mask, "grpo")
         loss.backward()
@@ -208,11 +218,22 @@ def main():
     p.add_argument("--repeat", type=int, default=20)
     a = p.parse_args()
     loss, times, peak = RUNNERS[a.peer](a)
-    print(json.dumps({
-        "peer": a.peer, "loss": loss, "n": a.n, "h": a.h, "v": a.v, "dtype": a.dtype,
-        "median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
-        "peak_bytes": peak,
-    }))
+    print(
+        json.dumps(
+            {
+                "peer": a.peer,
+                "loss": loss,
+                "n": a.n,
+                "h": a.h,
+                "v": a.v,
+                "dtype": a.dtype,
+                "median_s": statistics.median(times),
+                "min_s": min(times),
+                "max_s": max(times),
+                "peak_bytes": peak,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":
