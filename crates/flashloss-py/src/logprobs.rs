@@ -11,12 +11,12 @@
 use crate::args::{BOOL, F32, GradArrays, Grads, HeadArrays, HeadTensors, I64};
 use crate::dist::VocabGroup;
 use crate::front::{call_head, with_element};
-use crate::losses::{agreed, head_shard, write_f32, write_stats};
+use crate::losses::{agreed, vocab, vocab_split, write_f32, write_stats};
 use crate::spec::Spec;
 use crate::tensor::{Tensor, arg_error};
 use flashloss::device::LogpCall;
 use flashloss::fused::{FusedOptions, GatherIds, LogpOutput, LogpRequest, LogpRows, LogpUpstream};
-use flashloss::{Grid, SupportFilter, Temperature};
+use flashloss::{SupportFilter, Temperature};
 use pyo3::prelude::*;
 
 /// The optional inputs of a log-prob call: candidate ids `[..., K]` (the ids' shape and
@@ -164,14 +164,10 @@ pub fn logp_linear<'py>(
     };
     let request = extras.request(out_sum_p2.is_some())?;
     let call = LogpCall::forward(rows, &opts, seq_len).request(&request);
-    let shard = group
-        .as_ref()
-        .map(|g| head_shard(py, g, &head))
-        .transpose()?;
-    let grid = group.as_ref().map(|g| Grid::vocab(&g.0));
-    let call = match (&grid, shard) {
-        (Some(grid), Some(shard)) => call.sharded(grid, shard),
-        _ => call,
+    let split = vocab_split(py, group.as_ref(), &head)?;
+    let call = LogpCall {
+        vocab: vocab(&split),
+        ..call
     };
     let out = with_element!(head.hidden.dtype, E => call_head::<E, _>(
         py, &head, None, stream, |d, h| d.logprobs(h, call),
@@ -305,14 +301,10 @@ pub fn logp_linear_grads<'py>(
         ..LogpUpstream::new(g_logp.f32s()?, optional_f32s(g_entropy)?)
     };
     let call = LogpCall::grads(rows, upstream, &opts, seq_len).request(&request);
-    let shard = group
-        .as_ref()
-        .map(|g| head_shard(py, g, &head))
-        .transpose()?;
-    let grid = group.as_ref().map(|g| Grid::vocab(&g.0));
-    let call = match (&grid, shard) {
-        (Some(grid), Some(shard)) => call.sharded(grid, shard),
-        _ => call,
+    let split = vocab_split(py, group.as_ref(), &head)?;
+    let call = LogpCall {
+        vocab: vocab(&split),
+        ..call
     };
     with_element!(head.hidden.dtype, E => call_head::<E, _>(
         py, &head, Some(&mut grads), stream, |d, h| d.logprobs(h, call),

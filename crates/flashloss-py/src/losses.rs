@@ -11,7 +11,7 @@ use crate::dist::VocabGroup;
 use crate::front::{call_head, with_element};
 use crate::spec::Spec;
 use crate::tensor::{Tensor, arg_error};
-use flashloss::device::{CeCall, CeUpstream, GrpoCall};
+use flashloss::device::{CeCall, CeUpstream, GrpoCall, Vocab};
 use flashloss::fused::{self, FusedOptions, Plan};
 use flashloss::policy::GrpoMetrics;
 use flashloss::{CeConfig, CrossEntropy, Grid, GrpoLoss, GrpoLossConfig, RowStats, Shard};
@@ -120,14 +120,10 @@ pub fn grpo_linear<'py>(
     })();
     let (loss, opts, head, mut grads, tensors) = agreed(py, group.as_ref(), parsed)?;
     let batch = tensors.batch()?;
-    let shard = group
-        .as_ref()
-        .map(|g| head_shard(py, g, &head))
-        .transpose()?;
-    let grid = group.as_ref().map(|g| Grid::vocab(&g.0));
-    let call = match (&grid, shard) {
-        (Some(grid), Some(shard)) => GrpoCall::new(&loss, &batch, &opts).sharded(grid, shard),
-        _ => GrpoCall::new(&loss, &batch, &opts),
+    let split = vocab_split(py, group.as_ref(), &head)?;
+    let call = GrpoCall {
+        vocab: vocab(&split),
+        ..GrpoCall::new(&loss, &batch, &opts)
     };
     let out = with_element!(head.hidden.dtype, E => call_head::<E, _>(
         py, &head, Some(&mut grads), stream, |d, h| d.grpo(h, call),
@@ -147,14 +143,31 @@ pub(crate) fn agreed<T>(
     }
 }
 
-/// This rank's shard of a head split over `group` (see [`VocabGroup::shard`]).
-pub(crate) fn head_shard(
+/// The grid and this rank's shard of a head split over `group` (see
+/// [`VocabGroup::shard`]); `None` without a group (the head holds the whole vocabulary).
+pub(crate) fn vocab_split<'g>(
     py: Python<'_>,
-    group: &VocabGroup,
+    group: Option<&'g VocabGroup>,
     head: &HeadTensors,
-) -> PyResult<Shard> {
+) -> PyResult<Option<(Grid<'g>, Shard)>> {
     let dtype = head.hidden.dtype as u8;
-    group.shard(py, head.vocab, head.tokens, head.hidden_size, dtype)
+    group
+        .map(|g| {
+            let shard = g.shard(py, head.vocab, head.tokens, head.hidden_size, dtype)?;
+            Ok((Grid::vocab(&g.0), shard))
+        })
+        .transpose()
+}
+
+/// A call's [`Vocab`] over a [`vocab_split`].
+pub(crate) fn vocab<'a>(split: &'a Option<(Grid<'a>, Shard)>) -> Vocab<'a> {
+    match split {
+        Some((grid, shard)) => Vocab::Sharded {
+            grid,
+            shard: *shard,
+        },
+        None => Vocab::Whole,
+    }
 }
 
 fn grpo_outputs<'py>(
@@ -218,15 +231,10 @@ pub fn ce_linear<'py>(
         lse: grad_lse.as_ref().map(|t| t.f32s()).transpose()?,
     };
     let targets = targets.i64s()?;
-    let shard = group
-        .as_ref()
-        .map(|g| head_shard(py, g, &head))
-        .transpose()?;
-    let grid = group.as_ref().map(|g| Grid::vocab(&g.0));
-    let call = CeCall::new(&ce, targets, &opts).upstream(upstream);
-    let call = match (&grid, shard) {
-        (Some(grid), Some(shard)) => call.sharded(grid, shard),
-        _ => call,
+    let split = vocab_split(py, group.as_ref(), &head)?;
+    let call = CeCall {
+        vocab: vocab(&split),
+        ..CeCall::new(&ce, targets, &opts).upstream(upstream)
     };
     let out = with_element!(head.hidden.dtype, E => call_head::<E, _>(
         py, &head, Some(&mut grads), stream, |d, h| d.cross_entropy(h, call),
