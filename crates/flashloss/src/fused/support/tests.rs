@@ -387,19 +387,24 @@ fn flat_rows_with_top_p_alone_take_extra_passes() {
     assert_eq!(extra, 0);
 }
 
-#[test]
-fn ties_beyond_the_buffer_are_kept_or_cut_by_index() {
-    // Values in {0, 1, 2, 3}: thousands of ties at each.
-    let (n, v) = (4, 12_007);
-    let z: Vec<f32> = (0..n * v).map(|x| ((x * 7 + x / v) % 4) as f32).collect();
-    for f in [
+/// Filters whose cuts fall inside runs of thousands of tied values (values in {0, 1, 2, 3}).
+fn tie_filters() -> [SupportFilter; 6] {
+    [
         filters(Some(3), None, None),
         filters(Some(5000), None, None),
         filters(None, Some(0.5), None),
         filters(None, Some(0.9), None),
         filters(Some(7000), Some(0.6), None),
         filters(None, Some(0.77), Some(0.3)),
-    ] {
+    ]
+}
+
+#[test]
+fn ties_beyond_the_buffer_are_kept_or_cut_by_index() {
+    // Values in {0, 1, 2, 3}: thousands of ties at each.
+    let (n, v) = (4, 12_007);
+    let z: Vec<f32> = (0..n * v).map(|x| ((x * 7 + x / v) % 4) as f32).collect();
+    for f in tie_filters() {
         let extra = check(&format!("ties {f:?}"), z.clone(), (n, v), 1.0, f, 1e-10);
         assert!(extra >= 1, "{f:?}: the buffer cannot hold the ties");
     }
@@ -480,14 +485,7 @@ fn the_device_path_matches_the_reference() {
     let ties: Vec<f32> = (0..n * v).map(|x| ((x * 7 + x / v) % 4) as f32).collect();
     let flat: Vec<f32> = (0..n * v).map(|_| (rng.normal() * 0.3) as f32).collect();
     let all = vec![true; n];
-    for f in [
-        filters(Some(3), None, None),
-        filters(Some(5000), None, None),
-        filters(None, Some(0.5), None),
-        filters(None, Some(0.9), None),
-        filters(Some(7000), Some(0.6), None),
-        filters(None, Some(0.77), Some(0.3)),
-    ] {
+    for f in tie_filters() {
         let extra = check_on(
             true,
             &format!("ties {f:?}"),
