@@ -492,19 +492,15 @@ fn sharded_log_probs_over_three_ranks_equal_the_whole_head() {
     let batch = x.batch();
     let temperature = Temperature::new(0.7).unwrap();
     let budget = opts(Mode::Auto).budget_bytes;
-    let (ids, mask) = (batch.target_ids, Some(batch.mask));
+    let rows = LogpRows {
+        targets: batch.target_ids,
+        mask: Some(batch.mask),
+        temperature,
+    };
     let whole = Device::cpu()
         .logprobs(
             HeadArgs::host(&head.inputs()),
-            LogpCall::forward(
-                LogpRows {
-                    targets: ids,
-                    mask,
-                    temperature,
-                },
-                &FusedOptions::forward(budget),
-                t,
-            ),
+            LogpCall::forward(rows, &FusedOptions::forward(budget), t),
         )
         .map(|o| o.stats)
         .unwrap();
@@ -526,16 +522,8 @@ fn sharded_log_probs_over_three_ranks_equal_the_whole_head() {
         Device::cpu()
             .logprobs(
                 args,
-                LogpCall::forward(
-                    LogpRows {
-                        targets: ids,
-                        mask,
-                        temperature,
-                    },
-                    &FusedOptions::forward(budget),
-                    t,
-                )
-                .sharded(&Grid::vocab(comm), shard),
+                LogpCall::forward(rows, &FusedOptions::forward(budget), t)
+                    .sharded(&Grid::vocab(comm), shard),
             )
             .map(|o| o.stats)
     });
@@ -574,8 +562,7 @@ fn sharded_log_probs_over_three_ranks_equal_the_whole_head() {
                 LogpCall::forward(
                     LogpRows {
                         targets: &bad,
-                        mask,
-                        temperature,
+                        ..rows
                     },
                     &FusedOptions::forward(budget),
                     t,
