@@ -14,6 +14,15 @@ PY=${PYTHON:-python3}
 VENV=${VERL_VENV:-target/verl-venv}
 "$PY" -m venv "$VENV"
 PIP="$VENV/bin/pip"
+# torch's Linux wheel from PyPI carries CUDA (about 6 GB installed): take it from the main
+# suite's venv (VERL_TORCH_VENV, target/py-venv by default) when that venv has it, through a
+# .pth line. That path comes after this venv's own site-packages, so verl's pinned
+# transformers (installed here) shadows the main suite's, which pip leaves in place.
+TORCH_VENV=${VERL_TORCH_VENV:-target/py-venv}
+if "$TORCH_VENV/bin/python" -c "import torch" 2>/dev/null; then
+  "$TORCH_VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" \
+    > "$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/torch_venv.pth"
+fi
 "$PIP" install -q torch numpy pytest packaging "transformers>=5.5.3,<5.11,!=5.6.0" "ray>=2.41.0" \
     "tensordict>=0.8.0,<=0.10.0,!=0.9.0" omegaconf
 "$PIP" install -q --no-deps "verl==0.9.1"
