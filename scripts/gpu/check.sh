@@ -9,7 +9,7 @@
 #   2. pytest crates/flashloss-py/tests/test_cuda.py;
 #   3. compute-sanitizer memcheck and racecheck on two small gradchecks;
 #   4. the bench, fused against the unfused cuBLAS path, N=8192 H=4096 V=151936 bf16,
-#      GRPO and CE: median step and peak device bytes.
+#      GRPO and CE, each with three plans: median step and peak device bytes.
 # One JSON line per check in $OUT/summary.jsonl (and one log per check); a failing check
 # does not stop the others. Exit code 0 when every check passed.
 set -uo pipefail
@@ -57,7 +57,7 @@ stage install 20
 WHEEL=$(ls "$CARRY"/flashloss-*.whl 2>/dev/null | head -n 1)
 check install 20 python3 -m pip install -q --no-deps --no-index --force-reinstall "${WHEEL:-$CARRY/no-wheel.whl}"
 
-stage gradcheck 130
+stage gradcheck 150
 gradchecks gc --set seq_len=512
 
 stage pytest 80
@@ -71,10 +71,18 @@ for tool in memcheck racecheck; do
   done
 done
 
-stage bench 80
-for cfg in grpo_n8192_h4096_v151936_bf16 ce_n8192_h4096_v151936_bf16; do
-  check "bench_$cfg" 40 --bench-json "$OUT/bench_$cfg.json" \
-    "$BIN" bench --config "configs/bench/gpu/$cfg.yaml" --json "$OUT/bench_$cfg.json"
+# Per loss: the committed config (auto at 192 MiB: two-pass), auto with 1536 MiB (f32
+# single-pass blocks of 1730 rows) and the bf16 chunk of 4096 rows (mode: compact,
+# 1248 MiB); each beside the unfused path in the same run.
+stage bench 200
+for loss in grpo ce; do
+  cfg=${loss}_n8192_h4096_v151936_bf16
+  for plan in two_pass:"" single_pass:"--set budget_mib=1536" compact:"--set mode=compact --set budget_mib=1248"; do
+    name=bench_${loss}_${plan%%:*}
+    # shellcheck disable=SC2086
+    check "$name" 40 --bench-json "$OUT/$name.json" \
+      "$BIN" bench --config "configs/bench/gpu/$cfg.yaml" ${plan#*:} --json "$OUT/$name.json"
+  done
 done
 
 failed=$(grep -c '"ok": false' "$SUMMARY")

@@ -36,7 +36,11 @@ def bench(path):
     with open(path) as f:
         report = json.load(f)
     return {
-        r["implementation"]: {"median_s": r["step_seconds"]["median"], "peak_bytes": r["peak_bytes"]}
+        r["implementation"]: {
+            "median_s": r["step_seconds"]["median"],
+            "peak_bytes": r["peak_bytes"],
+            "plan": {k: r["plan"][k] for k in ("single_pass", "compact", "block_rows")},
+        }
         for r in report["results"]
     }
 

@@ -1,5 +1,6 @@
-//! cuBLAS products of the fused LM-head kernels: `C (f32) = op(A)·op(B) + beta·C` through
-//! `cublasGemmEx` with f32 or bf16 operands and f32 accumulation. cuBLAS is
+//! cuBLAS products of the fused LM-head kernels: `C = op(A)·op(B) + beta·C` through
+//! `cublasGemmEx` with f32 or bf16 operands, f32 accumulation, and `C` in f32 (the
+//! gradients, the f32 logits tile) or bf16 (a compact plan's logits chunk, `beta = 0`). cuBLAS is
 //! column-major: a row-major `[r, c]` matrix with row stride `ld` is its column-major
 //! transpose `[c, r]` with leading dimension `ld`; [`GemmShape`] maps each row-major
 //! product onto those arguments.
@@ -98,13 +99,36 @@ pub(crate) struct Operand {
     pub(crate) dtype: cudaDataType_t,
 }
 
-/// `C (f32) = A·B + beta·C` as `shape` says, f32 accumulation.
+impl Operand {
+    /// An f32 matrix at `addr`.
+    pub(crate) fn f32(addr: u64) -> Self {
+        Operand {
+            addr,
+            dtype: cudaDataType_t::CUDA_R_32F,
+        }
+    }
+
+    /// A bf16 matrix at `addr`.
+    pub(crate) fn bf16(addr: u64) -> Self {
+        Operand {
+            addr,
+            dtype: cudaDataType_t::CUDA_R_16BF,
+        }
+    }
+
+    /// Whether the matrix is bf16.
+    pub(crate) fn is_bf16(&self) -> bool {
+        self.dtype == cudaDataType_t::CUDA_R_16BF
+    }
+}
+
+/// `C = A·B + beta·C` as `shape` says, f32 accumulation, `C` rounded to its type.
 pub(crate) fn gemm(
     blas: &CudaBlas,
     shape: GemmShape,
     a: Operand,
     b: Operand,
-    c: u64,
+    c: Operand,
     beta: f32,
 ) -> Result<()> {
     let op = |t: bool| {
@@ -133,8 +157,8 @@ pub(crate) fn gemm(
             b.dtype,
             int_arg("ldb", shape.ldb)?,
             (&beta as *const f32).cast(),
-            c as *mut std::ffi::c_void,
-            cudaDataType_t::CUDA_R_32F,
+            c.addr as *mut std::ffi::c_void,
+            c.dtype,
             int_arg("ldc", shape.ldc)?,
             cublasComputeType_t::CUBLAS_COMPUTE_32F,
             cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,

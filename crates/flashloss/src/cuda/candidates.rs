@@ -9,6 +9,7 @@
 //! products. Compiled with NVRTC and checked by ptxas in CI; not run on a device yet.
 //! The truncated support's device half is `support.rs`.
 
+use super::blas::Operand;
 use super::device::{DeviceBuffer, Gpu, device_error};
 use super::launch::{cols_arg, rows_launch};
 use crate::error::{Error, Result};
@@ -80,7 +81,7 @@ impl DeviceGather {
     }
 
     /// Gathers the candidates of `tile.rows` that fall in the f32 tile at `z`.
-    pub(crate) fn tile(&self, gpu: &Gpu, z: u64, tile: &TileArgs) -> Result<()> {
+    pub(crate) fn tile(&self, gpu: &Gpu, logits: Operand, tile: &TileArgs) -> Result<()> {
         let (rows, k) = (tile.rows, self.k);
         let (cols, kk) = (cols_arg(tile.vocab.len())?, k_arg(k)?);
         let (ld, col0) = (tile.ld as i64, tile.vocab.start as i64);
@@ -89,9 +90,12 @@ impl DeviceGather {
             gpu.addr(&self.z, rows.start * k),
         );
         let (cap, inv_cap) = tile.cap;
-        let mut launch = gpu
-            .stream()
-            .launch_builder(gpu.kernel("gather_logits_f32")?);
+        let kernel = match logits.is_bf16() {
+            true => "gather_logits_bf16",
+            false => "gather_logits_f32",
+        };
+        let z = logits.addr;
+        let mut launch = gpu.stream().launch_builder(gpu.kernel(kernel)?);
         launch
             .arg(&z)
             .arg(&ld)
@@ -103,7 +107,7 @@ impl DeviceGather {
             .arg(&ids)
             .arg(&kk)
             .arg(&out);
-        // SAFETY: the arguments match `gather_logits_f32`; the tile holds `rows` rows of
+        // SAFETY: the arguments match `gather_logits_*`; the tile holds `rows` rows of
         // `ld` columns, `ids` and `out` the block's `rows · k` entries from its first row.
         unsafe { launch.launch(gather_launch(rows.len())?) }
             .map(|_| ())

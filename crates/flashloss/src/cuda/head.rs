@@ -166,8 +166,9 @@ impl GpuWorkspace {
             + self.dz.as_ref().map_or(0, |b| 2 * b.len())
     }
 
-    /// Tiles for `plan` (`[block_rows, cols]` f32 logits, and a bf16 `dZ` tile for bf16
-    /// heads); buffers of another size are replaced by NaN-poisoned ones.
+    /// Tiles for `plan`, `[block_rows, cols]` each: f32 logits, and a bf16 `dZ` tile for
+    /// bf16 heads; a compact plan's bf16 chunk alone, which holds the logits and then
+    /// `dZ` in place. Buffers of another size are replaced by NaN-poisoned ones.
     pub(crate) fn prepare(
         &mut self,
         gpu: &Gpu,
@@ -176,15 +177,18 @@ impl GpuWorkspace {
         bf16_dz: bool,
     ) -> Result<()> {
         let need = plan.block_rows * plan.block_cols(vocab);
-        if self.logits.as_ref().map(DeviceBuffer::len) != Some(need) {
+        let logits_need = (!plan.compact).then_some(need);
+        if self.logits.as_ref().map(DeviceBuffer::len) != logits_need {
             self.logits = None;
-            self.logits = Some(gpu.nans(need)?);
+            if let Some(len) = logits_need {
+                self.logits = Some(gpu.nans(len)?);
+            }
         }
-        let dz_need = if bf16_dz { Some(need) } else { None };
+        let dz_need = (bf16_dz || plan.compact).then_some(need);
         if self.dz.as_ref().map(DeviceBuffer::len) != dz_need {
             self.dz = None;
-            if bf16_dz {
-                self.dz = Some(gpu.nans(need)?);
+            if let Some(len) = dz_need {
+                self.dz = Some(gpu.nans(len)?);
             }
         }
         Ok(())
@@ -219,7 +223,7 @@ pub fn head_logits<E: GpuElement>(
             addr: gpu.addr(&head.hidden, 0),
             dtype: E::BLAS_TYPE,
         },
-        gpu.addr(out, 0),
+        Operand::f32(gpu.addr(out, 0)),
         0.0,
     )
 }

@@ -47,7 +47,7 @@ pub const SOFTMAX_ROWS: KernelSource = KernelSource {
 pub const GATHER_LOGITS: KernelSource = KernelSource {
     name: "gather_logits.cu",
     source: include_str!("kernels/gather_logits.cu"),
-    kernels: &["gather_logits_f32"],
+    kernels: &["gather_logits_f32", "gather_logits_bf16"],
 };
 
 /// The candidate sets' one-hot gradient terms, added into a `dZ` tile (f32 or bf16).

@@ -21,7 +21,6 @@ use crate::fused::{
     DeviceSinks, FusedPasses, GradsOf, Plan, RowGrad, SinglePassHooks, SparseGrads, TileVisitor,
 };
 use crate::rows::{OnlineSoftmax, PartialStats, RowInputs, RowStats};
-use cudarc::cublas::sys::cudaDataType_t;
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use std::ops::Range;
 
@@ -98,14 +97,28 @@ impl<'a, E: GpuElement> GpuPasses<'a, E> {
         (0..v).step_by(vt).map(|s| s..(s + vt).min(v)).collect()
     }
 
+    /// The f32 logits tile (every plan but a compact one).
     fn logits_addr(&self) -> Result<u64> {
         let z = self.ws.logits.as_ref().ok_or_else(|| Error::Device {
-            reason: "the fused workspace has no logits tile".into(),
+            reason: "the fused workspace has no f32 logits tile".into(),
         })?;
         Ok(self.gpu.addr(z, 0))
     }
 
-    /// The raw logits `H[rows]·W[vocab]ᵀ` into the tile (row stride `ldz`).
+    /// Where a block's logits go: the f32 tile, or a compact plan's bf16 chunk (which
+    /// then holds `dZ` in place).
+    fn block_logits(&self) -> Result<Operand> {
+        if !self.plan.compact {
+            return Ok(Operand::f32(self.logits_addr()?));
+        }
+        let chunk = self.ws.dz.as_ref().ok_or_else(|| Error::Device {
+            reason: "the fused workspace has no bf16 logits chunk".into(),
+        })?;
+        Ok(Operand::bf16(self.gpu.addr(chunk, 0)))
+    }
+
+    /// The raw logits `H[rows]·W[vocab]ᵀ` into the block's logits (row stride `ldz`),
+    /// rounded to bf16 in a compact plan.
     fn logits_tile(&self, rows: &Range<usize>, vocab: &Range<usize>, ldz: usize) -> Result<()> {
         let h = self.head.hidden_size;
         gemm(
@@ -119,7 +132,7 @@ impl<'a, E: GpuElement> GpuPasses<'a, E> {
                 addr: self.gpu.addr(&self.head.hidden, rows.start * h),
                 dtype: E::BLAS_TYPE,
             },
-            self.logits_addr()?,
+            self.block_logits()?,
             0.0,
         )
     }
@@ -148,8 +161,12 @@ impl<'a, E: GpuElement> GpuPasses<'a, E> {
         merge_into: bool,
     ) -> Result<()> {
         let gpu = self.gpu;
-        let f = gpu.kernel("row_states_f32")?;
-        let z = self.logits_addr()?;
+        let logits = self.block_logits()?;
+        let f = gpu.kernel(match logits.is_bf16() {
+            true => "row_states_bf16",
+            false => "row_states_f32",
+        })?;
+        let z = logits.addr;
         let lz = KernelLayout::dense(rows.len(), ldz);
         let cols = i32::try_from(vocab.len()).map_err(|_| Error::InvalidArgument {
             arg: "vocab",
@@ -193,7 +210,7 @@ impl<'a, E: GpuElement> GpuPasses<'a, E> {
             .arg(&ptrs[5])
             .arg(&ptrs[6])
             .arg(&ptrs[7]);
-        // SAFETY: the arguments match `row_states_f32`; the tile holds `rows` rows of
+        // SAFETY: the arguments match `row_states_*`; the tile holds `rows` rows of
         // `ldz` columns, the per-row arrays hold N entries from row 0.
         unsafe { launch.launch(rows_launch(rows.len())?) }
             .map(|_| ())
@@ -263,15 +280,18 @@ impl<'a, E: GpuElement> GpuPasses<'a, E> {
     ) -> Result<()> {
         let gpu = self.gpu;
         let h = self.head.hidden_size;
-        let z = self.logits_addr()?;
-        let (dz, dz_type, kernel) = match &self.ws.dz {
-            Some(d) if E::DTYPE == DType::Bf16 => (
-                gpu.addr(d, 0),
-                cudaDataType_t::CUDA_R_16BF,
-                "row_grad_f32_to_bf16",
-            ),
-            _ => (z, cudaDataType_t::CUDA_R_32F, "row_grad_f32"),
+        let logits = self.block_logits()?;
+        let z = logits.addr;
+        // dZ in place (the f32 tile, or a compact plan's bf16 chunk), or into the bf16
+        // tile of a bf16 head, the operand of its bf16 products.
+        let (dz_op, kernel) = match &self.ws.dz {
+            _ if logits.is_bf16() => (logits, "row_grad_bf16"),
+            Some(d) if E::DTYPE == DType::Bf16 => {
+                (Operand::bf16(gpu.addr(d, 0)), "row_grad_f32_to_bf16")
+            }
+            _ => (logits, "row_grad_f32"),
         };
+        let dz = dz_op.addr;
         let lz = KernelLayout::dense(rows.len(), ldz);
         let cols = vocab.len() as i32;
         let col_offset = vocab.start as i64;
@@ -295,13 +315,12 @@ impl<'a, E: GpuElement> GpuPasses<'a, E> {
         unsafe { launch.launch(rows_launch(rows.len())?) }
             .map_err(|e| device_error(&format!("launching {kernel}"), e))?;
         if let Some(sp) = sparse {
-            let bf16 = dz_type == cudaDataType_t::CUDA_R_16BF;
-            sp.add(gpu, (dz, bf16), &self.tile_args(rows, vocab, ldz))?;
+            sp.add(
+                gpu,
+                (dz, dz_op.is_bf16()),
+                &self.tile_args(rows, vocab, ldz),
+            )?;
         }
-        let dz_op = Operand {
-            addr: dz,
-            dtype: dz_type,
-        };
         let out = self.out.as_deref().ok_or_else(no_grads)?;
         gemm(
             &self.ws.blas,
@@ -311,7 +330,7 @@ impl<'a, E: GpuElement> GpuPasses<'a, E> {
                 dtype: E::BLAS_TYPE,
             },
             dz_op,
-            gpu.addr(&out.dhidden, rows.start * h),
+            Operand::f32(gpu.addr(&out.dhidden, rows.start * h)),
             1.0,
         )?;
         // A frozen head (`Plan::head_grad`) has no dW buffer: dH alone.
@@ -324,12 +343,12 @@ impl<'a, E: GpuElement> GpuPasses<'a, E> {
                     dtype: E::BLAS_TYPE,
                 },
                 dz_op,
-                gpu.addr(dweight, vocab.start * h),
+                Operand::f32(gpu.addr(dweight, vocab.start * h)),
                 1.0,
             )?;
         }
         if let Some(db) = &out.dbias {
-            let sums = if dz_type == cudaDataType_t::CUDA_R_16BF {
+            let sums = if dz_op.is_bf16() {
                 "col_sums_bf16"
             } else {
                 "col_sums_f32"
@@ -374,7 +393,7 @@ impl<E: GpuElement> GpuPasses<'_, E> {
                     self.tile_args(&rows, &vocab, vocab.len()),
                 );
                 if let Some(g) = gather {
-                    g.tile(self.gpu, z, &tile)?;
+                    g.tile(self.gpu, Operand::f32(z), &tile)?;
                 }
                 if let Some(top) = top {
                     top.tile(self.gpu, z, &tile, hooks)?;
@@ -459,7 +478,7 @@ impl<E: GpuElement> GpuPasses<'_, E> {
             if let Some(g) = gather {
                 g.tile(
                     self.gpu,
-                    self.logits_addr()?,
+                    self.block_logits()?,
                     &self.tile_args(&rows, &all, v),
                 )?;
             }

@@ -13,8 +13,9 @@ use serde::{Deserialize, Serialize};
 #[serde(rename_all = "snake_case")]
 pub enum Mode {
     /// The plan the rate model ([`PlanLimits::half_rate_rows`]) finds fastest for the
-    /// budget: two-pass, f32 single-pass, or (CPU) compact single-pass, whose gradients
-    /// carry the f16 rounding of the probabilities (docs/spec/losses.md).
+    /// budget: two-pass, f32 single-pass, or compact single-pass, whose results carry a
+    /// rounding (docs/spec/losses.md): the CPU's, of the probabilities to f16; the GPU's
+    /// (bf16 heads), of the logits to bf16.
     #[default]
     Auto,
     /// [`Mode::Auto`] among the f32 plans only (two-pass or f32 single-pass).
@@ -23,11 +24,14 @@ pub enum Mode {
     SinglePass,
     /// Statistics first, then recompute: 8NHV, smallest workspace.
     TwoPass,
-    /// Single-pass with a compact block (CPU): each `[rows, vocab_tile]` tile's
+    /// Single-pass with a compact block. CPU: each `[rows, vocab_tile]` tile's
     /// `exp((z - μ_tile)/T)` kept in f16 with its per-row max `μ_tile`, instead of the
-    /// f32 logits: about twice the rows per block at the same budget. The stored
-    /// probabilities are rounded to f16 (relative 2^-11; see docs/spec/losses.md).
-    /// Backends without a compact block run it as [`Mode::SinglePass`].
+    /// f32 logits: about twice the rows per block at the same budget; the stored
+    /// probabilities are rounded to f16 (relative 2^-11; see docs/spec/losses.md). GPU,
+    /// bf16 heads: the block's logits in one bf16 chunk (rounded to bf16, relative
+    /// 2^-9), overwritten by `dZ` in place: three times the rows of an f32 block.
+    /// Backends without a compact block (f32 heads on the GPU) run it as
+    /// [`Mode::SinglePass`].
     Compact,
 }
 
@@ -197,7 +201,8 @@ impl Default for FusedOptions {
 pub struct Plan {
     /// True when a row block's logits over the whole vocabulary are kept at once.
     pub single_pass: bool,
-    /// Single-pass with the compact (f16 exponentials) block of [`Mode::Compact`].
+    /// Single-pass with the compact block of [`Mode::Compact`] (CPU: f16 exponentials;
+    /// GPU: a bf16 logits chunk).
     pub compact: bool,
     /// Rows per block.
     pub block_rows: usize,
