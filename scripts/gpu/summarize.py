@@ -22,7 +22,7 @@ def gradcheck(log):
 
 def pytest(log):
     """The counts of pytest's last line (``3 passed, 2 skipped, 1 xfailed in 4.2s``)."""
-    lines = [l for l in log.splitlines() if re.search(r"\d+ (passed|failed|error)", l)]
+    lines = [ln for ln in log.splitlines() if re.search(r"\d+ (passed|failed|error)", ln)]
     return {k: int(n) for n, k in re.findall(r"(\d+) (\w+)", lines[-1])} if lines else {}
 
 
@@ -39,7 +39,7 @@ def bench(path):
         r["implementation"]: {
             "median_s": r["step_seconds"]["median"],
             "peak_bytes": r["peak_bytes"],
-            "plan": {k: r["plan"][k] for k in ("single_pass", "compact", "block_rows")},
+            "plan": {k: (r.get("plan") or {}).get(k) for k in ("single_pass", "compact", "block_rows")},
         }
         for r in report["results"]
     }
@@ -64,7 +64,7 @@ def main(name, code, t0, t1, log_path, bench_json=None):
     except (OSError, ValueError, KeyError, TypeError) as e:
         line["numbers_error"] = str(e)[:200]
     if code != 0:
-        tail = [l for l in log.splitlines() if l.strip()]
+        tail = [ln for ln in log.splitlines() if ln.strip()]
         line["error"] = tail[-1][-300:] if tail else ""
     print(json.dumps(line))
 
