@@ -63,7 +63,10 @@ SECTIONS = {
     160) are the fused kernel's plan, as in ``flashloss bench``. On JAX's Pallas path a
     token-local GRPO step (token-level ratios, not vespo) on one device without a sampler
     support runs in one pass over blocks of rows (6NHV) under ``single_pass``, or under
-    ``auto`` where a block fits ``budget_mib``; every other step there runs two passes.""",
+    ``auto`` where a block fits ``budget_mib``; every other step there runs two passes. On
+    CUDA with a bf16 head, ``compact`` keeps each block's logits as bf16 and overwrites
+    them with the gradient (the fastest plan; logp, entropy and the loss then carry bf16's
+    rounding of the logits, so ``auto`` never takes it).""",
 }
 
 
