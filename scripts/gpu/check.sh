@@ -74,7 +74,7 @@ done
 # Per loss: the committed config (auto at 192 MiB: two-pass), auto with 1536 MiB (f32
 # single-pass blocks of 1730 rows) and the bf16 chunk of 4096 rows (mode: compact,
 # 1248 MiB); each beside the unfused path in the same run.
-stage bench 200
+stage bench 240
 for loss in grpo ce; do
   cfg=${loss}_n8192_h4096_v151936_bf16
   for plan in two_pass:"" single_pass:"--set budget_mib=1536" compact:"--set mode=compact --set budget_mib=1248"; do
@@ -83,6 +83,13 @@ for loss in grpo ce; do
     check "$name" 40 --bench-json "$OUT/$name.json" \
       "$BIN" bench --config "configs/bench/gpu/$cfg.yaml" ${plan#*:} --json "$OUT/$name.json"
   done
+done
+# The options' own cost (issue 41): the log-prob gradient plain and with the option, both
+# two-pass, side by side.
+for opt in top_k64 gather_k64; do
+  name=bench_logprobs_$opt
+  check "$name" 40 --bench-json "$OUT/$name.json" \
+    "$BIN" bench --config "configs/bench/gpu/logprobs_${opt}_n8192_h4096_v151936_bf16.yaml" --json "$OUT/$name.json"
 done
 
 failed=$(grep -c '"ok": false' "$SUMMARY")

@@ -236,7 +236,8 @@ impl BenchConfig {
     }
 
     /// A `logprobs` bench runs at level `linear`; `gather_k` and the support's keys
-    /// (`top_k`, `top_p`, `min_p`, in range) belong to it, on the CPU.
+    /// (`top_k`, `top_p`, `min_p`, in range) belong to it (and the support to GRPO at
+    /// level `linear`), on either device.
     fn validate_logprobs(&self) -> Result<()> {
         let logprobs = self.loss == LossKind::Logprobs;
         if logprobs && self.level != Level::Linear {
@@ -247,13 +248,11 @@ impl BenchConfig {
         }
         if let Some(f) = self.support() {
             let grpo_linear = self.loss == LossKind::Grpo && self.level == Level::Linear;
-            if !((logprobs || grpo_linear) && self.device == Backend::Cpu) {
+            if !(logprobs || grpo_linear) {
                 let key = f.first_set().unwrap_or("top_k");
                 return Err(bad(
                     key,
-                    "needs loss `logprobs` or `grpo` at level `linear` on device `cpu` (the CUDA \
-                     backend has no truncated support)"
-                        .into(),
+                    "needs loss `logprobs` or `grpo` at level `linear`".into(),
                 ));
             }
             f.check().map_err(|e| match e {
@@ -261,12 +260,8 @@ impl BenchConfig {
                 e => Error::Kernel(e),
             })?;
         }
-        if self.gather_k > 0 && !(logprobs && self.device == Backend::Cpu) {
-            return Err(bad(
-                "gather_k",
-                "needs loss `logprobs` on device `cpu` (the CUDA backend has no candidate sets)"
-                    .into(),
-            ));
+        if self.gather_k > 0 && !logprobs {
+            return Err(bad("gather_k", "needs loss `logprobs`".into()));
         }
         Ok(())
     }

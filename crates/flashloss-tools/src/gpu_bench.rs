@@ -66,6 +66,7 @@ fn typed<E: flashloss::cuda::GpuElement>(
     cfg: &BenchConfig,
     progress: &mut dyn FnMut(&str, usize, usize),
 ) -> flashloss::Result<BenchReport> {
+    use crate::bench::LossKind;
     use crate::bench::inputs::linear_inputs;
     use crate::bench::step::{LogprobCall, LogprobRows, fused_step};
     use flashloss::FusedOptions;
@@ -99,7 +100,10 @@ fn typed<E: flashloss::cuda::GpuElement>(
     drop((hidden, weight));
     let batch = tokens.batch();
     let norm = Normalizers::local(&batch);
-    let logprobs = LogprobRows::new(n, v, 0);
+    // A `logprobs` bench with `gather_k` or a support also times those calls, as the CPU's.
+    let is_logprobs = cfg.loss == LossKind::Logprobs;
+    let mut logprobs = LogprobRows::new(n, v, if is_logprobs { cfg.gather_k } else { 0 });
+    logprobs.support = cfg.support().filter(|_| cfg.loss != LossKind::Ce);
     let opts = FusedOptions::from_mib(cfg.mode, cfg.budget_mib, 1.0);
     let elem = E::DTYPE.size();
     // Inputs, dH and dW in f32, and the per-row state: targets, live flags, five f32
@@ -156,83 +160,100 @@ fn typed<E: flashloss::cuda::GpuElement>(
             run_baseline = false;
         }
     }
-    let mut run_one = |name: &'static str, materialized: bool| -> Result<BenchResult> {
-        let mut ws = GpuWorkspace::new(&gpu)?;
-        let mut grads = GpuGrads::zeros(&gpu, &head, opts.head_grad)?;
-        gpu.memory().reset_peak();
-        let mut times = Vec::new();
-        let mut value = 0.0;
-        let mut ran = None;
-        let total = cfg.warmup + cfg.repeat.max(1);
-        for k in 0..total {
-            let t = gpu.timed(|| {
-                // A training step zeroes its gradients; the kernels add into them.
-                gpu.fill_zeros(&mut grads.dhidden)?;
-                if let Some(dw) = &mut grads.dweight {
-                    gpu.fill_zeros(dw)?;
+    let mut run_one =
+        |name: &'static str, materialized: bool, call: LogprobCall| -> Result<BenchResult> {
+            let mut ws = GpuWorkspace::new(&gpu)?;
+            let mut grads = GpuGrads::zeros(&gpu, &head, opts.head_grad)?;
+            gpu.memory().reset_peak();
+            let mut times = Vec::new();
+            let mut value = 0.0;
+            let mut ran = None;
+            let total = cfg.warmup + cfg.repeat.max(1);
+            for k in 0..total {
+                let t = gpu.timed(|| {
+                    // A training step zeroes its gradients; the kernels add into them.
+                    gpu.fill_zeros(&mut grads.dhidden)?;
+                    if let Some(dw) = &mut grads.dweight {
+                        gpu.fill_zeros(dw)?;
+                    }
+                    let head = &mut CudaHead {
+                        gpu: &gpu,
+                        head: &head,
+                        ws: &mut ws,
+                        grads: Some(&mut grads),
+                        materialized,
+                    };
+                    let step = (&batch, norm);
+                    let (l, p) =
+                        fused_step(head, cfg.loss, (&loss, &ce), step, (&logprobs, call), &opts)?;
+                    value = l;
+                    ran = Some(p);
+                    Ok(())
+                })?;
+                if k >= cfg.warmup {
+                    times.push(t);
                 }
-                let head = &mut CudaHead {
-                    gpu: &gpu,
-                    head: &head,
-                    ws: &mut ws,
-                    grads: Some(&mut grads),
-                    materialized,
-                };
-                let step = (&batch, norm);
-                let (l, p) = fused_step(
-                    head,
-                    cfg.loss,
-                    (&loss, &ce),
-                    step,
-                    (&logprobs, LogprobCall::Plain),
-                    &opts,
-                )?;
-                value = l;
-                ran = Some(p);
-                Ok(())
-            })?;
-            if k >= cfg.warmup {
-                times.push(t);
+                progress(name, k + 1, total);
             }
-            progress(name, k + 1, total);
-        }
-        gpu.synchronize()?;
-        let (free, total_bytes) = gpu.mem_get_info()?;
-        let peak = gpu.memory().peak();
-        let step = timing(times);
-        let flops = ran.map(|p| p.flops(n, h, v)).unwrap_or(6.0 * nhv);
-        Ok(BenchResult {
-            implementation: name,
-            level: cfg.level,
-            loss_kind: cfg.loss,
-            tokens: n,
-            hidden: Some(h),
-            vocab: v,
-            dtype: cfg.dtype,
-            threads: 1,
-            step_seconds: step,
-            loss: value,
-            peak_bytes: peak,
-            io_bytes: floor,
-            peak_above_io_bytes: peak as i64 - floor as i64,
-            bytes_moved: None,
-            gbytes_per_s: None,
-            copy_gbytes_per_s: None,
-            flops: Some(flops),
-            gflops_per_s: Some(flops / step.median / 1e9),
-            gemm_gflops_per_s: gemm_tflops.is_finite().then_some(gemm_tflops * 1e3),
-            bf16_gemm_gflops_per_s: None,
-            bf16_choice: None,
-            plan: ran,
-            device_used_bytes: Some(total_bytes - free),
-        })
-    };
+            gpu.synchronize()?;
+            let (free, total_bytes) = gpu.mem_get_info()?;
+            let peak = gpu.memory().peak();
+            let step = timing(times);
+            // The support's extra passes each form the logits once more (2NHV).
+            let extra = match call {
+                LogprobCall::Support => logprobs.extra_passes.get(),
+                _ => 0,
+            };
+            let flops =
+                ran.map(|p| p.flops(n, h, v)).unwrap_or(6.0 * nhv) + 2.0 * extra as f64 * nhv;
+            Ok(BenchResult {
+                implementation: name,
+                level: cfg.level,
+                loss_kind: cfg.loss,
+                tokens: n,
+                hidden: Some(h),
+                vocab: v,
+                dtype: cfg.dtype,
+                threads: 1,
+                step_seconds: step,
+                loss: value,
+                peak_bytes: peak,
+                io_bytes: floor,
+                peak_above_io_bytes: peak as i64 - floor as i64,
+                bytes_moved: None,
+                gbytes_per_s: None,
+                copy_gbytes_per_s: None,
+                flops: Some(flops),
+                gflops_per_s: Some(flops / step.median / 1e9),
+                gemm_gflops_per_s: gemm_tflops.is_finite().then_some(gemm_tflops * 1e3),
+                bf16_gemm_gflops_per_s: None,
+                bf16_choice: None,
+                plan: ran,
+                device_used_bytes: Some(total_bytes - free),
+            })
+        };
 
     if run_baseline {
-        report.results.push(run_one("baseline", true)?);
+        report
+            .results
+            .push(run_one("baseline", true, LogprobCall::Plain)?);
     }
     if cfg.implementation != Impl::Baseline {
-        report.results.push(run_one("fused", false)?);
+        let mut runs = vec![("fused", LogprobCall::Plain)];
+        if is_logprobs && cfg.gather_k > 0 {
+            runs.push(("fused_gather", LogprobCall::Gather));
+        }
+        if logprobs.support.is_some() {
+            runs.push(("fused_support", LogprobCall::Support));
+        }
+        for (name, call) in runs {
+            report.results.push(run_one(name, false, call)?);
+            if call == LogprobCall::Support {
+                let extra = logprobs.extra_passes.get();
+                let note = format!("{name}: {extra} extra passes over the vocabulary (2NHV each)");
+                report.notes.push(note);
+            }
+        }
     }
     Ok(report)
 }

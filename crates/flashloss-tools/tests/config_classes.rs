@@ -129,9 +129,13 @@ fn bench_classes_and_memory() {
         let err = bench::run(&cfg, &mut |l, _, _| notes.push(l.to_string())).unwrap_err();
         assert_eq!(key_of(&err), key, "{set}: {err}");
     }
-    let cfg = bench_with(&["loss=logprobs", "gather_k=4", "device=cuda"]);
+    // Candidate sets belong to the log-prob bench (on either device).
+    let cfg = bench_with(&["loss=ce", "gather_k=4", "device=cuda"]);
     let err = bench::run(&cfg, &mut |l, _, _| notes.push(l.to_string())).unwrap_err();
     assert_eq!(key_of(&err), "gather_k", "{err}");
+    let cfg = bench_with(&["loss=ce", "level=linear", "top_k=50"]);
+    let err = bench::run(&cfg, &mut |l, _, _| notes.push(l.to_string())).unwrap_err();
+    assert_eq!(key_of(&err), "top_k", "{err}");
     for level in ["level=logits", "level=linear"] {
         let cfg = bench_with(&[level, "tokens=131072", "vocab=151936000", "hidden=4096"]);
         match bench::run(&cfg, &mut |l, _, _| notes.push(l.to_string())).unwrap_err() {
