@@ -118,6 +118,12 @@ fn call_borrowed<E: TorchElement, R: Send>(
 ) -> PyResult<R> {
     let device = gpu(ordinal).map_err(|e| arg_error("hidden", e))?;
     let shape = (head.tokens, head.hidden_size, head.vocab);
+    // The call's buffers from PyTorch's caching allocator, on PyTorch's stream.
+    let lender = crate::cuda_memory::TorchAllocator::lender(py, ordinal, stream)?;
+    let lend = |b: flashloss::cuda::BorrowedHead| match lender.clone() {
+        Some(l) => b.lent_by(l),
+        None => b,
+    };
     let Some(g) = grads else {
         // SAFETY: as below, for the head's tensors (a call without gradients).
         let borrowed = unsafe {
@@ -131,7 +137,7 @@ fn call_borrowed<E: TorchElement, R: Send>(
                 shape,
             )
         };
-        return run(py, || call(device, HeadArgs::Cuda(borrowed)));
+        return run(py, || call(device, HeadArgs::Cuda(lend(borrowed))));
     };
     // SAFETY: the Python side passes PyTorch's current stream of this device and
     // contiguous tensors of these sizes and dtypes (checked there and in `Tensor`),
@@ -149,7 +155,7 @@ fn call_borrowed<E: TorchElement, R: Send>(
             shape,
         )
     };
-    run(py, || call(device, HeadArgs::Cuda(borrowed)))
+    run(py, || call(device, HeadArgs::Cuda(lend(borrowed))))
 }
 
 /// Without the `cuda` feature no tensor is on a GPU (`Tensor::new` refuses them).

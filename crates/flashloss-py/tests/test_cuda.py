@@ -319,3 +319,56 @@ def test_jax_ffi_on_cuda_under_jit_grad_and_donation(dtype):
         assert a.devices() == {gpu} and a.dtype == b_.dtype
         a, b_ = np.asarray(a, np.float64), np.asarray(b_, np.float64)
         assert np.abs(a - b_).max() <= tol * max(np.abs(b_).max(), 1.0)
+
+
+def ce_call(n, mode, budget_mib, seed=12, h=64, v=5003):
+    """One fused cross-entropy call (loss and gradients) on ``n`` rows, and the native
+    stats of that call alone (``reset`` before it: the host's waits counted from zero)."""
+    g = torch.Generator().manual_seed(seed)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    hid = torch.randn(n, h, generator=g).to(dev).requires_grad_()
+    w = (torch.randn(v, h, generator=g) / h**0.5).to(dev).requires_grad_()
+    t = torch.randint(0, v, (n,), generator=g).to(dev)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats(dev)
+    base = torch.cuda.memory_allocated(dev)
+    before = _native.cuda_stats(dev.index, reset=True)
+    loss = fl.linear_cross_entropy(hid, w, t, mode=mode, budget_mib=budget_mib)
+    torch.cuda.synchronize()
+    after = _native.cuda_stats(dev.index)
+    return loss.detach(), torch.cuda.max_memory_allocated(dev) - base, before, after
+
+
+def test_host_waits_of_a_two_pass_call_do_not_grow_with_its_row_blocks():
+    """Issue 41: a two-pass call waits for the stream a fixed number of times (the finite
+    scans, pass A's statistics, the end of the call: docs/design.md's table), however many
+    row blocks it runs (a budget of 33 MiB leaves 1 MiB of tiles: 52 rows of V = 5003 f32,
+    3 blocks at N = 128, 10 at N = 512); a single pass waits once more per block (each
+    block's statistics go to the host's per-row stage)."""
+    waits = {}
+    for mode in ("two_pass", "single_pass"):
+        for n in (128, 512):
+            after = ce_call(n, mode, 33.0)[3]
+            waits[mode, n] = after["stream_syncs"] + after["copies_to_host"]
+    assert 1 <= waits["two_pass", 128] == waits["two_pass", 512] <= 10, waits
+    assert waits["single_pass", 512] > waits["single_pass", 128], waits
+
+
+def test_the_call_buffers_come_from_torchs_caching_allocator(monkeypatch):
+    """Issue 41: with PyTorch's tensors, the call's buffers (states, coefficients, the
+    fused tiles) are lent by PyTorch's caching allocator under FLASHLOSS_CUDA_BUFFERS=torch:
+    torch's peak grows by what the backend allocates itself under the default (backend), the
+    backend allocates nothing during the call and keeps no tile after it, and the loss is the
+    same."""
+    ce_call(512, "two_pass", 40.0)  # the first call makes the cuBLAS workspace (kept)
+    monkeypatch.setenv("FLASHLOSS_CUDA_BUFFERS", "backend")
+    own_loss, own_peak, own_before, own_after = ce_call(512, "two_pass", 40.0)
+    monkeypatch.setenv("FLASHLOSS_CUDA_BUFFERS", "torch")
+    own_bytes = own_after["peak_bytes"] - own_before["in_use_bytes"]
+    assert own_bytes > 4 << 20 and own_after["workspace_bytes"] > 4 << 20, own_after  # the tiles, kept
+    loss, peak, before, after = ce_call(512, "two_pass", 40.0)
+    assert after["peak_bytes"] == before["in_use_bytes"], (before, after)  # nothing of its own
+    assert after["workspace_bytes"] == 0, after
+    assert after["in_use_bytes"] == own_before["in_use_bytes"], (own_before, after)  # the cuBLAS workspace
+    assert 0.9 * own_bytes <= peak - own_peak <= own_bytes + (1 << 20), (peak, own_peak, own_bytes)
+    torch.testing.assert_close(loss, own_loss, rtol=1e-6, atol=0)

@@ -142,6 +142,15 @@ impl Device {
         matches!(self.backend, Backend::Cpu)
     }
 
+    /// The GPU of a CUDA device (its memory accounting and host waits), `None` on the CPU.
+    #[cfg(feature = "cuda")]
+    pub fn gpu(&self) -> Option<&std::sync::Arc<crate::cuda::Gpu>> {
+        match &self.backend {
+            Backend::Cuda(gpu) => Some(gpu),
+            Backend::Cpu => None,
+        }
+    }
+
     /// Bytes the device keeps between calls (its workspaces).
     pub fn workspace_bytes(&self) -> Result<usize> {
         let state = self.state()?;

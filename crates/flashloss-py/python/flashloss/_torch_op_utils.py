@@ -50,9 +50,23 @@ def _native_grads(dw: Tensor, db: Tensor, bias: Optional[Tensor], head_grad: boo
     return dw, None if bias is None else db
 
 
+def to_device(t: Tensor, device) -> Tensor:
+    """A host tensor of a native call's results on ``device``, copied up without a wait:
+    from pageable memory CUDA stages the copy before returning (the host tensor may go),
+    and a non-blocking copy spares the stream synchronization PyTorch follows a blocking
+    one with (docs/design.md, "Host waits of one call")."""
+    return t.to(device, non_blocking=True)
+
+
+def scalar_on(x: float, device, dtype=torch.float32) -> Tensor:
+    """The scalar ``x`` on ``device`` (:func:`to_device`)."""
+    return to_device(torch.tensor(x, dtype=dtype), device)
+
+
 def metrics_tensor(out: dict, device=None) -> Tensor:
     """TRL's metrics of a native GRPO call's result, in :data:`METRICS` order (float64)."""
-    return torch.tensor([out[k] for k in METRICS], dtype=torch.float64, device=device)
+    host = torch.tensor([out[k] for k in METRICS], dtype=torch.float64)
+    return host if device is None else to_device(host, device)
 
 
 def _with_items(config: str, num_items: Optional[Tensor]) -> str:

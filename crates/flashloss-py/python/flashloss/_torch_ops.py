@@ -48,6 +48,8 @@ from ._torch_op_utils import (
     _stream,
     _with_items,
     metrics_tensor,
+    scalar_on,
+    to_device,
 )
 
 
@@ -118,9 +120,9 @@ def grpo_linear(
         call_spec(_with_items(config, num_items), mode=mode, budget_mib=budget_mib), _stream(device),
         _dist.ops(group),
     )  # fmt: skip
-    loss = torch.tensor(out["loss"], dtype=torch.float32, device=device)
+    loss = scalar_on(out["loss"], device)
     metrics = metrics_tensor(out, device)
-    return loss, dh, dw, db, logp.to(device), entropy.to(device), kl.to(device), metrics
+    return loss, dh, dw, db, to_device(logp, device), to_device(entropy, device), to_device(kl, device), metrics
 
 
 @grpo_linear.register_fake
@@ -155,7 +157,7 @@ def ce_linear(
     """``(loss, dhidden, dweight, dbias)`` of reduction ``mean`` or ``sum`` (``dweight``,
     ``dbias`` ``[0]`` for a frozen head)."""
     out, _, dh, dw, db = _ce_call(hidden, weight, bias, targets, None, config, mode, budget_mib, group, head_grad)
-    return torch.tensor(out["loss"], dtype=torch.float32, device=hidden.device), dh, dw, db
+    return scalar_on(out["loss"], hidden.device), dh, dw, db
 
 
 @ce_linear.register_fake
@@ -213,7 +215,7 @@ def ce_linear_rows(
         return rows
     zero = torch.zeros(targets.shape, dtype=torch.float32)
     rows = _ce_call(hidden, weight, bias, targets, zero, config, mode, budget_mib, group, False)[1]
-    return rows.to(hidden.device)
+    return to_device(rows, hidden.device)
 
 
 @ce_linear_rows.register_fake
@@ -292,8 +294,8 @@ def ce_linear_lse(
         (hidden, weight, bias), targets, (None, None), (dh, dw, None if bias is None else db), (rows, lse),
         call_spec(config, mode=mode, budget_mib=budget_mib), _stream(hidden.device), _dist.ops(group),
     )  # fmt: skip
-    loss = torch.tensor(out["loss"], dtype=torch.float32, device=hidden.device)
-    return loss, lse.to(hidden.device), dh, dw, db
+    loss = scalar_on(out["loss"], hidden.device)
+    return loss, to_device(lse, hidden.device), dh, dw, db
 
 
 @ce_linear_lse.register_fake
@@ -348,7 +350,7 @@ def ce_linear_rows_lse(
         (hidden, weight, bias), targets, (torch.zeros_like(rows), None), (dh, dw, None if bias is None else db),
         (rows, lse), call_spec(config, mode=mode, budget_mib=budget_mib), _stream(hidden.device), _dist.ops(group),
     )  # fmt: skip
-    return rows.to(hidden.device), lse.to(hidden.device)
+    return to_device(rows, hidden.device), to_device(lse, hidden.device)
 
 
 @ce_linear_rows_lse.register_fake
@@ -435,7 +437,7 @@ def logp_linear(
     _native.logp_linear(
         (h, weight, bias), (ids, mask), outs, gather_ids, spec, _stream(hidden.device), _dist.ops(group)
     )
-    return tuple(t.to(hidden.device) for t in out)
+    return tuple(to_device(t, hidden.device) for t in out)
 
 
 @logp_linear.register_fake

@@ -13,15 +13,29 @@ use crate::fused::{FusedOptions, FusedPasses, GradPart, Head, HeadGrad, Plan};
 use crate::range::grad_out_of_range;
 use crate::rows::RowInputs;
 
-/// Checks that every entry of the device buffer `buf` (argument `arg`) is finite.
-fn check_finite<T: GpuElement>(gpu: &Gpu, arg: &'static str, buf: &DeviceBuffer<T>) -> Result<()> {
-    match gpu.first_non_finite(buf)? {
-        Some(index) => Err(Error::NonFinite {
+/// Checks that every entry of the head's hidden states, weight and bias is finite: one
+/// scan each, their answers down in one copy (a second copy, of the first bad value,
+/// only for the error).
+fn check_finite<E: GpuElement>(gpu: &Gpu, head: &GpuInputs<E>) -> Result<()> {
+    let mut scans = vec![gpu.scan(&head.hidden), gpu.scan(&head.weight)];
+    scans.extend(head.bias.as_ref().map(|b| gpu.scan(b)));
+    let found = gpu.first_non_finite_of(&scans)?;
+    let bad = |arg, index, value: f32| {
+        Err(Error::NonFinite {
             arg,
             index,
-            value: gpu.value_at(buf, index)?.to_f32() as f64,
-        }),
-        None => Ok(()),
+            value: value as f64,
+        })
+    };
+    if let Some(index) = found[0] {
+        return bad("hidden", index, gpu.value_at(&head.hidden, index)?.to_f32());
+    }
+    if let Some(index) = found[1] {
+        return bad("weight", index, gpu.value_at(&head.weight, index)?.to_f32());
+    }
+    match (&head.bias, found.get(2).copied().flatten()) {
+        (Some(b), Some(index)) => bad("bias", index, gpu.value_at(b, index)?),
+        _ => Ok(()),
     }
 }
 
@@ -47,12 +61,8 @@ impl<E: GpuElement> Head for CudaHead<'_, E> {
     }
 
     fn validate(&self, grads: Option<HeadGrad>) -> Result<()> {
-        let (gpu, head) = (self.gpu, self.head);
-        check_finite(gpu, "hidden", &head.hidden)?;
-        check_finite(gpu, "weight", &head.weight)?;
-        if let Some(b) = &head.bias {
-            check_finite(gpu, "bias", b)?;
-        }
+        let head = self.head;
+        check_finite(self.gpu, head)?;
         match (&self.grads, grads) {
             (Some(g), Some(head_grad)) => g.check(head, head_grad),
             (None, Some(_)) => Err(no_grads()),
@@ -65,11 +75,16 @@ impl<E: GpuElement> Head for CudaHead<'_, E> {
             return Ok(());
         };
         let h = self.head.hidden_size;
-        for (quantity, buf) in std::iter::once(("dhidden", &g.dhidden))
-            .chain(g.dweight.as_ref().map(|w| ("dweight", w)))
-            .chain(g.dbias.as_ref().map(|b| ("dbias", b)))
-        {
-            if let Some(k) = self.gpu.first_non_finite(buf)? {
+        let bufs: Vec<(&'static str, &DeviceBuffer<f32>)> =
+            std::iter::once(("dhidden", &g.dhidden))
+                .chain(g.dweight.as_ref().map(|w| ("dweight", w)))
+                .chain(g.dbias.as_ref().map(|b| ("dbias", b)))
+                .collect();
+        // Every buffer scanned, the answers down in one copy.
+        let scans: Vec<_> = bufs.iter().map(|(_, b)| self.gpu.scan(*b)).collect();
+        let found = self.gpu.first_non_finite_of(&scans)?;
+        for ((quantity, buf), k) in bufs.into_iter().zip(found) {
+            if let Some(k) = k {
                 let value = self.gpu.value_at(buf, k)?;
                 return Err(grad_out_of_range(quantity, k, value, h, seq_len));
             }

@@ -2,19 +2,22 @@
 //! allocation the backend makes.
 
 use super::kernels::{SOURCES, compile_cached};
+// Re-exported: the backend's modules name it with the `Gpu` that makes it.
+pub(crate) use super::memory::DeviceBuffer;
+use super::memory::{DeviceAllocator, DeviceMemory, HostSyncs, Owner};
 use crate::element::Element;
 use crate::error::{Error, Result};
 use cudarc::cublas::sys::cudaDataType_t;
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
-    PushKernelArg, ValidAsZeroBits,
+    CudaContext, CudaFunction, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+    ValidAsZeroBits,
 };
 use cudarc::nvrtc::Ptx;
 use half::bf16;
 use std::collections::HashMap;
 use std::mem::ManuallyDrop;
+use std::ops::Range;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 pub(crate) fn device_error(what: &str, e: impl std::fmt::Debug) -> Error {
     Error::Device {
@@ -47,86 +50,13 @@ impl GpuElement for bf16 {
     const BLAS_TYPE: cudaDataType_t = cudaDataType_t::CUDA_R_16BF;
 }
 
-/// Bytes the backend holds on the device: in use now, and the most at any time since
-/// the last [`DeviceMemory::reset_peak`].
-#[derive(Debug, Default)]
-pub struct DeviceMemory {
-    in_use: AtomicUsize,
-    peak: AtomicUsize,
-}
-
-impl DeviceMemory {
-    fn allocated(&self, bytes: usize) {
-        let now = self.in_use.fetch_add(bytes, Ordering::Relaxed) + bytes;
-        self.peak.fetch_max(now, Ordering::Relaxed);
-    }
-
-    fn freed(&self, bytes: usize) {
-        self.in_use.fetch_sub(bytes, Ordering::Relaxed);
-    }
-
-    /// Bytes in use.
-    pub fn in_use(&self) -> usize {
-        self.in_use.load(Ordering::Relaxed)
-    }
-
-    /// Peak bytes in use.
-    pub fn peak(&self) -> usize {
-        self.peak.load(Ordering::Relaxed)
-    }
-
-    /// Starts a new peak from the bytes in use now.
-    pub fn reset_peak(&self) {
-        self.peak.store(self.in_use(), Ordering::Relaxed);
-    }
-}
-
-/// A device buffer counted in its GPU's [`DeviceMemory`] until dropped, or a view of
-/// memory another library owns ([`Gpu::borrow`]: neither counted nor freed here).
-#[derive(Debug)]
-pub struct DeviceBuffer<T> {
-    slice: ManuallyDrop<CudaSlice<T>>,
-    /// `None` for a borrowed view.
-    memory: Option<Arc<DeviceMemory>>,
-}
-
-impl<T> DeviceBuffer<T> {
-    /// Elements.
-    pub fn len(&self) -> usize {
-        self.slice.len()
-    }
-
-    /// Whether it holds no element.
-    pub fn is_empty(&self) -> bool {
-        self.slice.len() == 0
-    }
-
-    /// The cudarc slice.
-    pub fn slice(&self) -> &CudaSlice<T> {
-        &self.slice
-    }
-
-    /// The cudarc slice, mutably.
-    pub fn slice_mut(&mut self) -> &mut CudaSlice<T> {
-        &mut self.slice
-    }
-}
-
-impl<T> Drop for DeviceBuffer<T> {
-    fn drop(&mut self) {
-        // SAFETY: `slice` is not used after this.
-        let slice = unsafe { ManuallyDrop::take(&mut self.slice) };
-        match &self.memory {
-            Some(memory) => {
-                memory.freed(slice.num_bytes());
-                drop(slice);
-            }
-            // Borrowed: its owner frees it.
-            None => {
-                slice.leak();
-            }
-        }
-    }
+/// A device buffer to scan for entries that are not finite ([`Gpu::first_non_finite_of`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Scan {
+    addr: u64,
+    len: usize,
+    /// Bytes an element.
+    width: usize,
 }
 
 /// One GPU with the backend's kernels loaded.
@@ -135,6 +65,10 @@ pub struct Gpu {
     stream: Arc<CudaStream>,
     kernels: HashMap<&'static str, CudaFunction>,
     memory: Arc<DeviceMemory>,
+    syncs: Arc<HostSyncs>,
+    /// Where this call's buffers come from when another library lends them
+    /// ([`Gpu::lending`]); else the stream's allocations (`cuMemAllocAsync`).
+    lender: Option<Arc<dyn DeviceAllocator>>,
     arch: String,
 }
 
@@ -175,6 +109,8 @@ impl Gpu {
             stream,
             kernels,
             memory: Arc::default(),
+            syncs: Arc::default(),
+            lender: None,
             arch,
         })
     }
@@ -244,12 +180,32 @@ impl Gpu {
         })
     }
 
-    fn track<T>(&self, slice: CudaSlice<T>) -> DeviceBuffer<T> {
-        self.memory.allocated(slice.num_bytes());
-        DeviceBuffer {
-            slice: ManuallyDrop::new(slice),
-            memory: Some(self.memory.clone()),
+    /// The host's waits on this GPU's streams ([`HostSyncs`]).
+    pub fn host_syncs(&self) -> &HostSyncs {
+        &self.syncs
+    }
+
+    /// `len` elements, unset: lent by the call's allocator where it has one, else
+    /// allocated on the stream and counted.
+    fn alloc<T: DeviceRepr>(&self, len: usize) -> Result<DeviceBuffer<T>> {
+        let bytes = len * std::mem::size_of::<T>();
+        if let Some(lender) = self.lender.as_ref().filter(|_| bytes > 0) {
+            let ptr = lender.alloc(bytes)?;
+            // SAFETY: the allocator lent `bytes` bytes on this GPU for the call.
+            let slice = unsafe { self.stream.upgrade_device_ptr(ptr, len) };
+            return Ok(DeviceBuffer {
+                slice: ManuallyDrop::new(slice),
+                owner: Owner::Lent(lender.clone()),
+            });
         }
+        // SAFETY: every caller writes the buffer before it is read.
+        let slice = unsafe { self.stream.alloc::<T>(len) }
+            .map_err(|e| device_error(&format!("allocating {len} elements"), e))?;
+        self.memory.allocated(slice.num_bytes());
+        Ok(DeviceBuffer {
+            slice: ManuallyDrop::new(slice),
+            owner: Owner::Counted(self.memory.clone()),
+        })
     }
 
     /// A view of `len` elements of `T` at device address `ptr`, memory another library
@@ -263,7 +219,7 @@ impl Gpu {
         let slice = unsafe { self.stream.upgrade_device_ptr(ptr, len) };
         DeviceBuffer {
             slice: ManuallyDrop::new(slice),
-            memory: None,
+            owner: Owner::Borrowed,
         }
     }
 
@@ -280,35 +236,67 @@ impl Gpu {
             stream: unsafe { self.ctx.wrap_borrowed_stream(stream) },
             kernels: self.kernels.clone(),
             memory: self.memory.clone(),
+            syncs: self.syncs.clone(),
+            lender: self.lender.clone(),
             arch: self.arch.clone(),
         }
     }
 
+    /// This GPU with every buffer it allocates from now on lent by `lender` (e.g.
+    /// PyTorch's caching allocator on the call's stream), given back when dropped. Such a
+    /// `Gpu` is for one call: nothing it allocates may outlive the call.
+    pub fn lending(mut self, lender: Arc<dyn DeviceAllocator>) -> Gpu {
+        self.lender = Some(lender);
+        self
+    }
+
+    /// Whether this GPU's buffers are lent for the call ([`Gpu::lending`]).
+    pub fn is_lending(&self) -> bool {
+        self.lender.is_some()
+    }
+
     /// A zeroed buffer of `len` elements.
     pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, len: usize) -> Result<DeviceBuffer<T>> {
-        let slice = self
-            .stream
-            .alloc_zeros(len)
-            .map_err(|e| device_error(&format!("allocating {len} elements"), e))?;
-        Ok(self.track(slice))
+        let mut buf = self.alloc(len)?;
+        self.fill_zeros(&mut buf)?;
+        Ok(buf)
     }
 
     /// A copy of `host` on the device.
     pub fn upload<T: DeviceRepr>(&self, host: &[T]) -> Result<DeviceBuffer<T>> {
-        let slice = self.stream.clone_htod(host).map_err(|e| {
-            device_error(&format!("copying {} elements to the device", host.len()), e)
-        })?;
-        Ok(self.track(slice))
+        let mut buf = self.alloc(host.len())?;
+        self.stream
+            .memcpy_htod(host, &mut *buf.slice)
+            .map_err(|e| {
+                device_error(&format!("copying {} elements to the device", host.len()), e)
+            })?;
+        Ok(buf)
     }
 
-    /// A host copy of `buf` (waits for the stream).
+    /// A host copy of `buf` (waits for the stream: one copy to the host).
     pub fn download<T: DeviceRepr + Default + Clone>(
         &self,
         buf: &DeviceBuffer<T>,
     ) -> Result<Vec<T>> {
-        self.stream
-            .clone_dtoh(&*buf.slice)
-            .map_err(|e| device_error(&format!("copying {} elements to the host", buf.len()), e))
+        self.download_range(buf, 0..buf.len())
+    }
+
+    /// A host copy of elements `range` of `buf` (waits for the stream: one copy to the
+    /// host, counted in [`Gpu::host_syncs`]).
+    pub fn download_range<T: DeviceRepr + Default + Clone>(
+        &self,
+        buf: &DeviceBuffer<T>,
+        range: Range<usize>,
+    ) -> Result<Vec<T>> {
+        let n = range.len();
+        let mut host = vec![T::default(); n];
+        if n > 0 {
+            self.syncs.copied();
+            self.stream
+                .memcpy_dtoh(&buf.slice.slice(range), &mut host)
+                .map_err(|e| device_error(&format!("copying {n} elements to the host"), e))?;
+        }
+        Ok(host)
     }
 
     /// The device address of element `offset` of `buf` (for kernels and cuBLAS calls
@@ -357,18 +345,59 @@ impl Gpu {
     }
 
     /// The index of the first entry of `buf` that is not finite (an infinity or a NaN),
-    /// scanned on the device; `T` is 4 or 2 bytes wide (f32, bf16). Waits for the stream.
+    /// scanned on the device; `T` is 4 or 2 bytes wide (f32, bf16). Waits for the stream
+    /// (one copy to the host).
     pub fn first_non_finite<T: DeviceRepr + ValidAsZeroBits>(
         &self,
         buf: &DeviceBuffer<T>,
     ) -> Result<Option<usize>> {
-        let len = buf.len();
-        if len == 0 {
-            return Ok(None);
+        Ok(self.first_non_finite_of(&[self.scan(buf)])?[0])
+    }
+
+    /// `buf` as [`Gpu::first_non_finite_of`] scans it.
+    pub fn scan<T>(&self, buf: &DeviceBuffer<T>) -> Scan {
+        Scan {
+            addr: self.addr(buf, 0),
+            len: buf.len(),
+            width: std::mem::size_of::<T>(),
         }
-        let first = self.upload(&[u64::MAX])?;
-        let (p, n, out) = (self.addr(buf, 0), len as i64, self.addr(&first, 0));
-        let kernel = match std::mem::size_of::<T>() {
+    }
+
+    /// [`Gpu::first_non_finite`] of each of `scans`, all scanned on the device before
+    /// one copy of their answers to the host (none when every buffer is empty).
+    pub fn first_non_finite_of(&self, scans: &[Scan]) -> Result<Vec<Option<usize>>> {
+        let mut answers = vec![None; scans.len()];
+        if scans.iter().all(|s| s.len == 0) {
+            return Ok(answers);
+        }
+        // u64::MAX (every byte 0xff): no non-finite entry found.
+        let first = self.alloc::<u64>(scans.len())?;
+        let out0 = self.addr(&first, 0);
+        self.bind_to_thread()?;
+        // SAFETY: `first` holds `scans.len()` u64 on this GPU.
+        unsafe {
+            cudarc::driver::result::memset_d8_async(
+                out0,
+                0xff,
+                8 * scans.len(),
+                self.stream.cu_stream(),
+            )
+        }
+        .map_err(|e| device_error("cuMemsetD8Async", e))?;
+        for (k, scan) in scans.iter().enumerate().filter(|(_, s)| s.len > 0) {
+            self.launch_scan(scan, out0 + 8 * k as u64)?;
+        }
+        let found = self.download(&first)?;
+        for (answer, index) in answers.iter_mut().zip(found) {
+            *answer = (index != u64::MAX).then_some(index as usize);
+        }
+        Ok(answers)
+    }
+
+    /// Launches the finite scan of `scan` (not empty), its answer into the u64 at `out`.
+    fn launch_scan(&self, scan: &Scan, out: u64) -> Result<()> {
+        let (p, n) = (scan.addr, scan.len as i64);
+        let kernel = match scan.width {
             4 => "first_non_finite_u32",
             2 => "first_non_finite_u16",
             w => {
@@ -387,15 +416,14 @@ impl Gpu {
         }
         launch.arg(&out);
         let cfg = LaunchConfig {
-            grid_dim: (len.div_ceil(256).min(65_535) as u32, 1, 1),
+            grid_dim: (scan.len.div_ceil(256).min(65_535) as u32, 1, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
         // SAFETY: `p` holds `len` elements of the kernel's word width; `out` one u64.
         unsafe { launch.launch(cfg) }
-            .map_err(|e| device_error(&format!("launching {kernel}"), e))?;
-        let index = self.download(&first)?[0];
-        Ok((index != u64::MAX).then_some(index as usize))
+            .map(|_| ())
+            .map_err(|e| device_error(&format!("launching {kernel}"), e))
     }
 
     /// Element `index` of `buf`, copied to the host (waits for the stream).
@@ -404,11 +432,7 @@ impl Gpu {
         buf: &DeviceBuffer<T>,
         index: usize,
     ) -> Result<T> {
-        let one = buf.slice.slice(index..index + 1);
-        let host = self
-            .stream
-            .clone_dtoh(&one)
-            .map_err(|e| device_error(&format!("copying element {index} to the host"), e))?;
+        let host = self.download_range(buf, index..index + 1)?;
         Ok(host[0].clone())
     }
 
@@ -422,6 +446,7 @@ impl Gpu {
 
     /// Waits for the stream; surfaces any error of the kernels launched on it.
     pub fn synchronize(&self) -> Result<()> {
+        self.syncs.synced();
         self.stream
             .synchronize()
             .map_err(|e| device_error("synchronizing the stream", e))

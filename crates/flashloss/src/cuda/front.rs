@@ -8,6 +8,7 @@ use super::cuda_head::CudaHead;
 use super::device::{Gpu, GpuElement, device_error};
 use super::grpo_logits::{grpo_logits_backward, grpo_logits_forward};
 use super::head::{GpuGrads, GpuInputs, GpuWorkspace};
+use super::memory::DeviceAllocator;
 use crate::batch::{GrpoBatch, LinearInputs, LogitsLayout};
 use crate::element::{DType, Element};
 use crate::error::{Error, Result};
@@ -16,12 +17,14 @@ use crate::grpo_config::GrpoLoss;
 use crate::grpo_logits::GrpoLogitsForward;
 use crate::weight_layout::WeightLayout;
 use half::bf16;
+use std::sync::Arc;
 
 /// Device addresses of an LM head (`hidden [N, H]`, `weight [V, H]` in the call's
 /// element type, an f32 `bias [V]`) and of its f32 gradient buffers (no `dweight` or
 /// `dbias` for a frozen head; none at all for a call without gradients, e.g. log-probs),
-/// memory the caller owns, with the stream the caller orders its work on.
-#[derive(Debug, Clone, Copy)]
+/// memory the caller owns, with the stream the caller orders its work on, and the
+/// allocator that lends the call its buffers, if any ([`BorrowedHead::lent_by`]).
+#[derive(Clone)]
 pub struct BorrowedHead {
     stream: usize,
     hidden: u64,
@@ -34,6 +37,18 @@ pub struct BorrowedHead {
     tokens: usize,
     hidden_size: usize,
     vocab: usize,
+    lender: Option<Arc<dyn DeviceAllocator>>,
+}
+
+impl std::fmt::Debug for BorrowedHead {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (n, h, v) = (self.tokens, self.hidden_size, self.vocab);
+        let lent = self.lender.is_some();
+        write!(
+            f,
+            "BorrowedHead([N={n}, H={h}, V={v}], lent buffers: {lent})"
+        )
+    }
 }
 
 impl BorrowedHead {
@@ -66,6 +81,7 @@ impl BorrowedHead {
             tokens,
             hidden_size,
             vocab,
+            lender: None,
         }
     }
 
@@ -89,14 +105,31 @@ impl BorrowedHead {
             tokens,
             hidden_size,
             vocab,
+            lender: None,
         }
     }
 }
 
-/// The device's workspace (made on first use), bound to `gpu`'s stream.
-fn workspace<'w>(gpu: &Gpu, ws: &'w mut Option<GpuWorkspace>) -> Result<&'w mut GpuWorkspace> {
+impl BorrowedHead {
+    /// The same head with every buffer the call allocates (its O(N) states and
+    /// coefficients, the fused tiles) lent by `lender` for the length of the call (e.g.
+    /// PyTorch's caching allocator on the call's stream) instead of the device's own
+    /// allocations; the device keeps no tile from such a call.
+    pub fn lent_by(mut self, lender: Arc<dyn DeviceAllocator>) -> Self {
+        self.lender = Some(lender);
+        self
+    }
+}
+
+/// The device's workspace (made on first use on `base`, the device's own GPU, so that its
+/// cuBLAS workspace is never lent), bound to `gpu`'s stream.
+fn workspace<'w>(
+    base: &Gpu,
+    gpu: &Gpu,
+    ws: &'w mut Option<GpuWorkspace>,
+) -> Result<&'w mut GpuWorkspace> {
     if ws.is_none() {
-        *ws = Some(GpuWorkspace::new(gpu)?);
+        *ws = Some(GpuWorkspace::new(base)?);
     }
     let ws = ws.as_mut().expect("made above");
     ws.bind(gpu)?;
@@ -169,7 +202,7 @@ pub(crate) fn run_on_host_buffers<E: Element, R>(
         let out = work(&mut CudaHead {
             gpu,
             head: &head,
-            ws: workspace(gpu, ws)?,
+            ws: workspace(gpu, gpu, ws)?,
             grads: device_grads.as_mut(),
             materialized: false,
         })?;
@@ -211,7 +244,10 @@ pub(crate) fn run_on_host_buffers<E: Element, R>(
 
 /// Runs `work` on a [`CudaHead`] over the borrowed buffers of `b` (elements of
 /// `dtype`), on the caller's stream, and waits for that stream so that errors of the
-/// kernels surface here.
+/// kernels surface here and the kept workspace is idle before it goes back to the
+/// device's own stream. With a lender, the call's buffers and tiles are lent by it and
+/// given back before returning, error or not (the tiles kept from earlier calls are let
+/// go first, so that the call's come from the lender).
 pub(crate) fn run_on_borrowed<R>(
     base: &Gpu,
     ws: &mut Option<GpuWorkspace>,
@@ -228,8 +264,13 @@ pub(crate) fn run_on_borrowed<R>(
         let (n, h, v) = (b.tokens, b.hidden_size, b.vocab);
         // SAFETY: `BorrowedHead::new`'s contract: live buffers of these sizes on this
         // GPU, and a live stream of its primary context, for the length of the call.
-        unsafe {
-            let gpu = base.on_borrowed_stream(b.stream as cudarc::driver::sys::CUstream);
+        let gpu = unsafe { base.on_borrowed_stream(b.stream as cudarc::driver::sys::CUstream) };
+        let gpu = match b.lender.clone() {
+            Some(lender) => gpu.lending(lender),
+            None => gpu,
+        };
+        // SAFETY: as above.
+        let (head, mut grads) = unsafe {
             let head = GpuInputs::<T> {
                 hidden: gpu.borrow(b.hidden, n * h),
                 weight: gpu.borrow(b.weight, v * h),
@@ -238,23 +279,38 @@ pub(crate) fn run_on_borrowed<R>(
                 hidden_size: h,
                 vocab: v,
             };
-            let mut grads = b.dhidden.map(|dhidden| GpuGrads {
+            let grads = b.dhidden.map(|dhidden| GpuGrads {
                 dhidden: gpu.borrow(dhidden, n * h),
                 dweight: b.dweight.map(|p| gpu.borrow(p, v * h)),
                 dbias: b.dbias.map(|p| gpu.borrow(p, v)),
             });
-            let result = work(&mut CudaHead {
+            (head, grads)
+        };
+        let result = workspace(base, &gpu, ws).and_then(|kept| {
+            if gpu.is_lending() {
+                kept.release_tiles();
+            }
+            work(&mut CudaHead {
                 gpu: &gpu,
                 head: &head,
-                ws: workspace(&gpu, ws)?,
+                ws: kept,
                 grads: grads.as_mut(),
                 materialized: false,
-            });
-            gpu.synchronize()?;
-            // The workspace goes back to the device's own stream, which outlives it.
-            workspace(base, ws)?;
-            result
+            })
+        });
+        let synced = gpu.synchronize();
+        if let (true, Some(kept)) = (gpu.is_lending(), ws.as_mut()) {
+            kept.release_tiles();
         }
+        // The workspace goes back to the device's own stream, which outlives it.
+        let rebound = match ws.as_mut() {
+            Some(kept) => kept.bind(base),
+            None => Ok(()),
+        };
+        let out = result?;
+        synced?;
+        rebound?;
+        Ok(out)
     }
     let previous = cudarc::driver::result::ctx::get_current()
         .map_err(|e| device_error("cuCtxGetCurrent", e))?;

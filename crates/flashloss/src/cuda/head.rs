@@ -166,6 +166,13 @@ impl GpuWorkspace {
             + self.dz.as_ref().map_or(0, |b| 2 * b.len())
     }
 
+    /// Lets the tiles go (the next [`GpuWorkspace::prepare`] makes new ones): a call
+    /// whose buffers are lent for its length keeps none past it.
+    pub(crate) fn release_tiles(&mut self) {
+        self.logits = None;
+        self.dz = None;
+    }
+
     /// Tiles for `plan`, `[block_rows, cols]` each: f32 logits, and a bf16 `dZ` tile for
     /// bf16 heads; a compact plan's bf16 chunk alone, which holds the logits and then
     /// `dZ` in place. Buffers of another size are replaced by NaN-poisoned ones.

@@ -226,6 +226,8 @@ impl Nccl {
                 }
                 .map_err(|e| nccl_error("ncclAllGather", e))?;
             }
+            // Under the watchdog: a peer that never joins hangs here, not in the copy.
+            self.gpu.host_syncs().synced();
             self.stream
                 .synchronize()
                 .map_err(|e| nccl_error("synchronizing after ncclAllGather", e))

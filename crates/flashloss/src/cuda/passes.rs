@@ -217,17 +217,11 @@ impl<'a, E: GpuElement> GpuPasses<'a, E> {
             .map_err(|e| device_error("launching row_states", e))
     }
 
-    /// The device states of `rows`, copied to the host (one synchronization).
+    /// The device states of `rows`, copied to the host: six copies into pageable
+    /// memory, each of which returns once done (a wait, counted in `Gpu::host_syncs`).
     fn download_states(&self, rows: &Range<usize>) -> Result<PartialStats> {
         let st = &self.states;
-        let get = |b: &DeviceBuffer<f32>| -> Result<Vec<f32>> {
-            let mut host = vec![0.0f32; rows.len()];
-            self.gpu
-                .stream()
-                .memcpy_dtoh(&b.slice().slice(rows.clone()), &mut host)
-                .map_err(|e| device_error("copying row statistics to the host", e))?;
-            Ok(host)
-        };
+        let get = |b: &DeviceBuffer<f32>| self.gpu.download_range(b, rows.clone());
         let (mu, s, u, target, sum, s2) = (
             get(&st.mu)?,
             get(&st.s)?,
@@ -236,7 +230,6 @@ impl<'a, E: GpuElement> GpuPasses<'a, E> {
             get(&st.sum)?,
             get(&st.s2)?,
         );
-        self.gpu.synchronize()?;
         let inv_temp = self.rows.transform.inv_temp;
         Ok(PartialStats {
             states: (0..rows.len())

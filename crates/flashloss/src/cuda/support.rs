@@ -157,7 +157,7 @@ impl HostRows {
 
     /// The wanted rows `picked` (global, of the block `tile.rows`) of the f32 tile at
     /// `z`, as the loss sees them (bias and soft-cap), on the host: `[picked, cols]`
-    /// (one synchronization).
+    /// (one copy to the host).
     pub(crate) fn tile(
         &self,
         gpu: &Gpu,
@@ -188,12 +188,8 @@ impl HostRows {
         // rows of the tile, the staging buffer room for them at `cols` entries each.
         unsafe { launch.launch(rows_launch(picked.len())?) }
             .map_err(|e| device_error("launching rows_logits", e))?;
-        let mut host = vec![0.0f32; picked.len() * cols];
-        gpu.stream()
-            .memcpy_dtoh(&self.staging.slice().slice(0..host.len()), &mut host)
-            .map_err(|e| device_error("copying a support's rows to the host", e))?;
-        gpu.synchronize()?;
-        Ok(host)
+        // A copy into pageable host memory returns once done: no synchronization after it.
+        gpu.download_range(&self.staging, 0..picked.len() * cols)
     }
 }
 
