@@ -288,23 +288,26 @@ def jax_on_cuda():
         pytest.skip("jax has no CUDA backend")
 
 
+@pytest.mark.parametrize("layout", ["vh", "hv"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_jax_ffi_on_cuda_under_jit_grad_and_donation(dtype):
+def test_jax_ffi_on_cuda_under_jit_grad_and_donation(dtype, layout):
     """The CUDA FFI handlers (jit, value_and_grad, donated inputs) give the CPU handlers'
-    step, within the spec's tolerances."""
+    step, within the spec's tolerances, with a `[V, H]` weight and a Flax-style `[H, V]` one
+    (its gradient `[H, V]` too)."""
     jax, gpu = jax_on_cuda()
     import flashloss.jax as fj
 
     d = data(7, b=2, t=9, v=1001)
-    args = [jax.numpy.asarray(d[k].float().numpy(), dtype) for k in ("hidden", "weight")]
+    weight = d["weight"] if layout == "vh" else d["weight"].T.contiguous()
+    args = [jax.numpy.asarray(x.float().numpy(), dtype) for x in (d["hidden"], weight)]
     args.append(jax.numpy.asarray(d["bias"].numpy(), dtype))
     ids, mask, adv, old, ref = (jax.numpy.asarray(d[k].numpy()) for k in ("ids", "mask", "adv", "old", "ref"))
 
     def step(h, w, b):
         def loss(h, w, b):
             out = fj.linear_grpo_loss(h, w, ids, mask, adv, bias=b, old_per_token_logps=old,
-                                      ref_per_token_logps=ref, beta=0.04)  # fmt: skip
-            return out[0] + fj.linear_cross_entropy(h, w, ids, bias=b)
+                                      ref_per_token_logps=ref, beta=0.04, weight_layout=layout)  # fmt: skip
+            return out[0] + fj.linear_cross_entropy(h, w, ids, bias=b, weight_layout=layout)
 
         value, grads = jax.value_and_grad(loss, (0, 1, 2))(h, w, b)
         return value, tuple(x - 0.1 * g.astype(x.dtype) for x, g in zip((h, w, b), grads))

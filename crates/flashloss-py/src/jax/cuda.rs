@@ -5,8 +5,9 @@
 //! CUDA context. The small per-token arguments are copied to the host ([`Staged`]), the
 //! CPU handlers' readers run on a frame whose buffers point at those copies, and the
 //! per-token results are copied back. The bias is read in f32 (a bf16 bias is widened
-//! into a temporary device buffer). The weight is `[V, H]` (`weight_layout` "vh"); an
-//! `[H, V]` one is an error here for now. **Not yet run on a GPU.**
+//! into a temporary device buffer). The weight is `[V, H]` or `[H, V]` (`weight_layout`
+//! "vh" or "hv", its gradient laid out alike). Ran on an H200 at 429ab96 with `[V, H]`;
+//! `[H, V]` is host-tested (the cuBLAS shapes), not yet run on a GPU.
 
 use super::ffi::{self, Buffer, CallFrame, StreamGetArgs};
 use super::frame::{Frame, Result, bad, handle};
@@ -17,7 +18,7 @@ use crate::front::gpu;
 use cudarc::driver::{result as cu, sys};
 use flashloss::cuda::BorrowedHead;
 use flashloss::device::{CeCall, GrpoCall};
-use flashloss::{CeConfig, CrossEntropy, GrpoLoss, GrpoLossConfig, HeadArgs, WeightLayout};
+use flashloss::{CeConfig, CrossEntropy, GrpoLoss, GrpoLossConfig, HeadArgs};
 use half::bf16;
 use std::ffi::c_void;
 
@@ -224,8 +225,8 @@ fn borrowed(
             "expected hidden and weight of one dtype, float32 or bfloat16",
         ));
     }
-    flashloss::cuda::check_weight_layout(weight_layout(f)?)?;
-    let (v, h) = vocab_hidden(&x, &w, WeightLayout::VocabMajor)?;
+    let layout = weight_layout(f)?;
+    let (v, h) = vocab_hidden(&x, &w, layout)?;
     let bias = match (b.numel(), b.dtype()) {
         (0, _) => None,
         (n, _) if n != v => {
@@ -260,6 +261,7 @@ fn borrowed(
             (db.numel() > 0).then(|| db.address()),
             (x.numel() / h.max(1), h, v),
         )
+        .with_layout(layout)
     };
     Ok((head, dtype))
 }

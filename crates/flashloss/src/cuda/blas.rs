@@ -83,6 +83,52 @@ impl GemmShape {
             ldc: h,
         }
     }
+    /// `[H, V]` weight (row stride `v`, its vocabulary block from column `vocab.start`):
+    /// `Z[rows, vt] = H[rows, h] · W[:, vocab]` with `A = W`, `B = H`: column-major
+    /// `Zᵀ[vt, rows] = (W as [vt, h], ld v) · (H as [h, rows])`.
+    pub fn logits_hv(rows: usize, vt: usize, h: usize, ldz: usize, v: usize) -> Self {
+        GemmShape {
+            trans_a: false,
+            trans_b: false,
+            m: vt,
+            n: rows,
+            k: h,
+            lda: v,
+            ldb: h,
+            ldc: ldz,
+        }
+    }
+
+    /// `[H, V]` weight: `dH[rows, h] += dZ[rows, vt] · W[:, vocab]ᵀ` with `A = W`,
+    /// `B = dZ`: column-major `dHᵀ[h, rows] = (W as [vt, h], ld v)ᵀ · (dZ as [vt, rows])`.
+    pub fn dhidden_hv(rows: usize, vt: usize, h: usize, ldz: usize, v: usize) -> Self {
+        GemmShape {
+            trans_a: true,
+            trans_b: false,
+            m: h,
+            n: rows,
+            k: vt,
+            lda: v,
+            ldb: ldz,
+            ldc: h,
+        }
+    }
+
+    /// `[H, V]` weight: `dW[:, vocab] += H[rows, h]ᵀ · dZ[rows, vt]` (dW `[H, V]`, row
+    /// stride `v`) with `A = dZ`, `B = H`: column-major
+    /// `(dW as [vt, h], ld v) = (dZ as [vt, rows]) · (H as [h, rows])ᵀ`.
+    pub fn dweight_hv(rows: usize, vt: usize, h: usize, ldz: usize, v: usize) -> Self {
+        GemmShape {
+            trans_a: false,
+            trans_b: true,
+            m: vt,
+            n: h,
+            k: rows,
+            lda: ldz,
+            ldb: h,
+            ldc: v,
+        }
+    }
 }
 
 fn int_arg(what: &str, x: usize) -> Result<i32> {
@@ -247,6 +293,68 @@ mod tests {
             for c in 0..h {
                 let want: f64 = (0..rows).map(|r| dz[r * ldz + j] * hidden[r * h + c]).sum();
                 assert_eq!(dw[j * h + c], want, "dw[{j}, {c}]");
+            }
+        }
+    }
+
+    /// The `[H, V]` shapes, on the vocabulary block `[c0, c0 + vt)` of a weight and a dW
+    /// of `v` columns (their addresses offset by `c0`), compute the same products; the
+    /// other columns of dW are left alone.
+    #[test]
+    fn hidden_major_shapes_compute_the_row_major_products() {
+        let (rows, vt, h, ldz, v, c0) = (5, 3, 4, 7, 11, 6);
+        let hidden = matrix(rows * h, 1);
+        let w_hv = matrix(h * v, 2);
+        let dz = matrix(rows * ldz, 3);
+        let w = |j: usize, c: usize| w_hv[c * v + c0 + j];
+
+        let mut z = vec![0.0; rows * ldz];
+        column_major_gemm(
+            GemmShape::logits_hv(rows, vt, h, ldz, v),
+            &w_hv[c0..],
+            &hidden,
+            &mut z,
+        );
+        for r in 0..rows {
+            for j in 0..vt {
+                let want: f64 = (0..h).map(|c| hidden[r * h + c] * w(j, c)).sum();
+                assert_eq!(z[r * ldz + j], want, "z[{r}, {j}]");
+            }
+        }
+
+        let mut dh = vec![0.0; rows * h];
+        column_major_gemm(
+            GemmShape::dhidden_hv(rows, vt, h, ldz, v),
+            &w_hv[c0..],
+            &dz,
+            &mut dh,
+        );
+        for r in 0..rows {
+            for c in 0..h {
+                let want: f64 = (0..vt).map(|j| dz[r * ldz + j] * w(j, c)).sum();
+                assert_eq!(dh[r * h + c], want, "dh[{r}, {c}]");
+            }
+        }
+
+        let mut dw = vec![100.0; h * v];
+        column_major_gemm(
+            GemmShape::dweight_hv(rows, vt, h, ldz, v),
+            &dz,
+            &hidden,
+            &mut dw[c0..],
+        );
+        for c in 0..h {
+            for col in 0..v {
+                let want = match col.checked_sub(c0).filter(|&j| j < vt) {
+                    Some(j) => {
+                        100.0
+                            + (0..rows)
+                                .map(|r| dz[r * ldz + j] * hidden[r * h + c])
+                                .sum::<f64>()
+                    }
+                    None => 100.0,
+                };
+                assert_eq!(dw[c * v + col], want, "dw[{c}, {col}]");
             }
         }
     }

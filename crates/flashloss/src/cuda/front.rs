@@ -19,8 +19,8 @@ use crate::weight_layout::WeightLayout;
 use half::bf16;
 use std::sync::Arc;
 
-/// Device addresses of an LM head (`hidden [N, H]`, `weight [V, H]` in the call's
-/// element type, an f32 `bias [V]`) and of its f32 gradient buffers (no `dweight` or
+/// Device addresses of an LM head (`hidden [N, H]`, `weight [V, H]` or `[H, V]`
+/// ([`BorrowedHead::with_layout`]) in the call's element type, an f32 `bias [V]`) and of its f32 gradient buffers (no `dweight` or
 /// `dbias` for a frozen head; none at all for a call without gradients, e.g. log-probs),
 /// memory the caller owns, with the stream the caller orders its work on, and the
 /// allocator that lends the call its buffers, if any ([`BorrowedHead::lent_by`]).
@@ -37,6 +37,7 @@ pub struct BorrowedHead {
     tokens: usize,
     hidden_size: usize,
     vocab: usize,
+    layout: WeightLayout,
     lender: Option<Arc<dyn DeviceAllocator>>,
 }
 
@@ -81,6 +82,7 @@ impl BorrowedHead {
             tokens,
             hidden_size,
             vocab,
+            layout: WeightLayout::VocabMajor,
             lender: None,
         }
     }
@@ -105,12 +107,20 @@ impl BorrowedHead {
             tokens,
             hidden_size,
             vocab,
+            layout: WeightLayout::VocabMajor,
             lender: None,
         }
     }
 }
 
 impl BorrowedHead {
+    /// The same head with its weight (and `dweight`) laid out as `layout` (`[V, H]` by
+    /// default).
+    pub fn with_layout(mut self, layout: WeightLayout) -> Self {
+        self.layout = layout;
+        self
+    }
+
     /// The same head with every buffer the call allocates (its O(N) states and
     /// coefficients, the fused tiles) lent by `lender` for the length of the call (e.g.
     /// PyTorch's caching allocator on the call's stream) instead of the device's own
@@ -155,18 +165,6 @@ fn cast<'a, E, T>(
     })
 }
 
-/// The CUDA backend's products read a `[V, H]` weight only: the error of an `[H, V]` one.
-pub fn check_weight_layout(layout: WeightLayout) -> Result<()> {
-    match layout {
-        WeightLayout::VocabMajor => Ok(()),
-        WeightLayout::HiddenMajor => Err(Error::InvalidArgument {
-            arg: "weight_layout",
-            reason: "weight layout [H, V] is not supported on CUDA yet (pass a [V, H] weight)"
-                .into(),
-        }),
-    }
-}
-
 /// Runs `work` on a device copy of host `inputs` (f32 or bf16; f16 widened to f32); the
 /// gradients (when `grads` has buffers) are added back into `grads`.
 pub(crate) fn run_on_host_buffers<E: Element, R>(
@@ -176,7 +174,6 @@ pub(crate) fn run_on_host_buffers<E: Element, R>(
     grads: LinearGradsMut,
     work: impl FnOnce(&mut dyn Head) -> Result<R>,
 ) -> Result<R> {
-    check_weight_layout(inputs.layout)?;
     fn typed<T: GpuElement, R>(
         gpu: &Gpu,
         ws: &mut Option<GpuWorkspace>,
@@ -278,6 +275,7 @@ pub(crate) fn run_on_borrowed<R>(
                 tokens: n,
                 hidden_size: h,
                 vocab: v,
+                layout: b.layout,
             };
             let grads = b.dhidden.map(|dhidden| GpuGrads {
                 dhidden: gpu.borrow(dhidden, n * h),

@@ -17,7 +17,7 @@ use half::bf16;
 pub struct GpuInputs<E> {
     /// `[N, H]`.
     pub hidden: DeviceBuffer<E>,
-    /// `[V, H]`.
+    /// `[V, H]`, or `[H, V]` (`layout`).
     pub weight: DeviceBuffer<E>,
     /// `[V]`.
     pub bias: Option<DeviceBuffer<f32>>,
@@ -27,6 +27,8 @@ pub struct GpuInputs<E> {
     pub hidden_size: usize,
     /// V.
     pub vocab: usize,
+    /// How `weight` (and `dW`) are laid out.
+    pub layout: WeightLayout,
 }
 
 impl<E> GpuInputs<E> {
@@ -41,6 +43,46 @@ impl<E> GpuInputs<E> {
 }
 
 impl<E: GpuElement> GpuInputs<E> {
+    /// The weight from vocabulary entry `j` on as a cuBLAS operand: row `j` of `[V, H]`,
+    /// column `j` of `[H, V]`.
+    pub(crate) fn weight_from(&self, gpu: &Gpu, j: usize) -> Operand {
+        let at = match self.layout {
+            WeightLayout::VocabMajor => j * self.hidden_size,
+            WeightLayout::HiddenMajor => j,
+        };
+        Operand {
+            addr: gpu.addr(&self.weight, at),
+            dtype: E::BLAS_TYPE,
+        }
+    }
+
+    /// The hidden states from row `r` on as a cuBLAS operand.
+    pub(crate) fn hidden_from(&self, gpu: &Gpu, r: usize) -> Operand {
+        Operand {
+            addr: gpu.addr(&self.hidden, r * self.hidden_size),
+            dtype: E::BLAS_TYPE,
+        }
+    }
+
+    /// `Z[rows, vt] = H[rows]·W[vocab]ᵀ` (row stride `ldz`) with `A` the weight
+    /// ([`GpuInputs::weight_from`]) and `B` the hidden states, in this head's layout.
+    pub(crate) fn logits_shape(&self, rows: usize, vt: usize, ldz: usize) -> GemmShape {
+        let h = self.hidden_size;
+        match self.layout {
+            WeightLayout::VocabMajor => GemmShape::logits(rows, vt, h, ldz),
+            WeightLayout::HiddenMajor => GemmShape::logits_hv(rows, vt, h, ldz, self.vocab),
+        }
+    }
+
+    /// `dH[rows] += dZ[rows, vt]·W[vocab]` with `A` the weight and `B` `dZ`.
+    pub(crate) fn dhidden_shape(&self, rows: usize, vt: usize, ldz: usize) -> GemmShape {
+        let h = self.hidden_size;
+        match self.layout {
+            WeightLayout::VocabMajor => GemmShape::dhidden(rows, vt, h, ldz),
+            WeightLayout::HiddenMajor => GemmShape::dhidden_hv(rows, vt, h, ldz, self.vocab),
+        }
+    }
+
     /// Checks `inputs` on the host (shapes, finite values) and copies them to the device.
     pub fn upload(gpu: &Gpu, inputs: &LinearInputs<E>) -> Result<Self> {
         inputs.validate()?;
@@ -55,6 +97,7 @@ impl<E: GpuElement> GpuInputs<E> {
             tokens: inputs.tokens,
             hidden_size: inputs.hidden_size,
             vocab: inputs.vocab,
+            layout: inputs.layout,
         })
     }
 }
@@ -63,7 +106,7 @@ impl<E: GpuElement> GpuInputs<E> {
 pub struct GpuGrads {
     /// `dH` `[N, H]`.
     pub dhidden: DeviceBuffer<f32>,
-    /// `dW` `[V, H]` (none for a frozen head).
+    /// `dW` in the weight's layout (none for a frozen head).
     pub dweight: Option<DeviceBuffer<f32>>,
     /// `dbias` `[V]` (when the head has a bias and is not frozen).
     pub dbias: Option<DeviceBuffer<f32>>,
@@ -105,7 +148,7 @@ impl GpuGrads {
     pub fn check<E>(&self, head: &GpuInputs<E>, head_grad: HeadGrad) -> Result<()> {
         check_grad_lens(
             head.shape(),
-            (WeightLayout::VocabMajor, head_grad),
+            (head.layout, head_grad),
             head.bias.is_some(),
             self.dhidden.len(),
             self.dweight.as_ref().map_or(0, DeviceBuffer::len),
@@ -210,7 +253,7 @@ pub fn head_logits<E: GpuElement>(
     ws: &GpuWorkspace,
     out: &mut DeviceBuffer<f32>,
 ) -> Result<()> {
-    let (n, h, v) = (head.tokens, head.hidden_size, head.vocab);
+    let (n, v) = (head.tokens, head.vocab);
     if out.len() != n * v {
         return Err(Error::ShapeMismatch {
             arg: "logits",
@@ -221,15 +264,9 @@ pub fn head_logits<E: GpuElement>(
     }
     gemm(
         &ws.blas,
-        GemmShape::logits(n, v, h, v),
-        Operand {
-            addr: gpu.addr(&head.weight, 0),
-            dtype: E::BLAS_TYPE,
-        },
-        Operand {
-            addr: gpu.addr(&head.hidden, 0),
-            dtype: E::BLAS_TYPE,
-        },
+        head.logits_shape(n, v, v),
+        head.weight_from(gpu, 0),
+        head.hidden_from(gpu, 0),
         Operand::f32(gpu.addr(out, 0)),
         0.0,
     )

@@ -31,7 +31,7 @@ mod watchdog;
 pub use blas::{CUBLAS_WORKSPACE_BYTES, GemmShape};
 pub use cuda_head::CudaHead;
 pub use device::{Gpu, GpuElement, Scan, driver_present};
-pub use front::{BorrowedHead, check_weight_layout};
+pub use front::BorrowedHead;
 pub(crate) use front::{grpo_logits_host, run_on_borrowed, run_on_host_buffers};
 pub use grpo_logits::{grpo_logits_backward, grpo_logits_forward};
 pub use head::{GpuGrads, GpuInputs, GpuWorkspace, head_logits};

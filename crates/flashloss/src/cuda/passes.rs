@@ -21,6 +21,7 @@ use crate::fused::{
     DeviceSinks, FusedPasses, GradsOf, Plan, RowGrad, SinglePassHooks, SparseGrads, TileVisitor,
 };
 use crate::rows::{OnlineSoftmax, PartialStats, RowInputs, RowStats};
+use crate::weight_layout::WeightLayout;
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use std::ops::Range;
 
@@ -120,18 +121,12 @@ impl<'a, E: GpuElement> GpuPasses<'a, E> {
     /// The raw logits `H[rows]·W[vocab]ᵀ` into the block's logits (row stride `ldz`),
     /// rounded to bf16 in a compact plan.
     fn logits_tile(&self, rows: &Range<usize>, vocab: &Range<usize>, ldz: usize) -> Result<()> {
-        let h = self.head.hidden_size;
+        let head = self.head;
         gemm(
             &self.ws.blas,
-            GemmShape::logits(rows.len(), vocab.len(), h, ldz),
-            Operand {
-                addr: self.gpu.addr(&self.head.weight, vocab.start * h),
-                dtype: E::BLAS_TYPE,
-            },
-            Operand {
-                addr: self.gpu.addr(&self.head.hidden, rows.start * h),
-                dtype: E::BLAS_TYPE,
-            },
+            head.logits_shape(rows.len(), vocab.len(), ldz),
+            head.weight_from(self.gpu, vocab.start),
+            head.hidden_from(self.gpu, rows.start),
             self.block_logits()?,
             0.0,
         )
@@ -315,30 +310,31 @@ impl<'a, E: GpuElement> GpuPasses<'a, E> {
             )?;
         }
         let out = self.out.as_deref().ok_or_else(no_grads)?;
+        let head = self.head;
         gemm(
             &self.ws.blas,
-            GemmShape::dhidden(rows.len(), vocab.len(), h, ldz),
-            Operand {
-                addr: gpu.addr(&self.head.weight, vocab.start * h),
-                dtype: E::BLAS_TYPE,
-            },
+            head.dhidden_shape(rows.len(), vocab.len(), ldz),
+            head.weight_from(gpu, vocab.start),
             dz_op,
             Operand::f32(gpu.addr(&out.dhidden, rows.start * h)),
             1.0,
         )?;
-        // A frozen head (`Plan::head_grad`) has no dW buffer: dH alone.
+        // A frozen head (`Plan::head_grad`) has no dW buffer: dH alone. dW is laid out
+        // as the weight: `dWᵀ` of `[V, H]` is `(H as A)·(dZ as B)ᵀ`, `[H, V]`'s block
+        // `(dZ as A)·(H as B)ᵀ`.
         if let Some(dweight) = &out.dweight {
-            gemm(
-                &self.ws.blas,
-                GemmShape::dweight(rows.len(), vocab.len(), h, ldz),
-                Operand {
-                    addr: gpu.addr(&self.head.hidden, rows.start * h),
-                    dtype: E::BLAS_TYPE,
-                },
-                dz_op,
-                Operand::f32(gpu.addr(dweight, vocab.start * h)),
-                1.0,
-            )?;
+            let (r, vt, x) = (rows.len(), vocab.len(), head.hidden_from(gpu, rows.start));
+            let (shape, a, b, at) = match head.layout {
+                WeightLayout::VocabMajor => {
+                    (GemmShape::dweight(r, vt, h, ldz), x, dz_op, vocab.start * h)
+                }
+                WeightLayout::HiddenMajor => {
+                    let shape = GemmShape::dweight_hv(r, vt, h, ldz, head.vocab);
+                    (shape, dz_op, x, vocab.start)
+                }
+            };
+            let c = Operand::f32(gpu.addr(dweight, at));
+            gemm(&self.ws.blas, shape, a, b, c, 1.0)?;
         }
         if let Some(db) = &out.dbias {
             let sums = if dz_op.is_bf16() {
