@@ -180,7 +180,8 @@ def test_cross_entropy_return_lse_matches_f64(impl, reduction, softcap):
 
     def f(x, w, bias):
         loss, lse = fj.linear_cross_entropy(x, w, jnp.asarray(targets), bias=bias, softcap=softcap, reduction=reduction,
-                                            temperature=0.9, return_lse=True, impl=impl, interpret=impl == "pallas")  # fmt: skip
+                                            temperature=0.9, return_lse=True, impl=impl,
+                                            interpret=impl == "pallas")  # fmt: skip
         total = (loss * jnp.asarray(g_rows, jnp.float32)).sum() if reduction == "none" else loss
         return total + (lse * jnp.asarray(coef_lse, jnp.float32)).sum(), (loss, lse)
 

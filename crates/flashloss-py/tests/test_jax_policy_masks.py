@@ -45,7 +45,8 @@ def _jax(d, kw, impl):
 
     def f(h, w, b):
         return fj.linear_grpo_loss(h, w, ids, mask, adv, bias=b, old_per_token_logps=old, ref_per_token_logps=ref,
-                                   policy_mask=pm, entropy_mask=em, impl=impl, interpret=impl == "pallas", **kw)  # fmt: skip
+                                   policy_mask=pm, entropy_mask=em, impl=impl,
+                                   interpret=impl == "pallas", **kw)  # fmt: skip
 
     (loss, out), grads = jax.value_and_grad(f, (0, 1, 2), has_aux=True)(hidden, weight, bias)
     return float(loss), {k: float(v) for k, v in out.metrics.items()}, [np.asarray(g) for g in grads], out

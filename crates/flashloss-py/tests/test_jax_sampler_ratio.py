@@ -115,7 +115,8 @@ def test_logits_level_matches_f64_reference(impl, loss_type, level, shape):
         z = jnp.einsum("bth,vh->btv", x, w, precision="highest") + _j(d["bias"])
         return fj.grpo_loss(z, _j(d["ids"], jnp.int32), _j(d["mask"], bool), _j(d["adv"]),
                             old_per_token_logps=_j(d["old"]), ref_per_token_logps=_j(d["old"] - 0.05),
-                            importance_sampling_ratio=_j(d["rho"]), impl=impl, interpret=impl == "pallas", **kw)[0]  # fmt: skip
+                            importance_sampling_ratio=_j(d["rho"]), impl=impl,
+                            interpret=impl == "pallas", **kw)[0]  # fmt: skip
 
     loss, dx = jax.jit(jax.value_and_grad(f))(_j(d["hidden"]))
     want_loss, want_grads = _reference(d, kw)

@@ -17,7 +17,7 @@ pytest.importorskip("verl")
 verl_tf = pytest.importorskip("verl.utils.experimental.torch_functional")
 verl_lce = pytest.importorskip("verl.utils.kernel.linear_cross_entropy")
 
-import flashloss.verl as fverl
+import flashloss.verl as fverl  # noqa: E402 (after the importorskips)
 
 ORIGINAL_FORWARD = verl_tf.FusedLinearForPPO.forward
 ORIGINAL_LCE = verl_lce.linear_cross_entropy

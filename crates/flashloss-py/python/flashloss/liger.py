@@ -30,8 +30,8 @@ LIGER_BIAS_CORRECTION_KL = False
 
 class LigerFusedLinearGRPOLoss(torch.nn.Module):
     """Liger-Kernel's ``LigerFusedLinearGRPOLoss`` as a drop-in: the same name,
-    constructor and ``forward`` arguments (and Liger's defaults), returning ``(loss, metrics)`` with ``metrics`` a list of
-    scalar tensors ``[kl_mean (when beta != 0), clip_ratio]`` as Liger does.
+    constructor and ``forward`` arguments (and Liger's defaults), returning ``(loss, metrics)`` with ``metrics`` a
+    list of scalar tensors ``[kl_mean (when beta != 0), clip_ratio]`` as Liger does.
 
     Liger-only knobs that do not change the result (``compiled``, ``chunk_size``) are
     accepted and ignored. As in Liger, the reference is ``ref_per_token_logps``, else the

@@ -68,7 +68,8 @@ class GrpoArgs:
             object.__setattr__(self, name, value)
 
         for name in ("beta", "epsilon_low", "temperature", "entropy_coef", "sapo_temperature_pos",
-                     "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):  # fmt: skip
+                     "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
+                     "vespo_lambda_neg"):  # fmt: skip
             put(name, float(getattr(self, name)))
         for name in ("epsilon_high", "delta", "num_items_in_batch"):
             value = getattr(self, name)
