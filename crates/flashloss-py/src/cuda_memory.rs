@@ -83,8 +83,8 @@ impl DeviceAllocator for TorchAllocator {
 
 /// `{"in_use_bytes", "peak_bytes", "workspace_bytes", "stream_syncs",
 /// "copies_to_host"}` of GPU `ordinal` in this process: the bytes the backend allocates
-/// itself (not PyTorch's: with PyTorch's tensors the calls' buffers are PyTorch's, see
-/// `torch.cuda.memory_allocated`; what stays is the cuBLAS workspace), the peak since the
+/// itself (not PyTorch's: under `FLASHLOSS_CUDA_BUFFERS=torch` the calls' buffers are
+/// PyTorch's, see `torch.cuda.memory_allocated`, and what stays is the cuBLAS workspace), the peak since the
 /// last reset, the tiles kept between calls, and the host's waits on the GPU's streams
 /// (stream synchronizations, copies from the device into host memory) since the last
 /// reset. `reset` starts a new peak and counts from zero after reading.
