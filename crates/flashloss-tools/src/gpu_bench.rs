@@ -66,7 +66,6 @@ fn typed<E: flashloss::cuda::GpuElement>(
     cfg: &BenchConfig,
     progress: &mut dyn FnMut(&str, usize, usize),
 ) -> flashloss::Result<BenchReport> {
-    use crate::bench::LossKind;
     use crate::bench::inputs::linear_inputs;
     use crate::bench::step::{LogprobCall, LogprobRows, fused_step};
     use flashloss::FusedOptions;
@@ -100,10 +99,8 @@ fn typed<E: flashloss::cuda::GpuElement>(
     drop((hidden, weight));
     let batch = tokens.batch();
     let norm = Normalizers::local(&batch);
-    // A `logprobs` bench with `gather_k` or a support also times those calls, as the CPU's.
-    let is_logprobs = cfg.loss == LossKind::Logprobs;
-    let mut logprobs = LogprobRows::new(n, v, if is_logprobs { cfg.gather_k } else { 0 });
-    logprobs.support = cfg.support().filter(|_| cfg.loss != LossKind::Ce);
+    // A `logprobs` bench with `gather_k` or a support also times those calls.
+    let logprobs = LogprobRows::of_bench(cfg, n, v);
     let opts = FusedOptions::from_mib(cfg.mode, cfg.budget_mib, 1.0);
     let elem = E::DTYPE.size();
     // Inputs, dH and dW in f32, and the per-row state: targets, live flags, five f32
@@ -199,11 +196,7 @@ fn typed<E: flashloss::cuda::GpuElement>(
             let (free, total_bytes) = gpu.mem_get_info()?;
             let peak = gpu.memory().peak();
             let step = timing(times);
-            // The support's extra passes each form the logits once more (2NHV).
-            let extra = match call {
-                LogprobCall::Support => logprobs.extra_passes.get(),
-                _ => 0,
-            };
+            let extra = logprobs.extra_passes_of(name, call).0;
             let flops =
                 ran.map(|p| p.flops(n, h, v)).unwrap_or(6.0 * nhv) + 2.0 * extra as f64 * nhv;
             Ok(BenchResult {
@@ -239,20 +232,9 @@ fn typed<E: flashloss::cuda::GpuElement>(
             .push(run_one("baseline", true, LogprobCall::Plain)?);
     }
     if cfg.implementation != Impl::Baseline {
-        let mut runs = vec![("fused", LogprobCall::Plain)];
-        if is_logprobs && cfg.gather_k > 0 {
-            runs.push(("fused_gather", LogprobCall::Gather));
-        }
-        if logprobs.support.is_some() {
-            runs.push(("fused_support", LogprobCall::Support));
-        }
-        for (name, call) in runs {
+        for (name, call) in logprobs.bench_calls() {
             report.results.push(run_one(name, false, call)?);
-            if call == LogprobCall::Support {
-                let extra = logprobs.extra_passes.get();
-                let note = format!("{name}: {extra} extra passes over the vocabulary (2NHV each)");
-                report.notes.push(note);
-            }
+            report.notes.extend(logprobs.extra_passes_of(name, call).1);
         }
     }
     Ok(report)

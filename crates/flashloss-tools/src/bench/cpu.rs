@@ -5,7 +5,7 @@
 use super::config::{BenchConfig, Impl, Level, LossKind};
 use super::inputs::{linear_inputs, token_inputs};
 use super::report::{BenchReport, BenchResult, time_steps};
-use super::step::{LogprobCall, LogprobRows, fused_step};
+use super::step::{LogprobRows, fused_step};
 use flashloss::batch::{LinearInputs, LogitsLayout};
 use flashloss::cpu::Avx512Bf16;
 use flashloss::cpu::bf16_gemm::{PackedA, PackedB};
@@ -178,22 +178,9 @@ fn run_linear<E: Element>(
             report.results.push(r);
         }
     }
-    // A `logprobs` bench with `gather_k` also times the candidate-set call.
-    let gather_k = if cfg.loss == LossKind::Logprobs {
-        cfg.gather_k
-    } else {
-        0
-    };
-    let mut logprobs = LogprobRows::new(n, v, gather_k);
-    logprobs.support = cfg.support().filter(|_| cfg.loss != LossKind::Ce);
-    let mut fused_runs = vec![("fused", LogprobCall::Plain)];
-    if gather_k > 0 {
-        fused_runs.push(("fused_gather", LogprobCall::Gather));
-    }
-    if logprobs.support.is_some() {
-        fused_runs.push(("fused_support", LogprobCall::Support));
-    }
-    for (name, call) in fused_runs {
+    // A `logprobs` bench with `gather_k` or a support also times those calls.
+    let logprobs = LogprobRows::of_bench(cfg, n, v);
+    for (name, call) in logprobs.bench_calls() {
         if cfg.implementation == Impl::Baseline {
             break;
         }
@@ -222,11 +209,7 @@ fn run_linear<E: Element>(
             plan = Some(ran);
             Ok(value)
         })?;
-        // The support's extra passes each form the logits once more (2NHV).
-        let extra = match call {
-            LogprobCall::Support => logprobs.extra_passes.get(),
-            _ => 0,
-        };
+        let (extra, note) = logprobs.extra_passes_of(name, call);
         let extra_flops = 2.0 * extra as f64 * (n * h) as f64 * v as f64;
         let flops = plan.map(|p| p.flops(n, h, v) + extra_flops);
         r.flops = flops;
@@ -242,10 +225,7 @@ fn run_linear<E: Element>(
         }
         r.plan = plan;
         report.results.push(r);
-        if call == LogprobCall::Support {
-            let note = format!("{name}: {extra} extra passes over the vocabulary (2NHV each)");
-            report.notes.push(note);
-        }
+        report.notes.extend(note);
     }
     Ok(report)
 }

@@ -1,6 +1,6 @@
 //! The fused step both benches time: the configured loss on any backend's head.
 
-use super::config::LossKind;
+use super::config::{BenchConfig, LossKind};
 use flashloss::SupportFilter;
 use flashloss::fused::{
     GatherIds, Head, LogpRequest, LogpRows, LogpUpstream, ce_linear, grpo_linear,
@@ -46,6 +46,44 @@ impl LogprobRows {
             cotangents: (0..n * k).map(|at| 0.01 * (at % 5) as f32).collect(),
             support: None,
             extra_passes: std::cell::Cell::new(0),
+        }
+    }
+
+    /// The rows of a bench of `cfg` over `n` rows and `v` entries: `gather_k` candidates
+    /// per row for a `logprobs` bench, the support for any loss but CE.
+    pub(crate) fn of_bench(cfg: &BenchConfig, n: usize, v: usize) -> Self {
+        let k = match cfg.loss {
+            LossKind::Logprobs => cfg.gather_k,
+            _ => 0,
+        };
+        let mut rows = LogprobRows::new(n, v, k);
+        rows.support = cfg.support().filter(|_| cfg.loss != LossKind::Ce);
+        rows
+    }
+
+    /// The fused calls a bench times, each under its report name: the plain one, then
+    /// the candidate-set call (`k > 0`) and the call under the support, where set.
+    pub(crate) fn bench_calls(&self) -> Vec<(&'static str, LogprobCall)> {
+        let mut calls = vec![("fused", LogprobCall::Plain)];
+        if self.k > 0 {
+            calls.push(("fused_gather", LogprobCall::Gather));
+        }
+        if self.support.is_some() {
+            calls.push(("fused_support", LogprobCall::Support));
+        }
+        calls
+    }
+
+    /// The extra passes `call`'s last step took (the support's, each forming the logits
+    /// once more: `2NHV`), and the report's note on them (none for the other calls).
+    pub(crate) fn extra_passes_of(&self, name: &str, call: LogprobCall) -> (usize, Option<String>) {
+        match call {
+            LogprobCall::Support => {
+                let extra = self.extra_passes.get();
+                let note = format!("{name}: {extra} extra passes over the vocabulary (2NHV each)");
+                (extra, Some(note))
+            }
+            _ => (0, None),
         }
     }
 
