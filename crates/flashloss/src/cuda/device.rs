@@ -308,8 +308,9 @@ impl Gpu {
 
     /// A buffer of `len` elements, every one NaN (poison: elements a kernel does not
     /// write show). `T` is 4 or 2 bytes wide (f32, bf16).
-    pub fn nans<T: DeviceRepr + ValidAsZeroBits>(&self, len: usize) -> Result<DeviceBuffer<T>> {
-        let buf = self.zeros::<T>(len)?;
+    pub fn nans<T: DeviceRepr>(&self, len: usize) -> Result<DeviceBuffer<T>> {
+        // Every element is written by the fill below: no zeroing first.
+        let buf = self.alloc::<T>(len)?;
         let (kernel, bits) = match std::mem::size_of::<T>() {
             4 => ("fill_u32", 0x7fc0_0000u32),
             2 => ("fill_u16", 0x7fc0u32),
@@ -344,16 +345,6 @@ impl Gpu {
         Ok(buf)
     }
 
-    /// The index of the first entry of `buf` that is not finite (an infinity or a NaN),
-    /// scanned on the device; `T` is 4 or 2 bytes wide (f32, bf16). Waits for the stream
-    /// (one copy to the host).
-    pub fn first_non_finite<T: DeviceRepr + ValidAsZeroBits>(
-        &self,
-        buf: &DeviceBuffer<T>,
-    ) -> Result<Option<usize>> {
-        Ok(self.first_non_finite_of(&[self.scan(buf)])?[0])
-    }
-
     /// `buf` as [`Gpu::first_non_finite_of`] scans it.
     pub fn scan<T>(&self, buf: &DeviceBuffer<T>) -> Scan {
         Scan {
@@ -363,7 +354,8 @@ impl Gpu {
         }
     }
 
-    /// [`Gpu::first_non_finite`] of each of `scans`, all scanned on the device before
+    /// For each of `scans`, the index of its first entry that is not finite (an infinity
+    /// or a NaN; elements 4 or 2 bytes wide: f32, bf16), all scanned on the device before
     /// one copy of their answers to the host (none when every buffer is empty).
     pub fn first_non_finite_of(&self, scans: &[Scan]) -> Result<Vec<Option<usize>>> {
         let mut answers = vec![None; scans.len()];
