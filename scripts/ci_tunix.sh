@@ -9,7 +9,9 @@ PY=${PYTHON:-$(command -v python3.11 || command -v python3)}
 "$PY" -c 'import sys; assert sys.version_info >= (3, 11), f"Tunix needs Python >= 3.11, got {sys.version}"'
 VENV=${TUNIX_VENV:-target/tunix-venv}
 "$PY" -m venv "$VENV"
-CARGO_TARGET_DIR="$PWD/target" "$VENV/bin/pip" install -q "./crates/flashloss-py[tunix]"
+# The extra pulls only what flashloss.tunix imports; the tests and the A/B's plot also need
+# pytest and matplotlib.
+CARGO_TARGET_DIR="$PWD/target" "$VENV/bin/pip" install -q "./crates/flashloss-py[tunix]" pytest matplotlib
 # Run from outside the source tree so that the installed package (with its native module) is tested.
 PYBIN="$(cd "$VENV" && pwd)/bin/python"
 (cd crates/flashloss-py/tests && "$PYBIN" -m pytest -q -p no:cacheprovider test_tunix.py)

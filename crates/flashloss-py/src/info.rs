@@ -1,5 +1,6 @@
-//! What the native library tells Python about this machine: the products a bf16 head
-//! runs on the CPU ([`flashloss::cpu::bf16_products_choice`]).
+//! What the native library tells Python about itself and this machine: what was compiled
+//! in ([`build_info`]) and the products a bf16 head runs on the CPU
+//! ([`flashloss::cpu::bf16_products_choice`]).
 
 use crate::front::run;
 use flashloss::Bf16Products;
@@ -44,5 +45,38 @@ pub fn cpu_bf16_products<'py>(
         }
         None => d.set_item("rates", py.None())?,
     }
+    Ok(d)
+}
+
+/// The x86 features the CPU kernels dispatch on at run time, in that order.
+#[cfg(target_arch = "x86_64")]
+fn cpu_features() -> Vec<&'static str> {
+    let mut found = Vec::new();
+    macro_rules! probe {
+        ($($f:tt),*) => {$(if std::arch::is_x86_feature_detected!($f) { found.push($f); })*};
+    }
+    probe!("avx2", "fma", "avx512f", "avx512bw", "avx512bf16");
+    found
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn cpu_features() -> Vec<&'static str> {
+    Vec::new()
+}
+
+/// `{"version", "cuda": bool, "cuda_driver": bool | None, "cpu_features": [...]}`: whether
+/// this build has the CUDA backend (`cuda`), whether this machine's NVIDIA driver
+/// (`libcuda.so`) loads (`cuda_driver`; None in a build without CUDA), and the CPU
+/// features found at run time that the CPU kernels dispatch on.
+#[pyfunction]
+pub fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("version", env!("CARGO_PKG_VERSION"))?;
+    d.set_item("cuda", cfg!(feature = "cuda"))?;
+    #[cfg(feature = "cuda")]
+    d.set_item("cuda_driver", flashloss::cuda::driver_present())?;
+    #[cfg(not(feature = "cuda"))]
+    d.set_item("cuda_driver", py.None())?;
+    d.set_item("cpu_features", cpu_features())?;
     Ok(d)
 }

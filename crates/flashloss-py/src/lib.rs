@@ -25,6 +25,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("cuda_build", cfg!(feature = "cuda"))?;
     m.add_function(wrap_pyfunction!(info::cpu_bf16_products, m)?)?;
+    m.add_function(wrap_pyfunction!(info::build_info, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_memory::cuda_stats, m)?)?;
     m.add_function(wrap_pyfunction!(losses::grpo_linear, m)?)?;
     m.add_function(wrap_pyfunction!(losses::ce_linear, m)?)?;

@@ -8,7 +8,21 @@ module imports nothing but the native extension.
 from . import _native
 from ._native import __version__
 
-__all__ = ["__version__", "cpu_bf16_products"]
+__all__ = ["__version__", "build_info", "cpu_bf16_products"]
+
+
+def build_info() -> dict:
+    """What this build of flashloss holds and what it found on this machine:
+    ``{"version": str, "cuda": bool, "cuda_driver": bool | None, "cpu_features": [str, ...]}``.
+
+    ``cuda``: the CUDA backend was compiled in (the default wheel; a CPU-only build is
+    ``maturin build --no-default-features``). ``cuda_driver``: this machine's NVIDIA driver
+    (``libcuda.so``) loads, which CUDA tensors need (None in a CPU-only build). The backend
+    loads the driver, NVRTC and cuBLAS at run time, so importing flashloss and CPU calls work
+    on a host without them. ``cpu_features``: the x86 features found at run time that the
+    CPU kernels dispatch on (``avx2``, ``fma``, ``avx512f``, ``avx512bw``, ``avx512bf16``).
+    """
+    return dict(_native.build_info())
 
 
 def cpu_bf16_products(bf16_products: str = "auto") -> dict:

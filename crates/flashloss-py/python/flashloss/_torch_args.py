@@ -33,7 +33,7 @@ def _same_device(tensors: dict, cuda: bool = True) -> torch.device:
         if device.type != "cuda" or not _native.cuda_build:
             raise ValueError(
                 f"tensors on {device}: this build of flashloss runs CPU tensors "
-                "(CUDA tensors need the build with the `cuda` feature)"
+                "(CUDA tensors need the CUDA backend, in the default build; this one was built without it)"
             )
         if not cuda:
             raise ValueError(f"tensors on {device}: this function runs CPU tensors only (so far)")

@@ -195,10 +195,18 @@ def inputs(cfg):
     return hid, w, ids, old, ref, adv, mask
 
 
+def _device_memory() -> dict | None:
+    """The first device's allocator statistics (``bytes_in_use``, ``peak_bytes_in_use``, ...;
+    on TPU and GPU), or None where the backend keeps none (the CPU)."""
+    stats = jax.devices()[0].memory_stats()
+    return dict(stats) if stats else None
+
+
 def run(cfg) -> dict:
     args = inputs(cfg)
     jax.block_until_ready(args)
     rss_inputs = _rss_bytes()
+    memory_inputs = _device_memory()
     step = step_fn(cfg)
     compiled = step.lower(*args).compile()
     mem = compiled.memory_analysis()
@@ -213,16 +221,21 @@ def run(cfg) -> dict:
             f"{cfg['impl']}: step {k + 1}/{cfg['warmup'] + cfg['repeat']} {times[-1] if times else 0:.3f} s",
             file=sys.stderr,
         )
+    memory = _device_memory()
     return {
         "impl": cfg["impl"],
         "config": cfg,
         "loss": float(loss),
         "step_seconds_median": statistics.median(times),
+        "step_seconds_mean": statistics.fmean(times),
         "step_seconds": times,
         "temp_bytes": int(mem.temp_size_in_bytes),
         "argument_bytes": int(mem.argument_size_in_bytes),
         "output_bytes": int(mem.output_size_in_bytes),
         "peak_rss_above_inputs_bytes": _rss_bytes() - rss_inputs,
+        # the device allocator's peak over the process (inputs included) and what the inputs held
+        "peak_bytes_in_use": None if memory is None else memory.get("peak_bytes_in_use"),
+        "bytes_in_use_inputs": None if memory_inputs is None else memory_inputs.get("bytes_in_use"),
         "logits_bytes_f32": 4 * cfg["tokens"] * cfg["vocab"],
         "devices": str(jax.devices()),
     }

@@ -138,15 +138,20 @@ def run(cfg: dict) -> dict:
               use_bias_correction_kl=cfg["use_bias_correction_kl"], max_completion_length=cfg["seq_len"])  # fmt: skip
     path = {"impl": cfg["impl"], "interpret": interpret_value(cfg["interpret"])}
     layout = cfg["weight_layout"]
-    f64 = [jnp.asarray(x, jnp.float64) for x in (hidden, weight, adv, old, ref)]
-    h64, w64 = jnp.asarray(h, jnp.float64), jnp.asarray(w, jnp.float64)
+    # The f64 reference runs on the host CPU (a TPU has no f64), on the same rounded inputs.
+    host = jax.default_device(jax.devices("cpu")[0])
+    with host:
+        f64 = [jnp.asarray(x, jnp.float64) for x in (hidden, weight, adv, old, ref)]
+        h64, w64 = (jnp.asarray(np.asarray(x.astype(jnp.float32)), jnp.float64) for x in (h, w))
+        ids_ref, mask_ref = jnp.asarray(ids), jnp.asarray(mask)
 
     if cfg["level"] == "logits":
         z = (h.astype(jnp.float32).reshape(-1, cfg["hidden"]) @ w.astype(jnp.float32).T).reshape(*ids.shape, -1)
         kz = dict(kw, old_per_token_logps=old_j, ref_per_token_logps=ref_j if cfg["beta"] else None)
         got, dz = jax.value_and_grad(lambda z: fj.grpo_loss(z, ids_j, mask_j, adv_j, **kz, **path)[0])(z)
-        ref_fn = lambda z: reference_loss(jnp, jax, z, ids_j, mask_j, *f64[2:], cfg)  # noqa: E731
-        want, dz_ref = jax.value_and_grad(ref_fn)(jnp.asarray(z, jnp.float64))
+        ref_fn = lambda z: reference_loss(jnp, jax, z, ids_ref, mask_ref, *f64[2:], cfg)  # noqa: E731
+        with host:
+            want, dz_ref = jax.value_and_grad(ref_fn)(jnp.asarray(np.asarray(z), jnp.float64))
         diffs = _diffs("dlogits", dz, dz_ref)
     else:
 
@@ -167,9 +172,10 @@ def run(cfg: dict) -> dict:
 
         def ref_fn(x, wt):
             z = (x.reshape(-1, cfg["hidden"]) @ wt.T).reshape(*ids.shape, -1)
-            return reference_loss(jnp, jax, z, ids_j, mask_j, *f64[2:], cfg)
+            return reference_loss(jnp, jax, z, ids_ref, mask_ref, *f64[2:], cfg)
 
-        want, (dh_ref, dw_ref) = jax.value_and_grad(ref_fn, (0, 1))(h64, w64)
+        with host:
+            want, (dh_ref, dw_ref) = jax.value_and_grad(ref_fn, (0, 1))(h64, w64)
         diffs = {**_diffs("dhidden", dh, dh_ref), **_diffs("dweight", dw, dw_ref)}
     loss_rel = abs(float(got) - float(want)) / max(abs(float(want)), 1.0)
     gates = [{"name": "loss", "value": loss_rel, "limit": cfg["loss_rel"]}]

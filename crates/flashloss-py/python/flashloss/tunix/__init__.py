@@ -64,7 +64,7 @@ _LOSS_NAMES = ("grpo", "ppo")
 _CATEGORY = "policy_loss_fn"
 
 _state: dict[str, Any] = {}  # what patch() replaced: name -> original
-_options: dict[str, Any] = {"impl": "auto", "mode": "auto", "budget_mib": None}
+_options: dict[str, Any] = {"impl": "auto", "mode": "auto", "budget_mib": None, "interpret": False}
 _local = threading.local()
 
 
@@ -159,7 +159,7 @@ def _model_kwargs(model: Any, positions, attn_mask, seg_ids, segment_ids, images
 
 def _logps(graphdef, state, prompt_tokens, completion_tokens, images, segment_ids, segment_positions, *,
            pad_id: int, eos_id: int, stop_gradient: bool, temperature: float, entropy: bool, impl: str,
-           mode: str, budget_mib: Optional[float]):  # fmt: skip
+           mode: str, budget_mib: Optional[float], interpret: bool):  # fmt: skip
     """Tunix's ``compute_per_token_logps`` with the head's logits replaced by
     ``linear_logprobs`` on the captured hidden states: ``(logp, entropy or None)``."""
     from flax import nnx
@@ -184,7 +184,8 @@ def _logps(graphdef, state, prompt_tokens, completion_tokens, images, segment_id
     ids = tokens[:, -keep:]
     temp = 1.0 if temperature in (0.0, 1.0) else float(temperature)
     logp, ent = linear_logprobs(
-        hidden, weight, ids, temp, True, impl=impl, mode=mode, budget_mib=budget_mib, weight_layout=layout
+        hidden, weight, ids, temp, True, impl=impl, mode=mode, budget_mib=budget_mib, weight_layout=layout,
+        interpret=interpret,
     )[:2]  # fmt: skip
     if segment_ids is not None:
         # Tunix pads the logits' first position with zeros: log-prob 0, entropy log V.
@@ -198,7 +199,17 @@ def _logps(graphdef, state, prompt_tokens, completion_tokens, images, segment_id
 
 _logps_jit = jax.jit(
     _logps,
-    static_argnames=("pad_id", "eos_id", "stop_gradient", "temperature", "entropy", "impl", "mode", "budget_mib"),
+    static_argnames=(
+        "pad_id",
+        "eos_id",
+        "stop_gradient",
+        "temperature",
+        "entropy",
+        "impl",
+        "mode",
+        "budget_mib",
+        "interpret",
+    ),
 )
 
 
@@ -233,6 +244,7 @@ def compute_per_token_logps(
         graphdef, state, prompt_tokens, completion_tokens, images, segment_ids, segment_positions,
         pad_id=int(pad_id), eos_id=int(eos_id), stop_gradient=bool(stop_gradient), temperature=float(temperature),
         entropy=bool(return_logits), impl=_options["impl"], mode=_options["mode"], budget_mib=_options["budget_mib"],
+        interpret=_options["interpret"],
     )  # fmt: skip
     return (logp, _Entropy(ent)) if return_logits else logp
 
@@ -265,15 +277,20 @@ def _registry():
     return function_registry.default_registry
 
 
-def patch(*, impl: str = "auto", mode: str = "auto", budget_mib: Optional[float] = None) -> None:
+def patch(
+    *, impl: str = "auto", mode: str = "auto", budget_mib: Optional[float] = None, interpret: bool = False
+) -> None:
     """Routes Tunix's per-token log-probs and entropy through flashloss (see the module).
     ``impl``: ``"auto"`` (FFI on CPU, Pallas on TPU), ``"ffi"`` or ``"pallas"``;
     ``mode`` and ``budget_mib``: the FFI kernel's plan (``"auto_f32"`` keeps f32
     exponentials; ``"auto"`` may pick the compact block, gradients within 1e-3 of the
-    largest) and workspace budget. Patching twice only updates the options."""
+    largest) and workspace budget; ``interpret=True`` runs the Pallas kernels in TPU interpret
+    mode (``impl="pallas"`` on a machine without a TPU). Patching twice only updates the options."""
     if impl not in ("auto", "ffi", "pallas"):
         raise ValueError(f"argument `impl`: expected 'auto', 'ffi' or 'pallas', got {impl!r}")
-    _options.update(impl=impl, mode=mode, budget_mib=None if budget_mib is None else float(budget_mib))
+    _options.update(
+        impl=impl, mode=mode, budget_mib=None if budget_mib is None else float(budget_mib), interpret=bool(interpret)
+    )
     if _state:
         return
     from tunix.rl import algo_core, common
@@ -304,7 +321,7 @@ def unpatch() -> None:
         table = registry._registry[_CATEGORY]
         for key in list(_state):
             table[key.split("/", 1)[1]] = _state.pop(key)
-    _options.update(impl="auto", mode="auto", budget_mib=None)
+    _options.update(impl="auto", mode="auto", budget_mib=None, interpret=False)
 
 
 def is_patched() -> bool:

@@ -35,6 +35,8 @@ DEFAULTS: dict[str, Any] = {
     "seed": 0,
     "loss_impl": "tunix",  # the A/B key: "tunix" (Tunix's own logits path) or "flashloss" (patched)
     "flashloss_mode": "auto",  # flashloss's FFI plan (patch(mode=...))
+    "flashloss_impl": "auto",  # patch(impl=...): auto (FFI on CPU, Pallas on TPU), ffi or pallas
+    "flashloss_interpret": False,  # patch(interpret=...): the Pallas kernels in TPU interpret mode (no TPU)
     "steps": 100,
     "out_dir": "runs/jax_grpo_ab_{loss_impl}",  # {loss_impl} is filled in
     # model: Qwen2 architecture (the tiny config of configs/train/arith_tiny_*.yaml)
@@ -392,7 +394,7 @@ def run(cfg: dict, progress: bool = True) -> list[dict]:
     _sft(model, cfg, tok, progress)
     patched_here = cfg["loss_impl"] == "flashloss" and not ft.is_patched()
     if cfg["loss_impl"] == "flashloss":
-        ft.patch(mode=cfg["flashloss_mode"])
+        ft.patch(mode=cfg["flashloss_mode"], impl=cfg["flashloss_impl"], interpret=bool(cfg["flashloss_interpret"]))
     elif ft.is_patched():
         raise ValueError("loss_impl: 'tunix' asked for, but flashloss.tunix is patched in this process")
     try:
