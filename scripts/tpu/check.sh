@@ -30,11 +30,12 @@ failed=()
 step() {
   local name=$1
   shift
+  local start=$SECONDS
   echo "tpu check: $name" >&2
   if (cd "$OUT" && "$@") >"$OUT/$name.out" 2>"$OUT/$name.log"; then
-    echo "tpu check: $name passed" >&2
+    echo "tpu check: $name passed ($((SECONDS - start)) s)" >&2
   else
-    echo "tpu check: $name FAILED (see $OUT/$name.log)" >&2
+    echo "tpu check: $name FAILED ($((SECONDS - start)) s; see $OUT/$name.log)" >&2
     failed+=("$name")
   fi
 }
@@ -74,8 +75,9 @@ for layout in vh hv; do
   step "gradcheck_f32_$layout" "$PY" -m flashloss.jax.gradcheck --config "$CONFIGS/gradcheck.yaml" --json \
     "${GRADCHECK[@]}" --set weight_layout="$layout"
 done
+# bf16: dH and dW come back in bf16, whose rounding alone is up to 2^-8 relative.
 step gradcheck_bf16 "$PY" -m flashloss.jax.gradcheck --config "$CONFIGS/gradcheck.yaml" --json \
-  "${GRADCHECK[@]}" --set dtype=bfloat16 --set loss_rel=1e-4 --set grad_rel=1e-3
+  "${GRADCHECK[@]}" --set dtype=bfloat16 --set loss_rel=1e-4 --set grad_rel=1e-2
 
 for dtype in bfloat16 float32; do
   for impl in baseline tiled pallas; do

@@ -5,7 +5,7 @@
 //! weight entries; single-pass = two-pass; thread invariance; the baseline; errors
 //! (the workspace budget is tested in fused_budget.rs).
 
-mod common;
+use crate::common;
 use common::cpu_steps::{ce_linear, ce_linear_into};
 use common::*;
 use flashloss::cpu::{BaselineWorkspace, Workspace, ce_linear_baseline_into};

@@ -2,7 +2,7 @@
 //! inputs are validated and gradients checked on every call; log-probs need no gradient
 //! buffers; sharded runs fail together; split passes and sharded calls equal the whole head.
 
-mod common;
+use crate::common;
 use common::*;
 use flashloss::collective::{Collective, Solo, run_in_process};
 use flashloss::device::{CeCall, CeUpstream, GrpoCall, LogpCall};

@@ -1,7 +1,7 @@
 //! Masked sequences, extreme logits, banned tokens, small temperatures: finite
 //! everywhere and still at the reference.
 
-mod common;
+use crate::common;
 use common::*;
 use flashloss::{Error, GrpoLoss, ImportanceSamplingLevel, LogitsLayout, LossType};
 use flashloss_tools::gradcheck::{self, GradcheckConfig};

@@ -2,7 +2,7 @@
 //! modes, bias, bf16, odd shapes; single-pass = two-pass; thread invariance; the
 //! the workspace budget is tested in fused_budget.rs.
 
-mod common;
+use crate::common;
 use common::cpu_steps::{grpo_linear, logp_linear};
 use common::*;
 use flashloss::policy::Normalizers;

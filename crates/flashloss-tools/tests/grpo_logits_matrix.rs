@@ -1,7 +1,7 @@
 //! Every loss type × level × δ × β × bias correction × temperature × entropy bonus,
 //! f32 kernel vs the f64 reference at spec tolerances, on odd shapes.
 
-mod common;
+use crate::common;
 use common::*;
 use flashloss_tools::gradcheck::GradcheckConfig;
 

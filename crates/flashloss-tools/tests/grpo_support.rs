@@ -6,8 +6,8 @@
 //! a frozen head; bad filters and a single-pass mode are typed errors; vocab-parallel
 //! and token-parallel runs equal the single rank.
 
-mod common;
-mod support_common;
+use crate::common;
+use crate::support_common;
 use common::cpu_steps::{
     VocabShard, grpo_linear, grpo_linear_token_parallel, grpo_linear_vocab_parallel,
 };

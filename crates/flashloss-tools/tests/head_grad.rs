@@ -6,7 +6,7 @@
 //! log-prob gradient (`logp_linear_grads`) against central differences of the f64
 //! log-softmax, full and frozen, every mode, sharded against one rank.
 
-mod common;
+use crate::common;
 use common::*;
 use flashloss::collective::{Collective, run_in_process};
 use flashloss::cpu::{CpuHead, Workspace};

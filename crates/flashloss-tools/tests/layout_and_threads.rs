@@ -1,7 +1,7 @@
 //! Strided layouts, in-place backward, thread-count invariance (identical bits), and
 //! the selective log-softmax and unfused baseline against the reference.
 
-mod common;
+use crate::common;
 use common::*;
 use flashloss::cpu::{grpo_logits_forward, grpo_logits_unfused, selective_log_softmax};
 use flashloss::policy::Normalizers;

@@ -6,7 +6,7 @@
 //! both weight layouts, full and frozen heads, and every mode (the candidates' gradients
 //! single-pass too) at a tight and a roomy budget.
 
-mod common;
+use crate::common;
 use common::*;
 use flashloss::device::LogpCall;
 use flashloss::fused::{GatherIds, LogpOutput, LogpRequest, LogpRows, LogpUpstream};

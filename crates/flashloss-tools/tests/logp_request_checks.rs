@@ -5,7 +5,7 @@
 //! filter's ranges, a single pass asked with a truncated support; rows with only the
 //! candidates' one-hot terms get them in every mode.
 
-mod common;
+use crate::common;
 use common::*;
 use flashloss::SupportFilter;
 use flashloss::collective::{Collective, run_in_process};

@@ -7,8 +7,8 @@
 //! reference decide on the same values; random floats compare the rows away from a
 //! boundary (the reference's margin).
 
-mod common;
-mod support_common;
+use crate::common;
+use crate::support_common;
 use common::assert_close;
 use flashloss::SupportFilter;
 use flashloss::cpu::{CpuHead, Workspace};

@@ -2,8 +2,8 @@
 //! over three vocabulary shards in-process against one rank (exact ties and random floats
 //! at T = 0.9: the same supports, extra passes, `logp^K`, `lse^K` and gradients).
 
-mod common;
-mod support_common;
+use crate::common;
+use crate::support_common;
 use common::assert_close;
 use flashloss::SupportFilter;
 use flashloss::cpu::{CpuHead, Workspace};

@@ -2,7 +2,7 @@
 //! finite results at the reference, or a typed `OutOfRange` error naming the row and
 //! the quantity, before any gradient is written. Never a NaN.
 
-mod common;
+use crate::common;
 use common::cpu_steps::grpo_linear;
 use common::*;
 use flashloss::device::CeCall;

@@ -4,7 +4,7 @@
 //! sparse terms of `accumulate_grads_sparse` equal the same one-hot terms given as
 //! `RowGrad::coef_target` (bitwise), repeats add up, and ids of other shards add nothing.
 
-mod common;
+use crate::common;
 use common::*;
 use flashloss::cpu::{CpuHead, Workspace};
 use flashloss::fused::{Head as _, RowGrad, SparseGrads, TileVisitor};

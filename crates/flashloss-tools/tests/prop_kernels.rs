@@ -11,7 +11,7 @@
 //! `proptest-regressions/` (replayed first on every run) and which then becomes a
 //! regular test (`regressions` below).
 
-mod common;
+use crate::common;
 use common::valid_types;
 use flashloss::{
     Bf16Products, CeConfig, DType, GrpoLoss, GrpoLossConfig, LogitsLayout, LossType, Mode,

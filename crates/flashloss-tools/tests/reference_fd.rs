@@ -4,7 +4,7 @@
 //! ratio's denominator, so finite differences of L do not see what autograd sees;
 //! those are checked through the dual-number path only.)
 
-mod common;
+use crate::common;
 use common::*;
 use flashloss::policy::Normalizers;
 use flashloss::reference::grpo_reference;

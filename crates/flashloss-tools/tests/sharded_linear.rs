@@ -5,7 +5,7 @@
 //! that panics, leaves or hangs makes its peers fail instead of hang; split groups are
 //! independent.
 
-mod common;
+use crate::common;
 use common::cpu_steps::{
     VocabShard, ce_linear, ce_linear_grid, ce_linear_token_parallel, ce_linear_vocab_parallel,
     grpo_linear, grpo_linear_grid, grpo_linear_token_parallel, grpo_linear_vocab_parallel,

@@ -1,7 +1,6 @@
 //! Every validation error, with its message checked; config files with unknown keys
 //! or wrong types are rejected naming the key.
 
-mod common;
 use flashloss::cpu::{grpo_logits_forward, selective_log_softmax};
 use flashloss::{
     GrpoLoss, GrpoLossConfig, ImportanceSamplingLevel, LogitsLayout, LossType, PerSeqOrToken,

@@ -5,7 +5,7 @@
 //! lanes of a single-pass block), masked and ignored rows; the baseline; vocab-parallel
 //! shards `[H, V_r]`; shape errors name `weight` and `dweight` in the layout.
 
-mod common;
+use crate::common;
 use common::cpu_steps::{VocabShard, ce_linear_into, grpo_linear, grpo_linear_vocab_parallel};
 use common::*;
 use flashloss::collective::{Collective, run_in_process};
