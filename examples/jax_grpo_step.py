@@ -21,7 +21,7 @@ advantages = jax.random.normal(k[3], (B,))
 old_logps = -jax.random.uniform(k[4], (B, T)) - 8.0
 
 
-def fused(h, w):
+def fused(h: jax.Array, w: jax.Array) -> jax.Array:
     loss, _ = fj.linear_grpo_loss(h, w, completion_ids, completion_mask, advantages, old_per_token_logps=old_logps)
     return loss
 
@@ -31,7 +31,8 @@ loss, (dhidden, dweight) = step(hidden, weight)
 print(f"flashloss loss {float(loss):.6f}")
 
 
-def plain(h, w):  # logits, log-softmax, TRL's clipped ratio, DAPO's token-normalized sum
+def plain(h: jax.Array, w: jax.Array) -> jax.Array:
+    """Logits, log-softmax, TRL's clipped ratio, DAPO's token-normalized sum."""
     logp = jnp.take_along_axis(jax.nn.log_softmax(h @ w.T, -1), completion_ids[..., None], -1)[..., 0]
     ratio = jnp.exp(logp - old_logps)
     a = advantages[:, None]

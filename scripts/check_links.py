@@ -14,7 +14,9 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 CODE = re.compile(r"`([^`\n]+)`")
-BARE = re.compile(r"(?<![\w/.`-])((?:docs|crates|scripts|configs|examples)/[\w./-]*\.(?:md|py|rs|sh|yaml|json|png|toml))")
+BARE = re.compile(
+    r"(?<![\w/.`-])((?:docs|crates|scripts|configs|examples)/[\w./-]*\.(?:md|py|rs|sh|yaml|json|png|toml))"
+)
 PATH_PREFIXES = ("docs/", "crates/", "scripts/", "configs/", "examples/", ".ci/", "fuzz/")
 SKIP_DIRS = ("docs/bench/results/", "docs/jax_tunix/", "docs/train/")  # recorded data and generated reports
 
@@ -26,7 +28,7 @@ def markdown_files() -> list[pathlib.Path]:
 
 def slug(heading: str) -> str:
     """GitHub's anchor of a heading."""
-    text = re.sub(r"[`*_\[\]()]", "", heading.strip().lower())
+    text = re.sub(r"[`*\[\]()]", "", heading.strip().lower())
     return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
 
 
