@@ -43,6 +43,7 @@ def plain(h: jax.Array, w: jax.Array) -> jax.Array:
 want, (want_dh, want_dw) = jax.jit(jax.value_and_grad(plain, argnums=(0, 1)))(hidden, weight)
 print(f"plain loss     {float(want):.6f}")
 np.testing.assert_allclose(loss, want, rtol=1e-5, atol=1e-6)
-np.testing.assert_allclose(dhidden, want_dh, rtol=1e-4, atol=1e-6)
-np.testing.assert_allclose(dweight, want_dw, rtol=1e-4, atol=1e-6)
+for got, want in ((dhidden, want_dh), (dweight, want_dw)):
+    # The default plan (mode="auto") may keep probabilities in f16 on the CPU: gradients within 1e-3 of the largest.
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-3 * float(jnp.abs(want).max()))
 print("OK: loss and gradients agree with the plain path")

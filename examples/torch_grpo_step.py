@@ -35,6 +35,7 @@ plain.backward()
 print(f"plain loss     {plain.item():.6f}")
 
 torch.testing.assert_close(loss, plain, rtol=1e-5, atol=1e-6)
-torch.testing.assert_close(grads[0], hidden.grad, rtol=1e-4, atol=1e-6)
-torch.testing.assert_close(grads[1], lm_head.weight.grad, rtol=1e-4, atol=1e-6)
+for got, want in zip(grads, (hidden.grad, lm_head.weight.grad)):
+    # The default plan (mode="auto") may keep probabilities in f16 on the CPU: gradients within 1e-3 of the largest.
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-3 * want.abs().max().item())
 print("OK: loss and gradients agree with the plain path")

@@ -34,5 +34,6 @@ want.backward()
 print(f"unpatched loss {want.item():.6f}")
 torch.testing.assert_close(out.loss, want, rtol=1e-5, atol=1e-6)
 for (name, p), q in zip(model.named_parameters(), plain.parameters()):
-    torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+    # The default plan (mode="auto") may keep probabilities in f16 on the CPU: gradients within 1e-3 of the largest.
+    torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-3 * q.grad.abs().max().item(), msg=name)
 print("OK: loss and every parameter's gradient agree with the unpatched model")
