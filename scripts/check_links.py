@@ -1,6 +1,8 @@
 """Check the documentation's links: every relative Markdown link (and its #anchor) and every
 repository path written in backticks or in the text (`docs/...`, `crates/...`, `scripts/...`, `configs/...`,
-`examples/...`) in README.md, docs/ and examples/ must exist. Prints each broken one, exits 1 if any.
+`examples/...`) in README.md, docs/ and examples/ must exist. Also the shape issue 48 asks for: the
+README within 200 lines, its opening within 80 words, no commit hash in its first 60 lines, and no
+guide (docs/*.md but the design) over 400 lines. Prints each failure, exits 1 if any.
 
 Run: python scripts/check_links.py
 """
@@ -68,8 +70,27 @@ def check(md: pathlib.Path) -> list[str]:
     return errors
 
 
+def shape() -> list[str]:
+    errors = []
+    readme = (ROOT / "README.md").read_text().splitlines()
+    if len(readme) > 200:
+        errors.append(f"README.md: {len(readme)} lines, more than 200")
+    opening = " ".join(readme[1 : next(i for i, line in enumerate(readme) if line.startswith("!["))])
+    if len(opening.split()) > 80:
+        errors.append(f"README.md: its opening is {len(opening.split())} words, more than 80")
+    for i, line in enumerate(readme[:60], 1):
+        for word in re.findall(r"\b[0-9a-f]{7,40}\b", line):
+            if re.search(r"[a-f]", word) and re.search(r"[0-9]", word):
+                errors.append(f"README.md:{i}: a commit hash ({word}) in the first 60 lines")
+    for guide in sorted((ROOT / "docs").glob("*.md")):
+        n = len(guide.read_text().splitlines())
+        if guide.name != "design.md" and n > 400:
+            errors.append(f"docs/{guide.name}: {n} lines, more than 400 for a guide")
+    return errors
+
+
 def main() -> int:
-    errors = [e for md in markdown_files() for e in check(md)]
+    errors = [e for md in markdown_files() for e in check(md)] + shape()
     print("\n".join(errors) or f"links: {len(markdown_files())} files, all links and paths exist")
     return 1 if errors else 0
 
