@@ -17,7 +17,7 @@
 # TPU_COMPILE_SET=full (about 25 min): v6e every case but the f32 support ones, v5e, v5p and
 # v7x every `core` case.
 # TPU_COMPILE_SET=all: every one-device case on v5e, v6e, v5p and v7x, and the v6e-8 mesh
-# cases (the set of docs/jax.md, "Compiled for each chip"; see there for its time).
+# cases (the set of docs/results/tpu_compile.md; see there for its time).
 # Two processes at a time (libtpu's compiles are mostly single-threaded). The lines go to
 # target/tpu_compile.jsonl (one per chip and case).
 set -euo pipefail

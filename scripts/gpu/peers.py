@@ -9,7 +9,7 @@ then the median.
 
   peers.py {jax,torch,liger,liger_triton,cce,torch_ce} --n 8192 --h 4096 --v 151936 --dtype bf16
 
-Written for, and not yet run on, the GPU machine (see docs/bench/gpu.md).
+Written for, and not yet run on, the GPU machine (see docs/results/gpu.md).
 """
 
 import argparse

@@ -6,7 +6,7 @@
 //!
 //! Prediction (written before the first run): the probe `bf16_dot_rate` gives 117 (f32
 //! FMA) and 235 (`vdpbf16ps`) GFLOP/s per core here. The `gemm` crate's f32 tiles ran at
-//! ~85% of the f32 peak (docs/bench/cpu.md), ~100 GFLOP/s a core; the bf16 micro-kernel
+//! ~85% of the f32 peak (docs/results/cpu_bench.md), ~100 GFLOP/s a core; the bf16 micro-kernel
 //! (28 accumulators, one `vdpbf16ps` per cycle) should reach ~85% of its peak in the
 //! loop, less ~5% for packing the weight tile twice and `dZ` twice: ~180-190 GFLOP/s a
 //! core, 1.7-1.9x the widened f32 products.

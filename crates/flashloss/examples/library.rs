@@ -1,4 +1,4 @@
-//! The README's library example: the logits-level GRPO kernel, the fused LM-head GRPO
+//! A tour of the library (docs/rust.md): the logits-level GRPO kernel, the fused LM-head GRPO
 //! and cross-entropy on a `Device`, and cross-entropy sharded over the vocabulary of two
 //! in-process ranks. Run with `cargo run --release -p flashloss --example library`.
 

@@ -35,7 +35,7 @@ def cpu_bf16_products(bf16_products: str = "auto") -> dict:
     two paths on this CPU, measured once per process on a small product; ``rates`` then
     holds the measured ``{"widened": GFLOP/s, "avx512bf16": GFLOP/s}``, else ``None``).
     ``avx512bf16`` is taken only where it is at least 1.1x as fast as ``widened``
-    (docs/python.md). A ``ValueError`` for an unknown setting, a bad environment value,
+    (docs/torch.md). A ``ValueError`` for an unknown setting, a bad environment value,
     or ``avx512bf16`` on a CPU without AVX512-BF16.
     """
     return _native.cpu_bf16_products(bf16_products)

@@ -83,7 +83,7 @@ def _scale(grad: Tensor, grads: tuple, dtypes: tuple) -> list:
     CPU with ``grad == 1`` (``loss.backward()``) the saved gradients are returned as they
     are (cast where the input's dtype differs): autograd then takes them as ``.grad``
     without a copy, where ``grad * g`` would write a fresh ``[V, H]`` tensor (0.27 s at
-    V=151936, H=1024 on 2 cores, docs/bench/cpu.md)."""
+    V=151936, H=1024 on 2 cores, docs/results/cpu_bench.md)."""
     unit = grad.device.type == "cpu" and not torch.compiler.is_compiling() and grad.item() == 1.0
     return [None if dt is None else (g if unit else grad * g).to(dt) for g, dt in zip(grads, dtypes)]
 

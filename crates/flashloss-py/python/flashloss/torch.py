@@ -19,7 +19,7 @@ runs vocab-parallel over its 1-D mesh, ``Replicate()`` locally, other layouts ar
 (:mod:`flashloss._dtensor`).
 
 Names and defaults are those of TRL's ``GRPOConfig`` and ``GRPOTrainer._compute_loss``
-(see ``docs/python.md`` for where each argument comes from and where flashloss differs).
+(see ``docs/torch.md`` for where each argument comes from and where flashloss differs).
 """
 
 from __future__ import annotations

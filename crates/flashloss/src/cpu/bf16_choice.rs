@@ -13,7 +13,7 @@
 //! the margin of each other the choice may differ from process to process, and costs
 //! little either way. Measured: AMD's Zen 4 (issue 24) ran `vdpbf16ps` at about twice
 //! the f32 GEMM's rate, an Intel Xeon with AVX512-BF16 and AVX512-FP16 at 0.6x
-//! (docs/bench/cpu.md).
+//! (docs/results/cpu_bench.md).
 //!
 //! What is measured: a lane's logits product of the fused step, `Z = H·Wᵀ` for a block
 //! of [`ROWS`] rows, `H` = [`K`] and [`COLS`] vocabulary entries, on bf16 operands: the

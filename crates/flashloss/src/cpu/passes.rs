@@ -42,7 +42,7 @@ pub fn gemm_reserve_bytes() -> usize {
 
 /// Auto mode's rate model (see [`PlanLimits::half_rate_rows`]): a block of `k` rows
 /// runs its products at about `k / (k + HALF_RATE_ROWS)` of the plain GEMM rate on this
-/// CPU (fitted to docs/bench/cpu.md: 100-row single-pass blocks at 47-58%, 512-row
+/// CPU (fitted to docs/results/cpu_bench.md: 100-row single-pass blocks at 47-58%, 512-row
 /// two-pass tiles at 81-95%).
 const HALF_RATE_ROWS: f64 = 96.0;
 /// Widest vocabulary tile of one GEMM call.

@@ -15,7 +15,7 @@ Under a truncated support (:mod:`.support`) the rows also pass ``lse^K``, a coef
 ``ē_i·p^K_ij`` with ``p^K_ij = e^{s_ij - lse^K_i}·1[(s_ij, j) ≥ κ_i]`` (``ē = -g``, ``ā``
 gaining ``g``, for ``g`` the cotangent of ``logp^K``): one pass for every statistic.
 
-Two kernels, not one (the choice, with its FLOPs and bytes, is in ``docs/jax.md``):
+Two kernels, not one (the choice, with its FLOPs and bytes, is in ``docs/jax_design.md``):
 ``dH = dZ·W`` over grid ``(row blocks "parallel", vocabulary tiles "arbitrary")`` with an
 f32 ``[bn, H]`` accumulator in VMEM, and ``dW = dZᵀ·H`` (with ``dc = Σ_rows dZ``) over grid
 ``(vocabulary tiles "parallel", row blocks "arbitrary")`` with an f32 ``[bv, H]``
