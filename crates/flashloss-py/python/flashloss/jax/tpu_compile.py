@@ -191,8 +191,10 @@ def cases() -> dict[str, Case]:
     out: list[Case] = []
     for dtype, d in ((jnp.bfloat16, "bf16"), (jnp.float32, "f32")):
         for layout in ("vh", "hv"):
-            out.append(Case(f"grpo_token_{d}_{layout}", _grpo(layout), _batch(dtype=dtype, layout=layout),
-                            tags=("core",)))  # fmt: skip
+            out.append(Case(f"grpo_token_{d}_{layout}", _grpo(layout, mode="two_pass"),
+                            _batch(dtype=dtype, layout=layout), tags=("core",)))  # fmt: skip
+        # the call with no mode or budget: the plan the chip's default takes (issue 49's gate)
+        out.append(Case(f"grpo_default_{d}", _grpo(), _batch(dtype=dtype), temp_bound=None, tags=("default",)))
         out.append(Case(f"grpo_sequence_{d}", _grpo(loss_type="grpo", importance_sampling_level="sequence"),
                         _batch(dtype=dtype), tags=("v6e",)))  # fmt: skip
         out.append(Case(f"ce_{d}", _ce(), _batch(dtype=dtype), tags=("v6e",)))
@@ -213,7 +215,7 @@ def cases() -> dict[str, Case]:
         out.append(Case(f"logits_grpo_{d}", step, inputs, temp_bound=LOGITS_TEMP_BOUND, tags=("core",)))
     for h in (896, 1536, 3584):  # ragged: V=151643 (odd), N=8191 (a multiple of no block)
         for dtype, d in ((jnp.bfloat16, "bf16"), (jnp.float32, "f32")):
-            out.append(Case(f"grpo_ragged_h{h}_{d}", _grpo(), _batch(t=T - 1, h=h, v=151643, dtype=dtype, rows_2d=True),
+            out.append(Case(f"grpo_ragged_h{h}_{d}", _grpo(mode="two_pass"), _batch(t=T - 1, h=h, v=151643, dtype=dtype, rows_2d=True),
                             tags=("core",)))  # fmt: skip
     out += [_sharded(split) for split in ("vocab", "token", "2d")]
     return {c.name: c for c in out}

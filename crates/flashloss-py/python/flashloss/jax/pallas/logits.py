@@ -360,11 +360,12 @@ def logits_fused(
     interpret: Interpret = False,
     bn: Optional[int] = None,
     vmem_limit_bytes: Optional[int] = None,
+    dz_dtype: Any = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """``(row_loss, logp, entropy, dlogits)`` in ONE kernel (one read and one write of the
     logits): per row block the statistics, then ``row_loss = row_fn(logp, entropy,
     *row_inputs)`` and its cotangents by ``jax.vjp`` inside the kernel, then ``dlogits``
-    (the gradient of ``Σ row_loss``, in the logits' dtype).
+    (the gradient of ``Σ row_loss``, in ``dz_dtype``, by default the logits' dtype).
 
     ``row_fn`` must be elementwise over rows (it sees ``(bn, 1)`` float32 vectors; any
     primitive Mosaic lowers: exp, log, min/max, where, ...); ``row_inputs`` are ``[N]``
@@ -380,7 +381,7 @@ def logits_fused(
     f32 = out_struct((n, 1), jnp.float32, *ins)
     loss, logp, ent, dz = pl.pallas_call(
         functools.partial(_fused_kernel, inv_t=1.0 / float(temperature), row_fn=row_fn, n_inputs=k, **meta),
-        out_shape=(f32, f32, f32, out_struct((n, v), logits2d.dtype, *ins)),
+        out_shape=(f32, f32, f32, out_struct((n, v), dz_dtype or logits2d.dtype, *ins)),
         grid=(pl.cdiv(n, bn),),
         in_specs=[tile, row, row] + [row] * k,
         out_specs=(row, row, row, tile),
