@@ -18,6 +18,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 
@@ -36,7 +37,12 @@ def moved_bytes(grid: Sequence[int], blocks: Sequence[tuple[Sequence[int], Calla
 
 
 def _blocks(specs: Sequence[pl.BlockSpec], arrays: Sequence[Any]) -> list:
-    return [(spec.block_shape, spec.index_map, a.shape, a.dtype.itemsize) for spec, a in zip(specs, arrays)]
+    """Each spec's block with its array (an array, or a ``(shape, dtype)`` pair)."""
+    pairs = [(a.shape, a.dtype) if hasattr(a, "shape") else a for a in arrays]
+    return [
+        (spec.block_shape, spec.index_map, shape, jnp.dtype(dtype).itemsize)
+        for spec, (shape, dtype) in zip(specs, pairs)
+    ]
 
 
 def estimate(
@@ -44,7 +50,7 @@ def estimate(
     out_specs: Sequence[pl.BlockSpec], outputs: Sequence[Any],
 ) -> pl.CostEstimate:  # fmt: skip
     """``pl.CostEstimate`` with ``bytes_accessed`` counted from the specs (:func:`moved_bytes`):
-    ``inputs`` the kernel's operands, ``outputs`` its results (anything with ``shape`` and
-    ``dtype``)."""
+    ``inputs`` the kernel's operands, ``outputs`` its results (arrays, structs or
+    ``(shape, dtype)`` pairs)."""
     moved = moved_bytes(grid, _blocks(in_specs, inputs) + _blocks(out_specs, outputs))
     return pl.CostEstimate(flops=int(flops), transcendentals=int(transcendentals), bytes_accessed=moved)

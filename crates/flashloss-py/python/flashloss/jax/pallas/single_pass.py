@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -153,10 +153,10 @@ def _row_inputs(mask, adv, old, ref, ratio, args: _policy.GrpoArgs) -> tuple[lis
     return [c.reshape(-1).astype(jnp.float32) for c in columns], row_fn
 
 
-def _step(x, weight, bias, ids, mask, adv, old, ref, ratio, args, layout, plan, interpret, wants=(False,) * 3):
-    """``(loss, (logp, entropy), (dX, dW, dc))`` of the single pass (see the module) in
-    ``plan``'s blocks: of the gradients only those ``wants`` asks for (of ``x``, ``weight``,
-    ``bias``; None for the others); none: no product but the logits'."""
+def _pieces(x, weight, bias, ids, mask, adv, old, ref, ratio, args, layout, plan, interpret, wants):
+    """``(block, zero, xs, finish)`` of the single pass (see :func:`_step`): the scan's body,
+    its initial carry, its blocked inputs, and ``finish(carry, ys) -> (loss, (logp,
+    entropy), (dX, dW, dc))``."""
     n, hidden = x.shape
     v = weight.shape[0] if layout == "vh" else weight.shape[1]
     rows = plan.rows
@@ -202,12 +202,38 @@ def _step(x, weight, bias, ids, mask, adv, old, ref, ratio, args, layout, plan, 
         jnp.zeros((v,), jnp.float32) if want_dc and not stored else None,
     )
     xs = (blocks(x), blocks(ids.reshape(-1).astype(jnp.int32)), blocks(live), *(blocks(c) for c in columns))
-    (dw, dc), (row_loss, logp, entropy, dx) = jax.lax.scan(block, zero, xs)
-    if stored:  # every block's dZ: the products once, over all (padded) rows
-        dx, dw, dc = products(dx.reshape(-1, v), xs[0].reshape(-1, hidden))
-    logp, entropy = (y.reshape(-1)[:n].reshape(mask.shape) for y in (logp, entropy))
-    dx = None if dx is None else dx.reshape(-1, hidden)[:n]
-    return jnp.sum(row_loss), (logp, entropy), (dx, dw, dc)
+
+    def finish(carry, ys):
+        (dw, dc), (row_loss, logp, entropy, dx) = carry, ys
+        if stored:  # every block's dZ: the products once, over all (padded) rows
+            dx, dw, dc = products(dx.reshape(-1, v), xs[0].reshape(-1, hidden))
+        logp, entropy = (y.reshape(-1)[:n].reshape(mask.shape) for y in (logp, entropy))
+        dx = None if dx is None else dx.reshape(-1, hidden)[:n]
+        return jnp.sum(row_loss), (logp, entropy), (dx, dw, dc)
+
+    return block, zero, xs, finish
+
+
+def _step(x, weight, bias, ids, mask, adv, old, ref, ratio, args, layout, plan, interpret, wants=(False,) * 3):
+    """``(loss, (logp, entropy), (dX, dW, dc))`` of the single pass (see the module) in
+    ``plan``'s blocks: of the gradients only those ``wants`` asks for (of ``x``, ``weight``,
+    ``bias``; None for the others); none: no product but the logits'."""
+    block, zero, xs, finish = _pieces(x, weight, bias, ids, mask, adv, old, ref, ratio, args, layout, plan, interpret,
+                                      wants)  # fmt: skip
+    return finish(*jax.lax.scan(block, zero, xs))
+
+
+def one_block(args: _policy.GrpoArgs, layout: str, plan: Plan, wants=(True, True, False)) -> Callable:
+    """``f(x, weight, bias, ids, mask, adv, old, ref, ratio, carry) -> (carry, ys)``: the
+    scan's body on its first block, as the step traces it (``carry``: the f32 ``(dW, dc)``
+    of the carry plan, or ``(None, None)``). XLA's cost analysis counts a loop's body once;
+    compiling this gives one trip's FLOPs and bytes (:mod:`flashloss.jax.tpu_compile`)."""
+
+    def f(x, weight, bias, ids, mask, adv, old, ref, ratio, carry):
+        block, _, xs, _ = _pieces(x, weight, bias, ids, mask, adv, old, ref, ratio, args, layout, plan, False, wants)
+        return block(carry, tuple(a[0] for a in xs))
+
+    return f
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12))
