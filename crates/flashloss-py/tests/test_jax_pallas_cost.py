@@ -112,3 +112,17 @@ def test_counted_bytes_are_the_blocks():
     tiles = 3 * 2 * (32 * 16 + 32 * 16 + 6 * 16)  # 3 tiles (the last 6 rows), re-read for each row block
     assert cost.moved_bytes((3, 3), blocks) == rows + tiles
     assert np.isclose(cost.moved_bytes((1, 1), blocks[:1]), 4 * 8 * 16)
+
+
+def test_support_kernels_declare_their_blocks_bytes():
+    """The sampler's truncated support: the narrowing, tallying and collecting kernels."""
+    hidden, weight, ids, mask, adv = _inputs()
+    eqns = []
+    for opt in ({"top_k": 5}, {"top_p": 0.9}, {"min_p": 0.05}, {"top_k": 5, "top_p": 0.9}):
+
+        def f(x, opt=opt):
+            out = fj.linear_logprobs(x, weight, ids, 1.0, True, mask=mask, impl="pallas", interpret=True, **opt)
+            return jnp.where(out.outside_support, 0.0, out.logp).sum()
+
+        eqns += _pallas_calls(jax.make_jaxpr(jax.grad(f))(hidden).jaxpr)
+    _check(eqns, ["flashloss_support_narrow", "flashloss_support_tally", "flashloss_support_collect"])
