@@ -14,7 +14,7 @@ jnp = pytest.importorskip("jax.numpy")
 fj = pytest.importorskip("flashloss.jax")
 
 from flashloss.jax import gradcheck  # noqa: E402
-from flashloss.jax.pallas import single_pass, target_chip  # noqa: E402
+from flashloss.jax.pallas import _chips, single_pass, target_chip  # noqa: E402
 from test_jax_pallas import _grpo_inputs, _rel  # noqa: E402
 
 TOKEN_LOCAL = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
@@ -59,8 +59,8 @@ def test_single_pass_matches_f64_and_two_pass(loss_type):
                use_bias_correction_kl=True)  # fmt: skip
     kw = dict(cfg, epsilon_high=1.2 if loss_type == "cispo" else 0.2, max_completion_length=70,
               old_per_token_logps=old, ref_per_token_logps=ref)  # fmt: skip
-    # 1.5 MiB: two blocks of 128 rows (footprint 2·128·V·4 + V·H·4 ≈ 1.1 MB), the second ragged
-    assert single_pass.block_rows(210, 1003, 16, 1.5 * 2**20) == 128
+    # 1.5 MiB: two blocks of 128 rows (footprint 2·128·V·4 + V·4 ≈ 1.0 MB), the second ragged
+    assert single_pass.choose("single_pass", 1.5 * 2**20, 210, 1003, 16, 4, _chips.chip("v6e")).rows == 128
     (loss, aux), (dh, dw) = _run(hidden, weight, ids, mask, adv, "single_pass", **kw)
     want, dh64, dw64 = _f64(hidden, weight, ids, mask, adv, old, ref, cfg)
     assert abs(float(loss) - want) <= 1e-5 * max(1.0, abs(want))
@@ -124,35 +124,56 @@ def test_single_pass_bf16():
 
 
 def test_plan_choice():
-    """``auto`` takes the single pass where a block fits ``budget_mib``, else two passes;
-    ``two_pass`` never; sequence level, vespo and a sampler support never."""
+    """``auto`` takes the single pass where a plan fits the budget and its roofline estimate
+    is below the two kernels', else two passes; no budget: the chip's default (half the
+    materialized step's peak at the original shape); ``two_pass`` never; sequence level,
+    vespo and a sampler support never (docs/results/tpu_default_plan.md)."""
     from flashloss.jax import _policy
     from flashloss.jax.ffi import support as _support
     from flashloss.jax.pallas import losses
 
     x, w = jax.ShapeDtypeStruct((8192, 4096), jnp.bfloat16), jax.ShapeDtypeStruct((151936, 4096), jnp.bfloat16)
-    spec = losses.spec_for("vh", 1.0, None, None, 151936, False)
+    x32, w32 = (jax.ShapeDtypeStruct(a.shape, jnp.float32) for a in (x, w))
     args = _policy.GrpoArgs(loss_type="dapo")
-    # at the original shape the f32 dW carry alone is V·H·4 = 2.49 GB: not within 160 MiB
-    assert losses.single_pass_rows("auto", 160.0, x, w, spec, args) is None
-    # 1024 rows: f32 logits and dZ 1.24 GB, with the dW carry 3.73 GB (2048 rows: 4.98 GB)
-    with target_chip("v6e"):
-        v6e = losses.spec_for("vh", 1.0, None, None, 151936, False)
-    assert losses.single_pass_rows("auto", 4096.0, x, w, v6e, args) == 1024
-    # v7x (the default without a TPU) copies a bf16 head for the dots: + V·H·2 = 1.24 GB, so
-    # 256 rows (512: 0.62 + 2.49 + 1.24 + 0.62 GB > 4096 MiB); an f32 head is not copied
-    assert spec.chip == "7x"
-    assert losses.single_pass_rows("auto", 4096.0, x, w, spec, args) == 256
-    w32 = jax.ShapeDtypeStruct((151936, 4096), jnp.float32)
-    assert losses.single_pass_rows("auto", 4096.0, x, w32, spec, args) == 1024
-    assert losses.single_pass_rows("two_pass", 4096.0, x, w, spec, args) is None
-    assert losses.single_pass_rows("single_pass", 160.0, x, w, spec, args) == 128
+    specs = {}
+    for chip in ("v5e", "v6e", "v5p", "7x"):
+        with target_chip(chip):
+            specs[chip] = losses.spec_for("vh", 1.0, None, None, 151936, False)
+    spec = losses.spec_for("vh", 1.0, None, None, 151936, False)
+    assert spec.chip == "7x"  # without a TPU or target_chip
+    # at 160 MiB neither the f32 dW carry (2.49 GB) nor the stored dZ (N·V·2 = 2.49 GB) fits
+    assert losses.single_pass_plan("auto", 160.0, x, w, specs["v6e"], args) is None
+    # the default budget (3497 MiB in bf16): every block's dZ stored, 1024 rows (3264 MiB)
+    for chip in ("v5e", "v6e", "v5p"):
+        plan = losses.single_pass_plan("auto", None, x, w, specs[chip], args)
+        assert (plan.rows, plan.stored, plan.temp >> 20) == (1024, True, 3264)
+    # v7x copies a bf16 head for the XLA dots (+ V·H·2): no plan within the default budget
+    assert losses.single_pass_plan("auto", None, x, w, spec, args) is None
+    assert losses.single_pass_plan("auto", 4096.0, x, w, spec, args).rows == 512
+    # f32 (2246 MiB): the carry (aliased to dW) and a block of 1024 rows
+    plan = losses.single_pass_plan("auto", None, x32, w32, specs["v6e"], args)
+    assert (plan.rows, plan.stored, plan.temp >> 20) == (1024, False, 1187)
+    assert losses.single_pass_plan("auto", 4096.0, x32, w32, spec, args).rows == 2048
+    assert losses.single_pass_plan("two_pass", 4096.0, x, w, spec, args) is None
+    assert losses.single_pass_plan("single_pass", 160.0, x, w, spec, args).rows == 128
     seq = dataclasses.replace(args, importance_sampling_level="sequence")
-    assert losses.single_pass_rows("single_pass", 4096.0, x, w, spec, seq) is None
+    assert losses.single_pass_plan("single_pass", 4096.0, x, w, spec, seq) is None
     vespo = dataclasses.replace(args, loss_type="vespo")
-    assert losses.single_pass_rows("single_pass", 4096.0, x, w, spec, vespo) is None
+    assert losses.single_pass_plan("single_pass", 4096.0, x, w, spec, vespo) is None
     supported = dataclasses.replace(spec, support=_support.Filters(top_k=50, top_p=None, min_p=None))
-    assert losses.single_pass_rows("single_pass", 4096.0, x, w, supported, args) is None
+    assert losses.single_pass_plan("single_pass", 4096.0, x, w, supported, args) is None
+
+
+def test_default_budget_is_half_the_materialized_peak():
+    """``default_budget_bytes``: ``n·V·4 − (n + V)·H·e`` (temp + arguments + outputs at half
+    the step with f32 logits and their gradient), within a quarter of the chip's HBM, never
+    below the CPU default."""
+    v6e = _chips.chip("v6e")
+    assert single_pass.default_budget_bytes(8192, 151936, 4096, 2, v6e) >> 20 == 3497
+    assert single_pass.default_budget_bytes(8192, 151936, 4096, 4, v6e) >> 20 == 2246
+    assert single_pass.default_budget_bytes(64, 100, 16, 4, v6e) == 160 * 2**20
+    big = single_pass.default_budget_bytes(65536, 151936, 4096, 2, _chips.chip("v5e"))
+    assert big == _chips.chip("v5e").hbm_bytes // 4
 
 
 def test_single_pass_flops_are_six_nhv():

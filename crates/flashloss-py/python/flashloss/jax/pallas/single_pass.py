@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from ..._config import DEFAULT_BUDGET_MIB
 from .. import _policy
 from . import _chips, logits
+from . import products as head_products
 
 #: Rows per block tried, largest first (multiples of 128 rows: the MXU's tile).
 BLOCK_ROWS = (4096, 2048, 1024, 512, 256, 128)
@@ -53,6 +54,9 @@ class Plan:
     flops: float
     bytes: float
     temp: int
+    #: The products over the head as Pallas kernels (:mod:`.products`): the stored plan on
+    #: a chip whose XLA copies a bf16 head for its dots (no copy then).
+    pallas_products: bool = False
 
     def seconds(self, target: _chips.Chip) -> float:
         """The roofline estimate on ``target``: ``max(FLOPs / bf16 rate, bytes / HBM rate)``."""
@@ -60,13 +64,14 @@ class Plan:
 
 
 def footprint_bytes(rows: int, v: int, hidden: int, itemsize: int = 4, n: int = 0, head_copy_bytes: int = 0) -> int:
-    """Bytes the plan holds beyond its inputs and outputs: a block's f32 logits and ``dZ``
-    (``2·rows·V·4``), the copy of the head the chip's compiler makes for its dots
-    (``_chips.RELAYOUTS_BF16_HEAD``), and either every row's ``dZ`` (``n·V·itemsize``,
-    ``n > 0``: the stored plan) or the f32 ``dW`` and ``dc`` carries (``V·H·4 + V·4``;
-    with an f32 head XLA aliases the dW carry to the dW output: ``V·4``)."""
+    """Bytes the plan holds beyond its inputs and outputs: a block's f32 logits and its
+    ``dZ`` in the head's dtype (``rows·V·(4 + itemsize)``), the copy of the head the chip's
+    compiler makes for its dots (``_chips.RELAYOUTS_BF16_HEAD``), and either every row's
+    ``dZ`` (``n·V·itemsize``, ``n > 0``: the stored plan) or the f32 ``dW`` and ``dc``
+    carries (``V·H·4 + V·4``; with an f32 head XLA aliases the dW carry to the dW output:
+    ``V·4``)."""
     kept = n * v * itemsize if n else (v * hidden * 4 if itemsize != 4 else 0) + v * 4
-    return 2 * rows * v * 4 + kept + head_copy_bytes
+    return rows * v * (4 + itemsize) + kept + head_copy_bytes
 
 
 def plans(n: int, v: int, hidden: int, itemsize: int, head_copy_bytes: int = 0) -> list[Plan]:
@@ -86,8 +91,9 @@ def plans(n: int, v: int, hidden: int, itemsize: int, head_copy_bytes: int = 0) 
             after = 2 * n * v * itemsize + 2 * (w + x)  # dZ read by both products, W and X once, dX and dW written
             kinds.append((True, blocks * (w + 2 * z + dz + rows * hidden * itemsize) + after))
         for stored, traffic in kinds:
-            temp = footprint_bytes(rows, v, hidden, itemsize, n if stored else 0, head_copy_bytes)
-            out.append(Plan(rows, stored, 6.0 * n * hidden * v, float(traffic), temp))
+            copy = 0 if stored else head_copy_bytes
+            temp = footprint_bytes(rows, v, hidden, itemsize, n if stored else 0, copy)
+            out.append(Plan(rows, stored, 6.0 * n * hidden * v, float(traffic), temp, stored and head_copy_bytes > 0))
     return out
 
 
@@ -173,7 +179,11 @@ def _pieces(x, weight, bias, ids, mask, adv, old, ref, ratio, args, layout, plan
 
     def products(dz, xb):
         """``(dX_b, dWᵀ_b or dW_b, dc_b)`` of rows ``xb`` with ``dz`` (the head's dtype)."""
-        dx = _dot(dz, weight, (1, 1 - w_contract), x.dtype) if want_dx else None
+        dx = None
+        if want_dx and plan.pallas_products:
+            dx = head_products.hidden_grad(dz, weight, layout, x.dtype, interpret=interpret)
+        elif want_dx:
+            dx = _dot(dz, weight, (1, 1 - w_contract), x.dtype)
         dw = None
         if want_dw:
             dw = _dot(dz, xb, (0, 0), jnp.float32) if layout == "vh" else _dot(xb, dz, (0, 0), jnp.float32)
@@ -183,7 +193,10 @@ def _pieces(x, weight, bias, ids, mask, adv, old, ref, ratio, args, layout, plan
     def block(carry, xs):
         dw, dc = carry
         xb, yb, lb, *cb = xs
-        z = _dot(xb, weight, (1, w_contract), jnp.float32)
+        if plan.pallas_products:
+            z = head_products.logits(xb, weight, layout, interpret=interpret)
+        else:
+            z = _dot(xb, weight, (1, w_contract), jnp.float32)
         if bias is not None:
             z = z + bias.astype(jnp.float32)
         # the products on the head's dtype, as the two kernels' are
