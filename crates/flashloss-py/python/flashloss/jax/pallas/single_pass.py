@@ -89,6 +89,9 @@ def plans(n: int, v: int, hidden: int, itemsize: int, head_copy_bytes: int = 0) 
         kinds = [(False, carry)]
         if itemsize < 4:
             after = 2 * n * v * itemsize + 2 * (w + x)  # dZ read by both products, W and X once, dX and dW written
+            if head_copy_bytes:  # dX per block in Pallas (:mod:`.products`): the head once per 512 rows
+                after -= n * v * itemsize + w
+                after += blocks * (-(-rows // 512) * w + dz)
             kinds.append((True, blocks * (w + 2 * z + dz + rows * hidden * itemsize) + after))
         for stored, traffic in kinds:
             copy = 0 if stored else head_copy_bytes
@@ -177,12 +180,12 @@ def _pieces(x, weight, bias, ids, mask, adv, old, ref, ratio, args, layout, plan
 
     w_contract = 1 if layout == "vh" else 0  # Z = X·Wᵀ over H
 
-    def products(dz, xb):
+    def products(dz, xb, with_dx=want_dx):
         """``(dX_b, dWᵀ_b or dW_b, dc_b)`` of rows ``xb`` with ``dz`` (the head's dtype)."""
         dx = None
-        if want_dx and plan.pallas_products:
+        if with_dx and plan.pallas_products:
             dx = head_products.hidden_grad(dz, weight, layout, x.dtype, interpret=interpret)
-        elif want_dx:
+        elif with_dx:
             dx = _dot(dz, weight, (1, 1 - w_contract), x.dtype)
         dw = None
         if want_dw:
@@ -203,12 +206,17 @@ def _pieces(x, weight, bias, ids, mask, adv, old, ref, ratio, args, layout, plan
         row_loss, logp, entropy, dz = logits.logits_fused(
             z, yb, cb, row_fn, mask=lb, temperature=args.temperature, interpret=interpret, dz_dtype=weight.dtype
         )
-        if stored:  # the barrier: XLA would fuse the kernel into the stacking's update, at its own VMEM limit
-            return carry, (row_loss, logp, entropy, jax.lax.optimization_barrier(dz))
+        if stored:
+            # with Pallas products dX per block (XLA would copy the stacked dZ into the kernel's
+            # tiling); the barrier: XLA would fuse the kernel into the stacking's update, at its
+            # own VMEM limit
+            dx = products(dz, xb)[0] if plan.pallas_products else None
+            kept = jax.lax.optimization_barrier(dz) if want_dw or want_dc or not plan.pallas_products else None
+            return carry, (row_loss, logp, entropy, dx, kept)
         dx, dw_b, dc_b = products(dz, xb)
         dw = dw if dw_b is None else dw + dw_b
         dc = dc if dc_b is None else dc + dc_b
-        return (dw, dc), (row_loss, logp, entropy, dx)
+        return (dw, dc), (row_loss, logp, entropy, dx, None)
 
     zero = (
         jnp.zeros(weight.shape, jnp.float32) if want_dw and not stored else None,
@@ -217,9 +225,11 @@ def _pieces(x, weight, bias, ids, mask, adv, old, ref, ratio, args, layout, plan
     xs = (blocks(x), blocks(ids.reshape(-1).astype(jnp.int32)), blocks(live), *(blocks(c) for c in columns))
 
     def finish(carry, ys):
-        (dw, dc), (row_loss, logp, entropy, dx) = carry, ys
-        if stored:  # every block's dZ: the products once, over all (padded) rows
-            dx, dw, dc = products(dx.reshape(-1, v), xs[0].reshape(-1, hidden))
+        (dw, dc), (row_loss, logp, entropy, dx, dz) = carry, ys
+        if stored and dz is not None:  # every block's dZ: the products once, over all (padded) rows
+            late = want_dx and not plan.pallas_products
+            dx_late, dw, dc = products(dz.reshape(-1, v), xs[0].reshape(-1, hidden), late)
+            dx = dx_late if late else dx
         logp, entropy = (y.reshape(-1)[:n].reshape(mask.shape) for y in (logp, entropy))
         dx = None if dx is None else dx.reshape(-1, hidden)[:n]
         return jnp.sum(row_loss), (logp, entropy), (dx, dw, dc)
