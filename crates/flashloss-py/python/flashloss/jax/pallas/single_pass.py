@@ -208,10 +208,12 @@ def _pieces(x, weight, bias, ids, mask, adv, old, ref, ratio, args, layout, plan
         )
         if stored:
             # with Pallas products dX per block (XLA would copy the stacked dZ into the kernel's
-            # tiling); the barrier: XLA would fuse the kernel into the stacking's update, at its
-            # own VMEM limit
+            # tiling); the barriers: XLA would fuse a kernel into the stacking's update, at its
+            # own VMEM limit (32 MiB)
+            barrier = jax.lax.optimization_barrier
             dx = products(dz, xb)[0] if plan.pallas_products else None
-            kept = jax.lax.optimization_barrier(dz) if want_dw or want_dc or not plan.pallas_products else None
+            dx = None if dx is None else barrier(dx)
+            kept = barrier(dz) if want_dw or want_dc or not plan.pallas_products else None
             return carry, (row_loss, logp, entropy, dx, kept)
         dx, dw_b, dc_b = products(dz, xb)
         dw = dw if dw_b is None else dw + dw_b
