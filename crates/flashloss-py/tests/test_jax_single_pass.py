@@ -212,3 +212,24 @@ def test_single_pass_frozen_head_runs_no_dw_product():
     dh = jax.grad(lambda x: f(x, jax.lax.stop_gradient(weight)))(hidden)
     dh2, _ = jax.grad(f, (0, 1))(hidden, weight)
     assert _rel(dh, dh2) == 0.0
+
+
+@pytest.mark.parametrize("layout", ["vh", "hv"])
+def test_head_products_match_the_dots(layout):
+    """``pallas/products.py`` (the stored plan's products on v7x): ``Z = X·Wᵀ`` and
+    ``dX = dZ·W`` against XLA's dots, bf16 products with f32 accumulation, a ragged last
+    vocabulary tile (V = 2500: tiles of 2048) and a ragged last row block (600 = 512 + 88)."""
+    from flashloss.jax.pallas import products
+
+    key = jax.random.split(jax.random.PRNGKey(7), 3)
+    x = jax.random.normal(key[0], (200, 64)).astype(jnp.bfloat16)
+    w = (jax.random.normal(key[1], (2500, 64)) * 0.3).astype(jnp.bfloat16)
+    dz = (jax.random.normal(key[2], (600, 2500)) * 0.1).astype(jnp.bfloat16)
+    head = w if layout == "vh" else w.T
+    with target_chip("7x"):
+        z = products.logits(x, head, layout, interpret=True)
+        dx = products.hidden_grad(dz, head, layout, jnp.float32, interpret=True)
+    want_z = jnp.dot(x, w.T, preferred_element_type=jnp.float32)
+    want_dx = jnp.dot(dz, w, preferred_element_type=jnp.float32)
+    assert z.dtype == jnp.float32 and z.shape == (200, 2500)
+    assert _rel(z, want_z) <= 1e-6 and _rel(dx, want_dx) <= 1e-6
