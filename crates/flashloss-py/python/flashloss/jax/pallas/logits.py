@@ -364,11 +364,13 @@ def logits_fused(
     bn: Optional[int] = None,
     vmem_limit_bytes: Optional[int] = None,
     dz_dtype: Any = None,
+    in_place: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """``(row_loss, logp, entropy, dlogits)`` in ONE kernel (one read and one write of the
     logits): per row block the statistics, then ``row_loss = row_fn(logp, entropy,
     *row_inputs)`` and its cotangents by ``jax.vjp`` inside the kernel, then ``dlogits``
-    (the gradient of ``Σ row_loss``, in ``dz_dtype``, by default the logits' dtype).
+    (the gradient of ``Σ row_loss``, in ``dz_dtype``, by default the logits' dtype;
+    ``in_place``: written over the logits' buffer, when of their dtype).
 
     ``row_fn`` must be elementwise over rows (it sees ``(bn, 1)`` float32 vectors; any
     primitive Mosaic lowers: exp, log, min/max, where, ...); ``row_inputs`` are ``[N]``
@@ -392,6 +394,7 @@ def logits_fused(
         out_specs=out_specs,
         compiler_params=params,
         cost_estimate=_cost(n, v, bn, in_specs, ins, out_specs, outs),
+        input_output_aliases={0: 3} if in_place and outs[3].dtype == logits2d.dtype else {},
         interpret=interpret,
         name="flashloss_logits_fused",
     )(*ins)

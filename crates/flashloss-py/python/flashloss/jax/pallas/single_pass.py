@@ -65,13 +65,14 @@ class Plan:
 
 def footprint_bytes(rows: int, v: int, hidden: int, itemsize: int = 4, n: int = 0, head_copy_bytes: int = 0) -> int:
     """Bytes the plan holds beyond its inputs and outputs: a block's f32 logits and its
-    ``dZ`` in the head's dtype (``rows·V·(4 + itemsize)``), the copy of the head the chip's
+    ``dZ`` in the head's dtype (``rows·V·(4 + itemsize)``; in f32 ``dZ`` is written over the
+    logits: ``rows·V·4``), the copy of the head the chip's
     compiler makes for its dots (``_chips.RELAYOUTS_BF16_HEAD``), and either every row's
     ``dZ`` (``n·V·itemsize``, ``n > 0``: the stored plan) or the f32 ``dW`` and ``dc``
     carries (``V·H·4 + V·4``; with an f32 head XLA aliases the dW carry to the dW output:
     ``V·4``)."""
     kept = n * v * itemsize if n else (v * hidden * 4 if itemsize != 4 else 0) + v * 4
-    return rows * v * (4 + itemsize) + kept + head_copy_bytes
+    return rows * v * (4 + (itemsize if itemsize != 4 else 0)) + kept + head_copy_bytes
 
 
 def plans(n: int, v: int, hidden: int, itemsize: int, head_copy_bytes: int = 0) -> list[Plan]:
@@ -204,8 +205,9 @@ def _pieces(x, weight, bias, ids, mask, adv, old, ref, ratio, args, layout, plan
             z = z + bias.astype(jnp.float32)
         # the products on the head's dtype, as the two kernels' are
         row_loss, logp, entropy, dz = logits.logits_fused(
-            z, yb, cb, row_fn, mask=lb, temperature=args.temperature, interpret=interpret, dz_dtype=weight.dtype
-        )
+            z, yb, cb, row_fn, mask=lb, temperature=args.temperature, interpret=interpret, dz_dtype=weight.dtype,
+            in_place=True,
+        )  # fmt: skip
         if stored:
             # with Pallas products dX per block (XLA would copy the stacked dZ into the kernel's
             # tiling); the barriers: XLA would fuse a kernel into the stacking's update, at its
