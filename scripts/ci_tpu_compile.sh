@@ -17,7 +17,9 @@
 #   - the gate (issue 49), on v6e and v7x: the bf16 GRPO call with no `mode` or `budget_mib`
 #     (`grpo_default_bf16`) fails when its roofline estimate (XLA's cost analysis with the
 #     loop's body times its trip count) is over 1.0x the pure-JAX baseline's or its peak (temp +
-#     arguments + outputs) over 0.5x the baseline's (flashloss.jax.tpu_compile.BASELINE).
+#     arguments + outputs) over 0.5x the baseline's (flashloss.jax.tpu_compile.BASELINE); two
+#     compiles each (the step, and its loop's body alone): 42.6 s on v6e, 55.3 s on v7x (a
+#     2-core host under other load, at the commit of docs/results/tpu_default_plan.md).
 # TPU_COMPILE_SET=full (about 25 min): v6e every case but the f32 support ones, v5e, v5p and
 # v7x every `core` case and the bf16 default call.
 # TPU_COMPILE_SET=all: every one-device case on v5e, v6e, v5p and v7x, and the v6e-8 mesh

@@ -11,7 +11,11 @@ Each :class:`Case` is one ``jit(value_and_grad)`` step at shape-only inputs
 :func:`flashloss.jax.pallas.target_chip` so the kernels pick that chip's blocks. One JSON
 line per (chip, case): ``ok``, the error (its VMEM line), compile seconds, XLA's temp,
 argument and output bytes, FLOPs, bytes accessed, the roofline time from them (an estimate),
-and whether temp stays within the case's bound.
+and whether temp stays within the case's bound. XLA counts a loop's body once: the FLOPs
+and bytes add (trips − 1) × the body's, its trip count read from the compiled HLO
+(:func:`loop_trips`) and the body compiled alone (``Case.body``). The ``default`` cases
+(the call with no plan given) add their ratios to the pure-JAX baseline (:data:`BASELINE`);
+in bf16 the line fails over 1.0x its roofline or 0.5x its peak (the CI gate).
 
     python -m flashloss.jax.tpu_compile --chips v5e,v6e,v5p,7x --cases all [--json OUT]
     python -m flashloss.jax.tpu_compile --chips v6e --cases grpo_token_bf16_vh,baseline_bf16
