@@ -16,9 +16,14 @@ row's gradient is known as soon as its statistics are. For each block of ``R`` r
 so ``6·N·H·V`` FLOPs in all (XLA's cost analysis counts the loop's body once: times the
 blocks; unrolled, the step compiled for v6e counts 6NHV, but XLA then holds every block's
 logits at once) against the two-pass kernels' ``10·N·H·V`` (forward, then dH
-and dW each recomputing the logits). Bytes held: the block's f32 ``Z_b`` and ``dZ_b``
-(``2·R·V·4``) and the f32 ``dW`` carry (``V·H·4``): :func:`footprint_bytes`, chosen
-within ``budget_mib`` (:func:`block_rows`). The gradients are formed in the forward and
+and dW each recomputing the logits). That is the **carry** plan. The **stored** plan keeps
+every block's ``dZ_b`` (``N·V·e``) instead of the carry and forms ``dX = dZ·W`` and
+``dW = dZᵀ·X`` once after the scan: no f32 carry read and written per block, the head not
+re-read per block for ``dX`` (on chips whose XLA copies a bf16 head for its dots, the head's
+products are Pallas kernels, :mod:`.products`, and ``dX`` is formed per block). Bytes held:
+:func:`footprint_bytes`; the plan is chosen by its counted roofline estimate within the
+budget (:func:`choose`; :func:`default_budget_bytes` without one; the counts:
+docs/results/tpu_default_plan.md). The gradients are formed in the forward and
 scaled by the loss's cotangent in the backward (a ``jax.custom_vjp``), as the logits
 level's fused kernel does; only the gradients asked for are formed (a frozen head runs no
 dW product), and without a gradient the pass runs no product but the logits'.
