@@ -126,3 +126,16 @@ def test_support_kernels_declare_their_blocks_bytes():
 
         eqns += _pallas_calls(jax.make_jaxpr(jax.grad(f))(hidden).jaxpr)
     _check(eqns, ["flashloss_support_narrow", "flashloss_support_tally", "flashloss_support_collect"])
+
+
+def test_loop_trips_read_from_the_compiled_hlo():
+    """``tpu_compile.loop_trips``: a ``lax.scan``'s length from the compiled module's text
+    (XLA's cost analysis counts a loop's body once; the roofline multiplies by this)."""
+    from flashloss.jax import tpu_compile
+
+    def f(x):
+        return jax.lax.scan(lambda c, r: (c + jnp.sum(jnp.sin(r)), None), 0.0, x)[0]
+
+    hlo = jax.jit(f).lower(jnp.zeros((7, 33))).compile().as_text()
+    assert tpu_compile.loop_trips(hlo) == [7]
+    assert tpu_compile.loop_trips(jax.jit(jnp.sin).lower(jnp.zeros(3)).compile().as_text()) == []

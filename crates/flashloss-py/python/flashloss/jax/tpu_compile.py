@@ -301,14 +301,15 @@ _WHILE = re.compile(r"\bwhile\([^\n]*?condition=%?([\w.\-]+)")
 
 
 def loop_trips(hlo: str) -> list[int]:
-    """The trip count of every ``while`` in the compiled module's text: the constant its
-    condition compares the counter with (a ``lax.scan``'s length)."""
+    """The trip count of every ``while`` in the compiled module's text: the integer constant
+    its condition compares the counter with (a ``lax.scan``'s length; the compare may sit in
+    a fusion the condition calls)."""
     trips = []
     for name in _WHILE.findall(hlo):
         start = hlo.find(f"\n%{name} ")
         block = hlo[start : hlo.find("\n}", start)] if start >= 0 else ""
-        found = re.findall(r"constant\((\d+)\)", block)
-        trips += [int(found[-1])] if found and "direction=LT" in block else []
+        found = re.findall(r"s32\[\]\S* constant\((\d+)\)", block)
+        trips += [int(found[-1])] if found else []
     return trips
 
 
