@@ -16,6 +16,7 @@ Products on the head's dtype with f32 accumulation, as XLA's dots in
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -31,7 +32,7 @@ _TILES = (2048, 1024, 512, 256, 128)
 _GRAD_ROWS = (512, 256, 128)
 
 
-def _tile(v: int, need: Any, budget: int) -> int:
+def _tile(v: int, need: Callable[[int], int], budget: int) -> int:
     """The widest tile (or ``v`` when narrower) whose ``need(bv)`` bytes fit ``budget``."""
     for bv in ([v] if v <= _TILES[0] else []) + [b for b in _TILES if b < v]:
         if need(bv) <= budget:
