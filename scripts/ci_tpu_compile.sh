@@ -13,9 +13,15 @@
 #   - v5e (the slowest compiles, 60-110 s each): GRPO f32 [V,H] and bf16 [H,V], the logits level;
 #   - v6e: GRPO bf16 [V,H] and f32 [H,V], the f32 statistics, the logits level, one ragged
 #     shape, sequence-level GRPO, CE, log-probs with entropy and with `gather_ids`, the single
-#     pass, the 2-D mesh of 8 chips, the streamed support with min-p.
+#     pass, the 2-D mesh of 8 chips, the streamed support with min-p;
+#   - the gate (issue 49), on v6e and v7x: the bf16 GRPO call with no `mode` or `budget_mib`
+#     (`grpo_default_bf16`) fails when its roofline estimate (XLA's cost analysis with the
+#     loop's body times its trip count) is over 1.0x the pure-JAX baseline's or its peak (temp +
+#     arguments + outputs) over 0.5x the baseline's (flashloss.jax.tpu_compile.BASELINE); two
+#     compiles each (the step, and its loop's body alone): 42.6 s on v6e, 55.3 s on v7x (a
+#     2-core host under other load, at the commit of docs/results/tpu_default_plan.md).
 # TPU_COMPILE_SET=full (about 25 min): v6e every case but the f32 support ones, v5e, v5p and
-# v7x every `core` case.
+# v7x every `core` case and the bf16 default call.
 # TPU_COMPILE_SET=all: every one-device case on v5e, v6e, v5p and v7x, and the v6e-8 mesh
 # cases (the set of docs/results/tpu_compile.md; see there for its time).
 # Two processes at a time (libtpu's compiles are mostly single-threaded). The lines go to
@@ -38,8 +44,8 @@ case "${TPU_COMPILE_SET:-ci}" in
   full)
     support=logprobs_support_top_k50_bf16,logprobs_support_top_p0.9_bf16,logprobs_support_min_p0.05_bf16
     support=$support,logprobs_support_top_k50_top_p0.9_bf16
-    run --chips v6e --cases "core,v6e,mesh,$support" & first=$!
-    run --chips v5e,v5p,7x --cases core & second=$!
+    run --chips v6e --cases "core,v6e,default,mesh,$support" & first=$!
+    run --chips v5e,v5p,7x --cases core,grpo_default_bf16 & second=$!
     ;;
   all)
     # v5e's compiles are the slowest: one process takes v5e and the mesh, the other the rest
@@ -49,12 +55,12 @@ case "${TPU_COMPILE_SET:-ci}" in
   ci)
     v6e=grpo_token_bf16_vh,grpo_token_f32_hv,logprobs_stats_f32,logits_grpo_bf16,logits_grpo_f32
     v6e=$v6e,grpo_ragged_h3584_f32,grpo_sequence_f32,ce_f32,logprobs_entropy_f32,logprobs_gather64_bf16
-    v6e=$v6e,grpo_single_pass_bf16,grpo_mesh_2d_bf16,logprobs_support_min_p0.05_bf16
+    v6e=$v6e,grpo_single_pass_bf16,grpo_mesh_2d_bf16,logprobs_support_min_p0.05_bf16,grpo_default_bf16
     v5e=grpo_token_f32_vh,grpo_token_bf16_hv,logits_grpo_bf16,logits_grpo_f32
     run --chips v6e --cases "$v6e" & first=$!
     (
       rc=0
-      run --chips 7x --cases core,grpo_single_pass_bf16 || rc=1
+      run --chips 7x --cases core,grpo_single_pass_bf16,grpo_default_bf16 || rc=1
       run --chips v5p --cases core,logprobs_support_top_k50_top_p0.9_bf16 || rc=1
       run --chips v5e --cases "$v5e" || rc=1
       exit "$rc"

@@ -14,7 +14,7 @@ jnp = pytest.importorskip("jax.numpy")
 fj = pytest.importorskip("flashloss.jax")
 
 from flashloss.jax import gradcheck  # noqa: E402
-from flashloss.jax.pallas import single_pass, target_chip  # noqa: E402
+from flashloss.jax.pallas import _chips, single_pass, target_chip  # noqa: E402
 from test_jax_pallas import _grpo_inputs, _rel  # noqa: E402
 
 TOKEN_LOCAL = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
@@ -44,7 +44,16 @@ def _f64(hidden, weight, ids, mask, adv, old, ref, cfg, entropy_coef=0.0):
         return float(loss), np.asarray(dh), np.asarray(dw)
 
 
-def _run(hidden, weight, ids, mask, adv, mode, budget_mib=1.5, **kw):
+def _budget(weight) -> float:
+    """A budget of two blocks of 128 rows at N = 210, V = 1003 (the second ragged): f32 0.75
+    MiB (128·V·4 ≈ 0.51 MB, 210 rows 0.84 MB), bf16 1.5 MiB (every dZ stored: N·V·2 +
+    128·V·6 ≈ 1.19 MB, 210 rows 1.68 MB)."""
+    return 0.75 if weight.dtype == jnp.float32 else 1.5
+
+
+def _run(hidden, weight, ids, mask, adv, mode, budget_mib=None, **kw):
+    budget_mib = _budget(weight) if budget_mib is None else budget_mib
+
     def f(x, w):
         return fj.linear_grpo_loss(x, w, ids, mask, adv, impl="pallas", interpret=True, mode=mode,
                                    budget_mib=budget_mib, **kw)  # fmt: skip
@@ -59,8 +68,8 @@ def test_single_pass_matches_f64_and_two_pass(loss_type):
                use_bias_correction_kl=True)  # fmt: skip
     kw = dict(cfg, epsilon_high=1.2 if loss_type == "cispo" else 0.2, max_completion_length=70,
               old_per_token_logps=old, ref_per_token_logps=ref)  # fmt: skip
-    # 1.5 MiB: two blocks of 128 rows (footprint 2·128·V·4 + V·H·4 ≈ 1.1 MB), the second ragged
-    assert single_pass.block_rows(210, 1003, 16, 1.5 * 2**20) == 128
+    # two blocks of 128 rows, the second ragged
+    assert single_pass.choose("single_pass", _budget(weight) * 2**20, 210, 1003, 16, 4, _chips.chip("v6e")).rows == 128
     (loss, aux), (dh, dw) = _run(hidden, weight, ids, mask, adv, "single_pass", **kw)
     want, dh64, dw64 = _f64(hidden, weight, ids, mask, adv, old, ref, cfg)
     assert abs(float(loss) - want) <= 1e-5 * max(1.0, abs(want))
@@ -89,7 +98,8 @@ def test_single_pass_bias_entropy_bonus_and_sampler_ratio(layout):
         def f(x, w, c):
             return fj.linear_grpo_loss(x, w, ids, mask, adv, bias=c, old_per_token_logps=old, ref_per_token_logps=ref,
                                        beta=0.04, entropy_coef=0.01, importance_sampling_ratio=rho, impl="pallas",
-                                       interpret=True, mode=mode, budget_mib=1.5, weight_layout=layout)[0]  # fmt: skip
+                                       interpret=True, mode=mode, budget_mib=_budget(weight),
+                                       weight_layout=layout)[0]  # fmt: skip
 
         return jax.value_and_grad(f, (0, 1, 2))(hidden, w_in, bias)
 
@@ -124,35 +134,57 @@ def test_single_pass_bf16():
 
 
 def test_plan_choice():
-    """``auto`` takes the single pass where a block fits ``budget_mib``, else two passes;
-    ``two_pass`` never; sequence level, vespo and a sampler support never."""
+    """``auto`` takes the single pass where a plan fits the budget and its roofline estimate
+    is below the two kernels', else two passes; no budget: the chip's default (half the
+    materialized step's peak at the original shape); ``two_pass`` never; sequence level,
+    vespo and a sampler support never (docs/results/tpu_default_plan.md)."""
     from flashloss.jax import _policy
     from flashloss.jax.ffi import support as _support
     from flashloss.jax.pallas import losses
 
     x, w = jax.ShapeDtypeStruct((8192, 4096), jnp.bfloat16), jax.ShapeDtypeStruct((151936, 4096), jnp.bfloat16)
-    spec = losses.spec_for("vh", 1.0, None, None, 151936, False)
+    x32, w32 = (jax.ShapeDtypeStruct(a.shape, jnp.float32) for a in (x, w))
     args = _policy.GrpoArgs(loss_type="dapo")
-    # at the original shape the f32 dW carry alone is V·H·4 = 2.49 GB: not within 160 MiB
-    assert losses.single_pass_rows("auto", 160.0, x, w, spec, args) is None
-    # 1024 rows: f32 logits and dZ 1.24 GB, with the dW carry 3.73 GB (2048 rows: 4.98 GB)
-    with target_chip("v6e"):
-        v6e = losses.spec_for("vh", 1.0, None, None, 151936, False)
-    assert losses.single_pass_rows("auto", 4096.0, x, w, v6e, args) == 1024
-    # v7x (the default without a TPU) copies a bf16 head for the dots: + V·H·2 = 1.24 GB, so
-    # 256 rows (512: 0.62 + 2.49 + 1.24 + 0.62 GB > 4096 MiB); an f32 head is not copied
-    assert spec.chip == "7x"
-    assert losses.single_pass_rows("auto", 4096.0, x, w, spec, args) == 256
-    w32 = jax.ShapeDtypeStruct((151936, 4096), jnp.float32)
-    assert losses.single_pass_rows("auto", 4096.0, x, w32, spec, args) == 1024
-    assert losses.single_pass_rows("two_pass", 4096.0, x, w, spec, args) is None
-    assert losses.single_pass_rows("single_pass", 160.0, x, w, spec, args) == 128
+    specs = {}
+    for chip in ("v5e", "v6e", "v5p", "7x"):
+        with target_chip(chip):
+            specs[chip] = losses.spec_for("vh", 1.0, None, None, 151936, False)
+    spec = losses.spec_for("vh", 1.0, None, None, 151936, False)
+    assert spec.chip == "7x"  # without a TPU or target_chip
+    # at 160 MiB neither the f32 dW carry (2.49 GB) nor the stored dZ (N·V·2 = 2.49 GB) fits
+    assert losses.single_pass_plan("auto", 160.0, x, w, specs["v6e"], args) is None
+    # the default budget (3497 MiB in bf16): every block's dZ stored, 1024 rows (3264 MiB);
+    # on v7x, whose XLA copies a bf16 head for its dots (+ V·H·2), the products in Pallas
+    for chip in ("v5e", "v6e", "v5p", "7x"):
+        plan = losses.single_pass_plan("auto", None, x, w, specs[chip], args)
+        assert (plan.rows, plan.stored, plan.temp >> 20, plan.pallas_products) == (1024, True, 3264, chip == "7x")
+    # the carry plan keeps XLA's dots: on v7x it counts the copy (1187 MiB)
+    carry = [p for p in single_pass.plans(8192, 151936, 4096, 2, 151936 * 4096 * 2) if not p.stored]
+    assert min(p.temp for p in carry) >> 20 == 128 * 151936 * 6 // 2**20 + 2374 + 1187
+    # f32 (2246 MiB): the carry (aliased to dW), dZ over the logits, a block of 2048 rows
+    plan = losses.single_pass_plan("auto", None, x32, w32, specs["v6e"], args)
+    assert (plan.rows, plan.stored, plan.temp >> 20) == (2048, False, 1187)
+    assert losses.single_pass_plan("auto", 4096.0, x32, w32, spec, args).rows == 4096
+    assert losses.single_pass_plan("two_pass", 4096.0, x, w, spec, args) is None
+    assert losses.single_pass_plan("single_pass", 160.0, x, w, spec, args).rows == 128
     seq = dataclasses.replace(args, importance_sampling_level="sequence")
-    assert losses.single_pass_rows("single_pass", 4096.0, x, w, spec, seq) is None
+    assert losses.single_pass_plan("single_pass", 4096.0, x, w, spec, seq) is None
     vespo = dataclasses.replace(args, loss_type="vespo")
-    assert losses.single_pass_rows("single_pass", 4096.0, x, w, spec, vespo) is None
+    assert losses.single_pass_plan("single_pass", 4096.0, x, w, spec, vespo) is None
     supported = dataclasses.replace(spec, support=_support.Filters(top_k=50, top_p=None, min_p=None))
-    assert losses.single_pass_rows("single_pass", 4096.0, x, w, supported, args) is None
+    assert losses.single_pass_plan("single_pass", 4096.0, x, w, supported, args) is None
+
+
+def test_default_budget_is_half_the_materialized_peak():
+    """``default_budget_bytes``: ``n·V·4 − (n + V)·H·e`` (temp + arguments + outputs at half
+    the step with f32 logits and their gradient), within a quarter of the chip's HBM, never
+    below the CPU default."""
+    v6e = _chips.chip("v6e")
+    assert single_pass.default_budget_bytes(8192, 151936, 4096, 2, v6e) >> 20 == 3497
+    assert single_pass.default_budget_bytes(8192, 151936, 4096, 4, v6e) >> 20 == 2246
+    assert single_pass.default_budget_bytes(64, 100, 16, 4, v6e) == 160 * 2**20
+    big = single_pass.default_budget_bytes(65536, 151936, 4096, 2, _chips.chip("v5e"))
+    assert big == _chips.chip("v5e").hbm_bytes // 4
 
 
 def test_single_pass_flops_are_six_nhv():
@@ -190,3 +222,24 @@ def test_single_pass_frozen_head_runs_no_dw_product():
     dh = jax.grad(lambda x: f(x, jax.lax.stop_gradient(weight)))(hidden)
     dh2, _ = jax.grad(f, (0, 1))(hidden, weight)
     assert _rel(dh, dh2) == 0.0
+
+
+@pytest.mark.parametrize("layout", ["vh", "hv"])
+def test_head_products_match_the_dots(layout):
+    """``pallas/products.py`` (the stored plan's products on v7x): ``Z = X·Wᵀ`` and
+    ``dX = dZ·W`` against XLA's dots, bf16 products with f32 accumulation, a ragged last
+    vocabulary tile (V = 2500: tiles of 2048) and a ragged last row block (600 = 512 + 88)."""
+    from flashloss.jax.pallas import products
+
+    key = jax.random.split(jax.random.PRNGKey(7), 3)
+    x = jax.random.normal(key[0], (200, 64)).astype(jnp.bfloat16)
+    w = (jax.random.normal(key[1], (2500, 64)) * 0.3).astype(jnp.bfloat16)
+    dz = (jax.random.normal(key[2], (600, 2500)) * 0.1).astype(jnp.bfloat16)
+    head = w if layout == "vh" else w.T
+    with target_chip("7x"):
+        z = products.logits(x, head, layout, interpret=True)
+        dx = products.hidden_grad(dz, head, layout, jnp.float32, interpret=True)
+    want_z = jnp.dot(x, w.T, preferred_element_type=jnp.float32)
+    want_dx = jnp.dot(dz, w, preferred_element_type=jnp.float32)
+    assert z.dtype == jnp.float32 and z.shape == (200, 2500)
+    assert _rel(z, want_z) <= 1e-6 and _rel(dx, want_dx) <= 1e-6

@@ -80,15 +80,20 @@ def _assert_pallas(module: ir.Module) -> dict:
 
 def test_auto_takes_the_pallas_branch_on_tpu():
     """(c) ``impl="auto"`` lowered for TPU: ``platform_dependent`` keeps the TPU branch only
-    (it traces both branches, so the FFI branch must trace too)."""
+    (it traces both branches, so the FFI branch must trace too). The two kernels' plan holds
+    no ``[N, V]`` array; the default plan at the original shape (the single pass with every
+    block's ``dZ`` stored, pallas/single_pass.py) holds only that ``dZ``, in bf16, never the
+    logits beyond a block."""
     try:
-        module = _lower(_grpo(impl="auto"), *_structs(B, T, jnp.bfloat16))
+        module = _lower(_grpo(impl="auto", mode="two_pass"), *_structs(B, T, jnp.bfloat16))
     except TypeError as e:  # the FFI mirror (_ops) not yet taking weight_layout: being added on another branch
         if "weight_layout" not in str(e):
             raise
         pytest.skip(f"the FFI branch does not trace yet: {e}")
     r = _assert_pallas(module)
     assert r["tpu_custom_calls"] == 3 and not r["has_NxV"]
+    r = _assert_pallas(_lower(_grpo(impl="auto"), *_structs(B, T, jnp.bfloat16)))
+    assert r["NxV_shapes"] and all(a["dtype"] == "bf16" for a in r["NxV_shapes"]), r["NxV_shapes"]
 
 
 def test_truncated_support_lowers_for_tpu_without_nxv():

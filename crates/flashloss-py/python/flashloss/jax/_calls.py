@@ -35,6 +35,8 @@ class _Head:
     mode: str
     budget: float
     interpret: Any = False
+    #: Whether the caller passed ``budget_mib`` (else the Pallas path takes its chip's).
+    budget_given: bool = True
 
 
 @dataclass(frozen=True, kw_only=True)

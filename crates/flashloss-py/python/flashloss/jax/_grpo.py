@@ -170,7 +170,7 @@ def linear_grpo_loss(
     else:
         call = LinearGrpoCall(
             args=args, support=support, token_axis=token_axis, weight_layout=weight_layout, vocab_axis=vocab_axis,
-            vocab=int(vocab), mode=mode, budget=budget, interpret=interpret,
+            vocab=int(vocab), mode=mode, budget=budget, interpret=interpret, budget_given=budget_mib is not None,
         )  # fmt: skip
         loss, aux = dispatch("linear_grpo", impl, call, *operands)
     outside = mask & jnp.isneginf(aux[0]) if truncated else None

@@ -2,7 +2,8 @@
 the hidden states and the LM head, ``jit(value_and_grad)``, by one of three paths:
 
 - ``baseline``: pure JAX as the original system wrote it (f32 ``h @ W.T``, ``log_softmax``,
-  ``take_along_axis``, clipped ratio, k3 KL, masked mean);
+  ``take_along_axis``, clipped ratio, k3 KL, masked mean); ``baseline_narrow``: the same
+  with the logits and ``log_softmax`` in the inputs' dtype (bf16 logits for bf16 inputs);
 - ``tiled``: what a JAX user can write today after MaxText's vocabulary tiling: a
   ``lax.scan`` over vocabulary tiles with an online logsumexp under ``custom_vjp`` (the
   backward recomputes each tile), then the same policy stage;
@@ -16,8 +17,8 @@ call's own workspace is outside XLA and shows only in the RSS) and the process's
 RSS above the inputs. Progress goes to stderr.
 
 ``--compile tpu`` runs nothing either: it compiles the step of each of ``pallas`` (its
-plan by ``budget_mib``: ``--set budget_mib=4096`` takes the single pass), ``baseline`` and
-``tiled`` with libtpu for the TPU chip ``chip`` (``v5e``, ``v6e``, ``v5p``,
+plan by ``budget_mib``, by default none: the chip's default plan), ``baseline``,
+``baseline_narrow`` and ``tiled`` with libtpu for the TPU chip ``chip`` (``v5e``, ``v6e``, ``v5p``,
 ``7x``; ``pip install "jax[tpu]"``, no TPU needed) at the same default shape, and prints one
 JSON line per step: XLA's temp, argument and output bytes, FLOPs and bytes accessed, and
 the roofline time they give on that chip, an estimate (:mod:`flashloss.jax.tpu_compile`).
@@ -55,7 +56,7 @@ from flashloss._spec import GrpoArgs
 
 DEFAULTS = dict(impl="fused", tokens=2048, hidden=1024, vocab=151936, batch=4, dtype="float32",
                 beta=0.04, epsilon=GrpoArgs().epsilon_low, temperature=1.0, warmup=1, repeat=3, vocab_tile=8192,
-                budget_mib=160.0, seed=0, min_length=0.5, interpret=False, chip="v6e")  # fmt: skip
+                budget_mib=None, seed=0, min_length=0.5, interpret=False, chip="v6e")  # fmt: skip
 #: The shape ``--lower`` defaults to: the original system's B=1, T=8192, H=4096, V=151936.
 LOWER_DEFAULTS = dict(DEFAULTS, tokens=8192, batch=1, hidden=4096, vocab=151936)
 
@@ -80,6 +81,14 @@ def baseline_loss(h, w, ids, old, ref, adv, mask, cfg):
     z = h.reshape(b * t, -1).astype(jnp.float32) @ w.astype(jnp.float32).T / cfg["temperature"]
     lp = jax.nn.log_softmax(z, axis=-1)
     logp = jnp.take_along_axis(lp, ids.reshape(-1, 1), 1).reshape(b, t)
+    return _policy(logp, old, ref, adv, mask, cfg["beta"], cfg["epsilon"])
+
+
+def baseline_narrow_loss(h, w, ids, old, ref, adv, mask, cfg):
+    b, t = ids.shape
+    z = h.reshape(b * t, -1) @ w.T / jnp.asarray(cfg["temperature"], h.dtype)
+    lp = jax.nn.log_softmax(z, axis=-1)
+    logp = jnp.take_along_axis(lp, ids.reshape(-1, 1), 1).reshape(b, t).astype(jnp.float32)
     return _policy(logp, old, ref, adv, mask, cfg["beta"], cfg["epsilon"])
 
 
@@ -159,7 +168,8 @@ def pallas_loss(h, w, ids, old, ref, adv, mask, cfg):
     )[0]  # fmt: skip
 
 
-IMPLS = {"baseline": baseline_loss, "tiled": tiled_loss, "fused": fused_loss, "pallas": pallas_loss}
+IMPLS = {"baseline": baseline_loss, "baseline_narrow": baseline_narrow_loss, "tiled": tiled_loss, "fused": fused_loss,
+         "pallas": pallas_loss}  # fmt: skip
 
 
 def step_fn(cfg):
@@ -365,15 +375,17 @@ def lower(cfg, platform: str = "tpu") -> dict:
 
 
 def compile_tpu(cfg) -> list[dict]:
-    """Each of the ``pallas``, ``baseline`` and ``tiled`` steps compiled for TPU ``chip``
-    from shape-only inputs (:func:`flashloss.jax.tpu_compile.compile_case`): one row each."""
+    """Each of the ``pallas``, ``baseline``, ``baseline_narrow`` and ``tiled`` steps compiled
+    for TPU ``chip`` from shape-only inputs (:func:`flashloss.jax.tpu_compile.compile_case`):
+    one row each."""
     from . import tpu_compile  # needs libtpu: imported only here
 
     rows = []
-    for impl in ("pallas", "baseline", "tiled"):
+    for impl in ("pallas", "baseline", "baseline_narrow", "tiled"):
         step_cfg = dict(cfg, impl=impl)
-        # the Pallas step's plan is within budget_mib (two-pass: 64 MiB at the original shape)
-        bound = max(tpu_compile.HEAD_TEMP_BOUND, int(cfg["budget_mib"] * tpu_compile.MIB)) if impl == "pallas" else None
+        # a budget given bounds the Pallas step's temp (two-pass: 64 MiB at the original shape)
+        given = impl == "pallas" and cfg["budget_mib"] is not None
+        bound = max(tpu_compile.HEAD_TEMP_BOUND, int(cfg["budget_mib"] * tpu_compile.MIB)) if given else None
         case = tpu_compile.Case(
             impl, step_fn(step_cfg), lambda devs: tpu_compile.placed(devs, input_structs(cfg)), bound
         )

@@ -11,7 +11,11 @@ Each :class:`Case` is one ``jit(value_and_grad)`` step at shape-only inputs
 :func:`flashloss.jax.pallas.target_chip` so the kernels pick that chip's blocks. One JSON
 line per (chip, case): ``ok``, the error (its VMEM line), compile seconds, XLA's temp,
 argument and output bytes, FLOPs, bytes accessed, the roofline time from them (an estimate),
-and whether temp stays within the case's bound.
+and whether temp stays within the case's bound. XLA counts a loop's body once: the FLOPs
+and bytes add (trips − 1) × the body's, its trip count read from the compiled HLO
+(:func:`loop_trips`) and the body compiled alone (``Case.body``). The ``default`` cases
+(the call with no plan given) add their ratios to the pure-JAX baseline (:data:`BASELINE`);
+in bf16 the line fails over 1.0x its roofline or 0.5x its peak (the CI gate).
 
     python -m flashloss.jax.tpu_compile --chips v5e,v6e,v5p,7x --cases all [--json OUT]
     python -m flashloss.jax.tpu_compile --chips v6e --cases grpo_token_bf16_vh,baseline_bf16
@@ -38,7 +42,8 @@ from jax.sharding import PartitionSpec as P
 
 import flashloss.jax as fj
 
-from .pallas import _chips, target_chip
+from . import _policy
+from .pallas import _chips, losses, single_pass, target_chip
 
 #: libtpu's topology name of each chip (``pltpu.ChipVersion`` value → topology).
 TOPOLOGIES = {"v5e": "v5e:2x2", "v6e": "v6e:2x4", "v5p": "v5p:2x2x1", "7x": "tpu7x:2x2x1"}
@@ -53,6 +58,20 @@ LOGITS_TEMP_BOUND = 64 * MIB
 #: The single-pass plan's budget at the original shape (its bound too): a block of 1024
 #: rows (1.24 GB of f32 logits and dZ) and the f32 dW carry (2.49 GB).
 SINGLE_PASS_BUDGET_MIB = 4096
+#: The pure-JAX baseline's step at the original shape, as compiled by
+#: ``python -m flashloss.jax.bench --compile tpu --set chip=CHIP [--set dtype=bfloat16]``
+#: (docs/jax.md, "The step against the baselines"; bdfdbac, libtpu 0.0.42): ``(FLOPs,
+#: bytes accessed, temp + arguments + outputs bytes)`` by chip and the inputs' dtype.
+BASELINE = {
+    (chip, dtype): (30.61e12, accessed, int(9496.4 * MIB) + 2 * (T * H + V * H) * (2 if dtype == "bf16" else 4))
+    for chip, dtype, accessed in (
+        ("v5e", "bf16", 34.1e9), ("v6e", "bf16", 34.1e9), ("v5p", "bf16", 33.8e9), ("7x", "bf16", 33.8e9),
+        ("v5e", "f32", 37.8e9), ("v6e", "f32", 37.8e9), ("v5p", "f32", 37.8e9), ("7x", "f32", 37.8e9),
+    )
+}  # fmt: skip
+#: The gate of the default call: its roofline estimate at most the baseline's, its peak at
+#: most half the baseline's.
+GATE_ROOFLINE, GATE_PEAK = 1.0, 0.5
 
 
 @dataclass(frozen=True)
@@ -67,6 +86,12 @@ class Case:
     #: Devices the case runs on (8: a v6e-8 mesh; only chips whose topology has them).
     devices: int = 1
     tags: tuple[str, ...] = field(default=())
+    #: ``(dtype) -> (f, structs) or None``: one trip of the step's loop, when it has one
+    #: (:func:`flashloss.jax.pallas.single_pass.one_block`), for its cost × the trip count.
+    body: Optional[Callable] = None
+    #: A ``default`` case whose line fails outside the gate against the baseline
+    #: (:data:`BASELINE`: roofline <= 1.0x, peak <= 0.5x); the others record it.
+    gated: bool = False
 
 
 @functools.lru_cache(maxsize=None)
@@ -112,6 +137,30 @@ def _grpo(layout="vh", **kw) -> Callable:
         return out[0]
 
     return jax.value_and_grad(loss, (0, 1))
+
+
+def _grpo_body(mode: str = "auto", budget_mib: Optional[float] = None) -> Callable:
+    """The loop's body of :func:`_grpo`'s step (``Case.body``): ``structs -> (f, structs)``
+    of one block of the single pass that ``mode`` and ``budget_mib`` plan for the chip
+    (under :func:`target_chip`), or None for the two kernels' plan (no loop)."""
+
+    def body(structs):
+        h, w, ids, old, ref, adv, mask = structs
+        x = jax.ShapeDtypeStruct((h.size // h.shape[-1], h.shape[-1]), h.dtype, sharding=h.sharding)
+        args = _policy.GrpoArgs(beta=0.04).validate()
+        spec = losses.spec_for("vh", 1.0, None, None, w.shape[0], False)
+        plan = losses.single_pass_plan(mode, budget_mib, x, w, spec, args)
+        if plan is None:
+            return None
+        one = single_pass.one_block(args, "vh", plan)
+        carry = (None, None) if plan.stored else (jax.ShapeDtypeStruct(w.shape, jnp.float32, sharding=w.sharding), None)
+
+        def f(x, w, ids, mask, adv, old, ref, carry):
+            return one(x, w, None, ids, mask, adv, old, ref, None, carry)
+
+        return f, (x, w, ids, mask, adv, old, ref, carry)
+
+    return body
 
 
 def _ce(layout="vh") -> Callable:
@@ -184,20 +233,26 @@ def _sharded(split: str) -> Case:
 
 
 def cases() -> dict[str, Case]:
-    """Every case by name. Tags: ``core`` (compiled for every chip in CI), ``v6e`` (the
+    """Every case by name. Tags: ``core`` (compiled for every chip in CI), ``default`` (the
+    call with no plan given, against the baseline: :data:`BASELINE`), ``v6e`` (the
     rest of the options, for one chip), ``support`` (the sampler's truncated support),
     ``mesh`` (8 devices). The baselines' steps are :mod:`flashloss.jax.bench`'s
     (``--compile tpu``)."""
     out: list[Case] = []
     for dtype, d in ((jnp.bfloat16, "bf16"), (jnp.float32, "f32")):
         for layout in ("vh", "hv"):
-            out.append(Case(f"grpo_token_{d}_{layout}", _grpo(layout), _batch(dtype=dtype, layout=layout),
-                            tags=("core",)))  # fmt: skip
+            out.append(Case(f"grpo_token_{d}_{layout}", _grpo(layout, mode="two_pass"),
+                            _batch(dtype=dtype, layout=layout), tags=("core",)))  # fmt: skip
+        # the call with no mode or budget: the plan the chip's default takes, gated in bf16 (in
+        # f32 the dW carry's traffic keeps v6e over the baseline: docs/results/tpu_default_plan.md)
+        out.append(Case(f"grpo_default_{d}", _grpo(), _batch(dtype=dtype), temp_bound=None, tags=("default",),
+                        body=_grpo_body(), gated=d == "bf16"))  # fmt: skip
         out.append(Case(f"grpo_sequence_{d}", _grpo(loss_type="grpo", importance_sampling_level="sequence"),
                         _batch(dtype=dtype), tags=("v6e",)))  # fmt: skip
         out.append(Case(f"ce_{d}", _ce(), _batch(dtype=dtype), tags=("v6e",)))
         out.append(Case(f"grpo_single_pass_{d}", _grpo(mode="single_pass", budget_mib=SINGLE_PASS_BUDGET_MIB),
-                        _batch(dtype=dtype), temp_bound=SINGLE_PASS_BUDGET_MIB * MIB, tags=("v6e",)))  # fmt: skip
+                        _batch(dtype=dtype), temp_bound=SINGLE_PASS_BUDGET_MIB * MIB, tags=("v6e",),
+                        body=_grpo_body("single_pass", SINGLE_PASS_BUDGET_MIB)))  # fmt: skip
         out.append(Case(f"logprobs_entropy_{d}", _logprobs(), _batch(dtype=dtype), tags=("v6e",)))
         out.append(Case(f"logprobs_stats_{d}", _logprobs(return_lse=True, return_max=True, return_sum_p2=True),
                         _batch(dtype=dtype), tags=("core",)))  # fmt: skip
@@ -213,8 +268,8 @@ def cases() -> dict[str, Case]:
         out.append(Case(f"logits_grpo_{d}", step, inputs, temp_bound=LOGITS_TEMP_BOUND, tags=("core",)))
     for h in (896, 1536, 3584):  # ragged: V=151643 (odd), N=8191 (a multiple of no block)
         for dtype, d in ((jnp.bfloat16, "bf16"), (jnp.float32, "f32")):
-            out.append(Case(f"grpo_ragged_h{h}_{d}", _grpo(), _batch(t=T - 1, h=h, v=151643, dtype=dtype, rows_2d=True),
-                            tags=("core",)))  # fmt: skip
+            out.append(Case(f"grpo_ragged_h{h}_{d}", _grpo(mode="two_pass"),
+                            _batch(t=T - 1, h=h, v=151643, dtype=dtype, rows_2d=True), tags=("core",)))  # fmt: skip
     out += [_sharded(split) for split in ("vocab", "token", "2d")]
     return {c.name: c for c in out}
 
@@ -229,7 +284,7 @@ def select(spec: str) -> list[Case]:
         key = word[1:] if drop else word
         hits = [c for c in table.values() if key == "all" or c.name == key or key in c.tags]
         if not hits:
-            raise ValueError(f"argument `cases`: no case or tag {key!r} (tags: core, v6e, support, mesh)")
+            raise ValueError(f"argument `cases`: no case or tag {key!r} (tags: core, default, v6e, support, mesh)")
         for c in hits:
             if drop:
                 chosen.pop(c.name, None)
@@ -242,6 +297,41 @@ _VMEM = re.compile(r"(Scoped allocation with size [\d.]+\w* and limit [\d.]+\w*|
                    r"|Ran out of memory in memory space \w+[^\n]*)")  # fmt: skip
 
 
+_WHILE = re.compile(r"\bwhile\([^\n]*?condition=%?([\w.\-]+)")
+
+
+def loop_trips(hlo: str) -> list[int]:
+    """The trip count of every ``while`` in the compiled module's text: the integer constant
+    its condition compares the counter with (a ``lax.scan``'s length; the compare may sit in
+    a fusion the condition calls)."""
+    trips = []
+    for name in _WHILE.findall(hlo):
+        start = hlo.find(f"\n%{name} ")
+        block = hlo[start : hlo.find("\n}", start)] if start >= 0 else ""
+        found = re.findall(r"s32\[\]\S* constant\((\d+)\)", block)
+        trips += [int(found[-1])] if found else []
+    return trips
+
+
+def _cost(compiled) -> tuple[float, float]:
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+
+
+def _gate(row: dict, dtype: str) -> dict:
+    """The gate's figures of a line: the baseline's roofline and peak on the line's chip
+    (:data:`BASELINE`) and this step's against them."""
+    flops, accessed, peak = BASELINE[row["chip"], dtype]
+    target = _chips.chip(row["chip"])
+    base = max(flops / target.bf16_flops_per_s, accessed / target.hbm_bytes_per_s)
+    mine = row["temp_bytes"] + row["argument_bytes"] + row["output_bytes"]
+    gate = {"baseline_roofline_seconds_estimate": base, "roofline_vs_baseline": row["roofline_seconds_estimate"] / base,
+            "peak_bytes": mine, "peak_vs_baseline": mine / peak}  # fmt: skip
+    gate["within_gate"] = gate["roofline_vs_baseline"] <= GATE_ROOFLINE and gate["peak_vs_baseline"] <= GATE_PEAK
+    return gate
+
+
 def compile_case(case: Case, chip: str) -> dict[str, Any]:
     """Compile ``case`` for ``chip``: one result line (see the module)."""
     devs = devices(chip)
@@ -251,7 +341,8 @@ def compile_case(case: Case, chip: str) -> dict[str, Any]:
     start = time.perf_counter()
     try:
         with target_chip(chip):
-            compiled = jax.jit(case.step).lower(*case.inputs(devs[: case.devices])).compile()
+            structs = case.inputs(devs[: case.devices])
+            compiled = jax.jit(case.step).lower(*structs).compile()
     except Exception as e:  # the compiler's own message is the result
         text = str(e)
         found = _VMEM.search(text)
@@ -259,13 +350,19 @@ def compile_case(case: Case, chip: str) -> dict[str, Any]:
                 "error": found.group(0) if found else text.splitlines()[0][:400]}  # fmt: skip
     seconds = time.perf_counter() - start
     mem = compiled.memory_analysis()
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    flops, accessed = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+    flops, accessed = _cost(compiled)
+    trips = loop_trips(compiled.as_text())
+    body_flops = body_accessed = 0.0
+    if case.body is not None and len(trips) == 1 and trips[0] > 1:
+        with target_chip(chip):
+            one = case.body(structs)
+            if one is not None:
+                body_flops, body_accessed = _cost(jax.jit(one[0]).lower(*one[1]).compile())
+    extra = (trips[0] - 1) if body_flops else 0
     target = _chips.chip(chip)
     temp = int(mem.temp_size_in_bytes)
     within = None if case.temp_bound is None else temp <= case.temp_bound
-    return {
+    out = {
         **row,
         "ok": within is not False,
         "compile_seconds": round(seconds, 1),
@@ -274,28 +371,41 @@ def compile_case(case: Case, chip: str) -> dict[str, Any]:
         "temp_within_bound": within,
         "argument_bytes": int(mem.argument_size_in_bytes),
         "output_bytes": int(mem.output_size_in_bytes),
-        "flops": flops,
-        "bytes_accessed": accessed,
-        "roofline_seconds_estimate": max(flops / target.bf16_flops_per_s, accessed / target.hbm_bytes_per_s),
+        "flops_body_once": flops,
+        "bytes_accessed_body_once": accessed,
+        "loop_trips": trips,
+        "body_flops": body_flops,
+        "body_bytes_accessed": body_accessed,
+        "flops": flops + extra * body_flops,
+        "bytes_accessed": accessed + extra * body_accessed,
     }
+    out["roofline_seconds_estimate"] = max(out["flops"] / target.bf16_flops_per_s,
+                                           out["bytes_accessed"] / target.hbm_bytes_per_s)  # fmt: skip
+    if "default" in case.tags:  # against the baseline; failing the line only where gated
+        out.update(_gate(out, "bf16" if structs[0].dtype == jnp.bfloat16 else "f32"))
+        out["ok"] = out["ok"] and (out["within_gate"] or not case.gated)
+    return out
 
 
 def table(lines: list[dict]) -> str:
     """The result lines as a markdown table (MiB, TFLOP, GB, ms)."""
-    out = ["| chip | case | ok | compile s | temp MiB | bound MiB | argument MiB | output MiB | TFLOP | GB accessed | "
-           "roofline ms (estimate) |", "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    out = ["| chip | case | ok | compile s | temp MiB | bound MiB | argument MiB | output MiB | loop trips | TFLOP | "
+           "GB accessed | roofline ms (estimate) | roofline / baseline's | peak / baseline's |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in lines:
         if r.get("ok") is None:
             continue
         if "temp_bytes" not in r:
-            out.append(f"| {r['chip']} | {r['case']} | **no**: {r['error']} | {r['compile_seconds']} ||||||||")
+            out.append(f"| {r['chip']} | {r['case']} | **no**: {r['error']} | {r['compile_seconds']} |||||||||||")
             continue
-        ok = "yes" if r["ok"] else "**no** (temp above its bound)"
+        ok = "yes" if r["ok"] else "**no** (temp above its bound)" if r.get("within_gate", True) else "**no** (gate)"
         bound = "-" if r.get("temp_bound_bytes") is None else f"{r['temp_bound_bytes'] / MIB:.0f}"
+        gate = [f"{r[k]:.3f}" if k in r else "-" for k in ("roofline_vs_baseline", "peak_vs_baseline")]
         out.append(
             f"| {r['chip']} | {r['case']} | {ok} | {r['compile_seconds']} | {r['temp_bytes'] / MIB:.1f} | {bound} | "
-            f"{r['argument_bytes'] / MIB:.0f} | {r['output_bytes'] / MIB:.0f} | {r['flops'] / 1e12:.2f} | "
-            f"{r['bytes_accessed'] / 1e9:.1f} | {r['roofline_seconds_estimate'] * 1e3:.1f} |"
+            f"{r['argument_bytes'] / MIB:.0f} | {r['output_bytes'] / MIB:.0f} | {r.get('loop_trips') or '-'} | "
+            f"{r['flops'] / 1e12:.2f} | {r['bytes_accessed'] / 1e9:.1f} | {r['roofline_seconds_estimate'] * 1e3:.1f} | "
+            f"{gate[0]} | {gate[1]} |"
         )
     return "\n".join(out)
 

@@ -79,6 +79,7 @@ class Chip:
     vmem_bytes: int
     hbm_bytes_per_s: float
     bf16_flops_per_s: float
+    hbm_bytes: int
 
     @property
     def vmem_limit_bytes(self) -> int:
@@ -112,6 +113,7 @@ def chip(name: Optional[str] = None) -> Chip:
         vmem_bytes=int(info.vmem_capacity_bytes),
         hbm_bytes_per_s=float(info.mem_bw_bytes_per_second),
         bf16_flops_per_s=float(info.bf16_ops_per_second),
+        hbm_bytes=int(info.hbm_capacity_bytes),
     )
 
 

@@ -19,9 +19,11 @@ def _spec(call, softcap=None, **kw) -> losses.HeadSpec:
 
 def linear_grpo(call, hidden, weight, bias, ids, mask, adv, old, ref, rho):
     """``(loss, (logp, entropy, kl, metrics))`` (:class:`LinearGrpoCall`); across
-    ``token_axis`` the two kernels' plan (the loss's normalizers are summed after)."""
+    ``token_axis`` the two kernels' plan (the loss's normalizers are summed after). No
+    ``budget_mib``: the chip's default (:func:`.single_pass.default_budget_bytes`)."""
     hidden, weight, bias = wide(hidden, weight, bias)
-    plan = (call.mode, call.budget) if call.token_axis is None else ("two_pass", call.budget)
+    budget = call.budget if call.budget_given else None
+    plan = (call.mode, budget) if call.token_axis is None else ("two_pass", budget)
     spec = _spec(call, support=call.support)
     return losses.grpo(hidden, weight, bias, ids, mask, adv, old, ref, rho, call.args, spec, *plan)
 

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from . import _chips
+from . import _chips, cost
 
 #: Per-row vectors of the forward kernel's state, in order (``sum_exp2`` last, with
 #: ``sum_p2`` only).
@@ -242,21 +242,21 @@ def forward_state(
         _forward_kernel, v=v, bv=bv, layout=layout, transform=transform, has_bias=bias is not None, sum_p2=sum_p2
     )
     outputs = len(STATE) + int(sum_p2)
-    flops = 2 * n * hidden * v
-    bytes_accessed = grid[0] * weight.size * weight.dtype.itemsize + x.size * x.dtype.itemsize + 24 * n
+    results = [((n, LANES), jnp.float32)] * outputs
+    out_specs = [row_spec(bn) for _ in range(outputs)]
+    est = cost.estimate(2 * n * hidden * v, n * v, grid, in_specs, args, out_specs, results)
 
     def make(out_shape):
         return pl.pallas_call(
             kernel,
             grid=grid,
             in_specs=in_specs,
-            out_specs=[row_spec(bn) for _ in range(outputs)],
+            out_specs=out_specs,
             out_shape=out_shape,
             compiler_params=_chips.compiler_params(target, ("parallel", "arbitrary")),
-            cost_estimate=pl.CostEstimate(flops=flops, transcendentals=n * v, bytes_accessed=bytes_accessed),
+            cost_estimate=est,
             interpret=interpret,
             name="flashloss_head_forward",
         )
 
-    results = [((n, LANES), jnp.float32)] * outputs
     return tuple(from_lanes(x) for x in launch(make, results, args, interpret))

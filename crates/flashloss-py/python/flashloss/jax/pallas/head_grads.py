@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from . import _chips
+from . import _chips, cost
 from .head import Transform, bias_spec, launch, plan, row_spec, tail, tile_logits, to_lanes, vocab_size, weight_spec
 
 #: Per-row inputs of the backward kernels, in order (after ``ids``).
@@ -156,24 +156,25 @@ def dhidden(
         _dh_kernel, rows=1 + len(rows), v=v, bv=blocks.vocab, layout=layout, transform=transform,
         has_bias=bias is not None,
     )  # fmt: skip
-    bytes_accessed = grid[0] * weight.size * weight.dtype.itemsize + 2 * x.size * x.dtype.itemsize
-    cost = pl.CostEstimate(flops=4 * n * hidden * v, transcendentals=n * v, bytes_accessed=bytes_accessed)
+    out_specs = [pl.BlockSpec((blocks.rows, hidden), lambda i, j: (i, 0))]
+    results = [(x.shape, x.dtype)]
+    est = cost.estimate(4 * n * hidden * v, n * v, grid, in_specs, args, out_specs, results)
 
     def make(out_shape):
         return pl.pallas_call(
             kernel,
             grid=grid,
             in_specs=in_specs,
-            out_specs=[pl.BlockSpec((blocks.rows, hidden), lambda i, j: (i, 0))],
+            out_specs=out_specs,
             out_shape=out_shape,
             scratch_shapes=[pltpu.VMEM((blocks.rows, hidden), jnp.float32)],
             compiler_params=_chips.compiler_params(target, ("parallel", "arbitrary")),
-            cost_estimate=cost,
+            cost_estimate=est,
             interpret=interpret,
             name="flashloss_head_dhidden",
         )
 
-    return launch(make, [(x.shape, x.dtype)], args, interpret)[0]
+    return launch(make, results, args, interpret)[0]
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "transform", "chip", "interpret", "max_rows", "max_vocab"))
@@ -203,22 +204,23 @@ def dweight(
     )  # fmt: skip
     dw_block = (bv, hidden) if layout == "vh" else (hidden, bv)
     dw_spec = weight_spec(layout, bv, hidden, 0)
-    bytes_accessed = grid[0] * x.size * x.dtype.itemsize + 2 * weight.size * weight.dtype.itemsize
-    cost = pl.CostEstimate(flops=4 * n * hidden * v, transcendentals=n * v, bytes_accessed=bytes_accessed)
+    out_specs = [dw_spec, bias_spec(bv, 0)]
+    results = [(weight.shape, weight.dtype), ((1, v), jnp.float32)]
+    est = cost.estimate(4 * n * hidden * v, n * v, grid, in_specs, args, out_specs, results)
 
     def make(out_shape):
         return pl.pallas_call(
             kernel,
             grid=grid,
             in_specs=in_specs,
-            out_specs=[dw_spec, bias_spec(bv, 0)],
+            out_specs=out_specs,
             out_shape=out_shape,
             scratch_shapes=[pltpu.VMEM(dw_block, jnp.float32)],
             compiler_params=_chips.compiler_params(target, ("parallel", "arbitrary")),
-            cost_estimate=cost,
+            cost_estimate=est,
             interpret=interpret,
             name="flashloss_head_dweight",
         )
 
-    dw, db = launch(make, [(weight.shape, weight.dtype), ((1, v), jnp.float32)], args, interpret)
+    dw, db = launch(make, results, args, interpret)
     return dw, db.reshape(v)

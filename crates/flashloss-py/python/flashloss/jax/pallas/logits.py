@@ -54,7 +54,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from . import _chips
+from . import _chips, cost
 from .head import out_struct
 
 __all__ = [
@@ -277,11 +277,11 @@ def _setup(logits2d, ids, mask, rows, bn, limit: Optional[int], grad: bool, n_in
     return n, v, bn, ids_c, mask_c, tile, row, params, meta
 
 
-def _cost(n: int, v: int, dtype: Any, writes: bool) -> pl.CostEstimate:
-    """What XLA is told a kernel costs: one read of the logits (and one write of
-    ``dlogits``), an ``exp`` per logit per sweep, ~8 VPU operations per logit."""
-    size = n * v * jnp.dtype(dtype).itemsize
-    return pl.CostEstimate(flops=8 * n * v, transcendentals=n * v, bytes_accessed=size * (2 if writes else 1))
+def _cost(n: int, v: int, bn: int, in_specs: list, ins: tuple, out_specs: tuple, outs: tuple) -> pl.CostEstimate:
+    """What XLA is told a kernel costs: ~8 VPU operations and an ``exp`` per logit, the
+    bytes its blocks move (:func:`.cost.estimate`: the logits read once, ``dlogits``
+    written once, the per-row columns)."""
+    return cost.estimate(8 * n * v, n * v, (pl.cdiv(n, bn),), in_specs, ins, out_specs, outs)
 
 
 def logits_stats(
@@ -300,17 +300,18 @@ def logits_stats(
     request, the chip's by default)."""
     n, v, bn, ids_c, mask_c, tile, row, params, meta = _setup(logits2d, ids, mask, [], bn, vmem_limit_bytes, False, 0)
     f32 = out_struct((n, 1), jnp.float32, logits2d, ids_c, mask_c)
+    ins, in_specs, out_specs = (logits2d, ids_c, mask_c), [tile, row, row], (row, row, row)
     out = pl.pallas_call(
         functools.partial(_stats_kernel, inv_t=1.0 / float(temperature), **meta),
         out_shape=(f32, f32, f32),
         grid=(pl.cdiv(n, bn),),
-        in_specs=[tile, row, row],
-        out_specs=(row, row, row),
+        in_specs=in_specs,
+        out_specs=out_specs,
         compiler_params=params,
-        cost_estimate=_cost(n, v, logits2d.dtype, writes=False),
+        cost_estimate=_cost(n, v, bn, in_specs, ins, out_specs, (f32,) * 3),
         interpret=interpret,
         name="flashloss_logits_stats",
-    )(logits2d, ids_c, mask_c)
+    )(*ins)
     lse, logp, ent = (x[:, 0] for x in out)
     return lse, logp, ent
 
@@ -336,17 +337,19 @@ def logits_grad(
     rows = [("lse", lse), ("entropy", entropy), ("g_logp", g_logp), ("g_ent", g_ent)]
     n, v, bn, ids_c, mask_c, tile, row, params, meta = _setup(logits2d, ids, mask, rows, bn, vmem_limit_bytes, True, 4)
     row_args = [_col(x, jnp.float32) for _, x in rows]
+    ins, in_specs = (logits2d, ids_c, mask_c, *row_args), [tile] + [row] * 6
+    dz = out_struct((n, v), logits2d.dtype, *ins)
     return pl.pallas_call(
         functools.partial(_grad_kernel, inv_t=1.0 / float(temperature), **meta),
-        out_shape=out_struct((n, v), logits2d.dtype, logits2d, ids_c, mask_c, *row_args),
+        out_shape=dz,
         grid=(pl.cdiv(n, bn),),
-        in_specs=[tile, row, row, row, row, row, row],
+        in_specs=in_specs,
         out_specs=tile,
         compiler_params=params,
-        cost_estimate=_cost(n, v, logits2d.dtype, writes=True),
+        cost_estimate=_cost(n, v, bn, in_specs, ins, (tile,), (dz,)),
         interpret=interpret,
         name="flashloss_logits_grad",
-    )(logits2d, ids_c, mask_c, *row_args)
+    )(*ins)
 
 
 def logits_fused(
@@ -360,11 +363,14 @@ def logits_fused(
     interpret: Interpret = False,
     bn: Optional[int] = None,
     vmem_limit_bytes: Optional[int] = None,
+    dz_dtype: Any = None,
+    in_place: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """``(row_loss, logp, entropy, dlogits)`` in ONE kernel (one read and one write of the
     logits): per row block the statistics, then ``row_loss = row_fn(logp, entropy,
     *row_inputs)`` and its cotangents by ``jax.vjp`` inside the kernel, then ``dlogits``
-    (the gradient of ``Σ row_loss``, in the logits' dtype).
+    (the gradient of ``Σ row_loss``, in ``dz_dtype``, by default the logits' dtype;
+    ``in_place``: written over the logits' buffer, when of their dtype).
 
     ``row_fn`` must be elementwise over rows (it sees ``(bn, 1)`` float32 vectors; any
     primitive Mosaic lowers: exp, log, min/max, where, ...); ``row_inputs`` are ``[N]``
@@ -378,14 +384,17 @@ def logits_fused(
     row_args = [_col(x, jnp.float32) for x in row_inputs]
     ins = (logits2d, ids_c, mask_c, *row_args)
     f32 = out_struct((n, 1), jnp.float32, *ins)
+    outs = (f32, f32, f32, out_struct((n, v), dz_dtype or logits2d.dtype, *ins))
+    in_specs, out_specs = [tile, row, row] + [row] * k, (row, row, row, tile)
     loss, logp, ent, dz = pl.pallas_call(
         functools.partial(_fused_kernel, inv_t=1.0 / float(temperature), row_fn=row_fn, n_inputs=k, **meta),
-        out_shape=(f32, f32, f32, out_struct((n, v), logits2d.dtype, *ins)),
+        out_shape=outs,
         grid=(pl.cdiv(n, bn),),
-        in_specs=[tile, row, row] + [row] * k,
-        out_specs=(row, row, row, tile),
+        in_specs=in_specs,
+        out_specs=out_specs,
         compiler_params=params,
-        cost_estimate=_cost(n, v, logits2d.dtype, writes=True),
+        cost_estimate=_cost(n, v, bn, in_specs, ins, out_specs, outs),
+        input_output_aliases={0: 3} if in_place and outs[3].dtype == logits2d.dtype else {},
         interpret=interpret,
         name="flashloss_logits_fused",
     )(*ins)

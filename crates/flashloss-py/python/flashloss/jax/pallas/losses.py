@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from .. import _policy
 from . import _chips, checks, logits, single_pass, support
 from .head import Transform
+from .single_pass import Plan
 from .stats import HeadSpec, RowStats, row_stats
 
 
@@ -37,27 +38,27 @@ def _check_batch(adv, old, ref, ratio, mask, interpret) -> None:
     checks.sampler_ratio(ratio, mask, interpret)
 
 
-def single_pass_rows(mode: str, budget_mib: float, x, weight, spec: HeadSpec, args) -> Optional[int]:
-    """Rows per block of the single-pass plan (:mod:`.single_pass`), or None for the two
-    kernels' plan. ``mode`` as the FFI path's: ``two_pass`` never; ``single_pass`` (and
-    ``compact``) whenever the step allows it, in the largest block within ``budget_mib``
-    (else the smallest); ``auto`` (and ``auto_f32``) when a block fits ``budget_mib``. The
-    step allows it when token-local, on one device, with no sampler support."""
+def single_pass_plan(mode: str, budget_mib: Optional[float], x, weight, spec: HeadSpec, args) -> Optional[Plan]:
+    """The single-pass plan (:func:`.single_pass.choose`), or None for the two kernels'.
+    ``mode`` as the FFI path's: ``two_pass`` never; ``single_pass`` (and ``compact``)
+    whenever the step allows it; ``auto`` (and ``auto_f32``) where a plan fits the budget
+    and its roofline estimate is the lower. ``budget_mib`` None: the chip's default
+    (:func:`.single_pass.default_budget_bytes`). The step allows it when token-local, on
+    one device, with no sampler support."""
     allowed = _policy.is_token_local(args) and spec.support is None and spec.vocab_axis is None
     if mode == "two_pass" or not allowed or spec.transform.softcap is not None:
         return None
     n, hidden = x.shape
     v = weight.shape[0] if spec.layout == "vh" else weight.shape[1]
-    relayout = weight.dtype == jnp.bfloat16 and _chips.chip(spec.chip).name in _chips.RELAYOUTS_BF16_HEAD
-    rows = single_pass.block_rows(n, v, hidden, budget_mib * 2**20, v * hidden * 2 if relayout else 0)
-    if rows is None and mode in ("single_pass", "compact"):
-        return min(n, single_pass.BLOCK_ROWS[-1])
-    return rows
+    target, e = _chips.chip(spec.chip), jnp.dtype(weight.dtype).itemsize
+    copy = v * hidden * 2 if weight.dtype == jnp.bfloat16 and target.name in _chips.RELAYOUTS_BF16_HEAD else 0
+    budget = single_pass.default_budget_bytes(n, v, hidden, e, target) if budget_mib is None else budget_mib * 2**20
+    return single_pass.choose(mode, budget, n, v, hidden, e, target, copy)
 
 
 def grpo(
     hidden, weight, bias, ids, mask, adv, old, ref, ratio, args: _policy.GrpoArgs, spec: HeadSpec,
-    mode: str = "two_pass", budget_mib: float = 0.0,
+    mode: str = "two_pass", budget_mib: Optional[float] = 0.0,
 ):  # fmt: skip
     """``(loss, (logp, entropy, kl, metrics))`` of TRL's GRPO loss at ``ids`` ``[B, T]``
     (``ratio``: the sampler's importance ratio ``[B, 1]``, ``[B, T]`` or None). Under the
@@ -67,12 +68,12 @@ def grpo(
     b, t = ids.shape
     _check_batch(adv, old, ref, ratio, mask, spec.interpret)
     x = hidden.reshape(b * t, hidden.shape[-1])
-    rows = single_pass_rows(mode, budget_mib, x, weight, spec, args)
-    if rows is not None:
+    plan = single_pass_plan(mode, budget_mib, x, weight, spec, args)
+    if plan is not None:
         checks.ids_in_range("completion_ids", ids, mask, spec.vocab, t, spec.interpret)
         ids0 = jnp.where(mask, ids, 0).astype(jnp.int32)
         loss, (logp, entropy) = single_pass.grpo(
-            x, weight, bias, ids0, mask, adv, old, ref, ratio, args, spec.layout, rows, spec.interpret
+            x, weight, bias, ids0, mask, adv, old, ref, ratio, args, spec.layout, plan, spec.interpret
         )
         # the entropy is finite exactly where the row's logits are (lse's place in the check)
         checks.row_stats_finite(entropy, logp, mask, t, spec.interpret)

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from . import _chips
+from . import _chips, cost
 from .head import LANES, Transform, bias_spec, launch, plan, row_spec, tile_logits, to_lanes, weight_spec
 
 #: Most thresholds a pass takes (the mass lanes start at this one).
@@ -121,22 +121,21 @@ def narrow(
         _kernel, v=v, bv=bv, size=size, with_mass=with_mass, layout=layout, transform=transform,
         has_bias=bias is not None,
     )  # fmt: skip
-    bytes_accessed = grid[0] * weight.size * weight.dtype.itemsize + x.size * x.dtype.itemsize + 4 * LANES * 5 * n
+    out_specs, results = [row_spec(bn), row_spec(bn)], [((n, LANES), jnp.float32)] * 2
+    est = cost.estimate(2 * n * hidden * v, n * v if with_mass else 0, grid, in_specs, args, out_specs, results)
 
     def make(out_shape):
         return pl.pallas_call(
             kernel,
             grid=grid,
             in_specs=in_specs,
-            out_specs=[row_spec(bn), row_spec(bn)],
+            out_specs=out_specs,
             out_shape=out_shape,
             compiler_params=_chips.compiler_params(target, ("parallel", "arbitrary")),
-            cost_estimate=pl.CostEstimate(
-                flops=2 * n * hidden * v, transcendentals=n * v if with_mass else 0, bytes_accessed=bytes_accessed
-            ),
+            cost_estimate=est,
             interpret=interpret,
             name="flashloss_support_narrow",
         )
 
-    sums, rng = launch(make, [((n, LANES), jnp.float32)] * 2, args, interpret)
+    sums, rng = launch(make, results, args, interpret)
     return sums[:, :size], sums[:, MAX_THRESHOLDS : MAX_THRESHOLDS + size], rng[:, 0], -rng[:, 1]

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from . import _chips
+from . import _chips, cost
 from .head import LANES, Transform, bias_spec, from_lanes, launch, plan, row_spec, tile_logits, to_lanes, weight_spec
 
 
@@ -81,22 +81,21 @@ def tally(
         in_specs.append(bias_spec(bv, 1))
         args.append(bias.reshape(1, v))
     kernel = functools.partial(_kernel, v=v, bv=bv, layout=layout, transform=transform, has_bias=bias is not None)
-    bytes_accessed = grid[0] * weight.size * weight.dtype.itemsize + x.size * x.dtype.itemsize + 28 * n
+    out_specs, results = [row_spec(bn) for _ in range(3)], [((n, LANES), jnp.float32)] * 3
+    est = cost.estimate(2 * n * hidden * v, n * v, grid, in_specs, args, out_specs, results)
 
     def make(out_shape):
         return pl.pallas_call(
             kernel,
             grid=grid,
             in_specs=in_specs,
-            out_specs=[row_spec(bn) for _ in range(3)],
+            out_specs=out_specs,
             out_shape=out_shape,
             compiler_params=_chips.compiler_params(target, ("parallel", "arbitrary")),
-            cost_estimate=pl.CostEstimate(
-                flops=2 * n * hidden * v, transcendentals=n * v, bytes_accessed=bytes_accessed
-            ),
+            cost_estimate=est,
             interpret=interpret,
             name="flashloss_support_tally",
         )
 
-    out = launch(make, [((n, LANES), jnp.float32)] * 3, args, interpret)
+    out = launch(make, results, args, interpret)
     return tuple(from_lanes(y) for y in out)

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from . import _chips
+from . import _chips, cost
 from .head import LANES, Transform, bias_spec, from_lanes, launch, plan, row_spec, tile_logits, to_lanes, weight_spec
 
 #: Most rows of a block: a round runs until the block's busiest row has its keys in.
@@ -145,14 +145,16 @@ def collect(
         args.append(bias.reshape(1, v))
     kernel = functools.partial(_kernel, v=v, bv=bv, layout=layout, transform=transform, has_bias=bias is not None)
     list_spec = pl.BlockSpec((bn, size), lambda i, j: (i, 0))
-    bytes_accessed = grid[0] * weight.size * weight.dtype.itemsize + x.size * x.dtype.itemsize + 8 * n * size
+    out_specs = [list_spec, list_spec, row_spec(bn), row_spec(bn), row_spec(bn)]
+    results = [((n, size), jnp.float32), ((n, size), jnp.int32)] + [((n, LANES), jnp.float32)] * 3
+    est = cost.estimate(2 * n * hidden * v, n * v, grid, in_specs, args, out_specs, results)
 
     def make(out_shape):
         return pl.pallas_call(
             kernel,
             grid=grid,
             in_specs=in_specs,
-            out_specs=[list_spec, list_spec, row_spec(bn), row_spec(bn), row_spec(bn)],
+            out_specs=out_specs,
             out_shape=out_shape,
             scratch_shapes=[
                 pltpu.VMEM((bn, bv), jnp.float32),
@@ -160,13 +162,10 @@ def collect(
                 pltpu.VMEM((bn, size), jnp.int32),
             ],
             compiler_params=_chips.compiler_params(target, ("parallel", "arbitrary")),
-            cost_estimate=pl.CostEstimate(
-                flops=2 * n * hidden * v, transcendentals=n * v, bytes_accessed=bytes_accessed
-            ),
+            cost_estimate=est,
             interpret=interpret,
             name="flashloss_support_collect",
         )
 
-    results = [((n, size), jnp.float32), ((n, size), jnp.int32)] + [((n, LANES), jnp.float32)] * 3
     values, cols, m, sigma, t = launch(make, results, args, interpret)
     return values, cols, from_lanes(m), from_lanes(sigma), from_lanes(t)
