@@ -3,6 +3,7 @@ LM head, and :func:`grpo_loss` on materialized logits."""
 
 from __future__ import annotations
 
+from dataclasses import asdict, astuple
 from typing import Any, Optional
 
 import jax
@@ -60,9 +61,9 @@ def linear_grpo_loss(
     vespo_lambda_pos: float = _TRL.vespo_lambda_pos,
     vespo_k_neg: float = _TRL.vespo_k_neg,
     vespo_lambda_neg: float = _TRL.vespo_lambda_neg,
-    top_k: Optional[int] = None,
-    top_p: Optional[float] = None,
-    min_p: Optional[float] = None,
+    top_k: Optional[int] = _TRL.top_k,
+    top_p: Optional[float] = _TRL.top_p,
+    min_p: Optional[float] = _TRL.min_p,
     mode: str = "auto",
     budget_mib: Optional[float] = None,
     token_axis: Optional[str] = None,
@@ -108,6 +109,7 @@ def linear_grpo_loss(
     the rows, the partial row statistics merge over the axis, and every device gets the
     loss, ``hidden``'s whole gradient and its own block's gradients. Both: a 2-D mesh.
     ``impl``, ``interpret``, ``weight_layout``: see :mod:`flashloss.jax`."""
+    given = GrpoArgs.fields_of(locals())  # first: the call's GRPO arguments, by name
     hidden, weight, bias = A.head(hidden, weight, bias, weight_layout)
     packed = cu_seqlens is not None or position_ids is not None
     if packed:
@@ -124,18 +126,10 @@ def linear_grpo_loss(
             )
         rho = _policy.sampler_ratio(importance_sampling_ratio, b, t)
         masks = (A.token_mask("policy_mask", policy_mask, (b, t)), A.token_mask("entropy_mask", entropy_mask, (b, t)))
-    args = GrpoArgs(
-        loss_type=loss_type, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
-        importance_sampling_level=importance_sampling_level, temperature=temperature,
-        use_bias_correction_kl=use_bias_correction_kl, entropy_coef=entropy_coef,
-        num_items_in_batch=num_items_in_batch, max_completion_length=max_completion_length,
-        sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
-        vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
-        vespo_lambda_neg=vespo_lambda_neg, top_k=top_k, top_p=top_p, min_p=min_p,
-    ).validate()  # fmt: skip
+    args = GrpoArgs(**given).validate()
     vocab = A.vocab_size(weight, weight_layout, vocab_axis)
     truncated = args.filters.truncates
-    support = _support.filters(args.top_k, args.top_p, args.min_p, vocab) if truncated else None
+    support = _support.filters(*astuple(args.filters), vocab) if truncated else None
     if _support.active(support) is None:
         support = None
     else:
@@ -145,7 +139,7 @@ def linear_grpo_loss(
         A.axis_size("token_axis", token_axis)
         if args.entropy_coef and (NORMALIZERS[args.loss_type] == "sequences" or masks[1] is not None):
             raise ValueError(
-                f"argument `token_axis`: an entropy bonus with loss_type {loss_type!r} or an entropy_mask has a "
+                f"argument `token_axis`: an entropy bonus with loss_type {args.loss_type!r} or an entropy_mask has a "
                 "normalizer of its own; not supported across devices yet"
             )
         weight = jax.lax.pcast(weight, token_axis, to="varying")
@@ -193,7 +187,7 @@ def _from_stats(hidden, weight, bias, ids, mask, adv, old, ref, rho, args: GrpoA
     f = args.filters
     out = linear_logprobs(
         hidden.reshape(b, t, hidden.shape[-1]), weight, ids, args.temperature, True, bias=bias, mask=mask,
-        top_k=f.top_k, top_p=f.top_p, min_p=f.min_p, **head,
+        **asdict(f), **head,
     )  # fmt: skip
     kept = mask if out.outside_support is None else mask & ~out.outside_support
     loss, kl, metrics = _policy.grpo_policy_loss(
@@ -251,14 +245,7 @@ def grpo_loss(
     {packed}
     Packed logits are ``[total_tokens, V]`` (or ``[1, total_tokens, V]``); each row's
     log-softmax is then formed in JAX (float32), and ``reduce=False`` is not taken."""
-    args = GrpoArgs(
-        loss_type=loss_type, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
-        importance_sampling_level=importance_sampling_level, temperature=temperature,
-        use_bias_correction_kl=use_bias_correction_kl, num_items_in_batch=num_items_in_batch,
-        max_completion_length=max_completion_length, sapo_temperature_pos=sapo_temperature_pos,
-        sapo_temperature_neg=sapo_temperature_neg, vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos,
-        vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg,
-    ).validate()  # fmt: skip
+    args = GrpoArgs.of_bound(locals()).validate()  # first: the call's GRPO arguments, by name
     if cu_seqlens is not None or position_ids is not None:
         if not reduce:
             raise ValueError("argument `reduce`: False is not supported with a packed batch (cu_seqlens/position_ids)")

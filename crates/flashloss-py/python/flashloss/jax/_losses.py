@@ -3,6 +3,7 @@ states and the LM head: :func:`linear_cross_entropy`, :func:`linear_logprobs`.""
 
 from __future__ import annotations
 
+from dataclasses import astuple
 from typing import Any, Optional
 
 import jax
@@ -16,6 +17,10 @@ from ._calls import CeCall, LogprobCall
 from ._paths import dispatch
 from .ffi import support as _support
 
+#: The options' defaults, the signatures' (``flashloss._spec``).
+_CE = CeArgs()
+_REQUEST = LogprobRequest()
+
 
 @with_params
 def linear_cross_entropy(
@@ -24,12 +29,12 @@ def linear_cross_entropy(
     targets,
     *,
     bias=None,
-    ignore_index: int = -100,
-    label_smoothing: float = 0.0,
-    z_loss: float = 0.0,
-    softcap: Optional[float] = None,
-    reduction: str = "mean",
-    temperature: float = 1.0,
+    ignore_index: int = _CE.ignore_index,
+    label_smoothing: float = _CE.label_smoothing,
+    z_loss: float = _CE.z_loss,
+    softcap: Optional[float] = _CE.softcap,
+    reduction: str = _CE.reduction,
+    temperature: float = _CE.temperature,
     return_lse: bool = False,
     mode: str = "auto",
     budget_mib: Optional[float] = None,
@@ -51,10 +56,7 @@ def linear_cross_entropy(
     vocabulary is split in equal contiguous blocks, as in :func:`linear_grpo_loss`; every
     device passes all the rows and gets the loss, the whole ``hidden`` gradient and its
     block's gradients. ``impl``, ``interpret``, ``weight_layout``: see :mod:`flashloss.jax`."""
-    args = CeArgs(
-        ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
-        reduction=reduction, temperature=temperature,
-    ).validate()  # fmt: skip
+    args = CeArgs.of_bound(locals()).validate()  # first: the call's options, by name
     hidden, weight, bias = A.head(hidden, weight, bias, weight_layout)
     targets = A.int_ids("targets", targets)
     if hidden.shape[:-1] != targets.shape:
@@ -71,7 +73,7 @@ def linear_cross_entropy(
         interpret=interpret,
     )  # fmt: skip
     out, lse = dispatch("linear_cross_entropy", impl, call, h2, weight, bias, t1)
-    out = out.reshape(targets.shape) if reduction == "none" else out
+    out = out.reshape(targets.shape) if args.reduction == "none" else out
     return (out, lse.reshape(targets.shape)) if return_lse else out
 
 
@@ -80,14 +82,14 @@ def linear_logprobs(
     hidden,
     weight,
     ids,
-    temperature: float = 1.0,
-    return_entropy: bool = False,
+    temperature: float = _REQUEST.temperature,
+    return_entropy: bool = _REQUEST.return_entropy,
     *,
     bias=None,
     mask=None,
-    return_lse: bool = False,
-    return_max: bool = False,
-    return_sum_p2: bool = False,
+    return_lse: bool = _REQUEST.return_lse,
+    return_max: bool = _REQUEST.return_max,
+    return_sum_p2: bool = _REQUEST.return_sum_p2,
     gather_ids=None,
     top_k: Optional[int] = None,
     top_p: Optional[float] = None,
@@ -121,6 +123,7 @@ def linear_logprobs(
     streamed (``ffi/support.py``, ``ffi/support_vocab.py``).
 
     {plan} (the FFI path's)"""
+    request = LogprobRequest.of_bound(locals())  # first: the call's request, by name
     hidden, weight, bias = A.head(hidden, weight, bias, weight_layout)
     ids = A.int_ids("ids", ids)
     if hidden.shape[:-1] != ids.shape:
@@ -134,14 +137,10 @@ def linear_logprobs(
     budget = DEFAULT_BUDGET_MIB if budget_mib is None else float(budget_mib)
     x = hidden.reshape(-1, hidden.shape[-1])
     vocab = A.vocab_size(weight, weight_layout, vocab_axis)
-    request = LogprobRequest.of(
-        temperature=temperature, return_entropy=return_entropy, return_lse=return_lse, return_max=return_max,
-        return_sum_p2=return_sum_p2, top_k=top_k, top_p=top_p, min_p=min_p,
-    )  # fmt: skip
     support = None
     if request.support is not None:  # named: the filters that cut, or none (outside_support all False)
         f = request.support
-        support = _support.filters(f.top_k, f.top_p, f.min_p, vocab) or _support.Filters(None, None, None)
+        support = _support.filters(*astuple(f), vocab) or _support.Filters(None, None, None)
     if vocab_axis is not None:
         x = jax.lax.pcast(x, vocab_axis, to="varying")
     call = LogprobCall(
@@ -152,9 +151,9 @@ def linear_logprobs(
     logp, entropy, lse, top, p2, g, out_k = (None if y is None else y.reshape(ids.shape + y.shape[1:]) for y in out)
     return LogprobOutputs(
         logp=logp,
-        entropy=entropy if return_entropy else None,
-        lse=lse if return_lse else None,
-        max_logit=jax.lax.stop_gradient(top) if return_max else None,
+        entropy=entropy if request.return_entropy else None,
+        lse=lse if request.return_lse else None,
+        max_logit=jax.lax.stop_gradient(top) if request.return_max else None,
         sum_p2=None if p2 is None else jax.lax.stop_gradient(p2),
         gathered_logp=g,
         outside_support=out_k,

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._spec import METRICS
+from .._spec import METRICS
 
 
 def _stream(device: torch.device) -> int:

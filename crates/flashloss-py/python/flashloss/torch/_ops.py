@@ -30,12 +30,13 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _dist, _native
-from ._spec.native import call_spec
+from .. import _native
+from . import _dist
+from .._spec.native import call_spec
 
 # The logits-level ops (re-exported for flashloss.torch) and the helpers every op shares.
-from ._torch_logits_ops import grpo_logits, grpo_logits_rows, grpo_logits_rows_backward  # noqa: F401
-from ._torch_op_utils import (
+from ._logits_ops import grpo_logits, grpo_logits_rows, grpo_logits_rows_backward  # noqa: F401
+from ._op_utils import (
     METRICS,
     _f32,
     _fake_grads,

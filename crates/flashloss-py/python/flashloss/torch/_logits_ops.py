@@ -10,9 +10,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _native
-from ._spec.native import call_spec
-from ._torch_op_utils import METRICS, _f32, _only_the_loss_differentiable, _scale, _with_items, metrics_tensor
+from .. import _native
+from .._spec.native import call_spec
+from ._op_utils import METRICS, _f32, _only_the_loss_differentiable, _scale, _with_items, metrics_tensor
 
 # --- GRPO on materialized logits -------------------------------------------------------
 

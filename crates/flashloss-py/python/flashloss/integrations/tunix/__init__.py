@@ -165,7 +165,7 @@ def _logps(graphdef, state, prompt_tokens, completion_tokens, images, segment_id
     from flax import nnx
     from tunix.rl import common
 
-    from ..jax import linear_logprobs
+    from ...jax import linear_logprobs
 
     model = nnx.merge(graphdef, state)
     _supported(model)
