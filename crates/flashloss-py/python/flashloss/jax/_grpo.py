@@ -3,7 +3,7 @@ LM head, and :func:`grpo_loss` on materialized logits."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, astuple
+from dataclasses import asdict
 from typing import Any, Optional
 
 import jax
@@ -12,13 +12,13 @@ import jax.numpy as jnp
 from .._config import DEFAULT_BUDGET_MIB
 from .._spec import METRICS, NORMALIZERS, GRPOOutputs, GrpoArgs, SamplerFilters, with_params
 from . import _args as A
+from . import _head as H
 from . import _packed, _policy
 from ._calls import LinearGrpoCall, LogitsGrpoCall
 from ._collectives import over_tokens
 from ._losses import linear_logprobs
 from ._paths import dispatch
-from .ffi import support as _support
-from .pallas import checks as _checks
+from . import _checks
 
 _TRL = GrpoArgs()
 
@@ -129,8 +129,8 @@ def linear_grpo_loss(
     args = GrpoArgs(**given).validate()
     vocab = A.vocab_size(weight, weight_layout, vocab_axis)
     truncated = args.filters.truncates
-    support = _support.filters(*astuple(args.filters), vocab) if truncated else None
-    if _support.active(support) is None:
+    support = H.filters(args.filters, vocab) if truncated else None
+    if H.active(support) is None:
         support = None
     else:
         args = args.with_filters(SamplerFilters(*support))

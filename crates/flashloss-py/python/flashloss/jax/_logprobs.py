@@ -18,7 +18,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-from .pallas.head import Transform
+from ._head import Transform
 
 #: Elements of ``[rows, K, H]`` gathered weight rows held at once (16 MiB in f32).
 GATHER_BLOCK_ELEMENTS = 1 << 22

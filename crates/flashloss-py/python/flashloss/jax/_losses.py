@@ -3,7 +3,6 @@ states and the LM head: :func:`linear_cross_entropy`, :func:`linear_logprobs`.""
 
 from __future__ import annotations
 
-from dataclasses import astuple
 from typing import Any, Optional
 
 import jax
@@ -12,10 +11,10 @@ import jax.numpy as jnp
 from .._config import DEFAULT_BUDGET_MIB
 from .._spec import CeArgs, LogprobOutputs, LogprobRequest, with_params
 from . import _args as A
+from . import _head as H
 from . import _logprobs
 from ._calls import CeCall, LogprobCall
 from ._paths import dispatch
-from .ffi import support as _support
 
 #: The options' defaults, the signatures' (``flashloss._spec``).
 _CE = CeArgs()
@@ -140,7 +139,7 @@ def linear_logprobs(
     support = None
     if request.support is not None:  # named: the filters that cut, or none (outside_support all False)
         f = request.support
-        support = _support.filters(*astuple(f), vocab) or _support.Filters(None, None, None)
+        support = H.filters(f, vocab)
     if vocab_axis is not None:
         x = jax.lax.pcast(x, vocab_axis, to="varying")
     call = LogprobCall(

@@ -23,7 +23,6 @@ Flax kernel ``[H, V]``; a tile is a block of rows or of columns, never a transpo
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import jax
@@ -31,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from .._head import Transform, vocab_size
 from . import _chips
 
 #: Per-row vectors of the forward kernel's state, in order (``sum_exp2`` last, with
@@ -97,28 +97,6 @@ def from_lanes(x: jax.Array) -> jax.Array:
     vector) alive until the last one, which for a residual is the backward pass (seen in the
     truncated support's buffer assignment for v5p)."""
     return jax.lax.optimization_barrier(x[:, 0])
-
-
-@dataclass(frozen=True)
-class Transform:
-    """How raw logits become the softmax's ``s``: soft-cap (``cap·tanh(z/cap)``), then
-    ``/ temperature``."""
-
-    temperature: float = 1.0
-    softcap: Optional[float] = None
-
-    def apply(self, z: jax.Array) -> jax.Array:
-        if self.softcap is not None:
-            z = self.softcap * jnp.tanh(z / self.softcap)
-        return z * (1.0 / self.temperature)
-
-    def slope(self, s: jax.Array) -> jax.Array:
-        """``∂s/∂z`` at the tile whose transformed logits are ``s``."""
-        inv_t = 1.0 / self.temperature
-        if self.softcap is None:
-            return jnp.full_like(s, inv_t)
-        tanh = s / (self.softcap * inv_t)
-        return inv_t * (1.0 - tanh * tanh)
 
 
 def tile_logits(x_ref, w_ref, bias_ref, layout: str, transform: Transform, mask_weight: Optional[int]) -> tuple:
@@ -196,10 +174,6 @@ def weight_spec(layout: str, bv: int, hidden: int, axis: int) -> pl.BlockSpec:
 
 def bias_spec(bv: int, axis: int) -> pl.BlockSpec:
     return pl.BlockSpec((1, bv), lambda *g: (0, g[axis]))
-
-
-def vocab_size(weight: jax.Array, layout: str) -> int:
-    return weight.shape[0] if layout == "vh" else weight.shape[1]
 
 
 def plan(kernel: str, x: jax.Array, weight: jax.Array, layout: str, chip, max_rows, max_vocab) -> tuple:

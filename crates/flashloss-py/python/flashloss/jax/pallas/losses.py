@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 
 from .. import _policy
-from . import _chips, checks, logits, single_pass, support
+from .. import _checks as checks
+from . import _chips, logits, single_pass, support
 from .head import Transform
 from .stats import HeadSpec, RowStats, row_stats
 
