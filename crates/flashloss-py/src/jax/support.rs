@@ -10,7 +10,7 @@
 use super::ffi::CallFrame;
 use super::frame::{Frame, Named, Result, bad, handle};
 use super::handlers::{by_dtype, grads, head, options, weight_layout};
-use crate::front::cpu;
+use crate::device::cpu;
 use flashloss::SupportFilter;
 use flashloss::device::LogpCall;
 use flashloss::fused::FusedOptions;

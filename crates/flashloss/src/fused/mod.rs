@@ -12,6 +12,7 @@ mod ce;
 mod gather;
 mod grpo;
 mod grpo_support;
+pub(crate) mod key;
 mod logp;
 mod logp_request;
 mod passes;
@@ -44,5 +45,5 @@ pub use split::{
     accumulate_row_grads, ce_accumulate_row_grads, ce_partial_row_states, partial_row_states,
 };
 pub use support::RowSupport;
-pub use support::key::support_key;
+pub use key::support_key;
 pub use terms::{DeviceGatherSink, DeviceSinks, DeviceTopSink, RowGrad, SupportTerm, TileVisitor};

@@ -93,7 +93,7 @@ impl DeviceRow {
 
 #[cfg(test)]
 mod tests {
-    use super::super::key::order_key;
+    use crate::fused::key::order_key;
     use super::super::pass_a::TopBuffer;
     use super::super::tests::Rng;
     use super::*;

@@ -3,7 +3,7 @@
 //! rows, ties split by index), none on peaked rows, and the fallbacks: a cut bin of more
 //! than `COLLECT_MAX` keys, a cut in the underflow, a max beyond the exact grid.
 
-use super::key::{order_key, rel_mass, scaled};
+use crate::fused::key::{order_key, rel_mass, scaled};
 use super::tests::{Rng, check_live, filters, run_support};
 
 /// `n` rows of `v` standard normal logits times `scale`.
