@@ -174,7 +174,7 @@ fn no_grad_logp_matches_the_reference_and_budget_errors_are_clear() {
     let err = logp_linear(&head.inputs(), &x.data.target_ids, None, 1.0, 100, 9).unwrap_err();
     assert!(
         err.to_string()
-            .starts_with("argument `budget_bytes`: 100 bytes is below the GEMM packing reserve"),
+            .starts_with("argument `budget_mib`: 0.000095367431640625 MiB (100 bytes) is below the GEMM packing reserve"),
         "{err}"
     );
     let reserve = flashloss::cpu::gemm_reserve_bytes();

@@ -74,7 +74,7 @@ class GRPOOutputs:
     #: Per-token KL as it enters the loss ``[B, T]`` (float32; zero without a reference
     #: or at ``beta=0``).
     kl: Any
-    #: TRL's logged metrics, named as ``flashloss._spec.METRICS`` (scalars; torch: 0-d float64 tensors,
+    #: TRL's logged metrics, named as ``flashloss._spec.METRICS`` (0-d float32 arrays or tensors in either binding,
     #: ``float()`` them to log).
     metrics: dict
     #: Under ``top_k``/``top_p``/``min_p``: whether each token's target is outside the

@@ -9,7 +9,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-from .._config import DEFAULT_BUDGET_MIB
+from .._config import budget_mib as _budget
 from .._spec import METRICS, NORMALIZERS, GRPOOutputs, GrpoArgs, SamplerFilters, with_params
 from . import _args as A
 from . import _head as H
@@ -134,7 +134,7 @@ def linear_grpo_loss(
         support = None
     else:
         args = args.with_filters(SamplerFilters(*support))
-    budget = DEFAULT_BUDGET_MIB if budget_mib is None else float(budget_mib)
+    budget = _budget(budget_mib)
     if token_axis is not None:
         A.axis_size("token_axis", token_axis)
         if args.entropy_coef and (NORMALIZERS[args.loss_type] == "sequences" or masks[1] is not None):

@@ -8,7 +8,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-from .._config import DEFAULT_BUDGET_MIB
+from .._config import budget_mib as _budget
 from .._spec import CeArgs, LogprobOutputs, LogprobRequest, with_params
 from . import _args as A
 from . import _head as H
@@ -63,7 +63,7 @@ def linear_cross_entropy(
             f"argument `targets`: shape {list(targets.shape)} does not match hidden's rows {list(hidden.shape[:-1])}"
         )
     h2, t1 = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
-    budget = DEFAULT_BUDGET_MIB if budget_mib is None else float(budget_mib)
+    budget = _budget(budget_mib)
     vocab = A.vocab_size(weight, weight_layout, vocab_axis)
     if vocab_axis is not None:
         h2 = jax.lax.pcast(h2, vocab_axis, to="varying")
@@ -133,7 +133,7 @@ def linear_logprobs(
     if m.shape != ids.shape:
         raise ValueError(f"argument `mask`: expected shape {list(ids.shape)}, got {list(m.shape)}")
     candidates = None if gather_ids is None else _logprobs.gather_ids(gather_ids, ids.shape)
-    budget = DEFAULT_BUDGET_MIB if budget_mib is None else float(budget_mib)
+    budget = _budget(budget_mib)
     x = hidden.reshape(-1, hidden.shape[-1])
     vocab = A.vocab_size(weight, weight_layout, vocab_axis)
     support = None

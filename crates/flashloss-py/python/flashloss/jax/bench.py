@@ -50,12 +50,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import flashloss.jax as fj
-from flashloss._config import load_yaml
+from flashloss._config import DEFAULT_BUDGET_MIB, load_yaml
 from flashloss._spec import GrpoArgs
 
 DEFAULTS = dict(impl="fused", tokens=2048, hidden=1024, vocab=151936, batch=4, dtype="float32",
                 beta=0.04, epsilon=GrpoArgs().epsilon_low, temperature=1.0, warmup=1, repeat=3, vocab_tile=8192,
-                budget_mib=160.0, seed=0, min_length=0.5, interpret=False, chip="v6e")  # fmt: skip
+                budget_mib=DEFAULT_BUDGET_MIB, seed=0, min_length=0.5, interpret=False, chip="v6e")  # fmt: skip
 #: The shape ``--lower`` defaults to: the original system's B=1, T=8192, H=4096, V=151936.
 LOWER_DEFAULTS = dict(DEFAULTS, tokens=8192, batch=1, hidden=4096, vocab=151936)
 

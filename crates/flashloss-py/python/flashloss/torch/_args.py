@@ -7,7 +7,6 @@ from __future__ import annotations
 import torch
 
 from .. import _native
-from .._config import DEFAULT_BUDGET_MIB
 from ._op_utils import _f32
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -96,8 +95,3 @@ def grpo_batch(completion_ids, completion_mask, advantages):
     if advantages.dim() == 2 and advantages.shape[1] == 1:
         advantages = advantages[:, 0]  # TRL's unsqueezed [B, 1]
     return ids, mask, _f32(advantages)
-
-
-def budget(budget_mib) -> float:
-    """The workspace budget a call passes its op: ``budget_mib``, or the default."""
-    return DEFAULT_BUDGET_MIB if budget_mib is None else float(budget_mib)

@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from .._config import budget_mib as _budget
 from .._spec import METRICS, GRPOOutputs, GrpoArgs, SamplerFilters, with_params
 from . import _dist, _dtensor
 from . import _ops as ops
@@ -133,7 +134,7 @@ def linear_grpo_loss(
     loss, _, _, _, logp, entropy, kl, metrics = ops.grpo_linear(
         h, w, b, ids, mask, adv, _f32(old_per_token_logps), _f32(ref_per_token_logps),
         _f32(importance_sampling_ratio), A.mask_bool(policy_mask), A.mask_bool(entropy_mask), count_tensor, config,
-        mode, A.budget(budget_mib), group, A.head_grad(weight, bias),
+        mode, _budget(budget_mib), group, A.head_grad(weight, bias),
     )  # fmt: skip
     outside = mask.to(logp.device) & torch.isneginf(logp) if _truncates(**SamplerFilters.fields_of(fields)) else None
     return _outputs(loss, logp, entropy, kl, metrics, outside)

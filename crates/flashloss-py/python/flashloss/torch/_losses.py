@@ -8,6 +8,7 @@ from typing import Optional, Union
 
 import torch
 
+from .._config import budget_mib as _budget
 from .._spec import CeArgs, LogprobOutputs, LogprobRequest, with_params
 from . import _args as A
 from . import _dist, _dtensor
@@ -69,7 +70,7 @@ def linear_cross_entropy(
 
     h2, w, b, config = _dist.agreed(group, prepare)
     tgt = targets.reshape(-1).to(device="cpu", dtype=torch.int64).contiguous()
-    budget = A.budget(budget_mib)
+    budget = _budget(budget_mib)
     if return_lse:
         args = (h2, w, b, tgt, config, mode, budget, group)
         if fields["reduction"] == "none":
@@ -153,7 +154,7 @@ def linear_logprobs(
         b = b.float()  # the GPU kernels read the bias in f32
     # Per-row inputs go to the kernels as CPU tensors (on a GPU: one copy each to the host).
     m = None if mask is None else (mask != 0).cpu().contiguous()
-    budget = A.budget(budget_mib)
+    budget = _budget(budget_mib)
     g = None if gather_ids is None else gather_ids.to(device="cpu", dtype=torch.int64).contiguous()
     f = request.filters
     args = (m, request.temperature, budget, group, g, request.return_sum_p2, f.top_k, f.top_p, f.min_p, mode)

@@ -63,9 +63,13 @@ def scalar_on(x: float, device, dtype=torch.float32) -> Tensor:
     return to_device(torch.tensor(x, dtype=dtype), device)
 
 
+#: The metrics' dtype, JAX's too (``GRPOOutputs.metrics``).
+METRICS_DTYPE = torch.float32
+
+
 def metrics_tensor(out: dict, device=None) -> Tensor:
-    """TRL's metrics of a native GRPO call's result, in :data:`METRICS` order (float64)."""
-    host = torch.tensor([out[k] for k in METRICS], dtype=torch.float64)
+    """TRL's metrics of a native GRPO call's result, in :data:`METRICS` order."""
+    host = torch.tensor([out[k] for k in METRICS], dtype=METRICS_DTYPE)
     return host if device is None else to_device(host, device)
 
 

@@ -38,6 +38,7 @@ from .._spec.native import call_spec
 from ._logits_ops import grpo_logits, grpo_logits_rows, grpo_logits_rows_backward  # noqa: F401
 from ._op_utils import (
     METRICS,
+    METRICS_DTYPE,
     _f32,
     _fake_grads,
     _grad_buffers,
@@ -129,7 +130,7 @@ def grpo_linear(
 @grpo_linear.register_fake
 def _(hidden, weight, bias, completion_ids, *args):
     per_token = tuple(hidden.new_empty(completion_ids.shape, dtype=torch.float32) for _ in range(3))
-    loss, metrics = hidden.new_empty((), dtype=torch.float32), hidden.new_empty((len(METRICS),), dtype=torch.float64)
+    loss, metrics = hidden.new_empty((), dtype=torch.float32), hidden.new_empty((len(METRICS),), dtype=METRICS_DTYPE)
     return (loss, *_fake_grads(hidden, weight, bias, args[-1]), *per_token, metrics)
 
 

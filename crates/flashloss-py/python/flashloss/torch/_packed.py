@@ -23,7 +23,7 @@ from .._spec import packed as P
 from .._spec.native import call_spec
 from ._args import check_tensor
 from ._losses import linear_logprobs
-from ._op_utils import _f32, _with_items, metrics_tensor
+from ._op_utils import METRICS_DTYPE, _f32, _with_items, metrics_tensor
 
 # --- the policy stage alone, from per-token statistics -----------------------------------
 
@@ -65,7 +65,7 @@ def grpo_policy(
 def _(logp, *args):
     f32 = dict(dtype=torch.float32)
     per_token = tuple(logp.new_empty(logp.shape, **f32) for _ in range(3))
-    return (logp.new_empty((), **f32), *per_token, logp.new_empty((len(METRICS),), dtype=torch.float64))
+    return (logp.new_empty((), **f32), *per_token, logp.new_empty((len(METRICS),), dtype=METRICS_DTYPE))
 
 
 def _policy_setup(ctx, inputs, output):
