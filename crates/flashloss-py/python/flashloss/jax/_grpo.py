@@ -4,10 +4,11 @@ LM head, and :func:`grpo_loss` on materialized logits."""
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from .._config import budget_mib as _budget
 from .._spec import METRICS, NORMALIZERS, GRPOOutputs, GrpoArgs, SamplerFilters, with_params
@@ -30,20 +31,20 @@ def _outputs(loss, aux, outside=None):
 
 @with_params
 def linear_grpo_loss(
-    hidden,
-    weight,
-    completion_ids,
-    completion_mask,
-    advantages,
+    hidden: ArrayLike,
+    weight: ArrayLike,
+    completion_ids: ArrayLike,
+    completion_mask: Optional[ArrayLike],
+    advantages: ArrayLike,
     *,
-    bias=None,
-    old_per_token_logps=None,
-    ref_per_token_logps=None,
-    importance_sampling_ratio=None,
-    policy_mask=None,
-    entropy_mask=None,
-    cu_seqlens=None,
-    position_ids=None,
+    bias: Optional[ArrayLike] = None,
+    old_per_token_logps: Optional[ArrayLike] = None,
+    ref_per_token_logps: Optional[ArrayLike] = None,
+    importance_sampling_ratio: Optional[ArrayLike] = None,
+    policy_mask: Optional[ArrayLike] = None,
+    entropy_mask: Optional[ArrayLike] = None,
+    cu_seqlens: Optional[ArrayLike] = None,
+    position_ids: Optional[ArrayLike] = None,
     loss_type: str = _TRL.loss_type,
     beta: float = _TRL.beta,
     epsilon_low: float = _TRL.epsilon_low,
@@ -53,7 +54,7 @@ def linear_grpo_loss(
     temperature: float = _TRL.temperature,
     use_bias_correction_kl: bool = _TRL.use_bias_correction_kl,
     entropy_coef: float = _TRL.entropy_coef,
-    num_items_in_batch=_TRL.num_items_in_batch,
+    num_items_in_batch: Union[float, ArrayLike, None] = _TRL.num_items_in_batch,
     max_completion_length: Optional[int] = _TRL.max_completion_length,
     sapo_temperature_pos: float = _TRL.sapo_temperature_pos,
     sapo_temperature_neg: float = _TRL.sapo_temperature_neg,
@@ -71,7 +72,7 @@ def linear_grpo_loss(
     impl: str = "auto",
     interpret: Any = False,
     weight_layout: str = "vh",
-):
+) -> tuple[jax.Array, GRPOOutputs]:
     """TRL's GRPO loss from ``hidden`` ``[B, T, H]`` (or ``[B·T, H]``) and the LM head
     ``weight`` (``[V, H]``, or ``[H, V]`` with ``weight_layout="hv"``; + ``bias`` ``[V]``)
     at ``completion_ids`` ``[B, T]``.
@@ -199,16 +200,16 @@ def _from_stats(hidden, weight, bias, ids, mask, adv, old, ref, rho, args: GrpoA
 
 @with_params
 def grpo_loss(
-    logits,
-    completion_ids,
-    completion_mask,
-    advantages,
+    logits: ArrayLike,
+    completion_ids: ArrayLike,
+    completion_mask: Optional[ArrayLike],
+    advantages: ArrayLike,
     *,
-    old_per_token_logps=None,
-    ref_per_token_logps=None,
-    importance_sampling_ratio=None,
-    cu_seqlens=None,
-    position_ids=None,
+    old_per_token_logps: Optional[ArrayLike] = None,
+    ref_per_token_logps: Optional[ArrayLike] = None,
+    importance_sampling_ratio: Optional[ArrayLike] = None,
+    cu_seqlens: Optional[ArrayLike] = None,
+    position_ids: Optional[ArrayLike] = None,
     loss_type: str = _TRL.loss_type,
     beta: float = _TRL.beta,
     epsilon_low: float = _TRL.epsilon_low,
@@ -217,7 +218,7 @@ def grpo_loss(
     importance_sampling_level: str = _TRL.importance_sampling_level,
     temperature: float = _TRL.temperature,
     use_bias_correction_kl: bool = _TRL.use_bias_correction_kl,
-    num_items_in_batch=_TRL.num_items_in_batch,
+    num_items_in_batch: Union[float, ArrayLike, None] = _TRL.num_items_in_batch,
     max_completion_length: Optional[int] = _TRL.max_completion_length,
     sapo_temperature_pos: float = _TRL.sapo_temperature_pos,
     sapo_temperature_neg: float = _TRL.sapo_temperature_neg,
@@ -228,8 +229,9 @@ def grpo_loss(
     reduce: bool = True,
     impl: str = "auto",
     interpret: Any = False,
-):
-    """TRL's GRPO loss on materialized ``logits`` ``[B, T, V]`` (float32, bfloat16 or float16):
+) -> tuple:
+    """TRL's GRPO loss on materialized ``logits`` ``[B, T, V]`` (or Liger's ``[B, T+1, V]``,
+    whose last position is not read; float32, bfloat16 or float16):
     the loss and ``dlogits`` in one pass (the place of the original Pallas kernel), the
     gradient in the logits' dtype with no float32 copy of bfloat16 logits. Returns
     ``(loss, GRPOOutputs)``, differentiable in ``logits``. ``impl``, ``interpret``: see
@@ -259,10 +261,13 @@ def grpo_loss(
     ids, mask, adv, old, ref = A.grpo_batch(
         completion_ids, completion_mask, advantages, old_per_token_logps, ref_per_token_logps
     )
-    if logits.ndim != 3 or logits.shape[:2] != ids.shape:
+    b, t = ids.shape
+    if logits.ndim != 3 or logits.shape[0] != b or logits.shape[1] not in (t, t + 1):
         raise ValueError(
-            f"argument `logits`: expected shape [B, T, V] with [B, T] = {list(ids.shape)}, got {list(logits.shape)}"
+            f"argument `logits`: expected shape [B, T, V] (or Liger's [B, T+1, V]) with [B, T] = {[b, t]}, "
+            f"got {list(logits.shape)}"
         )
+    logits = logits[:, :t]  # Liger's [B, T+1, V]: the last position is not read
     rho = _policy.sampler_ratio(importance_sampling_ratio, *ids.shape)
     operands = (logits, ids, mask, adv, old, ref, rho)
     call = LogitsGrpoCall(args=args, interpret=interpret)

@@ -3,10 +3,11 @@ states and the LM head: :func:`linear_cross_entropy`, :func:`linear_logprobs`.""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from .._config import budget_mib as _budget
 from .._spec import CeArgs, LogprobOutputs, LogprobRequest, with_params
@@ -23,11 +24,11 @@ _REQUEST = LogprobRequest()
 
 @with_params
 def linear_cross_entropy(
-    hidden,
-    weight,
-    targets,
+    hidden: ArrayLike,
+    weight: ArrayLike,
+    targets: ArrayLike,
+    bias: Optional[ArrayLike] = None,
     *,
-    bias=None,
     ignore_index: int = _CE.ignore_index,
     label_smoothing: float = _CE.label_smoothing,
     z_loss: float = _CE.z_loss,
@@ -41,9 +42,10 @@ def linear_cross_entropy(
     impl: str = "auto",
     interpret: Any = False,
     weight_layout: str = "vh",
-):
+) -> Union[jax.Array, tuple[jax.Array, jax.Array]]:
     """Cross-entropy of ``hidden @ weight.T + bias`` at ``targets`` (Cut Cross-Entropy's
-    call): ``hidden`` ``[..., H]``, ``targets`` ``[...]``; every option is keyword-only.
+    call): ``hidden`` ``[..., H]``, ``targets`` ``[...]``; ``bias`` is the fourth positional argument, as CCE's,
+    and every other option is keyword-only.
 
     {ce_args}
     On the FFI path a cotangent on ``lse`` runs the kernel once more, or joins reduction
@@ -78,18 +80,18 @@ def linear_cross_entropy(
 
 @with_params
 def linear_logprobs(
-    hidden,
-    weight,
-    ids,
+    hidden: ArrayLike,
+    weight: ArrayLike,
+    ids: ArrayLike,
     temperature: float = _REQUEST.temperature,
     return_entropy: bool = _REQUEST.return_entropy,
     *,
-    bias=None,
-    mask=None,
+    bias: Optional[ArrayLike] = None,
+    mask: Optional[ArrayLike] = None,
     return_lse: bool = _REQUEST.return_lse,
     return_max: bool = _REQUEST.return_max,
     return_sum_p2: bool = _REQUEST.return_sum_p2,
-    gather_ids=None,
+    gather_ids: Optional[ArrayLike] = None,
     top_k: Optional[int] = None,
     top_p: Optional[float] = None,
     min_p: Optional[float] = None,
@@ -99,7 +101,7 @@ def linear_logprobs(
     impl: str = "auto",
     interpret: Any = False,
     weight_layout: str = "vh",
-):
+) -> LogprobOutputs:
     """Per-token log-probabilities of ``ids`` ``[...]`` under ``s = (hidden @ weight.T + bias) /
     temperature`` (``hidden`` ``[..., H]``). Returns a :class:`LogprobOutputs` (``ids``'
     shape; None for what was not asked): ``logp``, and the entropy when

@@ -3,7 +3,7 @@ the LM head, and :func:`grpo_loss` on materialized logits (as ``flashloss.jax._g
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -61,7 +61,7 @@ def linear_grpo_loss(
     temperature: float = _TRL.temperature,
     use_bias_correction_kl: bool = _TRL.use_bias_correction_kl,
     entropy_coef: float = _TRL.entropy_coef,
-    num_items_in_batch=_TRL.num_items_in_batch,
+    num_items_in_batch: Union[float, torch.Tensor, None] = _TRL.num_items_in_batch,
     max_completion_length: Optional[int] = _TRL.max_completion_length,
     sapo_temperature_pos: float = _TRL.sapo_temperature_pos,
     sapo_temperature_neg: float = _TRL.sapo_temperature_neg,
@@ -74,7 +74,7 @@ def linear_grpo_loss(
     min_p: Optional[float] = _TRL.min_p,
     mode: str = "auto",
     budget_mib: Optional[float] = None,
-    vocab_parallel_group=None,
+    vocab_parallel_group: Optional[Any] = None,
 ) -> tuple[torch.Tensor, GRPOOutputs]:
     """TRL's GRPO loss from ``hidden`` ``[B, T, H]`` (or ``[B·T, H]``) and the LM head
     ``weight`` ``[V, H]`` (+ ``bias`` ``[V]``) at ``completion_ids`` ``[B, T]``.
@@ -160,7 +160,7 @@ def grpo_loss(
     importance_sampling_level: str = _TRL.importance_sampling_level,
     temperature: float = _TRL.temperature,
     use_bias_correction_kl: bool = _TRL.use_bias_correction_kl,
-    num_items_in_batch=_TRL.num_items_in_batch,
+    num_items_in_batch: Union[float, torch.Tensor, None] = _TRL.num_items_in_batch,
     max_completion_length: Optional[int] = _TRL.max_completion_length,
     sapo_temperature_pos: float = _TRL.sapo_temperature_pos,
     sapo_temperature_neg: float = _TRL.sapo_temperature_neg,
@@ -169,7 +169,7 @@ def grpo_loss(
     vespo_k_neg: float = _TRL.vespo_k_neg,
     vespo_lambda_neg: float = _TRL.vespo_lambda_neg,
     reduce: bool = True,
-):
+) -> tuple:
     """TRL's GRPO loss on materialized ``logits`` ``[B, T, V]`` (or Liger's ``[B, T+1, V]``,
     whose last position is not read; float32, bfloat16 or float16): the loss and
     ``dlogits`` in one pass, the gradient in the logits' dtype. Returns

@@ -4,7 +4,7 @@ states and the LM head: :func:`linear_cross_entropy`, :func:`linear_logprobs` (a
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -30,8 +30,8 @@ def linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     targets: torch.Tensor,
-    *,
     bias: Optional[torch.Tensor] = None,
+    *,
     ignore_index: int = _CE.ignore_index,
     label_smoothing: float = _CE.label_smoothing,
     z_loss: float = _CE.z_loss,
@@ -41,12 +41,13 @@ def linear_cross_entropy(
     return_lse: bool = False,
     mode: str = "auto",
     budget_mib: Optional[float] = None,
-    vocab_parallel_group=None,
+    vocab_parallel_group: Optional[Any] = None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Cross-entropy of ``hidden @ weight.T + bias`` at ``targets``, as Cut Cross-Entropy's
     ``linear_cross_entropy(e, c, targets, ...)`` and PyTorch's
     ``F.linear_cross_entropy(input, linear_weight, target, ...)`` compute it: ``hidden``
-    ``[..., H]`` and ``targets`` ``[...]``; every option is keyword-only.
+    ``[..., H]`` and ``targets`` ``[...]``; ``bias`` is the fourth positional argument, as CCE's,
+    and every other option is keyword-only.
 
     {ce_args}
 
@@ -102,7 +103,7 @@ def linear_logprobs(
     min_p: Optional[float] = None,
     budget_mib: Optional[float] = None,
     mode: str = "auto",
-    vocab_parallel_group=None,
+    vocab_parallel_group: Optional[Any] = None,
 ) -> LogprobOutputs:
     """Per-token log-probabilities of ``ids`` ``[...]`` under ``s = (hidden @ weight.T + bias) /
     temperature`` (``hidden`` ``[..., H]``): the old- and reference-policy passes of GRPO
