@@ -6,15 +6,13 @@
 //! its own gates; sharding changes only summation order, so the gates are f32
 //! rounding: 1e-5 relative to the largest entry.
 
-use crate::gradcheck::{Backend, FaultKind, GradcheckConfig, GradcheckReport, Kernel};
+use crate::gradcheck::{Backend, FaultKind, GradcheckConfig, Kernel};
 use flashloss::collective::{Collective, agree, run_in_process};
 use flashloss::element::DType;
-use flashloss::{Error, Parallel, Result};
+use flashloss::{Error, Result};
 use half::{bf16, f16};
 use linear::Check;
 use logits::LogitsCheck;
-use serde::Serialize;
-use std::time::Duration;
 
 mod linear;
 mod logits;

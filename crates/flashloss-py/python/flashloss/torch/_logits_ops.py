@@ -1,5 +1,5 @@
 """GRPO on materialized logits as ``torch.library`` custom ops (re-exported by
-:mod:`flashloss._torch_ops`): ``grpo_logits`` returns ``∂loss/∂logits`` (zero at
+:mod:`flashloss.torch._ops`): ``grpo_logits`` returns ``∂loss/∂logits`` (zero at
 positions it does not read) with the loss, and the per-token losses (``reduce=False``)
 run the logits again in their backward with the upstream gradient."""
 

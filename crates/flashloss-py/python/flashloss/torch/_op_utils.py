@@ -1,5 +1,5 @@
-"""Helpers shared by flashloss's ``torch.library`` ops (:mod:`flashloss._torch_ops` and
-:mod:`flashloss._torch_logits_ops`): a head's gradient buffers and their fake shapes, the
+"""Helpers shared by flashloss's ``torch.library`` ops (:mod:`flashloss.torch._ops` and
+:mod:`flashloss.torch._logits_ops`): a head's gradient buffers and their fake shapes, the
 dtypes gradients go back in, TRL's metrics tensor, and saved gradients scaled by the
 upstream gradient."""
 

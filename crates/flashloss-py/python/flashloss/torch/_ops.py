@@ -20,7 +20,7 @@ them, and ``setup_context`` checks that against ``ctx.needs_input_grad``) and re
 ``ctx.needs_input_grad`` there. Inputs arrive checked and
 converted by :mod:`flashloss.torch`: per-token tensors on the CPU, the head in one
 dtype, contiguous. ``group`` names a vocab-parallel group registered in
-:mod:`flashloss._dist` ("" for none).
+:mod:`flashloss.torch._dist` ("" for none).
 """
 
 from __future__ import annotations
