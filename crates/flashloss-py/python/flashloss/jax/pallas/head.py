@@ -124,6 +124,16 @@ def tail(v: int, bv: int, j) -> Optional[Any]:
     return None if v % bv == 0 else v - j * bv
 
 
+def online_max(m_old, s):
+    """The online softmax's step over a tile ``s`` ``[bn, bv]`` of rows whose running max
+    is ``m_old`` ``[bn, 1]``: ``(m_new, shift, alpha)``, the new max, the shift the tile's
+    exponentials take (0 for a row of -inf so far: all zeros) and the rescale
+    ``e^{m_old - shift}`` of the sums so far. Every streamed kernel's one rule."""
+    m_new = jnp.maximum(m_old, jnp.max(s, axis=1, keepdims=True))
+    shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    return m_new, shift, jnp.exp(m_old - shift)
+
+
 def _forward_kernel(*refs, v: int, bv: int, layout: str, transform: Transform, has_bias: bool, sum_p2: bool):
     ids_ref, x_ref, w_ref = refs[:3]
     bias_ref = refs[3] if has_bias else None
@@ -140,9 +150,7 @@ def _forward_kernel(*refs, v: int, bv: int, layout: str, transform: Transform, h
     col = j * bv + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
     s = jnp.where(col < v, s, -jnp.inf)
     m_old, sum_old = m_ref[:, :1], s_ref[:, :1]
-    m_new = jnp.maximum(m_old, jnp.max(s, axis=1, keepdims=True))
-    shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # a row of -inf so far: all zeros
-    alpha = jnp.exp(m_old - shift)
+    m_new, shift, alpha = online_max(m_old, s)
     d = s - shift
     e = jnp.exp(d)
     rescale = jnp.where(sum_old > 0, sum_old * (m_old - shift), 0.0)
