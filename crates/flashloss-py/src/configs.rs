@@ -35,7 +35,10 @@ pub fn check_ce_config(config_json: &str) -> PyResult<()> {
 pub fn defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let json = |v: serde_json::Result<String>| v.map_err(|e| PyValueError::new_err(e.to_string()));
     let d = PyDict::new(py);
-    d.set_item("grpo", json(serde_json::to_string(&GrpoLossConfig::default()))?)?;
+    d.set_item(
+        "grpo",
+        json(serde_json::to_string(&GrpoLossConfig::default()))?,
+    )?;
     d.set_item("ce", json(serde_json::to_string(&CeConfig::default()))?)?;
     d.set_item("budget_mib", DEFAULT_BUDGET_MIB)?;
     Ok(d)

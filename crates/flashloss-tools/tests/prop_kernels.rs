@@ -409,7 +409,10 @@ mod regressions {
             2,
             2,
             Objective::Ce,
-            GrpoLossConfig { loss_type: LossType::Grpo, ..GrpoLossConfig::default() },
+            GrpoLossConfig {
+                loss_type: LossType::Grpo,
+                ..GrpoLossConfig::default()
+            },
             ce,
             false,
             true,
@@ -473,7 +476,10 @@ mod regressions {
             1,
             1,
             Objective::Ce,
-            GrpoLossConfig { loss_type: LossType::Grpo, ..GrpoLossConfig::default() },
+            GrpoLossConfig {
+                loss_type: LossType::Grpo,
+                ..GrpoLossConfig::default()
+            },
             ce,
             false,
             true,

@@ -6,7 +6,10 @@
 //! overrides never panic either. 1000 + 500 + 1000 cases per run (`PROPTEST_CASES`).
 
 use flashloss::device::{CeCall, GrpoCall};
-use flashloss::{CeConfig, CrossEntropy, Device, FusedOptions, GrpoLoss, GrpoLossConfig, LogitsLayout, LossType, Mode, PerSeqOrTokenBuf};
+use flashloss::{
+    CeConfig, CrossEntropy, Device, FusedOptions, GrpoLoss, GrpoLossConfig, LogitsLayout, LossType,
+    Mode, PerSeqOrTokenBuf,
+};
 use flashloss_tools::bench::BenchConfig;
 use flashloss_tools::config_file;
 use flashloss_tools::gradcheck::GradcheckConfig;

@@ -14,7 +14,10 @@ use flashloss_tools::inputs::{GrpoInputs, InputSpec};
 type Edit = Box<dyn FnOnce(&mut GrpoLossConfig)>;
 
 fn config_error(f: impl FnOnce(&mut GrpoLossConfig)) -> String {
-    let mut c = GrpoLossConfig { loss_type: LossType::Grpo, ..GrpoLossConfig::default() };
+    let mut c = GrpoLossConfig {
+        loss_type: LossType::Grpo,
+        ..GrpoLossConfig::default()
+    };
     f(&mut c);
     GrpoLoss::new(c).unwrap_err().to_string()
 }
@@ -241,7 +244,11 @@ fn bad_inputs_name_the_argument_and_index() {
     // Masked positions are never read: padding ids and NaN logp there are fine.
     x.data.mask[6] = false;
     x.data.old_logp.as_mut().unwrap()[6] = f32::NAN;
-    let loss = GrpoLoss::new(GrpoLossConfig { loss_type: LossType::Grpo, ..GrpoLossConfig::default() }).unwrap();
+    let loss = GrpoLoss::new(GrpoLossConfig {
+        loss_type: LossType::Grpo,
+        ..GrpoLossConfig::default()
+    })
+    .unwrap();
     let layout = LogitsLayout::contiguous(2, 4, 50);
     assert!(grpo_logits_forward(&loss, &x.batch(), &x.logits, &layout).is_ok());
 }
@@ -249,7 +256,11 @@ fn bad_inputs_name_the_argument_and_index() {
 #[test]
 fn bad_layouts_and_backward_arguments() {
     let x = inputs();
-    let loss = GrpoLoss::new(GrpoLossConfig { loss_type: LossType::Grpo, ..GrpoLossConfig::default() }).unwrap();
+    let loss = GrpoLoss::new(GrpoLossConfig {
+        loss_type: LossType::Grpo,
+        ..GrpoLossConfig::default()
+    })
+    .unwrap();
     let batch = x.batch();
     let run = |layout: LogitsLayout, data: &[f32]| {
         grpo_logits_forward(&loss, &batch, data, &layout)

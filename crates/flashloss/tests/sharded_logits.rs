@@ -245,7 +245,11 @@ fn sharded_logits_match_one_rank() {
 #[test]
 fn a_bad_shard_is_the_same_error_on_every_rank() {
     let inputs = Inputs::new(2, 3, 11, 3);
-    let loss = GrpoLoss::new(GrpoLossConfig { loss_type: LossType::Grpo, ..GrpoLossConfig::default() }).unwrap();
+    let loss = GrpoLoss::new(GrpoLossConfig {
+        loss_type: LossType::Grpo,
+        ..GrpoLossConfig::default()
+    })
+    .unwrap();
     let results = run_in_process(2, Duration::from_secs(30), |comm| {
         let grid = Grid::vocab(comm);
         let (part, logits) = inputs.part(0..2, 0..6);

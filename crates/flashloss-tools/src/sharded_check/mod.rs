@@ -59,7 +59,6 @@ pub fn run(cfg: &GradcheckConfig, ranks: usize) -> crate::Result<Vec<crate::Resu
         .collect())
 }
 
-
 /// Runs this rank's part of the sharded check over `comm`, a group of processes (every
 /// rank of `comm` calls it; an injected `exit` fault ends this process). A bad config
 /// is the same error on every rank.
