@@ -18,7 +18,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-from ._head import Transform
+from ._head import Transform, vocab_size
 
 #: Elements of ``[rows, K, H]`` gathered weight rows held at once (16 MiB in f32).
 GATHER_BLOCK_ELEMENTS = 1 << 22
@@ -67,7 +67,7 @@ def gathered_logits(
     each device forms those in its block and the sum over the axis gives all), 0 where
     not ``live``. Products in the inputs' dtype with f32 accumulation, as the kernels."""
     n, k = ids.shape
-    block = weight.shape[0] if layout == "vh" else weight.shape[1]
+    block = vocab_size(weight, layout)
     offset = 0 if vocab_axis is None else jax.lax.axis_index(vocab_axis) * block
     local = jnp.where(live[:, None], ids, 0) - offset
     own = live[:, None] & (local >= 0) & (local < block)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from .. import _policy
 from .. import _checks as checks
 from . import _chips, logits, single_pass, support
-from .head import Transform
+from .head import Transform, vocab_size
 from .stats import HeadSpec, RowStats, row_stats
 
 
@@ -48,7 +48,7 @@ def single_pass_rows(mode: str, budget_mib: float, x, weight, spec: HeadSpec, ar
     if mode == "two_pass" or not allowed or spec.transform.softcap is not None:
         return None
     n, hidden = x.shape
-    v = weight.shape[0] if spec.layout == "vh" else weight.shape[1]
+    v = vocab_size(weight, spec.layout)
     relayout = weight.dtype == jnp.bfloat16 and _chips.chip(spec.chip).name in _chips.RELAYOUTS_BF16_HEAD
     rows = single_pass.block_rows(n, v, hidden, budget_mib * 2**20, v * hidden * 2 if relayout else 0)
     if rows is None and mode in ("single_pass", "compact"):

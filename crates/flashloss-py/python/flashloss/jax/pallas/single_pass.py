@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import _policy
+from .._head import vocab_size
 from . import logits
 
 #: Rows per block tried, largest first (multiples of 128 rows: the MXU's tile).
@@ -88,7 +89,7 @@ def _step(x, weight, bias, ids, mask, adv, old, ref, ratio, args, layout, rows, 
     gradients only those ``wants`` asks for (of ``x``, ``weight``, ``bias``; None for the
     others); none: no product but the logits'."""
     n, hidden = x.shape
-    v = weight.shape[0] if layout == "vh" else weight.shape[1]
+    v = vocab_size(weight, layout)
     want_dx, want_dw, want_dc = wants[0], wants[1], wants[2] and bias is not None
     columns, row_fn = _row_inputs(mask, adv, old, ref, ratio, args)
     live = mask.reshape(-1)
