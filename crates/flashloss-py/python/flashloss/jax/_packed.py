@@ -25,7 +25,7 @@ from . import _args as A
 from . import _policy
 from ._collectives import over_tokens
 from ._losses import linear_logprobs
-from .pallas import checks as _checks
+from . import _checks
 
 
 def _concrete(x) -> Optional[np.ndarray]:

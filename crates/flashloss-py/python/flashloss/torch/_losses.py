@@ -53,7 +53,7 @@ def linear_cross_entropy(
 
     {plan}"""
     fields = CeArgs.fields_of(locals())  # first: the call's options, by name
-    hidden, weight, bias, vocab_parallel_group = _dtensor.localA.head(hidden, weight, bias, vocab_parallel_group)
+    hidden, weight, bias, vocab_parallel_group = _dtensor.local_head(hidden, weight, bias, vocab_parallel_group)
     group = _dist.register(vocab_parallel_group)
 
     def prepare():
@@ -136,7 +136,7 @@ def linear_logprobs(
 
     {plan} (the backward's; the forward is one statistics pass)"""
     request = LogprobRequest.of_bound(locals())  # first: the call's request, by name
-    hidden, weight, bias, vocab_parallel_group = _dtensor.localA.head(hidden, weight, bias, vocab_parallel_group)
+    hidden, weight, bias, vocab_parallel_group = _dtensor.local_head(hidden, weight, bias, vocab_parallel_group)
     group = _dist.register(vocab_parallel_group)
 
     def prepare():
