@@ -1,11 +1,11 @@
 """An argument class built from a call's bound arguments: a public function passes its
-``locals()`` (taken first thing) and gets the class's fields by name, so no function
-writes a list of the fields by hand (the signatures are checked against the classes by
+``locals()`` (taken first thing; its closures take what they need as default arguments,
+since ``torch.compile`` cannot read an unbound cell) and gets the class's fields by name,
+so no function writes a list of the fields by hand (the signatures are checked against the classes by
 ``tests/test_api_parity.py``)."""
 
 from __future__ import annotations
 
-from dataclasses import fields
 from typing import Any, Mapping, TypeVar
 
 T = TypeVar("T", bound="Bound")
@@ -16,8 +16,9 @@ class Bound:
 
     @classmethod
     def names(cls) -> tuple:
-        """The fields' names, in the order of the public signatures."""
-        return tuple(f.name for f in fields(cls))
+        """The fields' names, in the order of the public signatures (read from the
+        dataclass's field table, which ``torch.compile`` traces)."""
+        return tuple(cls.__dataclass_fields__)
 
     @classmethod
     def fields_of(cls, bound: Mapping[str, Any], **given: Any) -> dict:

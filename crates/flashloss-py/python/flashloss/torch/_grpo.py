@@ -107,7 +107,7 @@ def linear_grpo_loss(
             policy_mask=policy_mask, entropy_mask=entropy_mask,
         )  # fmt: skip
 
-        def checked():  # on every rank of a group before any collective: all fail together
+        def checked(per_token=per_token, fields=fields):  # on every rank before any collective: all fail together
             packed = _packed.Packed(cu_seqlens, position_ids, completion_ids, completion_mask, advantages)
             return packed.check(dict(per_token, hidden=hidden)), GrpoArgs(**fields).validate()
 
@@ -116,7 +116,7 @@ def linear_grpo_loss(
         head_ = dict(hidden=hidden, weight=weight, bias=bias)
         return _packed.linear_grpo(packed, head_, args, per_token, count_tensor, _grpo_json(**fields), plan)
 
-    def prepare():
+    def prepare(fields=fields):
         device = A.same_device(
             dict(
                 hidden=hidden, weight=weight, bias=bias, completion_ids=completion_ids,
@@ -208,7 +208,7 @@ def grpo_loss(
     config = _grpo_json(**fields)
     if not reduce:
         token_loss, kl, clipped = ops.grpo_logits_rows(logits, *batch, config)
-        return token_loss, (kl if GrpoArgs(**fields).beta != 0.0 else None), clipped
+        return token_loss, (kl if fields["beta"] != 0.0 else None), clipped
     loss, _, logp, entropy, kl, metrics = ops.grpo_logits(logits, *batch, count_tensor, config)
     return _outputs(loss, logp, entropy, kl, metrics)
 

@@ -56,7 +56,7 @@ def linear_cross_entropy(
     hidden, weight, bias, vocab_parallel_group = _dtensor.local_head(hidden, weight, bias, vocab_parallel_group)
     group = _dist.register(vocab_parallel_group)
 
-    def prepare():
+    def prepare(fields=fields):
         device = A.same_device(dict(hidden=hidden, weight=weight, targets=targets, bias=bias))
         config = _ce_json(**fields)
         if targets.dtype.is_floating_point or targets.dtype == torch.bool:
