@@ -249,3 +249,14 @@ def test_liger_drop_ins_keep_ligers_positional_order():
     old = torch.zeros(ids.shape)
     loss, metrics = liger.triton_grpo_loss(logits, old, None, ids, adv, mask, 1.0, 0.0, 0.2, 0.2, False)
     assert torch.isfinite(loss) and len(metrics) == 1
+
+
+@pytest.mark.parametrize("name", ("trl", "verl", "liger", "transformers", "tunix"))
+def test_the_integrations_keep_their_names(name):
+    """Each integration lives in :mod:`flashloss.integrations` and is the same module
+    under its public name (``flashloss.trl``, ...), so a patch through either is one."""
+    import importlib
+    import sys
+
+    public = importlib.import_module(f"flashloss.{name}")
+    assert public is importlib.import_module(f"flashloss.integrations.{name}") is sys.modules[f"flashloss.{name}"]
