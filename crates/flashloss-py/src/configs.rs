@@ -8,23 +8,29 @@ use flashloss::{CeConfig, CrossEntropy, GrpoLoss, GrpoLossConfig};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
+use serde::de::DeserializeOwned;
 
 /// Checks a GRPO loss config (the JSON of `GrpoLossConfig`): a `ValueError` with the
 /// message the kernels and the FFI handlers give (a trace-time check reports a bad
 /// argument identically).
 #[pyfunction]
 pub fn check_grpo_config(config_json: &str) -> PyResult<()> {
-    let config = config_from_json::<GrpoLossConfig>(config_json)?;
-    GrpoLoss::new(config)
-        .map(drop)
-        .map_err(|e| PyValueError::new_err(e.to_string()))
+    check(config_json, GrpoLoss::new)
 }
 
 /// Checks a cross-entropy config (the JSON of `CeConfig`): see [`check_grpo_config`].
 #[pyfunction]
 pub fn check_ce_config(config_json: &str) -> PyResult<()> {
-    let config = config_from_json::<CeConfig>(config_json)?;
-    CrossEntropy::new(config)
+    check(config_json, CrossEntropy::new)
+}
+
+/// `config_json` parsed as `C` (an error names its key) and validated by `new`.
+fn check<C: DeserializeOwned, L>(
+    config_json: &str,
+    new: fn(C) -> flashloss::Result<L>,
+) -> PyResult<()> {
+    let config = config_from_json::<C>(config_json)?;
+    new(config)
         .map(drop)
         .map_err(|e| PyValueError::new_err(e.to_string()))
 }
