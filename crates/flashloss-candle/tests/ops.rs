@@ -164,7 +164,11 @@ fn the_op_scales_its_gradients_by_the_upstream_gradient() {
     let hidden = random(&mut rng, (10, 8), 1.0);
     let weight = random(&mut rng, (33, 8), 1.0);
     let batch = inputs(&mut rng, 2, 5, 33);
-    let loss = GrpoLoss::new(GrpoLossConfig::default()).unwrap();
+    let loss = GrpoLoss::new(GrpoLossConfig {
+        loss_type: LossType::Grpo,
+        ..GrpoLossConfig::default()
+    })
+    .unwrap();
     let once = value_and_grads(&hidden, &weight, |x, w| {
         ops::grpo_linear(x, w, &loss, batch.clone(), 64 << 20)
             .unwrap()
@@ -270,7 +274,11 @@ fn bad_inputs_are_errors_that_name_the_argument() {
     let e = ops::ce_linear(&hidden, &weight, &ce, vec![0, 1, 2, 99, 0, 0], 64 << 20).unwrap_err();
     assert!(e.to_string().contains("99"), "{e}");
     let batch = inputs(&mut rng, 2, 4, 20);
-    let loss = GrpoLoss::new(GrpoLossConfig::default()).unwrap();
+    let loss = GrpoLoss::new(GrpoLossConfig {
+        loss_type: LossType::Grpo,
+        ..GrpoLossConfig::default()
+    })
+    .unwrap();
     let e = ops::grpo_linear(&hidden, &weight, &loss, batch, 64 << 20).unwrap_err();
     assert!(e.to_string().contains("hidden"), "{e}");
     let vespo = GrpoLoss::new(GrpoLossConfig {

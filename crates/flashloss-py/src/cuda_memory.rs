@@ -4,7 +4,7 @@
 //! `torch.cuda.memory_allocated` counts them and PyTorch reuses them after the call; and
 //! [`cuda_stats`] reads what the backend allocates itself and the host's waits.
 
-use crate::front::run;
+use crate::device::run;
 use flashloss::Error;
 #[cfg(feature = "cuda")]
 use flashloss::cuda::DeviceAllocator;
@@ -105,7 +105,7 @@ pub fn cuda_stats<'py>(
 
 #[cfg(feature = "cuda")]
 fn stats_of(ordinal: usize, reset: bool) -> flashloss::Result<Vec<(&'static str, usize)>> {
-    let device = crate::front::gpu(ordinal)?;
+    let device = crate::device::gpu(ordinal)?;
     let gpu = device.gpu().ok_or_else(|| Error::Device {
         reason: format!("cuda:{ordinal} is not a GPU device"),
     })?;

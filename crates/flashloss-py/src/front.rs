@@ -1,16 +1,16 @@
-//! The front door from Python: the [`Device`] of the tensors' device (one per process
-//! and device, kept between calls, so its workspace is reused from step to step), and a
-//! call's LM head as [`HeadArgs`]: host slices of CPU tensors, or (a build with the
+//! The front door from Python: a call on the [`Device`] of the tensors' device
+//! ([`crate::device`]: one per process and device, kept between calls, so its workspace
+//! is reused from step to step), with the call's LM head as [`HeadArgs`]: host slices of CPU tensors, or (a build with the
 //! `cuda` feature) PyTorch's device buffers, borrowed, on PyTorch's current stream.
 
 use crate::args::{Grads, HeadTensors, TorchElement};
+#[cfg(feature = "cuda")]
+use crate::device::gpu;
+use crate::device::{cpu, run};
 use crate::tensor::arg_error;
 use flashloss::fused::LinearGradsMut;
 use flashloss::{Device, HeadArgs};
-use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::LazyLock;
 
 /// `$body` with `$E` the kernels' element type of tensor dtype `$dtype` (f32, bf16 or
 /// f16).
@@ -33,49 +33,6 @@ macro_rules! with_element {
     };
 }
 pub(crate) use with_element;
-
-/// Runs `work` without the GIL; a flashloss error or a panic becomes a `ValueError`.
-pub(crate) fn run<T: Send>(
-    py: Python<'_>,
-    work: impl FnOnce() -> flashloss::Result<T> + Send,
-) -> PyResult<T> {
-    let result = py.detach(|| catch_unwind(AssertUnwindSafe(work)));
-    match result {
-        Ok(Ok(value)) => Ok(value),
-        Ok(Err(e)) => Err(PyValueError::new_err(e.to_string())),
-        Err(panic) => {
-            let what = panic
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_default();
-            Err(PyValueError::new_err(format!(
-                "flashloss internal error (please report it): {what}"
-            )))
-        }
-    }
-}
-
-/// The CPU device of this process.
-pub(crate) fn cpu() -> &'static Device {
-    static CPU: LazyLock<Device> = LazyLock::new(Device::cpu);
-    &CPU
-}
-
-/// GPU `ordinal`'s device, opened once per process (kernels loaded once).
-#[cfg(feature = "cuda")]
-pub(crate) fn gpu(ordinal: usize) -> flashloss::Result<&'static Device> {
-    use std::collections::HashMap;
-    use std::sync::Mutex;
-    static GPUS: LazyLock<Mutex<HashMap<usize, &'static Device>>> = LazyLock::new(Mutex::default);
-    let mut gpus = GPUS.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(d) = gpus.get(&ordinal) {
-        return Ok(d);
-    }
-    let device: &'static Device = Box::leak(Box::new(Device::cuda(ordinal)?));
-    gpus.insert(ordinal, device);
-    Ok(device)
-}
 
 /// Runs `call` on the head's device with the head (and `grads`, when the loss has
 /// gradients) as [`HeadArgs`] of element type `E`, without the GIL.

@@ -2,7 +2,7 @@
 //! in ([`build_info`]) and the products a bf16 head runs on the CPU
 //! ([`flashloss::cpu::bf16_products_choice`]).
 
-use crate::front::run;
+use crate::device::run;
 use flashloss::Bf16Products;
 use flashloss::cpu::{Bf16Reason, bf16_products_choice};
 use pyo3::exceptions::PyValueError;

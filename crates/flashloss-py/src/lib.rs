@@ -5,7 +5,9 @@
 //! `ValueError` with flashloss's message.
 
 mod args;
+mod configs;
 mod cuda_memory;
+mod device;
 mod dist;
 mod front;
 mod info;
@@ -37,7 +39,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(logprobs::logp_linear_grads, m)?)?;
     m.add_function(wrap_pyfunction!(jax::jax_targets, m)?)?;
     m.add_function(wrap_pyfunction!(jax::jax_abi_layout, m)?)?;
-    m.add_function(wrap_pyfunction!(jax::check_grpo_config, m)?)?;
-    m.add_function(wrap_pyfunction!(jax::check_ce_config, m)?)?;
+    m.add_function(wrap_pyfunction!(configs::check_grpo_config, m)?)?;
+    m.add_function(wrap_pyfunction!(configs::check_ce_config, m)?)?;
+    m.add_function(wrap_pyfunction!(configs::defaults, m)?)?;
     Ok(())
 }

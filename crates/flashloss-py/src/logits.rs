@@ -4,7 +4,8 @@
 //! ([`grpo_logits_per_token`]). CPU tensors.
 
 use crate::args::{BatchArrays, BatchTensors, F32, FLOAT, TorchElement};
-use crate::front::{cpu, run, with_element};
+use crate::device::{cpu, run};
+use crate::front::with_element;
 use crate::losses::{grpo_result, write_f32, write_stats};
 use crate::spec::Spec;
 use crate::tensor::{Tensor, arg_error};

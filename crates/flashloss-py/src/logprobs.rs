@@ -17,6 +17,7 @@ use crate::tensor::{Tensor, arg_error};
 use flashloss::device::LogpCall;
 use flashloss::fused::{FusedOptions, GatherIds, LogpOutput, LogpRequest, LogpRows, LogpUpstream};
 use flashloss::{SupportFilter, Temperature};
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 /// The optional inputs of a log-prob call: candidate ids `[..., K]` (the ids' shape and
@@ -49,17 +50,8 @@ impl<'py> Extras<'py> {
                 }
             },
         };
-        let top_k = top_k
-            .map(|k| {
-                usize::try_from(k)
-                    .map_err(|_| arg_error("top_k", format!("must be at least 1, got {k}")))
-            })
-            .transpose()?;
-        let filter = SupportFilter {
-            top_k,
-            top_p,
-            min_p,
-        };
+        let filter = SupportFilter::of_caller(top_k, top_p, min_p)
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
         let support = (filter != SupportFilter::default()).then_some(filter);
         Ok(Extras { gather, k, support })
     }

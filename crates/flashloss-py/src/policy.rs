@@ -7,7 +7,7 @@
 //! normalizer) are written, and returns the loss with `∂L/∂logp` and `∂L/∂H` per token.
 
 use crate::args::{BatchArrays, BatchTensors, F32};
-use crate::front::run;
+use crate::device::run;
 use crate::losses::{grpo_result, write_f32};
 use crate::spec::Spec;
 use crate::tensor::Tensor;

@@ -37,12 +37,6 @@ impl From<ArgError> for pyo3::PyErr {
     }
 }
 
-impl From<ArgError> for crate::jax::frame::HandlerError {
-    fn from(e: ArgError) -> Self {
-        crate::jax::frame::bad(&e.arg, e.reason)
-    }
-}
-
 /// A parsed spec (see the module's documentation).
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -7,7 +7,7 @@ import torch
 
 import flashloss.torch as fl
 from flashloss import liger
-from flashloss import _torch_ops as ops
+from flashloss.torch import _ops as ops
 from flashloss._spec import CeArgs, GrpoArgs
 from test_grpo import make_batch
 

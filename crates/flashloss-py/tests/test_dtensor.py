@@ -1,4 +1,4 @@
-"""LM heads given as DTensors (flashloss/_dtensor.py) over Gloo on the CPU, 2 and 3
+"""LM heads given as DTensors (flashloss/torch/_dtensor.py) over Gloo on the CPU, 2 and 3
 processes: a vocabulary-sharded head (Shard(0)) with a replicated hidden runs
 vocab-parallel over the mesh and equals the one-process call (loss, per-token outputs,
 dH, this rank's block of dW and dbias, returned as DTensors of the weight's placement),

@@ -380,7 +380,7 @@ def test_sequence_level_clip_metrics_are_trl_global_masked_means(per_token_advan
     for name, flags in (("low", low), ("high", high), ("region", low | high)):
         x = flags.double()
         want = (x.expand(-1, 7) * m).sum() / m.sum() if per_token_advantages else x.sum() / x.shape[0]
-        assert out.metrics[f"clip_ratio/{name}_mean"].item() == pytest.approx(want.item(), abs=1e-12), name
+        assert out.metrics[f"clip_ratio/{name}_mean"].item() == pytest.approx(want.item(), abs=1e-7), name  # float32
     assert 0 < token_mean < 1  # some sequences clip, some not
     if not per_token_advantages:
         assert out.metrics["clip_ratio/region_mean"].item() != pytest.approx(token_mean, abs=1e-3)

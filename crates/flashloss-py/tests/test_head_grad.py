@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import flashloss.torch as fl
-from flashloss import _torch_ops as ops
+from flashloss.torch import _ops as ops
 from flashloss._spec import CeArgs, GrpoArgs
 
 N_B, N_T, H, V = 3, 7, 24, 301

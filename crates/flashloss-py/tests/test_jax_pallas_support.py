@@ -16,9 +16,9 @@ import pytest
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 pytest.importorskip("flashloss.jax")
-from flashloss.jax.ffi.support import Filters  # noqa: E402
+from flashloss.jax._head import Filters  # noqa: E402
 from flashloss.jax.pallas import support  # noqa: E402
-from flashloss.jax.pallas.head import Transform  # noqa: E402
+from flashloss.jax._head import Transform  # noqa: E402
 from flashloss.jax.pallas.stats import HeadSpec  # noqa: E402
 from test_jax_logprobs_support import exact_head, reference, support_keep  # noqa: E402
 

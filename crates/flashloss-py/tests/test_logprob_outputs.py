@@ -8,7 +8,7 @@ bad ``gather_ids`` and support filters are ``ValueError`` naming the argument.""
 import flashloss.torch as fl
 import pytest
 import torch
-from flashloss import _torch_ops as ops
+from flashloss.torch import _ops as ops
 
 N_B, N_T, H, V = 3, 5, 20, 2111  # V: a ragged last vocabulary tile (2048 + 63)
 

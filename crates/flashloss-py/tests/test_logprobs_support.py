@@ -151,7 +151,7 @@ def test_bad_filters_name_the_argument(kwargs: dict, arg: Optional[str]):
 
 
 def test_opcheck_and_compile_with_a_support():
-    from flashloss import _torch_ops as ops
+    from flashloss.torch import _ops as ops
 
     hidden, weight, bias = exact_head(6, 8, 301, torch.float32, 11, ties=True)
     hidden.requires_grad_(True)

@@ -6,7 +6,7 @@ mod common;
 use common::cpu_steps::{ce_linear, grpo_linear};
 use common::*;
 use flashloss::memory::{self, TrackingAllocator};
-use flashloss::{CeConfig, CrossEntropy, GrpoLoss, GrpoLossConfig};
+use flashloss::{CeConfig, CrossEntropy, GrpoLoss, GrpoLossConfig, LossType};
 use flashloss::{FusedOptions, Mode, Plan};
 
 #[global_allocator]
@@ -22,7 +22,11 @@ fn fused_kernels_stay_within_the_budget() {
     assert!(n * v * 4 >= 100 * budget);
     let head = Head::<f32>::random(n, h, v, false, 7);
     let x = draw(1, n, v, 8);
-    let grpo = GrpoLoss::new(GrpoLossConfig::default()).unwrap();
+    let grpo = GrpoLoss::new(GrpoLossConfig {
+        loss_type: LossType::Grpo,
+        ..GrpoLossConfig::default()
+    })
+    .unwrap();
     let ce = CrossEntropy::new(CeConfig {
         label_smoothing: 0.1,
         softcap: Some(30.0),

@@ -142,6 +142,7 @@ fn single_pass_equals_two_pass_and_threads_do_not_change_bits() {
     let loss = GrpoLoss::new(GrpoLossConfig {
         beta: 0.04,
         entropy_coef: 0.01,
+        loss_type: LossType::Grpo,
         ..GrpoLossConfig::default()
     })
     .unwrap();
@@ -174,7 +175,7 @@ fn no_grad_logp_matches_the_reference_and_budget_errors_are_clear() {
     let err = logp_linear(&head.inputs(), &x.data.target_ids, None, 1.0, 100, 9).unwrap_err();
     assert!(
         err.to_string()
-            .starts_with("argument `budget_bytes`: 100 bytes is below the GEMM packing reserve"),
+            .starts_with("argument `budget_mib`: 0.000095367431640625 MiB (100 bytes) is below the GEMM packing reserve"),
         "{err}"
     );
     let reserve = flashloss::cpu::gemm_reserve_bytes();
@@ -194,6 +195,7 @@ fn no_grad_logp_matches_the_reference_and_budget_errors_are_clear() {
     );
     let loss = GrpoLoss::new(GrpoLossConfig {
         importance_sampling_level: flashloss::ImportanceSamplingLevel::Sequence,
+        loss_type: LossType::Grpo,
         ..GrpoLossConfig::default()
     })
     .unwrap();
@@ -214,6 +216,7 @@ fn no_grad_logp_matches_the_reference_and_budget_errors_are_clear() {
 fn baseline_matches_the_reference() {
     let loss = GrpoLoss::new(GrpoLossConfig {
         beta: 0.04,
+        loss_type: LossType::Grpo,
         ..GrpoLossConfig::default()
     })
     .unwrap();

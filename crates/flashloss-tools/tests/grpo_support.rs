@@ -186,7 +186,13 @@ fn frozen_head_bf16_and_two_pass() {
     let head = ExactHead::<bf16>::new((12, 20, 1031), false, true, 3);
     let x = batch_for(&head, (3, 4), 4);
     for filter in FILTERS {
-        let loss = with_support(GrpoLossConfig::default(), filter);
+        let loss = with_support(
+            GrpoLossConfig {
+                loss_type: LossType::Grpo,
+                ..GrpoLossConfig::default()
+            },
+            filter,
+        );
         for o in [
             opts(Mode::TwoPass, HeadGrad::Frozen),
             opts(Mode::Auto, HeadGrad::Full),
@@ -210,6 +216,7 @@ fn unset_filters_are_the_full_softmax() {
         top_k: Some(0),
         top_p: Some(1.0),
         min_p: Some(0.0),
+        loss_type: LossType::Grpo,
         ..GrpoLossConfig::default()
     };
     let loss = GrpoLoss::new(cfg).unwrap();
@@ -265,7 +272,13 @@ fn bad_filters_and_single_pass_are_typed_errors() {
     }
     let head = ExactHead::<f32>::new((6, 8, 300), false, false, 5);
     let x = batch_for(&head, (2, 3), 6);
-    let loss = with_support(GrpoLossConfig::default(), (Some(4), None, None));
+    let loss = with_support(
+        GrpoLossConfig {
+            loss_type: LossType::Grpo,
+            ..GrpoLossConfig::default()
+        },
+        (Some(4), None, None),
+    );
     for mode in [Mode::SinglePass, Mode::Compact] {
         match grpo_linear(
             &loss,
@@ -385,7 +398,13 @@ fn logits_level_kernel_refuses_a_support() {
         ((None, Some(0.5), None), "top_p"),
         ((None, None, Some(0.1)), "min_p"),
     ] {
-        let loss = with_support(GrpoLossConfig::default(), filter);
+        let loss = with_support(
+            GrpoLossConfig {
+                loss_type: LossType::Grpo,
+                ..GrpoLossConfig::default()
+            },
+            filter,
+        );
         let cpu = flashloss::Device::cpu();
         match cpu.grpo_logits(&loss, &x.batch(), &logits, &layout, 1.0, &mut dlogits) {
             Err(Error::Unsupported { feature, .. }) => assert_eq!(feature, name),

@@ -16,8 +16,8 @@ use flashloss::policy::Normalizers;
 use flashloss::reference::{grpo_reference, linear_grads, linear_logits, row_softmax};
 use flashloss::{
     Bf16Products, CeConfig, CrossEntropy, DType, Device, Element, FusedOptions, Grid, GrpoLoss,
-    GrpoLossConfig, HeadArgs, HeadGrad, LinearGrads, LinearInputs, Mode, Shard, Temperature,
-    WeightLayout, shard_range,
+    GrpoLossConfig, HeadArgs, HeadGrad, LinearGrads, LinearInputs, LossType, Mode, Shard,
+    Temperature, WeightLayout, shard_range,
 };
 use half::bf16;
 use std::time::Duration;
@@ -60,7 +60,11 @@ fn check_grpo_and_ce<E: Element>() {
         let mut x = draw(b, t, v, 11);
         x.data.mask[4] = false;
         x.data.mask[9] = false;
-        let loss = GrpoLoss::new(GrpoLossConfig::default()).unwrap();
+        let loss = GrpoLoss::new(GrpoLossConfig {
+            loss_type: LossType::Grpo,
+            ..GrpoLossConfig::default()
+        })
+        .unwrap();
         let z = linear_logits(&head.inputs());
         x.follow_policy(&z, 1.0);
         let batch = x.batch();
@@ -204,7 +208,11 @@ fn buffers_must_match_the_head_grad() {
     let head = Head::<f32>::random(4, 8, 50, true, 3);
     let inputs = head.inputs();
     let x = draw(1, 4, 50, 5);
-    let loss = GrpoLoss::new(GrpoLossConfig::default()).unwrap();
+    let loss = GrpoLoss::new(GrpoLossConfig {
+        loss_type: LossType::Grpo,
+        ..GrpoLossConfig::default()
+    })
+    .unwrap();
     let mut ws = Workspace::new();
     let mut run = |grads: &mut LinearGrads, head_grad| {
         let o = opts(Mode::Auto, Bf16Products::Auto, head_grad, 64.0);
@@ -235,7 +243,11 @@ fn frozen_vocab_parallel_matches_one_rank() {
     let (b, t, h, v) = (2, 6, 16, 301);
     let head = Head::<f32>::random(b * t, h, v, true, 21);
     let x = draw(b, t, v, 22);
-    let loss = GrpoLoss::new(GrpoLossConfig::default()).unwrap();
+    let loss = GrpoLoss::new(GrpoLossConfig {
+        loss_type: LossType::Grpo,
+        ..GrpoLossConfig::default()
+    })
+    .unwrap();
     let o = opts(Mode::Auto, Bf16Products::Auto, HeadGrad::Frozen, 64.0);
     let one = Device::cpu()
         .with_host_grads(&head.inputs(), GrpoCall::new(&loss, &x.batch(), &o))

@@ -333,7 +333,7 @@ proptest! {
         two_pass in any::<bool>(), bias in any::<bool>(), bf16 in head_dtype(),
         masked_fraction in 0.0f64..=1.0, seed in 0u64..1000, threads in 1usize..4,
     ) {
-        let cfg = linear_cfg(b, t, v, h, Objective::Ce, GrpoLossConfig::default(), ce,
+        let cfg = linear_cfg(b, t, v, h, Objective::Ce, GrpoLossConfig { loss_type: LossType::Grpo, ..GrpoLossConfig::default() }, ce,
             two_pass, bias, bf16, masked_fraction, seed);
         run_linear(&cfg, threads)?;
     }
@@ -409,7 +409,10 @@ mod regressions {
             2,
             2,
             Objective::Ce,
-            GrpoLossConfig::default(),
+            GrpoLossConfig {
+                loss_type: LossType::Grpo,
+                ..GrpoLossConfig::default()
+            },
             ce,
             false,
             true,
@@ -473,7 +476,10 @@ mod regressions {
             1,
             1,
             Objective::Ce,
-            GrpoLossConfig::default(),
+            GrpoLossConfig {
+                loss_type: LossType::Grpo,
+                ..GrpoLossConfig::default()
+            },
             ce,
             false,
             true,

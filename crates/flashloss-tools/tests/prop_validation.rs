@@ -7,8 +7,8 @@
 
 use flashloss::device::{CeCall, GrpoCall};
 use flashloss::{
-    CeConfig, CrossEntropy, Device, FusedOptions, GrpoLoss, GrpoLossConfig, LogitsLayout, Mode,
-    PerSeqOrTokenBuf,
+    CeConfig, CrossEntropy, Device, FusedOptions, GrpoLoss, GrpoLossConfig, LogitsLayout, LossType,
+    Mode, PerSeqOrTokenBuf,
 };
 use flashloss_tools::bench::BenchConfig;
 use flashloss_tools::config_file;
@@ -130,6 +130,7 @@ fn build(b: usize, t: usize, v: usize, h: usize, seed: u64, edits: &[Edit]) -> C
     let mut loss = GrpoLossConfig {
         beta: 0.04,
         entropy_coef: 0.01,
+        loss_type: LossType::Grpo,
         ..GrpoLossConfig::default()
     };
     let mut ce = CeConfig::default();

@@ -14,7 +14,9 @@ use common::*;
 use flashloss::collective::{Collective, run_in_process};
 use flashloss::reference::linear_logits;
 use flashloss::shard_range;
-use flashloss::{CeConfig, CrossEntropy, Error, GrpoLoss, GrpoLossConfig, ImportanceSamplingLevel};
+use flashloss::{
+    CeConfig, CrossEntropy, Error, GrpoLoss, GrpoLossConfig, ImportanceSamplingLevel, LossType,
+};
 use flashloss::{FusedOptions, Grid, LinearGrads, Mode};
 use flashloss_tools::inputs::GrpoInputs;
 use std::time::Duration;
@@ -77,6 +79,7 @@ fn grpo_losses() -> Vec<GrpoLoss> {
             importance_sampling_level: level,
             beta: 0.04,
             entropy_coef: 0.01,
+            loss_type: LossType::Grpo,
             ..GrpoLossConfig::default()
         })
         .unwrap()

@@ -13,7 +13,10 @@ use flashloss_tools::inputs::{GrpoInputs, InputSpec};
 type Edit = Box<dyn FnOnce(&mut GrpoLossConfig)>;
 
 fn config_error(f: impl FnOnce(&mut GrpoLossConfig)) -> String {
-    let mut c = GrpoLossConfig::default();
+    let mut c = GrpoLossConfig {
+        loss_type: LossType::Grpo,
+        ..GrpoLossConfig::default()
+    };
     f(&mut c);
     GrpoLoss::new(c).unwrap_err().to_string()
 }
@@ -152,6 +155,7 @@ fn trl_1_16_levels_and_defaults_are_accepted() {
         }
     }
     let d = GrpoLossConfig::default();
+    assert_eq!(d.loss_type, LossType::Dapo, "TRL 1.16 default");
     assert!(d.use_bias_correction_kl, "TRL 1.16 default");
     assert_eq!(d.beta, 0.0);
 }
@@ -172,6 +176,7 @@ fn inputs() -> GrpoInputs {
 fn forward_error<'a>(x: &'a GrpoInputs, f: impl FnOnce(&mut flashloss::GrpoBatch<'a>)) -> String {
     let loss = GrpoLoss::new(GrpoLossConfig {
         beta: 0.04,
+        loss_type: LossType::Grpo,
         ..GrpoLossConfig::default()
     })
     .unwrap();
@@ -238,7 +243,11 @@ fn bad_inputs_name_the_argument_and_index() {
     // Masked positions are never read: padding ids and NaN logp there are fine.
     x.data.mask[6] = false;
     x.data.old_logp.as_mut().unwrap()[6] = f32::NAN;
-    let loss = GrpoLoss::new(GrpoLossConfig::default()).unwrap();
+    let loss = GrpoLoss::new(GrpoLossConfig {
+        loss_type: LossType::Grpo,
+        ..GrpoLossConfig::default()
+    })
+    .unwrap();
     let layout = LogitsLayout::contiguous(2, 4, 50);
     assert!(grpo_logits_forward(&loss, &x.batch(), &x.logits, &layout).is_ok());
 }
@@ -246,7 +255,11 @@ fn bad_inputs_name_the_argument_and_index() {
 #[test]
 fn bad_layouts_and_backward_arguments() {
     let x = inputs();
-    let loss = GrpoLoss::new(GrpoLossConfig::default()).unwrap();
+    let loss = GrpoLoss::new(GrpoLossConfig {
+        loss_type: LossType::Grpo,
+        ..GrpoLossConfig::default()
+    })
+    .unwrap();
     let batch = x.batch();
     let run = |layout: LogitsLayout, data: &[f32]| {
         grpo_logits_forward(&loss, &batch, data, &layout)

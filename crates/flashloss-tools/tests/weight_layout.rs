@@ -368,6 +368,7 @@ fn dweight_comes_back_hidden_major() {
 fn baseline_reads_hidden_major() {
     let loss = GrpoLoss::new(GrpoLossConfig {
         beta: 0.04,
+        loss_type: LossType::Grpo,
         ..GrpoLossConfig::default()
     })
     .unwrap();

@@ -91,7 +91,7 @@ pub enum ImportanceSamplingLevel {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct GrpoLossConfig {
-    /// The objective.
+    /// The objective (default dapo, TRL 1.16's `GRPOConfig.loss_type`).
     pub loss_type: LossType,
     /// Token-level or sequence-level (GSPO) ratios.
     pub importance_sampling_level: ImportanceSamplingLevel,
@@ -143,7 +143,7 @@ pub struct GrpoLossConfig {
 impl Default for GrpoLossConfig {
     fn default() -> Self {
         GrpoLossConfig {
-            loss_type: LossType::Grpo,
+            loss_type: LossType::Dapo,
             importance_sampling_level: ImportanceSamplingLevel::Token,
             epsilon_low: 0.2,
             epsilon_high: 0.2,

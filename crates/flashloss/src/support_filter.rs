@@ -17,6 +17,25 @@ pub struct SupportFilter {
 }
 
 impl SupportFilter {
+    /// The filters of a caller's `top_k` (`None` or 0: none), `top_p` and `min_p`, checked:
+    /// the one rule of every native entry (the bindings' own is `flashloss._spec.SamplerFilters`).
+    pub fn of_caller(top_k: Option<i64>, top_p: Option<f64>, min_p: Option<f64>) -> Result<Self> {
+        let top_k = match top_k {
+            None | Some(0) => None,
+            Some(k) => Some(usize::try_from(k).map_err(|_| Error::InvalidArgument {
+                arg: "top_k",
+                reason: format!("must be at least 1 (0: none), got {k}"),
+            })?),
+        };
+        let filter = SupportFilter {
+            top_k,
+            top_p,
+            min_p,
+        };
+        filter.check()?;
+        Ok(filter)
+    }
+
     /// The name of the first filter set, in vLLM's argument order (`top_k`, `top_p`,
     /// `min_p`): what an error about the filter names. `None` when none is set.
     pub fn first_set(&self) -> Option<&'static str> {

@@ -203,6 +203,7 @@ fn sharded_logits_match_one_rank() {
     let configs = [
         GrpoLossConfig {
             beta: 0.04,
+            loss_type: LossType::Grpo,
             ..GrpoLossConfig::default()
         },
         GrpoLossConfig {
@@ -213,6 +214,7 @@ fn sharded_logits_match_one_rank() {
         GrpoLossConfig {
             importance_sampling_level: ImportanceSamplingLevel::Sequence,
             temperature: 0.7,
+            loss_type: LossType::Grpo,
             ..GrpoLossConfig::default()
         },
         // TRL 1.16: the entropy bonus's Σ m' is global, luspo and sapo at sequence level.
@@ -243,7 +245,11 @@ fn sharded_logits_match_one_rank() {
 #[test]
 fn a_bad_shard_is_the_same_error_on_every_rank() {
     let inputs = Inputs::new(2, 3, 11, 3);
-    let loss = GrpoLoss::new(GrpoLossConfig::default()).unwrap();
+    let loss = GrpoLoss::new(GrpoLossConfig {
+        loss_type: LossType::Grpo,
+        ..GrpoLossConfig::default()
+    })
+    .unwrap();
     let results = run_in_process(2, Duration::from_secs(30), |comm| {
         let grid = Grid::vocab(comm);
         let (part, logits) = inputs.part(0..2, 0..6);

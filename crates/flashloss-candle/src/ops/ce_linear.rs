@@ -1,6 +1,6 @@
 //! The fused linear cross-entropy as a candle `CustomOp2` on `(hidden, weight)`.
 
-use super::{HeadLoss, HeadOp, SavedGrads, device, wrap};
+use super::head_op::{HeadLoss, HeadOp, SavedGrads, device, wrap};
 use candle_core::{Result, Tensor};
 use flashloss::device::CeCall;
 use flashloss::{CrossEntropy, Element, FusedOptions, LinearInputs, Reduction};

@@ -1,6 +1,6 @@
 //! The fused linear GRPO loss as a candle `CustomOp2` on `(hidden, weight)`.
 
-use super::{HeadLoss, HeadOp, SavedGrads, device, wrap};
+use super::head_op::{HeadLoss, HeadOp, SavedGrads, device, wrap};
 use candle_core::{Result, Tensor};
 use flashloss::device::GrpoCall;
 use flashloss::policy::GrpoMetrics;

@@ -3,7 +3,7 @@
 //! gradient of 1), the backward scales it.
 
 use super::grpo_linear::GrpoStep;
-use super::{contiguous, device, matrix_dims, wrap};
+use super::head_op::{contiguous, device, matrix_dims, wrap};
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor, WithDType};
 use flashloss::{Element, GrpoBatchData, GrpoLogitsForward, GrpoLoss, LogitsLayout};

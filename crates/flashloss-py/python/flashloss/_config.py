@@ -6,8 +6,16 @@ from __future__ import annotations
 
 from typing import Optional
 
-#: Workspace budget of the fused kernels (MiB) when a call gives none: the CLI's default.
-DEFAULT_BUDGET_MIB = 160.0
+from . import _native
+
+#: Workspace budget of the fused kernels (MiB) when a call gives none: the Rust plan's
+#: default (``fused/plan.rs::DEFAULT_BUDGET_MIB``, the one place it is written).
+DEFAULT_BUDGET_MIB: float = _native.defaults()["budget_mib"]
+
+
+def budget_mib(given: Optional[float]) -> float:
+    """A call's ``budget_mib``: the one given, else :data:`DEFAULT_BUDGET_MIB`."""
+    return DEFAULT_BUDGET_MIB if given is None else float(given)
 
 
 def load_yaml(path: Optional[str], overrides: list, defaults: dict) -> dict:

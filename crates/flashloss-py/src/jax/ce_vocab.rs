@@ -10,7 +10,7 @@ use super::ffi::CallFrame;
 use super::frame::{Frame, Named, Result, bad, handle};
 use super::handlers::{by_dtype, ce_upstream, grads, head, options, weight_layout};
 use super::vocab::{merged_stats, offset_of};
-use crate::front::cpu;
+use crate::device::cpu;
 use flashloss::rows::RowStats;
 use flashloss::{CeConfig, CrossEntropy, HeadArgs, LinearInputs, Shard};
 use std::ffi::c_void;

@@ -14,7 +14,7 @@ use super::frame::{Frame, Result, bad, handle};
 use super::handlers::{
     Tokens, ce_outputs, ce_upstream, grpo_outputs, options, vocab_hidden, weight_layout,
 };
-use crate::front::gpu;
+use crate::device::gpu;
 use cudarc::driver::{result as cu, sys};
 use flashloss::cuda::BorrowedHead;
 use flashloss::device::{CeCall, GrpoCall};

@@ -22,6 +22,12 @@ impl From<flashloss::Error> for HandlerError {
     }
 }
 
+impl From<crate::spec::ArgError> for HandlerError {
+    fn from(e: crate::spec::ArgError) -> Self {
+        bad(&e.arg, e.reason)
+    }
+}
+
 /// An error naming `arg`.
 pub fn bad(arg: &str, reason: impl std::fmt::Display) -> HandlerError {
     HandlerError {

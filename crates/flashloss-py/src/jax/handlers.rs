@@ -10,7 +10,7 @@
 
 use super::ffi::CallFrame;
 use super::frame::{Frame, Named, Result, bad, handle};
-use crate::front::cpu;
+use crate::device::cpu;
 use flashloss::device::{CeCall, CeUpstream, GrpoCall, LogpCall};
 use flashloss::fused::LogpRows;
 use flashloss::fused::{FusedOptions, LinearGradsMut};

@@ -14,8 +14,6 @@ mod handlers;
 mod support;
 mod vocab;
 
-use flashloss::{CeConfig, CrossEntropy, GrpoLoss, GrpoLossConfig};
-use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -63,29 +61,4 @@ pub fn jax_abi_layout(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
         d.set_item(name, (size, f))?;
     }
     Ok(d)
-}
-
-/// Checks a GRPO loss config (the JSON of `GrpoLossConfig`) as the FFI handlers do when
-/// they run: a `ValueError` with the handlers' message (the same text a handler's
-/// `JaxRuntimeError` carries), so a trace-time check reports a bad argument identically.
-#[pyfunction]
-pub fn check_grpo_config(config_json: &str) -> PyResult<()> {
-    let checked = crate::spec::config_from_json::<GrpoLossConfig>(config_json)
-        .map_err(frame::HandlerError::from)
-        .and_then(|c| GrpoLoss::new(c).map_err(Into::into));
-    checked
-        .map(drop)
-        .map_err(|e| PyValueError::new_err(e.message))
-}
-
-/// Checks a cross-entropy config (the JSON of `CeConfig`) as the FFI handlers do: see
-/// [`check_grpo_config`].
-#[pyfunction]
-pub fn check_ce_config(config_json: &str) -> PyResult<()> {
-    let checked = crate::spec::config_from_json::<CeConfig>(config_json)
-        .map_err(frame::HandlerError::from)
-        .and_then(|c| CrossEntropy::new(c).map_err(Into::into));
-    checked
-        .map(drop)
-        .map_err(|e| PyValueError::new_err(e.message))
 }

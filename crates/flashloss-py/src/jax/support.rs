@@ -10,7 +10,7 @@
 use super::ffi::CallFrame;
 use super::frame::{Frame, Named, Result, bad, handle};
 use super::handlers::{by_dtype, grads, head, options, weight_layout};
-use crate::front::cpu;
+use crate::device::cpu;
 use flashloss::SupportFilter;
 use flashloss::device::LogpCall;
 use flashloss::fused::FusedOptions;
@@ -21,20 +21,9 @@ use std::ffi::c_void;
 /// The filters from the spec fields `top_k` (`0`: none), `top_p` and `min_p` (`1` and
 /// `0`: none, as vLLM), checked.
 fn filter(f: &Frame) -> Result<SupportFilter> {
-    let k = f.spec()?.i64("top_k")?;
-    if k < 0 {
-        return Err(bad(
-            "top_k",
-            format!("must be at least 1 (0: none), got {k}"),
-        ));
-    }
-    let filter = SupportFilter {
-        top_k: (k > 0).then_some(k as usize),
-        top_p: Some(f.spec()?.f64("top_p")?),
-        min_p: Some(f.spec()?.f64("min_p")?),
-    };
-    filter.check()?;
-    Ok(filter)
+    let spec = f.spec()?;
+    let (k, p, m) = (spec.i64("top_k")?, spec.f64("top_p")?, spec.f64("min_p")?);
+    Ok(SupportFilter::of_caller(Some(k), Some(p), Some(m))?)
 }
 
 /// The rows' arguments: ids `[N]` (argument 3), mask `[N]` (4); the spec field

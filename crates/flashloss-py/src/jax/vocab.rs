@@ -9,7 +9,7 @@
 use super::ffi::CallFrame;
 use super::frame::{Frame, Named, Result, bad, handle};
 use super::handlers::{Tokens, by_dtype, grads, head, options, vocab_hidden, weight_layout};
-use crate::front::cpu;
+use crate::device::cpu;
 use flashloss::fused::{FusedOptions, RowGrad};
 use flashloss::policy::{Normalizers, policy_stage};
 use flashloss::range::check_policy_rows;

@@ -1,7 +1,8 @@
 //! The sharded fused LM-head kernel against one rank: each rank compares its loss, its
 //! dH rows (or the full dH) and its dW and dbias shard.
 
-use super::{RankReport, SHARDED_REL, before_step, grid_shape, logprobs};
+use super::logprobs;
+use super::rank::{RankReport, SHARDED_REL, before_step, grid_shape};
 use crate::gradcheck::{
     Gate, GradcheckConfig, GradcheckReport, LinearCase, Objective, Outputs, Tolerance, ce_targets,
     grad_gate, inject_fault,

@@ -2,7 +2,7 @@
 //! group's sequences and a vocabulary shard of their logits, and compares the loss,
 //! its rows' logp and its shard of `dlogits`.
 
-use super::{RankReport, SHARDED_REL, before_step, grid_shape};
+use super::rank::{RankReport, SHARDED_REL, before_step, grid_shape};
 use crate::gradcheck::{
     Gate, GradcheckConfig, GradcheckReport, Tolerance, grad_gate, inject_fault,
 };

@@ -3,7 +3,7 @@
 //! shard, whose outputs are gated against the single-rank run's on its rows (the
 //! objective over those rows, every statistic, the support's outputs; f32 rounding).
 
-use super::SHARDED_REL;
+use super::rank::SHARDED_REL;
 use crate::gradcheck::{Gate, GradcheckConfig, LinearCase, Outputs, output_gates};
 use crate::inputs::HeadInputs;
 use flashloss::device::LogpCall;

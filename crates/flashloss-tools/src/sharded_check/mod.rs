@@ -6,36 +6,21 @@
 //! its own gates; sharding changes only summation order, so the gates are f32
 //! rounding: 1e-5 relative to the largest entry.
 
-use crate::gradcheck::{Backend, FaultKind, GradcheckConfig, GradcheckReport, Kernel};
+use crate::gradcheck::{Backend, FaultKind, GradcheckConfig, Kernel};
 use flashloss::collective::{Collective, agree, run_in_process};
 use flashloss::element::DType;
-use flashloss::{Error, Parallel, Result};
+use flashloss::{Error, Result};
 use half::{bf16, f16};
 use linear::Check;
 use logits::LogitsCheck;
-use serde::Serialize;
-use std::time::Duration;
 
 mod linear;
 mod logits;
 mod logprobs;
+mod rank;
 
-/// Relative gate of sharded vs single-rank values (f32 rounding).
-pub(super) const SHARDED_REL: f64 = 1e-5;
-
-/// One rank's result.
-#[derive(Debug, Clone, Serialize)]
-pub struct RankReport {
-    /// This rank.
-    pub rank: usize,
-    /// Ranks in the run.
-    pub world_size: usize,
-    /// The split.
-    pub parallel: Parallel,
-    /// Gates against the single-rank run (`loss_ref` is the single-rank loss).
-    #[serde(flatten)]
-    pub report: GradcheckReport,
-}
+use rank::grid_shape;
+pub use rank::{RankReport, timeout};
 
 /// Runs the sharded check on `ranks` in-process ranks; one result per rank (a failure
 /// on any rank is the same error on all).
@@ -74,11 +59,6 @@ pub fn run(cfg: &GradcheckConfig, ranks: usize) -> crate::Result<Vec<crate::Resu
         .collect())
 }
 
-/// How long a rank waits for its peers in one collective (config `timeout_s`).
-pub fn timeout(cfg: &GradcheckConfig) -> Duration {
-    Duration::from_secs_f64(cfg.timeout_s.max(0.0))
-}
-
 /// Runs this rank's part of the sharded check over `comm`, a group of processes (every
 /// rank of `comm` calls it; an injected `exit` fault ends this process). A bad config
 /// is the same error on every rank.
@@ -104,12 +84,6 @@ pub fn run_on(cfg: &GradcheckConfig, comm: &dyn Collective) -> crate::Result<Ran
     Ok(report?)
 }
 
-/// `(token groups, vocab groups)` of `ranks` in the config's mode, checked.
-pub(super) fn grid_shape(cfg: &GradcheckConfig, ranks: usize) -> Result<(usize, usize)> {
-    cfg.parallel
-        .grid_shape(ranks, cfg.vocab_groups, cfg.batch, cfg.vocab)
-}
-
 fn check_ranks(cfg: &GradcheckConfig, ranks: usize) -> Result<()> {
     if cfg.kernel == Kernel::Logits && cfg.device != Backend::Cpu {
         return Err(Error::InvalidArgument {
@@ -118,23 +92,4 @@ fn check_ranks(cfg: &GradcheckConfig, ranks: usize) -> Result<()> {
         });
     }
     grid_shape(cfg, ranks).map(|_| ())
-}
-
-/// Runs the fault that hits this rank before its step, if any.
-pub(super) fn before_step(cfg: &GradcheckConfig, comm: &dyn Collective) -> Result<()> {
-    let Some(fault) = cfg.fault.filter(|f| f.rank == comm.rank()) else {
-        return Ok(());
-    };
-    match fault.kind {
-        FaultKind::Panic => panic!("injected fault: rank {} panics", fault.rank),
-        FaultKind::Hang => std::thread::sleep(2 * timeout(cfg)),
-        FaultKind::Exit => {
-            return Err(Error::InvalidArgument {
-                arg: "fault",
-                reason: format!("injected: rank {} exits", fault.rank),
-            });
-        }
-        FaultKind::Nan | FaultKind::Perturb => {}
-    }
-    Ok(())
 }

@@ -12,6 +12,7 @@ mod ce;
 mod gather;
 mod grpo;
 mod grpo_support;
+pub(crate) mod key;
 mod logp;
 mod logp_request;
 mod passes;
@@ -24,6 +25,7 @@ mod two_pass;
 
 pub use ce::{CeLinearOutput, ce_linear, ce_linear_lse, ce_row_losses};
 pub use grpo::{GrpoLinearOutput, grpo_linear};
+pub use key::support_key;
 pub use logp::{
     LogpRows, logp_linear, logp_linear_grads, logp_linear_grads_with, logp_linear_with,
 };
@@ -44,5 +46,4 @@ pub use split::{
     accumulate_row_grads, ce_accumulate_row_grads, ce_partial_row_states, partial_row_states,
 };
 pub use support::RowSupport;
-pub use support::key::support_key;
 pub use terms::{DeviceGatherSink, DeviceSinks, DeviceTopSink, RowGrad, SupportTerm, TileVisitor};

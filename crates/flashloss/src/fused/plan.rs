@@ -329,10 +329,12 @@ pub fn plan_blocks(
     };
     if rows == 0 {
         return Err(Error::InvalidArgument {
-            arg: "budget_bytes",
+            arg: "budget_mib",
             reason: format!(
-                "{} bytes (less {}) cannot hold one row of {cols} logits{}",
-                opts.budget_bytes, limits.reserve_name, limits.extra_name
+                "{} (less {}) cannot hold one row of {cols} logits{}",
+                budget_text(opts.budget_bytes),
+                limits.reserve_name,
+                limits.extra_name
             ),
         });
     }
@@ -366,12 +368,18 @@ pub fn tile_budget(opts: &FusedOptions, limits: &PlanLimits) -> Result<usize> {
     opts.budget_bytes
         .checked_sub(limits.reserve_bytes)
         .ok_or_else(|| Error::InvalidArgument {
-            arg: "budget_bytes",
+            arg: "budget_mib",
             reason: format!(
-                "{} bytes is below {}",
-                opts.budget_bytes, limits.reserve_name
+                "{} is below {}",
+                budget_text(opts.budget_bytes),
+                limits.reserve_name
             ),
         })
+}
+
+/// A budget in an error: every front end (the configs, Python) passes it as `budget_mib`.
+fn budget_text(bytes: usize) -> String {
+    format!("{} MiB ({bytes} bytes)", bytes as f64 / (1u64 << 20) as f64)
 }
 
 #[cfg(test)]

@@ -3,7 +3,7 @@
 //! logits tiles ([`TileVisitor`]). `passes.rs` (what a backend offers) and `support/`
 //! (the truncated support) both build on them, and neither on the other's.
 
-use super::support::key::key_value;
+use super::key::key_value;
 use crate::rows::RowStats;
 use std::ops::Range;
 
@@ -67,7 +67,7 @@ pub struct SupportTerm {
     pub coef: f32,
     /// `log Σ_{j∈K} exp((z_j - max)·inv_temp)`.
     pub log_sum: f32,
-    /// The support's lowest key (`support::key::order_key`, ids of the whole
+    /// The support's lowest key (`key::order_key`, ids of the whole
     /// vocabulary).
     pub cut: u64,
     /// The head's first id in the whole vocabulary (a vocabulary shard's offset): entry
@@ -124,7 +124,7 @@ pub struct DeviceSinks<'v> {
 }
 
 /// What a truncated support's pass-A visitor keeps, for a backend that selects it on its
-/// device: per row its top `cap` keys (`support::key::order_key` of the scaled logits
+/// device: per row its top `cap` keys (`key::order_key` of the scaled logits
 /// `s = fl(x·inv_temp) + 0` after bias and soft-cap, ids of the whole vocabulary: entry
 /// `j` of the head has id `offset + j`), and whether they are the whole row (every
 /// entry seen, none dropped). Masked rows keep none.

@@ -8,13 +8,14 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 from .. import _native
+from .bound import Bound
 
 #: ``reduction``'s values.
 REDUCTIONS = ("mean", "sum", "none")
 
 
 @dataclass(frozen=True, kw_only=True)
-class CeArgs:
+class CeArgs(Bound):
     """The cross-entropy's options (Cut Cross-Entropy's names): rows whose target is
     ``ignore_index`` take no part; ``label_smoothing`` ε, ``z_loss`` λ, ``softcap``,
     ``reduction``, ``temperature`` (docs/spec/losses.md)."""

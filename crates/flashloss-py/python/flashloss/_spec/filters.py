@@ -9,6 +9,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from .bound import Bound
+
 #: The values of ``top_k`` that mean "no top-k" (besides None), as vLLM and TRL take them.
 NO_TOP_K = (0, -1)
 
@@ -38,7 +40,7 @@ def _min_p(min_p) -> Optional[float]:
 
 
 @dataclass(frozen=True)
-class SamplerFilters:
+class SamplerFilters(Bound):
     """The sampler's filters, checked, each None where it is unset (build with
     :meth:`of`). A ``top_k`` at or above the vocabulary also keeps everything; only the
     kernels know the vocabulary, so it stays set here."""

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
 from .. import _native
+from .bound import Bound
 from .filters import SamplerFilters
 
 #: TRL's loss types, in the order of the spec's table.
@@ -35,7 +36,7 @@ NORMALIZERS = {
 
 
 @dataclass(frozen=True, kw_only=True)
-class GrpoArgs:
+class GrpoArgs(Bound):
     """TRL's GRPO arguments with ``GRPOConfig``'s names (``epsilon_low`` is its
     ``epsilon``; ``epsilon_high=None`` means ``epsilon_low``). Frozen and hashable, so a
     JAX static argument. ``top_k``, ``top_p``, ``min_p`` follow :class:`SamplerFilters`'

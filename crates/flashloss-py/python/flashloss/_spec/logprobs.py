@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional
+from typing import Any, Mapping, NamedTuple, Optional
 
+from .bound import Bound
 from .filters import SamplerFilters
 
 
 @dataclass(frozen=True, kw_only=True)
-class LogprobRequest:
+class LogprobRequest(Bound):
     """The scaling and the outputs asked beyond ``logp``: ``temperature``, the entropy, the
     log-sum-exp, the largest scaled logit, ``Σp²``, and the sampler's filters (``support``
     None when the call named none; else :class:`SamplerFilters`, which may keep everything,
@@ -24,11 +25,12 @@ class LogprobRequest:
     support: Optional[SamplerFilters] = None
 
     @classmethod
-    def of(cls, *, top_k=None, top_p=None, min_p=None, **flags) -> "LogprobRequest":
-        """The request of a call's arguments (the filters under :class:`SamplerFilters`' rule)."""
-        asked = SamplerFilters.asked(top_k, top_p, min_p)
-        support = SamplerFilters.of(top_k, top_p, min_p) if asked else None
-        return cls(support=support, **flags)
+    def of_bound(cls, bound: Mapping[str, Any]) -> "LogprobRequest":
+        """The request of a call's bound arguments (``locals()``): its flags, and its filters
+        under :class:`SamplerFilters`' rule (``support`` None when it named none)."""
+        named = SamplerFilters.fields_of(bound)
+        support = SamplerFilters.of(**named) if SamplerFilters.asked(**named) else None
+        return cls(**{k: v for k, v in cls.fields_of(bound).items() if k != "support"}, support=support)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "temperature", float(self.temperature))
@@ -72,7 +74,7 @@ class GRPOOutputs:
     #: Per-token KL as it enters the loss ``[B, T]`` (float32; zero without a reference
     #: or at ``beta=0``).
     kl: Any
-    #: TRL's logged metrics, named as ``flashloss._spec.METRICS`` (scalars; torch: 0-d float64 tensors,
+    #: TRL's logged metrics, named as ``flashloss._spec.METRICS`` (0-d float32 arrays or tensors in either binding,
     #: ``float()`` them to log).
     metrics: dict
     #: Under ``top_k``/``top_p``/``min_p``: whether each token's target is outside the

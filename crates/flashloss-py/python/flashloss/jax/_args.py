@@ -8,7 +8,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-LAYOUTS = ("vh", "hv")
+from ._head import LAYOUTS
+from ._head import vocab_size as block_size
 
 
 def floats(arg: str, x) -> jax.Array:
@@ -91,5 +92,5 @@ def token_mask(arg: str, x, shape: tuple) -> Optional[jax.Array]:
 
 def vocab_size(weight, layout: str, vocab_axis: Optional[str]) -> int:
     """The whole vocabulary: this device's block times the devices of ``vocab_axis``."""
-    v = weight.shape[0] if layout == "vh" else weight.shape[1]
+    v = block_size(weight, layout)
     return v if vocab_axis is None else v * axis_size("vocab_axis", vocab_axis)

@@ -10,7 +10,7 @@ what it needs from the call; none takes a loose static argument.
 
 ``interpret`` (the Pallas kernels' interpret mode, or ``False``) is in each call, since
 the dispatch's ``auto`` reads it too; ``support`` is the sampler's filters as the kernels
-take them (:class:`flashloss.jax.ffi.support.Filters`, each None where it keeps
+take them (:class:`flashloss.jax._head.Filters`, each None where it keeps
 everything), or None."""
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from .._spec import CeArgs, GrpoArgs, LogprobRequest
-from .ffi.support import active
-from .pallas.head import Transform
+from ._head import Transform, active
 
 
 @dataclass(frozen=True, kw_only=True)

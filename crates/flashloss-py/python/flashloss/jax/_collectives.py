@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from .._spec import METRICS, GrpoArgs
-from .ffi.ops import vocab_size
+from ._head import vocab_size
 
 
 def psum(x, axis):

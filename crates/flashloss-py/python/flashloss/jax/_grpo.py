@@ -3,21 +3,23 @@ LM head, and :func:`grpo_loss` on materialized logits."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from dataclasses import asdict
+from typing import Any, Optional, Union
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
-from .._config import DEFAULT_BUDGET_MIB
+from .._config import budget_mib as _budget
 from .._spec import METRICS, NORMALIZERS, GRPOOutputs, GrpoArgs, SamplerFilters, with_params
 from . import _args as A
+from . import _head as H
 from . import _packed, _policy
 from ._calls import LinearGrpoCall, LogitsGrpoCall
 from ._collectives import over_tokens
 from ._losses import linear_logprobs
 from ._paths import dispatch
-from .ffi import support as _support
-from .pallas import checks as _checks
+from . import _checks
 
 _TRL = GrpoArgs()
 
@@ -29,20 +31,20 @@ def _outputs(loss, aux, outside=None):
 
 @with_params
 def linear_grpo_loss(
-    hidden,
-    weight,
-    completion_ids,
-    completion_mask,
-    advantages,
+    hidden: ArrayLike,
+    weight: ArrayLike,
+    completion_ids: ArrayLike,
+    completion_mask: Optional[ArrayLike],
+    advantages: ArrayLike,
     *,
-    bias=None,
-    old_per_token_logps=None,
-    ref_per_token_logps=None,
-    importance_sampling_ratio=None,
-    policy_mask=None,
-    entropy_mask=None,
-    cu_seqlens=None,
-    position_ids=None,
+    bias: Optional[ArrayLike] = None,
+    old_per_token_logps: Optional[ArrayLike] = None,
+    ref_per_token_logps: Optional[ArrayLike] = None,
+    importance_sampling_ratio: Optional[ArrayLike] = None,
+    policy_mask: Optional[ArrayLike] = None,
+    entropy_mask: Optional[ArrayLike] = None,
+    cu_seqlens: Optional[ArrayLike] = None,
+    position_ids: Optional[ArrayLike] = None,
     loss_type: str = _TRL.loss_type,
     beta: float = _TRL.beta,
     epsilon_low: float = _TRL.epsilon_low,
@@ -52,7 +54,7 @@ def linear_grpo_loss(
     temperature: float = _TRL.temperature,
     use_bias_correction_kl: bool = _TRL.use_bias_correction_kl,
     entropy_coef: float = _TRL.entropy_coef,
-    num_items_in_batch=_TRL.num_items_in_batch,
+    num_items_in_batch: Union[float, ArrayLike, None] = _TRL.num_items_in_batch,
     max_completion_length: Optional[int] = _TRL.max_completion_length,
     sapo_temperature_pos: float = _TRL.sapo_temperature_pos,
     sapo_temperature_neg: float = _TRL.sapo_temperature_neg,
@@ -60,9 +62,9 @@ def linear_grpo_loss(
     vespo_lambda_pos: float = _TRL.vespo_lambda_pos,
     vespo_k_neg: float = _TRL.vespo_k_neg,
     vespo_lambda_neg: float = _TRL.vespo_lambda_neg,
-    top_k: Optional[int] = None,
-    top_p: Optional[float] = None,
-    min_p: Optional[float] = None,
+    top_k: Optional[int] = _TRL.top_k,
+    top_p: Optional[float] = _TRL.top_p,
+    min_p: Optional[float] = _TRL.min_p,
     mode: str = "auto",
     budget_mib: Optional[float] = None,
     token_axis: Optional[str] = None,
@@ -70,7 +72,7 @@ def linear_grpo_loss(
     impl: str = "auto",
     interpret: Any = False,
     weight_layout: str = "vh",
-):
+) -> tuple[jax.Array, GRPOOutputs]:
     """TRL's GRPO loss from ``hidden`` ``[B, T, H]`` (or ``[B·T, H]``) and the LM head
     ``weight`` (``[V, H]``, or ``[H, V]`` with ``weight_layout="hv"``; + ``bias`` ``[V]``)
     at ``completion_ids`` ``[B, T]``.
@@ -108,6 +110,7 @@ def linear_grpo_loss(
     the rows, the partial row statistics merge over the axis, and every device gets the
     loss, ``hidden``'s whole gradient and its own block's gradients. Both: a 2-D mesh.
     ``impl``, ``interpret``, ``weight_layout``: see :mod:`flashloss.jax`."""
+    given = GrpoArgs.fields_of(locals())  # first: the call's GRPO arguments, by name
     hidden, weight, bias = A.head(hidden, weight, bias, weight_layout)
     packed = cu_seqlens is not None or position_ids is not None
     if packed:
@@ -124,28 +127,20 @@ def linear_grpo_loss(
             )
         rho = _policy.sampler_ratio(importance_sampling_ratio, b, t)
         masks = (A.token_mask("policy_mask", policy_mask, (b, t)), A.token_mask("entropy_mask", entropy_mask, (b, t)))
-    args = GrpoArgs(
-        loss_type=loss_type, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
-        importance_sampling_level=importance_sampling_level, temperature=temperature,
-        use_bias_correction_kl=use_bias_correction_kl, entropy_coef=entropy_coef,
-        num_items_in_batch=num_items_in_batch, max_completion_length=max_completion_length,
-        sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
-        vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
-        vespo_lambda_neg=vespo_lambda_neg, top_k=top_k, top_p=top_p, min_p=min_p,
-    ).validate()  # fmt: skip
+    args = GrpoArgs(**given).validate()
     vocab = A.vocab_size(weight, weight_layout, vocab_axis)
     truncated = args.filters.truncates
-    support = _support.filters(args.top_k, args.top_p, args.min_p, vocab) if truncated else None
-    if _support.active(support) is None:
+    support = H.filters(args.filters, vocab) if truncated else None
+    if H.active(support) is None:
         support = None
     else:
         args = args.with_filters(SamplerFilters(*support))
-    budget = DEFAULT_BUDGET_MIB if budget_mib is None else float(budget_mib)
+    budget = _budget(budget_mib)
     if token_axis is not None:
         A.axis_size("token_axis", token_axis)
         if args.entropy_coef and (NORMALIZERS[args.loss_type] == "sequences" or masks[1] is not None):
             raise ValueError(
-                f"argument `token_axis`: an entropy bonus with loss_type {loss_type!r} or an entropy_mask has a "
+                f"argument `token_axis`: an entropy bonus with loss_type {args.loss_type!r} or an entropy_mask has a "
                 "normalizer of its own; not supported across devices yet"
             )
         weight = jax.lax.pcast(weight, token_axis, to="varying")
@@ -193,7 +188,7 @@ def _from_stats(hidden, weight, bias, ids, mask, adv, old, ref, rho, args: GrpoA
     f = args.filters
     out = linear_logprobs(
         hidden.reshape(b, t, hidden.shape[-1]), weight, ids, args.temperature, True, bias=bias, mask=mask,
-        top_k=f.top_k, top_p=f.top_p, min_p=f.min_p, **head,
+        **asdict(f), **head,
     )  # fmt: skip
     kept = mask if out.outside_support is None else mask & ~out.outside_support
     loss, kl, metrics = _policy.grpo_policy_loss(
@@ -205,16 +200,16 @@ def _from_stats(hidden, weight, bias, ids, mask, adv, old, ref, rho, args: GrpoA
 
 @with_params
 def grpo_loss(
-    logits,
-    completion_ids,
-    completion_mask,
-    advantages,
+    logits: ArrayLike,
+    completion_ids: ArrayLike,
+    completion_mask: Optional[ArrayLike],
+    advantages: ArrayLike,
     *,
-    old_per_token_logps=None,
-    ref_per_token_logps=None,
-    importance_sampling_ratio=None,
-    cu_seqlens=None,
-    position_ids=None,
+    old_per_token_logps: Optional[ArrayLike] = None,
+    ref_per_token_logps: Optional[ArrayLike] = None,
+    importance_sampling_ratio: Optional[ArrayLike] = None,
+    cu_seqlens: Optional[ArrayLike] = None,
+    position_ids: Optional[ArrayLike] = None,
     loss_type: str = _TRL.loss_type,
     beta: float = _TRL.beta,
     epsilon_low: float = _TRL.epsilon_low,
@@ -223,7 +218,7 @@ def grpo_loss(
     importance_sampling_level: str = _TRL.importance_sampling_level,
     temperature: float = _TRL.temperature,
     use_bias_correction_kl: bool = _TRL.use_bias_correction_kl,
-    num_items_in_batch=_TRL.num_items_in_batch,
+    num_items_in_batch: Union[float, ArrayLike, None] = _TRL.num_items_in_batch,
     max_completion_length: Optional[int] = _TRL.max_completion_length,
     sapo_temperature_pos: float = _TRL.sapo_temperature_pos,
     sapo_temperature_neg: float = _TRL.sapo_temperature_neg,
@@ -234,8 +229,9 @@ def grpo_loss(
     reduce: bool = True,
     impl: str = "auto",
     interpret: Any = False,
-):
-    """TRL's GRPO loss on materialized ``logits`` ``[B, T, V]`` (float32, bfloat16 or float16):
+) -> tuple:
+    """TRL's GRPO loss on materialized ``logits`` ``[B, T, V]`` (or Liger's ``[B, T+1, V]``,
+    whose last position is not read; float32, bfloat16 or float16):
     the loss and ``dlogits`` in one pass (the place of the original Pallas kernel), the
     gradient in the logits' dtype with no float32 copy of bfloat16 logits. Returns
     ``(loss, GRPOOutputs)``, differentiable in ``logits``. ``impl``, ``interpret``: see
@@ -251,14 +247,7 @@ def grpo_loss(
     {packed}
     Packed logits are ``[total_tokens, V]`` (or ``[1, total_tokens, V]``); each row's
     log-softmax is then formed in JAX (float32), and ``reduce=False`` is not taken."""
-    args = GrpoArgs(
-        loss_type=loss_type, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
-        importance_sampling_level=importance_sampling_level, temperature=temperature,
-        use_bias_correction_kl=use_bias_correction_kl, num_items_in_batch=num_items_in_batch,
-        max_completion_length=max_completion_length, sapo_temperature_pos=sapo_temperature_pos,
-        sapo_temperature_neg=sapo_temperature_neg, vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos,
-        vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg,
-    ).validate()  # fmt: skip
+    args = GrpoArgs.of_bound(locals()).validate()  # first: the call's GRPO arguments, by name
     if cu_seqlens is not None or position_ids is not None:
         if not reduce:
             raise ValueError("argument `reduce`: False is not supported with a packed batch (cu_seqlens/position_ids)")
@@ -272,10 +261,13 @@ def grpo_loss(
     ids, mask, adv, old, ref = A.grpo_batch(
         completion_ids, completion_mask, advantages, old_per_token_logps, ref_per_token_logps
     )
-    if logits.ndim != 3 or logits.shape[:2] != ids.shape:
+    b, t = ids.shape
+    if logits.ndim != 3 or logits.shape[0] != b or logits.shape[1] not in (t, t + 1):
         raise ValueError(
-            f"argument `logits`: expected shape [B, T, V] with [B, T] = {list(ids.shape)}, got {list(logits.shape)}"
+            f"argument `logits`: expected shape [B, T, V] (or Liger's [B, T+1, V]) with [B, T] = {[b, t]}, "
+            f"got {list(logits.shape)}"
         )
+    logits = logits[:, :t]  # Liger's [B, T+1, V]: the last position is not read
     rho = _policy.sampler_ratio(importance_sampling_ratio, *ids.shape)
     operands = (logits, ids, mask, adv, old, ref, rho)
     call = LogitsGrpoCall(args=args, interpret=interpret)

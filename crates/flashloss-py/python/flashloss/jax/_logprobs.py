@@ -13,37 +13,15 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 
-from .pallas.head import Transform
+from ._head import Transform, vocab_size
 
 #: Elements of ``[rows, K, H]`` gathered weight rows held at once (16 MiB in f32).
 GATHER_BLOCK_ELEMENTS = 1 << 22
-
-
-class LogprobOutputs(NamedTuple):
-    """:func:`flashloss.jax.linear_logprobs`'s outputs when any of ``return_lse``,
-    ``return_max``, ``return_sum_p2``, ``gather_ids`` or a support filter is asked (None
-    where not asked)."""
-
-    #: Log-probabilities of ``ids`` ``[...]`` (float32).
-    logp: jax.Array
-    #: Entropy ``[...]`` (``return_entropy``).
-    entropy: Optional[jax.Array]
-    #: Log-sum-exp of the scaled logits ``[...]`` (``return_lse``; differentiable).
-    lse: Optional[jax.Array]
-    #: Largest scaled logit ``[...]`` (``return_max``; no gradient).
-    max_logit: Optional[jax.Array]
-    #: ``Σ_j p_j²`` ``[...]`` (``return_sum_p2``; no gradient).
-    sum_p2: Optional[jax.Array]
-    #: ``log p`` of ``gather_ids`` ``[..., K]`` (differentiable).
-    gathered_logp: Optional[jax.Array]
-    #: Where the target is outside the truncated support ``[...]`` bool (``top_k``,
-    #: ``top_p`` or ``min_p`` given; ``logp`` is ``-inf`` there).
-    outside_support: Optional[jax.Array] = None
 
 
 def gather_ids(ids, rows_shape: tuple) -> jax.Array:
@@ -89,7 +67,7 @@ def gathered_logits(
     each device forms those in its block and the sum over the axis gives all), 0 where
     not ``live``. Products in the inputs' dtype with f32 accumulation, as the kernels."""
     n, k = ids.shape
-    block = weight.shape[0] if layout == "vh" else weight.shape[1]
+    block = vocab_size(weight, layout)
     offset = 0 if vocab_axis is None else jax.lax.axis_index(vocab_axis) * block
     local = jnp.where(live[:, None], ids, 0) - offset
     own = live[:, None] & (local >= 0) & (local < block)

@@ -3,33 +3,38 @@ states and the LM head: :func:`linear_cross_entropy`, :func:`linear_logprobs`.""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
-from .._config import DEFAULT_BUDGET_MIB
+from .._config import budget_mib as _budget
 from .._spec import CeArgs, LogprobOutputs, LogprobRequest, with_params
 from . import _args as A
+from . import _head as H
 from . import _logprobs
 from ._calls import CeCall, LogprobCall
 from ._paths import dispatch
-from .ffi import support as _support
+
+#: The options' defaults, the signatures' (``flashloss._spec``).
+_CE = CeArgs()
+_REQUEST = LogprobRequest()
 
 
 @with_params
 def linear_cross_entropy(
-    hidden,
-    weight,
-    targets,
+    hidden: ArrayLike,
+    weight: ArrayLike,
+    targets: ArrayLike,
+    bias: Optional[ArrayLike] = None,
     *,
-    bias=None,
-    ignore_index: int = -100,
-    label_smoothing: float = 0.0,
-    z_loss: float = 0.0,
-    softcap: Optional[float] = None,
-    reduction: str = "mean",
-    temperature: float = 1.0,
+    ignore_index: int = _CE.ignore_index,
+    label_smoothing: float = _CE.label_smoothing,
+    z_loss: float = _CE.z_loss,
+    softcap: Optional[float] = _CE.softcap,
+    reduction: str = _CE.reduction,
+    temperature: float = _CE.temperature,
     return_lse: bool = False,
     mode: str = "auto",
     budget_mib: Optional[float] = None,
@@ -37,9 +42,10 @@ def linear_cross_entropy(
     impl: str = "auto",
     interpret: Any = False,
     weight_layout: str = "vh",
-):
+) -> Union[jax.Array, tuple[jax.Array, jax.Array]]:
     """Cross-entropy of ``hidden @ weight.T + bias`` at ``targets`` (Cut Cross-Entropy's
-    call): ``hidden`` ``[..., H]``, ``targets`` ``[...]``; every option is keyword-only.
+    call): ``hidden`` ``[..., H]``, ``targets`` ``[...]``; ``bias`` is the fourth positional argument, as CCE's,
+    and every other option is keyword-only.
 
     {ce_args}
     On the FFI path a cotangent on ``lse`` runs the kernel once more, or joins reduction
@@ -51,10 +57,7 @@ def linear_cross_entropy(
     vocabulary is split in equal contiguous blocks, as in :func:`linear_grpo_loss`; every
     device passes all the rows and gets the loss, the whole ``hidden`` gradient and its
     block's gradients. ``impl``, ``interpret``, ``weight_layout``: see :mod:`flashloss.jax`."""
-    args = CeArgs(
-        ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
-        reduction=reduction, temperature=temperature,
-    ).validate()  # fmt: skip
+    args = CeArgs.of_bound(locals()).validate()  # first: the call's options, by name
     hidden, weight, bias = A.head(hidden, weight, bias, weight_layout)
     targets = A.int_ids("targets", targets)
     if hidden.shape[:-1] != targets.shape:
@@ -62,7 +65,7 @@ def linear_cross_entropy(
             f"argument `targets`: shape {list(targets.shape)} does not match hidden's rows {list(hidden.shape[:-1])}"
         )
     h2, t1 = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
-    budget = DEFAULT_BUDGET_MIB if budget_mib is None else float(budget_mib)
+    budget = _budget(budget_mib)
     vocab = A.vocab_size(weight, weight_layout, vocab_axis)
     if vocab_axis is not None:
         h2 = jax.lax.pcast(h2, vocab_axis, to="varying")
@@ -71,24 +74,24 @@ def linear_cross_entropy(
         interpret=interpret,
     )  # fmt: skip
     out, lse = dispatch("linear_cross_entropy", impl, call, h2, weight, bias, t1)
-    out = out.reshape(targets.shape) if reduction == "none" else out
+    out = out.reshape(targets.shape) if args.reduction == "none" else out
     return (out, lse.reshape(targets.shape)) if return_lse else out
 
 
 @with_params
 def linear_logprobs(
-    hidden,
-    weight,
-    ids,
-    temperature: float = 1.0,
-    return_entropy: bool = False,
+    hidden: ArrayLike,
+    weight: ArrayLike,
+    ids: ArrayLike,
+    temperature: float = _REQUEST.temperature,
+    return_entropy: bool = _REQUEST.return_entropy,
     *,
-    bias=None,
-    mask=None,
-    return_lse: bool = False,
-    return_max: bool = False,
-    return_sum_p2: bool = False,
-    gather_ids=None,
+    bias: Optional[ArrayLike] = None,
+    mask: Optional[ArrayLike] = None,
+    return_lse: bool = _REQUEST.return_lse,
+    return_max: bool = _REQUEST.return_max,
+    return_sum_p2: bool = _REQUEST.return_sum_p2,
+    gather_ids: Optional[ArrayLike] = None,
     top_k: Optional[int] = None,
     top_p: Optional[float] = None,
     min_p: Optional[float] = None,
@@ -98,7 +101,7 @@ def linear_logprobs(
     impl: str = "auto",
     interpret: Any = False,
     weight_layout: str = "vh",
-):
+) -> LogprobOutputs:
     """Per-token log-probabilities of ``ids`` ``[...]`` under ``s = (hidden @ weight.T + bias) /
     temperature`` (``hidden`` ``[..., H]``). Returns a :class:`LogprobOutputs` (``ids``'
     shape; None for what was not asked): ``logp``, and the entropy when
@@ -121,6 +124,7 @@ def linear_logprobs(
     streamed (``ffi/support.py``, ``ffi/support_vocab.py``).
 
     {plan} (the FFI path's)"""
+    request = LogprobRequest.of_bound(locals())  # first: the call's request, by name
     hidden, weight, bias = A.head(hidden, weight, bias, weight_layout)
     ids = A.int_ids("ids", ids)
     if hidden.shape[:-1] != ids.shape:
@@ -131,17 +135,13 @@ def linear_logprobs(
     if m.shape != ids.shape:
         raise ValueError(f"argument `mask`: expected shape {list(ids.shape)}, got {list(m.shape)}")
     candidates = None if gather_ids is None else _logprobs.gather_ids(gather_ids, ids.shape)
-    budget = DEFAULT_BUDGET_MIB if budget_mib is None else float(budget_mib)
+    budget = _budget(budget_mib)
     x = hidden.reshape(-1, hidden.shape[-1])
     vocab = A.vocab_size(weight, weight_layout, vocab_axis)
-    request = LogprobRequest.of(
-        temperature=temperature, return_entropy=return_entropy, return_lse=return_lse, return_max=return_max,
-        return_sum_p2=return_sum_p2, top_k=top_k, top_p=top_p, min_p=min_p,
-    )  # fmt: skip
     support = None
     if request.support is not None:  # named: the filters that cut, or none (outside_support all False)
         f = request.support
-        support = _support.filters(f.top_k, f.top_p, f.min_p, vocab) or _support.Filters(None, None, None)
+        support = H.filters(f, vocab)
     if vocab_axis is not None:
         x = jax.lax.pcast(x, vocab_axis, to="varying")
     call = LogprobCall(
@@ -152,9 +152,9 @@ def linear_logprobs(
     logp, entropy, lse, top, p2, g, out_k = (None if y is None else y.reshape(ids.shape + y.shape[1:]) for y in out)
     return LogprobOutputs(
         logp=logp,
-        entropy=entropy if return_entropy else None,
-        lse=lse if return_lse else None,
-        max_logit=jax.lax.stop_gradient(top) if return_max else None,
+        entropy=entropy if request.return_entropy else None,
+        lse=lse if request.return_lse else None,
+        max_logit=jax.lax.stop_gradient(top) if request.return_max else None,
         sum_p2=None if p2 is None else jax.lax.stop_gradient(p2),
         gathered_logp=g,
         outside_support=out_k,

@@ -12,6 +12,7 @@ callback (a ``JaxRuntimeError`` carrying the same message)."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Optional
 
 import jax
@@ -24,7 +25,7 @@ from . import _args as A
 from . import _policy
 from ._collectives import over_tokens
 from ._losses import linear_logprobs
-from .pallas import checks as _checks
+from . import _checks
 
 
 def _concrete(x) -> Optional[np.ndarray]:
@@ -151,7 +152,7 @@ def linear_grpo(packed: Packed, hidden, weight, bias, per_token: dict, args: Grp
     f = args.filters
     out = linear_logprobs(
         hidden.reshape(packed.n, hidden.shape[-1]), weight, packed.ids, args.temperature, True, bias=bias,
-        mask=packed.mask, top_k=f.top_k, top_p=f.top_p, min_p=f.min_p, **head,
+        mask=packed.mask, **asdict(f), **head,
     )  # fmt: skip
     outside = None if out.outside_support is None or not f.truncates else out.outside_support
     loss, aux = packed.loss(out.logp, out.entropy, outside, per_token, args, token_axis)

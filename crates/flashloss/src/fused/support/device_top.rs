@@ -93,10 +93,10 @@ impl DeviceRow {
 
 #[cfg(test)]
 mod tests {
-    use super::super::key::order_key;
     use super::super::pass_a::TopBuffer;
     use super::super::tests::Rng;
     use super::*;
+    use crate::fused::key::order_key;
 
     /// The model keeps what the host's [`TopBuffer`] keeps (the top `cap` keys of the row,
     /// and whether they are all of it) on rows with many ties, peaked rows, flat rows and

@@ -22,8 +22,8 @@
 //! `12·WINDOW` bytes (24 KiB) per row in flight, 64 bytes per row after; binning costs
 //! per entry a floor, a compare and the series (~12 flops).
 
-use super::key::{scaled, value_floor};
 use super::search::{Goal, Search, Tally};
+use crate::fused::key::{scaled, value_floor};
 use multiversion::multiversion;
 
 /// Bins of a row's window.
@@ -417,7 +417,7 @@ impl RowHistogram {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fused::support::key::{key_value, order_key};
+    use crate::fused::key::{key_value, order_key};
 
     #[test]
     fn the_series_is_exp_to_rounding() {

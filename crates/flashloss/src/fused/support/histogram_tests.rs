@@ -3,8 +3,8 @@
 //! rows, ties split by index), none on peaked rows, and the fallbacks: a cut bin of more
 //! than `COLLECT_MAX` keys, a cut in the underflow, a max beyond the exact grid.
 
-use super::key::{order_key, rel_mass, scaled};
 use super::tests::{Rng, check_live, filters, run_support};
+use crate::fused::key::{order_key, rel_mass, scaled};
 
 /// `n` rows of `v` standard normal logits times `scale`.
 fn normal_rows((n, v): (usize, usize), scale: f64, seed: u64) -> Vec<f32> {

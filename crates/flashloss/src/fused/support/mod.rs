@@ -37,6 +37,7 @@
 //! Masses are `exp(s_j - s_max)` of the f32 scaled logits that decide the support, so
 //! with `T ≠ 1` `lse^K` carries their rounding (`|s|·2^-24` absolute).
 
+use super::key::{key_value, order_key, rel_mass, scaled, value_floor};
 use super::logp_request::SupportStats;
 use super::passes::FusedPasses;
 use super::terms::{DeviceSinks, SupportTerm, TileVisitor};
@@ -45,7 +46,6 @@ use crate::rows::{OnlineSoftmax, PartialStats, RowInputs, RowStats};
 use crate::sharding::VocabSplit;
 use crate::support_filter::SupportFilter;
 use histogram::{BinCut, HistogramRow};
-use key::{key_value, order_key, rel_mass, scaled, value_floor};
 use pass_a::BufferPass;
 use search::{Found, Goal, Search, SearchPass, Tally};
 use shards::{combine_pass, merge_buffers, merge_histograms};
@@ -55,7 +55,6 @@ pub(crate) mod device_top;
 mod histogram;
 #[cfg(test)]
 mod histogram_tests;
-pub(crate) mod key;
 mod pass_a;
 mod search;
 mod shards;

@@ -6,8 +6,8 @@
 //! a histogram's 24 KiB only while the row's sweep is in flight.
 
 use super::histogram::HistogramRow;
-use super::key::{order_key, scaled};
 use super::search::pick;
+use crate::fused::key::{order_key, scaled};
 use crate::fused::terms::{DeviceSinks, DeviceTopSink, TileVisitor};
 use rayon::prelude::*;
 use std::ops::Range;

@@ -11,7 +11,7 @@
 //! a range whose count is known (pass A's histogram of a top-p row,
 //! `super::histogram`), and collect at once.
 
-use super::key::{key_value, order_key, rel_mass, scaled};
+use crate::fused::key::{key_value, order_key, rel_mass, scaled};
 use crate::fused::terms::TileVisitor;
 use rayon::prelude::*;
 use std::ops::Range;
@@ -319,7 +319,7 @@ impl TileVisitor for SearchPass {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fused::support::key::value_floor;
+    use crate::fused::key::value_floor;
 
     #[test]
     fn keys_order_values_then_ids() {

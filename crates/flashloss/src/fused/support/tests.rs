@@ -5,9 +5,9 @@
 //! the filters.
 
 use super::device_top::DeviceRow;
-use super::key::{order_key, scaled};
 use super::{RowSupport, Truncation, support_buffers, support_passes};
 use crate::error::{Error, Result};
+use crate::fused::key::{order_key, scaled};
 use crate::fused::plan::{HeadGrad, Plan};
 use crate::fused::{FusedPasses, GradsOf, RowGrad, TileVisitor};
 use crate::reference::support_row;

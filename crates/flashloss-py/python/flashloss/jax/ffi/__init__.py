@@ -10,6 +10,6 @@ handlers (``crates/flashloss-py/src/jax``) under ``jax.custom_vjp``.
 - :mod:`.vocab`: GRPO, log-probs and CE over a head split over ``vocab_axis``, cut at
   the collectives;
 - :mod:`.support`: the sampler's truncated support (``top_k``/``top_p``/``min_p``) on one
-  device, and the filters' rule (:class:`.support.Filters`); :mod:`.support_vocab`: the
+  device, and the filters' rule (:class:`.._head.Filters`); :mod:`.support_vocab`: the
   support over ``vocab_axis`` in plain JAX.
 """

@@ -22,6 +22,8 @@ import jax.numpy as jnp
 
 from ... import _native
 from ..._spec.native import call_spec
+from .._head import LAYOUTS
+from .._head import vocab_size as block_size
 
 
 def register() -> None:
@@ -60,13 +62,13 @@ def head_grad_results(x, weight, bias, v: int, head_grad: str):
 
 def vocab_size(weight, weight_layout: str) -> int:
     """``V`` of ``weight`` (``[V, H]`` for ``weight_layout="vh"``, ``[H, V]`` for ``"hv"``)."""
-    if weight_layout not in ("vh", "hv"):
+    if weight_layout not in LAYOUTS:
         raise ValueError(f'argument `weight_layout`: expected "vh" ([V, H]) or "hv" ([H, V]), got {weight_layout!r}')
     if len(weight.shape) != 2:
         want = "[V, H]" if weight_layout == "vh" else "[H, V]"
         got = list(weight.shape)
         raise ValueError(f"argument `weight`: expected shape {want} (weight_layout {weight_layout!r}), got {got}")
-    return weight.shape[0] if weight_layout == "vh" else weight.shape[1]
+    return block_size(weight, weight_layout)
 
 
 def grpo_linear(

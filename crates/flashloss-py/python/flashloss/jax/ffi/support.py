@@ -25,53 +25,18 @@ keep the largest). ``logp^K_i = s_{i,y_i} - logsumexp_{j∈K_i} s_ij``, ``-inf``
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
+from .._head import Filters, Transform
 from .fused import _values, head_grad_wanted, wants
 from .ops import _call, _like, _or_empty, head_grad_results, vocab_size
-from ..pallas.head import Transform
 
 #: Elements of one block's ``[rows, V]`` logits of the FFI path's vocab-parallel support
 #: in plain JAX (:mod:`.support_vocab`; 16 MiB in f32).
 BLOCK_ELEMENTS = 1 << 22
-
-
-class Filters(NamedTuple):
-    """The support's filters, each None where it keeps everything."""
-
-    top_k: Optional[int]
-    top_p: Optional[float]
-    min_p: Optional[float]
-
-
-def filters(top_k, top_p, min_p, vocab: int) -> Optional[Filters]:
-    """The filters checked (a ``ValueError`` naming the argument), unset ones (``top_k``
-    None or ``≥ V``, ``top_p`` None or 1, ``min_p`` None or 0) as None; None when none
-    was given at all."""
-    if top_k is None and top_p is None and min_p is None:
-        return None
-    if top_k is not None and (isinstance(top_k, bool) or int(top_k) != top_k or top_k < 1):
-        raise ValueError(f"argument `top_k`: must be an integer >= 1 (None: no top-k), got {top_k!r}")
-    if top_p is not None and not 0.0 < float(top_p) <= 1.0:
-        raise ValueError(f"argument `top_p`: must be in (0, 1], got {top_p!r}")
-    if min_p is not None and not 0.0 <= float(min_p) <= 1.0:
-        raise ValueError(f"argument `min_p`: must be in [0, 1], got {min_p!r}")
-    return Filters(
-        top_k=None if top_k is None or int(top_k) >= vocab else int(top_k),
-        top_p=None if top_p is None or float(top_p) == 1.0 else float(top_p),
-        min_p=None if min_p is None or float(min_p) == 0.0 else float(min_p),
-    )
-
-
-def active(f: Optional[Filters]) -> Optional[str]:
-    """The name of the first filter of ``f`` that drops anything, or None."""
-    if f is None:
-        return None
-    return next((name for name, value in zip(Filters._fields, f) if value is not None), None)
 
 
 def _row_logits(h, weight, bias, layout: str, transform: Transform) -> jax.Array:

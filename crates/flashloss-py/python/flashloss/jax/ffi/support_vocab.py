@@ -38,7 +38,7 @@ from . import vocab
 from .fused import _values
 from .ops import vocab_size
 from .support import Filters, _blocks, _row_logits, _zeros
-from ..pallas import checks
+from .. import _checks as checks
 
 _BITS = 32  # bisection rounds over the uint32 keys
 

@@ -9,7 +9,7 @@ no TPU needed: :mod:`flashloss.jax.tpu_compile`; ``docs/jax.md``).
 - :mod:`.logits`: the logits-level kernels (statistics, gradient, and a fused
   statistics-loss-gradient kernel for token-local losses);
 - :mod:`.losses`: GRPO, CE and log-probs on them, the loss in plain JAX
-  (:mod:`flashloss.jax._policy`); :mod:`.checks`: run-time input checks;
+  (:mod:`flashloss.jax._policy`); :mod:`.._checks`: run-time input checks;
 - :mod:`.entry`: the path's implementation of each loss, ``impl(call, *operands)``, as
   :data:`flashloss.jax._paths.PATHS` names them;
 - :mod:`._chips`: the chips, their VMEM and the blocks (:func:`target_chip`).

@@ -9,7 +9,8 @@ import dataclasses
 
 from .. import _logprobs
 from .._args import wide
-from . import checks, losses
+from .. import _checks as checks
+from . import losses
 
 
 def _spec(call, softcap=None, **kw) -> losses.HeadSpec:

@@ -23,7 +23,6 @@ Flax kernel ``[H, V]``; a tile is a block of rows or of columns, never a transpo
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import jax
@@ -31,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from .._head import Transform, vocab_size
 from . import _chips, cost
 
 #: Per-row vectors of the forward kernel's state, in order (``sum_exp2`` last, with
@@ -99,28 +99,6 @@ def from_lanes(x: jax.Array) -> jax.Array:
     return jax.lax.optimization_barrier(x[:, 0])
 
 
-@dataclass(frozen=True)
-class Transform:
-    """How raw logits become the softmax's ``s``: soft-cap (``cap·tanh(z/cap)``), then
-    ``/ temperature``."""
-
-    temperature: float = 1.0
-    softcap: Optional[float] = None
-
-    def apply(self, z: jax.Array) -> jax.Array:
-        if self.softcap is not None:
-            z = self.softcap * jnp.tanh(z / self.softcap)
-        return z * (1.0 / self.temperature)
-
-    def slope(self, s: jax.Array) -> jax.Array:
-        """``∂s/∂z`` at the tile whose transformed logits are ``s``."""
-        inv_t = 1.0 / self.temperature
-        if self.softcap is None:
-            return jnp.full_like(s, inv_t)
-        tanh = s / (self.softcap * inv_t)
-        return inv_t * (1.0 - tanh * tanh)
-
-
 def tile_logits(x_ref, w_ref, bias_ref, layout: str, transform: Transform, mask_weight: Optional[int]) -> tuple:
     """``(s, w)``: the transformed f32 logits tile ``[bn, bv]`` and the weight tile read
     (its rows or columns past the vocabulary zeroed when ``mask_weight`` gives how many
@@ -146,6 +124,16 @@ def tail(v: int, bv: int, j) -> Optional[Any]:
     return None if v % bv == 0 else v - j * bv
 
 
+def online_max(m_old, s):
+    """The online softmax's step over a tile ``s`` ``[bn, bv]`` of rows whose running max
+    is ``m_old`` ``[bn, 1]``: ``(m_new, shift, alpha)``, the new max, the shift the tile's
+    exponentials take (0 for a row of -inf so far: all zeros) and the rescale
+    ``e^{m_old - shift}`` of the sums so far. Every streamed kernel's one rule."""
+    m_new = jnp.maximum(m_old, jnp.max(s, axis=1, keepdims=True))
+    shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    return m_new, shift, jnp.exp(m_old - shift)
+
+
 def _forward_kernel(*refs, v: int, bv: int, layout: str, transform: Transform, has_bias: bool, sum_p2: bool):
     ids_ref, x_ref, w_ref = refs[:3]
     bias_ref = refs[3] if has_bias else None
@@ -162,9 +150,7 @@ def _forward_kernel(*refs, v: int, bv: int, layout: str, transform: Transform, h
     col = j * bv + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
     s = jnp.where(col < v, s, -jnp.inf)
     m_old, sum_old = m_ref[:, :1], s_ref[:, :1]
-    m_new = jnp.maximum(m_old, jnp.max(s, axis=1, keepdims=True))
-    shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # a row of -inf so far: all zeros
-    alpha = jnp.exp(m_old - shift)
+    m_new, shift, alpha = online_max(m_old, s)
     d = s - shift
     e = jnp.exp(d)
     rescale = jnp.where(sum_old > 0, sum_old * (m_old - shift), 0.0)
@@ -196,10 +182,6 @@ def weight_spec(layout: str, bv: int, hidden: int, axis: int) -> pl.BlockSpec:
 
 def bias_spec(bv: int, axis: int) -> pl.BlockSpec:
     return pl.BlockSpec((1, bv), lambda *g: (0, g[axis]))
-
-
-def vocab_size(weight: jax.Array, layout: str) -> int:
-    return weight.shape[0] if layout == "vh" else weight.shape[1]
 
 
 def plan(kernel: str, x: jax.Array, weight: jax.Array, layout: str, chip, max_rows, max_vocab) -> tuple:

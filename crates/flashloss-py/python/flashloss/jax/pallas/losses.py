@@ -13,8 +13,9 @@ import jax
 import jax.numpy as jnp
 
 from .. import _policy
-from . import _chips, checks, logits, single_pass, support
-from .head import Transform
+from .. import _checks as checks
+from . import _chips, logits, single_pass, support
+from .head import Transform, vocab_size
 from .single_pass import Plan
 from .stats import HeadSpec, RowStats, row_stats
 
@@ -49,7 +50,7 @@ def single_pass_plan(mode: str, budget_mib: Optional[float], x, weight, spec: He
     if mode == "two_pass" or not allowed or spec.transform.softcap is not None:
         return None
     n, hidden = x.shape
-    v = weight.shape[0] if spec.layout == "vh" else weight.shape[1]
+    v = vocab_size(weight, spec.layout)
     target, e = _chips.chip(spec.chip), jnp.dtype(weight.dtype).itemsize
     copy = v * hidden * 2 if weight.dtype == jnp.bfloat16 and target.name in _chips.RELAYOUTS_BF16_HEAD else 0
     budget = single_pass.default_budget_bytes(n, v, hidden, e, target) if budget_mib is None else budget_mib * 2**20

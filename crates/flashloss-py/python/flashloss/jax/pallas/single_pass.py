@@ -40,6 +40,7 @@ import jax.numpy as jnp
 
 from ..._config import DEFAULT_BUDGET_MIB
 from .. import _policy
+from .._head import vocab_size
 from . import _chips, logits
 from . import products as head_products
 
@@ -173,7 +174,7 @@ def _pieces(x, weight, bias, ids, mask, adv, old, ref, ratio, args, layout, plan
     its initial carry, its blocked inputs, and ``finish(carry, ys) -> (loss, (logp,
     entropy), (dX, dW, dc))``."""
     n, hidden = x.shape
-    v = weight.shape[0] if layout == "vh" else weight.shape[1]
+    v = vocab_size(weight, layout)
     rows = plan.rows
     want_dx, want_dw, want_dc = wants[0], wants[1], wants[2] and bias is not None
     stored = plan.stored and (want_dx or want_dw or want_dc)

@@ -61,7 +61,7 @@ class HeadSpec:
     max_vocab: Optional[int] = None
     #: Whether the forward kernel also sums ``e^{2(s - m)}`` (for ``RowStats.sum_p2``).
     sum_p2: bool = False
-    #: The sampler's truncated support (``flashloss.jax.ffi.support.Filters``), or None.
+    #: The sampler's truncated support (``flashloss.jax._head.Filters``), or None.
     support: Any = None
 
     def kernel_args(self) -> dict:

@@ -35,7 +35,19 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from . import _chips, cost
-from .head import LANES, Transform, bias_spec, from_lanes, launch, plan, row_spec, tile_logits, to_lanes, weight_spec
+from .head import (
+    LANES,
+    Transform,
+    bias_spec,
+    from_lanes,
+    launch,
+    online_max,
+    plan,
+    row_spec,
+    tile_logits,
+    to_lanes,
+    weight_spec,
+)
 
 #: Most rows of a block: a round runs until the block's busiest row has its keys in.
 MAX_ROWS = 512
@@ -80,9 +92,8 @@ def _kernel(*refs, v: int, bv: int, layout: str, transform: Transform, has_bias:
     col = j * bv + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
     s = jnp.where(col < v, s + 0.0, -jnp.inf)
     m_old = m_ref[:, :1]
-    m_new = jnp.maximum(m_old, jnp.max(s, axis=1, keepdims=True))
-    shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-    total = jnp.exp(m_old - shift) * sum_ref[:, :1] + jnp.sum(jnp.exp(s - shift), axis=1, keepdims=True)
+    m_new, shift, alpha = online_max(m_old, s)
+    total = alpha * sum_ref[:, :1] + jnp.sum(jnp.exp(s - shift), axis=1, keepdims=True)
     shape = m_ref.shape
     m_ref[...] = jnp.broadcast_to(m_new, shape)
     sum_ref[...] = jnp.broadcast_to(total, shape)

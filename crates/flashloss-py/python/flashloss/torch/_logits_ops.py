@@ -1,5 +1,5 @@
 """GRPO on materialized logits as ``torch.library`` custom ops (re-exported by
-:mod:`flashloss._torch_ops`): ``grpo_logits`` returns ``∂loss/∂logits`` (zero at
+:mod:`flashloss.torch._ops`): ``grpo_logits`` returns ``∂loss/∂logits`` (zero at
 positions it does not read) with the loss, and the per-token losses (``reduce=False``)
 run the logits again in their backward with the upstream gradient."""
 
@@ -10,9 +10,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _native
-from ._spec.native import call_spec
-from ._torch_op_utils import METRICS, _f32, _only_the_loss_differentiable, _scale, _with_items, metrics_tensor
+from .. import _native
+from .._spec.native import call_spec
+from ._op_utils import METRICS, METRICS_DTYPE, _f32, _only_the_loss_differentiable, _scale, _with_items, metrics_tensor
 
 # --- GRPO on materialized logits -------------------------------------------------------
 
@@ -58,7 +58,7 @@ def grpo_logits(
 def _(logits, completion_ids, *args):
     f32 = dict(dtype=torch.float32)
     per_token = tuple(logits.new_empty(completion_ids.shape, **f32) for _ in range(3))
-    metrics = logits.new_empty((len(METRICS),), dtype=torch.float64)
+    metrics = logits.new_empty((len(METRICS),), dtype=METRICS_DTYPE)
     return (logits.new_empty((), **f32), logits.new_empty(logits.shape), *per_token, metrics)
 
 

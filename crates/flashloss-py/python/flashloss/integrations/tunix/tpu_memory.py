@@ -24,8 +24,8 @@ import sys
 import time
 from typing import Any, Optional
 
-from .._config import load_yaml
-from . import _task, ab
+from flashloss._config import load_yaml
+from flashloss.integrations.tunix import _task, ab
 
 DEFAULTS: dict[str, Any] = {
     "chip": "v6e",  # of flashloss.jax.tpu_compile.TOPOLOGIES

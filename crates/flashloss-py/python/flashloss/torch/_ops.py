@@ -20,7 +20,7 @@ them, and ``setup_context`` checks that against ``ctx.needs_input_grad``) and re
 ``ctx.needs_input_grad`` there. Inputs arrive checked and
 converted by :mod:`flashloss.torch`: per-token tensors on the CPU, the head in one
 dtype, contiguous. ``group`` names a vocab-parallel group registered in
-:mod:`flashloss._dist` ("" for none).
+:mod:`flashloss.torch._dist` ("" for none).
 """
 
 from __future__ import annotations
@@ -30,13 +30,15 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _dist, _native
-from ._spec.native import call_spec
+from .. import _native
+from . import _dist
+from .._spec.native import call_spec
 
 # The logits-level ops (re-exported for flashloss.torch) and the helpers every op shares.
-from ._torch_logits_ops import grpo_logits, grpo_logits_rows, grpo_logits_rows_backward  # noqa: F401
-from ._torch_op_utils import (
+from ._logits_ops import grpo_logits, grpo_logits_rows, grpo_logits_rows_backward  # noqa: F401
+from ._op_utils import (
     METRICS,
+    METRICS_DTYPE,
     _f32,
     _fake_grads,
     _grad_buffers,
@@ -128,7 +130,7 @@ def grpo_linear(
 @grpo_linear.register_fake
 def _(hidden, weight, bias, completion_ids, *args):
     per_token = tuple(hidden.new_empty(completion_ids.shape, dtype=torch.float32) for _ in range(3))
-    loss, metrics = hidden.new_empty((), dtype=torch.float32), hidden.new_empty((len(METRICS),), dtype=torch.float64)
+    loss, metrics = hidden.new_empty((), dtype=torch.float32), hidden.new_empty((len(METRICS),), dtype=METRICS_DTYPE)
     return (loss, *_fake_grads(hidden, weight, bias, args[-1]), *per_token, metrics)
 
 

@@ -1,4 +1,4 @@
-"""Argument checks shared by flashloss's PyTorch entry points (:mod:`flashloss.torch`):
+"""The torch binding's argument checks, shared by its losses (as ``flashloss.jax._args``):
 tensors on one device, the head in one float dtype and contiguous, whether autograd
 will want the head's own gradients, and a GRPO batch's per-sequence inputs."""
 
@@ -6,24 +6,24 @@ from __future__ import annotations
 
 import torch
 
-from . import _native
-from ._torch_op_utils import _f32
+from .. import _native
+from ._op_utils import _f32
 
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-_HALVES = (torch.bfloat16, torch.float16)
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+HALVES = (torch.bfloat16, torch.float16)
 
 
-def _check_tensor(arg: str, t) -> None:
+def check_tensor(arg: str, t) -> None:
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"argument `{arg}`: expected a torch.Tensor, got {type(t).__name__}")
 
 
-def _same_device(tensors: dict, cuda: bool = True) -> torch.device:
+def same_device(tensors: dict, cuda: bool = True) -> torch.device:
     device = None
     for arg, t in tensors.items():
         if t is None:
             continue
-        _check_tensor(arg, t)
+        check_tensor(arg, t)
         if device is None:
             device = t.device
         elif t.device != device:
@@ -40,14 +40,14 @@ def _same_device(tensors: dict, cuda: bool = True) -> torch.device:
     return device
 
 
-def _head(hidden, weight, bias):
+def head(hidden, weight, bias):
     """``hidden``, ``weight``, ``bias`` as the kernels read them: one float dtype, contiguous."""
     for arg, t in (("hidden", hidden), ("weight", weight), ("bias", bias)):
-        if t is not None and t.dtype not in _FLOATS:
+        if t is not None and t.dtype not in FLOATS:
             raise ValueError(f"argument `{arg}`: expected dtype float32, bfloat16 or float16, got {t.dtype}")
     dtypes = {t.dtype for t in (hidden, weight, bias) if t is not None}
     # One dtype as it is; float32 with one half dtype: that one (as autocast); both halves: float32.
-    halves = [d for d in _HALVES if d in dtypes]
+    halves = [d for d in HALVES if d in dtypes]
     dtype = halves[0] if len(halves) == 1 else torch.float32
     if dtype == torch.float16 and hidden.device.type == "cuda":
         # The CUDA backend reads f32 or bf16: a float16 head is widened (exactly), so its
@@ -57,7 +57,7 @@ def _head(hidden, weight, bias):
     return cast
 
 
-def _head_grad(weight, bias) -> bool:
+def head_grad(weight, bias) -> bool:
     """Whether autograd will want the head's own gradients: False for a frozen head
     (``weight`` and ``bias`` without ``requires_grad``, or grad mode off), which then gets
     no ``[V, H]`` gradient buffer and no dW/dbias product."""
@@ -65,11 +65,11 @@ def _head_grad(weight, bias) -> bool:
     return bool(torch.is_grad_enabled() and wants)
 
 
-def _bool(t):
+def mask_bool(t):
     return None if t is None else (t != 0).cpu().contiguous()
 
 
-def _items(num_items_in_batch):
+def items(num_items_in_batch):
     """``num_items_in_batch`` as (config value, tensor input): a tensor (TRL passes one)
     is read inside the op, so that compiled code never reads it on the host."""
     if isinstance(num_items_in_batch, torch.Tensor):
@@ -77,10 +77,10 @@ def _items(num_items_in_batch):
     return num_items_in_batch, None
 
 
-def _grpo_batch(completion_ids, completion_mask, advantages):
+def grpo_batch(completion_ids, completion_mask, advantages):
     """``(ids int64, mask bool, advantages f32)`` on the CPU, checked (TRL's ``[B, 1]``
     advantages as ``[B]``)."""
-    _check_tensor("completion_ids", completion_ids)
+    check_tensor("completion_ids", completion_ids)
     if completion_ids.dim() != 2:
         raise ValueError(f"argument `completion_ids`: expected shape [B, T], got {list(completion_ids.shape)}")
     if completion_ids.dtype.is_floating_point or completion_ids.dtype == torch.bool:
@@ -89,9 +89,9 @@ def _grpo_batch(completion_ids, completion_mask, advantages):
     if completion_mask is None:
         mask = torch.ones_like(ids, dtype=torch.bool)
     else:
-        _check_tensor("completion_mask", completion_mask)
+        check_tensor("completion_mask", completion_mask)
         mask = (completion_mask != 0).cpu().contiguous()
-    _check_tensor("advantages", advantages)
+    check_tensor("advantages", advantages)
     if advantages.dim() == 2 and advantages.shape[1] == 1:
         advantages = advantages[:, 0]  # TRL's unsqueezed [B, 1]
     return ids, mask, _f32(advantages)

@@ -27,9 +27,9 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .._config import load_yaml
-from .._spec import GrpoArgs
-from . import _task
+from flashloss._config import load_yaml
+from flashloss._spec import GrpoArgs
+from flashloss.integrations.tunix import _task
 
 DEFAULTS: dict[str, Any] = {
     "seed": 0,
@@ -477,7 +477,7 @@ def summary_table(runs: list) -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m flashloss.tunix.ab", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", help="YAML config (keys: see DEFAULTS in flashloss/tunix/ab.py)")
+    ap.add_argument("--config", help="YAML config (keys: see DEFAULTS in flashloss/integrations/tunix/ab.py)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     ap.add_argument("--plot", nargs="+", metavar="RUN_DIR", help="draw these runs (no training)")
     ap.add_argument("--out", default=".", help="with --plot: where ab.png and summary.md go")

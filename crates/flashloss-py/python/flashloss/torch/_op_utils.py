@@ -1,5 +1,5 @@
-"""Helpers shared by flashloss's ``torch.library`` ops (:mod:`flashloss._torch_ops` and
-:mod:`flashloss._torch_logits_ops`): a head's gradient buffers and their fake shapes, the
+"""Helpers shared by flashloss's ``torch.library`` ops (:mod:`flashloss.torch._ops` and
+:mod:`flashloss.torch._logits_ops`): a head's gradient buffers and their fake shapes, the
 dtypes gradients go back in, TRL's metrics tensor, and saved gradients scaled by the
 upstream gradient."""
 
@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._spec import METRICS
+from .._spec import METRICS
 
 
 def _stream(device: torch.device) -> int:
@@ -63,9 +63,13 @@ def scalar_on(x: float, device, dtype=torch.float32) -> Tensor:
     return to_device(torch.tensor(x, dtype=dtype), device)
 
 
+#: The metrics' dtype, JAX's too (``GRPOOutputs.metrics``).
+METRICS_DTYPE = torch.float32
+
+
 def metrics_tensor(out: dict, device=None) -> Tensor:
-    """TRL's metrics of a native GRPO call's result, in :data:`METRICS` order (float64)."""
-    host = torch.tensor([out[k] for k in METRICS], dtype=torch.float64)
+    """TRL's metrics of a native GRPO call's result, in :data:`METRICS` order."""
+    host = torch.tensor([out[k] for k in METRICS], dtype=METRICS_DTYPE)
     return host if device is None else to_device(host, device)
 
 

@@ -165,7 +165,8 @@ def _logps(graphdef, state, prompt_tokens, completion_tokens, images, segment_id
     from flax import nnx
     from tunix.rl import common
 
-    from ..jax import linear_logprobs
+    from ...jax import linear_logprobs
+    from ...jax._head import vocab_size
 
     model = nnx.merge(graphdef, state)
     _supported(model)
@@ -189,7 +190,7 @@ def _logps(graphdef, state, prompt_tokens, completion_tokens, images, segment_id
     )[:2]  # fmt: skip
     if segment_ids is not None:
         # Tunix pads the logits' first position with zeros: log-prob 0, entropy log V.
-        vocab = weight.shape[0] if layout == "vh" else weight.shape[1]
+        vocab = vocab_size(weight, layout)
         logp = jnp.pad(logp, ((0, 0), (1, 0)), constant_values=0.0)
         ent = jnp.pad(ent, ((0, 0), (1, 0)), constant_values=float(jnp.log(jnp.float32(vocab))))
     if stop_gradient:

@@ -1,28 +1,87 @@
-"""``flashloss.torch.linear_logprobs``: per-token log-probabilities (and entropy, ``lse``,
-max logit, ``Σp²``, candidates' log-probs) of an LM head's scaled logits from hidden
-states, differentiable, without the ``[N, V]`` logits (see :func:`linear_logprobs`)."""
+"""``flashloss.torch``'s cross-entropy and per-token log-probabilities from the hidden
+states and the LM head: :func:`linear_cross_entropy`, :func:`linear_logprobs` (as
+``flashloss.jax._losses``)."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional, Union
 
 import torch
 
+from .._config import budget_mib as _budget
+from .._spec import CeArgs, LogprobOutputs, LogprobRequest, with_params
+from . import _args as A
 from . import _dist, _dtensor
-from . import _torch_ops as ops
-from ._config import DEFAULT_BUDGET_MIB
-from ._spec import LogprobOutputs, LogprobRequest, with_params
-from ._torch_args import _head, _same_device
+from . import _ops as ops
+from ._logprobs import check_gather_ids
+
+#: The options' defaults, the signatures' (``flashloss._spec``).
+_CE = CeArgs()
+_REQUEST = LogprobRequest()
 
 
-def _check_gather_ids(ids: torch.Tensor, gather_ids) -> None:
-    if gather_ids.dtype.is_floating_point or gather_ids.dtype.is_complex or gather_ids.dtype == torch.bool:
-        raise ValueError(f"argument `gather_ids`: expected an integer dtype, got {gather_ids.dtype}")
-    if gather_ids.dim() != ids.dim() + 1 or gather_ids.shape[:-1] != ids.shape or gather_ids.shape[-1] < 1:
-        raise ValueError(
-            f"argument `gather_ids`: expected shape {list(ids.shape)} + [K] with K >= 1 (ids' shape and K "
-            f"candidates per token), got {list(gather_ids.shape)}"
-        )
+@torch.compiler.assume_constant_result
+def _ce_json(**fields) -> str:
+    return CeArgs(**fields).config_json()
+
+
+@with_params
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    ignore_index: int = _CE.ignore_index,
+    label_smoothing: float = _CE.label_smoothing,
+    z_loss: float = _CE.z_loss,
+    softcap: Optional[float] = _CE.softcap,
+    reduction: str = _CE.reduction,
+    temperature: float = _CE.temperature,
+    return_lse: bool = False,
+    mode: str = "auto",
+    budget_mib: Optional[float] = None,
+    vocab_parallel_group: Optional[Any] = None,
+) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """Cross-entropy of ``hidden @ weight.T + bias`` at ``targets``, as Cut Cross-Entropy's
+    ``linear_cross_entropy(e, c, targets, ...)`` and PyTorch's
+    ``F.linear_cross_entropy(input, linear_weight, target, ...)`` compute it: ``hidden``
+    ``[..., H]`` and ``targets`` ``[...]``; ``bias`` is the fourth positional argument, as CCE's,
+    and every other option is keyword-only.
+
+    {ce_args}
+
+    {plan}"""
+    fields = CeArgs.fields_of(locals())  # first: the call's options, by name
+    hidden, weight, bias, vocab_parallel_group = _dtensor.local_head(hidden, weight, bias, vocab_parallel_group)
+    group = _dist.register(vocab_parallel_group)
+
+    def prepare(fields=fields):
+        device = A.same_device(dict(hidden=hidden, weight=weight, targets=targets, bias=bias))
+        config = _ce_json(**fields)
+        if targets.dtype.is_floating_point or targets.dtype == torch.bool:
+            raise ValueError(f"argument `targets`: expected an integer dtype, got {targets.dtype}")
+        if hidden.shape[:-1] != targets.shape:
+            rows = list(hidden.shape[:-1])
+            raise ValueError(f"argument `targets`: shape {list(targets.shape)} does not match hidden's rows {rows}")
+        h, w, b = A.head(hidden, weight, bias)
+        if b is not None and device.type == "cuda":
+            b = b.float()  # the GPU kernels read the bias in f32
+        return h.reshape(-1, h.shape[-1]), w, b, config
+
+    h2, w, b, config = _dist.agreed(group, prepare)
+    tgt = targets.reshape(-1).to(device="cpu", dtype=torch.int64).contiguous()
+    budget = _budget(budget_mib)
+    if return_lse:
+        args = (h2, w, b, tgt, config, mode, budget, group)
+        if fields["reduction"] == "none":
+            rows, lse = ops.ce_linear_rows_lse(*args)
+            return rows.reshape(targets.shape), lse.reshape(targets.shape)
+        loss, lse = ops.ce_linear_lse(*args)[:2]
+        return loss, lse.reshape(targets.shape)
+    if fields["reduction"] == "none":
+        return ops.ce_linear_rows(h2, w, b, tgt, config, mode, budget, group).reshape(targets.shape)
+    return ops.ce_linear(h2, w, b, tgt, config, mode, budget, group, A.head_grad(weight, bias))[0]
 
 
 @with_params
@@ -30,21 +89,21 @@ def linear_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     ids: torch.Tensor,
-    temperature: float = 1.0,
-    return_entropy: bool = False,
+    temperature: float = _REQUEST.temperature,
+    return_entropy: bool = _REQUEST.return_entropy,
     *,
     bias: Optional[torch.Tensor] = None,
     mask: Optional[torch.Tensor] = None,
-    return_lse: bool = False,
-    return_max: bool = False,
-    return_sum_p2: bool = False,
+    return_lse: bool = _REQUEST.return_lse,
+    return_max: bool = _REQUEST.return_max,
+    return_sum_p2: bool = _REQUEST.return_sum_p2,
     gather_ids: Optional[torch.Tensor] = None,
     top_k: Optional[int] = None,
     top_p: Optional[float] = None,
     min_p: Optional[float] = None,
     budget_mib: Optional[float] = None,
     mode: str = "auto",
-    vocab_parallel_group=None,
+    vocab_parallel_group: Optional[Any] = None,
 ) -> LogprobOutputs:
     """Per-token log-probabilities of ``ids`` ``[...]`` under ``s = (hidden @ weight.T + bias) /
     temperature`` (``hidden`` ``[..., H]``): the old- and reference-policy passes of GRPO
@@ -76,30 +135,27 @@ def linear_logprobs(
     support, whose ``K`` is held fixed, runs two-pass, 8NHV).
 
     {plan} (the backward's; the forward is one statistics pass)"""
+    request = LogprobRequest.of_bound(locals())  # first: the call's request, by name
     hidden, weight, bias, vocab_parallel_group = _dtensor.local_head(hidden, weight, bias, vocab_parallel_group)
     group = _dist.register(vocab_parallel_group)
-    request = LogprobRequest.of(
-        temperature=temperature, return_entropy=return_entropy, return_lse=return_lse, return_max=return_max,
-        return_sum_p2=return_sum_p2, top_k=top_k, top_p=top_p, min_p=min_p,
-    )  # fmt: skip
 
     def prepare():
         named = {"hidden": hidden, "weight": weight, "ids": ids, "bias": bias, "mask": mask, "gather_ids": gather_ids}
-        _same_device(named)
+        A.same_device(named)
         if hidden.shape[:-1] != ids.shape:
             raise ValueError(
                 f"argument `ids`: shape {list(ids.shape)} does not match hidden's rows {list(hidden.shape[:-1])}"
             )
         if gather_ids is not None:
-            _check_gather_ids(ids, gather_ids)
-        return _head(hidden, weight, bias)
+            check_gather_ids(ids, gather_ids)
+        return A.head(hidden, weight, bias)
 
     h, w, b = _dist.agreed(group, prepare)
     if b is not None and h.device.type == "cuda":
         b = b.float()  # the GPU kernels read the bias in f32
     # Per-row inputs go to the kernels as CPU tensors (on a GPU: one copy each to the host).
     m = None if mask is None else (mask != 0).cpu().contiguous()
-    budget = DEFAULT_BUDGET_MIB if budget_mib is None else float(budget_mib)
+    budget = _budget(budget_mib)
     g = None if gather_ids is None else gather_ids.to(device="cpu", dtype=torch.int64).contiguous()
     f = request.filters
     args = (m, request.temperature, budget, group, g, request.return_sum_p2, f.top_k, f.top_p, f.min_p, mode)

@@ -11,18 +11,19 @@ the metrics and ``∂L/∂logp``, ``∂L/∂H``, which autograd carries back thr
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from . import _native
-from ._spec import METRICS, GRPOOutputs
-from ._spec import packed as P
-from ._spec.native import call_spec
-from ._torch_args import _check_tensor
-from ._torch_logprobs import linear_logprobs
-from ._torch_op_utils import _f32, _with_items, metrics_tensor
+from .. import _native
+from .._spec import METRICS, GRPOOutputs
+from .._spec import packed as P
+from .._spec.native import call_spec
+from ._args import check_tensor
+from ._losses import linear_logprobs
+from ._op_utils import METRICS_DTYPE, _f32, _with_items, metrics_tensor
 
 # --- the policy stage alone, from per-token statistics -----------------------------------
 
@@ -64,7 +65,7 @@ def grpo_policy(
 def _(logp, *args):
     f32 = dict(dtype=torch.float32)
     per_token = tuple(logp.new_empty(logp.shape, **f32) for _ in range(3))
-    return (logp.new_empty((), **f32), *per_token, logp.new_empty((len(METRICS),), dtype=torch.float64))
+    return (logp.new_empty((), **f32), *per_token, logp.new_empty((len(METRICS),), dtype=METRICS_DTYPE))
 
 
 def _policy_setup(ctx, inputs, output):
@@ -95,7 +96,7 @@ class Packed:
     inputs, checked: ``ids`` ``[N]`` int64, ``mask`` ``[N]`` bool, the advantages ``[B]``."""
 
     def __init__(self, cu_seqlens, position_ids, completion_ids, completion_mask, advantages):
-        _check_tensor("completion_ids", completion_ids)
+        check_tensor("completion_ids", completion_ids)
         if completion_ids.dtype.is_floating_point or completion_ids.dtype == torch.bool:
             raise ValueError(f"argument `completion_ids`: expected an integer dtype, got {completion_ids.dtype}")
         n = completion_ids.shape[-1] if completion_ids.dim() else 0
@@ -107,7 +108,7 @@ class Packed:
         self.mask = self.token_mask("completion_mask", completion_mask)
         if self.mask is None:
             self.mask = torch.ones(n, dtype=torch.bool)
-        _check_tensor("advantages", advantages)
+        check_tensor("advantages", advantages)
         P.per_sequence("advantages", tuple(advantages.shape), self.seg.batch)
         self.advantages = _f32(advantages.reshape(self.seg.batch))
 
@@ -117,11 +118,11 @@ class Packed:
         names = dict(old="old_per_token_logps", ref="ref_per_token_logps")
         for key, x in per_token.items():
             if key == "hidden":
-                _check_tensor("hidden", x)
+                check_tensor("hidden", x)
                 P.rows_of("hidden", tuple(x.shape), self.n)
             elif key == "ratio":
                 if x is not None:
-                    _check_tensor("importance_sampling_ratio", x)
+                    check_tensor("importance_sampling_ratio", x)
                     P.sampler_ratio_kind(tuple(x.shape), self.seg)
             else:
                 self.rows(names.get(key, key), x)
@@ -131,7 +132,7 @@ class Packed:
         """A per-row input ``[N]`` or ``[1, N]`` as ``[N]`` (None as None)."""
         if x is None:
             return None
-        _check_tensor(arg, x)
+        check_tensor(arg, x)
         P.per_row(arg, tuple(x.shape), self.n)
         return x.reshape(self.n)
 
@@ -153,7 +154,7 @@ class Packed:
     def sampler_ratio(self, ratio: Optional[Tensor]) -> Optional[Tensor]:
         if ratio is None:
             return None
-        _check_tensor("importance_sampling_ratio", ratio)
+        check_tensor("importance_sampling_ratio", ratio)
         if P.sampler_ratio_kind(tuple(ratio.shape), self.seg) == "sequence":
             return _f32(ratio.reshape(self.seg.batch))
         return self.padded(_f32(ratio.reshape(self.n)), 1.0)
@@ -182,12 +183,12 @@ def linear_grpo(packed: Packed, head: dict, args, per_token: dict, items, config
     """The packed ``linear_grpo_loss``: ``head`` = (hidden, weight, bias), ``args`` the
     call's :class:`GrpoArgs`, ``per_token`` the old/ref/ratio/masks as given."""
     hidden, weight, bias = head["hidden"], head["weight"], head["bias"]
-    _check_tensor("hidden", hidden)
+    check_tensor("hidden", hidden)
     P.rows_of("hidden", tuple(hidden.shape), packed.n)
     f = args.filters
     out = linear_logprobs(
         hidden.reshape(packed.n, hidden.shape[-1]), weight, packed.ids, args.temperature, True, bias=bias,
-        mask=packed.mask, top_k=f.top_k, top_p=f.top_p, min_p=f.min_p, **plan,
+        mask=packed.mask, **asdict(f), **plan,
     )  # fmt: skip
     outside = out.outside_support if f.truncates else None
     return packed.loss(out.logp, out.entropy, outside, **per_token, items=items, config=config)
@@ -197,7 +198,7 @@ def logits_grpo(packed: Packed, logits: Tensor, args, per_token: dict, items, co
     """The packed ``grpo_loss`` on ``logits`` ``[N, V]``: each live row's log-softmax is
     formed in PyTorch (float32, ``[live rows, V]``; the padded call's fused kernel forms
     none)."""
-    _check_tensor("logits", logits)
+    check_tensor("logits", logits)
     P.rows_of("logits", tuple(logits.shape), packed.n)
     z = logits.reshape(packed.n, logits.shape[-1])
     live = packed.mask.nonzero()[:, 0].to(z.device)
