@@ -60,7 +60,7 @@ def step(hidden, weight, ids, upstream, gathered, options):
     kwargs = {k: v for k, v in options.items() if k != "gather_k"}
     if gather is not None:
         kwargs["gather_ids"] = gather
-    out = fl.linear_logprobs(hidden, weight, ids, 1.0, True, **kwargs)
+    out = fl.linear_logprobs(hidden, weight, ids, temperature=1.0, return_entropy=True, **kwargs)
     logp, entropy = out[0], out[1]
     loss = (torch.where(torch.isfinite(logp), logp, 0.0) * g_logp).sum() + (entropy * g_entropy).sum()
     if gather is not None:

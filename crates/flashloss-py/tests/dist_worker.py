@@ -96,7 +96,9 @@ def check_logprobs(rank, block, group):
             h, w, b = leaves(hidden, w_rows, b_rows)
             if frozen:
                 w.requires_grad_(False), b.requires_grad_(False)
-            lp, ent = fl.linear_logprobs(h, w, ids, 0.7, True, bias=b, mask=mask, vocab_parallel_group=grp)[:2]
+            lp, ent = fl.linear_logprobs(
+                h, w, ids, temperature=0.7, return_entropy=True, bias=b, mask=mask, vocab_parallel_group=grp
+            )[:2]
             ((lp * up_logp).sum() + (ent * up_ent).sum()).backward()
             results.append((lp.detach(), ent.detach(), h.grad, w.grad, b.grad))
         (lp1, ent1, dh1, dw1, db1), (lp, ent, dh, dw, db) = results
@@ -126,7 +128,7 @@ def check_logprob_outputs(rank, block, group):
     for w_rows, b_rows, grp in ((weight, bias, None), (weight[block], bias[block], group)):
         h, w, b = leaves(hidden, w_rows, b_rows)
         out = fl.linear_logprobs(
-            h, w, ids, 0.9, bias=b, mask=mask, vocab_parallel_group=grp, return_lse=True, return_max=True,
+            h, w, ids, temperature=0.9, bias=b, mask=mask, vocab_parallel_group=grp, return_lse=True, return_max=True,
             return_sum_p2=True, gather_ids=gather,
         )  # fmt: skip
         ((out.logp * up[0]).sum() + (out.lse * up[1]).sum() + (out.gathered_logp * up_k).sum()).backward()
@@ -150,7 +152,16 @@ def check_logprob_support(rank, block, group):
         for w_rows, b_rows, grp in ((weight, bias, None), (weight[block], bias[block], group)):
             h, w, b = leaves(hidden, w_rows, b_rows)
             out = fl.linear_logprobs(
-                h, w, ids, 0.9, bias=b, mask=mask, vocab_parallel_group=grp, top_k=top_k, top_p=top_p, min_p=min_p
+                h,
+                w,
+                ids,
+                temperature=0.9,
+                bias=b,
+                mask=mask,
+                vocab_parallel_group=grp,
+                top_k=top_k,
+                top_p=top_p,
+                min_p=min_p,
             )
             inside = ~out.outside_support
             (out.logp.masked_fill(~inside, 0.0) * up).sum().backward()

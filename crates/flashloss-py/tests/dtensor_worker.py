@@ -66,7 +66,9 @@ def ce(h, w, b, targets, group=None, reduction="mean"):
 
 
 def logprobs(h, w, b, ids, mask, group=None):
-    out = fl.linear_logprobs(h, w, ids, 0.7, True, bias=b, mask=mask, vocab_parallel_group=group)
+    out = fl.linear_logprobs(
+        h, w, ids, temperature=0.7, return_entropy=True, bias=b, mask=mask, vocab_parallel_group=group
+    )
     return (out.logp * 0.3).sum() + (out.entropy * 0.2).sum(), out.logp, out.entropy
 
 

@@ -210,6 +210,46 @@ def test_errors_name_the_callers_budget():
         fj.linear_cross_entropy(jnp.asarray(hidden), jnp.asarray(weight), jnp.asarray(ids), budget_mib=1e-4)
 
 
+#: The positional parameters of flashloss's own functions (every option is keyword-only);
+#: ``linear_cross_entropy`` keeps CCE's bias (see ``CCE_POSITIONAL``).
+OWN_POSITIONAL = {
+    "grpo_loss": ("logits", "completion_ids", "completion_mask", "advantages"),
+    "linear_cross_entropy": ("hidden", "weight", "targets", "bias"),
+    "linear_grpo_loss": ("hidden", "weight", "completion_ids", "completion_mask", "advantages"),
+    "linear_logprobs": ("hidden", "weight", "ids"),
+}
+
+
+@pytest.mark.parametrize("name", FUNCTIONS)
+def test_options_are_keyword_only_in_both(name):
+    """The tensors are positional, every option keyword-only, in both bindings."""
+    for binding in (ft, fj):
+        assert tuple(_positional(getattr(binding, name))) == OWN_POSITIONAL[name], (binding.__name__, name)
+    with pytest.raises(TypeError):
+        hidden, weight, ids, _, _ = _batch()
+        ft.linear_logprobs(torch.tensor(hidden), torch.tensor(weight), torch.tensor(ids), 0.7)
+
+
+def test_drop_in_errors_name_the_peers_arguments():
+    """An error inside a drop-in names the argument its caller passed: Liger's ``_input``
+    and ``vllm_is_ratio``, verl's ``vocab_weights``, not flashloss's ``hidden``."""
+    from flashloss import verl
+
+    hidden, weight, ids, mask, adv = (torch.tensor(x) for x in _batch())
+    module = liger.LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False)
+    with pytest.raises(ValueError, match="argument `lin_weight`"):
+        module(hidden, weight[:, :-1], ids, mask, adv)
+    with pytest.raises(ValueError, match="argument `vllm_is_ratio`"):
+        module(hidden, weight, ids, mask, adv, vllm_is_ratio=torch.ones(7, 3))
+    logits = torch.einsum("bth,vh->btv", hidden, weight)
+    with pytest.raises(ValueError, match="argument `old_logp`"):
+        liger.triton_grpo_loss(logits, torch.zeros(7, 3), None, ids, adv, mask)
+    with pytest.raises(ValueError, match="argument `vocab_weights`"):
+        verl.fused_linear_for_ppo_forward(None, hidden, weight[:, :-1], ids)
+    with pytest.raises(ValueError, match="argument `labels`"):
+        verl.linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight, ids.reshape(-1) + weight.shape[0])
+
+
 #: The peers' documented positional orders of the functions flashloss offers under their
 #: names: Cut Cross-Entropy's ``linear_cross_entropy(e, c, targets, bias=None, ...)``,
 #: Liger's ``LigerFusedLinearGRPOLoss.forward`` and ``triton_grpo_loss``.

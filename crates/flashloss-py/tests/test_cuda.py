@@ -135,10 +135,19 @@ def logprobs_on(d, gather, device, **kw):
     gradients of a sum of all the differentiable ones."""
     leaves = [d[k].to(device).clone().requires_grad_() for k in ("hidden", "weight", "bias")]
     out = fl.linear_logprobs(
-        leaves[0], leaves[1], d["ids"].to(device), 0.8, True, bias=leaves[2].to(d["hidden"].dtype),
-        mask=d["mask"].to(device), return_lse=True, return_max=True, return_sum_p2=True,
-        gather_ids=gather.to(device), **kw,
-    )  # fmt: skip
+        leaves[0],
+        leaves[1],
+        d["ids"].to(device),
+        temperature=0.8,
+        return_entropy=True,
+        bias=leaves[2].to(d["hidden"].dtype),
+        mask=d["mask"].to(device),
+        return_lse=True,
+        return_max=True,
+        return_sum_p2=True,
+        gather_ids=gather.to(device),
+        **kw,
+    )
     loss = out.logp.sum() + 0.1 * out.entropy.sum() + 0.01 * out.lse.sum() + 0.05 * out.gathered_logp.sum()
     loss.backward()
     return out, [x.grad for x in leaves]
@@ -186,9 +195,16 @@ def support_on(d, device, **kw):
     a sum of its outputs (the targets outside the support left out)."""
     leaves = [d[k].to(device).clone().requires_grad_() for k in ("hidden", "weight", "bias")]
     out = fl.linear_logprobs(
-        leaves[0], leaves[1], d["ids"].to(device), 0.7, True, bias=leaves[2].to(d["hidden"].dtype),
-        mask=d["mask"].to(device), return_lse=True, **kw,
-    )  # fmt: skip
+        leaves[0],
+        leaves[1],
+        d["ids"].to(device),
+        temperature=0.7,
+        return_entropy=True,
+        bias=leaves[2].to(d["hidden"].dtype),
+        mask=d["mask"].to(device),
+        return_lse=True,
+        **kw,
+    )
     inside = torch.isfinite(out.logp)
     loss = torch.where(inside, out.logp, 0.0).sum() + 0.1 * out.entropy.sum() + 0.01 * out.lse.sum()
     loss.backward()

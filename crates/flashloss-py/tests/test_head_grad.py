@@ -61,7 +61,7 @@ def test_logprobs_gradients_match_float64_autograd(dtype, frozen):
     hidden, weight, bias, ids, mask, up = _data(1, dtype)
     want = _reference(hidden, weight, bias, ids, mask, 0.8, up)
     h, w, b = _leaves(hidden, weight, bias, frozen=(1, 2) if frozen else ())
-    logp, entropy = fl.linear_logprobs(h, w, ids, 0.8, True, bias=b, mask=mask)[:2]
+    logp, entropy = fl.linear_logprobs(h, w, ids, temperature=0.8, return_entropy=True, bias=b, mask=mask)[:2]
     ((logp * up[0]).sum() + (entropy * up[1]).sum()).backward()
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     _close("logp", logp, want[0], 1e-5 if dtype == torch.float32 else 1e-2)
@@ -102,7 +102,9 @@ def test_opcheck_logprobs_ops():
 def _logprob_loss(hidden, weight, bias, ids, mask, old, adv):
     """A clipped policy loss written in PyTorch on ``linear_logprobs`` (how TRL, verl and
     Tunix build theirs), with an entropy bonus."""
-    logp, entropy = fl.linear_logprobs(hidden, weight, ids, 0.9, True, bias=bias, mask=mask)[:2]
+    logp, entropy = fl.linear_logprobs(hidden, weight, ids, temperature=0.9, return_entropy=True, bias=bias, mask=mask)[
+        :2
+    ]
     ratio = torch.exp(logp - old)
     per_token = -torch.min(ratio * adv[:, None], ratio.clamp(0.8, 1.28) * adv[:, None]) - 0.01 * entropy
     return (per_token * mask).sum() / mask.sum()
@@ -141,7 +143,9 @@ def test_export_logprobs_module():
                 self.lm_head.bias.copy_(bias)
 
         def forward(self, x, ids, mask):
-            return fl.linear_logprobs(x, self.lm_head.weight, ids, 1.0, True, bias=self.lm_head.bias, mask=mask)[:2]
+            return fl.linear_logprobs(
+                x, self.lm_head.weight, ids, temperature=1.0, return_entropy=True, bias=self.lm_head.bias, mask=mask
+            )[:2]
 
     module = Head()
     exported = torch.export.export(module, (hidden, ids, mask))
@@ -192,7 +196,7 @@ class _NativeSpy:
 
 
 def _logprobs_sum(h, w, b, ids, mask, adv, old):
-    logp, entropy = fl.linear_logprobs(h, w, ids, 0.9, True, bias=b, mask=mask)[:2]
+    logp, entropy = fl.linear_logprobs(h, w, ids, temperature=0.9, return_entropy=True, bias=b, mask=mask)[:2]
     return (logp * adv[:, None]).sum() + entropy.sum()
 
 

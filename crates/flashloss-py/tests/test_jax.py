@@ -213,7 +213,7 @@ def test_logits_level_grpo_and_logprobs():
     want, gw = jax.value_and_grad(theirs)(logits)
     _close(got, want, 1e-5, "loss")
     _close(g, gw, 1e-4, "dlogits")
-    logp, entropy = fj.linear_logprobs(hidden, weight, ids, 0.7, return_entropy=True)[:2]
+    logp, entropy = fj.linear_logprobs(hidden, weight, ids, temperature=0.7, return_entropy=True)[:2]
     lp = jax.nn.log_softmax(logits / 0.7, -1)
     _close(logp, jnp.take_along_axis(lp, ids[..., None], -1)[..., 0], 1e-5, "logprobs")
     _close(entropy, -(jnp.exp(lp) * lp).sum(-1), 1e-5, "entropy")
@@ -227,7 +227,7 @@ def test_linear_logprobs_is_differentiable(dtype):
     cl, ce = (jnp.asarray(g.standard_normal(ids.shape), jnp.float32) for _ in range(2))
 
     def ours(x, w, b):
-        lp, ent = fj.linear_logprobs(x, w, ids, 0.8, True, bias=b, mask=mask)[:2]
+        lp, ent = fj.linear_logprobs(x, w, ids, temperature=0.8, return_entropy=True, bias=b, mask=mask)[:2]
         return (lp * cl).sum() + (ent * ce).sum()
 
     def theirs(x, w, b):

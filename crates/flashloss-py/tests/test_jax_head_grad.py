@@ -63,7 +63,9 @@ def _losses():
         return (fj.linear_cross_entropy(x, w, ids, bias=b, reduction="none", impl="ffi") * up[0]).sum()
 
     def logprobs(x, w, b):
-        logp, entropy = fj.linear_logprobs(x, w, ids, 0.8, True, bias=b, mask=mask, impl="ffi")[:2]
+        logp, entropy = fj.linear_logprobs(
+            x, w, ids, temperature=0.8, return_entropy=True, bias=b, mask=mask, impl="ffi"
+        )[:2]
         return (logp * up[0]).sum() + (entropy * up[1]).sum()
 
     def split(x, w, b):

@@ -77,7 +77,9 @@ def test_linear_logprobs_outputs_and_gradients_match_f64(impl, n, h, v, k, layou
               weight_layout=layout)  # fmt: skip
 
     def f(x, w, bias):
-        out = fj.linear_logprobs(x, w, jnp.asarray(ids), temperature, True, **dict(kw, bias=bias))
+        out = fj.linear_logprobs(
+            x, w, jnp.asarray(ids), temperature=temperature, return_entropy=True, **dict(kw, bias=bias)
+        )
         a, e, c, d = (jnp.asarray(g, jnp.float32) for g in coef)
         loss = (a * out.logp).sum() + (e * out.entropy).sum() + (c * out.lse).sum() + (d * out.gathered_logp).sum()
         return loss, out
@@ -120,12 +122,13 @@ def test_pallas_sum_p2_and_max_over_several_vocabulary_tiles(layout):
 def test_logprob_outputs_unasked_are_none_and_default_return_is_unchanged(impl):
     x, w, _, _, ids, live, cand, _ = _inputs(3, 4, 8, 19, 2, "vh")
     common = dict(mask=jnp.asarray(live), impl=impl, interpret=impl == "pallas")
-    plain = fj.linear_logprobs(jnp.asarray(x), jnp.asarray(w), jnp.asarray(ids), 1.0, **common)
+    plain = fj.linear_logprobs(jnp.asarray(x), jnp.asarray(w), jnp.asarray(ids), temperature=1.0, **common)
     # One return type (was a bare array): a LogprobOutputs with only logp.
     assert isinstance(plain, fj.LogprobOutputs) and plain.entropy is None and plain.outside_support is None
     plain = plain.logp
-    out = fj.linear_logprobs(jnp.asarray(x), jnp.asarray(w), jnp.asarray(ids), 1.0, gather_ids=jnp.asarray(cand[:, :1]),
-                             **common)  # fmt: skip
+    out = fj.linear_logprobs(
+        jnp.asarray(x), jnp.asarray(w), jnp.asarray(ids), temperature=1.0, gather_ids=jnp.asarray(cand[:, :1]), **common
+    )
     assert out.entropy is None and out.lse is None and out.max_logit is None and out.sum_p2 is None
     assert out.gathered_logp.shape == (4, 1)
     np.testing.assert_allclose(np.asarray(out.logp), np.asarray(plain), rtol=0, atol=0)

@@ -77,8 +77,20 @@ def reference(x, w, b, ids, live, g, temperature, filters):
 
 def _call(impl, x, w, b, ids, live, temperature, filters, **kw):
     top_k, top_p, min_p = filters
-    return fj.linear_logprobs(x, w, jnp.asarray(ids), temperature, bias=b, mask=jnp.asarray(live), top_k=top_k,
-                              top_p=top_p, min_p=min_p, impl=impl, interpret=impl == "pallas", **kw)  # fmt: skip
+    return fj.linear_logprobs(
+        x,
+        w,
+        jnp.asarray(ids),
+        temperature=temperature,
+        bias=b,
+        mask=jnp.asarray(live),
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        impl=impl,
+        interpret=impl == "pallas",
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("impl", (*IMPLS, "auto"))  # auto: both paths traced, the FFI one runs on the CPU

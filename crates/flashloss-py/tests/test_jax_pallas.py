@@ -245,8 +245,18 @@ def test_linear_logprobs_on_pallas_differentiates_logp_and_entropy():
     c1, c2 = (jnp.asarray(rng.standard_normal(24), jnp.float32) for _ in range(2))
 
     def f(x, w, impl):
-        logp, ent = fj.linear_logprobs(x, w, ids, 0.8, True, bias=b, mask=live, impl=impl, interpret=True,
-                                       weight_layout="hv")[:2]  # fmt: skip
+        logp, ent = fj.linear_logprobs(
+            x,
+            w,
+            ids,
+            temperature=0.8,
+            return_entropy=True,
+            bias=b,
+            mask=live,
+            impl=impl,
+            interpret=True,
+            weight_layout="hv",
+        )[:2]
         return (c1 * logp).sum() + (c2 * ent).sum()
 
     got = jax.value_and_grad(f, (0, 1))(x, w, "pallas")

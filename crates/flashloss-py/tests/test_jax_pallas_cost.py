@@ -121,7 +121,9 @@ def test_support_kernels_declare_their_blocks_bytes():
     for opt in ({"top_k": 5}, {"top_p": 0.9}, {"min_p": 0.05}, {"top_k": 5, "top_p": 0.9}):
 
         def f(x, opt=opt):
-            out = fj.linear_logprobs(x, weight, ids, 1.0, True, mask=mask, impl="pallas", interpret=True, **opt)
+            out = fj.linear_logprobs(
+                x, weight, ids, temperature=1.0, return_entropy=True, mask=mask, impl="pallas", interpret=True, **opt
+            )
             return jnp.where(out.outside_support, 0.0, out.logp).sum()
 
         eqns += _pallas_calls(jax.make_jaxpr(jax.grad(f))(hidden).jaxpr)

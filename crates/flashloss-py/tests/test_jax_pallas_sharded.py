@@ -60,8 +60,9 @@ def _main():
                                        interpret=True, vocab_axis=vocab_axis)  # fmt: skip
 
     def logprobs(x, w, i, m, a, o, r, token_axis=None, vocab_axis=None):
-        logp, ent = fj.linear_logprobs(x, w, i, 0.9, True, mask=m, impl="pallas", interpret=True,
-                                       vocab_axis=vocab_axis)[:2]  # fmt: skip
+        logp, ent = fj.linear_logprobs(
+            x, w, i, temperature=0.9, return_entropy=True, mask=m, impl="pallas", interpret=True, vocab_axis=vocab_axis
+        )[:2]
         return (logp * a[:, None]).sum() + 0.1 * ent.sum()
 
     cases = [

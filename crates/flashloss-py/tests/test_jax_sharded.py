@@ -192,7 +192,9 @@ def _logprobs_vocab_axis(jax, jnp, np, fj):
     cl, ce = jnp.asarray(rng.standard_normal(n), jnp.float32), jnp.asarray(rng.standard_normal(n), jnp.float32)
 
     def obj(x, w, bb, axis=None):
-        lp, ent = fj.linear_logprobs(x, w, ids, 0.8, True, bias=bb, mask=mask, vocab_axis=axis)[:2]
+        lp, ent = fj.linear_logprobs(
+            x, w, ids, temperature=0.8, return_entropy=True, bias=bb, mask=mask, vocab_axis=axis
+        )[:2]
         return (lp * cl).sum() + (ent * ce).sum()
 
     want, wg = jax.value_and_grad(obj, (0, 1, 2))(hidden, weight, bias)

@@ -84,8 +84,17 @@ def _main():
             kw = dict(top_k=top_k, top_p=top_p, min_p=min_p, impl=impl, interpret=impl == "pallas")
 
             def logprobs(x, w, bb, axis=None):
-                out = fj.linear_logprobs(x, w, jnp.asarray(ids), temperature, True, bias=bb, mask=jnp.asarray(live),
-                                         vocab_axis=axis, **kw)  # fmt: skip
+                out = fj.linear_logprobs(
+                    x,
+                    w,
+                    jnp.asarray(ids),
+                    temperature=temperature,
+                    return_entropy=True,
+                    bias=bb,
+                    mask=jnp.asarray(live),
+                    vocab_axis=axis,
+                    **kw,
+                )
                 obj = (jnp.where(out.outside_support, 0.0, out.logp) * g).sum() + 0.1 * out.entropy.sum()
                 return obj, (out.logp, out.outside_support)
 

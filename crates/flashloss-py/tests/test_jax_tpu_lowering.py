@@ -102,7 +102,7 @@ def test_truncated_support_lowers_for_tpu_without_nxv():
 
     def step(h, w, ids, mask):
         def loss(h, w):
-            out = fj.linear_logprobs(h, w, ids, 0.7, True, mask=mask, top_k=50, top_p=0.9)
+            out = fj.linear_logprobs(h, w, ids, temperature=0.7, return_entropy=True, mask=mask, top_k=50, top_p=0.9)
             return jnp.where(out.outside_support, 0.0, out.logp).sum() + 0.1 * out.entropy.sum()
 
         return jax.value_and_grad(loss, (0, 1))(h, w)

@@ -103,9 +103,21 @@ def _gather_ids(jax, jnp, np, fj, ref):
         for impl in ("ffi", "pallas"):
 
             def f(x, w, bias, axis):
-                out = fj.linear_logprobs(x, w, jnp.asarray(ids), temperature, True, bias=bias, mask=jnp.asarray(live),
-                                         return_lse=True, gather_ids=jnp.asarray(cand), vocab_axis=axis, impl=impl,
-                                         interpret=impl == "pallas", weight_layout=layout)  # fmt: skip
+                out = fj.linear_logprobs(
+                    x,
+                    w,
+                    jnp.asarray(ids),
+                    temperature=temperature,
+                    return_entropy=True,
+                    bias=bias,
+                    mask=jnp.asarray(live),
+                    return_lse=True,
+                    gather_ids=jnp.asarray(cand),
+                    vocab_axis=axis,
+                    impl=impl,
+                    interpret=impl == "pallas",
+                    weight_layout=layout,
+                )
                 a, e, c, d = (jnp.asarray(g, jnp.float32) for g in coef)
                 loss = (a * out.logp).sum() + (e * out.entropy).sum() + (c * out.lse).sum()
                 return loss + (d * out.gathered_logp).sum(), (out.logp, out.gathered_logp)
@@ -135,7 +147,9 @@ def _support_rows_split(jax, jnp, np, fj):
     for impl in ("ffi", "pallas"):
 
         def loss(x, w, ids):
-            out = fj.linear_logprobs(x, w, ids, 0.7, top_k=30, top_p=0.9, impl=impl, interpret=impl == "pallas")
+            out = fj.linear_logprobs(
+                x, w, ids, temperature=0.7, top_k=30, top_p=0.9, impl=impl, interpret=impl == "pallas"
+            )
             return jnp.where(out.outside_support, 0.0, out.logp).sum()
 
         want, (dx, dw) = jax.value_and_grad(loss, (0, 1))(x, w, ids)

@@ -72,9 +72,18 @@ def test_outputs_and_gradients_match_float64(dtype, frozen, k):
     h = hidden.clone().requires_grad_()
     w, b = (x.clone().requires_grad_(not frozen) for x in (weight, bias))
     out = fl.linear_logprobs(
-        h, w, ids, 0.8, True, bias=b, mask=mask, return_lse=True, return_max=True, return_sum_p2=True,
+        h,
+        w,
+        ids,
+        temperature=0.8,
+        return_entropy=True,
+        bias=b,
+        mask=mask,
+        return_lse=True,
+        return_max=True,
+        return_sum_p2=True,
         gather_ids=gather,
-    )  # fmt: skip
+    )
     assert isinstance(out, fl.LogprobOutputs)
     assert out.gathered_logp.shape == gather.shape and out.gathered_logp.dtype == torch.float32
     names = ("logp", "entropy", "lse", "max_logit", "sum_p2", "gathered_logp")
@@ -100,18 +109,20 @@ def test_each_output_alone_and_the_plain_return():
     hidden, weight, bias, ids, mask, gather, up, up_k = _data(2)
     want, _ = _reference(hidden, weight, bias, ids, mask, gather, 1.3, up, up_k)
     # One return type (was a tensor, or a pair with the entropy): a LogprobOutputs.
-    plain = fl.linear_logprobs(hidden, weight, ids, 1.3, bias=bias, mask=mask)
+    plain = fl.linear_logprobs(hidden, weight, ids, temperature=1.3, bias=bias, mask=mask)
     assert isinstance(plain, fl.LogprobOutputs) and plain.entropy is None and plain.lse is None
-    pair = fl.linear_logprobs(hidden, weight, ids, 1.3, True, bias=bias, mask=mask)
+    pair = fl.linear_logprobs(hidden, weight, ids, temperature=1.3, return_entropy=True, bias=bias, mask=mask)
     assert isinstance(pair, fl.LogprobOutputs) and pair.entropy is not None and pair.gathered_logp is None
-    only_lse = fl.linear_logprobs(hidden, weight, ids, 1.3, bias=bias, mask=mask, return_lse=True)
+    only_lse = fl.linear_logprobs(hidden, weight, ids, temperature=1.3, bias=bias, mask=mask, return_lse=True)
     assert only_lse.entropy is None and only_lse.sum_p2 is None and only_lse.gathered_logp is None
     _rel("lse", only_lse.lse, want[2], 1e-5)
-    only_p2 = fl.linear_logprobs(hidden, weight, ids, 1.3, bias=bias, mask=mask, return_sum_p2=True)
+    only_p2 = fl.linear_logprobs(hidden, weight, ids, temperature=1.3, bias=bias, mask=mask, return_sum_p2=True)
     _rel("sum_p2", only_p2.sum_p2, want[4], 1e-5)
     assert only_p2.lse is None and only_p2.max_logit is None
     # Masked rows are zero in every output, and the gathered ids there are never read.
-    out = fl.linear_logprobs(hidden, weight, ids, 1.3, bias=bias, mask=mask, gather_ids=gather, return_max=True)
+    out = fl.linear_logprobs(
+        hidden, weight, ids, temperature=1.3, bias=bias, mask=mask, gather_ids=gather, return_max=True
+    )
     assert (out.gathered_logp[~mask] == 0).all() and (out.max_logit[~mask] == 0).all()
 
 
@@ -120,14 +131,14 @@ def test_gradient_through_lse_and_gathered_alone():
     zero = torch.zeros_like(up)
     _, grads = _reference(hidden, weight, bias, ids, mask, gather, 0.9, zero, up_k)
     h, w, b = (x.clone().requires_grad_() for x in (hidden, weight, bias))
-    out = fl.linear_logprobs(h, w, ids, 0.9, bias=b, mask=mask, gather_ids=gather)
+    out = fl.linear_logprobs(h, w, ids, temperature=0.9, bias=b, mask=mask, gather_ids=gather)
     (out.gathered_logp * up_k).sum().backward()
     for name, got, ref in zip(("dhidden", "dweight", "dbias"), (h.grad, w.grad, b.grad), grads):
         _close(name, got, ref, 1e-4)
     up_lse = torch.stack([zero[0], zero[1], up[2], zero[3]])
     _, grads = _reference(hidden, weight, bias, ids, mask, gather, 0.9, up_lse, torch.zeros_like(up_k))
     h, w, b = (x.clone().requires_grad_() for x in (hidden, weight, bias))
-    out = fl.linear_logprobs(h, w, ids, 0.9, bias=b, mask=mask, return_lse=True)
+    out = fl.linear_logprobs(h, w, ids, temperature=0.9, bias=b, mask=mask, return_lse=True)
     (out.lse * up[2]).sum().backward()
     for name, got, ref in zip(("dhidden", "dweight", "dbias"), (h.grad, w.grad, b.grad), grads):
         _close(f"{name} (lse)", got, ref, 1e-4)
@@ -141,7 +152,9 @@ def test_opcheck_and_compile():
     torch.library.opcheck(ops.logp_linear, args, test_utils=tests)
 
     def step(h, w, b):
-        out = fl.linear_logprobs(h, w, ids, 0.9, True, bias=b, mask=mask, return_lse=True, gather_ids=gather)
+        out = fl.linear_logprobs(
+            h, w, ids, temperature=0.9, return_entropy=True, bias=b, mask=mask, return_lse=True, gather_ids=gather
+        )
         return (out.logp * up[0]).sum() + (out.lse * up[2]).sum() + (out.gathered_logp * up_k).sum()
 
     results = []

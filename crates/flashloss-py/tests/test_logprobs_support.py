@@ -70,7 +70,7 @@ def test_values_and_gradients_match_the_float64_reference(top_k, top_p, min_p, d
         hidden,
         weight,
         ids,
-        temperature,
+        temperature=temperature,
         bias=bias,
         mask=mask,
         top_k=top_k,
@@ -162,7 +162,7 @@ def test_opcheck_and_compile_with_a_support():
     torch.library.opcheck(ops.logp_linear, args, test_utils=tests)
 
     def step(hidden, weight):
-        out = ft.linear_logprobs(hidden, weight, ids, 0.5, bias=bias, top_k=20, top_p=0.9)
+        out = ft.linear_logprobs(hidden, weight, ids, temperature=0.5, bias=bias, top_k=20, top_p=0.9)
         return out.logp.masked_fill(out.outside_support, 0.0).sum()
 
     eager = step(hidden, weight)

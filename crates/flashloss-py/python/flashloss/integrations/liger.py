@@ -18,11 +18,27 @@ from ..torch import _args as A
 from ..torch import _ops as ops
 from ..torch import linear_grpo_loss, linear_logprobs
 from ..torch._grpo import _grpo_json, logits_inputs
+from ._names import in_caller_names
 
 __all__ = ["LigerFusedLinearGRPOLoss", "triton_grpo_loss"]
 
 #: TRL's defaults where Liger keeps them.
 _TRL = GrpoArgs()
+#: flashloss's argument names -> Liger's, in errors.
+_MODULE_NAMES = {
+    "hidden": "_input",
+    "weight": "lin_weight",
+    "completion_ids": "selected_token_ids",
+    "completion_mask": "attention_mask",
+    "importance_sampling_ratio": "vllm_is_ratio",
+}
+_LOGITS_NAMES = {
+    "old_per_token_logps": "old_logp",
+    "ref_per_token_logps": "ref_logp",
+    "importance_sampling_ratio": "vllm_is_ratio",
+    "epsilon_low": "eps_low",
+    "epsilon_high": "eps_high",
+}
 #: Liger's own defaults.
 LIGER_BETA = 0.04
 LIGER_TEMPERATURE = 0.9
@@ -88,28 +104,32 @@ class LigerFusedLinearGRPOLoss(torch.nn.Module):
         vllm_is_ratio=None,
         num_items_in_batch=None,
     ):
-        b, t = selected_token_ids.shape
-        hidden = _input.reshape(b, t, -1) if _input.dim() == 2 else _input
-        ref = ref_per_token_logps if self.use_ref_model else None
-        if ref is None and self.use_ref_model and ref_input is not None:
-            ref = self._reference(ref_input.reshape(b, t, -1), ref_weight, ref_bias, selected_token_ids)
-        # No reference model: Liger's KL is that of the policy with itself, zero.
-        beta = self.beta if self.use_ref_model else 0.0
-        loss, out = linear_grpo_loss(
-            hidden,
-            lin_weight,
-            selected_token_ids,
-            attention_mask,
-            advantages,
-            bias=bias,
-            old_per_token_logps=old_per_token_logps,
-            ref_per_token_logps=ref,
-            importance_sampling_ratio=vllm_is_ratio,
-            num_items_in_batch=num_items_in_batch,
-            budget_mib=self.budget_mib,
-            **self.fields,
-            beta=beta,
-        )
+        try:
+            b, t = selected_token_ids.shape
+            hidden = _input.reshape(b, t, -1) if _input.dim() == 2 else _input
+            ref = ref_per_token_logps if self.use_ref_model else None
+            if ref is None and self.use_ref_model and ref_input is not None:
+                ref = self._reference(ref_input.reshape(b, t, -1), ref_weight, ref_bias, selected_token_ids)
+            # No reference model: Liger's KL is that of the policy with itself, zero.
+            beta = self.beta if self.use_ref_model else 0.0
+            loss, out = linear_grpo_loss(
+                hidden,
+                lin_weight,
+                selected_token_ids,
+                attention_mask,
+                advantages,
+                bias=bias,
+                old_per_token_logps=old_per_token_logps,
+                ref_per_token_logps=ref,
+                importance_sampling_ratio=vllm_is_ratio,
+                num_items_in_batch=num_items_in_batch,
+                budget_mib=self.budget_mib,
+                **self.fields,
+                beta=beta,
+            )
+        except (ValueError, TypeError) as e:
+            in_caller_names(e, _MODULE_NAMES)
+            raise
         clip = out.metrics["clip_ratio/region_mean"]
         metrics = [out.metrics["kl"], clip] if self.beta != 0.0 else [clip]
         return loss, metrics
@@ -120,7 +140,7 @@ class LigerFusedLinearGRPOLoss(torch.nn.Module):
             raise ValueError("argument `ref_weight`: required with ref_input (the reference model's LM head)")
         with torch.no_grad():
             request = LogprobRequest.of_bound(self.fields)
-            return linear_logprobs(ref_input, ref_weight, ids, request.temperature, bias=ref_bias).logp
+            return linear_logprobs(ref_input, ref_weight, ids, temperature=request.temperature, bias=ref_bias).logp
 
 
 class _GrpoLogits(torch.autograd.Function):
@@ -176,20 +196,24 @@ def triton_grpo_loss(
     ``per_token_loss = ℓ·ρ + β·kl`` before the loss type's reduction, differentiable in
     ``logits`` (at sequence level through the shared ratio ``R_b``); its backward runs the
     logits again with the upstream gradient (never in place)."""
-    fields = GrpoArgs.fields_of(locals(), epsilon_low=eps_low, epsilon_high=eps_high)  # first, by name
-    count, count_tensor = A.items(fields["num_items_in_batch"])
-    fields["num_items_in_batch"] = count
-    logits, (ids, mask, adv, old, ref, ratio) = logits_inputs(
-        logits, completion_ids, completion_mask, advantages, old_logp, ref_logp, vllm_is_ratio
-    )
-    config = _grpo_json(**fields)
-    if not reduce:
-        token_loss, kl, clipped = ops.grpo_logits_rows(logits, ids, mask, adv, old, ref, ratio, config)
-        return token_loss, (kl if beta != 0.0 else None), clipped
-    if inplace and logits.is_contiguous() and not torch.compiler.is_compiling():
-        loss, metrics = _grpo_logits_in_place(logits, ids, mask, adv, old, ref, ratio, count_tensor, config)
-    else:
-        loss, _, _, _, _, metrics = ops.grpo_logits(logits, ids, mask, adv, old, ref, ratio, count_tensor, config)
+    try:
+        fields = GrpoArgs.fields_of(locals(), epsilon_low=eps_low, epsilon_high=eps_high)  # first, by name
+        count, count_tensor = A.items(fields["num_items_in_batch"])
+        fields["num_items_in_batch"] = count
+        logits, (ids, mask, adv, old, ref, ratio) = logits_inputs(
+            logits, completion_ids, completion_mask, advantages, old_logp, ref_logp, vllm_is_ratio
+        )
+        config = _grpo_json(**fields)
+        if not reduce:
+            token_loss, kl, clipped = ops.grpo_logits_rows(logits, ids, mask, adv, old, ref, ratio, config)
+            return token_loss, (kl if beta != 0.0 else None), clipped
+        if inplace and logits.is_contiguous() and not torch.compiler.is_compiling():
+            loss, metrics = _grpo_logits_in_place(logits, ids, mask, adv, old, ref, ratio, count_tensor, config)
+        else:
+            loss, _, _, _, _, metrics = ops.grpo_logits(logits, ids, mask, adv, old, ref, ratio, count_tensor, config)
+    except (ValueError, TypeError) as e:
+        in_caller_names(e, _LOGITS_NAMES)
+        raise
     clip = metrics[4]
     return loss, ([metrics[0], clip] if beta != 0.0 else [clip])
 

@@ -129,7 +129,12 @@ class FlashlossGRPOTrainer(GRPOTrainer):
             return None, None
         bias = None if head.bias is None else head.bias.detach()
         logp, entropy = linear_logprobs(
-            hidden.detach(), head.weight.detach(), completion_ids, self.temperature, True, bias=bias
+            hidden.detach(),
+            head.weight.detach(),
+            completion_ids,
+            temperature=self.temperature,
+            return_entropy=True,
+            bias=bias,
         )[:2]
         entropy_mask = policy_mask = None
         if self.top_entropy_quantile < 1.0:

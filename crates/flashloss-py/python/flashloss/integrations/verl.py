@@ -56,6 +56,7 @@ from typing import Any
 import torch
 
 from ..torch import linear_logprobs
+from ._names import in_caller_names
 
 __all__ = ["is_patched", "linear_cross_entropy", "patch", "unpatch"]
 
@@ -64,6 +65,9 @@ _TRITON_BACKEND = "verl.utils.kernel.linear_cross_entropy"
 #: Modules that bind ``linear_cross_entropy`` when they are loaded (Megatron's fused forward).
 _TRITON_IMPORTERS = ("verl.models.mcore.model_forward_fused", "verl.models.mcore.model_forward_1f1b_overlap")
 _REDUCTIONS = ("none", "sum", "mean")
+#: flashloss's argument names -> those of verl's fused forwards and of its linear_cross_entropy, in errors.
+_PPO_NAMES = {"hidden": "hidden_states", "weight": "vocab_weights", "ids": "input_ids"}
+_CE_NAMES = {"ids": "labels"}
 
 _state: dict[str, Any] = {}  # what patch() replaced: name -> original
 _options: dict[str, Any] = {"budget_mib": None}
@@ -106,9 +110,14 @@ def fused_linear_for_ppo_forward(
     ``input_ids``' shape (``hidden_states`` ``[T, H]`` or ``[B, T, H]``, ``vocab_weights``
     ``[V, H]``), differentiable in ``hidden_states`` and ``vocab_weights`` through both."""
     _check_hidden_states(hidden_states)
-    logp, entropy = linear_logprobs(
-        hidden_states, vocab_weights, input_ids, _temperature(temperature), True, budget_mib=_options["budget_mib"]
-    )[:2]
+    try:
+        logp, entropy = linear_logprobs(
+            hidden_states, vocab_weights, input_ids, temperature=_temperature(temperature), return_entropy=True,
+            budget_mib=_options["budget_mib"],
+        )[:2]  # fmt: skip
+    except (ValueError, TypeError) as e:
+        in_caller_names(e, _PPO_NAMES)
+        raise
     return logp.to(_logp_dtype(hidden_states)), entropy.to(hidden_states.dtype)
 
 
@@ -128,10 +137,14 @@ def fused_linear_for_ppo_topk_forward(
     _check_hidden_states(hidden_states)
     if not isinstance(gather_ids, torch.Tensor):
         raise TypeError(f"argument `gather_ids`: expected a tensor [..., K], got {type(gather_ids).__name__}")
-    out = linear_logprobs(
-        hidden_states, vocab_weights, input_ids, _temperature(temperature), True,
-        budget_mib=_options["budget_mib"], gather_ids=gather_ids,
-    )  # fmt: skip
+    try:
+        out = linear_logprobs(
+            hidden_states, vocab_weights, input_ids, temperature=_temperature(temperature), return_entropy=True,
+            budget_mib=_options["budget_mib"], gather_ids=gather_ids,
+        )  # fmt: skip
+    except (ValueError, TypeError) as e:
+        in_caller_names(e, _PPO_NAMES)
+        raise
     dtype = hidden_states.dtype
     return out.logp.to(dtype), out.entropy.to(dtype), out.gathered_logp.to(dtype)
 
@@ -172,10 +185,14 @@ def linear_cross_entropy(
         raise ValueError(f"argument `labels`: expected {h.shape[0]} labels (hidden's rows), got {got}")
     if dist_process_group is not None and torch.is_grad_enabled() and hidden.requires_grad:
         h = _ScaleGrad.apply(h, 1.0 / torch.distributed.get_world_size(dist_process_group))
-    logp, entropy = linear_logprobs(
-        h, weight, labels.reshape(-1), _temperature(temperature), True,
-        budget_mib=_options["budget_mib"], vocab_parallel_group=dist_process_group,
-    )[:2]  # fmt: skip
+    try:
+        logp, entropy = linear_logprobs(
+            h, weight, labels.reshape(-1), temperature=_temperature(temperature), return_entropy=True,
+            budget_mib=_options["budget_mib"], vocab_parallel_group=dist_process_group,
+        )[:2]  # fmt: skip
+    except (ValueError, TypeError) as e:
+        in_caller_names(e, _CE_NAMES)
+        raise
     reduction = reduction.lower()
     if reduction == "sum":
         logp = logp.sum()

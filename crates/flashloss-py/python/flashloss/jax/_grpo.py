@@ -187,9 +187,16 @@ def _from_stats(hidden, weight, bias, ids, mask, adv, old, ref, rho, args: GrpoA
     _checks.sampler_ratio(rho, mask, True)
     f = args.filters
     out = linear_logprobs(
-        hidden.reshape(b, t, hidden.shape[-1]), weight, ids, args.temperature, True, bias=bias, mask=mask,
-        **asdict(f), **head,
-    )  # fmt: skip
+        hidden.reshape(b, t, hidden.shape[-1]),
+        weight,
+        ids,
+        temperature=args.temperature,
+        return_entropy=True,
+        bias=bias,
+        mask=mask,
+        **asdict(f),
+        **head,
+    )
     kept = mask if out.outside_support is None else mask & ~out.outside_support
     loss, kl, metrics = _policy.grpo_policy_loss(
         jnp.where(kept, out.logp, 0.0), out.entropy, kept, adv, old, ref, args, rho, policy_mask=masks[0],

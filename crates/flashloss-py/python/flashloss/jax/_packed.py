@@ -151,9 +151,16 @@ def linear_grpo(packed: Packed, hidden, weight, bias, per_token: dict, args: Grp
     P.rows_of("hidden", hidden.shape, packed.n)
     f = args.filters
     out = linear_logprobs(
-        hidden.reshape(packed.n, hidden.shape[-1]), weight, packed.ids, args.temperature, True, bias=bias,
-        mask=packed.mask, **asdict(f), **head,
-    )  # fmt: skip
+        hidden.reshape(packed.n, hidden.shape[-1]),
+        weight,
+        packed.ids,
+        temperature=args.temperature,
+        return_entropy=True,
+        bias=bias,
+        mask=packed.mask,
+        **asdict(f),
+        **head,
+    )
     outside = None if out.outside_support is None or not f.truncates else out.outside_support
     loss, aux = packed.loss(out.logp, out.entropy, outside, per_token, args, token_axis)
     return loss, aux, (None if outside is None else packed.mask & outside)

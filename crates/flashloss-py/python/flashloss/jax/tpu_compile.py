@@ -178,8 +178,18 @@ def _logprobs(layout="vh", **kw) -> Callable:
         k = kw.get("gather", 0)
         opts = {key: value for key, value in kw.items() if key != "gather"}
         cand = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), ids.shape + (k,)) if k else None
-        out = fj.linear_logprobs(h, w, ids, 0.7, True, mask=mask, gather_ids=cand, impl="pallas", weight_layout=layout,
-                                 **opts)  # fmt: skip
+        out = fj.linear_logprobs(
+            h,
+            w,
+            ids,
+            temperature=0.7,
+            return_entropy=True,
+            mask=mask,
+            gather_ids=cand,
+            impl="pallas",
+            weight_layout=layout,
+            **opts,
+        )
         if not isinstance(out, tuple) or isinstance(out, fj.LogprobOutputs):
             lp = jnp.where(out.outside_support, 0.0, out.logp) if out.outside_support is not None else out.logp
             total = lp.sum() + 0.1 * out.entropy.sum()

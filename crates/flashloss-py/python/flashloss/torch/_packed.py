@@ -187,9 +187,16 @@ def linear_grpo(packed: Packed, head: dict, args, per_token: dict, items, config
     P.rows_of("hidden", tuple(hidden.shape), packed.n)
     f = args.filters
     out = linear_logprobs(
-        hidden.reshape(packed.n, hidden.shape[-1]), weight, packed.ids, args.temperature, True, bias=bias,
-        mask=packed.mask, **asdict(f), **plan,
-    )  # fmt: skip
+        hidden.reshape(packed.n, hidden.shape[-1]),
+        weight,
+        packed.ids,
+        temperature=args.temperature,
+        return_entropy=True,
+        bias=bias,
+        mask=packed.mask,
+        **asdict(f),
+        **plan,
+    )
     outside = out.outside_support if f.truncates else None
     return packed.loss(out.logp, out.entropy, outside, **per_token, items=items, config=config)
 

@@ -185,9 +185,17 @@ def _logps(graphdef, state, prompt_tokens, completion_tokens, images, segment_id
     ids = tokens[:, -keep:]
     temp = 1.0 if temperature in (0.0, 1.0) else float(temperature)
     logp, ent = linear_logprobs(
-        hidden, weight, ids, temp, True, impl=impl, mode=mode, budget_mib=budget_mib, weight_layout=layout,
+        hidden,
+        weight,
+        ids,
+        temperature=temp,
+        return_entropy=True,
+        impl=impl,
+        mode=mode,
+        budget_mib=budget_mib,
+        weight_layout=layout,
         interpret=interpret,
-    )[:2]  # fmt: skip
+    )[:2]
     if segment_ids is not None:
         # Tunix pads the logits' first position with zeros: log-prob 0, entropy log V.
         vocab = vocab_size(weight, layout)
