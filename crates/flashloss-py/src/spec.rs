@@ -4,7 +4,8 @@
 //! ```text
 //! {"config": {...}, "mode": "auto", "budget_mib": 160.0, "grad_output": 1.0,
 //!  "head_grad": "full", "weight_layout": "vh", "temperature": 1.0,
-//!  "top_k": 0, "top_p": 1.0, "min_p": 0.0, "vocab": 0}
+//!  "top_k": 0, "top_p": 1.0, "min_p": 0.0, "vocab": 0,
+//!  "names": {"target_ids": "completion_ids", ...}}
 //! ```
 //!
 //! where `config` is the loss's Rust config (`GrpoLossConfig`, `CeConfig`; unknown keys
@@ -52,6 +53,9 @@ pub(crate) struct Spec {
     top_p: Option<f64>,
     min_p: Option<f64>,
     vocab: Option<i64>,
+    /// The caller's names of the core's arguments (`target_ids` -> `completion_ids`), which
+    /// a handler's errors use (see [`Spec::reword`]).
+    names: Option<std::collections::BTreeMap<String, String>>,
 }
 
 /// A loss's config from its JSON alone (the trace-time checks of `flashloss.jax`), with
@@ -87,6 +91,19 @@ impl Spec {
     pub(crate) fn parse(json: &str) -> Result<Spec, ArgError> {
         let de = &mut serde_json::Deserializer::from_str(json);
         serde_path_to_error::deserialize(de).map_err(|e| json_error(e, "spec"))
+    }
+
+    /// `message` in the caller's names: each ``argument `x` `` whose `x` the spec's
+    /// `names` maps names the caller's argument instead.
+    pub(crate) fn reword(&self, message: &str) -> String {
+        let mut out = message.to_string();
+        for (core, caller) in self.names.iter().flatten() {
+            out = out.replace(
+                &format!("argument `{core}`"),
+                &format!("argument `{caller}`"),
+            );
+        }
+        out
     }
 
     /// The loss's config; an error names its key (e.g. `loss_type`).

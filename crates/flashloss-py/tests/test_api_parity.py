@@ -232,19 +232,20 @@ def test_options_are_keyword_only_in_both(name):
 
 def test_drop_in_errors_name_the_peers_arguments():
     """An error inside a drop-in names the argument its caller passed: Liger's ``_input``
-    and ``vllm_is_ratio``, verl's ``vocab_weights``, not flashloss's ``hidden``."""
+    and ``vllm_is_ratio``, verl's ``hidden_states`` and ``labels``, not flashloss's ``hidden``
+    or ``ids``."""
     from flashloss import verl
 
     hidden, weight, ids, mask, adv = (torch.tensor(x) for x in _batch())
     module = liger.LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False)
-    with pytest.raises(ValueError, match="argument `lin_weight`"):
+    with pytest.raises(ValueError, match="argument `_input`: expected shape"):
         module(hidden, weight[:, :-1], ids, mask, adv)
     with pytest.raises(ValueError, match="argument `vllm_is_ratio`"):
         module(hidden, weight, ids, mask, adv, vllm_is_ratio=torch.ones(7, 3))
     logits = torch.einsum("bth,vh->btv", hidden, weight)
     with pytest.raises(ValueError, match="argument `old_logp`"):
         liger.triton_grpo_loss(logits, torch.zeros(7, 3), None, ids, adv, mask)
-    with pytest.raises(ValueError, match="argument `vocab_weights`"):
+    with pytest.raises(ValueError, match="argument `hidden_states`: expected shape"):
         verl.fused_linear_for_ppo_forward(None, hidden, weight[:, :-1], ids)
     with pytest.raises(ValueError, match="argument `labels`"):
         verl.linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight, ids.reshape(-1) + weight.shape[0])

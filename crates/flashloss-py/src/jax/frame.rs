@@ -58,7 +58,14 @@ pub unsafe fn handle(
     let out = catch_unwind(AssertUnwindSafe(|| body(&Frame(frame))));
     let err = match out {
         Ok(Ok(())) => return std::ptr::null_mut(),
-        Ok(Err(e)) => e,
+        // The core's argument names as the caller's (the spec's `names`).
+        Ok(Err(e)) => match Frame(frame).spec() {
+            Ok(spec) => HandlerError {
+                message: spec.reword(&e.message),
+                ..e
+            },
+            Err(_) => e,
+        },
         Err(panic) => HandlerError {
             message: format!(
                 "flashloss internal error (please report it): {}",

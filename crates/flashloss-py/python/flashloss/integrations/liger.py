@@ -18,7 +18,7 @@ from ..torch import _args as A
 from ..torch import _ops as ops
 from ..torch import linear_grpo_loss, linear_logprobs
 from ..torch._grpo import _grpo_json, logits_inputs
-from ._names import in_caller_names
+from .._spec.names import in_caller_names, native
 
 __all__ = ["LigerFusedLinearGRPOLoss", "triton_grpo_loss"]
 
@@ -224,7 +224,9 @@ def _grpo_logits_in_place(logits, ids, mask, adv, old, ref, ratio, items, config
     z = logits.detach()
     logp, entropy, kl = (torch.empty(ids.shape, dtype=torch.float32) for _ in range(3))
     batch = (ids, mask, adv, old, ref, ratio, None, None)
-    out = _native.grpo_logits(z, batch, None, (logp, entropy, kl), call_spec(ops._with_items(config, items)))
+    out = native(
+        "grpo", _native.grpo_logits, z, batch, None, (logp, entropy, kl), call_spec(ops._with_items(config, items))
+    )
     z[:, t:].zero_()
     loss = _GrpoLogits.apply(logits, z, torch.tensor(out["loss"], dtype=torch.float32))
     return loss, ops.metrics_tensor(out)

@@ -56,7 +56,7 @@ from typing import Any
 import torch
 
 from ..torch import linear_logprobs
-from ._names import in_caller_names
+from .._spec.names import in_caller_names
 
 __all__ = ["is_patched", "linear_cross_entropy", "patch", "unpatch"]
 

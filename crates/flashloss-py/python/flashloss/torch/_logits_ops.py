@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from .. import _native
+from .._spec.names import native
 from .._spec.native import call_spec
 from ._op_utils import METRICS, METRICS_DTYPE, _f32, _only_the_loss_differentiable, _scale, _with_items, metrics_tensor
 
@@ -44,7 +45,7 @@ def grpo_logits(
         None,
         None,
     )
-    out = _native.grpo_logits(
+    out = native("grpo", _native.grpo_logits, 
         logits.contiguous(), batch, dlogits, (logp, entropy, kl), call_spec(_with_items(config, num_items)),
     )  # fmt: skip
     if logits.shape[1] != t:
@@ -82,7 +83,16 @@ def _per_token_call(logits, ids, mask, adv, old, ref, ratio, config, grad_rows, 
     """The native per-token call: ``(token_loss, kl, clipped)`` ``[B, T]`` f32."""
     outs = [torch.empty(ids.shape, dtype=torch.float32) for _ in range(5)]
     batch = (ids, mask, adv, old, ref, ratio, None, None)
-    _native.grpo_logits_per_token(logits.contiguous(), batch, grad_rows, dlogits, tuple(outs), call_spec(config))
+    native(
+        "grpo",
+        _native.grpo_logits_per_token,
+        logits.contiguous(),
+        batch,
+        grad_rows,
+        dlogits,
+        tuple(outs),
+        call_spec(config),
+    )
     token_loss, _, _, kl, clipped = outs
     return token_loss, kl, clipped
 

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from .. import _native
+from .._spec.names import native
 from . import _dist
 from .._spec.native import call_spec
 
@@ -60,7 +61,7 @@ def _ce_call(hidden, weight, bias, targets, grad_rows, config, mode, budget_mib,
     gradients times ``grad_rows`` where given."""
     dh, dw, db = _grad_buffers(hidden, weight, bias, head_grad)
     rows = torch.empty(targets.shape, dtype=torch.float32)
-    out = _native.ce_linear(
+    out = native("ce", _native.ce_linear, 
         (hidden, weight, bias), targets, (grad_rows, None), (dh, *_native_grads(dw, db, bias, head_grad)),
         (rows, None), call_spec(config, mode=mode, budget_mib=budget_mib), _stream(hidden.device), _dist.ops(group),
     )  # fmt: skip
@@ -117,7 +118,7 @@ def grpo_linear(
         policy_mask,
         entropy_mask,
     )
-    out = _native.grpo_linear(
+    out = native("grpo", _native.grpo_linear, 
         (hidden, weight, bias), batch, (dh, *_native_grads(dw, db, bias, head_grad)), (logp, entropy, kl),
         call_spec(_with_items(config, num_items), mode=mode, budget_mib=budget_mib), _stream(device),
         _dist.ops(group),
@@ -213,7 +214,14 @@ def ce_linear_rows(
     row gradients."""
     if hidden.device.type == "cpu" and not group:
         rows = torch.empty(targets.shape, dtype=torch.float32)
-        _native.ce_rows((hidden, weight, bias), targets, (rows, None), call_spec(config, budget_mib=budget_mib))
+        native(
+            "ce",
+            _native.ce_rows,
+            (hidden, weight, bias),
+            targets,
+            (rows, None),
+            call_spec(config, budget_mib=budget_mib),
+        )
         return rows
     zero = torch.zeros(targets.shape, dtype=torch.float32)
     rows = _ce_call(hidden, weight, bias, targets, zero, config, mode, budget_mib, group, False)[1]
@@ -264,7 +272,7 @@ def ce_linear_lse_backward(
     ``grad_rows`` for reduction ``none``)."""
     dh, dw, db = _grad_buffers(hidden, weight, bias, True)  # the lse ops train the head
     out_rows = torch.empty(targets.shape, dtype=torch.float32)
-    _native.ce_linear(
+    native("ce", _native.ce_linear, 
         (hidden, weight, bias), targets, (_f32(grad_rows), _f32(grad_lse)), (dh, dw, None if bias is None else db),
         (out_rows, None), call_spec(config, mode=mode, budget_mib=budget_mib, grad_output=grad_output),
         _stream(hidden.device), _dist.ops(group),
@@ -292,7 +300,7 @@ def ce_linear_lse(
     its gradients, with each row's log-sum-exp ``[N]`` (0 where ignored)."""
     dh, dw, db = _grad_buffers(hidden, weight, bias, True)  # the lse ops train the head
     rows, lse = (torch.empty(targets.shape, dtype=torch.float32) for _ in range(2))
-    out = _native.ce_linear(
+    out = native("ce", _native.ce_linear, 
         (hidden, weight, bias), targets, (None, None), (dh, dw, None if bias is None else db), (rows, lse),
         call_spec(config, mode=mode, budget_mib=budget_mib), _stream(hidden.device), _dist.ops(group),
     )  # fmt: skip
@@ -345,10 +353,17 @@ def ce_linear_rows_lse(
     """Reduction ``none``: each row's loss and log-sum-exp ``[N]`` (f32, 0 where ignored)."""
     rows, lse = (torch.empty(targets.shape, dtype=torch.float32) for _ in range(2))
     if hidden.device.type == "cpu" and not group:
-        _native.ce_rows((hidden, weight, bias), targets, (rows, lse), call_spec(config, budget_mib=budget_mib))
+        native(
+            "ce",
+            _native.ce_rows,
+            (hidden, weight, bias),
+            targets,
+            (rows, lse),
+            call_spec(config, budget_mib=budget_mib),
+        )
         return rows, lse
     dh, dw, db = _grad_buffers(hidden, weight, bias, True)  # the lse ops train the head
-    _native.ce_linear(
+    native("ce", _native.ce_linear, 
         (hidden, weight, bias), targets, (torch.zeros_like(rows), None), (dh, dw, None if bias is None else db),
         (rows, lse), call_spec(config, mode=mode, budget_mib=budget_mib), _stream(hidden.device), _dist.ops(group),
     )  # fmt: skip
@@ -436,8 +451,16 @@ def logp_linear(
         outside if support else None,
     )
     spec = call_spec(temperature=temperature, budget_mib=budget_mib, top_k=top_k, top_p=top_p, min_p=min_p)
-    _native.logp_linear(
-        (h, weight, bias), (ids, mask), outs, gather_ids, spec, _stream(hidden.device), _dist.ops(group)
+    native(
+        "logprobs",
+        _native.logp_linear,
+        (h, weight, bias),
+        (ids, mask),
+        outs,
+        gather_ids,
+        spec,
+        _stream(hidden.device),
+        _dist.ops(group),
     )
     return tuple(to_device(t, hidden.device) for t in out)
 
@@ -484,7 +507,7 @@ def logp_linear_backward(
     spec = call_spec(
         temperature=temperature, mode=mode, budget_mib=budget_mib, top_k=top_k, top_p=top_p, min_p=min_p,
     )  # fmt: skip
-    _native.logp_linear_grads(
+    native("logprobs", _native.logp_linear_grads, 
         (h, weight, bias), (ids, mask), (g_logp, _f32(grad_entropy), _f32(grad_lse), gathered),
         (dh.view(h.shape), *_native_grads(dw, db, bias, head_grad)), None if gathered is None else gather_ids,
         spec, _stream(hidden.device), _dist.ops(group),

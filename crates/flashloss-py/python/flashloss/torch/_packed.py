@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from .. import _native
+from .._spec.names import native
 from .._spec import METRICS, GRPOOutputs
 from .._spec import packed as P
 from .._spec.native import call_spec
@@ -55,7 +56,7 @@ def grpo_policy(
         policy_mask,
         entropy_mask,
     )
-    out = _native.grpo_policy(
+    out = native("grpo", _native.grpo_policy, 
         _f32(logp), _f32(entropy), batch, (dlogp, dentropy, kl), call_spec(_with_items(config, num_items)),
     )  # fmt: skip
     return torch.tensor(out["loss"], dtype=torch.float32), dlogp, dentropy, kl, metrics_tensor(out)

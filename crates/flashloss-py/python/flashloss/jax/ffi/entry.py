@@ -6,7 +6,7 @@ case: one device (:mod:`.fused`, :mod:`.support`), or a head split over ``vocab_
 
 from __future__ import annotations
 
-from .. import _logprobs
+from .. import _checks, _logprobs
 from . import fused, support, support_vocab, vocab
 
 
@@ -17,6 +17,7 @@ def linear_grpo(call, hidden, weight, bias, ids, mask, adv, old, ref, rho):
         return fused.grpo(hidden, weight, bias, ids, mask, adv, old, ref, rho, call.config, call.mode, call.budget,
                           layout)  # fmt: skip
     if call.support is not None:  # the policy handler takes no support: the loss in JAX
+        _checks.ids_in_range("completion_ids", ids, mask, call.vocab, ids.shape[-1], True)
         k_spec = (call.support, layout, call.transform)
         stats = (call.vocab_axis, call.temperature, call.budget, call.mode, layout)
         return support_vocab.grpo(hidden, weight, bias, ids, mask, adv, old, ref, rho, call.args, k_spec, stats)
@@ -53,6 +54,9 @@ def linear_logprobs(call, x, weight, bias, ids, live, cand):
     ``[N, H]`` (:class:`LogprobCall`; None for ``sum_p2``, ``gathered_logp`` and
     ``outside`` where not asked)."""
     stats = (call.temperature, call.budget, call.mode, call.weight_layout)
+    # The handlers merge partial states, in which an id no block holds is a target logit
+    # of 0: every live id is checked here, against the whole vocabulary.
+    _checks.ids_in_range("ids", ids, live, call.vocab, call.seq_len, True)
     if call.filtered and call.vocab_axis is None:
         *out, outside = support.ffi_logprobs(x, weight, bias, ids, live, call.support, *stats)
     else:

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from ... import _native
+from ..._spec.names import CORE_NAMES
 from ..._spec.native import call_spec
 from .._head import LAYOUTS
 from .._head import vocab_size as block_size
@@ -39,10 +40,21 @@ def _like(x, shape, dtype=jnp.float32):
     return jax.typeof(x).update(shape=tuple(shape), dtype=dtype)
 
 
+#: The public function each handler serves, whose argument names its errors use
+#: (``flashloss._spec.names.CORE_NAMES``; the vocabulary passes serve the log-probs and,
+#: through them, GRPO's statistics).
+_API = {
+    **dict.fromkeys(("grpo_linear", "grpo_logits", "grpo_logits_rows", "grpo_policy"), "grpo"),
+    **dict.fromkeys(("ce_linear", "ce_rows", "ce_vocab_partial", "ce_vocab_grads"), "ce"),
+    **dict.fromkeys(("logp_linear", "logp_support", "logp_support_grads", "vocab_partial", "vocab_grads"), "logprobs"),
+}
+
+
 def _call(name: str, results, *args, config: Optional[str] = None, **fields):
     """Handler ``name`` on ``args``, its one attribute ``spec`` the JSON of ``config`` and
-    ``fields`` (:func:`flashloss._spec.native.call_spec`, parsed once in Rust)."""
-    spec = call_spec(config, **fields)
+    ``fields`` (:func:`flashloss._spec.native.call_spec`, parsed once in Rust), with the
+    ``names`` its errors give the core's arguments."""
+    spec = call_spec(config, names=CORE_NAMES[_API[name.removeprefix("flashloss_")]], **fields)
     return jax.ffi.ffi_call(name, results, vmap_method="sequential")(*args, spec=spec)
 
 
