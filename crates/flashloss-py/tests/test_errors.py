@@ -39,7 +39,7 @@ def test_shape_mismatch_names_the_argument():
 def test_token_id_out_of_range():
     d = batch()
     d["ids"][1, 2] = 11
-    with pytest.raises(ValueError, match="target_ids.*11"):
+    with pytest.raises(ValueError, match="`completion_ids`: id 11"):
         grpo(d)
 
 
@@ -66,7 +66,7 @@ def test_not_a_tensor_and_bad_options():
         fl.linear_grpo_loss(d["hidden"], d["weight"], d["ids"], d["mask"], [1.0, 2.0])
     with pytest.raises(ValueError, match="loss_type"):
         grpo(d, loss_type="ppo")
-    with pytest.raises(ValueError, match="ref_logp"):
+    with pytest.raises(ValueError, match="`ref_per_token_logps`: required"):
         grpo(d, beta=0.1)
     with pytest.raises(ValueError, match="max_completion_length"):
         grpo(d, loss_type="dr_grpo")

@@ -256,7 +256,7 @@ def test_bad_input_names_the_argument_and_the_process_goes_on():
     with pytest.raises(ValueError, match="`loss_type`: unknown variant `nope`"):  # at trace time, on both paths
         jax.make_jaxpr(lambda x: fj.linear_grpo_loss(x, weight, ids, mask, adv, loss_type="nope")[0])(hidden)
     bad = ids.at[1, 2].set(65)
-    with pytest.raises(runtime, match="`target_ids`: id 65 at index 6 .* outside"):
+    with pytest.raises(runtime, match="`completion_ids`: id 65 at index 6 .* outside"):
         jax.block_until_ready(fj.linear_grpo_loss(hidden, weight, bad, jnp.ones_like(mask), adv)[0])
     nan = hidden.at[0, 0, 0].set(jnp.nan)
     with pytest.raises(runtime, match="`hidden`: value NaN at index 0 is not finite"):

@@ -386,7 +386,7 @@ def test_bad_arguments_raise_the_ffi_message_at_trace_time(bad, field):
 def test_beta_without_reference_is_the_ffi_message():
     case = _case(2, 4, "ragged", seed=0)
     args = _args("dapo", beta=0.04)
-    with pytest.raises(ValueError, match="ref_logp") as ours:
+    with pytest.raises(ValueError, match="`ref_per_token_logps`: required") as ours:
         jax.eval_shape(lambda lp: P.grpo_policy_loss(lp, case[1], case[2], case[3], case[4], None, args), case[0])
     assert str(ours.value) in _ffi_message(case[:5] + (None,), args)
 

@@ -329,7 +329,7 @@ def _prepared(logp, entropy, mask, advantages, old, ref, args: GrpoArgs, ratio=N
         if x is not None and tuple(jnp.shape(x)) != tuple(shape):
             raise ValueError(f"argument `{name}`: expected shape {list(shape)}, got {list(jnp.shape(x))}")
     if args.beta > 0.0 and ref is None:
-        raise ValueError(f"argument `ref_logp`: required when beta > 0 (beta = {_rust_float(args.beta)})")
+        raise ValueError(f"argument `ref_per_token_logps`: required when beta > 0 (beta = {_rust_float(args.beta)})")
     mask = jnp.asarray(mask) != 0
     adv = jnp.asarray(advantages, dtype)
     if adv.ndim == 1 or adv.shape == (shape[0], 1):
