@@ -91,6 +91,87 @@ pub struct PlanQuery {
     pub mode: Mode,
 }
 
+/// What `flashloss plan` is given, by name: a device (`--device`) or its memory
+/// (`--memory-gib`), the free memory (`--free-gib`, optional), the call and the mode.
+#[derive(Debug, Clone, Default)]
+pub struct QueryArgs {
+    /// A known device ([`KINDS`]).
+    pub device: Option<String>,
+    /// Device memory in GiB (instead of, or overriding, the device's).
+    pub memory_gib: Option<f64>,
+    /// Free memory in GiB when the call plans.
+    pub free_gib: Option<f64>,
+    /// Rows, hidden size, vocabulary.
+    pub n: usize,
+    /// Hidden size.
+    pub h: usize,
+    /// Vocabulary entries.
+    pub v: usize,
+    /// `bf16` or `f32`.
+    pub dtype: String,
+    /// `grpo` or `ce` (token-level losses with the head's gradients: the same plans).
+    pub loss: String,
+    /// `auto` (the default call), `auto_f32`, `two_pass`, `single_pass` or `compact`.
+    pub mode: String,
+}
+
+fn bad(arg: &'static str, reason: String) -> Error {
+    Error::InvalidArgument { arg, reason }
+}
+
+impl QueryArgs {
+    /// The query these names ask.
+    pub fn query(&self) -> Result<PlanQuery> {
+        let kind = self.device.as_deref().map(kind).transpose()?;
+        let gib = |x: f64, arg| {
+            (x.is_finite() && x > 0.0)
+                .then(|| (x * GIB) as usize)
+                .ok_or_else(|| bad(arg, format!("must be a positive number, got {x}")))
+        };
+        let memory_bytes = match (self.memory_gib, kind) {
+            (Some(m), _) => gib(m, "memory_gib")?,
+            (None, Some(k)) => k.memory_bytes,
+            (None, None) => return Err(bad("device", "give --device or --memory-gib".into())),
+        };
+        let free_bytes = self.free_gib.map(|f| gib(f, "free_gib")).transpose()?;
+        let dtype = match self.dtype.as_str() {
+            "bf16" => DType::Bf16,
+            "f32" => DType::F32,
+            d => return Err(bad("dtype", format!("expected bf16 or f32, got {d:?}"))),
+        };
+        if !matches!(self.loss.as_str(), "grpo" | "ce") {
+            return Err(bad(
+                "loss",
+                format!("expected grpo or ce, got {:?}", self.loss),
+            ));
+        }
+        let mode = match self.mode.as_str() {
+            "auto" => Mode::Auto,
+            "auto_f32" => Mode::AutoF32,
+            "two_pass" => Mode::TwoPass,
+            "single_pass" => Mode::SinglePass,
+            "compact" => Mode::Compact,
+            m => return Err(bad("mode", format!("unknown mode {m:?}"))),
+        };
+        if self.n == 0 || self.h == 0 || self.v == 0 {
+            return Err(bad("n", "n, h and v must be positive".into()));
+        }
+        Ok(PlanQuery {
+            shape: CallShape {
+                n: self.n,
+                h: self.h,
+                v: self.v,
+                dtype,
+                grads: Some(HeadGrad::Full),
+            },
+            kind,
+            memory_bytes,
+            free_bytes,
+            mode,
+        })
+    }
+}
+
 /// The answer: the plan auto would take, its budget, peak and predicted time.
 #[derive(Debug, Clone, Serialize)]
 pub struct PlanReport {
@@ -98,7 +179,7 @@ pub struct PlanReport {
     pub device: Option<&'static str>,
     /// The call.
     pub shape: CallShape,
-    /// Device memory and free bytes (GiB).
+    /// Device memory (GiB).
     pub memory_gib: f64,
     /// Free memory when the call plans (GiB).
     pub free_gib: f64,
@@ -280,5 +361,63 @@ mod tests {
         let h200 = ask("h200", DType::Bf16, Mode::Auto);
         assert!((h200.predicted_ms.unwrap() - 53.8).abs() < 1.0, "{h200:?}");
         assert!(kind("a100").is_err());
+    }
+
+    /// The names the CLI passes: a device or a memory, a known dtype, loss and mode.
+    #[test]
+    fn query_args_name_the_call() {
+        let args = QueryArgs {
+            device: Some("h200".into()),
+            n: 8192,
+            h: 4096,
+            v: 151_936,
+            dtype: "bf16".into(),
+            loss: "ce".into(),
+            mode: "auto".into(),
+            ..QueryArgs::default()
+        };
+        let q = args.query().unwrap();
+        assert_eq!(q.memory_bytes, 143_771 << 20);
+        let r = answer(&q).unwrap();
+        assert_eq!((r.mode, r.block_rows), ("compact", 4096));
+        // Memory alone: the same plan, no predicted time.
+        let mem = QueryArgs {
+            device: None,
+            memory_gib: Some(80.0),
+            ..args.clone()
+        };
+        let r = answer(&mem.query().unwrap()).unwrap();
+        assert_eq!((r.mode, r.predicted_ms), ("compact", None));
+        // Little free memory: a quarter of a GiB is a 128 MiB share, under the floor.
+        let tight = QueryArgs {
+            free_gib: Some(0.25),
+            ..args.clone()
+        };
+        let r = answer(&tight.query().unwrap()).unwrap();
+        assert_eq!((r.mode, r.budget_mib), ("two_pass", 160.0));
+        for bad in [
+            QueryArgs {
+                device: None,
+                ..args.clone()
+            },
+            QueryArgs {
+                dtype: "f8".into(),
+                ..args.clone()
+            },
+            QueryArgs {
+                loss: "kto".into(),
+                ..args.clone()
+            },
+            QueryArgs {
+                mode: "fast".into(),
+                ..args.clone()
+            },
+            QueryArgs {
+                free_gib: Some(-1.0),
+                ..args.clone()
+            },
+        ] {
+            assert!(bad.query().is_err(), "{bad:?}");
+        }
     }
 }
