@@ -6,11 +6,13 @@
 //! `dZ` in place, the operand of the `dH` and `dW` products. Pure: no device (the CUDA
 //! backend calls it, `cuda/cuda_head.rs`; `flashloss plan` asks it on a host).
 
-use super::CUBLAS_WORKSPACE_BYTES;
 use crate::element::DType;
 use crate::error::Result;
 use crate::fused::{Block, FusedOptions, HeadGrad, Mode, Plan, PlanLimits, plan_blocks};
 
+/// Bytes of the cuBLAS workspace the CUDA backend gives each handle (counted in its
+/// memory; NVIDIA recommends 32 MiB on Hopper).
+pub const CUBLAS_WORKSPACE_BYTES: usize = 32 << 20;
 /// Widest vocabulary tile of a two-pass product.
 const VOCAB_TILE_MAX: usize = 16_384;
 /// Largest row block (the products are near peak well before it).

@@ -9,8 +9,9 @@
 //! shape, or a few rows against a big head), no budget can keep it, and the CPU's 160 MiB
 //! is taken: the plan of a call without a budget before issue 51.
 
-use super::CUBLAS_WORKSPACE_BYTES;
-use super::blocks::{DEFAULT_MAX_BLOCK_ROWS, materialized_plan, plan_rows};
+use super::blocks::{
+    CUBLAS_WORKSPACE_BYTES, DEFAULT_MAX_BLOCK_ROWS, materialized_plan, plan, plan_rows,
+};
 use crate::element::DType;
 use crate::error::Result;
 use crate::fused::plan::{DEFAULT_BUDGET_MIB, mib_to_bytes};
@@ -121,7 +122,7 @@ pub fn plan_on(
 ) -> Result<Plan> {
     let (n, v, dtype) = (shape.n, shape.v, shape.dtype);
     if opts.budget_bytes.is_some() {
-        return super::plan(n, v, dtype, opts, single_pass_allowed);
+        return plan(n, v, dtype, opts, single_pass_allowed);
     }
     let budget = default_budget(shape, free_bytes).bytes;
     let opts = opts.or_budget(budget);
@@ -203,7 +204,7 @@ mod tests {
         // An f32 head: the CPU's 160 MiB, two-pass, as before issue 51.
         let f = shape(8192, DType::F32);
         let f32_head = plan_on(&f, 130 * GIB, &FusedOptions::default(), true).unwrap();
-        let before = super::super::plan(8192, V, DType::F32, &FusedOptions::default(), true);
+        let before = plan(8192, V, DType::F32, &FusedOptions::default(), true);
         assert_eq!(f32_head, before.unwrap());
         assert!(!f32_head.single_pass);
     }

@@ -10,11 +10,9 @@ mod blocks;
 mod budget;
 pub mod query;
 
-pub use blocks::{DEFAULT_MAX_BLOCK_ROWS, half_rate_rows, materialized_plan, plan};
+pub use blocks::{
+    CUBLAS_WORKSPACE_BYTES, DEFAULT_MAX_BLOCK_ROWS, half_rate_rows, materialized_plan, plan,
+};
 pub use budget::{
     BudgetBound, CallShape, DefaultBudget, FREE_SHARE, PEAK_SHARE, default_budget, plan_on,
 };
-
-/// Bytes of the cuBLAS workspace the CUDA backend gives each handle (counted in its
-/// memory; NVIDIA recommends 32 MiB on Hopper).
-pub const CUBLAS_WORKSPACE_BYTES: usize = 32 << 20;

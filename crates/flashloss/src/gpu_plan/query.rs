@@ -354,7 +354,10 @@ mod tests {
             assert!(f32_stats.peak_ratio <= 0.5, "{f32_stats:?}");
             let f32_head = ask(device, DType::F32, Mode::Auto);
             assert_eq!(f32_head.mode, "two_pass");
-            assert_eq!(f32_head.budget.bound, super::super::BudgetBound::Floor);
+            assert_eq!(
+                f32_head.budget.bound,
+                super::super::budget::BudgetBound::Floor
+            );
             assert!(f32_head.peak_ratio > 0.5 && f32_head.peak_ratio < 0.55);
         }
         // The H200's recorded run: the chunk at 4196 rows took 53.76 ms.
