@@ -125,7 +125,7 @@ impl QueryArgs {
         let kind = self.device.as_deref().map(kind).transpose()?;
         let gib = |x: f64, arg| {
             (x.is_finite() && x > 0.0)
-                .then(|| (x * GIB) as usize)
+                .then_some((x * GIB) as usize)
                 .ok_or_else(|| bad(arg, format!("must be a positive number, got {x}")))
         };
         let memory_bytes = match (self.memory_gib, kind) {
