@@ -14,12 +14,6 @@ from . import _native
 DEFAULT_BUDGET_MIB: float = _native.defaults()["budget_mib"]
 
 
-def budget_mib(given: Optional[float]) -> float:
-    """A call's ``budget_mib`` resolved here: the one given, else :data:`DEFAULT_BUDGET_MIB`
-    (the JAX paths, whose FFI and Pallas plans take a number)."""
-    return DEFAULT_BUDGET_MIB if given is None else float(given)
-
-
 def budget_or_unset(given: Optional[float]) -> Optional[float]:
     """A call's ``budget_mib`` for the native side: the one given, else None, which the
     native spec leaves out: unset, the backend's default (the CPU's
