@@ -29,8 +29,10 @@ WORK=$(mktemp -d)  # the logs, packed into $TAR (only the tar is left under $OUT
 SUMMARY=$WORK/summary.jsonl
 : > "$SUMMARY"
 pack() { tar -czf "$TAR.part" -C "$WORK" . && mv "$TAR.part" "$TAR"; }
-trap pack EXIT
+trap 'pack; rm -rf "$WORK"' EXIT
+DEST=$OUT OUT=$WORK  # env.sh writes device.txt and lib/ under $OUT: into the tar too
 . scripts/gpu/env.sh
+OUT=$DEST
 . scripts/gpu/gradchecks.sh
 
 STAGE_END=0
