@@ -206,7 +206,7 @@ pub fn batch_validation(data: &[u8]) {
         let opts = FusedOptions {
             bf16_products: Default::default(),
             mode,
-            budget_bytes: flashloss::cpu::gemm_reserve_bytes() + (1 << 20),
+            budget_bytes: Some(flashloss::cpu::gemm_reserve_bytes() + (1 << 20)),
             grad_output,
             head_grad: Default::default(),
         };

@@ -32,17 +32,34 @@ def sanitizer(log):
 
 
 def bench(path):
-    """Per implementation: the median step and the peak device bytes."""
+    """Per implementation: the median step, the peak device bytes, the plan, and each
+    fused plan's time and peak against the unfused path's (``baseline``) of the same run."""
     with open(path) as f:
         report = json.load(f)
-    return {
+    out = {
         r["implementation"]: {
             "median_s": r["step_seconds"]["median"],
             "peak_bytes": r["peak_bytes"],
-            "plan": {k: (r.get("plan") or {}).get(k) for k in ("single_pass", "compact", "block_rows")},
+            "plan": {k: (r.get("plan") or {}).get(k) for k in ("single_pass", "compact", "block_rows", "vocab_tile")},
         }
         for r in report["results"]
     }
+    base = out.get("baseline")
+    for name, r in out.items():
+        if base is not None and name != "baseline":
+            r["time_vs_unfused"] = round(r["median_s"] / base["median_s"], 4)
+            r["peak_vs_unfused"] = round(r["peak_bytes"] / base["peak_bytes"], 4)
+    return out
+
+
+def chunk_logp(log):
+    """scripts/gpu/chunk_logp.py's JSON (its stdout): the logp and entropy errors."""
+    start = log.find("{")
+    r = json.loads(log[start:]) if start >= 0 else {}
+    ways = ("default", "auto_f32", "unfused_bf16")
+    out = {w: {k: v for k, v in r.get(w, {}).items() if k.endswith("_vs_f64") or k == "loss"} for w in ways}
+    out["ratio_default_over_unfused"] = r.get("ratio_default_over_unfused")
+    return out
 
 
 def main(name, code, t0, t1, log_path, bench_json=None):
@@ -56,6 +73,7 @@ def main(name, code, t0, t1, log_path, bench_json=None):
     except OSError:
         log = ""
     parse = gradcheck if name.startswith("gc_") else pytest if name.startswith("pytest") else sanitizer
+    parse = chunk_logp if name == "chunk_logp" else parse
     try:
         if bench_json is None:
             line.update(parse(log))

@@ -5,6 +5,7 @@
 mod bench;
 mod collective;
 mod gradcheck;
+mod plan;
 mod train;
 
 use clap::{Parser, Subcommand};
@@ -101,6 +102,39 @@ enum Command {
         #[arg(long, value_enum, default_value_t = CollectiveKind::InProcess)]
         collective: CollectiveKind,
     },
+    /// The plan a call without a budget would take on a GPU (no device needed): mode,
+    /// block rows, vocabulary tile, budget, peak against the unfused path's and the time
+    /// the rate model predicts from the cuBLAS rates recorded on that GPU; JSON.
+    Plan {
+        /// A GPU with recorded rates: h100-80gb or h200.
+        #[arg(long)]
+        device: Option<String>,
+        /// Device memory in GiB (instead of --device; no predicted time then).
+        #[arg(long)]
+        memory_gib: Option<f64>,
+        /// Free memory in GiB when the call plans (default: the memory less the call's
+        /// arguments and outputs).
+        #[arg(long)]
+        free_gib: Option<f64>,
+        /// Rows (tokens).
+        #[arg(long)]
+        n: usize,
+        /// Hidden size.
+        #[arg(long)]
+        h: usize,
+        /// Vocabulary entries.
+        #[arg(long)]
+        v: usize,
+        /// The head's dtype: bf16 or f32.
+        #[arg(long, default_value = "bf16")]
+        dtype: String,
+        /// The loss: grpo or ce (token level, with the head's gradients).
+        #[arg(long, default_value = "grpo")]
+        loss: String,
+        /// The mode: auto (the default call), auto_f32, two_pass, single_pass, compact.
+        #[arg(long, default_value = "auto")]
+        mode: String,
+    },
 }
 
 fn main() -> ExitCode {
@@ -124,5 +158,26 @@ fn main() -> ExitCode {
             ranks,
             collective,
         } => bench::run(&config, &overrides, json, threads, ranks, collective),
+        Command::Plan {
+            device,
+            memory_gib,
+            free_gib,
+            n,
+            h,
+            v,
+            dtype,
+            loss,
+            mode,
+        } => plan::run(flashloss::gpu_plan::query::QueryArgs {
+            device,
+            memory_gib,
+            free_gib,
+            n,
+            h,
+            v,
+            dtype,
+            loss,
+            mode,
+        }),
     }
 }

@@ -115,13 +115,14 @@ impl Spec {
         config_value(value)
     }
 
-    /// The options: `mode` (default auto), `budget_mib` (required, positive),
-    /// `grad_output` (default 1, finite) and `head_grad` (default full).
+    /// The options: `mode` (default auto), `budget_mib` (positive; absent: unset, the
+    /// backend's default: the CPU's 160 MiB, the GPU's from its memory), `grad_output`
+    /// (default 1, finite) and `head_grad` (default full).
     pub(crate) fn options(&self) -> Result<FusedOptions, ArgError> {
-        let mib = self
-            .budget_mib
-            .ok_or_else(|| err("budget_mib", "missing"))?;
-        if !(mib.is_finite() && mib > 0.0) {
+        let mib = self.budget_mib;
+        if let Some(mib) = mib
+            && !(mib.is_finite() && mib > 0.0)
+        {
             return Err(err(
                 "budget_mib",
                 format!("must be a positive number, got {mib}"),
@@ -185,7 +186,7 @@ mod tests {
             (o.mode, o.head_grad, o.grad_output),
             (Mode::TwoPass, HeadGrad::Full, 1.0)
         );
-        assert_eq!(o.budget_bytes, 2 << 20);
+        assert_eq!(o.budget_bytes, Some(2 << 20));
         let e = Spec::parse(r#"{"budget": 2}"#).unwrap_err();
         assert!(e.reason.contains("unknown field"), "{e:?}");
         let e = Spec::parse(r#"{"mode": "fast"}"#).unwrap_err();
@@ -195,11 +196,10 @@ mod tests {
             .options()
             .unwrap_err();
         assert_eq!(e.arg, "budget_mib");
-        let e = Spec::parse("{}").unwrap().options().unwrap_err();
-        assert_eq!(
-            (e.arg.as_str(), e.reason.as_str()),
-            ("budget_mib", "missing")
-        );
+        // No budget: unset, the backend's default (CPU 160 MiB; CUDA from the device).
+        let unset = Spec::parse("{}").unwrap().options().unwrap();
+        assert_eq!(unset.budget_bytes, None);
+        assert_eq!(unset.budget(), 160 << 20);
         #[derive(serde::Deserialize, Debug)]
         #[serde(deny_unknown_fields)]
         #[allow(dead_code)]

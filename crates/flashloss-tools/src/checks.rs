@@ -10,6 +10,7 @@ use crate::gradcheck::{
     Backend, EXACT_MAX_HIDDEN, GradcheckConfig, Kernel, LogprobsConfig, Objective,
 };
 use crate::{Error, Result};
+use flashloss::fused::plan::DEFAULT_BUDGET_MIB;
 use flashloss::memory::{bytes_of, check_fits};
 use flashloss::{CrossEntropy, GrpoLoss, Mode};
 
@@ -225,7 +226,9 @@ impl BenchConfig {
                 format!("must divide tokens = {}, got {}", self.tokens, self.batch),
             ));
         }
-        positive("budget_mib", self.budget_mib)?;
+        if let Some(mib) = self.budget_mib {
+            positive("budget_mib", mib)?;
+        }
         fraction("padding", self.padding)?;
         product("tokens·vocab", &[self.tokens, self.vocab])?;
         product("tokens·hidden", &[self.tokens, self.hidden])?;
@@ -289,7 +292,8 @@ impl BenchConfig {
             // buffers and widened inputs.
             Level::Linear => {
                 let head = (n + v) * h;
-                let budget = (self.budget_mib.max(0.0) * 1048576.0) as u128;
+                let mib = self.budget_mib.unwrap_or(DEFAULT_BUDGET_MIB);
+                let budget = (mib.max(0.0) * 1048576.0) as u128;
                 (
                     bytes(&[(head, elem + 4 + 4), (budget, 1), (n * v, 4), per_token]),
                     bytes(&[(n * v, 16), (head, 4)]),

@@ -90,7 +90,7 @@ fn check<E: Element>(
     let opts = FusedOptions {
         bf16_products: Default::default(),
         mode,
-        budget_bytes: flashloss::cpu::gemm_reserve_bytes() + (1 << 20),
+        budget_bytes: Some(flashloss::cpu::gemm_reserve_bytes() + (1 << 20)),
         grad_output: 0.75,
         head_grad: Default::default(),
     };

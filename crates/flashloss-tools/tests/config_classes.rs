@@ -169,3 +169,18 @@ fn a_run_says_what_it_does_first() {
     assert!(stages[0].contains("drawing inputs"), "{stages:?}");
     assert!(checks::positive("x", 1.0).is_ok());
 }
+
+/// A bench without `budget_mib` (or `--set budget_mib=null`) leaves the budget unset: the
+/// device's default (the CPU's 160 MiB; on CUDA from its memory); a number sets it.
+#[test]
+fn a_bench_without_a_budget_takes_the_devices_default() {
+    let text = "level: linear\ntokens: 8\nhidden: 4\nvocab: 16\n";
+    let omitted: BenchConfig = config_file::parse(text, &[]).unwrap();
+    assert_eq!(omitted.budget_mib, None);
+    assert_eq!(omitted.fused_options().budget_bytes, None);
+    assert_eq!(omitted.fused_options().budget(), 160 << 20);
+    let nulled = bench_with(&["budget_mib=null"]);
+    assert_eq!(nulled.budget_mib, None);
+    let given = bench_with(&["budget_mib=192"]);
+    assert_eq!(given.fused_options().budget_bytes, Some(192 << 20));
+}

@@ -26,7 +26,7 @@ fn opts(mode: Mode) -> FusedOptions {
     FusedOptions {
         bf16_products: Default::default(),
         mode,
-        budget_bytes: flashloss::cpu::gemm_reserve_bytes() + (1 << 20),
+        budget_bytes: Some(flashloss::cpu::gemm_reserve_bytes() + (1 << 20)),
         grad_output: 1.0,
         head_grad: Default::default(),
     }

@@ -49,7 +49,7 @@ fn fused_kernels_stay_within_the_budget() {
         let opts = FusedOptions {
             bf16_products: Default::default(),
             mode,
-            budget_bytes: budget,
+            budget_bytes: Some(budget),
             grad_output: 1.0,
             head_grad: Default::default(),
         };

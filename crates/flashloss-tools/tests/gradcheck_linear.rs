@@ -98,7 +98,7 @@ fn blocks_skip_masked_rows_between_live_ones() {
                     let opts = FusedOptions {
                         bf16_products,
                         mode,
-                        budget_bytes: mib_to_bytes(mib),
+                        budget_bytes: Some(mib_to_bytes(mib)),
                         grad_output: 1.0,
                         head_grad: Default::default(),
                     };

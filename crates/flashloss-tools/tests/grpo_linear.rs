@@ -30,7 +30,7 @@ fn check<E: Element>(
     let opts = FusedOptions {
         bf16_products: Default::default(),
         mode,
-        budget_bytes: flashloss::cpu::gemm_reserve_bytes() + (1 << 20),
+        budget_bytes: Some(flashloss::cpu::gemm_reserve_bytes() + (1 << 20)),
         grad_output: 0.75,
         head_grad: Default::default(),
     };
@@ -307,7 +307,7 @@ fn compact_on_confident_rows() {
             let opts = FusedOptions {
                 bf16_products: Default::default(),
                 mode: Mode::Compact,
-                budget_bytes: flashloss::cpu::gemm_reserve_bytes() + (1 << 20),
+                budget_bytes: Some(flashloss::cpu::gemm_reserve_bytes() + (1 << 20)),
                 grad_output: 1.0,
                 head_grad: Default::default(),
             };
@@ -362,7 +362,7 @@ fn bf16_products_on_flat_and_peaked_rows() {
                 let opts = FusedOptions {
                     bf16_products: products,
                     mode,
-                    budget_bytes: flashloss::cpu::gemm_reserve_bytes() + (4 << 20),
+                    budget_bytes: Some(flashloss::cpu::gemm_reserve_bytes() + (4 << 20)),
                     grad_output: 1.0,
                     head_grad: Default::default(),
                 };

@@ -28,7 +28,7 @@ fn opts(mode: Mode, head_grad: HeadGrad) -> FusedOptions {
     FusedOptions {
         bf16_products: Default::default(),
         mode,
-        budget_bytes: small_budget(),
+        budget_bytes: Some(small_budget()),
         grad_output: 0.75,
         head_grad,
     }

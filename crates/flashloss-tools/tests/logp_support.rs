@@ -150,7 +150,7 @@ fn check_grads_of<E: Element>(
             );
             let opts = FusedOptions {
                 head_grad,
-                budget_bytes: small_budget(),
+                budget_bytes: Some(small_budget()),
                 grad_output: 0.75,
                 ..FusedOptions::from_mib(Mode::Auto, 1.0, 1.0)
             };

@@ -100,7 +100,7 @@ fn check_vocab_parallel(
         temperature,
     };
     let opts = FusedOptions {
-        budget_bytes: small_budget(),
+        budget_bytes: Some(small_budget()),
         ..FusedOptions::from_mib(Mode::TwoPass, 1.0, 1.0)
     };
     let up = LogpUpstream::new(&g_logp, None);

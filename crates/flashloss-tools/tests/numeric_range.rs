@@ -262,7 +262,7 @@ fn fused_linear_out_of_range_is_an_error_in_both_modes() {
             let opts = FusedOptions {
                 bf16_products: Default::default(),
                 mode,
-                budget_bytes: flashloss::cpu::gemm_reserve_bytes() + (1 << 20),
+                budget_bytes: Some(flashloss::cpu::gemm_reserve_bytes() + (1 << 20)),
                 grad_output: 1.0,
                 head_grad: Default::default(),
             };
@@ -311,7 +311,7 @@ fn grad_output_at_f32_max_is_out_of_range_not_inf() {
         let opts = FusedOptions {
             bf16_products: Default::default(),
             mode,
-            budget_bytes: flashloss::cpu::gemm_reserve_bytes() + (1 << 20),
+            budget_bytes: Some(flashloss::cpu::gemm_reserve_bytes() + (1 << 20)),
             grad_output: f32::MAX,
             head_grad: Default::default(),
         };
@@ -381,7 +381,7 @@ fn upstream_scale_beyond_f32_with_products_within_it() {
         let opts = FusedOptions {
             bf16_products: Default::default(),
             mode,
-            budget_bytes: flashloss::cpu::gemm_reserve_bytes() + (1 << 20),
+            budget_bytes: Some(flashloss::cpu::gemm_reserve_bytes() + (1 << 20)),
             grad_output: g,
             head_grad: Default::default(),
         };

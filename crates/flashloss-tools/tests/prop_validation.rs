@@ -232,7 +232,7 @@ proptest! {
 
         // The fused LM head, both modes.
         for mode in [Mode::SinglePass, Mode::TwoPass] {
-            let opts = FusedOptions { bf16_products: Default::default(), mode, budget_bytes: flashloss::cpu::gemm_reserve_bytes() + (1 << 20), grad_output: c.grad_output, head_grad: Default::default() };
+            let opts = FusedOptions { bf16_products: Default::default(), mode, budget_bytes: Some(flashloss::cpu::gemm_reserve_bytes() + (1 << 20)), grad_output: c.grad_output, head_grad: Default::default() };
             let inputs = c.head.inputs();
             if let Ok(out) = device.with_host_grads(&inputs, GrpoCall::new(&loss, &batch, &opts)) {
                 prop_assert!(out.loss.is_finite(), "linear loss {}", out.loss);

@@ -31,7 +31,7 @@ fn opts() -> FusedOptions {
     FusedOptions {
         bf16_products: Default::default(),
         mode: Mode::TwoPass,
-        budget_bytes: flashloss::cpu::gemm_reserve_bytes() + (1 << 20),
+        budget_bytes: Some(flashloss::cpu::gemm_reserve_bytes() + (1 << 20)),
         grad_output: 0.75,
         head_grad: Default::default(),
     }

@@ -148,7 +148,7 @@ fn check_grpo<E: Element>(shape: (usize, usize, usize, usize), bias: bool, mode:
         let opts = FusedOptions {
             bf16_products: products,
             mode,
-            budget_bytes: flashloss::cpu::gemm_reserve_bytes() + (2 << 20),
+            budget_bytes: Some(flashloss::cpu::gemm_reserve_bytes() + (2 << 20)),
             grad_output: 0.75,
             head_grad: Default::default(),
         };
@@ -225,7 +225,7 @@ fn check_ce<E: Element>(shape: (usize, usize, usize), reduction: Reduction, mode
         let opts = FusedOptions {
             bf16_products: products,
             mode,
-            budget_bytes: flashloss::cpu::gemm_reserve_bytes() + (2 << 20),
+            budget_bytes: Some(flashloss::cpu::gemm_reserve_bytes() + (2 << 20)),
             grad_output: 0.75,
             head_grad: Default::default(),
         };
@@ -399,7 +399,7 @@ fn vocab_parallel_hidden_major_shards_match_one_rank() {
     x.follow_policy(&linear_logits(&head.inputs()), 1.0);
     let opts = FusedOptions {
         mode: Mode::TwoPass,
-        budget_bytes: flashloss::cpu::gemm_reserve_bytes() + (1 << 20),
+        budget_bytes: Some(flashloss::cpu::gemm_reserve_bytes() + (1 << 20)),
         ..FusedOptions::default()
     };
     let one = grpo_linear(&loss, &x.batch(), &head.inputs(), &opts).unwrap();

@@ -22,6 +22,7 @@ pub mod device;
 pub mod element;
 pub mod error;
 pub mod fused;
+pub mod gpu_plan;
 pub mod grpo_config;
 pub mod grpo_logits;
 pub mod memory;

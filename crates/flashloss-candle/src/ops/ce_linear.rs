@@ -16,7 +16,7 @@ impl HeadLoss for FusedCeLinear {
 
     fn run<E: Element>(&self, inputs: &LinearInputs<E>, grads: &SavedGrads) -> Result<f32> {
         let opts = FusedOptions {
-            budget_bytes: self.budget_bytes,
+            budget_bytes: Some(self.budget_bytes),
             ..FusedOptions::default()
         };
         let out = device()

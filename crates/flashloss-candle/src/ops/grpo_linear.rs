@@ -44,7 +44,7 @@ impl HeadLoss for FusedGrpoLinear {
 
     fn run<E: Element>(&self, inputs: &LinearInputs<E>, grads: &SavedGrads) -> Result<f32> {
         let opts = FusedOptions {
-            budget_bytes: self.budget_bytes,
+            budget_bytes: Some(self.budget_bytes),
             ..FusedOptions::default()
         };
         let batch = self.inputs.batch();

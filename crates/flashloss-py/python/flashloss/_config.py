@@ -8,14 +8,18 @@ from typing import Optional
 
 from . import _native
 
-#: Workspace budget of the fused kernels (MiB) when a call gives none: the Rust plan's
-#: default (``fused/plan.rs::DEFAULT_BUDGET_MIB``, the one place it is written).
+#: Workspace budget of the fused kernels (MiB) on the CPU when a call gives none: the Rust
+#: plan's default (``fused/plan.rs::DEFAULT_BUDGET_MIB``, the one place it is written). On
+#: CUDA a call without a budget plans from the device's memory (``gpu_plan::default_budget``).
 DEFAULT_BUDGET_MIB: float = _native.defaults()["budget_mib"]
 
 
-def budget_mib(given: Optional[float]) -> float:
-    """A call's ``budget_mib``: the one given, else :data:`DEFAULT_BUDGET_MIB`."""
-    return DEFAULT_BUDGET_MIB if given is None else float(given)
+def budget_or_unset(given: Optional[float]) -> Optional[float]:
+    """A call's ``budget_mib`` for the native side: the one given, else None, which the
+    native spec leaves out: unset, the backend's default (the CPU's
+    :data:`DEFAULT_BUDGET_MIB`; on CUDA a share of the device's free memory within half the
+    unfused path's peak)."""
+    return None if given is None else float(given)
 
 
 def load_yaml(path: Optional[str], overrides: list, defaults: dict) -> dict:

@@ -79,8 +79,9 @@ pub struct BenchConfig {
     /// Fused linear recomputation mode.
     pub mode: Mode,
     /// Fused linear workspace budget in MiB (includes the GEMM reserve, or on the GPU
-    /// the cuBLAS workspace).
-    pub budget_mib: f64,
+    /// the cuBLAS workspace); omitted: the device's default (the CPU's 160 MiB; on the
+    /// GPU from its memory, `flashloss::gpu_plan::default_budget`).
+    pub budget_mib: Option<f64>,
     /// The CPU's products on a bf16 head (`auto`, `widened`, `avx512bf16`).
     pub bf16_products: Bf16Products,
     /// The head's own gradients (level `linear`): `full` (dW, dbias) or `frozen` (dH
@@ -144,7 +145,7 @@ impl Default for BenchConfig {
             seed: 0,
             padding: 0.0,
             mode: Mode::Auto,
-            budget_mib: flashloss::fused::plan::DEFAULT_BUDGET_MIB,
+            budget_mib: None,
             bf16_products: Bf16Products::Auto,
             head_grad: HeadGrad::Full,
             device: Backend::Cpu,

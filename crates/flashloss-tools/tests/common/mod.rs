@@ -157,7 +157,7 @@ pub fn assert_modes_agree_and_threads_invariant(
             run(&FusedOptions {
                 bf16_products: Default::default(),
                 mode,
-                budget_bytes: 8 << 20,
+                budget_bytes: Some(8 << 20),
                 grad_output: 1.0,
                 head_grad: Default::default(),
             })

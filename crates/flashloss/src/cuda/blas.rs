@@ -12,9 +12,7 @@ use cudarc::cublas::sys::{
 };
 use cudarc::cublas::{CudaBlas, result as blas};
 
-/// Bytes of the cuBLAS workspace the backend gives each handle (counted in its
-/// memory; NVIDIA recommends 32 MiB on Hopper).
-pub const CUBLAS_WORKSPACE_BYTES: usize = 32 << 20;
+pub use crate::gpu_plan::CUBLAS_WORKSPACE_BYTES;
 
 /// Column-major cuBLAS arguments `C[m, n] (ldc) = op(A)[m, k] (lda) · op(B)[k, n] (ldb)`
 /// of a row-major product; `trans_a`/`trans_b` mean `op = ᵀ`.

@@ -5,11 +5,12 @@
 use super::device::{DeviceBuffer, Gpu, GpuElement, device_error};
 use super::head::{GpuGrads, GpuInputs, GpuWorkspace, no_grads};
 use super::passes::GpuPasses;
-use super::plan::{materialized_plan, plan};
+use super::plan::{materialized_plan, plan_on_device};
 use crate::batch::HeadShape;
 use crate::collective::Collective;
 use crate::error::{Error, Result};
 use crate::fused::{FusedOptions, FusedPasses, GradPart, Head, HeadGrad, Plan};
+use crate::gpu_plan::CallShape;
 use crate::range::grad_out_of_range;
 use crate::rows::RowInputs;
 
@@ -97,7 +98,16 @@ impl<E: GpuElement> Head for CudaHead<'_, E> {
         if self.materialized {
             return Ok(materialized_plan(n, v, E::DTYPE));
         }
-        plan(n, v, E::DTYPE, opts, single_pass_allowed)
+        // A call without a budget plans from the device's free memory, its arguments and
+        // gradient buffers already allocated.
+        let shape = CallShape {
+            n,
+            h: self.head.hidden_size,
+            v,
+            dtype: E::DTYPE,
+            grads: self.grads.as_ref().map(|_| opts.head_grad),
+        };
+        plan_on_device(self.gpu, &shape, opts, single_pass_allowed)
     }
 
     fn passes<'s>(

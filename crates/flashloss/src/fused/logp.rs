@@ -36,13 +36,14 @@ use std::ops::Range;
 
 /// Per-row statistics of `head`'s logits divided by `temperature`, at `target_ids`
 /// `[N]`; rows where `mask` is false are skipped (zeroed stats). `seq_len` only names
-/// positions in errors (use N for a flat batch). The workspace fits `budget_bytes`.
+/// positions in errors (use N for a flat batch). The workspace fits `budget_bytes`
+/// (`None`: the backend's default).
 pub fn logp_linear(
     head: &mut dyn Head,
     target_ids: &[i64],
     mask: Option<&[bool]>,
     temperature: Temperature,
-    budget_bytes: usize,
+    budget_bytes: impl Into<Option<usize>>,
     seq_len: usize,
 ) -> Result<Vec<RowStats>> {
     let rows = LogpRows {
@@ -60,12 +61,12 @@ pub fn logp_linear_with(
     head: &mut dyn Head,
     rows: LogpRows,
     request: &LogpRequest,
-    budget_bytes: usize,
+    budget_bytes: impl Into<Option<usize>>,
     seq_len: usize,
 ) -> Result<LogpOutput> {
     check_head(head, None)?;
     let shape = head.shape();
-    let opts = forward_options(budget_bytes);
+    let opts = forward_options(budget_bytes.into());
     let call = LogpCall::new(
         (rows, *request, None),
         shape.tokens,
@@ -77,8 +78,9 @@ pub fn logp_linear_with(
     logp_checked(head, &call, plan, None)
 }
 
-/// The options of a call without gradients: two-pass in `budget_bytes`.
-pub(crate) fn forward_options(budget_bytes: usize) -> FusedOptions {
+/// The options of a call without gradients: two-pass in `budget_bytes` (`None`: the
+/// backend's default).
+pub(crate) fn forward_options(budget_bytes: Option<usize>) -> FusedOptions {
     FusedOptions::forward(budget_bytes)
 }
 

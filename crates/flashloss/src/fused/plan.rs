@@ -138,8 +138,10 @@ pub struct FusedOptions {
     /// The CPU's products on a bf16 head (ignored for f32 heads and on the GPU).
     pub bf16_products: Bf16Products,
     /// Bytes the kernel's workspace may use (logit tiles, widened bf16 tiles, the
-    /// backend's reserve).
-    pub budget_bytes: usize,
+    /// backend's reserve); `None`, the default: the backend's own ([`FusedOptions::budget`]:
+    /// the CPU's [`DEFAULT_BUDGET_MIB`]; the GPU's from the device's memory,
+    /// `crate::gpu_plan::default_budget`).
+    pub budget_bytes: Option<usize>,
     /// Upstream gradient `∂(outer loss)/∂L`.
     pub grad_output: f32,
     /// Which of the head's own gradients are formed.
@@ -147,13 +149,13 @@ pub struct FusedOptions {
 }
 
 impl FusedOptions {
-    /// The options of a statistics-only (forward) call within `budget_bytes`: two-pass,
-    /// `grad_output` 1, a trainable head.
-    pub fn forward(budget_bytes: usize) -> FusedOptions {
+    /// The options of a statistics-only (forward) call within `budget_bytes` (`None`: the
+    /// backend's default): two-pass, `grad_output` 1, a trainable head.
+    pub fn forward(budget_bytes: impl Into<Option<usize>>) -> FusedOptions {
         FusedOptions {
             bf16_products: Default::default(),
             mode: Mode::TwoPass,
-            budget_bytes,
+            budget_bytes: budget_bytes.into(),
             grad_output: 1.0,
             head_grad: HeadGrad::Full,
         }
@@ -167,14 +169,30 @@ impl FusedOptions {
         }
     }
 
-    /// Options with a budget of `budget_mib` MiB (`2^20` bytes, fractions allowed).
-    pub fn from_mib(mode: Mode, budget_mib: f64, grad_output: f32) -> Self {
+    /// Options with a budget of `budget_mib` MiB (`2^20` bytes, fractions allowed;
+    /// `None`: the backend's default).
+    pub fn from_mib(mode: Mode, budget_mib: impl Into<Option<f64>>, grad_output: f32) -> Self {
         FusedOptions {
             mode,
             bf16_products: Bf16Products::Auto,
-            budget_bytes: mib_to_bytes(budget_mib),
+            budget_bytes: budget_mib.into().map(mib_to_bytes),
             grad_output,
             head_grad: HeadGrad::Full,
+        }
+    }
+
+    /// The budget in bytes: the one given, else the CPU's default ([`DEFAULT_BUDGET_MIB`];
+    /// the GPU resolves an unset budget from the device before it plans).
+    pub fn budget(&self) -> usize {
+        self.budget_bytes
+            .unwrap_or_else(|| mib_to_bytes(DEFAULT_BUDGET_MIB))
+    }
+
+    /// These options with `budget_bytes` where they have none.
+    pub fn or_budget(&self, budget_bytes: usize) -> FusedOptions {
+        FusedOptions {
+            budget_bytes: Some(self.budget_bytes.unwrap_or(budget_bytes)),
+            ..*self
         }
     }
 }
@@ -185,14 +203,15 @@ pub fn mib_to_bytes(mib: f64) -> usize {
     (mib * (1u64 << 20) as f64) as usize
 }
 
-/// The default workspace budget: 160 MiB. On the 2-core CPU of docs/bench/cpu.md it holds
+/// The CPU's workspace budget where a call gives none: 160 MiB. On the 2-core CPU of docs/bench/cpu.md it holds
 /// an f32 single-pass block of ~265 rows at V = 151936, which auto mode prefers to
 /// two-pass; 64 MiB (the earlier default) holds ~100 rows and falls back to two-pass.
 pub const DEFAULT_BUDGET_MIB: f64 = 160.0;
 
 impl Default for FusedOptions {
+    /// Auto mode, the backend's default budget, `grad_output` 1, a trainable head.
     fn default() -> Self {
-        Self::from_mib(Mode::Auto, DEFAULT_BUDGET_MIB, 1.0)
+        Self::from_mib(Mode::Auto, None, 1.0)
     }
 }
 
@@ -332,7 +351,7 @@ pub fn plan_blocks(
             arg: "budget_mib",
             reason: format!(
                 "{} (less {}) cannot hold one row of {cols} logits{}",
-                budget_text(opts.budget_bytes),
+                budget_text(opts.budget()),
                 limits.reserve_name,
                 limits.extra_name
             ),
@@ -363,15 +382,16 @@ fn modelled_time(flops: f64, rows: usize, limits: &PlanLimits) -> f64 {
     flops * (1.0 + limits.half_rate_rows / rows.max(1) as f64)
 }
 
-/// The budget left for tiles once the backend's reserve is taken.
+/// The budget left for tiles once the backend's reserve is taken (an unset budget is the
+/// CPU's default, [`FusedOptions::budget`]).
 pub fn tile_budget(opts: &FusedOptions, limits: &PlanLimits) -> Result<usize> {
-    opts.budget_bytes
+    opts.budget()
         .checked_sub(limits.reserve_bytes)
         .ok_or_else(|| Error::InvalidArgument {
             arg: "budget_mib",
             reason: format!(
                 "{} is below {}",
-                budget_text(opts.budget_bytes),
+                budget_text(opts.budget()),
                 limits.reserve_name
             ),
         })
@@ -409,6 +429,23 @@ mod tests {
             Block::Compact => rows * (v * 2 + 2048 * 4),
         };
         plan_blocks(n, v, &limits(half_rate_rows), bytes, &opts, true).unwrap()
+    }
+
+    /// An unset budget (the default options) plans as 160 MiB, today's CPU default.
+    #[test]
+    fn an_unset_budget_is_the_cpus_160_mib() {
+        let unset = FusedOptions::default();
+        assert_eq!(unset.budget_bytes, None);
+        assert_eq!(unset.budget(), 160 << 20);
+        let given = FusedOptions::from_mib(Mode::Auto, 160.0, 1.0);
+        assert_eq!(given.budget_bytes, Some(160 << 20));
+        assert_eq!(unset.or_budget(1 << 30).budget_bytes, Some(1 << 30));
+        assert_eq!(given.or_budget(1 << 30).budget_bytes, Some(160 << 20));
+        let v = 151_936;
+        let bytes = |rows: usize, _: Block| rows * v * 4;
+        let a = plan_blocks(2048, v, &limits(96.0), bytes, &unset, true).unwrap();
+        let b = plan_blocks(2048, v, &limits(96.0), bytes, &given, true).unwrap();
+        assert_eq!(a, b);
     }
 
     #[test]

@@ -169,7 +169,7 @@ pub fn logp_linear_sharded(
     target_ids: &[i64],
     mask: Option<&[bool]>,
     temperature: Temperature,
-    budget_bytes: usize,
+    budget_bytes: impl Into<Option<usize>>,
     seq_len: usize,
 ) -> Result<Vec<RowStats>> {
     let rows = LogpRows {
@@ -190,11 +190,11 @@ pub fn logp_linear_sharded_with(
     shard: Shard,
     rows: LogpRows,
     request: &LogpRequest,
-    budget_bytes: usize,
+    budget_bytes: impl Into<Option<usize>>,
     seq_len: usize,
 ) -> Result<LogpOutput> {
     let n = head.shape().tokens;
-    let opts = forward_options(budget_bytes);
+    let opts = forward_options(budget_bytes.into());
     let checked = check_head(head, None)
         .and_then(|_| shard.range(head.shape().vocab))
         .and_then(|range| {

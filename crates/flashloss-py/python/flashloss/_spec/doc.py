@@ -59,14 +59,18 @@ SECTIONS = {
     ``[...]`` float32, each row's log-sum-exp of the logits as the loss sees them
     (soft-capped, divided by the temperature), 0 at ignored rows, differentiable.""",
     "plan": """\
-    ``mode`` (auto, auto_f32, single_pass, compact, two_pass) and ``budget_mib`` (default
-    160) are the fused kernel's plan, as in ``flashloss bench``. On JAX's Pallas path a
+    ``mode`` (auto, auto_f32, single_pass, compact, two_pass) and ``budget_mib`` are the
+    fused kernel's plan, as in ``flashloss bench``. ``budget_mib=None`` (the default) is the
+    backend's own: 160 MiB on the CPU; on CUDA the largest workspace that keeps the call's
+    peak within half the unfused path's (and half the free memory), blocks of at most 4096
+    rows (``flashloss plan`` prints it for a GPU without one). On JAX's Pallas path a
     token-local GRPO step (token-level ratios, not vespo) on one device without a sampler
     support runs in one pass over blocks of rows (6NHV) under ``single_pass``, or under
     ``auto`` where a block fits ``budget_mib``; every other step there runs two passes. On
     CUDA with a bf16 head, ``compact`` keeps each block's logits as bf16 and overwrites
-    them with the gradient (the fastest plan; logp, entropy and the loss then carry bf16's
-    rounding of the logits, so ``auto`` never takes it).""",
+    them with the gradient (the fastest plan; logp, entropy and the loss carry bf16's
+    rounding of the logits, as the unfused bf16 path's do), and ``auto`` takes it where the
+    rate model finds it faster; ``auto_f32`` keeps f32 statistics.""",
 }
 
 

@@ -26,13 +26,14 @@ from ._head import Transform, active
 class _Head:
     """What every call over the LM head holds: the head's layout, the mesh axis its
     vocabulary is split over (or None), the whole vocabulary ``V``, the FFI path's plan
-    (``mode``, ``budget`` in MiB) and the Pallas path's ``interpret``."""
+    (``mode``, ``budget`` in MiB, None: unset, the backend's default) and the Pallas path's
+    ``interpret``."""
 
     weight_layout: str
     vocab_axis: Optional[str]
     vocab: int
     mode: str
-    budget: float
+    budget: Optional[float]
     interpret: Any = False
     #: Whether the caller passed ``budget_mib`` (else the Pallas path takes its chip's).
     budget_given: bool = True

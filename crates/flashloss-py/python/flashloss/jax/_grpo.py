@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from .._config import budget_mib as _budget
+from .._config import budget_or_unset as _budget
 from .._spec import METRICS, NORMALIZERS, GRPOOutputs, GrpoArgs, SamplerFilters, with_params
 from . import _args as A
 from . import _head as H

@@ -7,7 +7,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from .._config import budget_mib as _budget
+from .._config import budget_or_unset as _budget
 from .._spec import METRICS, GRPOOutputs, GrpoArgs, SamplerFilters, with_params
 from . import _dist, _dtensor
 from . import _ops as ops

@@ -8,7 +8,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from .._config import budget_mib as _budget
+from .._config import budget_or_unset as _budget
 from .._spec import CeArgs, LogprobOutputs, LogprobRequest, with_params
 from . import _args as A
 from . import _dist, _dtensor

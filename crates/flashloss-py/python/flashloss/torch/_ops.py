@@ -99,7 +99,7 @@ def grpo_linear(
     num_items: Optional[Tensor],
     config: str,
     mode: str,
-    budget_mib: float,
+    budget_mib: Optional[float],
     group: str,
     head_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -153,7 +153,7 @@ def ce_linear(
     targets: Tensor,
     config: str,
     mode: str,
-    budget_mib: float,
+    budget_mib: Optional[float],
     group: str,
     head_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -184,7 +184,7 @@ def ce_linear_rows_backward(
     grad_rows: Tensor,
     config: str,
     mode: str,
-    budget_mib: float,
+    budget_mib: Optional[float],
     group: str,
     head_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -206,7 +206,7 @@ def ce_linear_rows(
     targets: Tensor,
     config: str,
     mode: str,
-    budget_mib: float,
+    budget_mib: Optional[float],
     group: str,
 ) -> Tensor:
     """Each row's loss (reduction ``none``), f32 ``[N]``: on the CPU one statistics pass
@@ -265,7 +265,7 @@ def ce_linear_lse_backward(
     grad_output: float,
     config: str,
     mode: str,
-    budget_mib: float,
+    budget_mib: Optional[float],
     group: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The f32 gradients of ``grad_output·L + Σ_i grad_lse_i·lse_i`` (``L`` with
@@ -293,7 +293,7 @@ def ce_linear_lse(
     targets: Tensor,
     config: str,
     mode: str,
-    budget_mib: float,
+    budget_mib: Optional[float],
     group: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(loss, lse, dhidden, dweight, dbias)``: reduction ``mean``/``sum``'s loss and
@@ -347,7 +347,7 @@ def ce_linear_rows_lse(
     targets: Tensor,
     config: str,
     mode: str,
-    budget_mib: float,
+    budget_mib: Optional[float],
     group: str,
 ) -> tuple[Tensor, Tensor]:
     """Reduction ``none``: each row's loss and log-sum-exp ``[N]`` (f32, 0 where ignored)."""
@@ -422,7 +422,7 @@ def logp_linear(
     ids: Tensor,
     mask: Optional[Tensor],
     temperature: float,
-    budget_mib: float,
+    budget_mib: Optional[float],
     group: str,
     gather_ids: Optional[Tensor] = None,
     sum_p2: bool = False,
@@ -484,7 +484,7 @@ def logp_linear_backward(
     grad_logp: Optional[Tensor],
     grad_entropy: Optional[Tensor],
     temperature: float,
-    budget_mib: float,
+    budget_mib: Optional[float],
     group: str,
     head_grad: bool,
     grad_lse: Optional[Tensor] = None,

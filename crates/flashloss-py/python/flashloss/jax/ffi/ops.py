@@ -58,6 +58,11 @@ def _call(name: str, results, *args, config: Optional[str] = None, **fields):
     return jax.ffi.ffi_call(name, results, vmap_method="sequential")(*args, spec=spec)
 
 
+def _mib(budget_mib: Optional[float]) -> Optional[float]:
+    """A budget for the spec: None (left out: unset, the backend's default) or a float."""
+    return None if budget_mib is None else float(budget_mib)
+
+
 def _or_empty(x: Optional[jax.Array], dtype) -> jax.Array:
     return jnp.zeros((0,), dtype) if x is None else x
 
@@ -84,8 +89,8 @@ def vocab_size(weight, weight_layout: str) -> int:
 
 
 def grpo_linear(
-    hidden, weight, bias, ids, mask, advantages, old, ref, ratio=None, *, config: str, mode: str, budget_mib: float,
-    weight_layout: str = "vh", head_grad: str = "full",
+    hidden, weight, bias, ids, mask, advantages, old, ref, ratio=None, *, config: str, mode: str,
+    budget_mib: Optional[float], weight_layout: str = "vh", head_grad: str = "full",
 ):  # fmt: skip
     """``(loss, dhidden, dweight, dbias, logp, entropy, kl, metrics[5])``; ``ratio``: the
     sampler's importance ratio ``[B]``, ``[B, T]`` or None."""
@@ -105,14 +110,14 @@ def grpo_linear(
         "flashloss_grpo_linear", results,
         hidden, weight, _or_empty(bias, hidden.dtype), ids, mask, advantages,
         _or_empty(old, jnp.float32), _or_empty(ref, jnp.float32), _or_empty(ratio, jnp.float32),
-        budget_mib=float(budget_mib), config=config, mode=mode, weight_layout=weight_layout,
+        budget_mib=_mib(budget_mib), config=config, mode=mode, weight_layout=weight_layout,
         head_grad=head_grad,
     )  # fmt: skip
 
 
 def ce_linear(
-    hidden, weight, bias, targets, grad_rows, *, config: str, mode: str, budget_mib: float, weight_layout: str = "vh",
-    head_grad: str = "full", grad_lse=None, grad_output: float = 1.0,
+    hidden, weight, bias, targets, grad_rows, *, config: str, mode: str, budget_mib: Optional[float],
+    weight_layout: str = "vh", head_grad: str = "full", grad_lse=None, grad_output: float = 1.0,
 ):  # fmt: skip
     """``(loss, dhidden, dweight, dbias, row_loss[N], count, lse[N])``: the gradients of
     ``grad_output·L + Σ_i grad_lse_i·lse_i`` (``grad_lse`` ``[N]`` or None), ``lse`` each
@@ -131,31 +136,33 @@ def ce_linear(
     return _call(
         "flashloss_ce_linear", results,
         hidden, weight, _or_empty(bias, hidden.dtype), targets, _or_empty(grad_rows, jnp.float32),
-        _or_empty(grad_lse, jnp.float32), budget_mib=float(budget_mib), config=config, mode=mode,
+        _or_empty(grad_lse, jnp.float32), budget_mib=_mib(budget_mib), config=config, mode=mode,
         weight_layout=weight_layout, head_grad=head_grad, grad_output=float(grad_output),
     )  # fmt: skip
 
 
-def ce_rows(hidden, weight, bias, targets, *, config: str, budget_mib: float, weight_layout: str = "vh"):
+def ce_rows(hidden, weight, bias, targets, *, config: str, budget_mib: Optional[float], weight_layout: str = "vh"):
     """``(row_loss[N], lse[N])``: the per-row CE losses and log-sum-exps (0 where
     ignored), one statistics pass (no gradient buffers)."""
     n = targets.shape[0]
     vocab_size(weight, weight_layout)
     return _call(
         "flashloss_ce_rows", (_like(hidden, (n,)), _like(hidden, (n,))),
-        hidden, weight, _or_empty(bias, hidden.dtype), targets, budget_mib=float(budget_mib), config=config,
+        hidden, weight, _or_empty(bias, hidden.dtype), targets, budget_mib=_mib(budget_mib), config=config,
         weight_layout=weight_layout,
     )  # fmt: skip
 
 
-def logp_linear(hidden, weight, bias, ids, mask, *, temperature: float, budget_mib: float, weight_layout: str = "vh"):
+def logp_linear(
+    hidden, weight, bias, ids, mask, *, temperature: float, budget_mib: Optional[float], weight_layout: str = "vh"
+):
     """``(logp[N], entropy[N])`` (no gradient)."""
     n = ids.shape[0]
     vocab_size(weight, weight_layout)
     return _call(
         "flashloss_logp_linear", (_like(hidden, (n,)), _like(hidden, (n,))),
         hidden, weight, _or_empty(bias, hidden.dtype), ids, mask,
-        budget_mib=float(budget_mib), mode="two_pass", temperature=float(temperature), weight_layout=weight_layout,
+        budget_mib=_mib(budget_mib), mode="two_pass", temperature=float(temperature), weight_layout=weight_layout,
     )  # fmt: skip
 
 
