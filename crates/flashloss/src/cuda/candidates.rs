@@ -216,8 +216,8 @@ pub(crate) fn no_softcap() -> Error {
 pub(crate) fn hook_unsupported() -> Error {
     Error::Unsupported {
         feature: "pass hooks",
-        reason: "the CUDA backend does not hand every logits tile to the host; use the \
-                 CPU backend"
+        reason: "the CUDA backend hands the host only the rows a pass names, not every \
+                 logits tile (candidate sets and truncated supports run on the device)"
             .into(),
     }
 }

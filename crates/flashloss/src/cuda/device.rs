@@ -80,7 +80,7 @@ impl Gpu {
         if !driver_present() {
             return Err(Error::Device {
                 reason: "no CUDA driver found: libcuda.so could not be loaded (this machine \
-                         has no NVIDIA driver; use the CPU backend)"
+                         has no NVIDIA driver)"
                     .into(),
             });
         }

@@ -245,7 +245,8 @@ impl<'a> LogpCall<'a> {
             return Err(Error::Unsupported {
                 feature: "sum_p2",
                 reason: format!(
-                    "this backend does not form Σexp(2s) (row {i}); use the CPU backend"
+                    "the statistics pass did not form Σexp(2s) (row {i}), which every \
+                     backend forms when asked: an internal error, please report it"
                 ),
             });
         }

@@ -91,16 +91,6 @@ impl SparseGrads {
     }
 }
 
-/// The error of a backend without the pass hooks.
-fn hooks_unsupported(feature: &'static str) -> Error {
-    Error::Unsupported {
-        feature,
-        reason: "this backend does not support the pass hooks yet (gather_ids, \
-                 top_k/top_p/min_p need them); use the CPU backend"
-            .into(),
-    }
-}
-
 /// Given a block's rows and every row's stats so far, the block's [`RowGrad`]s.
 pub type GradsOf<'a> = dyn FnMut(Range<usize>, &[RowStats]) -> Vec<RowGrad> + 'a;
 
@@ -130,24 +120,15 @@ pub trait FusedPasses {
 
     /// Pass A with `visitor` seeing every logits tile (two-pass plans only; see
     /// [`TileVisitor`]).
-    fn row_states_visiting(&mut self, visitor: &mut dyn TileVisitor) -> Result<PartialStats> {
-        let _ = visitor;
-        Err(hooks_unsupported("row_states_visiting"))
-    }
+    fn row_states_visiting(&mut self, visitor: &mut dyn TileVisitor) -> Result<PartialStats>;
 
     /// An extra pass that only forms the logits tiles of the live rows and hands each to
     /// `visitor` (two-pass plans only).
-    fn visit_tiles(&mut self, visitor: &mut dyn TileVisitor) -> Result<()> {
-        let _ = visitor;
-        Err(hooks_unsupported("visit_tiles"))
-    }
+    fn visit_tiles(&mut self, visitor: &mut dyn TileVisitor) -> Result<()>;
 
     /// Pass B with the [`SparseGrads`] `sparse` added to the rows' [`RowGrad`]s (two-pass
     /// plans only; ids local to the head).
-    fn accumulate_grads_sparse(&mut self, grads: &[RowGrad], sparse: &SparseGrads) -> Result<()> {
-        let _ = (grads, sparse);
-        Err(hooks_unsupported("accumulate_grads_sparse"))
-    }
+    fn accumulate_grads_sparse(&mut self, grads: &[RowGrad], sparse: &SparseGrads) -> Result<()>;
 
     /// Single pass: per row block, its logits over the whole vocabulary, its statistics,
     /// then `grads_of(rows, stats)` gives the block's [`RowGrad`]s and the gradients are
@@ -160,10 +141,7 @@ pub trait FusedPasses {
         &mut self,
         grads_of: &mut GradsOf,
         hooks: SinglePassHooks,
-    ) -> Result<Vec<RowStats>> {
-        let _ = (grads_of, hooks);
-        Err(hooks_unsupported("single_pass_hooked"))
-    }
+    ) -> Result<Vec<RowStats>>;
 }
 
 /// Which gradients a sharded run sums across ranks.

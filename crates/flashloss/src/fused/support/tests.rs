@@ -9,7 +9,7 @@ use super::{RowSupport, Truncation, support_buffers, support_passes};
 use crate::error::{Error, Result};
 use crate::fused::key::{order_key, scaled};
 use crate::fused::plan::{HeadGrad, Plan};
-use crate::fused::{FusedPasses, GradsOf, RowGrad, TileVisitor};
+use crate::fused::{FusedPasses, GradsOf, RowGrad, SinglePassHooks, SparseGrads, TileVisitor};
 use crate::reference::support_row;
 use crate::rows::{OnlineSoftmax, PartialStats, RowInputs, RowStats, RowTransform};
 use crate::support_filter::SupportFilter;
@@ -128,17 +128,27 @@ impl FusedPasses for Dense {
     }
 
     fn accumulate_grads(&mut self, _: &[RowGrad]) -> Result<()> {
-        Err(Error::Unsupported {
-            feature: "accumulate_grads",
-            reason: "a test's dense rows have no head".into(),
-        })
+        Err(no_head("accumulate_grads"))
     }
 
     fn single_pass(&mut self, _: &mut GradsOf) -> Result<Vec<RowStats>> {
-        Err(Error::Unsupported {
-            feature: "single_pass",
-            reason: "a test's dense rows have no head".into(),
-        })
+        Err(no_head("single_pass"))
+    }
+
+    fn accumulate_grads_sparse(&mut self, _: &[RowGrad], _: &SparseGrads) -> Result<()> {
+        Err(no_head("accumulate_grads_sparse"))
+    }
+
+    fn single_pass_hooked(&mut self, _: &mut GradsOf, _: SinglePassHooks) -> Result<Vec<RowStats>> {
+        Err(no_head("single_pass_hooked"))
+    }
+}
+
+/// What a test's dense rows cannot do: they have no head.
+fn no_head(feature: &'static str) -> Error {
+    Error::Unsupported {
+        feature,
+        reason: "a test's dense rows have no head".into(),
     }
 }
 
