@@ -23,7 +23,10 @@ if "$TORCH_VENV/bin/python" -c "import torch" 2>/dev/null; then
   "$TORCH_VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" \
     > "$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/torch_venv.pth"
 fi
-"$PIP" install -q torch numpy pytest packaging "transformers>=5.5.3,<5.11,!=5.6.0" "ray>=2.41.0" \
+# transformers[kernels]: the `kernels` release this transformers declares. Without it, the
+# main suite's newer `kernels` (seen through the .pth line) is imported by this transformers'
+# hub_kernels module, and kernels 0.19's LayerRepository refuses its calls (the stop-52 CI).
+"$PIP" install -q torch numpy pytest packaging "transformers[kernels]>=5.5.3,<5.11,!=5.6.0" "ray>=2.41.0" \
     "tensordict>=0.8.0,<=0.10.0,!=0.9.0" omegaconf
 "$PIP" install -q --no-deps "verl==0.9.1"
 CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}" "$PIP" install -q --no-deps ./crates/flashloss-py
