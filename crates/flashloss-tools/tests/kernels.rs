@@ -47,6 +47,8 @@ mod prop_kernels;
 mod prop_validation;
 #[path = "reference_fd.rs"]
 mod reference_fd;
+#[path = "row_invariance.rs"]
+mod row_invariance;
 #[path = "sharded_check.rs"]
 mod sharded_check;
 #[path = "sharded_linear.rs"]
@@ -78,6 +80,7 @@ const MODULES: &[&str] = &[
     "prop_kernels",
     "prop_validation",
     "reference_fd",
+    "row_invariance",
     "sharded_check",
     "sharded_linear",
     "validation",

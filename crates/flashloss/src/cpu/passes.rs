@@ -7,9 +7,10 @@
 
 use super::products::{DzPacks, Engine, Hidden, Weight};
 use super::row_blocks::{RowBlock, live_row_blocks};
-use super::single_pass::{DZ_T_PACK_ENTRIES, LANES, single_pass};
+use super::single_pass::{DZ_T_PACK_ENTRIES, TILE_STATE_BYTES, single_pass};
 use super::tiles::{
-    Problem, Workspace, accumulate_tile, grad_tile, grad_tile_sparse, logits_tile, merge_tile_stats,
+    LANES, Problem, Workspace, accumulate_tile, grad_tile, grad_tile_sparse, logits_tile,
+    merge_tile_stats,
 };
 use crate::batch::{HeadShape, LinearInputs};
 use crate::collective::Collective;
@@ -114,8 +115,8 @@ pub fn plan(
             0
         }
     };
-    // A single-pass block: per row V exponentials (f32, or f16 compact) and a max per
-    // tile; per lane a `[rows, vocab_tile]` f32 tile, `gemm`'s packed dZᵀ (and a widened
+    // A single-pass block: per row V logits (f32, or f16 exponentials compact) and a max
+    // and softmax states per tile; per lane a `[rows, vocab_tile]` f32 tile, `gemm`'s packed dZᵀ (and a widened
     // weight tile) and its dH rows; the block's hidden rows gathered where masked rows
     // fall between live ones (f32, or bf16 for packing).
     let lane_tile = vocab_tile
@@ -130,12 +131,13 @@ pub fn plan(
         0
     };
     let gathered_row = h * if dtype == DType::Bf16 { 2 } else { 4 };
-    let whole_row = v.div_ceil(vocab_tile.max(1)) * 4 + lane_row + gathered_row;
+    let whole_row =
+        v.div_ceil(vocab_tile.max(1)) * (4 + TILE_STATE_BYTES) + lane_row + gathered_row;
     // Two-pass: the logits tile, a transposed `[rows, vocab_tile]` gradient tile for dW
-    // (a trainable head's) and the packed `dZ`; dH rows and gathered hidden rows for
-    // blocks with gaps.
+    // (a trainable head's) and the packed `dZ`; the dH lanes, and gathered hidden rows
+    // for blocks with gaps.
     let transposed = if has_dweight { 4 } else { 0 };
-    let tile_row = vocab_tile * (4 + transposed + dz_pack_bytes) + h * 4 + gathered_row;
+    let tile_row = vocab_tile * (4 + transposed + dz_pack_bytes) + LANES * h * 4 + gathered_row;
     let planned = plan_blocks(
         n,
         v,
@@ -154,15 +156,18 @@ pub fn plan(
     })
 }
 
-/// One recomputed logits tile: the rows of `block` × vocabulary entries `vocab`, dense
-/// `[rows, vocab]` in `z`, with the hidden rows and weight rows it came from.
+/// One recomputed logits tile: the rows of `block` × vocabulary entries `vocab` (tile
+/// `index` of the block's `tiles`), dense `[rows, vocab]` in `z`, with the hidden rows
+/// and weight rows it came from.
 struct Tile<'t> {
     block: &'t RowBlock,
     vocab: Range<usize>,
+    index: usize,
+    tiles: usize,
     z: &'t mut [f32],
     hidden: Hidden<'t>,
     weight: Weight<'t>,
-    /// Scratch for the tile transposed and packed, and for dH rows with gaps.
+    /// Scratch for the tile transposed and packed, and the block's dH lanes.
     scratch: (&'t mut Vec<f32>, &'t mut DzPacks, &'t mut Vec<f32>),
 }
 
@@ -184,7 +189,8 @@ fn for_each_tile<E: Element>(
         let nb = block.ids.len();
         let with_dweight = for_grads && plan.head_grad.has_dweight();
         let hid = (scratch.hidden).load_rows(engine, (p.inputs, with_dweight), block, threads);
-        for vocab in p.vocab_tiles(plan.vocab_tile) {
+        let tiles = p.inputs.vocab.div_ceil(plan.vocab_tile);
+        for (index, vocab) in p.vocab_tiles(plan.vocab_tile).enumerate() {
             let w = scratch
                 .weight
                 .load(engine, (p.inputs, &vocab), (true, for_grads), threads);
@@ -202,13 +208,15 @@ fn for_each_tile<E: Element>(
             each(Tile {
                 block,
                 vocab,
+                index,
+                tiles,
                 z,
                 hidden: hid,
                 weight: w,
                 scratch: (
                     &mut scratch.dz_t,
                     &mut scratch.dz_pack,
-                    &mut scratch.dh_rows,
+                    &mut scratch.dh_lanes,
                 ),
             });
         }
@@ -273,7 +281,7 @@ fn accumulate_grads<E: Element>(
             out,
             (tile.z, ld, plan.head_grad),
             (tile.hidden, tile.weight),
-            tile.block,
+            (tile.block, tile.index, tile.tiles),
             &tile.vocab,
             p.inputs,
             tile.scratch,

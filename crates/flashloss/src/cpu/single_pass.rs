@@ -1,18 +1,22 @@
 //! The single-pass block of the fused LM-head step on the CPU. Per block of rows, each
 //! vocabulary tile's logits `z` are formed once, merged into the rows' online-softmax
-//! states and kept as `e = exp((z - μ)/T)` with the row's tile max `μ` (one `exp` per
-//! logit): in f32, or in f16 in a compact block (2 bytes a logit instead of 4; `e ≤ 1`
-//! is rounded to a relative 2^-11). Once the block's `lse` is known, each tile comes
-//! back as `dZᵀ` `[cols, rows]`, with `p_j = e_j·exp((μ - max)/T - log_sum)`, for
-//! `dH += dZ·W`, `dW += dZᵀ·H` and `dbias += Σ_rows dZ`. The block is kept tile by tile
-//! (tile `k`: `[rows, cols_k]` at `rows · vocab_start_k`).
+//! states and kept: in f32 as the logits themselves, or in a compact block as
+//! `e = exp((z - μ)/T)` in f16 with the row's tile max `μ` (2 bytes a logit instead of
+//! 4; `e ≤ 1` is rounded to a relative 2^-11). Once the block's `lse` is known, each
+//! tile comes back as `dZᵀ` `[cols, rows]`: an f32 block's through [`grad_row`], the
+//! two-pass formula on the same logits (so a row's `dZ`, and with the lanes of
+//! [`LANES`] its dH, are the two-pass plan's bits); a compact block's with
+//! `p_j = e_j·exp((μ - max)/T - log_sum)`. Then `dH += dZ·W`, `dW += dZᵀ·H` and
+//! `dbias += Σ_rows dZ`. The block is kept tile by tile (tile `k`: `[rows, cols_k]` at
+//! `rows · vocab_start_k`).
 //!
 //! The tiles are dealt to [`LANES`] lanes, tile `k` to lane `k mod LANES`; each lane has
 //! its own f32 tile and `1/LANES` of the threads for its products. On two cores, two
 //! single-threaded products side by side ran the logits and dH tiles 3% and 11% faster
 //! than one product on both cores (`examples/tile_gemm_rate`). Each lane adds into its
-//! own dH rows, which are added to dH after the block in lane order, and the lanes' row
-//! states merge in lane order: the result does not depend on the thread count.
+//! own dH rows, which are added to dH after the block in lane order, and the tiles' row
+//! states merge in tile order: the result does not depend on the thread count, and a
+//! row's numbers are the two-pass plan's.
 //!
 //! A block holds live rows only ([`super::row_blocks::live_row_blocks`]): a masked or ignored
 //! row has no statistics and a zero gradient, so its hidden state joins none of the
@@ -33,7 +37,8 @@ use super::matmul::MatRef;
 use super::products::{self, DweightTile};
 use super::simd;
 use super::tiles::{
-    Lane, Problem, Workspace, add_column_sums, grad_row, logits_tile, resize_fresh,
+    LANES, Lane, Problem, Workspace, add_column_sums, add_lanes, grad_row, logits_tile,
+    resize_fresh,
 };
 use crate::element::Element;
 use crate::fused::{GradsOf, LinearGradsMut, Plan, RowGrad, SinglePassHooks, SparseGrads};
@@ -45,8 +50,9 @@ use rayon::prelude::*;
 use std::ops::Range;
 use std::sync::{Mutex, PoisonError};
 
-/// Lanes of a single-pass block (each holds one f32 `[rows, vocab_tile]` tile).
-pub const LANES: usize = 2;
+/// Bytes per block row and tile of a tile's softmax states, kept apart until they merge
+/// in tile order ([`PartialStats`]: a state, a target logit, a sum).
+pub const TILE_STATE_BYTES: usize = std::mem::size_of::<OnlineSoftmax>() + 4 + 8;
 
 /// Vocabulary entries of `dZᵀ` per block row that `gemm` packs for a lane's dH
 /// product, beyond its per-thread buffer: its `kc` of at most 512 (measured: 1 MiB at
@@ -58,8 +64,11 @@ pub const DZ_T_PACK_ENTRIES: usize = 512;
 const STRIP: usize = 256;
 const ROW_GROUP: usize = 16;
 
-/// What a single-pass block keeps of each exponential `e`: f32, or f16 (compact).
+/// What a single-pass block keeps of each logit: the logit `z` in f32, or its
+/// exponential `e` in f16 (compact).
 pub(crate) trait Stored: Copy + Default + Send + Sync {
+    /// Whether the block keeps the logits (else the exponentials).
+    const LOGITS: bool;
     /// `dst = src` rounded to this type.
     fn store(src: &[f32], dst: &mut [Self]);
     /// `dst = src` widened to f32.
@@ -69,6 +78,7 @@ pub(crate) trait Stored: Copy + Default + Send + Sync {
 }
 
 impl Stored for f32 {
+    const LOGITS: bool = true;
     fn store(src: &[f32], dst: &mut [f32]) {
         dst.copy_from_slice(src);
     }
@@ -81,6 +91,7 @@ impl Stored for f32 {
 }
 
 impl Stored for f16 {
+    const LOGITS: bool = false;
     fn store(src: &[f32], dst: &mut [f16]) {
         dst.convert_from_f32_slice(src);
     }
@@ -143,12 +154,14 @@ pub(crate) fn single_pass<E: Element, S: Stored>(
             tiles.iter().map(|c| nb * c.len()),
         );
         let maxima = deal(&mut tile_max[..nb * tiles.len()], tiles.iter().map(|_| nb));
-        let parts: Vec<PartialStats> = (lanes.par_iter_mut().zip(exps).zip(maxima))
+        // Each tile's states apart, merged in tile order as the two-pass plan merges them.
+        let parts: Vec<Vec<PartialStats>> = (lanes.par_iter_mut().zip(exps).zip(maxima))
             .enumerate()
             .map(|(l, ((lane, exps), maxima))| {
-                let mut part = PartialStats::empty(nb, t.inv_temp);
+                let mut parts = Vec::new();
                 let lane_tiles = tiles.iter().skip(l).step_by(LANES);
                 for ((vocab, e), mu) in lane_tiles.zip(exps).zip(maxima) {
+                    let mut part = PartialStats::empty(nb, t.inv_temp);
                     let cols = vocab.len();
                     let for_logits = (true, false);
                     let w = (lane.weight).load(engine, (inputs, vocab), for_logits, threads);
@@ -160,12 +173,13 @@ pub(crate) fn single_pass<E: Element, S: Stored>(
                         v.visit(ids, vocab.clone(), z, cols);
                     }
                     store_tile(p, z, ids, vocab, e, mu, &mut part);
+                    parts.push(part);
                 }
-                part
+                parts
             })
             .collect();
         let mut part = PartialStats::empty(nb, t.inv_temp);
-        parts.iter().for_each(|lane| part.merge(lane));
+        (0..tiles.len()).for_each(|k| part.merge(&parts[k % LANES][k / LANES]));
         for (r, &i) in ids.iter().enumerate() {
             stats[i] = part.finish_row(r, i, p, v);
         }
@@ -249,13 +263,8 @@ pub(crate) fn single_pass<E: Element, S: Stored>(
                     }
                 }
             });
-        let dh_rows = block.rows_of(out.dhidden, h);
-        dh_rows.into_par_iter().enumerate().for_each(|(r, d)| {
-            for lane in lanes.iter() {
-                let x = &lane.dhidden[r * h..(r + 1) * h];
-                d.iter_mut().zip(x).for_each(|(d, x)| *d += x);
-            }
-        });
+        let lane_dh: Vec<&[f32]> = lanes.iter().map(|l| &l.dhidden[..nb * h]).collect();
+        add_lanes(block.rows_of(out.dhidden, h), &lane_dh, h);
     }
     stats
 }
@@ -322,9 +331,9 @@ fn deal_dweight<'a>(
 }
 
 /// Merges a `[rows, cols]` logits tile `z` of the live rows `ids` (vocabulary entries
-/// `vocab`) into their states `part` and stores it as the block's tile:
-/// `e = exp((z - μ)/T)` (`[rows, cols]`) and the row max `μ` in `tile_max` (a row of
-/// `-inf` logits keeps `e` = 0).
+/// `vocab`) into their states `part` and stores it as the block's tile (`[rows, cols]`):
+/// `z`, or `e = exp((z - μ)/T)` ([`Stored::LOGITS`]), and the row max `μ` in `tile_max`
+/// (a row of `-inf` logits keeps 0).
 fn store_tile<S: Stored>(
     p: &RowInputs,
     z: &[f32],
@@ -357,7 +366,7 @@ fn store_tile<S: Stored>(
                     return;
                 }
                 let (s, u, q) = simd::exp_sums_store(row, buf, *mu, inv_temp);
-                S::store(buf, e);
+                S::store(if S::LOGITS { row } else { buf }, e);
                 state.merge(OnlineSoftmax {
                     inv_temp,
                     max: *mu,
@@ -421,10 +430,10 @@ fn add_sparse_t(dz_t: &mut [f32], vocab: &Range<usize>, ids: &[usize], sparse: &
     }
 }
 
-/// One row's `dZ` over vocabulary entries `part` from its stored exponentials `e` and
-/// tile max `mu`: `p_j = e_j·exp((μ - max)/T - log_sum)`. Rows with an entropy term or
-/// a soft-cap get their logits back as `z_j = μ + ln(e_j)·T` and go through
-/// [`grad_row`]'s formula.
+/// One row's `dZ` over vocabulary entries `part` from its stored logits (through
+/// [`grad_row`]), or from its stored exponentials `e` and tile max `mu`:
+/// `p_j = e_j·exp((μ - max)/T - log_sum)`; compact rows with an entropy term or a
+/// soft-cap get their logits back as `z_j = μ + ln(e_j)·T` and go through [`grad_row`].
 fn grad_segment<S: Stored>(
     row: &mut [f32],
     e: &[S],
@@ -439,6 +448,9 @@ fn grad_segment<S: Stored>(
         return;
     }
     S::load(e, row);
+    if S::LOGITS {
+        return grad_row(row, part, g, inv_temp, inv_cap);
+    }
     if g.coef_h == 0.0 && inv_cap == 0.0 {
         let c = simd::exp((mu - g.stats.max) * inv_temp - g.stats.log_sum);
         simd::scale_add(row, g.coef_p * c, g.coef_uniform);

@@ -48,6 +48,13 @@ impl<E: Element> Problem<'_, E> {
     }
 }
 
+/// Lanes of a block's dH: tile `k` of a block adds its `dZ·W` into lane `k mod LANES`
+/// (zero at the block's start), and the lanes are added into the block's dH rows in
+/// lane order. Both passes sum so (a single-pass block's lanes also run side by side,
+/// `super::single_pass`), so a row's dH is the same bits in either plan and in any
+/// block: `dH_in + L_0 + L_1`, each `L_l` its tiles' products in tile order.
+pub const LANES: usize = 2;
+
 /// Reusable workspace of the fused LM-head kernels (logit tiles, widened or packed bf16
 /// blocks). Keeping one across steps, as a training loop does, saves the page faults of
 /// fresh memory on every call; its size is what the plan chose within the budget.
@@ -66,8 +73,8 @@ pub struct Workspace {
     pub(crate) lanes: Vec<Lane>,
     /// A gradient tile transposed, `dZᵀ` `[vocab_tile, rows]`, for the dW product.
     pub(crate) dz_t: Vec<f32>,
-    /// A two-pass block's dH rows where its rows have gaps, `[rows, h]`.
-    pub(crate) dh_rows: Vec<f32>,
+    /// A two-pass block's dH lanes ([`LANES`] × `[rows, h]`).
+    pub(crate) dh_lanes: Vec<f32>,
 }
 
 /// One lane of a single-pass block (`super::single_pass`): its f32 tile (logits `[rows, cols]`,
@@ -110,7 +117,7 @@ impl Workspace {
             })
             .sum();
         4 * (self.logits.capacity() + self.tile_max.capacity())
-            + 4 * (self.dz_t.capacity() + self.dh_rows.capacity())
+            + 4 * (self.dz_t.capacity() + self.dh_lanes.capacity())
             + self.hidden.bytes()
             + self.weight.bytes()
             + self.dz_pack.bytes()
@@ -294,19 +301,20 @@ pub(crate) fn grad_row(
     }
 }
 
-/// `dH[block] += dZ·W[vocab]`, and for a trainable head (`head_grad`)
-/// `dW[vocab] += dZᵀ·H[block]`, `dbias[vocab] += Σ_rows dZ`, for one gradient tile `dz`
-/// of the rows of `block` (`[rows, cols]`, row stride `ld`) of `inputs`' head; `dz_t`,
-/// `dz_pack` and `dh_rows` (the dH rows of a block with gaps, added into dH after the
-/// product) are scratch.
+/// `dH[block] += dZ·W[vocab]` through the block's lanes ([`LANES`]), and for a trainable
+/// head (`head_grad`) `dW[vocab] += dZᵀ·H[block]`, `dbias[vocab] += Σ_rows dZ`, for the
+/// gradient tile `dz` of the rows of `block` (`[rows, cols]`, row stride `ld`) of
+/// `inputs`' head; `tile` is its index among the block's `tiles`. `dz_t`, `dz_pack` and
+/// `dh_lanes` are scratch.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn accumulate_tile<E>(
     grads: &mut LinearGradsMut,
     (dz, ld, head_grad): (&[f32], usize, HeadGrad),
     (hidden, weight): (Hidden, Weight),
-    block: &RowBlock,
+    (block, tile, tiles): (&RowBlock, usize, usize),
     vocab: &Range<usize>,
     inputs: &LinearInputs<E>,
-    (dz_t, dz_pack, dh_rows): (&mut Vec<f32>, &mut DzPacks, &mut Vec<f32>),
+    (dz_t, dz_pack, dh_lanes): (&mut Vec<f32>, &mut DzPacks, &mut Vec<f32>),
 ) {
     let (nb, vt, h) = (block.ids.len(), vocab.len(), inputs.hidden_size);
     if nb == 0 || vt == 0 {
@@ -320,19 +328,15 @@ pub(crate) fn accumulate_tile<E>(
         col_stride: 1,
     };
     let threads = rayon::current_num_threads();
-    match block.range() {
-        Some(rows) => {
-            let dh = &mut grads.dhidden[rows.start * h..rows.end * h];
-            products::add_dhidden(dh, h, dz_view, weight, dz_pack, threads);
-        }
-        None => {
-            dh_rows.clear();
-            dh_rows.resize(nb * h, 0.0);
-            products::add_dhidden(dh_rows, h, dz_view, weight, dz_pack, threads);
-            (block.rows_of(grads.dhidden, h).into_par_iter())
-                .zip(dh_rows.par_chunks(h))
-                .for_each(|(d, x)| d.iter_mut().zip(x).for_each(|(d, x)| *d += x));
-        }
+    if tile == 0 {
+        dh_lanes.clear();
+        dh_lanes.resize(LANES * nb * h, 0.0);
+    }
+    let lane = &mut dh_lanes[(tile % LANES) * nb * h..][..nb * h];
+    products::add_dhidden(lane, h, dz_view, weight, dz_pack, threads);
+    if tile + 1 == tiles {
+        let lanes: Vec<&[f32]> = dh_lanes.chunks(nb * h).collect();
+        add_lanes(block.rows_of(grads.dhidden, h), &lanes, h);
     }
     if !head_grad.has_dweight() {
         return;
@@ -345,6 +349,16 @@ pub(crate) fn accumulate_tile<E>(
     if let Some(db) = grads.dbias.as_deref_mut() {
         add_column_sums(&mut db[vocab.clone()], dz_t.data, nb);
     }
+}
+
+/// Adds the lanes' dH (each `[rows, h]`) into the block's dH `rows`, lane by lane.
+pub(crate) fn add_lanes(rows: Vec<&mut [f32]>, lanes: &[&[f32]], h: usize) {
+    rows.into_par_iter().enumerate().for_each(|(r, d)| {
+        for lane in lanes {
+            let x = &lane[r * h..(r + 1) * h];
+            d.iter_mut().zip(x).for_each(|(d, x)| *d += x);
+        }
+    });
 }
 
 /// `dW_tile += dZᵀ·H` and `dbias_tile += Σ_rows dZ` for a `[rows, cols]` gradient tile
