@@ -306,7 +306,6 @@ pub(crate) fn grad_row(
 /// gradient tile `dz` of the rows of `block` (`[rows, cols]`, row stride `ld`) of
 /// `inputs`' head; `tile` is its index among the block's `tiles`. `dz_t`, `dz_pack` and
 /// `dh_lanes` are scratch.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn accumulate_tile<E>(
     grads: &mut LinearGradsMut,
     (dz, ld, head_grad): (&[f32], usize, HeadGrad),
