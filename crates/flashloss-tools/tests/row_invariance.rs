@@ -3,7 +3,8 @@
 //! `Σπ²`, cross-entropy and dH row are the same bits at every budget whose plan keeps
 //! the whole vocabulary tile, in two-pass, single-pass and `auto_f32` (and in compact
 //! for the forward numbers), beside any other rows (a subset, a permutation, masked
-//! padding rows) and on 1 or 2 threads; the loss and dW repeat bitwise at a fixed plan.
+//! padding rows), on 1 or 2 threads, and with the head trainable or frozen; the loss and
+//! dW repeat bitwise at a fixed plan.
 //! Property tests over odd shapes, f32 and bf16 heads (both product engines where the
 //! CPU has AVX512-BF16), both weight layouts, full and frozen heads, a bias, temperatures
 //! and extreme logits.
@@ -215,6 +216,26 @@ fn check<E: Element>(case: &Case<E>, subset_seed: usize) {
         case.run(&call(&all, Mode::TwoPass, roomy, 2)).1 == dw,
         "dW repeats"
     );
+    // The same head trainable and frozen: the same rows, dH included.
+    let twin = Case {
+        head: case.head.clone(),
+        wt: case.wt.clone(),
+        head_grad: match case.head_grad {
+            HeadGrad::Full => HeadGrad::Frozen,
+            HeadGrad::Frozen => HeadGrad::Full,
+        },
+        ..*case
+    };
+    if whole_tile_budgets(&twin, n).contains(&roomy) {
+        let (got, _) = twin.run(&call(&all, Mode::TwoPass, roomy, 2));
+        assert_rows(
+            &format!("{:?} head", twin.head_grad),
+            &want,
+            &got,
+            &all,
+            false,
+        );
+    }
     for &b in &budgets {
         for mode in [
             Mode::TwoPass,
