@@ -157,8 +157,9 @@ fn general_shape(m: usize, n: usize) -> (usize, usize) {
     }
 }
 
-/// [`matmul_on`] of a small product through dense copies padded with zeros to `rows ×
-/// cols`: the entries of `a`'s rows are summed as in any larger product.
+/// [`matmul_on`] of a small product padded with zeros to `rows × cols`: `a` copied where
+/// it gains rows, `b` where it gains columns, `dst` always (it is at most `rows × cols`);
+/// the entries of `a`'s rows are summed as in any larger product.
 fn matmul_padded(
     dst: &mut [f32],
     dst_stride: usize,
@@ -169,23 +170,39 @@ fn matmul_padded(
 ) {
     let (m, k, n) = (a.rows, a.cols, b.cols);
     let at = |x: &MatRef, r: usize, c: usize| x.data[r * x.row_stride + c * x.col_stride];
-    let mut pa = vec![0.0f32; rows * k];
-    for r in 0..m {
-        (0..k).for_each(|c| pa[r * k + c] = at(&a, r, c));
-    }
-    let mut pb = vec![0.0f32; k * cols];
-    for r in 0..k {
-        (0..n).for_each(|c| pb[r * cols + c] = at(&b, r, c));
-    }
+    let pa: Vec<f32> = match rows > m {
+        true => (0..rows * k)
+            .map(|i| if i / k < m { at(&a, i / k, i % k) } else { 0.0 })
+            .collect(),
+        false => Vec::new(),
+    };
+    let pb: Vec<f32> = match cols > n {
+        true => (0..k * cols)
+            .map(|i| {
+                if i % cols < n {
+                    at(&b, i / cols, i % cols)
+                } else {
+                    0.0
+                }
+            })
+            .collect(),
+        false => Vec::new(),
+    };
+    let a = if rows > m {
+        MatRef::row_major(&pa, rows, k)
+    } else {
+        a
+    };
+    let b = if cols > n {
+        MatRef::row_major(&pb, k, cols)
+    } else {
+        b
+    };
     let mut pd = vec![0.0f32; rows * cols];
     for r in 0..m {
         pd[r * cols..r * cols + n].copy_from_slice(&dst[r * dst_stride..r * dst_stride + n]);
     }
-    let (pa, pb) = (
-        MatRef::row_major(&pa, rows, k),
-        MatRef::row_major(&pb, k, cols),
-    );
-    matmul_on(&mut pd, cols, pa, pb, accumulate, threads);
+    matmul_on(&mut pd, cols, a, b, accumulate, threads);
     for r in 0..m {
         dst[r * dst_stride..r * dst_stride + n].copy_from_slice(&pd[r * cols..r * cols + n]);
     }

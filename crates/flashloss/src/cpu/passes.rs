@@ -116,9 +116,9 @@ pub fn plan(
         }
     };
     // A single-pass block: per row V logits (f32, or f16 exponentials compact) and a max
-    // and softmax states per tile; per lane a `[rows, vocab_tile]` f32 tile, `gemm`'s packed dZᵀ (and a widened
-    // weight tile) and its dH rows; the block's hidden rows gathered where masked rows
-    // fall between live ones (f32, or bf16 for packing).
+    // and softmax states per tile; per lane a `[rows, vocab_tile]` f32 tile, `gemm`'s
+    // packed dZᵀ (and a widened weight tile) and its dH rows; the block's hidden rows
+    // gathered where masked rows fall between live ones (f32, or bf16 for packing).
     let lane_tile = vocab_tile
         + match dz_pack_bytes {
             0 => vocab_tile.min(DZ_T_PACK_ENTRIES),

@@ -365,8 +365,16 @@ fn store_tile<S: Stored>(
                     e.fill(S::default());
                     return;
                 }
-                let (s, u, q) = simd::exp_sums_store(row, buf, *mu, inv_temp);
-                S::store(if S::LOGITS { row } else { buf }, e);
+                // An f32 block keeps the logits and sums as the two-pass plan's tiles do
+                // (`exp_sums`); a compact one keeps the exponentials it sums.
+                let (s, u, q) = if S::LOGITS {
+                    S::store(row, e);
+                    simd::exp_sums(row, *mu, inv_temp)
+                } else {
+                    let sums = simd::exp_sums_store(row, buf, *mu, inv_temp);
+                    S::store(buf, e);
+                    sums
+                };
                 state.merge(OnlineSoftmax {
                     inv_temp,
                     max: *mu,
